@@ -1,0 +1,51 @@
+"""flashfold: write a monoid once; run it sequentially, in blocks, as a tree, as a scan,
+as a Triton kernel or across devices, with the same result.
+
+The layers (each imports only the ones above it):
+
+1. :mod:`flashfold.algebra` (pure Python + NumPy): :class:`Monoid`, :mod:`flashfold.ops`,
+   the traced IR, :func:`check_laws`; built-ins in :mod:`flashfold.monoids`.
+2. :mod:`flashfold.schedules`: reference executors on NumPy (:func:`fold`, :func:`scan`).
+3. :mod:`flashfold.kernels`: Triton code generated from monoids, attention kernels.
+4. public tensor entry points (attention, reductions, distribution).
+5. :mod:`flashfold.cli`: the ``flashfold`` command.
+
+Torch-based entry points are imported on first use, so ``import flashfold`` stays light.
+"""
+
+from . import monoids
+from . import ops
+from .algebra import Field, Input, LawReport, Monoid, check_laws
+from .schedules import finalize, fold
+
+__version__ = "0.1.0"
+
+_LAZY = {}
+
+
+def scan(monoid, xs, *args, **kwargs):
+    """Inclusive prefix scan of ``xs`` with ``monoid``.
+
+    * NumPy input: the reference scan, :func:`flashfold.schedules.scan` (elements along
+      axis 0; returns the prefix *states*).
+    * torch input: see the tensor scan in :mod:`flashfold.reductions` (``dim=-1``;
+      returns the finalized prefix results, computed by a generated kernel on CUDA).
+    """
+    if type(xs).__module__.startswith("torch"):
+        from .reductions import scan as tensor_scan
+        return tensor_scan(monoid, xs, *args, **kwargs)
+    from .schedules import scan as reference_scan
+    return reference_scan(monoid, xs, *args, **kwargs)
+
+
+def __getattr__(name):
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'flashfold' has no attribute {name!r}")
+    import importlib
+    module = importlib.import_module(target, __name__)
+    return getattr(module, name)
+
+
+__all__ = ["Monoid", "Field", "Input", "ops", "monoids", "check_laws", "LawReport", "fold",
+           "scan", "finalize", *_LAZY]

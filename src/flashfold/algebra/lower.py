@@ -1,0 +1,157 @@
+"""Lowering the IR: one small table per backend, one shared emitter.
+
+A backend is a :class:`Backend`: a format template per IR op (``"np.exp({0})"``,
+``"tl.exp({0})"``, ``"sp.exp({0})"``), a way to print constants, and the namespace the
+generated code runs in. :func:`emit` turns a :class:`~flashfold.algebra.ir.Graph` into
+straight-line SSA source (one assignment per node, each subexpression once);
+:func:`compile_graph` execs it into a Python function. Backends register themselves with
+:func:`register_backend`, so adding a lowering (Triton source, SymPy, torch) touches
+no other code: the NumPy lowering, which the CPU schedules execute, lives here; the
+others live next to their users.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from .ir import BINARY, OPS, REDUCTIONS, UNARY, Graph, Node
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Templates and namespace of one lowering target.
+
+    ``templates[op]`` is a ``str.format`` template over the operands' names; reductions
+    may also use ``{axis}``. ``const(value)`` prints a constant. ``namespace`` holds the
+    names the templates use (``np``, ``tl``, helper functions).
+    """
+    name: str
+    templates: Mapping[str, str]
+    const: Callable[[object], str]
+    namespace: Mapping[str, object] = field(default_factory=dict)
+    reduce_axis: object = 0
+
+    def check_complete(self, ops=OPS):
+        missing = [op for op in ops if op not in ("var", "const") and op not in self.templates]
+        if missing:
+            raise ValueError(f"backend {self.name!r} has no template for {missing}")
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; registered: {sorted(_BACKENDS)}") from None
+
+
+def emit(graph: Graph, backend: Backend, arg_names: list[str] | None = None,
+         prefix: str = "t", indent: str = "    ") -> tuple[list[str], list[str]]:
+    """Straight-line source for ``graph``: (assignment lines, output expressions).
+
+    ``arg_names`` renames the graph inputs (default: the input names).
+    """
+    names: dict[int, str] = {}
+    vars_ = {v.name: i for i, v in enumerate(graph.inputs)}
+    lines: list[str] = []
+    k = 0
+    for n in graph.nodes():
+        if n.op == "var":
+            names[id(n)] = arg_names[vars_[n.attr]] if arg_names else n.attr
+            continue
+        if n.op == "const":
+            names[id(n)] = backend.const(n.attr)
+            continue
+        tmpl = backend.templates.get(n.op)
+        if tmpl is None:
+            raise NotImplementedError(f"backend {backend.name!r} cannot lower op {n.op!r}")
+        expr = tmpl.format(*(names[id(a)] for a in n.args), axis=backend.reduce_axis)
+        name = f"{prefix}{k}"
+        k += 1
+        lines.append(f"{indent}{name} = {expr}")
+        names[id(n)] = name
+    return lines, [names[id(o)] for o in graph.outputs]
+
+
+def function_source(graph: Graph, backend: Backend, fn_name: str,
+                    arg_names: list[str] | None = None, decorator: str = "",
+                    extra_args: tuple[str, ...] = ()) -> str:
+    """A complete ``def`` for ``graph`` returning a tuple of its outputs."""
+    args = list(arg_names or [v.name for v in graph.inputs]) + list(extra_args)
+    lines, outs = emit(graph, backend, arg_names)
+    head = (decorator + "\n" if decorator else "") + f"def {fn_name}({', '.join(args)}):"
+    ret = "    return " + (", ".join(outs) + ("," if len(outs) == 1 else ""))
+    return "\n".join([head, *lines, ret]) + "\n"
+
+
+def compile_graph(graph: Graph, backend: Backend | str, arg_names: list[str] | None = None):
+    """Exec the lowered ``graph`` into a Python function returning a tuple."""
+    if isinstance(backend, str):
+        backend = get_backend(backend)
+    src = function_source(graph, backend, "_lowered", arg_names)
+    ns = dict(backend.namespace)
+    exec(compile(src, f"<flashfold:{backend.name}:{graph.name}>", "exec"), ns)
+    fn = ns["_lowered"]
+    fn.__flashfold_source__ = src
+    return fn
+
+
+# --- the NumPy lowering (reference semantics, float64) ----------------------------
+
+def _np_const(v) -> str:
+    if isinstance(v, bool):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v)
+    if math.isinf(v):
+        return "np.inf" if v > 0 else "(-np.inf)"
+    return repr(float(v))
+
+
+def _numpy_backend() -> Backend:
+    import numpy as np
+
+    def sigmoid(x):
+        return 0.5 * (np.tanh(0.5 * x) + 1.0)
+
+    t = {
+        "neg": "(-{0})", "exp": "np.exp({0})", "exp2": "np.exp2({0})", "log": "np.log({0})",
+        "log2": "np.log2({0})", "log1p": "np.log1p({0})", "expm1": "np.expm1({0})",
+        "sqrt": "np.sqrt({0})", "abs": "np.abs({0})", "tanh": "np.tanh({0})",
+        "sigmoid": "_sigmoid({0})", "floor": "np.floor({0})", "not": "np.logical_not({0})",
+        "isnan": "np.isnan({0})", "isinf": "np.isinf({0})",
+        "to_float": "np.asarray({0}, dtype=np.float64)", "to_int": "np.asarray({0}).astype(np.int64)",
+        "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+        "floordiv": "({0} // {1})", "mod": "({0} % {1})", "pow": "np.power({0}, {1})",
+        "maximum": "np.maximum({0}, {1})", "minimum": "np.minimum({0}, {1})",
+        "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
+        "eq": "({0} == {1})", "ne": "({0} != {1})",
+        "and": "np.logical_and({0}, {1})", "or": "np.logical_or({0}, {1})",
+        "where": "np.where({0}, {1}, {2})",
+        "rsum": "np.sum({0}, axis={axis})", "rmax": "np.max({0}, axis={axis})",
+        "rmin": "np.min({0}, axis={axis})",
+    }
+    return Backend("numpy", t, _np_const, {"np": np, "_sigmoid": sigmoid}, reduce_axis=0)
+
+
+NUMPY = register_backend(_numpy_backend())
+NUMPY.check_complete()
+
+assert set(UNARY) | set(BINARY) | set(REDUCTIONS) | {"where"} <= set(NUMPY.templates)
+
+
+def node_count(graph: Graph) -> int:
+    return sum(1 for n in graph.nodes() if n.op not in ("var", "const"))
+
+
+__all__ = ["Backend", "register_backend", "get_backend", "emit", "function_source",
+           "compile_graph", "NUMPY", "node_count", "Node"]

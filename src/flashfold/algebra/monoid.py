@@ -1,0 +1,270 @@
+"""The declarative :class:`Monoid`.
+
+A monoid is a carrier (named fields), an identity element and an associative combine.
+To reduce *data* with it one also needs a ``lift`` (one input element -> state), and
+usually a ``finalize`` (state -> result). Formally, with :math:`\\oplus` the combine and
+:math:`e` the identity,
+
+.. math::
+
+    (a \\oplus b) \\oplus c = a \\oplus (b \\oplus c), \\qquad a \\oplus e = e \\oplus a = a,
+
+and a reduction of elements :math:`x_1..x_n` is
+:math:`\\mathrm{finalize}(\\mathrm{lift}(x_1) \\oplus \\dots \\oplus \\mathrm{lift}(x_n))`
+under *any* bracketing. Schedules (sequential, tree, blocks, split-K, scan, a GPU kernel)
+are re-bracketings, so they all compute the same function.
+
+All four functions are written once in Python over :mod:`flashfold.ops` and traced into
+the IR at construction (so a mistake surfaces at definition time); backends lower the
+traced graphs. The monoid itself never mentions a backend.
+
+Example (the online-softmax state of the specification)::
+
+    LOGSUMEXP = Monoid(
+        "logsumexp", fields=("m", "d"), identity=(-ops.inf, 0.0),
+        lift=lambda x: (x, 1.0),
+        combine=lambda a, b: ...,            # rescale both sides to the larger max
+        finalize=lambda s: s.m + ops.log(s.d),
+        commutative=True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Mapping, Sequence
+
+from .ir import Graph, Var, trace
+
+DOMAINS = ("finite", "extended", "positive", "position", "small_int")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a monoid's carrier.
+
+    ``vector`` fields carry a trailing feature axis (attention's accumulator ``o`` of
+    width ``d``); ``dtype`` is ``"float"`` (float64 in references, float32 in kernels) or
+    ``"int"`` (int64 / int32; e.g. an argmax index).
+    """
+    name: str
+    vector: bool = False
+    dtype: str = "float"
+
+    def __post_init__(self):
+        if not self.name.isidentifier():
+            raise ValueError(f"field name {self.name!r} is not a Python identifier")
+        if self.dtype not in ("float", "int"):
+            raise ValueError(f"field {self.name!r}: dtype must be 'float' or 'int', got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input of ``lift``.
+
+    ``domain`` says which values are valid (law checking samples from it):
+    ``"finite"`` real numbers, ``"extended"`` reals and ``-inf`` (a masked score),
+    ``"positive"`` reals > 0, ``"small_int"`` small integers (forcing ties),
+    ``"position"``: not data but the element's index, supplied by the schedule.
+    """
+    name: str
+    vector: bool = False
+    domain: str = "extended"
+
+    def __post_init__(self):
+        if not self.name.isidentifier():
+            raise ValueError(f"input name {self.name!r} is not a Python identifier")
+        if self.domain not in DOMAINS:
+            raise ValueError(f"input {self.name!r}: domain must be one of {DOMAINS}, got {self.domain!r}")
+
+
+def _as_field(f) -> Field:
+    if isinstance(f, Field):
+        return f
+    if isinstance(f, str):
+        return Field(f)
+    raise TypeError(f"fields must be names or Field objects, got {type(f).__name__}")
+
+
+def _as_input(i) -> Input:
+    if isinstance(i, Input):
+        return i
+    if isinstance(i, str):
+        return Input(i)
+    raise TypeError(f"inputs must be names or Input objects, got {type(i).__name__}")
+
+
+@dataclass(frozen=True)
+class Monoid:
+    """A declarative monoid: traced once into the IR, lowered by every backend.
+
+    Parameters
+    ----------
+    name: a stable name (used in reprs, caches and generated kernel names).
+    fields: the carrier's field names (or :class:`Field` objects).
+    identity: one number per field (vector fields are filled with it).
+    lift: ``lift(*inputs) -> tuple of field values``: the state of one element.
+    combine: ``combine(a, b) -> tuple of field values``; ``a`` and ``b`` are states with
+        one attribute per field (``a.m``); ``a`` holds the earlier elements.
+    inputs: the names (or :class:`Input` objects) ``lift`` takes; default ``("x",)``.
+    finalize: optional ``finalize(state, **params) -> value or tuple``.
+    params: default values of ``finalize``'s keyword parameters (e.g. ``correction``).
+    outputs: optional names of ``finalize``'s results.
+    block_lift: optional ``block_lift(*inputs, valid) -> state`` computing the state of a
+        whole block at once with ``ops.reduce_*`` (e.g. max then sum of exp); ``valid``
+        is a boolean mask of the block's real elements. Kernels use it inside a tile so
+        that ``combine`` only runs between tiles.
+    commutative: whether ``a ⊕ b == b ⊕ a``; kernels that reorder need it, and
+        :func:`check_laws` verifies it.
+    doc: a one-paragraph description.
+    """
+    name: str
+    fields: tuple
+    identity: tuple
+    lift: Callable
+    combine: Callable
+    inputs: tuple = ("x",)
+    finalize: Callable | None = None
+    params: tuple = ()
+    outputs: tuple | None = None
+    block_lift: Callable | None = None
+    commutative: bool = False
+    doc: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError("name must be a non-empty string")
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        fields = tuple(_as_field(f) for f in (self.fields if not isinstance(self.fields, str) else (self.fields,)))
+        if not fields:
+            raise ValueError(f"monoid {self.name!r}: fields must name at least one field")
+        if len({f.name for f in fields}) != len(fields):
+            raise ValueError(f"monoid {self.name!r}: field names must be unique")
+        set_("fields", fields)
+        inputs = tuple(_as_input(i) for i in (self.inputs if not isinstance(self.inputs, str) else (self.inputs,)))
+        set_("inputs", inputs)
+        identity = tuple(self.identity) if isinstance(self.identity, (tuple, list)) else (self.identity,)
+        if len(identity) != len(fields):
+            raise ValueError(f"monoid {self.name!r}: identity has {len(identity)} values for "
+                             f"{len(fields)} fields {self.field_names}")
+        for f, v in zip(fields, identity):
+            if not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
+                raise TypeError(f"monoid {self.name!r}: identity of field {f.name!r} must be "
+                                f"a number (not NaN), got {v!r}")
+        set_("identity", identity)
+        params = self.params
+        if isinstance(params, Mapping):
+            params = tuple(params.items())
+        set_("params", tuple(params))
+        for k in ("lift", "combine"):
+            if not callable(getattr(self, k)):
+                raise TypeError(f"monoid {self.name!r}: {k} must be callable")
+        for k in ("finalize", "block_lift"):
+            if getattr(self, k) is not None and not callable(getattr(self, k)):
+                raise TypeError(f"monoid {self.name!r}: {k} must be callable or None")
+        if not isinstance(self.commutative, bool):
+            raise TypeError(f"monoid {self.name!r}: commutative must be True or False")
+        # trace eagerly so that errors show where the monoid is defined
+        _ = self.combine_graph, self.lift_graph, self.finalize_graph, self.block_lift_graph
+
+    # --- structure --------------------------------------------------------------
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.inputs)
+
+    @property
+    def has_vector(self) -> bool:
+        return any(f.vector for f in self.fields) or any(i.vector for i in self.inputs)
+
+    @property
+    def param_defaults(self) -> dict:
+        return dict(self.params)
+
+    @cached_property
+    def State(self):
+        """The namedtuple type of this monoid's states (fields in order)."""
+        return namedtuple(f"{_camel(self.name)}State", self.field_names)
+
+    def __repr__(self) -> str:
+        return (f"Monoid({self.name!r}, fields={self.field_names}, "
+                f"inputs={self.input_names}, commutative={self.commutative})")
+
+    def __hash__(self):
+        return hash((self.name, self.combine_graph.key()))
+
+    def __eq__(self, other):
+        return (isinstance(other, Monoid) and self.name == other.name
+                and self.combine_graph.key() == other.combine_graph.key()
+                and self.lift_graph.key() == other.lift_graph.key())
+
+    # --- traced graphs ----------------------------------------------------------
+    @cached_property
+    def combine_graph(self) -> Graph:
+        a_vars = [Var("a_" + f.name, f.vector) for f in self.fields]
+        b_vars = [Var("b_" + f.name, f.vector) for f in self.fields]
+        S = self.State
+        k = len(self.fields)
+
+        def call(fn, nodes):
+            return fn(S(*nodes[:k]), S(*nodes[k:]))
+        g = trace(self.combine, a_vars + b_vars, f"{self.name}.combine", call, n_outputs=k)
+        self._check_shapes(g, "combine")
+        return g
+
+    @cached_property
+    def lift_graph(self) -> Graph:
+        vars_ = [Var(i.name, i.vector) for i in self.inputs]
+        g = trace(self.lift, vars_, f"{self.name}.lift", n_outputs=len(self.fields))
+        self._check_shapes(g, "lift")
+        return g
+
+    @cached_property
+    def finalize_graph(self) -> Graph:
+        k = len(self.fields)
+        vars_ = [Var(f.name, f.vector) for f in self.fields] + [Var(p) for p, _ in self.params]
+        S = self.State
+        names = [p for p, _ in self.params]
+        if self.finalize is None:
+            return trace(lambda *n: tuple(n[:k]), vars_, f"{self.name}.finalize")
+
+        def call(fn, nodes):
+            return fn(S(*nodes[:k]), **dict(zip(names, nodes[k:])))
+        g = trace(self.finalize, vars_, f"{self.name}.finalize", call)
+        if self.outputs is not None and len(self.outputs) != len(g.outputs):
+            raise ValueError(f"monoid {self.name!r}: finalize returns {len(g.outputs)} values "
+                             f"but outputs names {len(self.outputs)}")
+        return g
+
+    @cached_property
+    def block_lift_graph(self) -> Graph | None:
+        if self.block_lift is None:
+            return None
+        vars_ = [Var(i.name, i.vector) for i in self.inputs] + [Var("valid")]
+        g = trace(self.block_lift, vars_, f"{self.name}.block_lift", n_outputs=len(self.fields))
+        self._check_shapes(g, "block_lift")
+        return g
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        if self.outputs is not None:
+            return tuple(self.outputs)
+        if self.finalize is None:
+            return self.field_names
+        n = len(self.finalize_graph.outputs)
+        return ("result",) if n == 1 else tuple(f"out{i}" for i in range(n))
+
+    def _check_shapes(self, g: Graph, what: str):
+        for f, out in zip(self.fields, g.outputs):
+            if out.vector and not f.vector:
+                raise ValueError(f"monoid {self.name!r}: {what} gives a vector value for the "
+                                 f"scalar field {f.name!r}")
+
+
+def _camel(name: str) -> str:
+    return "".join(p.capitalize() for p in name.replace("-", "_").split("_") if p) or "Monoid"

@@ -1,0 +1,217 @@
+"""Built-in monoids, each written once over :mod:`flashfold.ops`.
+
+Every built-in handles its identity and fully masked inputs (scores of ``-inf``) without
+NaN: where a rescale would compute ``exp(-inf - (-inf))`` the pivot is kept finite
+(``pivot = where(isinf(m), 0, m)``), exactly as the specification's merge guards the
+"both blocks fully masked" case.
+
+===========  ==========================  ===================  ===============================
+name         state (fields)              identity             finalize
+===========  ==========================  ===================  ===============================
+SUM          s                           0                    s
+MAX / MIN    m                           -inf / +inf          m
+LOGSUMEXP    (m, d): max, sum e^(x-m)    (-inf, 0)            m + log d
+LOGSUMEXP2   (m, d) base 2 (see below)   (-inf, 0)            (m + log2 d) · ln 2
+ATTENTION    (m, d, o[d]) over (s, v)    (-inf, 0, 0)         (o / d, m + log d)
+WELFORD      (n, mean, M2)               (0, 0, 0)            (mean, M2 / max(n - corr, 0))
+ARGMAX/MIN   (value, index)              (-inf, BIG)          (value, index)
+===========  ==========================  ===================  ===============================
+
+LOGSUMEXP2 is the base-2 twist of the specification: scores are rescaled by log2(e) on
+lift (an affine bijection, so the reduction stays associative) and every exponential is
+``exp2``; finalize converts back to natural-log units. Kernels use it because ``exp2`` is
+the hardware instruction.
+"""
+
+from __future__ import annotations
+
+from .algebra import ops
+from .algebra.monoid import Field, Input, Monoid
+
+#: index carried by the ARGMAX/ARGMIN identity: larger than any real position, and
+#: representable in int32 so kernels can keep indices in 32-bit registers.
+INDEX_IDENTITY = 2**31 - 1
+
+
+def _pivot(m):
+    """A finite reference point for rescaling: ``m`` itself unless it is infinite."""
+    return ops.where(ops.isinf(m), 0.0, m)
+
+
+# --- plain monoids ------------------------------------------------------------------
+
+SUM = Monoid(
+    "sum", fields=("s",), identity=(0.0,),
+    lift=lambda x: (x,),
+    combine=lambda a, b: (a.s + b.s,),
+    finalize=lambda s: s.s,
+    block_lift=lambda x, valid: (ops.reduce_sum(ops.where(valid, x, 0.0)),),
+    commutative=True, outputs=("sum",),
+    doc="Sum of the elements; identity 0.")
+
+MAX = Monoid(
+    "max", fields=("m",), identity=(-ops.inf,),
+    lift=lambda x: (x,),
+    combine=lambda a, b: (ops.maximum(a.m, b.m),),
+    finalize=lambda s: s.m,
+    block_lift=lambda x, valid: (ops.reduce_max(ops.where(valid, x, -ops.inf)),),
+    commutative=True, outputs=("max",),
+    doc="Maximum of the elements; identity -inf.")
+
+MIN = Monoid(
+    "min", fields=("m",), identity=(ops.inf,),
+    lift=lambda x: (x,),
+    combine=lambda a, b: (ops.minimum(a.m, b.m),),
+    finalize=lambda s: s.m,
+    block_lift=lambda x, valid: (ops.reduce_min(ops.where(valid, x, ops.inf)),),
+    commutative=True, outputs=("min",),
+    doc="Minimum of the elements; identity +inf.")
+
+
+# --- online softmax: (m, d) -----------------------------------------------------------
+
+def _lse_lift(x):
+    return x, ops.where(x > -ops.inf, 1.0, 0.0)
+
+
+def _lse_combine(a, b, exp=ops.exp):
+    m = ops.maximum(a.m, b.m)
+    p = _pivot(m)
+    return m, a.d * exp(a.m - p) + b.d * exp(b.m - p)
+
+
+def _lse_block(x, valid, exp=ops.exp):
+    xm = ops.where(valid, x, -ops.inf)
+    m = ops.reduce_max(xm)
+    return m, ops.reduce_sum(exp(xm - _pivot(m)))
+
+
+LOGSUMEXP = Monoid(
+    "logsumexp", fields=("m", "d"), identity=(-ops.inf, 0.0),
+    lift=_lse_lift,
+    combine=_lse_combine,
+    finalize=lambda s: s.m + ops.log(s.d),
+    block_lift=_lse_block,
+    commutative=True, outputs=("lse",),
+    doc="Online softmax state: m = max x, d = sum exp(x - m); finalize to log-sum-exp. "
+        "(m, d) is the direct product (max, +) twisted by e^-m.")
+
+LOGSUMEXP2 = Monoid(
+    "logsumexp2", fields=("m", "d"), identity=(-ops.inf, 0.0),
+    lift=lambda x: _lse_lift(x * ops.LOG2E),
+    combine=lambda a, b: _lse_combine(a, b, exp=ops.exp2),
+    finalize=lambda s: (s.m + ops.log2(s.d)) * ops.LN2,
+    block_lift=lambda x, valid: _lse_block(x * ops.LOG2E, valid, exp=ops.exp2),
+    commutative=True, outputs=("lse",),
+    doc="Base-2 online softmax: sigma = x log2(e), m = max sigma, d = sum 2^(sigma - m); "
+        "finalize to the natural-log log-sum-exp.")
+
+
+# --- attention: (m, d, o) over (score, value) pairs -----------------------------------
+
+def _attn_lift(s, v):
+    live = s > -ops.inf
+    return s, ops.where(live, 1.0, 0.0), ops.where(live, v, 0.0)
+
+
+def _attn_combine(a, b):
+    m = ops.maximum(a.m, b.m)
+    p = _pivot(m)
+    sa, sb = ops.exp(a.m - p), ops.exp(b.m - p)     # exp(-inf) = 0 for an empty side
+    return m, a.d * sa + b.d * sb, a.o * sa + b.o * sb
+
+
+def _attn_finalize(s):
+    live = s.d > 0.0
+    return ops.where(live, s.o / ops.where(live, s.d, 1.0), 0.0), s.m + ops.log(s.d)
+
+
+def _attn_block(s, v, valid):
+    sm = ops.where(valid, s, -ops.inf)
+    m = ops.reduce_max(sm)
+    p = ops.exp(sm - _pivot(m))
+    return m, ops.reduce_sum(p), ops.reduce_sum(p * v)
+
+
+ATTENTION = Monoid(
+    "attention", fields=("m", "d", Field("o", vector=True)), identity=(-ops.inf, 0.0, 0.0),
+    inputs=(Input("score"), Input("value", vector=True, domain="finite")),
+    lift=_attn_lift,
+    combine=_attn_combine,
+    finalize=_attn_finalize,
+    block_lift=_attn_block,
+    commutative=True, outputs=("out", "lse"),
+    doc="FlashAttention's state over (score, value) pairs: m = max s, d = sum e^(s-m), "
+        "o = sum e^(s-m) v; finalize to (o / d, m + log d). A row with no visible key "
+        "finalizes to (0, -inf).")
+
+
+# --- Welford: (n, mean, M2) ----------------------------------------------------------
+
+def _welford_combine(a, b):
+    n = a.n + b.n
+    w = ops.where(n > 0.0, b.n / ops.where(n > 0.0, n, 1.0), 0.0)   # n_b / n, 0 if empty
+    delta = b.mean - a.mean
+    return n, a.mean + delta * w, a.m2 + b.m2 + delta * (delta * (a.n * w))
+
+
+def _welford_block(x, valid):
+    n = ops.reduce_sum(ops.where(valid, 1.0, 0.0))
+    mean = ops.reduce_sum(ops.where(valid, x, 0.0)) / ops.maximum(n, 1.0)
+    dev = ops.where(valid, x - mean, 0.0)
+    return n, mean, ops.reduce_sum(dev * dev)
+
+
+WELFORD = Monoid(
+    "welford", fields=("n", "mean", "m2"), identity=(0.0, 0.0, 0.0),
+    inputs=(Input("x", domain="finite"),),
+    lift=lambda x: (1.0, x, 0.0),
+    combine=_welford_combine,
+    finalize=lambda s, correction: (s.mean, s.m2 / ops.maximum(s.n - correction, 0.0)),
+    params={"correction": 0.0},
+    block_lift=_welford_block,
+    commutative=True, outputs=("mean", "var"),
+    doc="Welford / Chan-Golub-LeVeque: n, mean, M2 = sum (x - mean)^2; finalize to mean "
+        "and M2 / (n - correction) (NaN when n <= correction, as in torch and NumPy). "
+        "(n, mean, M2) is (sum 1, sum x, sum x^2) twisted by (n, T/n, W - T^2/n).")
+
+
+# --- argmax / argmin: (value, index), ties to the lowest index ------------------------
+
+def _arg_combine(better):
+    def combine(a, b):
+        a_nan, b_nan = ops.isnan(a.v), ops.isnan(b.v)
+        first = b.i < a.i
+        # NaN beats every number (as torch.argmax/argmin); among equals the lowest index
+        b_wins = ops.where(a_nan, b_nan & first,
+                           b_nan | better(b.v, a.v) | ((b.v == a.v) & first))
+        return ops.where(b_wins, b.v, a.v), ops.where(b_wins, b.i, a.i)
+    return combine
+
+
+ARGMAX = Monoid(
+    "argmax", fields=("v", Field("i", dtype="int")), identity=(-ops.inf, INDEX_IDENTITY),
+    inputs=(Input("x"), Input("pos", domain="position")),
+    lift=lambda x, pos: (x, pos),
+    combine=_arg_combine(lambda b, a: b > a),
+    finalize=lambda s: (s.v, s.i),
+    commutative=True, outputs=("value", "index"),
+    doc="Largest value and its position; ties resolve to the lowest index (so the "
+        "combine is a lexicographic max: associative and commutative); NaN counts as "
+        "the largest value, as in torch.argmax.")
+
+ARGMIN = Monoid(
+    "argmin", fields=("v", Field("i", dtype="int")), identity=(ops.inf, INDEX_IDENTITY),
+    inputs=(Input("x"), Input("pos", domain="position")),
+    lift=lambda x, pos: (x, pos),
+    combine=_arg_combine(lambda b, a: b < a),
+    finalize=lambda s: (s.v, s.i),
+    commutative=True, outputs=("value", "index"),
+    doc="Smallest value and its position; ties resolve to the lowest index; NaN wins, "
+        "as in torch.argmin.")
+
+
+BUILTINS = (SUM, MAX, MIN, LOGSUMEXP, LOGSUMEXP2, ATTENTION, WELFORD, ARGMAX, ARGMIN)
+
+__all__ = ["SUM", "MAX", "MIN", "LOGSUMEXP", "LOGSUMEXP2", "ATTENTION", "WELFORD", "ARGMAX",
+           "ARGMIN", "BUILTINS", "INDEX_IDENTITY"]
