@@ -13,7 +13,9 @@ The IR is deliberately tiny so that each backend lowering is a table, not a comp
 
 * leaves: ``var`` (a named input) and ``const`` (a Python float/int/bool);
 * elementwise ops (:data:`UNARY`, :data:`BINARY`, ``where``);
-* reductions over the block axis (:data:`REDUCTIONS`), used only by block lifts.
+* reductions over the block axis (:data:`REDUCTIONS`), used only by block lifts;
+* ``load``: an element of a captured :class:`Buffer` (a 1-D/2-D table such as per-token
+  document ids or per-head ALiBi slopes), so masks and score modifications can read data.
 
 Every node carries a *shape class*: ``vector`` nodes have a trailing feature axis (the
 ``o`` accumulator of attention, of width ``d``); scalar nodes broadcast against it.
@@ -37,7 +39,7 @@ BINARY = ("add", "sub", "mul", "div", "floordiv", "mod", "pow", "maximum", "mini
           "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
 REDUCTIONS = ("rsum", "rmax", "rmin")
 LEAVES = ("var", "const")
-OPS = LEAVES + UNARY + BINARY + ("where",) + REDUCTIONS
+OPS = LEAVES + UNARY + BINARY + ("where", "load") + REDUCTIONS
 
 #: ops whose result is boolean
 BOOLEAN = ("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "isnan", "isinf")
@@ -173,6 +175,36 @@ def apply(op: str, *args) -> Node:
     return _context().make(op, nodes, None, vector)
 
 
+class Buffer:
+    """A captured table that traced code may index: ``docs = Buffer(doc_ids); docs[q_idx]``.
+
+    ``data`` is any array-like with a ``shape`` (NumPy array or torch tensor, kept by
+    reference and handed to the lowered code at run time). Indexing with traced integers
+    builds a ``load`` node on the flattened (row-major) table; out-of-range indices are
+    clamped to the table, so masked-off lanes of a kernel never read out of bounds.
+    """
+
+    def __init__(self, data, name: str | None = None):
+        shape = tuple(int(s) for s in getattr(data, "shape", ()))
+        if len(shape) not in (1, 2):
+            raise ValueError(f"Buffer: expected a 1-D or 2-D table, got shape {shape}")
+        self.data = data
+        self.shape = shape
+        self.numel = shape[0] * (shape[1] if len(shape) == 2 else 1)
+        self.name = name
+
+    def __repr__(self):
+        return f"Buffer(shape={self.shape})"
+
+    def __getitem__(self, index):
+        idx = index if isinstance(index, tuple) else (index,)
+        if len(idx) != len(self.shape):
+            raise IndexError(f"Buffer of shape {self.shape} needs {len(self.shape)} indices")
+        flat = idx[0] if len(idx) == 1 else idx[0] * self.shape[1] + idx[1]
+        flat = const(flat)
+        return _context().make("load", (flat,), self, flat.vector)
+
+
 def reduce_node(op: str, x) -> Node:
     """A reduction over the block axis (only meaningful inside a block lift)."""
     x = const(x)
@@ -264,7 +296,10 @@ class Graph:
                 names[id(n)] = repr(n.attr)
                 continue
             names[id(n)] = f"t{k}"
-            lines.append(f"  t{k} = {n.op}({', '.join(names[id(a)] for a in n.args)})")
+            args = ", ".join(names[id(a)] for a in n.args)
+            if n.op == "load":
+                args = f"buf{self.buffers.index(n.attr)}{list(n.attr.shape)}, {args}"
+            lines.append(f"  t{k} = {n.op}({args})")
             k += 1
         lines.append("  return " + ", ".join(names[id(o)] for o in self.outputs))
         return "\n".join(lines)
@@ -275,6 +310,15 @@ class Graph:
 
     def uses_reductions(self) -> bool:
         return any(n.op in REDUCTIONS for n in self.nodes())
+
+    @property
+    def buffers(self) -> tuple:
+        """Captured :class:`Buffer` objects, in order of first use."""
+        out: list = []
+        for n in self.nodes():
+            if n.op == "load" and all(b is not n.attr for b in out):
+                out.append(n.attr)
+        return tuple(out)
 
 
 def trace(fn: Callable, inputs: Sequence[Var], name: str,

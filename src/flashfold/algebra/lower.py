@@ -24,7 +24,7 @@ class Backend:
     """Templates and namespace of one lowering target.
 
     ``templates[op]`` is a ``str.format`` template over the operands' names; reductions
-    may also use ``{axis}``. ``const(value)`` prints a constant. ``namespace`` holds the
+    may also use ``{axis}``, and ``load`` uses ``{buf}`` (the buffer's parameter name). ``const(value)`` prints a constant. ``namespace`` holds the
     names the templates use (``np``, ``tl``, helper functions).
     """
     name: str
@@ -32,6 +32,8 @@ class Backend:
     const: Callable[[object], str]
     namespace: Mapping[str, object] = field(default_factory=dict)
     reduce_axis: object = 0
+    buffer_numel: bool = False                       # pass each buffer's size as an argument
+    convert_buffer: Callable = staticmethod(lambda data: data)
 
     def check_complete(self, ops=OPS):
         missing = [op for op in ops if op not in ("var", "const") and op not in self.templates]
@@ -62,6 +64,7 @@ def emit(graph: Graph, backend: Backend, arg_names: list[str] | None = None,
     """
     names: dict[int, str] = {}
     vars_ = {v.name: i for i, v in enumerate(graph.inputs)}
+    buffers = graph.buffers
     lines: list[str] = []
     k = 0
     for n in graph.nodes():
@@ -74,7 +77,8 @@ def emit(graph: Graph, backend: Backend, arg_names: list[str] | None = None,
         tmpl = backend.templates.get(n.op)
         if tmpl is None:
             raise NotImplementedError(f"backend {backend.name!r} cannot lower op {n.op!r}")
-        expr = tmpl.format(*(names[id(a)] for a in n.args), axis=backend.reduce_axis)
+        buf = f"buf{[i for i, b in enumerate(buffers) if b is n.attr][0]}" if n.op == "load" else ""
+        expr = tmpl.format(*(names[id(a)] for a in n.args), axis=backend.reduce_axis, buf=buf)
         name = f"{prefix}{k}"
         k += 1
         lines.append(f"{indent}{name} = {expr}")
@@ -85,22 +89,55 @@ def emit(graph: Graph, backend: Backend, arg_names: list[str] | None = None,
 def function_source(graph: Graph, backend: Backend, fn_name: str,
                     arg_names: list[str] | None = None, decorator: str = "",
                     extra_args: tuple[str, ...] = ()) -> str:
-    """A complete ``def`` for ``graph`` returning a tuple of its outputs."""
-    args = list(arg_names or [v.name for v in graph.inputs]) + list(extra_args)
+    """A complete ``def`` for ``graph`` returning a tuple of its outputs.
+
+    Captured buffers become trailing arguments ``buf0, buf1, ...`` (see :func:`buffer_args`).
+    """
+    args = list(arg_names or [v.name for v in graph.inputs]) + list(extra_args) + buffer_params(graph, backend)
     lines, outs = emit(graph, backend, arg_names)
     head = (decorator + "\n" if decorator else "") + f"def {fn_name}({', '.join(args)}):"
     ret = "    return " + (", ".join(outs) + ("," if len(outs) == 1 else ""))
     return "\n".join([head, *lines, ret]) + "\n"
 
 
+def buffer_params(graph: Graph, backend: Backend) -> list[str]:
+    """Parameter names the lowered function takes for the graph's captured buffers."""
+    names = []
+    for i, _ in enumerate(graph.buffers):
+        names.append(f"buf{i}")
+        if backend.buffer_numel:
+            names.append(f"buf{i}_numel")
+    return names
+
+
+def buffer_args(graph: Graph, backend: Backend, convert=lambda data: data) -> list:
+    """Run-time values for :func:`buffer_params`: each buffer's data (converted), its size."""
+    out = []
+    for b in graph.buffers:
+        out.append(convert(b.data))
+        if backend.buffer_numel:
+            out.append(b.numel)
+    return out
+
+
 def compile_graph(graph: Graph, backend: Backend | str, arg_names: list[str] | None = None):
-    """Exec the lowered ``graph`` into a Python function returning a tuple."""
+    """Exec the lowered ``graph`` into a Python function returning a tuple.
+
+    Captured buffers are bound (as the backend's ``convert_buffer`` of their data), so the
+    returned function takes only the graph's inputs.
+    """
     if isinstance(backend, str):
         backend = get_backend(backend)
     src = function_source(graph, backend, "_lowered", arg_names)
     ns = dict(backend.namespace)
     exec(compile(src, f"<flashfold:{backend.name}:{graph.name}>", "exec"), ns)
     fn = ns["_lowered"]
+    if graph.buffers:
+        bound = buffer_args(graph, backend, backend.convert_buffer)
+        inner = fn
+
+        def fn(*args):
+            return inner(*args, *bound)
     fn.__flashfold_source__ = src
     return fn
 
@@ -139,8 +176,17 @@ def _numpy_backend() -> Backend:
         "where": "np.where({0}, {1}, {2})",
         "rsum": "np.sum({0}, axis={axis})", "rmax": "np.max({0}, axis={axis})",
         "rmin": "np.min({0}, axis={axis})",
+        "load": "{buf}[np.clip(np.asarray({0}, dtype=np.int64), 0, {buf}.size - 1)]",
     }
-    return Backend("numpy", t, _np_const, {"np": np, "_sigmoid": sigmoid}, reduce_axis=0)
+    return Backend("numpy", t, _np_const, {"np": np, "_sigmoid": sigmoid}, reduce_axis=0,
+                   convert_buffer=lambda data: _flat_numpy(data))
+
+
+def _flat_numpy(data):
+    import numpy as np
+    if hasattr(data, "detach"):                      # a torch tensor
+        data = data.detach().cpu().numpy()
+    return np.ascontiguousarray(data).reshape(-1)
 
 
 NUMPY = register_backend(_numpy_backend())

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from .ir import apply, reduce_node
+from .ir import Buffer, apply, reduce_node
 
 inf = math.inf
 pi = math.pi
@@ -67,7 +67,7 @@ def reduce_max(x): return reduce_node("rmax", x)
 def reduce_min(x): return reduce_node("rmin", x)
 
 
-__all__ = ["inf", "pi", "e", "LOG2E", "LN2", "exp", "exp2", "log", "log2", "log1p", "expm1",
+__all__ = ["Buffer", "inf", "pi", "e", "LOG2E", "LN2", "exp", "exp2", "log", "log2", "log1p", "expm1",
            "sqrt", "abs", "tanh", "sigmoid", "floor", "isnan", "isinf", "to_float", "to_int",
            "maximum", "minimum", "where", "logical_and", "logical_or", "logical_not", "pow",
            "clamp", "softcap", "reduce_sum", "reduce_max", "reduce_min"]

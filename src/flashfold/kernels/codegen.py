@@ -1,0 +1,193 @@
+"""The Triton lowering of the IR: traced graphs become ``@triton.jit`` functions.
+
+A monoid's ``lift``, ``combine``, ``finalize`` and ``block_lift`` (and any score_mod /
+mask_mod) are emitted as Triton source text by the shared emitter of
+:mod:`flashfold.algebra.lower`, with the table :data:`TRITON` below; the text is written
+to a cache folder keyed by the graphs' content hash and imported, so Triton can read the
+source (it needs a real file). Kernels take the generated functions as ``tl.constexpr``
+arguments, so one kernel template serves every monoid.
+
+Conventions of the generated functions:
+
+* ``combine(a_f1, ..., a_fk, b_f1, ..., b_fk) -> (f1, ..., fk)``: flattened fields, the
+  exact signature ``tl.reduce`` and ``tl.associative_scan`` expect for tuple operands;
+* ``lift(x1, ..., [pos]) -> fields`` (inputs already converted to float32);
+* ``finalize(f1, ..., fk, *params) -> outputs``;
+* ``block_lift(x1, ..., valid) -> fields`` reducing over axis 0 of the tile (the block
+  axis leads, as in the NumPy reference, so a reduced value broadcasts back against the
+  tile); with vector inputs, scalar-class tiles carry a trailing axis of 1;
+* captured buffers become trailing ``bufN, bufN_numel`` arguments.
+
+Float fields are float32 in kernels, int fields int32. Constant outputs are broadcast to
+the shape of the first argument with ``tl.full``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..algebra.ir import Graph
+from ..algebra.lower import Backend, emit, register_backend
+from ..algebra.monoid import Monoid
+
+
+def _tl_const(v) -> str:
+    if isinstance(v, bool):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v)
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else 'float("-inf")'
+    return repr(float(v))
+
+
+TRITON = register_backend(Backend(
+    "triton",
+    {
+        "neg": "(-{0})", "exp": "tl.exp({0})", "exp2": "tl.exp2({0})", "log": "tl.log({0})",
+        "log2": "tl.log2({0})", "log1p": "tl.log(1.0 + {0})", "expm1": "(tl.exp({0}) - 1.0)",
+        "sqrt": "tl.sqrt({0})", "abs": "tl.abs({0})",
+        "tanh": "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)", "sigmoid": "tl.sigmoid({0})",
+        "floor": "tl.floor({0})", "not": "({0} == 0)", "isnan": "({0} != {0})",
+        "isinf": '(tl.abs({0}) == float("inf"))',
+        "to_float": "({0}).to(tl.float32)", "to_int": "({0}).to(tl.int32)",
+        "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+        "floordiv": "({0} // {1})", "mod": "({0} % {1})",
+        "pow": "tl.exp2({1} * tl.log2({0}))",
+        "maximum": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+        "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+        "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
+        "eq": "({0} == {1})", "ne": "({0} != {1})", "and": "({0} & {1})", "or": "({0} | {1})",
+        "where": "tl.where({0}, {1}, {2})",
+        "rsum": "tl.sum({0}, axis={axis})", "rmax": "tl.max({0}, axis={axis})",
+        "rmin": "tl.min({0}, axis={axis})",
+        "load": "tl.load({buf} + ({0}), mask=(({0}) >= 0) & (({0}) < {buf}_numel), other=0)",
+    },
+    _tl_const, reduce_axis=0, buffer_numel=True))
+TRITON.check_complete()
+
+
+def cache_dir() -> Path:
+    """Where generated sources live: ``$FLASHFOLD_CACHE_DIR`` or ``~/.cache/flashfold``."""
+    root = os.environ.get("FLASHFOLD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "flashfold")
+    path = Path(root) / "triton"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def jit_source(graph: Graph, fn_name: str, arg_names: list[str] | None = None,
+               extra_params: tuple[str, ...] = (), float_outputs: tuple[bool, ...] | None = None) -> str:
+    """Triton source of one ``@triton.jit`` function computing ``graph``.
+
+    ``float_outputs[i]`` says whether output ``i`` is a float (else int32) when it is a
+    constant that must be broadcast to the first argument's shape.
+    """
+    args = list(arg_names or [v.name for v in graph.inputs])
+    lines, outs = emit(graph, TRITON, args)
+    ref = args[0]
+    fixed = []
+    for i, (node, expr) in enumerate(zip(graph.outputs, outs)):
+        if node.op == "const":
+            dt = "tl.float32" if (float_outputs is None or float_outputs[i]) else "tl.int32"
+            expr = f"tl.full({ref}.shape, {expr}, {dt})"
+        fixed.append(expr)
+    buf_params = []
+    for i, _ in enumerate(graph.buffers):
+        buf_params += [f"buf{i}", f"buf{i}_numel"]
+    params = args + list(extra_params) + buf_params
+    body = lines or []
+    ret = "    return " + ", ".join(fixed) + ("," if len(fixed) == 1 else "")
+    return "\n".join(["@triton.jit", f"def {fn_name}({', '.join(params)}):", *body, ret]) + "\n"
+
+
+_HEADER = ('"""Generated by flashfold from traced graphs; do not edit (regenerated on demand)."""\n'
+           "import triton\nimport triton.language as tl\n\n\n")
+_LOCK = threading.Lock()
+_MODULES: dict[str, object] = {}
+
+
+def load_source(source: str, stem: str):
+    """Write ``source`` (a module body) to the cache, keyed by its hash, and import it."""
+    text = _HEADER + source
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    name = f"flashfold_generated_{stem}_{key}"
+    with _LOCK:
+        mod = _MODULES.get(name)
+        if mod is not None:
+            return mod
+        path = cache_dir() / f"{name}.py"
+        if not path.exists() or path.read_text() != text:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)                     # atomic: concurrent writers agree
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        _MODULES[name] = mod
+        return mod
+
+
+@dataclass(frozen=True)
+class TritonMonoid:
+    """The generated ``@triton.jit`` functions of one monoid (see module docstring)."""
+    monoid: Monoid
+    lift: object
+    combine: object
+    finalize: object
+    block_lift: object | None
+    source: str
+    path: str
+
+
+_BY_MONOID: dict = {}
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def triton_monoid(monoid: Monoid) -> TritonMonoid:
+    """Generate (or fetch from the cache) the Triton functions of ``monoid``."""
+    key = (monoid.name, monoid.combine_graph.key(), monoid.lift_graph.key(),
+           monoid.finalize_graph.key(),
+           monoid.block_lift_graph.key() if monoid.block_lift_graph is not None else None)
+    hit = _BY_MONOID.get(key)
+    if hit is not None:
+        return hit
+    fields = monoid.fields
+    is_float = tuple(f.dtype == "float" for f in fields)
+    a = ["a_" + f.name for f in fields]
+    b = ["b_" + f.name for f in fields]
+    parts = [
+        jit_source(monoid.lift_graph, "lift", [i.name for i in monoid.inputs], float_outputs=is_float),
+        jit_source(monoid.combine_graph, "combine", a + b, float_outputs=is_float),
+        jit_source(monoid.finalize_graph, "finalize",
+                   [f.name for f in fields] + [p for p, _ in monoid.params]),
+    ]
+    if monoid.block_lift_graph is not None:
+        parts.append(jit_source(monoid.block_lift_graph, "block_lift",
+                                [i.name for i in monoid.inputs] + ["valid"], float_outputs=is_float))
+    source = "\n\n".join(parts)
+    mod = load_source(source, _safe(monoid.name))
+    tm = TritonMonoid(monoid, mod.lift, mod.combine, mod.finalize,
+                      getattr(mod, "block_lift", None), source, mod.__file__)
+    _BY_MONOID[key] = tm
+    return tm
+
+
+def triton_function(graph: Graph, name: str, arg_names: list[str] | None = None):
+    """One generated ``@triton.jit`` function for ``graph`` (a score_mod, a mask_mod, ...)."""
+    src = jit_source(graph, _safe(name), arg_names)
+    return getattr(load_source(src, _safe(name)), _safe(name))
