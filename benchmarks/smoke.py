@@ -15,14 +15,17 @@ from flashfold.monoids import ARGMAX, LOGSUMEXP, WELFORD
 
 
 @triton.jit
-def _row_reduce(x_ptr, o_ptr, N: tl.constexpr, LIFT: tl.constexpr, COMBINE: tl.constexpr,
+def _row_reduce(x_ptr, o_ptr, N: tl.constexpr, LIFT: tl.constexpr, REDUCE: tl.constexpr, SCAN: tl.constexpr,
                 FIN: tl.constexpr):
     row = tl.program_id(0)
     x = tl.load(x_ptr + row * N + tl.arange(0, N)).to(tl.float32)
     m, d = LIFT(x)
-    m, d = tl.reduce((m, d), 0, COMBINE)
+    ms, ds = SCAN(m, d, 0, False)
+    m, d = REDUCE(m, d, 0)
     r, = FIN(m, d)
     tl.store(o_ptr + row, r)
+    rs, = FIN(ms, ds)
+    tl.store(o_ptr + 4096 + row * N + tl.arange(0, N), rs)
 
 
 def main():
@@ -33,9 +36,11 @@ def main():
     for m in (ARGMAX, WELFORD):
         triton_monoid(m)
     x = torch.randn(4096, 1024, device="cuda")
-    o = torch.empty(4096, device="cuda")
-    _row_reduce[(4096,)](x, o, N=1024, LIFT=tm.lift, COMBINE=tm.combine, FIN=tm.finalize)
-    print("lse max err", (o - torch.logsumexp(x, 1)).abs().max().item())
+    o = torch.empty(4096 + 4096 * 1024, device="cuda")
+    _row_reduce[(4096,)](x, o, N=1024, LIFT=tm.lift, REDUCE=tm.reduce_tile, SCAN=tm.scan_tile,
+                         FIN=tm.finalize)
+    print("lse max err", (o[:4096] - torch.logsumexp(x, 1)).abs().max().item())
+    print("logcumsumexp max err", (o[4096:].view(4096, 1024) - torch.logcumsumexp(x, 1)).abs().max().item())
     a = torch.empty(2**28, device="cuda", dtype=torch.float32)
     b = torch.empty_like(a)
     ms = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")

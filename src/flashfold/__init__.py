@@ -7,7 +7,8 @@ The layers (each imports only the ones above it):
    the traced IR, :func:`check_laws`; built-ins in :mod:`flashfold.monoids`.
 2. :mod:`flashfold.schedules`: reference executors on NumPy (:func:`fold`, :func:`scan`).
 3. :mod:`flashfold.kernels`: Triton code generated from monoids, attention kernels.
-4. public tensor entry points (attention, reductions, distribution).
+4. :mod:`flashfold.api` (public tensor entry points: reductions, attention, decode) and
+   :mod:`flashfold.distributed` (ring attention), :mod:`flashfold.dask` (Dask reductions).
 5. :mod:`flashfold.cli`: the ``flashfold`` command.
 
 Torch-based entry points are imported on first use, so ``import flashfold`` stays light.
@@ -20,7 +21,21 @@ from .schedules import finalize, fold
 
 __version__ = "0.1.0"
 
-_LAZY = {}
+#: public name -> module (relative to this package) that defines it, imported on first use
+_LAZY = {
+    # tensor reductions and scans from generated Triton kernels (CPU: reference schedules)
+    **dict.fromkeys(["reduce", "segment_reduce", "logsumexp", "softmax", "var_mean", "argmax",
+                     "argmin", "cumsum", "logcumsumexp"], ".api.reductions"),
+    # exact attention
+    **dict.fromkeys(["attention", "merge_states", "BlockMask", "create_block_mask"],
+                    ".api.attention"),
+    **dict.fromkeys(["decode", "append_kv", "PagedKVCache"], ".api.decode"),
+    # the algebra in depth
+    "prove": ".algebra.proofs", "Proof": ".algebra.proofs",
+    "transport": ".algebra.transport", "check_transport": ".algebra.transport",
+    "derive_combine": ".algebra.homomorphism", "check_folds": ".algebra.homomorphism",
+    "numerics": ".numerics",
+}
 
 
 def scan(monoid, xs, *args, **kwargs):
@@ -28,11 +43,11 @@ def scan(monoid, xs, *args, **kwargs):
 
     * NumPy input: the reference scan, :func:`flashfold.schedules.scan` (elements along
       axis 0; returns the prefix *states*).
-    * torch input: see the tensor scan in :mod:`flashfold.reductions` (``dim=-1``;
+    * torch input: see the tensor scan in :mod:`flashfold.api.reductions` (``dim=-1``;
       returns the finalized prefix results, computed by a generated kernel on CUDA).
     """
     if type(xs).__module__.startswith("torch"):
-        from .reductions import scan as tensor_scan
+        from .api.reductions import scan as tensor_scan
         return tensor_scan(monoid, xs, *args, **kwargs)
     from .schedules import scan as reference_scan
     return reference_scan(monoid, xs, *args, **kwargs)

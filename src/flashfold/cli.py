@@ -234,9 +234,13 @@ register_command("trace", trace, _configure_trace, "print the (m, l, O) state af
 
 # --- entry point ------------------------------------------------------------------------
 
+#: modules that register subcommands or ``check`` options when imported (absent ones are skipped)
+PLUGINS = ("flashfold.numerics", "flashfold.algebra.proofs", "flashfold.bench")
+
+
 def _load_plugins():
     """Subcommands that live with their feature register themselves on import."""
-    for mod in ("flashfold.numerics", "flashfold.bench", "flashfold.proofs"):
+    for mod in PLUGINS:
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -5,7 +5,9 @@ mask_mod) are emitted as Triton source text by the shared emitter of
 :mod:`flashfold.algebra.lower`, with the table :data:`TRITON` below; the text is written
 to a cache folder keyed by the graphs' content hash and imported, so Triton can read the
 source (it needs a real file). Kernels take the generated functions as ``tl.constexpr``
-arguments, so one kernel template serves every monoid.
+arguments (calling them; ``reduce_tile``/``scan_tile`` wrap ``tl.reduce``/
+``tl.associative_scan`` with the module's own combine), so one kernel template serves
+every monoid.
 
 Conventions of the generated functions:
 
@@ -147,6 +149,8 @@ class TritonMonoid:
     combine: object
     finalize: object
     block_lift: object | None
+    reduce_tile: object
+    scan_tile: object
     source: str
     path: str
 
@@ -156,6 +160,22 @@ _BY_MONOID: dict = {}
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _combinators(fields) -> str:
+    """``reduce_tile`` / ``scan_tile``: tl.reduce / tl.associative_scan with this combine.
+
+    The compiler does not accept a combine passed to ``tl.reduce`` as a ``tl.constexpr``
+    argument (seen with Triton 3.6 on an H200: "'constexpr' object has no attribute
+    'fn'"), while calling a constexpr function works; so each generated module carries
+    these two wrappers that name its own ``combine`` directly.
+    """
+    xs = ", ".join("x_" + f.name for f in fields)
+    tup = f"({xs},)"
+    return (f"@triton.jit\ndef reduce_tile({xs}, AXIS: tl.constexpr):\n"
+            f"    return tl.reduce({tup}, AXIS, combine)\n\n\n"
+            f"@triton.jit\ndef scan_tile({xs}, AXIS: tl.constexpr, REVERSE: tl.constexpr):\n"
+            f"    return tl.associative_scan({tup}, AXIS, combine, reverse=REVERSE)\n")
 
 
 def triton_monoid(monoid: Monoid) -> TritonMonoid:
@@ -179,10 +199,12 @@ def triton_monoid(monoid: Monoid) -> TritonMonoid:
     if monoid.block_lift_graph is not None:
         parts.append(jit_source(monoid.block_lift_graph, "block_lift",
                                 [i.name for i in monoid.inputs] + ["valid"], float_outputs=is_float))
+    parts.append(_combinators(fields))
     source = "\n\n".join(parts)
     mod = load_source(source, _safe(monoid.name))
     tm = TritonMonoid(monoid, mod.lift, mod.combine, mod.finalize,
-                      getattr(mod, "block_lift", None), source, mod.__file__)
+                      getattr(mod, "block_lift", None), mod.reduce_tile, mod.scan_tile,
+                      source, mod.__file__)
     _BY_MONOID[key] = tm
     return tm
 

@@ -1,0 +1,1 @@
+"""Beyond one device: ring attention over ``torch.distributed``."""

@@ -1,0 +1,1 @@
+"""Integrations with the libraries users already run (optional extras)."""
