@@ -1,6 +1,13 @@
-"""Shared test setup: hypothesis profiles (small in CI, large on demand)."""
+"""Shared test setup: hypothesis profiles (small in CI, large on demand), and Triton's
+interpreter on machines without a GPU (it must be chosen before any kernel is defined)."""
 
 import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors under the interpreter (set before @triton.jit runs)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings
 
