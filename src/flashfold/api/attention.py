@@ -1,0 +1,367 @@
+r"""Exact attention: :func:`attention`, :func:`merge_states`, block masks.
+
+``attention(q, k, v)`` computes, for every (batch, query head, query row ``i``),
+
+.. math::
+
+    o_i = \sum_j \mathrm{softmax}_j(s_{ij})\, v_j, \qquad
+    \mathrm{lse}_i = \log \sum_j e^{s_{ij}}
+
+over the *visible* keys ``j``, with the scores formed in this order (documented contract,
+identical on every device):
+
+1. ``s = scale * q . k`` (``scale`` defaults to ``1 / sqrt(head_dim)``);
+2. ``s = softcap * tanh(s / softcap)`` if ``softcap`` is given;
+3. ``s = score_mod(s, b, h, q_idx, kv_idx)`` if given;
+4. masks: key ``j`` is visible to query ``i`` iff ``j < N_k`` (per sequence with
+   ``cu_seqlens``), ``causal`` => ``j <= i + (N_k - N_q)`` (aligned bottom-right, as
+   FlashAttention 2: the last query sees every key), ``window=(left, right)`` =>
+   ``i + (N_k - N_q) - left <= j <= i + (N_k - N_q) + right`` (``None`` or ``-1``: that side
+   unbounded; with ``causal`` the right side is ``min(right, 0)``), and
+   ``mask_mod(b, h, q_idx, kv_idx)``.
+
+A row with no visible key gives ``o = 0`` and ``lse = -inf`` (never NaN). ``lse`` is the
+natural log, float32. On CUDA tensors a Triton kernel runs (FlashAttention-2 schedule,
+statistics in fp32, ``exp2`` with ``log2 e`` folded into the scale; see
+:mod:`flashfold.kernels.attention.fwd`); on CPU tensors a blocked reference with the same
+semantics (:mod:`flashfold.kernels.attention.reference`; never more than one block of
+scores in memory).
+
+``score_mod``/``mask_mod`` are Python functions over :mod:`flashfold.ops`, traced into the
+IR and compiled into the kernel (see :mod:`flashfold.kernels.attention.mods`; helpers in
+:mod:`flashfold.mods`). A mask_mod is summarized once per tile into a :class:`BlockMask`
+(cached), so tiles it hides are skipped and tiles it fully shows skip the mask.
+
+Backward (autograd) is not implemented yet on CUDA (issue 5): CUDA inputs that require
+grad raise ``NotImplementedError``; the CPU path is differentiable through torch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..kernels.attention.mods import (BlockMask, TracedMod, cached_block_mask,
+                                      create_block_mask, trace_mask_mod, trace_score_mod)
+
+#: head dims the kernels support (q/k and v independently)
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# --- validation ---------------------------------------------------------------------------
+
+def _check_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got "
+                             f"shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} does not match q dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    allowed = CUDA_DTYPES if q.device.type == "cuda" else CPU_DTYPES
+    if q.dtype not in allowed:
+        raise TypeError(f"q dtype {q.dtype} is not supported on {q.device.type}; expected one "
+                        f"of {[str(d) for d in allowed]}")
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads "
+                         f"({k.shape[1]}) for GQA/MQA")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v seq length {v.shape[2]} does not match k seq length {k.shape[2]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k head_dim {k.shape[3]} does not match q head_dim {q.shape[3]}")
+    for name, d in (("q/k", q.shape[3]), ("v", v.shape[3])):
+        if d not in HEAD_DIMS:
+            raise ValueError(f"{name} head_dim {d} is not supported; expected one of {HEAD_DIMS}")
+
+
+def _check_window(window):
+    """``(left, right)`` -> ints or None (unbounded)."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right), got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise ValueError(f"window {side} must be an int >= 0, -1 or None, got {w!r}")
+        w = int(w)
+        if w < -1:
+            raise ValueError(f"window {side} must be >= 0 (or -1 / None for unbounded), got {w}")
+        out.append(None if w == -1 else w)
+    return tuple(out)
+
+
+def _check_positive(name, x):
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {x}")
+    return x
+
+
+def _check_cu(name, cu, total, device):
+    _check_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with (num_seqs + 1) >= 2 entries, got shape "
+                         f"{tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    vals = cu.tolist()                          # one host sync: lengths drive the launch grid
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{name} must be non-decreasing")
+    if vals[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {vals[-1]}")
+    return [b - a for a, b in zip(vals, vals[1:])]
+
+
+def _bounds(left, right, causal):
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _use_kernel(q) -> bool:
+    """Dispatch: the Triton kernel on CUDA tensors, the blocked reference elsewhere (tests
+    monkeypatch this to run the kernel under ``TRITON_INTERPRET`` on CPU tensors)."""
+    return q.device.type == "cuda"
+
+
+# --- attention ------------------------------------------------------------------------------
+
+def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, score_mod=None,
+              mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False):
+    """Exact (softmax) attention; semantics in the module docstring.
+
+    Parameters
+    ----------
+    q: ``(B, Hq, Nq, D)``; k: ``(B, Hk, Nk, D)``; v: ``(B, Hk, Nk, Dv)``: any strides,
+        ``Hq`` a multiple of ``Hk`` (GQA/MQA: query head ``h`` reads kv head
+        ``h // (Hq // Hk)``), ``D, Dv`` in 32, 64, 96, 128, 192, 256; fp16/bf16 (CUDA), also
+        fp32/fp64 on CPU. With ``cu_seqlens_*``: ``B == 1``, sequences packed along seq.
+    causal: bottom-right aligned causal mask (``j <= i + Nk - Nq``).
+    window: ``(left, right)`` sliding window around the aligned diagonal; ``None``/``-1``
+        leaves a side unbounded.
+    scale: score scale (> 0), default ``1 / sqrt(D)``.
+    softcap: ``c > 0``: scores become ``c tanh(s / c)`` (before score_mod and masks).
+    score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` over :mod:`flashfold.ops`.
+    mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over :mod:`flashfold.ops`, or a
+        :class:`BlockMask` from :func:`create_block_mask` (precomputed, reusable).
+        ``b`` is the batch (sequence) index, ``h`` the query head, ``q_idx``/``kv_idx``
+        positions inside the sequence.
+    cu_seqlens_q, cu_seqlens_k: int32 ``(S + 1,)`` offsets of ``S`` packed sequences
+        (both or neither); sequence ``s`` is rows ``cu[s]:cu[s+1]``; masks and the causal
+        alignment apply per sequence.
+    return_lse: also return ``lse (B, Hq, Nq)`` float32, natural log.
+
+    Returns ``o`` ``(B, Hq, Nq, Dv)`` in the input dtype (contiguous), and ``lse`` when
+    ``return_lse``.
+    """
+    _check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    left, right = _bounds(*_check_window(window), causal)
+    scale = _check_positive("scale", scale)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[3])
+    softcap = _check_positive("softcap", softcap)
+    smod = trace_score_mod(score_mod) if score_mod is not None else None
+    if mask_mod is None or isinstance(mask_mod, BlockMask):
+        mmod = mask_mod.mod if isinstance(mask_mod, BlockMask) else None
+    else:
+        mmod = trace_mask_mod(mask_mod)
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    varlen = cu_seqlens_q is not None
+    lens_q = lens_k = None
+    if varlen:
+        if q.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens, q/k/v must have batch 1 (packed), got {q.shape[0]}")
+        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device)
+        lens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device)
+        if len(lens_q) != len(lens_k):
+            raise ValueError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_k has "
+                             f"{len(lens_k)}")
+    n_seq = len(lens_q) if varlen else q.shape[0]
+    seq_q = max(lens_q) if varlen else q.shape[2]
+    seq_k = max(lens_k) if varlen else k.shape[2]
+    if isinstance(mask_mod, BlockMask):
+        _check_block_mask(mask_mod, q, n_seq, seq_q, seq_k, varlen)
+
+    if _use_kernel(q):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise NotImplementedError("attention backward on CUDA is not implemented yet "
+                                      "(issue 5); run under torch.no_grad() or detach inputs")
+        o, lse = _kernel_forward(q, k, v, scale, softcap, left, right, smod, mask_mod, mmod,
+                                 cu_seqlens_q, cu_seqlens_k, lens_q, lens_k, n_seq, seq_q,
+                                 seq_k, return_lse)
+    else:
+        from ..kernels.attention.reference import attention_reference
+        dev = q.device
+        o, lse = attention_reference(
+            q, k, v, causal=False, window=(left, right), scale=scale, softcap=softcap,
+            score_mod=smod.torch_fn(dev) if smod is not None else None,
+            mask_mod=mmod.torch_fn(dev) if mmod is not None else None,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        if q.dtype == torch.float64:
+            lse = lse.to(torch.float32)
+    return (o, lse) if return_lse else o
+
+
+def _check_block_mask(bm: BlockMask, q, n_seq, seq_q, seq_k, varlen):
+    B, H, QL, KL = bm.shape
+    if bm.device != q.device:
+        raise ValueError(f"mask_mod BlockMask is on {bm.device} but q is on {q.device}")
+    if B is not None and B != n_seq:
+        raise ValueError(f"mask_mod BlockMask was made for B={B}, got {n_seq} "
+                         f"{'sequences' if varlen else 'batch'}")
+    if H is not None and H != q.shape[1]:
+        raise ValueError(f"mask_mod BlockMask was made for H={H}, q has {q.shape[1]} heads")
+    if varlen:
+        if QL < seq_q or KL < seq_k:
+            raise ValueError(f"mask_mod BlockMask covers ({QL}, {KL}) but the longest "
+                             f"sequences are ({seq_q}, {seq_k})")
+    elif (QL, KL) != (seq_q, seq_k):
+        raise ValueError(f"mask_mod BlockMask was made for Q_LEN={QL}, KV_LEN={KL}; q/k have "
+                         f"seq {seq_q}, {seq_k}")
+
+
+def _kernel_forward(q, k, v, scale, softcap, left, right, smod, mask_mod, mmod, cu_q, cu_k,
+                    lens_q, lens_k, n_seq, seq_q, seq_k, return_lse):
+    from ..kernels.attention import fwd
+
+    B, HQ, NQ, _ = q.shape
+    DV = v.shape[3]
+    if B == 0 or HQ == 0 or NQ == 0 or k.shape[2] == 0:
+        # nothing to compute, or no key at all: o = 0, lse = -inf
+        o = torch.zeros((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
+        lse = torch.full((B, HQ, NQ), -math.inf, dtype=torch.float32, device=q.device)
+        return o, (lse if return_lse else None)
+    block_mask, full_needs_mask = None, True
+    if isinstance(mask_mod, BlockMask):
+        block_mask = mask_mod
+        # user tables know only their own bounds: apply ours inside FULL tiles when needed
+        full_needs_mask = cu_q is not None or left is not None or right is not None
+    elif mmod is not None:
+        cfg = fwd.default_config(q, q.shape[3], DV)
+        block_mask = cached_block_mask(
+            mmod, batch=n_seq, heads=HQ, q_len=seq_q, kv_len=seq_k, block_m=cfg.block_m,
+            block_n=cfg.block_n, device=q.device, lens_q=lens_q, lens_k=lens_k,
+            left=left, right=right)
+        full_needs_mask = False                 # exact for these lengths and window
+    return fwd.attention_forward(
+        q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=smod,
+        block_mask=block_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seq_q,
+        max_seqlen_k=seq_k, return_lse=return_lse, full_needs_mask=full_needs_mask)
+
+
+# --- merging partial results ------------------------------------------------------------------
+
+def _check_parts(name_o, name_l, o, lse, lead_from):
+    _check_tensor(name_o, o)
+    _check_tensor(name_l, lse)
+    if not o.is_floating_point() or not lse.is_floating_point():
+        raise TypeError(f"{name_o} and {name_l} must be floating point, got {o.dtype}, {lse.dtype}")
+    if not (lead_from + 2 <= o.dim() <= lead_from + 4):
+        raise ValueError(f"{name_o} must have shape ({'S, ' if lead_from else ''}..., seq, "
+                         f"head_dim) with 1 to 3 leading dims before head_dim, got "
+                         f"{tuple(o.shape)}")
+    if tuple(lse.shape) != tuple(o.shape[:-1]):
+        raise ValueError(f"{name_l} shape {tuple(lse.shape)} must equal {name_o}'s shape "
+                         f"without head_dim {tuple(o.shape[:-1])}")
+    if lse.device != o.device:
+        raise ValueError(f"{name_l} is on {lse.device} but {name_o} is on {o.device}")
+
+
+def merge_states(*args):
+    """Merge normalized partial attention results over disjoint key sets.
+
+    ``merge_states(o_a, lse_a, o_b, lse_b) -> (o, lse)`` or the stacked form
+    ``merge_states(outs, lses) -> (o, lse)`` with a leading split axis (``outs (S, ...,
+    D)``, ``lses (S, ...)``). With ``lse_s = log sum_{j in part s} e^{s_j}``,
+
+    ``lse = log sum_s e^{lse_s}``, ``o = sum_s e^{lse_s - lse} o_s``,
+
+    i.e. the ATTENTION monoid's combine (the kernel is generated from it; see
+    :mod:`flashfold.kernels.attention.merge`). Empty parts (``lse = -inf``, any ``o``)
+    contribute nothing; if every part is empty, ``o = 0`` and ``lse = -inf``. Any split
+    of the keys merged in any order equals the unsplit attention up to rounding.
+    ``o`` keeps the parts' dtype, ``lse`` is float32. Shapes: ``o_* (..., N, D)`` with 1
+    to 3 leading dims (``(B, H, N, D)`` typically), ``lse_*`` its shape without ``D``.
+    """
+    if len(args) == 4:
+        o_a, lse_a, o_b, lse_b = args
+        _check_parts("o_a", "lse_a", o_a, lse_a, 0)
+        _check_parts("o_b", "lse_b", o_b, lse_b, 0)
+        if o_a.shape != o_b.shape:
+            raise ValueError(f"o_a shape {tuple(o_a.shape)} != o_b shape {tuple(o_b.shape)}")
+        if o_a.dtype != o_b.dtype:
+            raise TypeError(f"o_a dtype {o_a.dtype} != o_b dtype {o_b.dtype}")
+        if o_a.device != o_b.device:
+            raise ValueError(f"o_b is on {o_b.device} but o_a is on {o_a.device}")
+        parts = [(o_a, lse_a), (o_b, lse_b)]
+        lead = o_a.shape[:-1]
+    elif len(args) == 2:
+        outs, lses = args
+        _check_parts("outs", "lses", outs, lses, 1)
+        if outs.shape[0] < 1:
+            raise ValueError("outs must hold at least one part (leading split axis of size >= 1)")
+        parts = None
+        lead = outs.shape[1:-1]
+    else:
+        raise TypeError("merge_states takes (o_a, lse_a, o_b, lse_b) or (outs, lses), got "
+                        f"{len(args)} arguments")
+    ref = args[0]
+    if _use_kernel(ref):
+        from ..kernels.attention.merge import merge_parts, merge_pair
+        if parts is not None:
+            o, lse = merge_pair(*[_as4(t, extra) for (o_, l_) in parts
+                                  for t, extra in ((o_, 1), (l_, 0))])
+        else:
+            o, lse = merge_parts(_as4(outs, 1, split=True), _as4(lses, 0, split=True))
+    else:
+        from ..kernels.attention.reference import merge_states_reference
+        if parts is not None:     # CPU path: stacks the two parts (a copy)
+            outs = torch.stack([parts[0][0], parts[1][0]])
+            lses = torch.stack([parts[0][1], parts[1][1]])
+        o, lse = merge_states_reference(outs, lses)
+        lse = lse.to(torch.float32)
+    return o.reshape(*lead, o.shape[-1]), lse.reshape(lead)
+
+
+def _as4(t, has_d, split=False):
+    """View with exactly (B, H, N[, D]) after the optional split axis (unsqueezes only)."""
+    s = 1 if split else 0
+    while t.dim() < s + 3 + has_d:
+        t = t.unsqueeze(s)
+    return t
+
+
+__all__ = ["attention", "merge_states", "BlockMask", "create_block_mask", "TracedMod", "HEAD_DIMS"]

@@ -1,0 +1,628 @@
+r"""Exact attention, forward: one Triton template (FlashAttention-2 schedule) and its launcher.
+
+Math (per query row ``i`` of one (batch, head); semantics in :mod:`.reference`). The
+kernel folds key tiles into the ATTENTION monoid's state ``(m, l, acc)`` in *base 2*
+(specification 004, "the base-2 twist"): with :math:`\sigma_{ij} = s_{ij} \log_2 e`,
+
+.. math::
+
+    m \leftarrow \max(m, \max_j \sigma_{ij}), \quad
+    \alpha = 2^{m_\text{old} - m}, \quad
+    l \leftarrow \alpha\, l + \sum_j 2^{\sigma_{ij} - m}, \quad
+    acc \leftarrow \alpha\, acc + \sum_j 2^{\sigma_{ij} - m} v_j
+
+and finalizes ``o = acc / l``, ``lse = (m + log2 l) ln 2`` (natural log). Without softcap
+or score_mod, ``log2(e)`` is folded into the scale (``qk_scale = scale * log2 e``) and
+applied once per element as one FMA, ``2^(qk * qk_scale - m)``; the row max is taken on
+the raw ``qk`` (``scale > 0``). With them the score is formed in natural units first
+(``s = scale qk``, ``s = c tanh(s / c)``, ``s = score_mod(s, b, h, i, j)``) and then
+multiplied by ``log2 e``. Masked scores are ``-inf``; the rescale pivot is kept finite
+(``m = -inf -> 0``) so a row with no visible key so far stays ``(-inf, 0, 0)`` without
+``-inf - (-inf) = NaN``, and finalizes to ``o = 0``, ``lse = -inf``. Statistics and the
+accumulator are fp32; ``tl.dot`` accumulates fp32 (fp16 products that overflow fp16
+are fine).
+
+Structure (the backward and split-KV decode kernels reuse these pieces):
+
+* ``_load_rows`` / ``_load_tile``: a ``[rows, BLOCK_D]`` tile, through a TMA tensor
+  descriptor (``USE_TMA``; 4-D descriptor over ``(B, H, N, D)``, out-of-range rows and
+  columns read as zero) or plain pointers with explicit strides (int64 bases);
+* ``_scores``: ``qk`` -> scores in base-2 units (softcap, score_mod), and
+  ``_visible``: the elementwise mask (sequence bound, bottom-right causal/window bounds,
+  mask_mod) -- shared by every attention kernel;
+* ``_kv_loop``: folds a run of key tiles into ``(acc, l, m)``; dense runs
+  (``lo + i BLOCK_N``) or sparse ones (block indices read from a block-mask list);
+  ``MASKED`` selects whether ``_visible`` is evaluated;
+* ``_tile_ranges``: per query tile, the key tiles that can be visible split into
+  ``[masked | unmasked | masked]`` runs (causal: the diagonal; window: both edges;
+  ragged end: the last tile);
+* ``_attn_fwd``: one program per (query tile, batch * head), GQA by ``h // GROUP``,
+  varlen through ``cu_seqlens`` (``IS_VARLEN``), block-sparse iteration over PARTIAL then
+  FULL tiles when a mask_mod is given (``HAS_BLOCK_MASK``).
+
+Constexpr flags: ``MASK_LEFT``/``MASK_RIGHT`` (window sides; causal is ``right = 0``),
+``HAS_SOFTCAP``, ``HAS_SCORE_MOD``, ``HAS_BLOCK_MASK`` (mask_mod), ``FULL_NEEDS_MASK``
+(the block table does not already account for bounds / causal / window),
+``IS_VARLEN``, ``USE_TMA``, ``RETURN_LSE``, ``REVERSE_M`` (causal: heaviest query tiles
+first), ``WARP_SPEC`` (``tl.range(warp_specialize=...)`` on the unmasked run).
+
+Layouts: ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``, any strides
+(TMA needs a unit last stride and 16-byte aligned strides/base, else the pointer path);
+with ``cu_seqlens`` ``B == 1`` and sequences are packed along ``N``. Output ``o (B, Hq,
+Nq, Dv)`` contiguous in the input dtype; ``lse (B, Hq, Nq)`` float32 contiguous, natural
+log (the backward wants base 2: multiply by ``log2 e``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .mods import MAX_BUFFERS, BlockMask, TracedMod
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+try:  # Triton >= 3.3
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+
+# --- jit helpers ----------------------------------------------------------------------
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^{2x} + 1): exact limits +-1 (e^{2x} overflowing to inf is fine)
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _load_rows(base, row0, n_rows, stride_r, stride_d,
+               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """Rows ``row0 .. row0 + BLOCK_R`` of a ``(n_rows, HEAD_DIM)`` matrix at ``base``.
+
+    Rows ``>= n_rows`` (when ``CHECK_ROWS``) and columns ``>= HEAD_DIM`` read as 0.
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = (base + row0.to(tl.int64) * stride_r
+            + (offs_r[:, None] * stride_r + offs_d[None, :] * stride_d))
+    if CHECK_ROWS:
+        mask = (row0 + offs_r)[:, None] < n_rows
+        if BLOCK_D != HEAD_DIM:
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        return tl.load(ptrs, mask=mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _load_tile(desc, base, tma_b, tma_h, tma_row, row0, n_rows, stride_r, stride_d,
+               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+               CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+    """A ``[BLOCK_R, BLOCK_D]`` tile: TMA (``desc`` at ``[tma_b, tma_h, tma_row + row0, 0]``)
+    or pointers (``base``, local rows ``row0..``)."""
+    if USE_TMA:
+        t = desc.load([tma_b, tma_h, tma_row + row0, 0])
+        return t.reshape([BLOCK_R, BLOCK_D])
+    else:
+        return _load_rows(base, row0, n_rows, stride_r, stride_d, BLOCK_R, BLOCK_D, HEAD_DIM,
+                          CHECK_ROWS)
+
+
+@triton.jit
+def _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
+            SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+            HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
+    """Raw ``q.k`` -> scores. With softcap / score_mod: base-2 units (``s log2 e``).
+    Without: ``qk`` unchanged (the caller multiplies by ``qk_scale = scale log2 e``).
+
+    ``qk_scale`` is ``scale / softcap`` with softcap, ``scale`` with score_mod only."""
+    if HAS_SOFTCAP or HAS_SCORE_MOD:
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(qk * qk_scale)
+        else:
+            s = qk * qk_scale
+        if HAS_SCORE_MOD:
+            s = score_fn(s, b, h, offs_m[:, None], offs_n[None, :],
+                         SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3).to(tl.float32)
+        return s * 1.4426950408889634
+    else:
+        return qk
+
+
+@triton.jit
+def _visible(offs_m, offs_n, k_len, delta, win_left, win_right, b, h, mask_fn,
+             MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, APPLY_MASK_MOD: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` visibility: ``j < N_k``, ``i + delta - L <= j <= i + delta + R``
+    (``delta = N_k - N_q``: bottom-right alignment), and ``mask_mod(b, h, i, j)``."""
+    vis = offs_n[None, :] < k_len
+    if MASK_RIGHT:
+        vis = vis & (offs_n[None, :] <= offs_m[:, None] + (delta + win_right))
+    if MASK_LEFT:
+        vis = vis & (offs_n[None, :] >= offs_m[:, None] + (delta - win_left))
+    if APPLY_MASK_MOD:
+        mm = mask_fn(b, h, offs_m[:, None], offs_n[None, :],
+                     MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3)
+        vis = vis & (mm != 0)
+    return vis
+
+
+@triton.jit
+def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
+             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len,
+             skn, skd, svn, svd,
+             offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+             score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+             SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
+             APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr):
+    """Fold key tile ``i`` of a run into ``(acc, l, m)``.
+
+    Dense (``SPARSE=False``): the tile starts at ``lo + i BLOCK_N``. Sparse: it is
+    sub-tile ``i % R`` of key block ``idx_ptr[i // R]`` (``R = SPARSE_N / BLOCK_N``).
+    ``MASKED`` evaluates :func:`_visible` (else every pair is known visible and in range,
+    and loads skip the row check).
+    """
+    if SPARSE:
+        blk = tl.load(idx_ptr + i // (SPARSE_N // BLOCK_N))
+        start_n = blk * SPARSE_N + (i % (SPARSE_N // BLOCK_N)) * BLOCK_N
+    else:
+        start_n = lo + i * BLOCK_N
+    start_n = tl.multiple_of(start_n, BLOCK_N)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    # -- scores: [BLOCK_M, BLOCK_N] fp32
+    k = _load_tile(desc_k, k_base, tma_b, hk, k_row, start_n, k_len, skn, skd,
+                   BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, USE_TMA)
+    qk = tl.dot(q, tl.trans(k))
+    s = _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
+                SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, HAS_SOFTCAP, HAS_SCORE_MOD)
+    if MASKED:
+        vis = _visible(offs_m, offs_n, k_len, delta, win_left, win_right, b, h, mask_fn,
+                       MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                       MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
+        s = tl.where(vis, s, float("-inf"))
+    # -- online softmax in base 2; keep the pivot finite (no -inf - -inf)
+    if HAS_SOFTCAP or HAS_SCORE_MOD:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - pivot[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * qk_scale - pivot[:, None])
+    alpha = tl.math.exp2(m_i - pivot)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # -- acc = alpha acc + p @ v: [BLOCK_M, BLOCK_DV]
+    v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
+                   BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
+             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len,
+             skn, skd, svn, svd,
+             offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+             score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+             SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
+             APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
+             WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold ``count`` key tiles (:func:`_kv_step`) into ``(acc, l, m)``.
+
+    Compiled: ``tl.range`` (software-pipelined; ``WARP_SPEC`` asks for warp
+    specialization). Under ``TRITON_INTERPRET`` a ``while`` loop: the interpreter's
+    ``range`` takes ``int()`` of a one-element array, which NumPy >= 2.4 rejects.
+    """
+    if INTERPRET:
+        i = 0
+        while i < count:
+            acc, l_i, m_i = _kv_step(
+                acc, l_i, m_i, q, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base, tma_b, hk,
+                k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left, win_right, b, h,
+                qk_scale, softcap, score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
+                MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
+                USE_TMA)
+            i += 1
+    else:
+        for i in tl.range(0, count, warp_specialize=WARP_SPEC):
+            acc, l_i, m_i = _kv_step(
+                acc, l_i, m_i, q, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base, tma_b, hk,
+                k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left, win_right, b, h,
+                qk_scale, softcap, score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
+                MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
+                USE_TMA)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Key tiles of query tile ``start_m`` as three runs ``[t_lo, t_a)`` masked,
+    ``[t_a, t_c)`` unmasked, ``[t_c, t_hi)`` masked (tile indices).
+
+    Visible keys of row ``i`` lie in ``[i + delta - L, i + delta + R] & [0, k_len)``; a
+    tile needs no mask when it is inside that range for every real row of the query tile
+    (first row for the right edge, last row for the left edge) and inside ``k_len``.
+    Positions are clamped at 0 before dividing (integer division truncates).
+    """
+    m_last = tl.minimum(start_m + BLOCK_M, q_len) - 1
+    hi = k_len
+    full_hi = k_len
+    if MASK_RIGHT:
+        hi = tl.minimum(hi, m_last + delta + win_right + 1)
+        full_hi = tl.minimum(full_hi, start_m + delta + win_right + 1)
+    lo = 0
+    full_lo = 0
+    if MASK_LEFT:
+        lo = tl.maximum(start_m + delta - win_left, 0)
+        full_lo = tl.maximum(m_last + delta - win_left, 0)
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    t_lo = lo // BLOCK_N
+    t_hi = tl.maximum((hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+    t_a = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, t_lo), t_hi)
+    t_c = tl.minimum(tl.maximum(full_hi // BLOCK_N, t_a), t_hi)
+    return t_lo, t_a, t_c, t_hi
+
+
+# --- the kernel -------------------------------------------------------------------------
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE, desc_q, desc_k, desc_v,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, slb, slh,
+    NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
+    qk_scale, softcap, win_left, win_right,
+    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
+    score_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
+    REVERSE_M: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # program -> (query tile, batch, head); query tiles of one head are adjacent (K/V
+    # stay in L2); causal runs the heaviest (last) query tiles of each head first
+    pid = tl.program_id(0)
+    bh = pid // NUM_M
+    mt = pid % NUM_M
+    if REVERSE_M:
+        mt = NUM_M - 1 - mt
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    start_m = mt * BLOCK_M
+    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    o_base = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    if IS_VARLEN:
+        # packed sequences (batch dim 1; launcher passes batch strides 0); b = sequence
+        q_row = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_row
+        k_row = tl.load(CU_K + b)
+        k_len = tl.load(CU_K + b + 1) - k_row
+        if start_m >= q_len:
+            return
+        q_base += q_row.to(tl.int64) * sqm
+        k_base += k_row.to(tl.int64) * skn
+        v_base += k_row.to(tl.int64) * svn
+        o_base += q_row.to(tl.int64) * som
+        tma_b = 0
+    else:
+        q_row = 0
+        q_len = SEQ_Q
+        k_row = 0
+        k_len = SEQ_K
+        tma_b = b
+    delta = k_len - q_len
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+
+    # -- state (m, l, acc) = identity; q stays on chip
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    q = _load_tile(desc_q, q_base, tma_b, h, q_row, start_m, q_len, sqm, sqd,
+                   BLOCK_M, BLOCK_D, HEAD_DIM, True, USE_TMA)
+
+    if HAS_BLOCK_MASK:
+        # PARTIAL tiles (mask_mod evaluated), then FULL tiles (no mask_mod)
+        R: tl.constexpr = SPARSE_N // BLOCK_N
+        row = start_m // SPARSE_M
+        n_off = b.to(tl.int64) * bn_b + h.to(tl.int64) * bn_h + row
+        i_off = b.to(tl.int64) * bi_b + h.to(tl.int64) * bi_h + row.to(tl.int64) * bi_m
+        n_part = tl.load(PART_NUM + n_off)
+        acc, l_i, m_i = _kv_loop(
+            acc, l_i, m_i, q, 0, n_part * R, PART_IDX + i_off,
+            desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+            offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+            score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+            mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
+            True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False, INTERPRET)
+        n_full = tl.load(FULL_NUM + n_off)
+        acc, l_i, m_i = _kv_loop(
+            acc, l_i, m_i, q, 0, n_full * R, FULL_IDX + i_off,
+            desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+            offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+            score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+            mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
+            FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
+            USE_TMA, WARP_SPEC, INTERPRET)
+    else:
+        t_lo, t_a, t_c, t_hi = _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
+                                            BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        # unmasked interior first, then the masked edges (order is free: the combine
+        # is commutative)
+        acc, l_i, m_i = _kv_loop(
+            acc, l_i, m_i, q, t_a * BLOCK_N, t_c - t_a, PART_IDX,
+            desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+            offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+            score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+            mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
+            False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, WARP_SPEC, INTERPRET)
+        if MASK_LEFT:
+            acc, l_i, m_i = _kv_loop(
+                acc, l_i, m_i, q, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
+                desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+                offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+                score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
+                True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False, INTERPRET)
+        acc, l_i, m_i = _kv_loop(
+            acc, l_i, m_i, q, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
+            desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+            offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+            score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+            mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
+            True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False, INTERPRET)
+
+    # -- finalize: o = acc / l (0 for a row with no visible key), lse = (m + log2 l) ln 2
+    live = l_i > 0.0
+    o = acc / tl.where(live, l_i, 1.0)[:, None]
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o_ptrs = (o_base + start_m.to(tl.int64) * som
+              + (tl.arange(0, BLOCK_M)[:, None] * som + offs_dv[None, :] * sod))
+    o_mask = offs_m[:, None] < q_len
+    if BLOCK_DV != HEAD_DIM_V:
+        o_mask = o_mask & (offs_dv[None, :] < HEAD_DIM_V)
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=o_mask)
+    if RETURN_LSE:
+        lse = (m_i + tl.math.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453
+        lse = tl.where(live, lse, float("-inf"))
+        lse_ptrs = LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + q_row + offs_m
+        tl.store(lse_ptrs, lse, mask=offs_m < q_len)
+
+
+# --- launcher ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tile sizes and launch options of one forward launch."""
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    use_tma: bool = False
+    warp_specialize: bool = False
+
+    def __str__(self):
+        return (f"BM{self.block_m}-BN{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+                f"{'-tma' if self.use_tma else ''}{'-ws' if self.warp_specialize else ''}")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+#: Hopper heuristic keyed on the padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+#: Chosen from the FA2 / Triton-tutorial design space and checked (ahead-of-time compile for
+#: sm_90) for zero register spills and shared memory under 227 KB; retune with
+#: ``benchmarks/attention.py --tune`` on the H200.
+HOPPER_CONFIGS = {
+    32: (128, 128, 4, 3),
+    64: (128, 128, 4, 3),
+    128: (128, 128, 8, 2),
+    256: (128, 64, 8, 2),
+}
+#: TMA tensor descriptors for Q/K/V on sm_90+ when strides allow (else plain pointers)
+USE_TMA_DEFAULT = True
+
+
+def block_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """Power-of-two tile widths covering the head dims (96 -> 128, 192 -> 256)."""
+    return triton.next_power_of_2(head_dim), triton.next_power_of_2(head_dim_v)
+
+
+def default_config(q, head_dim: int, head_dim_v: int) -> FwdConfig:
+    """The launch configuration for these inputs (heuristic; no autotuning)."""
+    if q.device.type != "cuda" or _interpreting():
+        return FwdConfig(16, 16, 4, 1, use_tma=False)
+    bd = max(block_dims(head_dim, head_dim_v))
+    bm, bn, warps, stages = HOPPER_CONFIGS[min(max(bd, 32), 256)]
+    major = torch.cuda.get_device_capability(q.device)[0]
+    if major < 9:                                 # Ampere and older: smaller stages, no TMA
+        return FwdConfig(bm if bd <= 128 else 64, min(bn, 64), warps, 2, use_tma=False)
+    return FwdConfig(bm, bn, warps, stages, use_tma=USE_TMA_DEFAULT and TensorDescriptor is not None)
+
+
+def tma_ok(*tensors) -> bool:
+    """Whether TMA descriptors can address these tensors: unit last stride, 16-byte aligned
+    base and strides (of dims longer than 1), no zero strides."""
+    if TensorDescriptor is None:
+        return False
+    for t in tensors:
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(s == 0 or (s * es) % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            return False
+    return True
+
+
+def _desc(t, block_rows, block_d):
+    """A 4-D TMA descriptor over ``t (B, H, N, D)`` loading ``[1, 1, block_rows, block_d]``
+    boxes (the stride of a size-1 dim is irrelevant; replaced by an aligned value)."""
+    align = 16 // t.element_size()
+    strides = [s if n > 1 else align for s, n in zip(t.stride(), t.shape)]
+    strides[-1] = 1
+    return TensorDescriptor(t, list(t.shape), strides, [1, 1, block_rows, block_d])
+
+
+def _none_args(n):
+    return [None] * n
+
+
+def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
+                      left: int | None = None, right: int | None = None,
+                      score_mod: TracedMod | None = None, block_mask: BlockMask | None = None,
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+                      max_seqlen_k: int | None = None, return_lse: bool = True,
+                      full_needs_mask: bool = True, config: FwdConfig | None = None):
+    """Launch the forward kernel; returns ``(o, lse)`` (``lse`` None unless ``return_lse``).
+
+    Inputs are validated by :func:`flashfold.attention`; this expects: ``q (B, Hq, Nq, D)``,
+    ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)`` on one device, ``Hq % Hk == 0``,
+    ``left``/``right`` the bottom-right aligned window (causal folded in as ``right=0``;
+    None = unbounded), ``scale > 0``, ``softcap > 0`` or None, varlen ``cu_seqlens_*``
+    int32 ``(S + 1,)`` with ``max_seqlen_*``. ``block_mask`` carries the traced mask_mod;
+    ``full_needs_mask=False`` promises that its FULL tiles need no masking at all (the
+    table was computed for these lengths and this window), else the kernel also applies
+    bounds and window masks inside FULL tiles. ``config`` overrides the heuristic.
+    """
+    o, lse, launch = prepare_forward(
+        q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
+        block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
+        full_needs_mask=full_needs_mask, config=config)
+    if launch is not None:
+        grid, args, kwargs = launch
+        _attn_fwd[grid](*args, **kwargs)
+    return o, lse
+
+
+def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
+                    block_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                    max_seqlen_k=None, return_lse=True, full_needs_mask=True, config=None,
+                    interpret=None):
+    """Allocate the outputs and build the launch: ``(o, lse, (grid, args, kwargs) | None)``.
+
+    Separate from the launch so that tools can compile the exact specialization ahead of
+    time (``benchmarks/attention.py``, ``tests/test_attention_compile.py``).
+    """
+    B, HQ, NQ, D = q.shape
+    HK, NK, DV = k.shape[1], k.shape[2], v.shape[3]
+    varlen = cu_seqlens_q is not None
+    n_seq = cu_seqlens_q.shape[0] - 1 if varlen else B
+    seq_q = max_seqlen_q if varlen else NQ
+    seq_k = max_seqlen_k if varlen else NK
+    o = torch.empty((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
+    if B == 0 or HQ == 0 or NQ == 0 or n_seq == 0:
+        return o, lse, None
+    BD, BDV = block_dims(D, DV)
+    cfg = config or default_config(q, D, DV)
+    if block_mask is not None:
+        sm, sn = block_mask.BLOCK_SIZE
+        # kernel tiles must divide the block-mask tiles
+        cfg = replace(cfg, block_m=min(cfg.block_m, sm), block_n=min(cfg.block_n, sn))
+    use_tma = cfg.use_tma and tma_ok(q, k, v)
+    if use_tma:
+        desc_q = _desc(q, cfg.block_m, BD)
+        desc_k = _desc(k, cfg.block_n, BD)
+        desc_v = _desc(v, cfg.block_n, BDV)
+    else:
+        desc_q, desc_k, desc_v = q, k, v
+
+    # scale folding: plain -> scale log2(e); softcap -> scale / c; score_mod only -> scale
+    has_softcap = softcap is not None
+    has_mod = score_mod is not None
+    if has_softcap:
+        qk_scale = scale / softcap
+    elif has_mod:
+        qk_scale = scale
+    else:
+        qk_scale = scale * LOG2E
+    sargs = score_mod.buffer_args(q.device) if has_mod else _none_args(2 * MAX_BUFFERS)
+    if block_mask is not None:
+        bmk = block_mask
+        margs = bmk.mod.buffer_args(q.device)
+        Bm, Hm = bmk.state.shape[0], bmk.state.shape[1]
+        nM, nN = bmk.state.shape[2], bmk.state.shape[3]
+        tables = [bmk.partial_num, bmk.partial_idx, bmk.full_num, bmk.full_idx]
+        strides = [Hm * nM if Bm > 1 else 0, nM if Hm > 1 else 0,
+                   Hm * nM * nN if Bm > 1 else 0, nM * nN if Hm > 1 else 0, nN]
+        sparse = bmk.BLOCK_SIZE
+        mask_fn = bmk.mod.triton_fn()
+    else:
+        margs = _none_args(2 * MAX_BUFFERS)
+        tables = [None, None, None, None]
+        strides = [0, 0, 0, 0, 0]
+        sparse = (cfg.block_m, cfg.block_n)
+        full_needs_mask = False
+        mask_fn = None
+    num_m = triton.cdiv(seq_q, cfg.block_m)
+    grid = (num_m * n_seq * HQ,)
+    zb = 0 if varlen else None
+    args = [
+        q, k, v, o, lse, desc_q, desc_k, desc_v,
+        zb if varlen else q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+        zb if varlen else k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+        zb if varlen else v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+        zb if varlen else o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        (zb if varlen else lse.stride(0)) if return_lse else 0,
+        lse.stride(1) if return_lse else 0,
+        num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
+        qk_scale, float(softcap) if has_softcap else 1.0,
+        int(left) if left is not None else 0, int(right) if right is not None else 0,
+        *tables, *strides,
+        score_mod.triton_fn() if has_mod else None, *sargs,
+        mask_fn, *margs,
+    ]
+    kwargs = dict(
+        HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPARSE_M=sparse[0], SPARSE_N=sparse[1],
+        MASK_LEFT=left is not None, MASK_RIGHT=right is not None, HAS_SOFTCAP=has_softcap,
+        HAS_SCORE_MOD=has_mod, HAS_BLOCK_MASK=block_mask is not None,
+        FULL_NEEDS_MASK=full_needs_mask, IS_VARLEN=varlen, USE_TMA=use_tma,
+        RETURN_LSE=return_lse, REVERSE_M=right is not None,
+        WARP_SPEC=cfg.warp_specialize, INTERPRET=_interpreting() if interpret is None else interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return o, lse, (grid, args, kwargs)
+
+
+__all__ = ["attention_forward", "prepare_forward", "FwdConfig", "default_config", "tma_ok", "HOPPER_CONFIGS",
+           "USE_TMA_DEFAULT", "LOG2E", "LN2"]

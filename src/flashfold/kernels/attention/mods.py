@@ -1,0 +1,599 @@
+"""Score modifications, mask modifications and block masks for exact attention.
+
+A *score_mod* and a *mask_mod* are small Python functions over :mod:`flashfold.ops`::
+
+    def alibi_mod(score, b, h, q_idx, kv_idx):          # -> the modified score
+        return score + slopes[h] * ops.to_float(kv_idx - q_idx)
+
+    def document(b, h, q_idx, kv_idx):                  # -> True where the key is visible
+        return docs[q_idx] == docs[kv_idx]
+
+``b`` is the batch index (the sequence index with ``cu_seqlens``), ``h`` the *query* head,
+``q_idx`` / ``kv_idx`` the positions inside the sequence (0-based, before any bottom-right
+alignment), ``score`` the scaled (and soft-capped) score in natural-log units. Tables a
+function reads are captured with ``ops.Buffer(tensor)``.
+
+Each function is traced once (per function object) into the same IR the monoids use
+(:func:`trace_score_mod`, :func:`trace_mask_mod` -> :class:`TracedMod`) and lowered
+
+* to torch (:meth:`TracedMod.torch_fn`), for the CPU path and for the block-mask
+  computation;
+* to one ``@triton.jit`` function with a *fixed* signature (:meth:`TracedMod.triton_fn`)::
+
+      score_fn(score, b, h, q_idx, kv_idx, B0, N0, B1, N1, B2, N2, B3, N3) -> score
+      mask_fn(b, h, q_idx, kv_idx, B0, N0, B1, N1, B2, N2, B3, N3)        -> visible
+
+  ``Bi, Ni`` are the pointer and element count of captured buffer ``i`` (``None`` when
+  unused; at most :data:`MAX_BUFFERS`), so one kernel signature serves every mod. The
+  kernel calls it on a ``[BLOCK_M, BLOCK_N]`` score tile with ``q_idx`` of shape
+  ``[BLOCK_M, 1]`` and ``kv_idx`` of shape ``[1, BLOCK_N]`` (int32); ``b`` and ``h``
+  are scalars.
+
+The traced :class:`~flashfold.algebra.ir.Graph` stays reachable (``TracedMod.graph``) so
+that the backward pass can differentiate the same expression.
+
+Block masks
+-----------
+A mask_mod is evaluated once per ``(BLOCK_M x BLOCK_N)`` tile of the score matrix
+(:func:`create_block_mask`): a tile is EMPTY (no visible pair: skipped entirely), FULL
+(every pair of a real query row is visible: no mask is evaluated) or PARTIAL (the kernel
+evaluates ``mask_mod`` elementwise). The kernel walks, per query tile, the list of PARTIAL
+tiles and then the list of FULL tiles, so hidden tiles cost nothing and the loads stay
+pipelinable. :class:`BlockMask` holds the dense state table and the two sorted lists;
+``attention`` computes one from a callable ``mask_mod`` on first use and caches it (keyed
+by the traced expression, the captured tables' identity and version, the shapes and the
+built-in masks), or takes a precomputed one.
+
+User helpers (re-exported by :mod:`flashfold.mods`): :func:`causal_mask`,
+:func:`sliding_window_mask`, :func:`document_mask`, :func:`prefix_lm_mask`,
+:func:`key_padding_mask`, :func:`and_masks`, :func:`or_masks` (mask_mods) and
+:func:`alibi`, :func:`relative_bias`, :func:`softcap_mod` (score_mods).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from ...algebra import ops
+from ...algebra.ir import Buffer, Graph, Var, trace
+from ...algebra.lower import function_source
+from ..torch_lower import TORCH
+
+#: captured tables a score_mod or mask_mod may read (kernel signature slots)
+MAX_BUFFERS = 4
+
+SCORE_INPUTS = (Var("score"), Var("b"), Var("h"), Var("q_idx"), Var("kv_idx"))
+MASK_INPUTS = (Var("b"), Var("h"), Var("q_idx"), Var("kv_idx"))
+
+#: block states in :attr:`BlockMask.state`
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+# --- traced mods ----------------------------------------------------------------------
+
+class TracedMod:
+    """A score_mod or mask_mod traced into the IR, with its torch and Triton lowerings.
+
+    Attributes: ``kind`` (``"score"`` or ``"mask"``), ``fn`` (the user's function),
+    ``graph`` (the traced :class:`Graph`), ``name``. ``key`` is the content hash of the
+    expression (captured tables enter by shape, not value).
+    """
+
+    def __init__(self, kind: str, fn, graph: Graph):
+        self.kind = kind
+        self.fn = fn
+        self.graph = graph
+        self.name = getattr(fn, "__name__", kind + "_mod")
+        self.key = graph.key()
+        self._torch: dict = {}
+        self._triton = None
+        self._lock = threading.Lock()
+        if len(graph.buffers) > MAX_BUFFERS:
+            raise ValueError(f"{kind}_mod {self.name!r} captures {len(graph.buffers)} tables; "
+                             f"at most {MAX_BUFFERS} ops.Buffer tables are supported")
+
+    def __repr__(self):
+        return f"TracedMod({self.kind}, {self.name!r}, key={self.key})"
+
+    @property
+    def buffers(self) -> tuple:
+        return self.graph.buffers
+
+    def uses(self, name: str) -> bool:
+        """Whether the expression depends on input ``name`` (``"b"``, ``"h"``, ...)."""
+        return name in _used_vars(self.graph)
+
+    def buffer_versions(self) -> tuple:
+        """Identity and version of the captured tables (a cache key component)."""
+        out = []
+        for b in self.buffers:
+            data = b.data
+            out.append((id(data), _data_ptr(data), getattr(data, "_version", 0), b.shape))
+        return tuple(out)
+
+    # torch ------------------------------------------------------------------------
+    def torch_fn(self, device):
+        """The torch lowering, with captured tables moved to ``device`` (cached per device).
+
+        Call it as ``fn(score, b, h, q_idx, kv_idx)`` / ``fn(b, h, q_idx, kv_idx)`` on
+        broadcastable tensors; returns one tensor (a Python scalar output is returned as a
+        0-d tensor).
+        """
+        device = torch.device(device)
+        key = (str(device), self.buffer_versions())
+        fn = self._torch.get(key)
+        if fn is not None:
+            return fn
+        src = function_source(self.graph, TORCH, "_mod")
+        ns = dict(TORCH.namespace)
+        exec(compile(src, f"<flashfold:torch:{self.graph.name}>", "exec"), ns)
+        inner = ns["_mod"]
+        bufs = [_flat_tensor(b.data, device) for b in self.buffers]
+
+        def fn(*args):
+            out = inner(*args, *bufs)[0]
+            return out if isinstance(out, torch.Tensor) else torch.as_tensor(out, device=device)
+        fn.__flashfold_source__ = src
+        self._torch = {key: fn}                    # keep only the latest tables' version
+        return fn
+
+    # triton -----------------------------------------------------------------------
+    def triton_fn(self):
+        """The ``@triton.jit`` function with the fixed signature (module docstring)."""
+        if self._triton is None:
+            with self._lock:
+                if self._triton is None:
+                    self._triton = _triton_wrapper(self)
+        return self._triton
+
+    def buffer_args(self, device) -> list:
+        """Run-time kernel arguments ``[B0, N0, ..., B3, N3]`` for the captured tables."""
+        out: list = []
+        for b in self.buffers:
+            t = _flat_tensor(b.data, device)
+            out += [t, t.numel()]
+        out += [None, None] * (MAX_BUFFERS - len(self.buffers))
+        return out
+
+
+def _data_ptr(data) -> int:
+    try:
+        return int(data.data_ptr())
+    except Exception:                             # NumPy arrays, lists
+        return 0
+
+
+def _flat_tensor(data, device):
+    """A captured table as a flat tensor on ``device`` (moved there once if needed)."""
+    t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data)
+    if t.device != torch.device(device):
+        t = t.to(device)
+    if not t.is_contiguous():
+        t = t.contiguous()                        # documented: tables are small
+    return t.reshape(-1)
+
+
+def _used_vars(graph: Graph) -> set:
+    seen, out, stack = set(), set(), list(graph.outputs)
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op == "var":
+            out.add(n.attr)
+        stack.extend(n.args)
+    return out
+
+
+_TRACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TRACE_LOCK = threading.Lock()
+
+
+def _trace(kind: str, fn, inputs) -> TracedMod:
+    if isinstance(fn, TracedMod):
+        if fn.kind != kind:
+            raise TypeError(f"expected a {kind}_mod, got a traced {fn.kind}_mod")
+        return fn
+    if not callable(fn):
+        raise TypeError(f"{kind}_mod must be a callable, got {type(fn).__name__}")
+    try:
+        hit = _TRACES.get(fn)
+    except TypeError:                              # not weak-referenceable
+        hit = None
+    if hit is not None:
+        return hit
+    name = getattr(fn, "__name__", kind + "_mod")
+    try:
+        graph = trace(fn, list(inputs), f"{kind}_mod.{name}", n_outputs=1)
+    except ValueError as e:
+        raise ValueError(f"{kind}_mod {name!r} must return exactly one value: {e}") from None
+    mod = TracedMod(kind, fn, graph)
+    try:
+        with _TRACE_LOCK:
+            _TRACES[fn] = mod
+    except TypeError:
+        pass
+    return mod
+
+
+def trace_score_mod(fn) -> TracedMod:
+    """Trace ``fn(score, b, h, q_idx, kv_idx) -> score`` (cached per function object)."""
+    return _trace("score", fn, SCORE_INPUTS)
+
+
+def trace_mask_mod(fn) -> TracedMod:
+    """Trace ``fn(b, h, q_idx, kv_idx) -> bool`` (cached per function object)."""
+    return _trace("mask", fn, MASK_INPUTS)
+
+
+def _triton_wrapper(mod: TracedMod):
+    from ..codegen import jit_source, load_source
+
+    n = len(mod.buffers)
+    names = [v.name for v in mod.graph.inputs]
+    body = jit_source(mod.graph, "body", names)
+    slots = ", ".join(f"B{i}, N{i}" for i in range(MAX_BUFFERS))
+    used = "".join(f", B{i}, N{i}" for i in range(n))
+    fname = "score_fn" if mod.kind == "score" else "mask_fn"
+    wrapper = (f"@triton.jit\ndef {fname}({', '.join(names)}, {slots}):\n"
+               f"    r = body({', '.join(names)}{used})\n"
+               f"    return r[0]\n")
+    module = load_source(body + "\n\n" + wrapper, f"{mod.kind}_mod")
+    return getattr(module, fname)
+
+
+# --- block masks ----------------------------------------------------------------------
+
+class BlockMask:
+    """Which ``(BLOCK_M x BLOCK_N)`` tiles of the score matrix a mask hides.
+
+    Shapes (``Bm``/``Hm`` are 1 when the mask does not depend on ``b``/``h``; the
+    kernel broadcasts them):
+
+    * ``state``: int8 ``(Bm, Hm, nM, nN)``: ``EMPTY`` (0), ``PARTIAL`` (1), ``FULL`` (2);
+    * ``partial_num`` / ``full_num``: int32 ``(Bm, Hm, nM)``: tiles per query block;
+    * ``partial_idx`` / ``full_idx``: int32 ``(Bm, Hm, nM, nN)``: their key-block
+      indices, ascending, in the first ``*_num`` entries of each row.
+
+    ``exact`` is True when FULL tiles need no masking at all in the kernel (the table
+    already accounts for sequence bounds and any causal/window mask); otherwise the
+    kernel also applies its built-in masks inside FULL tiles.
+    """
+
+    def __init__(self, *, mask_mod: TracedMod, state, partial_num, partial_idx, full_num,
+                 full_idx, shape, block_size, exact: bool, builtins=(None, None)):
+        self.mod = mask_mod
+        self.state = state
+        self.partial_num = partial_num
+        self.partial_idx = partial_idx
+        self.full_num = full_num
+        self.full_idx = full_idx
+        self.shape = tuple(shape)                 # (B, H, Q_LEN, KV_LEN); None = broadcast
+        self.BLOCK_SIZE = tuple(block_size)
+        self.exact = exact
+        self.builtins = builtins                  # (left, right) folded into the table
+
+    @property
+    def mask_mod(self):
+        """The user's mask function."""
+        return self.mod.fn
+
+    @property
+    def graph(self) -> Graph:
+        return self.mod.graph
+
+    @property
+    def device(self):
+        return self.state.device
+
+    def sparsity(self) -> float:
+        """Fraction of tiles skipped (EMPTY)."""
+        return float((self.state == EMPTY).float().mean())
+
+    def to_dense(self):
+        """The int8 state table ``(Bm, Hm, nM, nN)``."""
+        return self.state
+
+    def __repr__(self):
+        counts = [int((self.state == s).sum()) for s in (EMPTY, PARTIAL, FULL)]
+        return (f"BlockMask({self.mod.name!r}, shape={self.shape}, block={self.BLOCK_SIZE}, "
+                f"tiles empty/partial/full={counts[0]}/{counts[1]}/{counts[2]}, "
+                f"sparsity={self.sparsity():.1%})")
+
+
+def _lists(state):
+    """Sorted index lists of the PARTIAL and FULL tiles of each query block."""
+    nN = state.shape[-1]
+    idx = torch.arange(nN, device=state.device, dtype=torch.int32)
+    out = []
+    for s in (PARTIAL, FULL):
+        hit = state == s
+        key = torch.where(hit, idx, idx + nN)     # hits first, ascending
+        order = torch.argsort(key, dim=-1).to(torch.int32).contiguous()
+        out += [hit.sum(-1, dtype=torch.int32).contiguous(), order]
+    return out
+
+
+def _visible_chunk(mask_fn, b, h, q, kv, lq, lk, left, right):
+    """Visibility of pairs ``(h, q, kv)`` of sequence ``b`` (bool ``(Hm, R, C)``)."""
+    vis = kv < lk
+    off = lk - lq
+    if right is not None:
+        vis = vis & (kv <= q + off + right)
+    if left is not None:
+        vis = vis & (kv >= q + off - left)
+    if mask_fn is not None:
+        m = mask_fn(b, h, q, kv)
+        vis = vis & (m if m.dtype == torch.bool else m != 0)
+    return vis
+
+
+def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, q_len: int,
+                       kv_len: int, block_m: int, block_n: int, device, lens_q=None,
+                       lens_k=None, left=None, right=None, exact=True) -> BlockMask:
+    """Evaluate ``mod`` tile by tile (chunked: at most ~16M pairs at a time).
+
+    ``lens_q``/``lens_k`` are per-sequence lengths (varlen; default ``q_len``/``kv_len``);
+    ``left``/``right`` fold a bottom-right aligned window (causal is ``right=0``) into the
+    table. ``batch``/``heads`` of ``None`` broadcast (the mask must then not use b / h).
+    """
+    device = torch.device(device)
+    for name, val in (("B", batch), ("H", heads)):
+        if val is None and mod.uses(name.lower()):
+            raise ValueError(f"mask_mod {mod.name!r} depends on {name.lower()}; pass {name} "
+                             f"(not None) to create_block_mask")
+    per_seq = lens_q is not None or lens_k is not None
+    Bm = batch if (batch is not None and (mod.uses("b") or per_seq)) else 1
+    Hm = heads if (heads is not None and mod.uses("h")) else 1
+    nM, nN = -(-q_len // block_m), -(-kv_len // block_n)
+    lq_all = list(lens_q) if lens_q is not None else [q_len] * Bm
+    lk_all = list(lens_k) if lens_k is not None else [kv_len] * Bm
+    state = torch.zeros((Bm, Hm, nM, nN), dtype=torch.int8, device=device)
+    fn = mod.torch_fn(device)
+    budget = 1 << 24
+    cols = max(1, min(nN, budget // max(1, Hm * block_m * block_n)))
+    rows = max(1, min(nM, budget // max(1, Hm * block_m * cols * block_n)))
+    h = torch.arange(Hm, device=device).view(Hm, 1, 1)
+    for bi in range(Bm):
+        b = torch.tensor(bi, device=device)
+        lq, lk = int(lq_all[bi]), int(lk_all[bi])
+        for r0 in range(0, nM, rows):
+            r1 = min(nM, r0 + rows)
+            q = torch.arange(r0 * block_m, r1 * block_m, device=device).view(1, -1, 1)
+            qvalid = q < lq
+            for c0 in range(0, nN, cols):
+                c1 = min(nN, c0 + cols)
+                kv = torch.arange(c0 * block_n, c1 * block_n, device=device).view(1, 1, -1)
+                vis = _visible_chunk(fn, b, h, q, kv, lq, lk, left, right)
+                vis = vis.expand(Hm, q.shape[1], kv.shape[2])
+                tiles = (Hm, r1 - r0, block_m, c1 - c0, block_n)
+                any_ = (vis & qvalid).reshape(tiles).any(4).any(2)
+                full = (vis | ~qvalid).reshape(tiles).all(4).all(2)
+                st = torch.where(any_, torch.where(full, FULL, PARTIAL), EMPTY).to(torch.int8)
+                state[bi, :, r0:r1, c0:c1] = st
+    pn, pi, fn_, fi = _lists(state)
+    return BlockMask(mask_mod=mod, state=state, partial_num=pn, partial_idx=pi, full_num=fn_,
+                     full_idx=fi, shape=(batch, heads, q_len, kv_len),
+                     block_size=(block_m, block_n), exact=exact, builtins=(left, right))
+
+
+def _check_block(name, v):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
+        raise ValueError(f"BLOCK_SIZE: {name} must be a power of two >= 16, got {v!r}")
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128) -> BlockMask:
+    """Precompute the block mask of ``mask_mod(b, h, q_idx, kv_idx)`` (cache and reuse it).
+
+    ``B``/``H`` may be ``None`` when the mask does not depend on ``b``/``h`` (it is then
+    broadcast). ``BLOCK_SIZE`` is an int or ``(BLOCK_M, BLOCK_N)`` (powers of two >= 16;
+    the kernel's tiles must divide them, which holds for the default 128). Pass the result
+    as ``attention(..., mask_mod=block_mask)``; positions are those of the un-aligned
+    score matrix (``q_idx < Q_LEN``, ``kv_idx < KV_LEN``).
+    """
+    mod = trace_mask_mod(mask_mod)
+    bm, bn = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    _check_block("BLOCK_M", bm)
+    _check_block("BLOCK_N", bn)
+    for name, val in (("B", B), ("H", H)):
+        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {val!r}")
+    for name, val in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return compute_block_mask(mod, batch=B, heads=H, q_len=Q_LEN, kv_len=KV_LEN, block_m=bm,
+                              block_n=bn, device=device, exact=True)
+
+
+_CACHE: "OrderedDict[tuple, BlockMask]" = OrderedDict()
+_CACHE_SIZE = 16
+_CACHE_LOCK = threading.Lock()
+
+
+def cached_block_mask(mod: TracedMod, *, batch, heads, q_len, kv_len, block_m, block_n, device,
+                      lens_q=None, lens_k=None, left=None, right=None) -> BlockMask:
+    """:func:`compute_block_mask`, memoized (LRU of 16) on everything it depends on."""
+    key = (mod.key, mod.buffer_versions(), batch, heads, q_len, kv_len, block_m, block_n,
+           str(torch.device(device)), None if lens_q is None else tuple(lens_q),
+           None if lens_k is None else tuple(lens_k), left, right)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    bm = compute_block_mask(mod, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len,
+                            block_m=block_m, block_n=block_n, device=device, lens_q=lens_q,
+                            lens_k=lens_k, left=left, right=right, exact=True)
+    with _CACHE_LOCK:
+        _CACHE[key] = bm
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return bm
+
+
+# --- helpers for users ------------------------------------------------------------------
+
+def _named(fn, name):
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    """Top-left aligned causal mask: ``kv_idx <= q_idx`` (``causal=True`` of
+    ``attention`` is bottom-right aligned instead; both agree when seq_q == seq_k)."""
+    return q_idx >= kv_idx
+
+
+def sliding_window_mask(left, right=0):
+    """``q_idx - left <= kv_idx <= q_idx + right`` (top-left aligned; ``None`` = unbounded)."""
+    def sliding_window(b, h, q_idx, kv_idx):
+        ok = None
+        if left is not None:
+            ok = kv_idx >= q_idx - left
+        if right is not None:
+            r = kv_idx <= q_idx + right
+            ok = r if ok is None else ok & r
+        return True if ok is None else ok
+    return _named(sliding_window, "sliding_window_mask")
+
+
+def _table(x, what):
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    if t.dim() not in (1, 2):
+        raise ValueError(f"{what}: expected a 1-D or 2-D tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def document_mask(doc_ids, kv_doc_ids=None):
+    """Attend only within a document: ``doc[q_idx] == kv_doc[kv_idx]``.
+
+    ``doc_ids``: int tensor ``(seq,)`` shared by the batch, or ``(batch, seq)``;
+    ``kv_doc_ids`` defaults to ``doc_ids`` (self-attention over packed documents).
+    Combine with ``causal=True`` for causal document masking.
+    """
+    dq = Buffer(_table(doc_ids, "doc_ids"))
+    dk = dq if kv_doc_ids is None else Buffer(_table(kv_doc_ids, "kv_doc_ids"))
+
+    def at(buf, b, i):
+        return buf[b, i] if len(buf.shape) == 2 else buf[i]
+
+    def document(b, h, q_idx, kv_idx):
+        return at(dq, b, q_idx) == at(dk, b, kv_idx)
+    return _named(document, "document_mask")
+
+
+def prefix_lm_mask(prefix_len):
+    """Prefix-LM: the first ``prefix_len`` keys are visible to every query, the rest
+    causally: ``kv_idx < prefix_len or kv_idx <= q_idx``. ``prefix_len`` is an int or an
+    int tensor ``(batch,)``."""
+    if isinstance(prefix_len, int) and not isinstance(prefix_len, bool):
+        n = prefix_len
+
+        def prefix_lm(b, h, q_idx, kv_idx):
+            return (kv_idx < n) | (kv_idx <= q_idx)
+    else:
+        lens = Buffer(_table(prefix_len, "prefix_len"))
+
+        def prefix_lm(b, h, q_idx, kv_idx):
+            return (kv_idx < lens[b]) | (kv_idx <= q_idx)
+    return _named(prefix_lm, "prefix_lm_mask")
+
+
+def key_padding_mask(lengths):
+    """Key padding: sequence ``b`` has ``lengths[b]`` real keys (``kv_idx < lengths[b]``)."""
+    lens = Buffer(_table(lengths, "lengths"))
+
+    def key_padding(b, h, q_idx, kv_idx):
+        return kv_idx < lens[b]
+    return _named(key_padding, "key_padding_mask")
+
+
+def and_masks(*mask_mods):
+    """Visible where every mask is."""
+    def both(b, h, q_idx, kv_idx):
+        out = True
+        for m in mask_mods:
+            out = m(b, h, q_idx, kv_idx) if out is True else out & m(b, h, q_idx, kv_idx)
+        return out
+    return _named(both, "and_masks")
+
+
+def or_masks(*mask_mods):
+    """Visible where any mask is."""
+    def either(b, h, q_idx, kv_idx):
+        out = False
+        for m in mask_mods:
+            out = m(b, h, q_idx, kv_idx) if out is False else out | m(b, h, q_idx, kv_idx)
+        return out
+    return _named(either, "or_masks")
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi head slopes (Press et al. 2022): ``2^(-8 i / n)``, i = 1..n, for n a power of
+    two; otherwise those of the next lower power of two, then every other slope of the
+    next higher one."""
+    def pow2(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    p = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = pow2(p)
+    if p < num_heads:
+        slopes += pow2(2 * p)[0::2][: num_heads - p]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi(num_heads: int, slopes=None):
+    """ALiBi score_mod: ``score + slope[h] * (kv_idx - q_idx)`` (a linear distance penalty
+    for keys behind the query)."""
+    tab = Buffer(slopes if slopes is not None else alibi_slopes(num_heads))
+
+    def alibi_bias(score, b, h, q_idx, kv_idx):
+        return score + tab[h] * ops.to_float(kv_idx - q_idx)
+    return _named(alibi_bias, "alibi")
+
+
+def relative_bias(table, max_distance: int | None = None):
+    """Learned relative-position bias: ``score + table[h, clamp(kv_idx - q_idx) + D]``.
+
+    ``table``: float ``(heads, 2 D + 1)`` (or ``(2 D + 1,)`` shared by heads), indexed by
+    the clamped relative position ``kv_idx - q_idx`` in ``[-D, D]``.
+    """
+    t = _table(table, "table")
+    width = t.shape[-1]
+    if width % 2 != 1:
+        raise ValueError(f"relative_bias: table's last dim must be 2 D + 1, got {width}")
+    d = (width - 1) // 2 if max_distance is None else int(max_distance)
+    if 2 * d + 1 != width:
+        raise ValueError(f"relative_bias: max_distance {d} needs a last dim of {2 * d + 1}, got {width}")
+    tab = Buffer(t)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        r = ops.clamp(kv_idx - q_idx, -d, d) + d
+        return score + (tab[h, r] if t.dim() == 2 else tab[r])
+    return _named(rel_bias, "relative_bias")
+
+
+def softcap_mod(cap: float):
+    """``cap * tanh(score / cap)`` as a score_mod (``attention(softcap=...)`` is built in)."""
+    c = float(cap)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return c * ops.tanh(score / c)
+    return _named(softcap, "softcap")
+
+
+__all__ = ["TracedMod", "BlockMask", "trace_score_mod", "trace_mask_mod", "create_block_mask",
+           "compute_block_mask", "cached_block_mask", "EMPTY", "PARTIAL", "FULL", "MAX_BUFFERS",
+           "causal_mask", "sliding_window_mask", "document_mask", "prefix_lm_mask",
+           "key_padding_mask", "and_masks", "or_masks", "alibi", "alibi_slopes",
+           "relative_bias", "softcap_mod"]

@@ -1,0 +1,227 @@
+r"""Pure-torch references for exact attention (no Triton import; any device; float64-capable).
+
+Semantics (the order is part of the contract; the Triton kernel follows it exactly). For
+query row ``i`` and key ``j`` of one (batch, head):
+
+.. math::
+
+    s_{ij} = \mathrm{scale}\; q_i \cdot k_j                      \qquad (\mathrm{scale} = 1/\sqrt{d} \text{ by default})
+
+    s_{ij} \leftarrow c \tanh(s_{ij} / c)                         \qquad (\text{softcap } c, \text{ if given})
+
+    s_{ij} \leftarrow \mathrm{score\_mod}(s_{ij}, b, h, i, j)      \qquad (\text{if given})
+
+    \text{visible}(i, j) = [j < N_k] \wedge [j \le i + \delta + R] \wedge [j \ge i + \delta - L]
+                           \wedge \mathrm{mask\_mod}(b, h, i, j), \qquad \delta = N_k - N_q
+
+where causal is the window ``R = 0`` (bottom-right aligned, as FlashAttention 2), a window
+``(L, R)`` bounds each side (``None``/``-1``: unbounded) and ``causal`` with a window uses
+``min(R, 0)``. Then, over the visible keys only,
+
+.. math::
+
+    \mathrm{lse}_i = \log \sum_j e^{s_{ij}}, \qquad o_i = \sum_j e^{s_{ij} - \mathrm{lse}_i} v_j,
+
+and a row with no visible key gives ``o_i = 0``, ``lse_i = -inf``.
+
+:func:`attention_reference` computes this *blocked*: one ``(block_m x block_n)`` tile of
+scores at a time (never more), folding tile states with the ATTENTION monoid's combine and
+finalizing with its finalize, both lowered to torch from the same traced IR the kernels
+use. :func:`naive_attention` materializes the whole score matrix (the test oracle; write
+it differently on purpose). :func:`merge_states_reference` merges normalized partial
+results with the same monoid.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from ...algebra.lower import compile_graph
+from ...monoids import ATTENTION
+from .. import torch_lower  # noqa: F401  (registers the torch backend)
+
+
+@lru_cache(maxsize=None)
+def _monoid_fns():
+    """ATTENTION's lift, combine and finalize, lowered to torch."""
+    return (compile_graph(ATTENTION.lift_graph, "torch"),
+            compile_graph(ATTENTION.combine_graph, "torch"),
+            compile_graph(ATTENTION.finalize_graph, "torch"))
+
+
+def _compute_dtype(dtype, compute_dtype):
+    if compute_dtype is not None:
+        return compute_dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _bounds(window, causal):
+    """(left, right) window bounds after folding ``causal`` in; ``None`` = unbounded."""
+    left = right = None
+    if window is not None:
+        left, right = window
+        left = None if left is None or left < 0 else int(left)
+        right = None if right is None or right < 0 else int(right)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def _segments(q, k, cu_seqlens_q, cu_seqlens_k):
+    """(batch index, q rows slice, k rows slice) per sequence; batch index None = all."""
+    if cu_seqlens_q is None:
+        return [(None, slice(0, q.shape[2]), slice(0, k.shape[2]))]
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    return [(i, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+
+
+def attention_reference(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
+                        score_mod=None, mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                        compute_dtype=None, block_m: int = 64, block_n: int = 64):
+    """Blocked exact attention on any device; returns ``(o, lse)``.
+
+    ``q``: ``(B, Hq, Nq, D)``, ``k``: ``(B, Hk, Nk, D)``, ``v``: ``(B, Hk, Nk, Dv)``,
+    ``Hq % Hk == 0``; with ``cu_seqlens_*`` (int tensors ``(S + 1,)``) ``B == 1`` and
+    sequence ``s`` is rows ``cu[s]:cu[s+1]``. ``score_mod(score, b, h, q_idx, kv_idx)``
+    and ``mask_mod(b, h, q_idx, kv_idx)`` are *torch* callables on broadcastable tensors
+    (``TracedMod.torch_fn``); indices are int64. Computes in ``compute_dtype`` (default:
+    float64 for float64 inputs, else float32). Returns ``o`` in ``q.dtype`` (``(B, Hq,
+    Nq, Dv)``) and ``lse`` ``(B, Hq, Nq)`` in float32 (float64 when computing in float64).
+    """
+    B, Hq, Nq, D = q.shape
+    Hk, Dv = k.shape[1], v.shape[-1]
+    group = Hq // Hk
+    cd = _compute_dtype(q.dtype, compute_dtype)
+    dev = q.device
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    left, right = _bounds(window, causal)
+    _, combine, finalize = _monoid_fns()
+    heads = torch.arange(Hq, device=dev)
+    kv_head = heads // group
+    o = torch.zeros((B, Hq, Nq, Dv), dtype=cd, device=dev)
+    lse = torch.full((B, Hq, Nq), -math.inf, dtype=cd, device=dev)
+    for seq, qs, ks in _segments(q, k, cu_seqlens_q, cu_seqlens_k):
+        nq, nk = qs.stop - qs.start, ks.stop - ks.start
+        delta = nk - nq
+        bidx = (torch.arange(B, device=dev) if seq is None
+                else torch.tensor([seq], device=dev)).view(-1, 1, 1, 1)
+        hidx = heads.view(1, Hq, 1, 1)
+        for i0 in range(0, nq, block_m):
+            i1 = min(nq, i0 + block_m)
+            qb = q[:, :, qs.start + i0: qs.start + i1].to(cd)                 # [B, Hq, bm, D]
+            shape = (B, Hq, i1 - i0)
+            m = torch.full(shape + (1,), -math.inf, dtype=cd, device=dev)
+            d = torch.zeros(shape + (1,), dtype=cd, device=dev)
+            acc = torch.zeros(shape + (Dv,), dtype=cd, device=dev)
+            qi = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
+            for j0 in range(0, nk, block_n):
+                j1 = min(nk, j0 + block_n)
+                # tiles entirely outside the window hold no visible key: skip them
+                if right is not None and j0 > (i1 - 1) + delta + right:
+                    continue
+                if left is not None and j1 - 1 < i0 + delta - left:
+                    continue
+                kb = k[:, kv_head, ks.start + j0: ks.start + j1].to(cd)       # [B, Hq, bn, D]
+                vb = v[:, kv_head, ks.start + j0: ks.start + j1].to(cd)       # [B, Hq, bn, Dv]
+                kj = torch.arange(j0, j1, device=dev).view(1, 1, 1, -1)
+                s = torch.matmul(qb, kb.transpose(-1, -2)) * scale             # [B, Hq, bm, bn]
+                if softcap is not None:
+                    s = softcap * torch.tanh(s / softcap)
+                if score_mod is not None:
+                    s = torch.as_tensor(score_mod(s, bidx, hidx, qi, kj)).to(cd).expand_as(s)
+                vis = torch.ones_like(s, dtype=torch.bool)
+                if right is not None:
+                    vis = vis & (kj <= qi + delta + right)
+                if left is not None:
+                    vis = vis & (kj >= qi + delta - left)
+                if mask_mod is not None:
+                    mm = torch.as_tensor(mask_mod(bidx, hidx, qi, kj))
+                    vis = vis & (mm if mm.dtype == torch.bool else mm != 0)
+                s = torch.where(vis, s, -math.inf)
+                # the tile's state (m, d, o): its max, sum e^(s - m), sum e^(s - m) v
+                mb = s.amax(-1, keepdim=True)
+                p = torch.exp(s - torch.where(torch.isinf(mb), 0.0, mb))
+                state = (mb, p.sum(-1, keepdim=True), torch.matmul(p, vb))
+                m, d, acc = combine(m, d, acc, *state)
+            ob, lb = finalize(m, d, acc)
+            o[:, :, qs.start + i0: qs.start + i1] = ob
+            lse[:, :, qs.start + i0: qs.start + i1] = lb.squeeze(-1)
+    lse_dtype = torch.float64 if cd == torch.float64 else torch.float32
+    return o.to(q.dtype), lse.to(lse_dtype)
+
+
+def naive_attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
+                    score_mod=None, mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                    dtype=torch.float64):
+    """The whole score matrix at once, in ``dtype`` (the test oracle): ``(o, lse)``.
+
+    Same arguments and semantics as :func:`attention_reference`; ``o`` and ``lse`` are
+    returned in ``dtype``. Written without the monoid on purpose (an independent check).
+    """
+    B, Hq, Nq, D = q.shape
+    Hk = k.shape[1]
+    g = Hq // Hk
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    left, right = _bounds(window, causal)
+    dev = q.device
+    o = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=dtype, device=dev)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=dtype, device=dev)
+    for seq, qs, ks in _segments(q, k, cu_seqlens_q, cu_seqlens_k):
+        qq = q[:, :, qs].to(dtype)
+        kk = k[:, :, ks].to(dtype).repeat_interleave(g, dim=1)
+        vv = v[:, :, ks].to(dtype).repeat_interleave(g, dim=1)
+        nq, nk = qq.shape[2], kk.shape[2]
+        s = torch.einsum("bhid,bhjd->bhij", qq, kk) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(nq, device=dev)[:, None]
+        j = torch.arange(nk, device=dev)[None, :]
+        bb = (torch.arange(B, device=dev) if seq is None else torch.tensor([seq], device=dev))
+        bb = bb[:, None, None, None]
+        hh = torch.arange(Hq, device=dev)[None, :, None, None]
+        if score_mod is not None:
+            s = torch.as_tensor(score_mod(s, bb, hh, i, j)).to(dtype).expand_as(s)
+        keep = torch.ones((nq, nk), dtype=torch.bool, device=dev)
+        if right is not None:
+            keep &= j - i <= (nk - nq) + right
+        if left is not None:
+            keep &= i - j <= left - (nk - nq)
+        keep = keep.expand_as(s)
+        if mask_mod is not None:
+            mm = torch.as_tensor(mask_mod(bb, hh, i, j))
+            keep = keep & (mm.bool() if mm.dtype != torch.bool else mm)
+        s = s.masked_fill(~keep, -math.inf)
+        row_lse = torch.logsumexp(s, dim=-1)                                   # -inf if empty
+        live = torch.isfinite(row_lse)
+        p = torch.where(live[..., None], torch.exp(s - torch.where(live, row_lse, 0.0)[..., None]), 0.0)
+        o[:, :, qs] = p @ vv
+        lse[:, :, qs] = row_lse
+    return o, lse
+
+
+def merge_states_reference(outs, lses, compute_dtype=None):
+    """Merge normalized partial results over disjoint key sets: ``(o, lse)``.
+
+    ``outs``: ``(S, ..., D)``, ``lses``: ``(S, ...)``. Each part ``(o_s, lse_s)`` is the
+    state ``lift(score=lse_s, value=o_s) = (lse_s, 1, o_s)`` of the ATTENTION monoid (an
+    empty part, ``lse = -inf``, lifts to the identity); the parts are folded with its
+    combine and finalized: ``lse = log sum_s e^{lse_s}``, ``o = sum_s e^{lse_s - lse} o_s``.
+    """
+    lift, combine, finalize = _monoid_fns()
+    cd = _compute_dtype(outs.dtype, compute_dtype)
+    state = None
+    for s in range(outs.shape[0]):
+        part = lift(lses[s].to(cd).unsqueeze(-1), outs[s].to(cd))
+        state = part if state is None else combine(*state, *part)
+    if state is None:
+        raise ValueError("merge_states: need at least one part")
+    o, lse = finalize(*state)
+    lse_dtype = torch.float64 if cd == torch.float64 else torch.float32
+    return o.to(outs.dtype), lse.squeeze(-1).to(lse_dtype)
+
+
+__all__ = ["attention_reference", "naive_attention", "merge_states_reference"]
