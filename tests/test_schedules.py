@@ -161,7 +161,11 @@ def test_non_commutative_monoids_keep_order():
     x = rng.normal(size=16)
     want = np.eye(2)
     for v in x:
-        want = want @ np.array([[1.0, v], [-0.5 * v, 1.0]])
+        want = want @ np.array([[1.0 + v * v, v], [v, 1.0]])
+    backwards = np.eye(2)
+    for v in x[::-1]:
+        backwards = backwards @ np.array([[1.0 + v * v, v], [v, 1.0]])
+    assert np.abs(backwards - want).max() > 1e-3 * np.abs(want).max()   # order matters
     for schedule in ("sequential", "reversed", "tree", "blocks"):
         st_ = ff.fold(U.MATMUL2, x, schedule, blocks=[5, 0, 1, 10])
         got = np.array([[st_.a, st_.b], [st_.c, st_.d]])

@@ -13,11 +13,12 @@ MINMAX = Monoid(
     commutative=True)
 
 #: 2x2 matrix product, row-major [[a, b], [c, d]]: associative, NOT commutative.
-#: An element x lifts to the shear-like matrix [[1, x], [-x/2, 1]].
+#: An element x lifts to the unimodular matrix [[1 + x^2, x], [x, 1]]; two such matrices
+#: commute only when their x are equal, so any reordering changes the product.
 MATMUL2 = Monoid(
     "matmul2", fields=("a", "b", "c", "d"), identity=(1.0, 0.0, 0.0, 1.0),
     inputs=(Input("x", domain="finite"),),
-    lift=lambda x: (1.0, x, -0.5 * x, 1.0),
+    lift=lambda x: (1.0 + x * x, x, x, 1.0),
     combine=lambda p, q: (p.a * q.a + p.b * q.c, p.a * q.b + p.b * q.d,
                           p.c * q.a + p.d * q.c, p.c * q.b + p.d * q.d),
     commutative=False)
