@@ -159,6 +159,27 @@ def _visible(offs_m, offs_n, k_len, delta, win_left, win_right, b, h, mask_fn,
 
 
 @triton.jit
+def _softmax_update(acc, l_i, m_i, s, v, qk_scale, BASE2: tl.constexpr):
+    """Fold one tile into ``(acc, l, m)``: scores ``s [BLOCK_M, BLOCK_N]`` (``-inf`` where
+    masked; base-2 units if ``BASE2`` else raw ``qk`` to multiply by ``qk_scale``) and the
+    value tile ``v [BLOCK_N, BLOCK_DV]``. The pivot is kept finite (``m = -inf -> 0``) so
+    a row with nothing visible yet stays ``(-inf, 0, 0)``: no ``-inf - (-inf)``."""
+    if BASE2:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - pivot[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * qk_scale - pivot[:, None])     # one FMA per score
+    alpha = tl.math.exp2(m_i - pivot)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)                  # [BLOCK_M, BLOCK_DV], fp32 accumulate
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
              desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len,
              skn, skd, svn, svd,
@@ -195,23 +216,9 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
                        MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                        MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
         s = tl.where(vis, s, float("-inf"))
-    # -- online softmax in base 2; keep the pivot finite (no -inf - -inf)
-    if HAS_SOFTCAP or HAS_SCORE_MOD:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - pivot[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * qk_scale - pivot[:, None])
-    alpha = tl.math.exp2(m_i - pivot)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    # -- acc = alpha acc + p @ v: [BLOCK_M, BLOCK_DV]
     v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
                    BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
+    return _softmax_update(acc, l_i, m_i, s, v, qk_scale, HAS_SOFTCAP or HAS_SCORE_MOD)
 
 
 @triton.jit
@@ -390,7 +397,8 @@ def _attn_fwd(
             score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
-            False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, WARP_SPEC, INTERPRET)
+            False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
+            WARP_SPEC, INTERPRET)
         if MASK_LEFT:
             acc, l_i, m_i = _kv_loop(
                 acc, l_i, m_i, q, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
@@ -452,8 +460,8 @@ def _interpreting() -> bool:
 #: sm_90) for zero register spills and shared memory under 227 KB; retune with
 #: ``benchmarks/attention.py --tune`` on the H200.
 HOPPER_CONFIGS = {
-    32: (128, 128, 4, 3),
-    64: (128, 128, 4, 3),
+    32: (128, 64, 4, 3),
+    64: (128, 64, 4, 3),
     128: (128, 128, 8, 2),
     256: (128, 64, 8, 2),
 }

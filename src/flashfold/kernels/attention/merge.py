@@ -97,6 +97,11 @@ def _merge_kernel(O, L, O2, L2, OUT, LSE, S, R, H, N, D,
     tl.store(LSE + b * ol_b + h * ol_h + n * ol_n, tl.reshape(lse_out, [BLOCK_R]), mask=rmask)
 
 
+def rows_per_program(block_d: int) -> int:
+    """Rows per program: 4096 fp32 state elements over 4 warps (32 registers per tile)."""
+    return max(1, min(64, 4096 // block_d))
+
+
 def _launch(o1, l1, o2, l2, S, split_strides):
     from ..codegen import triton_monoid
 
@@ -109,7 +114,7 @@ def _launch(o1, l1, o2, l2, S, split_strides):
     fns = triton_monoid(ATTENTION)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     block_d = triton.next_power_of_2(D)
-    block_r = max(1, min(64, 8192 // block_d)) if not interpret else 16
+    block_r = rows_per_program(block_d) if not interpret else 16
     pair = o2 is not None
     so = list(o1.stride()[-4:])
     sl = list(l1.stride()[-3:])
