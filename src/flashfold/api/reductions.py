@@ -1,0 +1,383 @@
+"""Tensor reductions and scans of any monoid, and the torch-like functions built on them.
+
+With :math:`\\oplus` a monoid's combine, :math:`e` its identity and
+:math:`s_i = \\mathrm{lift}(x_i)` (``lift(x_i, i)`` for monoids that read positions):
+
+* ``reduce(m, x, dim)``: :math:`\\mathrm{finalize}(s_0 \\oplus s_1 \\oplus \\dots \\oplus s_{N-1})`
+  along ``dim`` (the identity's finalize for an empty dim);
+* ``segment_reduce(m, x, offsets, dim)``: the same over each segment
+  :math:`[o_j, o_{j+1})` of ``dim`` (ragged, "varlen"); positions restart at 0;
+* ``scan(m, x, dim, reverse)``: :math:`y_i = \\mathrm{finalize}(s_0 \\oplus \\dots \\oplus s_i)`,
+  or :math:`\\mathrm{finalize}(s_i \\oplus \\dots \\oplus s_{N-1})` with ``reverse=True``.
+
+On CUDA tensors these run the generated Triton kernels of
+:mod:`flashfold.kernels.reduce` (state in float32, inputs float16/bfloat16/float32 read
+through their strides, no copies); on CPU tensors the float64 reference schedules of
+:mod:`flashfold.schedules`, cast back, with the same semantics. Float outputs have the
+input's dtype, integer outputs (positions) int64. Monoids that are not commutative keep
+the order of their operands on every schedule.
+
+The conveniences follow torch's signatures and edge cases (shapes ``(..., N, ...)``):
+
+==================  ===========================  ===========================================
+function            monoid                        empty dim
+==================  ===========================  ===========================================
+``logsumexp``       LOGSUMEXP2 (base-2 twist)     ``-inf``
+``softmax``         LOGSUMEXP2, then a row map    empty result
+``var_mean``        WELFORD (``correction``)      ``(nan, nan)``
+``argmax/argmin``   ARGMAX / ARGMIN               ``IndexError`` (as torch)
+``cumsum``          SUM scan                      empty result
+``logcumsumexp``    LOGSUMEXP2 scan               empty result
+==================  ===========================  ===========================================
+
+A row that is all ``-inf`` gives ``logsumexp = -inf``, ``softmax = nan`` (``0/0``, as
+torch), ``argmax = 0``. ``var_mean`` matches torch on finite input; an infinite input
+(outside WELFORD's domain) gives a NaN variance, as torch, and an infinite or NaN mean.
+
+Several dims (``dim`` a tuple, or ``None`` for all) are reduced as one: the reduced dims
+are moved last and flattened, which is a view for a contiguous tensor and reduced dims
+that are adjacent, and a copy otherwise (torch's ``flatten`` rule).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import torch
+
+from ..algebra import ops
+from ..algebra.monoid import Monoid
+from ..kernels.reduce import reference as _ref
+from ..monoids import ARGMAX, ARGMIN, LOGSUMEXP2, SUM, WELFORD
+
+__all__ = ["reduce", "segment_reduce", "scan", "logsumexp", "softmax", "var_mean", "argmax",
+           "argmin", "cumsum", "logcumsumexp", "SOFTMAX_MAP"]
+
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --- validation -------------------------------------------------------------------------
+
+def _check_monoid(monoid):
+    if not isinstance(monoid, Monoid):
+        raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
+    data = [i for i in monoid.inputs if i.domain != "position"]
+    if len(data) != 1 or data[0].vector or any(f.vector for f in monoid.fields):
+        raise ValueError(f"monoid: reduce/scan take monoids with one scalar input and scalar "
+                         f"fields; {monoid.name!r} has inputs {monoid.input_names} and fields "
+                         f"{monoid.field_names} (use flashfold.attention for ATTENTION)")
+
+
+def _check_x(x, name: str = "x"):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT:
+        raise TypeError(f"{name}: expected a float32, float16 or bfloat16 tensor (states are "
+                        f"float32), got {x.dtype}")
+
+
+def _norm_dim(dim, ndim: int, name: str = "dim") -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name}: expected an int, got {type(dim).__name__}")
+    lo, hi = (-1, 0) if ndim == 0 else (-ndim, ndim - 1)
+    if not lo <= dim <= hi:
+        raise IndexError(f"{name}: {dim} is out of range for a tensor with {ndim} dims "
+                         f"(expected {lo}..{hi})")
+    return dim % max(ndim, 1)
+
+
+def _reduced_view(x: torch.Tensor, dim):
+    """``(x2, d, kept_shape, keep_shape)``: ``x2`` reduces the dims ``dim`` as its one dim
+    ``d``; outputs have ``kept_shape`` (``keep_shape`` with ``keepdim=True``)."""
+    if x.dim() == 0:
+        if dim is not None and not isinstance(dim, (tuple, list)):
+            _norm_dim(dim, 0)
+        return x.reshape(1), 0, (), ()
+    if dim is None:
+        dims = list(range(x.dim()))
+    elif isinstance(dim, (tuple, list)):
+        dims = [_norm_dim(d, x.dim()) for d in dim]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"dim: {tuple(dim)} names a dim twice")
+        if not dims:
+            dims = list(range(x.dim()))
+    else:
+        dims = [_norm_dim(dim, x.dim())]
+    dims = sorted(dims)
+    kept = [i for i in range(x.dim()) if i not in dims]
+    kept_shape = tuple(x.shape[i] for i in kept)
+    keep_shape = tuple(1 if i in dims else x.shape[i] for i in range(x.dim()))
+    if len(dims) == 1:
+        return x, dims[0], kept_shape, keep_shape
+    x2 = x.permute(kept + dims).flatten(len(kept))       # a view when possible
+    return x2, len(kept), kept_shape, keep_shape
+
+
+def _result_type(monoid: Monoid):
+    names = tuple(n if n.isidentifier() else f"out{i}" for i, n in enumerate(monoid.output_names))
+    return namedtuple(f"{''.join(p.capitalize() for p in monoid.name.split('_'))}Result", names)
+
+
+_RESULT_TYPES: dict = {}
+
+
+def _pack(monoid: Monoid, outs):
+    if len(outs) == 1:
+        return outs[0]
+    key = (monoid.name, monoid.output_names)
+    t = _RESULT_TYPES.get(key)
+    if t is None:
+        t = _RESULT_TYPES[key] = _result_type(monoid)
+    return t(*outs)
+
+
+def _cast(outs, x: torch.Tensor, dtype=None):
+    res = []
+    for o in outs:
+        if o.dtype == torch.float64:
+            o = o.to(dtype or x.dtype)
+        elif o.dtype != torch.bool:
+            o = o.to(torch.int64)
+        res.append(o.to(x.device))
+    return tuple(res)
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes to the generated kernels (CUDA) or the reference (CPU). Tests
+    patch this to drive the kernels on CPU tensors under ``TRITON_INTERPRET=1``."""
+    return x.is_cuda
+
+
+# --- generic entry points ---------------------------------------------------------------
+
+def _reduce_outs(monoid, x, dim, params):
+    _check_monoid(monoid)
+    _check_x(x)
+    x2, d, kept, keep = _reduced_view(x, dim)
+    if _use_kernels(x2):
+        from ..kernels.reduce.launch import launch_reduce
+        outs = launch_reduce(monoid, x2, d, params)
+    else:
+        outs = _cast(_ref.reduce_reference(monoid, x2, d, **params), x2)
+    return outs, kept, keep
+
+
+def reduce(monoid: Monoid, x: torch.Tensor, dim=-1, *, keepdim: bool = False, **params):
+    """Reduce ``x`` along ``dim`` with ``monoid``: ``finalize(lift(x_0) ⊕ ... ⊕ lift(x_{N-1}))``.
+
+    Parameters
+    ----------
+    monoid: a :class:`~flashfold.Monoid` with one scalar input (and optionally a position
+        input, which receives the element's index along ``dim``) and scalar fields.
+    x: float32 / float16 / bfloat16 tensor of any shape and strides.
+    dim: an int, a tuple of ints (reduced as one), or ``None`` (all dims).
+    keepdim: keep the reduced dims with size 1.
+    params: the monoid's finalize parameters (e.g. ``correction=`` for WELFORD).
+
+    Returns a tensor (one output) or a named tuple (e.g. WELFORD's ``(mean, var)``) with
+    ``x``'s shape minus ``dim``; float outputs in ``x.dtype``, positions int64. An empty
+    ``dim`` gives the finalized identity (e.g. ``-inf`` for MAX).
+    """
+    outs, kept, keep = _reduce_outs(monoid, x, dim, params)
+    shape = keep if keepdim else kept
+    return _pack(monoid, tuple(o.reshape(shape) for o in outs))
+
+
+def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: int = 0, *,
+                   unsafe: bool = False, **params):
+    """Reduce each segment ``x[..., offsets[j]:offsets[j+1], ...]`` of ``dim`` (ragged rows).
+
+    Parameters
+    ----------
+    x: float tensor ``(..., N, ...)``, e.g. packed sequences ``(total_tokens, features)``.
+    offsets: 1-D int32/int64 tensor of ``S + 1`` non-decreasing indices in ``[0, N]`` on
+        ``x``'s device (``cu_seqlens``); segments may be empty (they give the finalized
+        identity) and need not cover the whole dim.
+    dim: the segmented dim (default 0, as ``torch.segment_reduce``).
+    unsafe: skip the check of ``offsets`` (which reads them, a device sync on CUDA).
+
+    Returns outputs shaped like ``x`` with ``dim`` of size ``S``. Positions (ARGMAX) are
+    indices within the segment.
+    """
+    _check_monoid(monoid)
+    _check_x(x)
+    if x.dim() == 0:
+        raise ValueError("x: segment_reduce needs at least one dim")
+    d = _norm_dim(dim, x.dim())
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"offsets: expected a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1:
+        raise TypeError(f"offsets: expected a 1-D int32/int64 tensor, got {offsets.dtype} "
+                        f"of shape {tuple(offsets.shape)}")
+    if offsets.numel() < 1:
+        raise ValueError("offsets: needs at least one entry (S + 1 offsets for S segments)")
+    if offsets.device != x.device:
+        raise ValueError(f"offsets: on {offsets.device}, but x is on {x.device}")
+    if not unsafe:
+        o = offsets.to("cpu", torch.int64)
+        N = x.shape[d]
+        if bool((o[1:] < o[:-1]).any()) or int(o.min()) < 0 or int(o.max()) > N:
+            raise ValueError(f"offsets: must be non-decreasing indices in [0, {N}] (the size of "
+                             f"dim {d}), got {o.tolist()[:8]}{'...' if o.numel() > 8 else ''}")
+    if _use_kernels(x):
+        from ..kernels.reduce.launch import launch_segment_reduce
+        outs = launch_segment_reduce(monoid, x, offsets.contiguous(), d, params)
+    else:
+        outs = _cast(_ref.segment_reduce_reference(monoid, x, offsets, d, **params), x)
+    return _pack(monoid, outs)
+
+
+def scan(monoid: Monoid, x: torch.Tensor, dim: int = -1, reverse: bool = False, **params):
+    """Inclusive scan of ``x`` along ``dim``: ``y_i = finalize(lift(x_0) ⊕ ... ⊕ lift(x_i))``.
+
+    With ``reverse=True``, ``y_i = finalize(lift(x_i) ⊕ ... ⊕ lift(x_{N-1}))`` (operand
+    order kept, so non-commutative monoids are right). Outputs are shaped like ``x``.
+    Long rows with few of them run as a multi-block scan (chunk states, then each chunk
+    scanned from the fold of the chunks before it).
+    """
+    return _scan(monoid, x, dim, reverse, None, params)
+
+
+def _scan(monoid, x, dim, reverse, dtype, params):
+    _check_monoid(monoid)
+    _check_x(x)
+    if not isinstance(reverse, bool):
+        raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
+    x1 = x.reshape(1) if x.dim() == 0 else x
+    d = _norm_dim(dim, x.dim())
+    if _use_kernels(x1):
+        from ..kernels.reduce.launch import launch_scan
+        outs = launch_scan(monoid, x1, d, reverse, params, dtype)
+    else:
+        outs = _cast(_ref.scan_reference(monoid, x1, d, reverse, **params), x1, dtype)
+    return _pack(monoid, tuple(o.reshape(x.shape) for o in outs))
+
+
+# --- row maps (softmax) -----------------------------------------------------------------
+
+def _softmax_map():
+    from ..kernels.reduce.generated import row_map
+    return row_map(
+        "softmax", LOGSUMEXP2,
+        prep=lambda s: (s.m, 1.0 / s.d),                 # base-2 max, 1 / sum 2^(x log2e - m)
+        fmap=lambda x, m, inv_d: ops.exp2(x * ops.LOG2E - m) * inv_d,
+        n_consts=2)
+
+
+class _Lazy:
+    """A module attribute built on first use (it traces and generates source)."""
+
+    def __init__(self, build):
+        self._build = build
+        self._value = None
+
+    def get(self):
+        if self._value is None:
+            self._value = self._build()
+        return self._value
+
+
+_SOFTMAX = _Lazy(_softmax_map)
+
+
+def __getattr__(name):
+    if name == "SOFTMAX_MAP":
+        return _SOFTMAX.get()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _normalize(rowmap, x, dim, dtype):
+    if x.dim() == 0:
+        return _normalize(rowmap, x.reshape(1), 0, dtype).reshape(())
+    d = _norm_dim(dim, x.dim())
+    if _use_kernels(x):
+        from ..kernels.reduce.launch import launch_normalize
+        return launch_normalize(rowmap, x, d, out_dtype=dtype)
+    y = _ref.normalize_reference(rowmap, x, d)
+    return y.to(dtype or x.dtype)
+
+
+# --- torch-like conveniences --------------------------------------------------------------
+
+def logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """``log(sum(exp(x)))`` along ``dim`` (as ``torch.logsumexp``), via the base-2 online
+    softmax state ``(m, d)`` (LOGSUMEXP2): ``(m + log2 d) · ln 2``. Empty dim: ``-inf``."""
+    return reduce(LOGSUMEXP2, x, dim, keepdim=keepdim)
+
+
+def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``exp(x - max) / sum(exp(x - max))`` along ``dim`` (as ``torch.softmax``).
+
+    One read of ``x`` for the row state ``(m, d)`` of LOGSUMEXP2 and one read + write for
+    ``y = 2^(x·log2 e - m) / d``; a row that fits a tile (up to 16K fp32 / 32K 16-bit
+    elements) is read once and kept in registers. ``dtype`` sets the output dtype (the
+    computation is float32 regardless). An all ``-inf`` row gives NaN, as torch.
+    """
+    _check_x(x)
+    if dtype is not None and dtype not in _FLOAT:
+        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    return _normalize(_SOFTMAX.get(), x, dim, dtype)
+
+
+def var_mean(x: torch.Tensor, dim=None, *, correction=1, keepdim: bool = False):
+    """``(var, mean)`` along ``dim`` (as ``torch.var_mean``) from one pass of Welford's
+    state ``(n, mean, M2)``: ``var = M2 / max(n - correction, 0)`` (NaN when
+    ``n <= correction``, as torch). An empty dim gives ``(nan, nan)``."""
+    if isinstance(correction, bool) or not isinstance(correction, (int, float)):
+        raise TypeError(f"correction: expected a number, got {type(correction).__name__}")
+    outs, kept, keep = _reduce_outs(WELFORD, x, dim, {"correction": float(correction)})
+    mean, var = outs
+    n = x.numel() // max(1, _numel(kept))
+    if n == 0 or x.numel() == 0:
+        mean = torch.full_like(mean, float("nan"))
+        var = torch.full_like(var, float("nan"))
+    shape = keep if keepdim else kept
+    return var.reshape(shape), mean.reshape(shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _arg(monoid, x, dim, keepdim, name):
+    _check_x(x)
+    flat = dim is None
+    if flat:
+        x = x.reshape(-1)
+        dim = 0
+    elif x.dim() > 0:
+        d = _norm_dim(dim, x.dim())
+        if x.shape[d] == 0:
+            raise IndexError(f"x: {name}() over dim {d}, which has size 0")
+    if x.numel() == 0:
+        raise IndexError(f"x: {name}() of an empty tensor")
+    value, index = reduce(monoid, x, dim, keepdim=keepdim and not flat)
+    return index
+
+
+def argmax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """Index of the largest value along ``dim`` (``None``: of the flattened tensor), int64;
+    ties give the lowest index and NaN counts as the largest, as ``torch.argmax``."""
+    return _arg(ARGMAX, x, dim, keepdim, "argmax")
+
+
+def argmin(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """Index of the smallest value along ``dim``, int64; as ``torch.argmin``."""
+    return _arg(ARGMIN, x, dim, keepdim, "argmin")
+
+
+def cumsum(x: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Inclusive prefix sums along ``dim`` (as ``torch.cumsum``), float32 accumulation;
+    ``dtype`` casts the result."""
+    if dtype is not None and dtype not in _FLOAT:
+        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    return _scan(SUM, x, dim, False, dtype, {})
+
+
+def logcumsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``log(cumsum(exp(x)))`` along ``dim`` (as ``torch.logcumsumexp``), by a scan of the
+    base-2 online-softmax state (LOGSUMEXP2)."""
+    return scan(LOGSUMEXP2, x, dim)

@@ -1,0 +1,205 @@
+"""Per-monoid Triton helpers for the reduce / scan templates, generated as source text.
+
+:func:`flashfold.kernels.codegen.triton_monoid` lowers a monoid's traced graphs to
+``lift``, ``combine``, ``finalize``, ``block_lift``, ``reduce_tile`` and ``scan_tile``.
+The kernel templates of this package are written once for every monoid, so they cannot
+name a monoid's fields; everything that depends on the *number* of fields is generated
+here, next to the codegen functions, in one module per monoid (cached on disk by the
+content hash of its source, like every generated module):
+
+==================  =====================================================================
+``tile_state``      ``(x, pos, valid) -> state`` of a tile reduced over axis 0: the block
+                    lift when the monoid has one, else ``lift`` + identity on invalid
+                    lanes + ``reduce_tile`` (only used where reordering is allowed, or on
+                    an axis of length 1)
+``lift_xp``         ``(x, pos) -> state``: ``lift`` with a uniform signature
+``combine_rev``     ``(a, b) -> b ⊕ a``, the combine with its operands swapped
+``scan_tile_rev``   inclusive scan with ``combine_rev``: over a tile loaded in *reversed*
+                    element order it gives suffix states ``x_i ⊕ x_{i+1} ⊕ ...`` without
+                    ``tl.associative_scan(reverse=True)`` (which has an open wrong-result
+                    report)
+``identity``        ``(ref) -> state`` full of the identity, shaped like ``ref``
+``select``          ``(mask, a, b) -> where(mask, a, b)`` fieldwise
+``take``            ``(sel, AXIS, a) -> a[sel]`` along ``AXIS``, where ``sel`` is true at
+                    exactly one index: ``sum(where(sel, a, 0))``, exact for every value
+``bcast0``          ``(ref, a) -> a[None]`` broadcast to ``ref``'s shape
+``load_state``      ``(ptrs, offs, mask) -> state`` from one buffer per field (identity
+                    where masked)
+``store_state``     ``(ptrs, offs, mask, a)``
+==================  =====================================================================
+
+States travel through the templates as tuples (``COMBINE(*acc, *s)``), which Triton 3.6
+unpacks at compile time. Float fields are float32, int fields int32 (positions are int32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...algebra.evaluate import numpy_monoid
+from ...algebra.ir import Var, trace
+from ...algebra.monoid import Monoid
+from ..codegen import TritonMonoid, _safe, jit_source, load_source, triton_monoid
+
+__all__ = ["ReduceFunctions", "reduce_functions", "RowMap", "row_map", "output_kinds"]
+
+
+def _const(v, is_float: bool) -> str:
+    if not is_float:
+        return repr(int(v))
+    v = float(v)
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else 'float("-inf")'
+    return repr(v)
+
+
+def _helpers(monoid: Monoid) -> str:
+    fields = monoid.fields
+    k = len(fields)
+    fl = [f.dtype == "float" for f in fields]
+    xs = [f"x{i}" for i in range(k)]
+    a = [f"a{i}" for i in range(k)]
+    b = [f"b{i}" for i in range(k)]
+    J = ", ".join
+    data = [i for i in monoid.inputs if i.domain != "position"]
+    if len(data) != 1 or data[0].vector or any(f.vector for f in fields):
+        raise ValueError(f"monoid: the reduce/scan kernels take monoids with one scalar data "
+                         f"input and scalar fields; {monoid.name!r} has inputs "
+                         f"{monoid.input_names} and fields {monoid.field_names}")
+    lift_args = J("pos" if i.domain == "position" else "x" for i in monoid.inputs)
+    dt = ["tl.float32" if f else "tl.int32" for f in fl]
+    ident = J(f"tl.full(ref.shape, {_const(v, f)}, {d})" for v, f, d in zip(monoid.identity, fl, dt))
+    out = []
+    out.append(f"@triton.jit\ndef lift_xp(x, pos):\n    return lift({lift_args})\n")
+    out.append(f"@triton.jit\ndef identity(ref):\n    return {ident},\n")
+    out.append(f"@triton.jit\ndef select(mask, {J(a)}, {J(b)}):\n"
+               f"    return {J(f'tl.where(mask, {p}, {q})' for p, q in zip(a, b))},\n")
+    out.append(f"@triton.jit\ndef combine_rev({J(a)}, {J(b)}):\n    return combine({J(b)}, {J(a)})\n")
+    out.append(f"@triton.jit\ndef scan_tile_rev({J(xs)}, AXIS: tl.constexpr):\n"
+               f"    return tl.associative_scan(({J(xs)},), AXIS, combine_rev)\n")
+    out.append(f"@triton.jit\ndef take(sel, AXIS: tl.constexpr, {J(xs)}):\n"
+               f"    return {J(f'tl.sum(tl.where(sel, {x}, 0), AXIS)' for x in xs)},\n")
+    out.append(f"@triton.jit\ndef bcast0(ref, {J(xs)}):\n"
+               f"    return {J(f'tl.broadcast_to(tl.expand_dims({x}, 0), ref.shape)' for x in xs)},\n")
+    loads = J(f"tl.load(ptrs[{i}] + offs, mask=mask, other={_const(v, f)})"
+              for i, (v, f) in enumerate(zip(monoid.identity, fl)))
+    out.append(f"@triton.jit\ndef load_state(ptrs, offs, mask):\n    return {loads},\n")
+    stores = "\n".join(f"    tl.store(ptrs[{i}] + offs, {x}, mask=mask)" for i, x in enumerate(xs))
+    out.append(f"@triton.jit\ndef store_state(ptrs, offs, mask, {J(xs)}):\n{stores}\n")
+    if monoid.block_lift is not None:
+        bl_args = J(["pos" if i.domain == "position" else "x" for i in monoid.inputs] + ["valid"])
+        body = f"    return block_lift({bl_args})\n"
+    else:
+        body = (f"    s = lift({lift_args})\n"
+                f"    s = select(valid, *s, *identity(x))\n"
+                f"    return reduce_tile(*s, 0)\n")
+    out.append(f"@triton.jit\ndef tile_state(x, pos, valid):\n{body}")
+    return "\n\n".join(out)
+
+
+@dataclass(frozen=True)
+class ReduceFunctions:
+    """The generated functions the reduce/scan templates take as ``tl.constexpr``."""
+    monoid: Monoid
+    base: TritonMonoid
+    lift_xp: object
+    combine: object
+    combine_rev: object
+    finalize: object
+    tile_state: object
+    reduce_tile: object
+    scan_tile: object
+    scan_tile_rev: object
+    identity: object
+    select: object
+    take: object
+    bcast0: object
+    load_state: object
+    store_state: object
+    has_position: bool
+    path: str
+
+
+_CACHE: dict = {}
+
+
+def reduce_functions(monoid: Monoid) -> ReduceFunctions:
+    """Generate (or fetch) the template helpers of ``monoid`` (see the module docstring).
+
+    Raises ``ValueError`` for monoids the reduce/scan kernels do not take (vector fields,
+    several data inputs).
+    """
+    if not isinstance(monoid, Monoid):
+        raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
+    base = triton_monoid(monoid)
+    key = (base.path, monoid.block_lift is not None)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    source = base.source + "\n\n" + _helpers(monoid)
+    mod = load_source(source, "reduce_" + _safe(monoid.name))
+    fns = ReduceFunctions(
+        monoid, base, mod.lift_xp, mod.combine, mod.combine_rev, mod.finalize, mod.tile_state,
+        mod.reduce_tile, mod.scan_tile, mod.scan_tile_rev, mod.identity, mod.select, mod.take,
+        mod.bcast0, mod.load_state, mod.store_state,
+        any(i.domain == "position" for i in monoid.inputs), mod.__file__)
+    _CACHE[key] = fns
+    return fns
+
+
+def output_kinds(monoid: Monoid) -> tuple[str, ...]:
+    """NumPy dtype kind (``'f'``, ``'i'``, ``'b'``) of each finalize output, read off by
+    finalizing a reachable state in float64."""
+    ex = numpy_monoid(monoid)
+    inputs = []
+    for inp in monoid.inputs:
+        inputs.append(np.zeros((1,), np.int64) if inp.domain == "position" else np.ones((1,)))
+    state = ex.lift(inputs, None)
+    outs = ex.finalize(state)
+    kinds = []
+    for o in outs:
+        kind = np.asarray(o).dtype.kind
+        kinds.append("f" if kind == "f" else ("b" if kind == "b" else "i"))
+    return tuple(kinds)
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """An elementwise map that reads its row's reduced state: ``y = map(x, *prep(state))``.
+
+    ``prep`` runs once per row (e.g. softmax's ``(m, 1/d)``), ``map`` once per element;
+    both are traced graphs, lowered to Triton (``prep_fn``, ``map_fn``) and to NumPy
+    (``prep_graph``, ``map_graph``) for the reference.
+    """
+    name: str
+    monoid: Monoid
+    prep_graph: object
+    map_graph: object
+    prep_fn: object
+    map_fn: object
+
+
+_MAPS: dict = {}
+
+
+def row_map(name: str, monoid: Monoid, prep, fmap, n_consts: int) -> RowMap:
+    """Trace ``prep(state) -> consts`` and ``fmap(x, *consts) -> y`` and generate them."""
+    key = (name, monoid.name, monoid.combine_graph.key())
+    hit = _MAPS.get(key)
+    if hit is not None:
+        return hit
+    S = monoid.State
+    k = len(monoid.fields)
+    prep_g = trace(prep, [Var(f.name) for f in monoid.fields], f"{name}.prep",
+                   call=lambda fn, nodes: fn(S(*nodes[:k])), n_outputs=n_consts)
+    consts = [f"c{i}" for i in range(n_consts)]
+    map_g = trace(fmap, [Var("x")] + [Var(c) for c in consts], f"{name}.map", n_outputs=1)
+    src = (jit_source(prep_g, "prep", list(monoid.field_names)) + "\n\n"
+           + jit_source(map_g, "fmap", ["x"] + consts))
+    mod = load_source(src, "rowmap_" + _safe(name))
+    rm = RowMap(name, monoid, prep_g, map_g, mod.prep, mod.fmap)
+    _MAPS[key] = rm
+    return rm

@@ -1,0 +1,367 @@
+"""Kernel templates: one ``@triton.jit`` template per schedule, every monoid.
+
+Each template takes a monoid's generated functions (:mod:`.generated`) as
+``tl.constexpr`` arguments and calls them; states are tuples unpacked at compile time
+(``COMBINE(*acc, *s)``). Variants are constexpr flags, never copies.
+
+Geometry shared by all templates
+--------------------------------
+The reduced (or scanned) dim has ``N`` elements at input stride ``sn``. Every other dim
+is a batch dim; after merging adjacent batch dims whose strides allow it, at most three
+remain, ``(B0, B1, B2)`` with input strides ``(s0, s1, s2)`` and output strides
+``(o0, o1, o2)``. A program owns ``ROWS`` consecutive indices of ``B2`` (``b2`` varies
+fastest, so rows that are contiguous in memory load as one vector) at one ``(b0, b1)``,
+and, for split-K / segments / multi-block scans, one *split* ``j`` of the reduced dim::
+
+    pid = ((b0 * B1 + b1) * n_inner + b2_block) * n_split + j
+
+A reduce tile is ``[K, LANES, ROWS]``: element ``n = t·K·LANES + k·LANES + l`` of the row
+sits at ``[k, l, row]``. The block lift reduces axis 0 inside each thread (the ``K``
+elements of a lane are separate registers of one thread, loaded as ``LANES``-wide
+contiguous vectors), the ``LANES`` accumulators are combined elementwise with the
+running state, and one ``reduce_tile`` over the lanes ends the row, so the loop body
+has no cross-thread communication at all. For a monoid that is not commutative
+(``ORDERED``) the lanes are consecutive elements (``K = 1``), each tile is reduced in
+order by a scan (``tl.associative_scan`` keeps operand order; ``tl.reduce`` does not),
+and tiles are combined left to right.
+
+A scan tile is ``[BLOCK, ROWS]``, scanned along axis 0, with the running state of each
+row carried across tiles: ``out = carry ⊕ scan(tile)``. A reverse scan loads the tile
+in reversed element order and scans with the swapped combine ``(a, b) -> b ⊕ a``, so
+``out_i = x_i ⊕ (x_{i+1} ⊕ ...)`` keeps operand order without
+``associative_scan(reverse=True)``.
+
+Offsets: row bases are int64; offsets along the reduced dim are int32 unless ``N64``
+(set by the launcher when ``N·|sn|`` can pass 2^31).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _program_rows(n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS: tl.constexpr):
+    """Decompose the program id: (split j, rows [ROWS], row mask, input/output row bases
+    (int64), flat row index [ROWS] of ``(b0, b1, b2)`` in ``B0·B1·B2``)."""
+    pid = tl.program_id(0)
+    split = pid % n_split
+    rest = pid // n_split
+    ib = rest % n_inner
+    outer = rest // n_inner
+    b1 = outer % B1
+    b0 = outer // B1
+    rows = ib * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < B2
+    r64 = rows.to(tl.int64)
+    row_in = b0.to(tl.int64) * s0 + b1.to(tl.int64) * s1 + r64 * s2
+    row_out = b0.to(tl.int64) * o0 + b1.to(tl.int64) * o1 + r64 * o2
+    flat = outer.to(tl.int64) * B2 + r64
+    return split, row_ok, row_in, row_out, flat
+
+
+@triton.jit
+def _reduce_step(acc, src, n, pos0, hi, sn, row_in, row_ok, lane_last,
+                 TILE_STATE: tl.constexpr, COMBINE: tl.constexpr, REDUCE_TILE: tl.constexpr,
+                 SCAN_TILE: tl.constexpr, TAKE: tl.constexpr, LOAD_STATE: tl.constexpr,
+                 K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
+                 MASK_N: tl.constexpr, MASK_ROWS: tl.constexpr, ORDERED: tl.constexpr,
+                 FROM_STATES: tl.constexpr):
+    """``acc ⊕ state(tile)`` for the tile of elements ``n`` ([K, LANES, 1]) of each row.
+
+    ``acc`` is [LANES, ROWS] per field (one accumulator per lane), or [ROWS] if ORDERED.
+    Elements ``>= hi`` are masked; positions are ``n - pos0``.
+    """
+    # [K, LANES, ROWS] offsets: int64 row bases + offsets along the reduced dim
+    off = n * sn + row_in[None, None, :]
+    if FROM_STATES:
+        # the elements are states already (second pass of split-K): masked -> identity
+        m = (n < hi) & row_ok[None, None, :]
+        s = REDUCE_TILE(*LOAD_STATE(src, off, m), 0)
+    else:
+        if MASK_N:
+            m = n < hi
+            if MASK_ROWS:
+                m = m & row_ok[None, None, :]
+            x = tl.load(src + off, mask=m, other=0.0).to(tl.float32)
+            valid = tl.broadcast_to(n < hi, [K, LANES, ROWS])
+        else:
+            if MASK_ROWS:
+                x = tl.load(src + off, mask=tl.broadcast_to(row_ok[None, None, :], [K, LANES, ROWS]),
+                            other=0.0).to(tl.float32)
+            else:
+                x = tl.load(src + off).to(tl.float32)
+            valid = tl.full([K, LANES, ROWS], 1, tl.int1)
+        pos = tl.broadcast_to((n - pos0).to(tl.int32), [K, LANES, ROWS])
+        s = TILE_STATE(x, pos, valid)                              # [LANES, ROWS]
+    if ORDERED:
+        # in-order reduction of the lanes: inclusive scan, then its last element
+        s = TAKE(lane_last, 0, *SCAN_TILE(*s, 0, False))                  # [ROWS]
+    return COMBINE(*acc, *s)
+
+
+@triton.jit
+def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
+               TILE_STATE: tl.constexpr, COMBINE: tl.constexpr, REDUCE_TILE: tl.constexpr,
+               SCAN_TILE: tl.constexpr, TAKE: tl.constexpr, LOAD_STATE: tl.constexpr,
+               IDENTITY: tl.constexpr,
+               K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
+               MASK_ROWS: tl.constexpr, ORDERED: tl.constexpr, FROM_STATES: tl.constexpr):
+    """State of elements ``[lo, hi)`` of each of the ROWS rows (positions counted from
+    ``pos0``): full tiles unmasked, then one masked tail tile. Returns fields [ROWS]."""
+    TILE: tl.constexpr = K * LANES
+    idx = tl.arange(0, K)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
+    lane_last = tl.arange(0, LANES)[:, None] == LANES - 1
+    if ORDERED:
+        acc = IDENTITY(tl.zeros([ROWS], tl.float32))
+    else:
+        acc = IDENTITY(tl.zeros([LANES, ROWS], tl.float32))
+    # `while`, not `for ... in range(runtime bound)`: the interpreter cannot take a
+    # runtime bound under NumPy >= 2.3 (int() of a 1-element array); same code either way.
+    # No `+=` on tensors: the interpreter updates in place, and `start` aliases `lo`.
+    end = lo + (hi - lo) // TILE * TILE
+    start = lo
+    while start < end:
+        acc = _reduce_step(acc, src, start + idx, pos0, hi, sn, row_in, row_ok, lane_last,
+                           TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE,
+                           K, LANES, ROWS, False, MASK_ROWS, ORDERED, FROM_STATES)
+        start = start + TILE
+    if end < hi:
+        acc = _reduce_step(acc, src, end + idx, pos0, hi, sn, row_in, row_ok, lane_last,
+                           TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE,
+                           K, LANES, ROWS, True, MASK_ROWS, ORDERED, FROM_STATES)
+    if ORDERED:
+        res = acc
+    else:
+        res = REDUCE_TILE(*acc, 0)
+    return res
+
+
+@triton.jit
+def reduce_kernel(src, outs, fin_args, seg_ptr,
+                  N, sn, B1, B2, s0, s1, s2, o0, o1, o2, o_split, n_inner, n_split, chunk,
+                  TILE_STATE: tl.constexpr, COMBINE: tl.constexpr, REDUCE_TILE: tl.constexpr,
+                  SCAN_TILE: tl.constexpr, TAKE: tl.constexpr, LOAD_STATE: tl.constexpr,
+                  STORE_STATE: tl.constexpr, IDENTITY: tl.constexpr, FINALIZE: tl.constexpr,
+                  K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
+                  ORDERED: tl.constexpr, FROM_STATES: tl.constexpr, STATE_OUT: tl.constexpr,
+                  SEGMENTED: tl.constexpr, MASK_ROWS: tl.constexpr, N64: tl.constexpr):
+    """Reduce, split-K partial / combine passes and segmented reduce, one template.
+
+    Program ``(rows, j)`` folds elements ``[lo, hi)`` of its rows, where
+    ``[lo, hi) = [j·chunk, min((j+1)·chunk, N))`` (split-K; ``n_split = 1``: the whole
+    row) or ``[seg[j], seg[j+1])`` (SEGMENTED), and writes either
+    ``finalize(state, *fin_args)`` to ``outs`` (one pointer per output) or, with
+    STATE_OUT, the state's fields to ``outs`` (one fp32/int32 buffer per field). With
+    FROM_STATES, ``src`` is a tuple of field buffers holding states (the second pass of
+    split-K) instead of input elements.
+    """
+    split, row_ok, row_in, row_out, flat = _program_rows(
+        n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
+    if SEGMENTED:
+        lo = tl.load(seg_ptr + split)
+        hi = tl.load(seg_ptr + split + 1)
+    else:
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, N)
+    if N64:
+        lo = lo.to(tl.int64)
+        hi = hi.to(tl.int64)
+    else:
+        lo = lo.to(tl.int32)
+        hi = hi.to(tl.int32)
+    if SEGMENTED:
+        pos0 = lo                      # positions restart in each segment
+    else:
+        pos0 = lo * 0                  # split-K chunks count from the row's start
+    res = _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
+                     TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE, IDENTITY,
+                     K, LANES, ROWS, MASK_ROWS, ORDERED, FROM_STATES)
+    out_off = row_out + split.to(tl.int64) * o_split
+    if STATE_OUT:
+        STORE_STATE(outs, out_off, row_ok, *res)
+    else:
+        f = FINALIZE(*res, *fin_args)
+        for i in tl.static_range(len(outs)):
+            tl.store(outs[i] + out_off, f[i], mask=row_ok)
+
+
+@triton.jit
+def _scan_step(carry, x_ptr, outs, fin_args, i, lo, hi, sn, osn, row_in, row_out, row_ok, i_last,
+               LIFT_XP: tl.constexpr, COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr,
+               SCAN_TILE_REV: tl.constexpr, TAKE: tl.constexpr, BCAST0: tl.constexpr,
+               FINALIZE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+               MASK_N: tl.constexpr, MASK_ROWS: tl.constexpr, REVERSE: tl.constexpr):
+    """Scan one [BLOCK, ROWS] tile (``i``: [BLOCK, 1] positions in processing order),
+    store ``finalize(carry ⊕ prefix)``, return the new carry ([ROWS] per field)."""
+    if REVERSE:
+        n = hi - 1 - i                       # reversed loads: processing order = x order reversed
+    else:
+        n = lo + i
+    off_in = n * sn + row_in[None, :]
+    off_out = n * osn + row_out[None, :]
+    if MASK_N:
+        m = i < hi - lo
+        if MASK_ROWS:
+            m = m & row_ok[None, :]
+        x = tl.load(x_ptr + off_in, mask=m, other=0.0).to(tl.float32)
+    else:
+        if MASK_ROWS:
+            m = tl.broadcast_to(row_ok[None, :], [BLOCK, ROWS])
+            x = tl.load(x_ptr + off_in, mask=m, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + off_in).to(tl.float32)
+    # lanes past the end come last in processing order: no prefix of a stored lane sees them
+    s = LIFT_XP(x, tl.broadcast_to(n.to(tl.int32), [BLOCK, ROWS]))
+    if REVERSE:
+        p = SCAN_TILE_REV(*s, 0)             # p_i = x_i ⊕ x_{i+1} ⊕ ... (within the tile)
+        p = COMBINE(*p, *BCAST0(x, *carry))
+    else:
+        p = SCAN_TILE(*s, 0, False)
+        p = COMBINE(*BCAST0(x, *carry), *p)
+    f = FINALIZE(*p, *fin_args)
+    for j in tl.static_range(len(outs)):
+        if MASK_N or MASK_ROWS:
+            tl.store(outs[j] + off_out, f[j], mask=m)
+        else:
+            tl.store(outs[j] + off_out, f[j])
+    return TAKE(i_last, 0, *p)
+
+
+@triton.jit
+def scan_kernel(x_ptr, outs, fin_args, parts,
+                N, sn, osn, B1, B2, s0, s1, s2, o0, o1, o2, n_inner, n_split, chunk,
+                LIFT_XP: tl.constexpr, COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr,
+                SCAN_TILE_REV: tl.constexpr, TAKE: tl.constexpr, BCAST0: tl.constexpr,
+                IDENTITY: tl.constexpr, LOAD_STATE: tl.constexpr, FINALIZE: tl.constexpr,
+                BLOCK: tl.constexpr, ROWS: tl.constexpr, PBLOCK: tl.constexpr,
+                REVERSE: tl.constexpr, SPLIT: tl.constexpr, MASK_ROWS: tl.constexpr,
+                N64: tl.constexpr):
+    """Inclusive scan along the dim, state carried across tiles.
+
+    With SPLIT (a multi-block scan of few long rows: reduce-then-scan), program ``j``
+    scans elements ``[j·chunk, (j+1)·chunk)`` starting from the carry
+    ``P_0 ⊕ ... ⊕ P_{j-1}`` (``P_{j+1} ⊕ ... ⊕ P_{n-1}`` when REVERSE), folded in order
+    from the chunk states ``parts`` (one [rows, n_split] buffer per field) that a
+    STATE_OUT pass of :func:`reduce_kernel` wrote.
+    """
+    split, row_ok, row_in, row_out, flat = _program_rows(
+        n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, N)
+    if N64:
+        lo = lo.to(tl.int64)
+        hi = hi.to(tl.int64)
+    carry = IDENTITY(tl.zeros([ROWS], tl.float32))
+    if SPLIT:
+        if REVERSE:
+            j_lo = split + 1
+            j_hi = n_split
+        else:
+            j_lo = split * 0
+            j_hi = split
+        jj = tl.arange(0, PBLOCK)[:, None]
+        j0 = j_lo
+        while j0 < j_hi:
+            j = j0 + jj
+            m = (j < j_hi) & row_ok[None, :]
+            s = LOAD_STATE(parts, flat[None, :] * n_split + j, m)     # [PBLOCK, ROWS]
+            carry = COMBINE(*carry, *TAKE(jj == PBLOCK - 1, 0, *SCAN_TILE(*s, 0, False)))
+            j0 = j0 + PBLOCK
+    ii = tl.arange(0, BLOCK)[:, None]
+    i_last = ii == BLOCK - 1
+    count = hi - lo
+    end = count // BLOCK * BLOCK
+    start = count * 0
+    while start < end:
+        carry = _scan_step(carry, x_ptr, outs, fin_args, start + ii, lo, hi, sn, osn,
+                           row_in, row_out, row_ok, i_last,
+                           LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, TAKE, BCAST0, FINALIZE,
+                           BLOCK, ROWS, False, MASK_ROWS, REVERSE)
+        start = start + BLOCK
+    if end < count:
+        _scan_step(carry, x_ptr, outs, fin_args, end + ii, lo, hi, sn, osn,
+                   row_in, row_out, row_ok, i_last,
+                   LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, TAKE, BCAST0, FINALIZE,
+                   BLOCK, ROWS, True, MASK_ROWS, REVERSE)
+
+
+@triton.jit
+def _map_step(x_ptr, y_ptr, n, hi, sn, osn, row_in, row_out, row_ok, consts,
+              FMAP: tl.constexpr, K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
+              MASK_N: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """``y = fmap(x, *consts)`` on one [K, LANES, ROWS] tile."""
+    off_in = n * sn + row_in[None, None, :]
+    off_out = n * osn + row_out[None, None, :]
+    if MASK_N or MASK_ROWS:
+        if MASK_N:
+            m = n < hi
+            if MASK_ROWS:
+                m = m & row_ok[None, None, :]
+        else:
+            m = tl.broadcast_to(row_ok[None, None, :], [K, LANES, ROWS])
+        x = tl.load(x_ptr + off_in, mask=m, other=0.0).to(tl.float32)
+        y = FMAP(x, *consts)
+        tl.store(y_ptr + off_out, y[0], mask=m)
+    else:
+        x = tl.load(x_ptr + off_in).to(tl.float32)
+        y = FMAP(x, *consts)
+        tl.store(y_ptr + off_out, y[0])
+
+
+@triton.jit
+def normalize_kernel(x_ptr, y_ptr, N, sn, osn, B1, B2, s0, s1, s2, o0, o1, o2, n_inner,
+                     TILE_STATE: tl.constexpr, COMBINE: tl.constexpr, REDUCE_TILE: tl.constexpr,
+                     SCAN_TILE: tl.constexpr, TAKE: tl.constexpr, LOAD_STATE: tl.constexpr,
+                     IDENTITY: tl.constexpr, PREP: tl.constexpr, FMAP: tl.constexpr,
+                     K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
+                     FUSED: tl.constexpr, ORDERED: tl.constexpr, MASK_ROWS: tl.constexpr,
+                     N64: tl.constexpr):
+    """``y = fmap(x, *prep(state(row)))`` for every element (softmax and kin).
+
+    FUSED (the row fits one tile, ``K·LANES >= N``): the tile is read once, kept in
+    registers for the state and the map, and written once. Otherwise a statistics loop
+    (:func:`_row_state`) and a map loop that re-reads the row, just read by this program
+    and likely still in L2.
+    """
+    split, row_ok, row_in, row_out, flat = _program_rows(
+        1, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
+    if N64:
+        lo = (tl.program_id(0) * 0).to(tl.int64)
+    else:
+        lo = tl.program_id(0) * 0
+    idx = tl.arange(0, K)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
+    if FUSED:
+        n = lo + idx
+        off_in = n * sn + row_in[None, None, :]
+        off_out = n * osn + row_out[None, None, :]
+        valid = tl.broadcast_to(n < N, [K, LANES, ROWS])
+        if MASK_ROWS:
+            m = valid & row_ok[None, None, :]
+        else:
+            m = valid
+        x = tl.load(x_ptr + off_in, mask=m, other=0.0).to(tl.float32)
+        pos = tl.broadcast_to(n.to(tl.int32), [K, LANES, ROWS])
+        if ORDERED:
+            lane_last = tl.arange(0, LANES)[:, None] == LANES - 1
+            st = TAKE(lane_last, 0, *SCAN_TILE(*TILE_STATE(x, pos, valid), 0, False))
+        else:
+            st = REDUCE_TILE(*TILE_STATE(x, pos, valid), 0)        # [ROWS]
+        y = FMAP(x, *PREP(*st))
+        tl.store(y_ptr + off_out, y[0], mask=m)
+    else:
+        st = _row_state(x_ptr, lo, lo + N, lo, sn, row_in, row_ok,
+                        TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE, IDENTITY,
+                        K, LANES, ROWS, MASK_ROWS, ORDERED, False)
+        consts = PREP(*st)
+        TILE: tl.constexpr = K * LANES
+        end = lo + N // TILE * TILE
+        start = lo
+        while start < end:
+            _map_step(x_ptr, y_ptr, start + idx, lo + N, sn, osn, row_in, row_out, row_ok,
+                      consts, FMAP, K, LANES, ROWS, False, MASK_ROWS)
+            start = start + TILE
+        if end < lo + N:
+            _map_step(x_ptr, y_ptr, end + idx, lo + N, sn, osn, row_in, row_out,
+                      row_ok, consts, FMAP, K, LANES, ROWS, True, MASK_ROWS)

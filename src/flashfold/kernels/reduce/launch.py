@@ -1,0 +1,475 @@
+"""Launchers: geometry, heuristics and launch plans for the templates of :mod:`.kernels`.
+
+Every launcher builds a *plan*, a list of :class:`Launch` (kernel, grid, arguments), and
+runs it; :func:`plan_reduce` & co. return the plan without running it, so the kernels
+can be compiled ahead of time for an sm_90 target on a machine without a GPU
+(:mod:`.aot`). The heuristics below are plain functions of the shape (no autotuning:
+compile time on the device is precious); tests monkeypatch them to force each branch.
+
+Geometry (see :mod:`.kernels`): the reduced dim ``(N, sn)``; batch dims merged wherever
+their strides allow, in both the input and the output, into at most three
+``(B0, B1, B2)``. Non-contiguous inputs are read through their strides; only an input
+with more than three unmergeable batch dims is copied (``.contiguous()``), after which
+two always suffice.
+
+Performance reasoning (H200: 132 SMs, HBM3e ~4.8 TB/s, copy measured 4.25 TB/s)
+--------------------------------------------------------------------------------
+* Long rows (``N >= 1024``, the reduced dim contiguous): one row per program, tiles of
+  ``K x LANES`` with ``LANES = 16 B / elem x 32 x num_warps`` (one 16-byte vector per
+  thread and lane group) and ``K`` such that a tile is 8K elements (32 KB fp32): each
+  thread issues ``K`` independent 16-byte loads per tile, the block lift reduces them in
+  registers, the lane accumulators are combined elementwise; the only cross-warp
+  reduction is one per row. For LOGSUMEXP2 that is ``1 + 2/K`` exp2 per element
+  (MUFU budget at 4 TB/s fp32: ~4 per element).
+* Few long rows (``programs < 2·SMs``): split-K, chunks of whole tiles, partial states
+  to an fp32 scratch ``[rows, n_split]`` per field, then a second ``FROM_STATES`` pass.
+* Short rows: ``LANES = 1``, ``K = next_pow2(N)``, many rows per program.
+* Reduced dim strided but rows contiguous (reducing dim 0 of a row-major matrix):
+  ``ROWS`` contiguous rows per program, vectorized along them; axis 0 (K) in registers.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ...algebra.monoid import Monoid
+from . import kernels as K_
+from .generated import ReduceFunctions, RowMap, output_kinds, reduce_functions
+
+__all__ = ["Launch", "Geometry", "geometry", "reduce_config", "scan_config", "normalize_config",
+           "split_plan", "states_config", "Config", "plan_reduce", "plan_segment_reduce", "plan_scan", "plan_normalize",
+           "launch_reduce", "launch_segment_reduce", "launch_scan", "launch_normalize",
+           "num_sms", "fin_args", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_I31 = 2**31
+
+
+# --- geometry ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Geometry:
+    """The reduced dim and at most three merged batch dims, with input/output strides."""
+    N: int
+    sn: int
+    osn: int
+    B: tuple            # (B0, B1, B2)
+    s: tuple            # input strides of B
+    o: tuple            # output strides of B
+
+    @property
+    def rows(self) -> int:
+        return self.B[0] * self.B[1] * self.B[2]
+
+
+def _merge(shape, in_st, out_st, dim):
+    """Batch dims (not ``dim``, size > 1) as ``[size, in_stride, out_stride]`` groups, an
+    outer dim merged into the group after it whenever both stride patterns allow it."""
+    groups: list[list[int]] = []
+    for i in range(len(shape)):
+        if i == dim or shape[i] == 1:
+            continue
+        if groups:
+            size, si, so = groups[-1]
+            if si == in_st[i] * shape[i] and so == out_st[i] * shape[i]:
+                groups[-1] = [size * shape[i], in_st[i], out_st[i]]
+                continue
+        groups.append([int(shape[i]), int(in_st[i]), int(out_st[i])])
+    return groups
+
+
+def geometry(shape, in_strides, out_strides, dim) -> Geometry | None:
+    """Merge the batch dims of ``shape`` around ``dim``; ``None`` if more than three remain.
+
+    ``out_strides`` has the full rank; its entry at ``dim`` is the output stride along the
+    dim (scans, maps) or anything (reductions, where the dim disappears).
+    """
+    groups = _merge(shape, in_strides, out_strides, dim)
+    if len(groups) > 3:
+        return None
+    while len(groups) < 3:
+        groups.insert(0, [1, 0, 0])
+    B = tuple(g[0] for g in groups)
+    return Geometry(int(shape[dim]), int(in_strides[dim]), int(out_strides[dim]), B,
+                    tuple(g[1] for g in groups), tuple(g[2] for g in groups))
+
+
+# --- heuristics -------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of ``device`` (a small number on the CPU interpreter)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile ``[K, LANES, ROWS]`` (scans: ``[BLOCK=K, ROWS]``), warps, stages, register cap."""
+    K: int
+    LANES: int
+    ROWS: int
+    num_warps: int
+    num_stages: int = 1
+    maxnreg: int | None = None
+
+
+#: elements of a short-row tile (K x ROWS): 8 per thread at 4 warps
+_SHORT_TILE = 1024
+
+
+def reduce_config(g: Geometry, elsize: int, ordered: bool) -> Config:
+    """Tile shape ``[K, LANES, ROWS]`` and warps for a reduction (see module docstring)."""
+    vec = max(1, 16 // elsize)
+    N, B2 = max(g.N, 1), g.B[2]
+    if ordered:
+        lanes = min(_p2(N), 512)
+        rows = max(1, min(_p2(B2), _SHORT_TILE // lanes))
+        return Config(1, lanes, rows, 4)
+    if g.sn != 1 and g.s[2] == 1 and B2 > 1:
+        # columns: rows contiguous in memory, the reduced dim strided
+        rows = min(_p2(B2), vec * 32 * 4)
+        k = max(1, min(_p2(N), 4096 // rows))
+        return Config(k, 1, rows, 4)
+    if N >= 1024:
+        warps = 8 if N >= 4096 else 4
+        lanes = min(vec * 32 * warps, _p2(N))
+        k = max(1, min(8, 8192 // lanes, _p2(N) // lanes))
+        return Config(k, lanes, 1, warps)
+    k = _p2(N)
+    rows = max(1, min(_p2(B2), _SHORT_TILE // k))
+    return Config(k, 1, rows, 4)
+
+
+def states_config(g: Geometry, ordered: bool) -> Config:
+    """Tile for the second split-K pass, which folds ``n_split`` states per row."""
+    N, B2 = max(g.N, 1), g.B[2]
+    if ordered:
+        lanes = min(_p2(N), 256)
+        return Config(1, lanes, max(1, min(_p2(B2), _SHORT_TILE // lanes)), 4)
+    k = min(_p2(N), 256)
+    return Config(k, 1, max(1, min(_p2(B2), _SHORT_TILE // k)), 4)
+
+
+def split_plan(g: Geometry, tile: int, n_prog: int, sms: int, min_tiles: int = 2):
+    """``(n_split, chunk)`` for split-K: split when fewer than ``2·sms`` programs would run
+    and each chunk keeps at least ``min_tiles`` whole tiles."""
+    target = 4 * sms
+    if n_prog >= 2 * sms or g.N < 2 * min_tiles * tile:
+        return 1, max(g.N, 1)
+    want = -(-target // n_prog)
+    n_split = max(1, min(want, g.N // (min_tiles * tile)))
+    chunk = -(-(-(-g.N // n_split)) // tile) * tile
+    n_split = -(-g.N // chunk)
+    return n_split, chunk
+
+
+def scan_config(g: Geometry, elsize: int) -> Config:
+    """Tile ``[BLOCK, ROWS]`` (BLOCK stored in ``K``) and warps for a scan."""
+    vec = max(1, 16 // elsize)
+    N, B2 = max(g.N, 1), g.B[2]
+    if g.sn != 1 and g.s[2] == 1 and B2 > 1:
+        rows = min(_p2(B2), vec * 32 * 4)
+        return Config(max(1, min(_p2(N), 2048 // rows)), 1, rows, 4)
+    if N >= 512:
+        warps = 8 if N >= 2048 else 4
+        return Config(min(_p2(N), 2048 if elsize >= 4 else 4096), 1, 1, warps)
+    block = _p2(N)
+    return Config(block, 1, max(1, min(_p2(B2), _SHORT_TILE // block)), 4)
+
+
+def normalize_config(g: Geometry, elsize: int, ordered: bool) -> tuple[Config, bool]:
+    """(tile config, fused): fused when the row fits one tile in registers.
+
+    A fused 16K-fp32 row is 32 values per thread at 16 warps; ``maxnreg=64`` keeps two
+    programs per SM (64 K registers), so one program's loads overlap the other's math.
+    """
+    vec = max(1, 16 // elsize)
+    N = max(g.N, 1)
+    if ordered:
+        c = reduce_config(g, elsize, True)
+        return c, N <= c.LANES
+    if g.sn == 1 and N >= 1024:
+        limit = 16384 if elsize >= 4 else 32768
+        if N <= limit:
+            warps = 16 if N > 8192 else (8 if N > 2048 else 4)
+            lanes = min(vec * 32 * warps, _p2(N))
+            k = max(1, _p2(N) // lanes)
+            return Config(k, lanes, 1, warps, maxnreg=64 if warps == 16 else None), True
+    c = reduce_config(g, elsize, False)
+    return c, c.K * c.LANES >= N
+
+
+# --- plans ------------------------------------------------------------------------------
+
+@dataclass
+class Launch:
+    """One kernel launch: ``kernel[grid](*args, **kwargs)``."""
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+    def __call__(self):
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+def _is_ordered(monoid: Monoid) -> bool:
+    """A monoid that is not commutative needs the order-preserving (ORDERED) kernels."""
+    return not monoid.commutative
+
+
+def _fns(monoid: Monoid) -> ReduceFunctions:
+    return reduce_functions(monoid)
+
+
+def fin_args(monoid: Monoid, params: dict | None) -> tuple:
+    """The finalize parameters of ``monoid`` as a tuple of floats, defaults filled in."""
+    params = dict(params or {})
+    names = [p for p, _ in monoid.params]
+    unknown = set(params) - set(names)
+    if unknown:
+        raise TypeError(f"{monoid.name}.finalize got unknown parameters {sorted(unknown)}; "
+                        f"it takes {names}")
+    values = {**monoid.param_defaults, **params}
+    return tuple(float(values[p]) for p in names)
+
+
+def _out_dtype(kind: str, x: torch.Tensor, float_dtype=None):
+    if kind == "f":
+        return float_dtype or x.dtype
+    return torch.bool if kind == "b" else torch.int64
+
+
+def _state_dtype(f) -> torch.dtype:
+    return torch.float32 if f.dtype == "float" else torch.int32
+
+
+def _opts(cfg: Config) -> dict:
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg is not None and not _interpreting():
+        opts["maxnreg"] = cfg.maxnreg
+    return opts
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _n64(g: Geometry, *extra) -> bool:
+    span = max(g.N, 1) * max(abs(g.sn), abs(g.osn), 1)
+    return span >= _I31 or any(e >= _I31 for e in extra)
+
+
+def _common(fns: ReduceFunctions):
+    return dict(TILE_STATE=fns.tile_state, COMBINE=fns.combine, REDUCE_TILE=fns.reduce_tile,
+                SCAN_TILE=fns.scan_tile, TAKE=fns.take, LOAD_STATE=fns.load_state,
+                IDENTITY=fns.identity)
+
+
+def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split, chunk,
+                   cfg: Config, *, from_states=False, state_out=False, segmented=False):
+    n_inner = -(-g.B[2] // cfg.ROWS)
+    grid = (g.B[0] * g.B[1] * n_inner * n_split,)
+    args = (src, tuple(outs), tuple(fin_args), seg,
+            g.N, g.sn, g.B[1], g.B[2], *g.s, *g.o, o_split, n_inner, n_split, chunk)
+    kwargs = dict(_common(fns), STORE_STATE=fns.store_state, FINALIZE=fns.finalize,
+                  K=cfg.K, LANES=cfg.LANES, ROWS=cfg.ROWS,
+                  ORDERED=_is_ordered(fns.monoid), FROM_STATES=from_states,
+                  STATE_OUT=state_out, SEGMENTED=segmented,
+                  MASK_ROWS=g.B[2] % cfg.ROWS != 0, N64=_n64(g),
+                  **_opts(cfg))
+    return Launch(K_.reduce_kernel, grid, args, kwargs)
+
+
+def _prepare(x: torch.Tensor, dim: int, out_strides_fn):
+    """Geometry of ``x`` (copied to contiguous only if >3 batch dims cannot merge)."""
+    g = geometry(x.shape, x.stride(), out_strides_fn(x), dim)
+    if g is None:
+        x = x.contiguous()   # documented: >3 unmergeable batch dims
+        g = geometry(x.shape, x.stride(), out_strides_fn(x), dim)
+    return x, g
+
+
+def _reduced_out_strides(x: torch.Tensor, dim: int):
+    shape = [s for i, s in enumerate(x.shape) if i != dim]
+    st = _contig_strides(shape)
+    st.insert(dim, 0)
+    return st
+
+
+def _contig_strides(shape):
+    st, acc = [], 1
+    for s in reversed(list(shape)):
+        st.append(acc)
+        acc *= max(int(s), 1)
+    return list(reversed(st))
+
+
+def _state_buffers(monoid: Monoid, rows: int, n_split: int, device):
+    return tuple(torch.empty((rows, n_split), dtype=_state_dtype(f), device=device)
+                 for f in monoid.fields)
+
+
+def _parts_strides(g: Geometry, n_split: int):
+    """Strides of (B0, B1, B2) in the [rows, n_split] partial-state buffers."""
+    return (g.B[1] * g.B[2] * n_split, g.B[2] * n_split, n_split)
+
+
+def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None):
+    """(plan, outputs): reduce ``x`` over ``dim`` (outputs have the batch shape)."""
+    fns = _fns(monoid)
+    fargs = fin_args(monoid, params)
+    dim = dim % x.dim()
+    x, g = _prepare(x, dim, lambda t: _reduced_out_strides(t, dim))
+    out_shape = [s for i, s in enumerate(x.shape) if i != dim]
+    outs = tuple(torch.empty(out_shape, dtype=_out_dtype(k, x), device=x.device)
+                 for k in output_kinds(monoid))
+    if g.rows == 0:
+        return [], outs
+    cfg = reduce_config(g, x.element_size(), _is_ordered(monoid))
+    n_prog = g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS)
+    n_split, chunk = split_plan(g, cfg.K * cfg.LANES, n_prog, num_sms(x.device))
+    if n_split == 1:
+        return [_reduce_launch(fns, x, outs, fargs, x, g, 0, 1, max(g.N, 1), cfg)], outs
+    # split-K: partial states [rows, n_split], then an in-order combine of each row's states
+    parts = _state_buffers(monoid, g.rows, n_split, x.device)
+    pst = _parts_strides(g, n_split)
+    gp = Geometry(g.N, g.sn, 0, g.B, g.s, pst)
+    first = _reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, cfg, state_out=True)
+    gs = Geometry(n_split, 1, 0, g.B, pst, g.o)
+    cfg2 = states_config(gs, _is_ordered(monoid))
+    second = _reduce_launch(fns, parts, outs, fargs, x, gs, 0, 1, n_split, cfg2, from_states=True)
+    return [first, second], outs
+
+
+def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: int,
+                        params=None):
+    """(plan, outputs): fold ``x[..., offsets[j]:offsets[j+1], ...]`` along ``dim`` for
+    each segment ``j``; outputs have ``x``'s shape with ``dim`` of size ``len(offsets)-1``."""
+    fns = _fns(monoid)
+    fargs = fin_args(monoid, params)
+    dim = dim % x.dim()
+    S = offsets.numel() - 1
+    out_shape = list(x.shape)
+    out_shape[dim] = S
+    outs = tuple(torch.empty(out_shape, dtype=_out_dtype(k, x), device=x.device)
+                 for k in output_kinds(monoid))
+    ost = _contig_strides(out_shape)
+    x, g = _prepare(x, dim, lambda t: ost)
+    if g.rows == 0 or S == 0:
+        return [], outs
+    # tiles sized for the average segment
+    g_avg = Geometry(max(1, g.N // S), g.sn, g.osn, g.B, g.s, g.o)
+    cfg = reduce_config(g_avg, x.element_size(), _is_ordered(monoid))
+    launch = _reduce_launch(fns, x, outs, fargs, offsets, g, ost[dim], S, 1, cfg,
+                            segmented=True)
+    return [launch], outs
+
+
+def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, params=None,
+              out_dtype=None):
+    """(plan, outputs): inclusive scan of ``x`` along ``dim`` (outputs shaped like ``x``)."""
+    fns = _fns(monoid)
+    fargs = fin_args(monoid, params)
+    dim = dim % x.dim()
+    shape = list(x.shape)
+    outs = tuple(torch.empty(shape, dtype=_out_dtype(k, x, out_dtype), device=x.device)
+                 for k in output_kinds(monoid))
+    ost = _contig_strides(shape)
+    x, g = _prepare(x, dim, lambda t: ost)
+    if g.rows == 0 or g.N == 0:
+        return [], outs
+    cfg = scan_config(g, x.element_size())
+    block, rows = cfg.K, cfg.ROWS
+    n_prog = g.B[0] * g.B[1] * -(-g.B[2] // rows)
+    rcfg = reduce_config(g, x.element_size(), _is_ordered(monoid))
+    n_split, chunk = split_plan(g, max(block, rcfg.K * rcfg.LANES), n_prog, num_sms(x.device))
+    plan = []
+    parts = ()
+    if n_split > 1:
+        parts = _state_buffers(monoid, g.rows, n_split, x.device)
+        gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split))
+        plan.append(_reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, rcfg, state_out=True))
+    else:
+        chunk = max(g.N, 1)
+        parts = _state_buffers(monoid, 1, 1, x.device)
+    n_inner = -(-g.B[2] // rows)
+    grid = (g.B[0] * g.B[1] * n_inner * n_split,)
+    args = (x, outs, fargs, parts, g.N, g.sn, g.osn, g.B[1], g.B[2], *g.s, *g.o,
+            n_inner, n_split, chunk)
+    kwargs = dict(LIFT_XP=fns.lift_xp, COMBINE=fns.combine, SCAN_TILE=fns.scan_tile,
+                  SCAN_TILE_REV=fns.scan_tile_rev, TAKE=fns.take, BCAST0=fns.bcast0,
+                  IDENTITY=fns.identity, LOAD_STATE=fns.load_state, FINALIZE=fns.finalize,
+                  BLOCK=block, ROWS=rows, PBLOCK=min(_p2(n_split), 1024) if n_split > 1 else 1,
+                  REVERSE=bool(reverse), SPLIT=n_split > 1, MASK_ROWS=g.B[2] % rows != 0,
+                  N64=_n64(g), **_opts(cfg))
+    plan.append(Launch(K_.scan_kernel, grid, args, kwargs))
+    return plan, outs
+
+
+def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
+    """(plan, y): ``y = map(x, *prep(state(row)))`` along ``dim`` (softmax and kin)."""
+    fns = _fns(rowmap.monoid)
+    dim = dim % x.dim()
+    y = torch.empty(list(x.shape), dtype=out_dtype or x.dtype, device=x.device)
+    ost = _contig_strides(list(x.shape))
+    x, g = _prepare(x, dim, lambda t: ost)
+    if g.rows == 0 or g.N == 0:
+        return [], y
+    cfg, fused = normalize_config(g, x.element_size(), _is_ordered(rowmap.monoid))
+    n_inner = -(-g.B[2] // cfg.ROWS)
+    grid = (g.B[0] * g.B[1] * n_inner,)
+    args = (x, y, g.N, g.sn, g.osn, g.B[1], g.B[2], *g.s, *g.o, n_inner)
+    kwargs = dict(_common(fns), PREP=rowmap.prep_fn, FMAP=rowmap.map_fn,
+                  K=cfg.K, LANES=cfg.LANES, ROWS=cfg.ROWS, FUSED=bool(fused),
+                  ORDERED=_is_ordered(rowmap.monoid), MASK_ROWS=g.B[2] % cfg.ROWS != 0,
+                  N64=_n64(g), **_opts(cfg))
+    return [Launch(K_.normalize_kernel, grid, args, kwargs)], y
+
+
+def _run(plan):
+    for launch in plan:
+        launch()
+
+
+def launch_reduce(monoid, x, dim, params=None):
+    """Outputs of ``monoid`` reduced over ``dim`` of ``x`` (a tuple, batch shape)."""
+    plan, outs = plan_reduce(monoid, x, dim, params)
+    _run(plan)
+    return outs
+
+
+def launch_segment_reduce(monoid, x, offsets, dim, params=None):
+    """Outputs per segment (a tuple; ``dim`` replaced by the segments)."""
+    plan, outs = plan_segment_reduce(monoid, x, offsets, dim, params)
+    _run(plan)
+    return outs
+
+
+def launch_scan(monoid, x, dim, reverse=False, params=None, out_dtype=None):
+    """Finalized inclusive scan outputs (a tuple, shaped like ``x``)."""
+    plan, outs = plan_scan(monoid, x, dim, reverse, params, out_dtype)
+    _run(plan)
+    return outs
+
+
+def launch_normalize(rowmap, x, dim, out_dtype=None):
+    """``map(x, *prep(state(row)))`` along ``dim``."""
+    plan, y = plan_normalize(rowmap, x, dim, out_dtype)
+    _run(plan)
+    return y

@@ -1,0 +1,203 @@
+"""The generated reduce kernels against the float64 reference schedules.
+
+Runs the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1`` (conftest) at small,
+awkward sizes, for every built-in and for user monoids defined only in the tests
+(MATMUL2 and MAX_PREFIX_SUM are associative but not commutative). Each dispatch branch
+is forced by patching the launcher's heuristics: lane tiles with a loop and a masked
+tail, short rows (many rows per program), columns (reduced dim strided), split-K with
+its second in-order pass, int64 offsets, and the copy fallback for >3 batch dims.
+
+Note on ordering: the interpreter runs ``tl.reduce``/``tl.associative_scan`` combines as
+a sequential left fold, so it cannot reveal a GPU's reassociation; the *kernel's own*
+reorderings (lanes of a tile take elements ``k·LANES + l``) are visible here, which is
+what the negative control below checks. ``benchmarks/reductions.py`` repeats the
+order-sensitive checks on the GPU.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import flashfold.monoids as M
+from flashfold.kernels.reduce import launch as L
+from flashfold.kernels.reduce import reference as R
+from flashfold.testing import assert_close
+
+import user_monoids as U
+
+ALL = (M.SUM, M.MAX, M.MIN, M.LOGSUMEXP, M.LOGSUMEXP2, M.WELFORD, M.ARGMAX, M.ARGMIN,
+       U.MINMAX, U.MATMUL2, U.MAX_PREFIX_SUM)
+ORDERED = (U.MATMUL2, U.MAX_PREFIX_SUM)
+EXACT = {"max", "min", "argmax", "argmin", "minmax"}
+
+
+def sample(monoid, shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sigma = 0.1 if monoid is U.MATMUL2 else 1.0
+    x = torch.randn(*shape, generator=g) * sigma
+    if monoid.name in ("argmax", "argmin", "max", "min", "minmax"):
+        x = torch.round(x * 2) / 2          # ties: the lowest index must win
+    return x.to(dtype)
+
+
+def check(monoid, outs, x, dim, params=None, name="", reduced=True):
+    """Compare kernel outputs with the float64 reference (exact for selections)."""
+    params = params or {}
+    if reduced:
+        ref = R.reduce_reference(monoid, x, dim, **params)
+    else:
+        ref = R.scan_reference(monoid, x, dim, **params)
+    scale = R.error_scale(monoid, x, dim)
+    if reduced:
+        scale = np.squeeze(scale, axis=dim)
+    assert len(outs) == len(ref)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        label = f"{name} {monoid.name} output {i}"
+        assert tuple(o.shape) == tuple(r.shape), label
+        if not r.dtype.is_floating_point:
+            assert o.dtype == torch.int64, label
+            assert torch.equal(o, r), label
+        elif monoid.name in EXACT:
+            assert torch.equal(o.double(), r.to(x.dtype).double()), label
+        else:
+            assert o.dtype == x.dtype, label
+            assert_close(o, r, o.dtype, scale=scale, name=label)
+
+
+@pytest.fixture
+def force(monkeypatch):
+    """force(reduce=Config(...), split=(n_split, chunk) | None, ...)."""
+    def apply(reduce=None, split=None, states=None, n64=None):
+        if reduce is not None:
+            monkeypatch.setattr(L, "reduce_config", lambda g, e, o: reduce)
+        if states is not None:
+            monkeypatch.setattr(L, "states_config", lambda g, o: states)
+        if split is not None:
+            monkeypatch.setattr(L, "split_plan", lambda g, tile, n, sms, min_tiles=2: split)
+        if n64 is not None:
+            monkeypatch.setattr(L, "_n64", lambda g, *e: n64)
+    return apply
+
+
+C = L.Config
+
+
+@pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
+def test_rows_natural_heuristics(monoid):
+    """(3, 37): short-row tiles, many rows per program, the tail masked."""
+    x = sample(monoid, (3, 37))
+    check(monoid, L.launch_reduce(monoid, x, -1), x, -1, name="rows")
+
+
+@pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
+def test_lane_tiles_loop_and_tail(monoid, force):
+    """Long-row layout: tiles [K=2, LANES=8] (ordered: [1, 8]), 130 = 8 full tiles + 2."""
+    ordered = monoid in ORDERED
+    force(reduce=C(1, 8, 1, 4) if ordered else C(2, 8, 1, 4))
+    x = sample(monoid, (2, 130), seed=1)
+    check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name="lanes")
+
+
+@pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
+def test_split_k_two_passes(monoid, force):
+    """Few long rows: 5 chunks of 24 (+ a short one), then an in-order pass over states."""
+    ordered = monoid in ORDERED
+    force(reduce=C(1, 8, 1, 4) if ordered else C(2, 4, 1, 4), split=(5, 24),
+          states=C(1, 4, 1, 4) if ordered else C(2, 1, 2, 4))
+    x = sample(monoid, (3, 107), seed=2)
+    plan, _ = L.plan_reduce(monoid, x, 1)
+    assert len(plan) == 2 and plan[1].kwargs["FROM_STATES"]
+    check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name="split-K")
+
+
+@pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
+def test_columns(monoid):
+    """Reducing dim 0 of a row-major matrix: rows of the tile are contiguous columns."""
+    x = sample(monoid, (33, 6), seed=3)
+    plan, _ = L.plan_reduce(monoid, x, 0)
+    if monoid not in ORDERED:
+        assert plan[0].kwargs["LANES"] == 1 and plan[0].kwargs["ROWS"] == 8
+    check(monoid, L.launch_reduce(monoid, x, 0), x, 0, name="columns")
+
+
+@pytest.mark.parametrize("monoid", (M.LOGSUMEXP2, M.ARGMAX, U.MATMUL2), ids=lambda m: m.name)
+def test_any_dim_any_strides(monoid):
+    """Middle dims, transposed and sliced views: read through strides (no copy)."""
+    base = sample(monoid, (4, 9, 3, 14), seed=4)
+    views = {
+        "middle": (base, 1),
+        "transposed": (base.transpose(1, 3), 3),
+        "sliced": (base[:, ::2, :, 1:12], 3),
+        "dim0": (base, 0),
+        "permuted": (base.permute(2, 0, 3, 1), 1),
+    }
+    for name, (x, dim) in views.items():
+        plan, _ = L.plan_reduce(monoid, x, dim)
+        assert plan[0].args[0] is x, f"{name}: the input was copied"
+        check(monoid, L.launch_reduce(monoid, x, dim), x, dim, name=name)
+
+
+def test_more_than_three_batch_dims_copies():
+    """Four batch dims that no strides can merge: the documented contiguous copy."""
+    base = torch.randn(3, 2, 4, 2, 5, 3)
+    x = base.permute(5, 3, 1, 4, 2, 0)[:, :, :, ::2]       # (3, 2, 2, 3, 4, 3)
+    g = L.geometry(x.shape, x.stride(), L._reduced_out_strides(x, 1), 1)
+    assert g is None
+    plan, _ = L.plan_reduce(M.SUM, x, 1)
+    assert plan[0].args[0] is not x and plan[0].args[0].is_contiguous()
+    check(M.SUM, L.launch_reduce(M.SUM, x, 1), x, 1, name="copy")
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("monoid", (M.SUM, M.LOGSUMEXP2, M.WELFORD, M.ARGMIN), ids=lambda m: m.name)
+def test_half_inputs_fp32_state(monoid, dtype, force):
+    force(reduce=C(2, 8, 1, 4))
+    x = sample(monoid, (2, 75), dtype, seed=5)
+    check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name=str(dtype))
+
+
+def test_int64_offsets_path(force):
+    """The N64 code path (int64 element offsets) gives the same results."""
+    force(n64=True, reduce=C(2, 8, 1, 4))
+    x = sample(M.LOGSUMEXP2, (2, 70), seed=6)
+    assert L.plan_reduce(M.LOGSUMEXP2, x, 1)[0][0].kwargs["N64"]
+    check(M.LOGSUMEXP2, L.launch_reduce(M.LOGSUMEXP2, x, 1), x, 1, name="n64")
+
+
+def test_welford_correction_parameter():
+    x = sample(M.WELFORD, (3, 21), seed=7)
+    for corr in (0.0, 1.0, 2.5):
+        check(M.WELFORD, L.launch_reduce(M.WELFORD, x, 1, {"correction": corr}), x, 1,
+              {"correction": corr}, name=f"correction={corr}")
+    with pytest.raises(TypeError, match="unknown parameters"):
+        L.launch_reduce(M.WELFORD, x, 1, {"ddof": 1})
+
+
+@pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
+def test_edge_rows(monoid):
+    """All -inf rows, rows of length 1, and an empty dim (the finalized identity)."""
+    if monoid.inputs[0].domain == "finite":
+        x = torch.full((2, 5), -3.0)
+    else:
+        x = torch.full((2, 5), -float("inf"))
+    x[1, 2] = 1.0
+    check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name="-inf rows")
+    one = sample(monoid, (4, 1), seed=8)
+    check(monoid, L.launch_reduce(monoid, one, 1), one, 1, name="length 1")
+    empty = torch.empty(3, 0)
+    check(monoid, L.launch_reduce(monoid, empty, 1), empty, 1, name="empty dim")
+
+
+def test_unordered_lanes_would_break_a_non_commutative_monoid(force, monkeypatch):
+    """Negative control: run MATMUL2 through the commutative lane path (elements of a
+    lane are k·LANES + l, so the product is reordered) and see the check fail."""
+    force(reduce=C(2, 8, 1, 4))
+    monkeypatch.setattr(L, "_is_ordered", lambda monoid: False)
+    x = sample(U.MATMUL2, (1, 64), seed=9) * 20
+    with pytest.raises(AssertionError):
+        check(U.MATMUL2, L.launch_reduce(U.MATMUL2, x, 1), x, 1, name="reordered")
+
+
+def test_vector_monoids_are_rejected():
+    with pytest.raises(ValueError, match="monoid"):
+        L.launch_reduce(M.ATTENTION, torch.randn(2, 3), 1)
