@@ -1,0 +1,385 @@
+r"""Decoding against a KV cache: split-KV attention merged by the ATTENTION monoid.
+
+:func:`decode` attends a few new query tokens per sequence (``q_len`` from 1 to 16: plain
+decoding, or speculative decoding's draft tokens) to each sequence's cached keys and
+values, contiguous or paged; :func:`append_kv` writes new keys and values into the cache;
+:class:`PagedKVCache` bundles a paged cache, its block table and its lengths.
+
+Semantics (as FlashAttention's KV-cache API). For sequence ``b`` with ``n_b =
+cache_seqlens[b]`` cached tokens, the ``q_len`` queries are the *last* ``q_len`` tokens of
+the cache: query ``i`` sits at position ``p_i = n_b - q_len + i`` and sees key ``j`` iff
+
+.. math::  j \le p_i \quad\text{and}\quad j \ge p_i - w_\ell \quad (\text{window } (w_\ell, w_r)),
+
+i.e. causal inside the cache (the same as ``flashfold.attention(q, k[:n_b], v[:n_b],
+causal=True, window=window)``, whose causal rule aligns the queries bottom-right, so the
+window's right side has no further effect). With ``s_j = scale\, q_i \cdot k_j`` (then
+``softcap \tanh(s_j / softcap)``):
+
+.. math::  \mathrm{lse}_i = \log \sum_{j\,\mathrm{visible}} e^{s_j}, \qquad
+           o_i = \sum_{j\,\mathrm{visible}} e^{s_j - \mathrm{lse}_i} v_j,
+
+and a row with no visible key (``n_b = 0``, or ``p_i < 0``) gives ``o_i = 0``,
+``lse_i = -inf`` (never NaN or +inf), the identity of the monoid, so such a partial result
+merges correctly with others (:func:`flashfold.merge_states`).
+
+On CUDA the split-KV Triton kernels of :mod:`flashfold.kernels.decode.splitkv` run (keys
+cut into splits across thread blocks, partial states merged by the monoid's generated
+combine); on the CPU the pure-torch reference of :mod:`flashfold.kernels.decode.reference`
+runs (float32 accumulation; float64 inputs in float64), with the same semantics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.decode.reference import decode_reference
+
+#: the most query tokens per sequence :func:`decode` takes
+MAX_Q_LEN = 16
+#: the largest head dimension of the kernels
+MAX_HEAD_DIM = 256
+
+_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CPU_DTYPES = _GPU_DTYPES + (torch.float64,)
+
+
+# --- validation -------------------------------------------------------------------------
+
+def _tensor(x, name):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _window(window):
+    """``(left, right)`` with ``None`` for an unbounded side (``-1`` also means unbounded)."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected None or a (left, right) pair of ints (None or -1: "
+                        f"unbounded), got {window!r}")
+    out = []
+    for side in window:
+        if side is None:
+            out.append(None)
+            continue
+        if isinstance(side, bool) or not isinstance(side, int):
+            raise TypeError(f"window: sides must be ints or None, got {window!r}")
+        if side < -1:
+            raise ValueError(f"window: sides must be >= 0 (or -1 / None: unbounded), got {window!r}")
+        out.append(None if side == -1 else side)
+    return None if out[0] is None and out[1] is None else (out[0], out[1])
+
+
+def _layout(q, k_cache, v_cache, cache_seqlens, block_table, dtypes=None):
+    """Validate shapes/dtypes/devices; returns (heads_kv, page_size or None, capacity)."""
+    for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"),
+                    (cache_seqlens, "cache_seqlens")):
+        _tensor(x, name)
+    dev = q.device
+    ok = dtypes or (_GPU_DTYPES if dev.type == "cuda" else _CPU_DTYPES)
+    if q.dtype not in ok:
+        raise TypeError(f"q: dtype must be one of {[str(d) for d in ok]} on {dev.type}, "
+                        f"got {q.dtype}")
+    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {x.dtype} differs from q's {q.dtype}")
+        if x.device != dev:
+            raise ValueError(f"{name}: on {x.device}, q on {dev}")
+    if q.ndim != 4:
+        raise ValueError(f"q: expected (batch, heads_q, q_len, head_dim), got shape "
+                         f"{tuple(q.shape)}")
+    batch, heads_q, q_len, head_dim = q.shape
+    if not 1 <= q_len <= MAX_Q_LEN:
+        raise ValueError(f"q: q_len (dim 2) must be in 1..{MAX_Q_LEN}, got {q_len}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if batch < 1 or heads_q < 1:
+        raise ValueError(f"q: batch and heads must be >= 1, got shape {tuple(q.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's "
+                         f"{tuple(k_cache.shape)}")
+    if k_cache.ndim != 4:
+        raise ValueError(f"k_cache: expected 4 dims, got shape {tuple(k_cache.shape)}")
+    if block_table is None:
+        kb, heads_kv, capacity, kd = k_cache.shape
+        page_size = None
+        if kb != batch:
+            raise ValueError(f"k_cache: contiguous cache (batch, heads_kv, max_len, head_dim) "
+                             f"has batch {kb}, q has {batch} (pass block_table for a paged cache)")
+    else:
+        _tensor(block_table, "block_table")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table: dtype must be torch.int32, got {block_table.dtype}")
+        if block_table.device != dev:
+            raise ValueError(f"block_table: on {block_table.device}, q on {dev}")
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table: expected shape (batch={batch}, max_pages), got "
+                             f"{tuple(block_table.shape)}")
+        _, page_size, heads_kv, kd = k_cache.shape
+        if page_size < 1:
+            raise ValueError(f"k_cache: paged cache (num_pages, page_size, heads_kv, head_dim) "
+                             f"has page_size {page_size}")
+        capacity = block_table.shape[1] * page_size
+    if kd != head_dim:
+        raise ValueError(f"k_cache: head_dim {kd} differs from q's {head_dim}")
+    if heads_kv < 1 or heads_q % heads_kv:
+        raise ValueError(f"q: heads_q={heads_q} must be a multiple of the cache's heads_kv="
+                         f"{heads_kv}")
+    if cache_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cache_seqlens: dtype must be torch.int32 or torch.int64, got "
+                        f"{cache_seqlens.dtype}")
+    if cache_seqlens.device != dev:
+        raise ValueError(f"cache_seqlens: on {cache_seqlens.device}, q on {dev}")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens: expected shape ({batch},), got "
+                         f"{tuple(cache_seqlens.shape)}")
+    return heads_kv, page_size, capacity
+
+
+def _check_lengths(cache_seqlens, capacity, block_table, num_pages, extra=0, name="cache_seqlens"):
+    """Host-side range checks (reads the tensors: a device synchronisation on CUDA)."""
+    lens = cache_seqlens.to("cpu", torch.int64)
+    if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) + extra > capacity):
+        what = f" + {extra} new tokens" if extra else ""
+        raise ValueError(f"{name}: lengths{what} must lie in [0, {capacity}] (the cache "
+                         f"capacity), got min {int(lens.min())}, max {int(lens.max())}")
+    if block_table is not None and lens.numel():
+        page = capacity // block_table.shape[1]
+        used = (lens + extra + page - 1) // page
+        bt = block_table.to("cpu", torch.int64)
+        cols = torch.arange(bt.shape[1])[None, :]
+        live = bt[cols < used[:, None]]
+        if live.numel() and (int(live.min()) < 0 or int(live.max()) >= num_pages):
+            raise ValueError(f"block_table: the pages in use must lie in [0, {num_pages}), got "
+                             f"min {int(live.min())}, max {int(live.max())}")
+
+
+def _number(x, name, positive=True):
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(x).__name__}")
+    if not math.isfinite(x) or (positive and x <= 0):
+        raise ValueError(f"{name}: expected a finite{' positive' if positive else ''} number, "
+                         f"got {x}")
+    return float(x)
+
+
+# --- public functions -------------------------------------------------------------------
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
+           scale: float | None = None, softcap: float | None = None,
+           window: tuple[int | None, int | None] | None = None, num_splits: int | None = None,
+           batch_invariant: bool = False, return_lse: bool = False,
+           max_seqlen: int | None = None, check_lengths: bool | None = None):
+    r"""Attention of a few new query tokens per sequence against a KV cache (split-KV).
+
+    Args:
+        q: ``(batch, heads_q, q_len, head_dim)``, ``1 <= q_len <= 16``; float16, bfloat16
+            or float32 (float64 too on the CPU). Any strides.
+        k_cache, v_cache: the cache, same dtype and device as ``q``, any strides, either
+            *contiguous* ``(batch, heads_kv, max_len, head_dim)`` (``block_table=None``) or
+            *paged* ``(num_pages, page_size, heads_kv, head_dim)``. ``heads_q`` must be a
+            multiple of ``heads_kv`` (GQA / MQA: query head ``h`` reads key/value head
+            ``h // (heads_q / heads_kv)``; the kernel reads each K/V tile once for the
+            whole group).
+        cache_seqlens: ``(batch,)`` int32 or int64, the number of valid cached tokens of
+            each sequence *including* the ``q_len`` new ones (``0`` allowed: the output is
+            0 and the LSE ``-inf``). Must not exceed the capacity (``max_len``, or
+            ``max_pages * page_size``).
+        block_table: ``(batch, max_pages)`` int32 (paged cache only): token ``t`` of
+            sequence ``b`` lives at ``k_cache[block_table[b, t // page_size],
+            t % page_size]``.
+        scale: score scale, default ``1 / sqrt(head_dim)``.
+        softcap: if given (``> 0``), scores become ``softcap * tanh(score / softcap)``.
+        window: ``(left, right)``: query ``i`` sees keys ``p_i - left .. p_i`` (``None`` or
+            ``-1``: unbounded; the right side is bounded by causality at 0).
+        num_splits: force the number of key splits per sequence (default: chosen from the
+            batch, heads, length bound and SM count so the whole GPU is busy). Not allowed
+            with ``batch_invariant``.
+        batch_invariant: split the keys at fixed multiples of a constant
+            (:data:`~flashfold.kernels.decode.splitkv.INVARIANT_SPLIT` tokens) and merge in
+            a fixed order, so a sequence's output is bitwise the same whatever else is in
+            the batch. The default mode chooses the split size from the batch, so the
+            rounding (not the math) can change with the batch.
+        return_lse: also return the log-sum-exp.
+        max_seqlen: optional host-side upper bound of ``cache_seqlens`` (default: the
+            capacity), used only to plan the splits; lengths above it stay correct.
+        check_lengths: range-check ``cache_seqlens`` (and the block table's pages in use)
+            on the host. Default: when ``cache_seqlens`` is on the CPU; on CUDA the check
+            needs a device synchronisation (and cannot run inside a CUDA graph), so it is
+            off unless requested, and the kernels clamp lengths to ``[0, capacity]``.
+
+    Returns:
+        ``o`` of shape ``(batch, heads_q, q_len, head_dim)`` in ``q.dtype`` (contiguous),
+        and with ``return_lse`` also ``lse`` ``(batch, heads_q, q_len)`` float32, natural
+        log.
+
+    Raises:
+        TypeError / ValueError naming the offending argument.
+    """
+    heads_kv, page_size, capacity = _layout(q, k_cache, v_cache, cache_seqlens, block_table)
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _number(scale, "scale", False)
+    if scale == 0.0:
+        raise ValueError("scale: must be non-zero")
+    softcap = None if softcap is None else _number(softcap, "softcap")
+    win = _window(window)
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+            raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__}")
+        if not 1 <= num_splits <= 65535:
+            raise ValueError(f"num_splits: must be in 1..65535, got {num_splits}")
+        if batch_invariant:
+            raise ValueError("num_splits: batch_invariant=True fixes the split size; do not "
+                             "pass num_splits with it")
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"max_seqlen: expected an int, got {type(max_seqlen).__name__}")
+        if max_seqlen < 0:
+            raise ValueError(f"max_seqlen: must be >= 0, got {max_seqlen}")
+    if check_lengths is None:
+        check_lengths = cache_seqlens.device.type == "cpu"
+    if check_lengths:
+        _check_lengths(cache_seqlens, capacity, block_table, k_cache.shape[0])
+
+    if q.device.type == "cuda":
+        from ..kernels.decode.splitkv import splitkv_decode
+        o, lse = splitkv_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
+                                softcap=softcap, window=win, num_splits=num_splits,
+                                batch_invariant=batch_invariant, max_seqlen=max_seqlen)
+    else:
+        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        o, lse = decode_reference(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
+                                  softcap=softcap, window=win, compute_dtype=cd)
+        o, lse = o.to(q.dtype), lse.to(torch.float32)
+    return (o, lse) if return_lse else o
+
+
+def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+              v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+              block_table: torch.Tensor | None = None, *,
+              check_lengths: bool | None = None) -> torch.Tensor:
+    """Write ``n_new`` new tokens per sequence into the cache, in place, after the cached ones.
+
+    ``k_new``, ``v_new``: ``(batch, heads_kv, n_new, head_dim)`` (the SDPA layout of ``q``),
+    same dtype and device as the cache. Token ``j`` of sequence ``b`` goes to position
+    ``cache_seqlens[b] + j``: ``k_cache[b, :, pos]`` (contiguous) or slot ``pos %
+    page_size`` of page ``block_table[b, pos // page_size]`` (paged; the pages must already
+    be assigned in ``block_table``).
+
+    Returns the new lengths ``cache_seqlens + n_new`` as a new tensor (``cache_seqlens`` is
+    not modified). The capacity and page checks run on the host when ``cache_seqlens`` is
+    on the CPU or ``check_lengths=True`` (a synchronisation on CUDA); otherwise an
+    out-of-range position trips torch's device-side index check.
+    """
+    for x, name in ((k_new, "k_new"), (v_new, "v_new")):
+        _tensor(x, name)
+    _tensor(k_cache, "k_cache")
+    _tensor(v_cache, "v_cache")
+    if k_new.ndim != 4:
+        raise ValueError(f"k_new: expected (batch, heads_kv, n_new, head_dim), got shape "
+                         f"{tuple(k_new.shape)}")
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"v_new: shape {tuple(v_new.shape)} differs from k_new's "
+                         f"{tuple(k_new.shape)}")
+    batch, heads_kv, n_new, head_dim = k_new.shape
+    if k_cache.dtype not in _CPU_DTYPES:
+        raise TypeError(f"k_cache: unsupported dtype {k_cache.dtype}")
+    # validate the cache against a stand-in query of the same batch, heads and head_dim
+    probe = torch.empty((batch, heads_kv, 1, head_dim), dtype=k_cache.dtype,
+                        device=k_cache.device)
+    got_heads, page_size, capacity = _layout(probe, k_cache, v_cache, cache_seqlens, block_table,
+                                             dtypes=_CPU_DTYPES)
+    if got_heads != heads_kv:
+        raise ValueError(f"k_new: heads_kv {heads_kv} differs from the cache's {got_heads}")
+    for x, name in ((k_new, "k_new"), (v_new, "v_new")):
+        if x.dtype != k_cache.dtype:
+            raise TypeError(f"{name}: dtype {x.dtype} differs from the cache's {k_cache.dtype}")
+        if x.device != k_cache.device:
+            raise ValueError(f"{name}: on {x.device}, the cache on {k_cache.device}")
+    if check_lengths is None:
+        check_lengths = cache_seqlens.device.type == "cpu"
+    if check_lengths:
+        _check_lengths(cache_seqlens, capacity, block_table, k_cache.shape[0], extra=n_new)
+    if n_new == 0:
+        return cache_seqlens.clone()
+    pos = cache_seqlens.to(torch.int64)[:, None] + torch.arange(n_new, device=k_cache.device)
+    rows = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, n_new)
+    kn, vn = k_new.transpose(1, 2), v_new.transpose(1, 2)            # (batch, n_new, Hkv, D)
+    if block_table is None:
+        k_cache.transpose(1, 2)[rows, pos] = kn                      # (batch, L, Hkv, D) view
+        v_cache.transpose(1, 2)[rows, pos] = vn
+    else:
+        pages = block_table.to(torch.int64)[rows, pos // page_size]
+        k_cache[pages, pos % page_size] = kn
+        v_cache[pages, pos % page_size] = vn
+    return cache_seqlens + n_new
+
+
+class PagedKVCache:
+    """A paged KV cache with its block table and lengths (a convenience around
+    :func:`append_kv` and :func:`decode`).
+
+    ``k_pages``, ``v_pages``: ``(num_pages, page_size, heads_kv, head_dim)``;
+    ``block_table``: ``(batch, max_pages)`` int32; ``seqlens``: ``(batch,)`` int32. Page
+    assignment is static: :meth:`allocate` gives every sequence ``ceil(max_len /
+    page_size)`` pages (in a seeded random order when ``shuffle``, to exercise the
+    gather). :meth:`append` updates ``seqlens``.
+    """
+
+    def __init__(self, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                 seqlens: torch.Tensor):
+        probe = torch.empty((block_table.shape[0], k_pages.shape[2], 1, k_pages.shape[3]),
+                            dtype=k_pages.dtype, device=k_pages.device)
+        _layout(probe, k_pages, v_pages, seqlens, block_table)
+        self.k_pages, self.v_pages, self.block_table, self.seqlens = (k_pages, v_pages,
+                                                                      block_table, seqlens)
+
+    @classmethod
+    def allocate(cls, batch: int, max_len: int, heads_kv: int, head_dim: int, *,
+                 page_size: int = 16, dtype: torch.dtype = torch.bfloat16, device=None,
+                 shuffle: bool = False, seed: int = 0) -> "PagedKVCache":
+        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        per_seq = -(-max_len // page_size)
+        n_pages = batch * per_seq
+        order = (torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed))
+                 if shuffle else torch.arange(n_pages))
+        table = order.view(batch, per_seq).to(torch.int32).to(device)
+        k = torch.zeros(n_pages, page_size, heads_kv, head_dim, dtype=dtype, device=device)
+        return cls(k, torch.zeros_like(k), table,
+                   torch.zeros(batch, dtype=torch.int32, device=device))
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.block_table.shape[1] * self.page_size
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, **kwargs) -> torch.Tensor:
+        """:func:`append_kv` into this cache; updates and returns ``seqlens``."""
+        self.seqlens = append_kv(self.k_pages, self.v_pages, k_new, v_new, self.seqlens,
+                                 self.block_table, **kwargs).to(self.seqlens.dtype)
+        return self.seqlens
+
+    def decode(self, q: torch.Tensor, **kwargs):
+        """:func:`decode` against this cache (keyword arguments pass through)."""
+        return decode(q, self.k_pages, self.v_pages, self.seqlens,
+                      block_table=self.block_table, **kwargs)
+
+    def __repr__(self) -> str:
+        n, p, h, d = self.k_pages.shape
+        return (f"PagedKVCache(batch={self.block_table.shape[0]}, capacity={self.capacity}, "
+                f"page_size={p}, num_pages={n}, heads_kv={h}, head_dim={d}, "
+                f"dtype={str(self.k_pages.dtype).replace('torch.', '')}, "
+                f"device={self.k_pages.device})")
+
+
+__all__ = ["decode", "append_kv", "PagedKVCache", "MAX_Q_LEN", "MAX_HEAD_DIM"]

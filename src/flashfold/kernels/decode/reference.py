@@ -1,0 +1,117 @@
+r"""Pure-torch reference of decoding against a KV cache (no Triton, no GPU needed).
+
+Semantics (shared by :func:`flashfold.decode`, the Triton kernels and this module). For
+sequence ``b`` of length ``n_b = cache_seqlens[b]`` and ``q_len = Lq`` query tokens, the
+queries are the *last* ``Lq`` tokens of the cache: query row ``i`` sits at absolute position
+
+.. math::  p_i = n_b - L_q + i ,
+
+and key ``j`` (``0 <= j < n_b``) is visible to it iff
+
+.. math::  j \le p_i \quad\text{and}\quad p_i - w_\ell \le j \le p_i + w_r
+
+(causal inside the cache; ``(w_l, w_r)`` the optional window, ``None`` for unbounded; with
+causality ``w_r`` only matters when negative). Query head ``h`` reads key/value head
+``h // (H_q / H_kv)`` (GQA). With ``s_j = scale * q_i . k_j`` (then
+``softcap * tanh(s_j / softcap)`` when a softcap is given):
+
+.. math::  \mathrm{lse}_i = \log \sum_{j\ \mathrm{visible}} e^{s_j}, \qquad
+           o_i = \sum_{j\ \mathrm{visible}} e^{s_j - \mathrm{lse}_i}\, v_j ,
+
+and a row with no visible key (empty sequence, or ``p_i < 0``) gives ``o_i = 0`` and
+``lse_i = -inf``: the identity state of the ATTENTION monoid, so it merges correctly.
+
+Cache layouts:
+
+* contiguous: ``k_cache``, ``v_cache`` of shape ``(batch, heads_kv, max_len, head_dim)``;
+  sequence ``b`` owns ``k_cache[b, :, :n_b]``;
+* paged: ``(num_pages, page_size, heads_kv, head_dim)`` with ``block_table`` of shape
+  ``(batch, max_pages)`` (int32): token ``t`` of sequence ``b`` lives in page
+  ``block_table[b, t // page_size]`` at slot ``t % page_size``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["gather_kv", "gather_kv_padded", "decode_reference"]
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+              block_table: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``cache_seqlens[b]`` tokens of every sequence, as ``(heads_kv, n_b, head_dim)``.
+
+    Contiguous caches give views; paged caches give gathered copies (pages in block-table
+    order). Reads ``cache_seqlens`` on the host.
+    """
+    out = []
+    for b, n in enumerate(int(x) for x in cache_seqlens.tolist()):
+        if block_table is None:
+            out.append((k_cache[b, :, :n], v_cache[b, :, :n]))
+            continue
+        page = k_cache.shape[1]
+        pages = block_table[b, :-(-n // page)].long()
+        k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n]      # (n, heads_kv, head_dim)
+        v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n]
+        out.append((k.transpose(0, 1), v.transpose(0, 1)))
+    return out
+
+
+def gather_kv_padded(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged cache -> contiguous ``(batch, heads_kv, length, head_dim)`` (the first ``length``
+    token slots of every sequence, whatever its own length): the gather that a paged baseline
+    built on SDPA performs before calling it. No host synchronisation."""
+    page = k_cache.shape[1]
+    n_pages = -(-length // page)
+    pages = block_table[:, :n_pages].long()                          # (batch, n_pages)
+    k = k_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)    # (batch, heads_kv, L, D)
+    v = v_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)
+    return k, v
+
+
+def _bound(w) -> float:
+    return math.inf if w is None or w < 0 else float(w)
+
+
+def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None, *,
+                     scale: float | None = None, softcap: float | None = None,
+                     window: tuple[int | None, int | None] | None = None,
+                     compute_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode ``q`` (batch, heads_q, q_len, head_dim) against the cache, one sequence at a time.
+
+    Computes in ``compute_dtype`` (float64 for tests, float32 for the public CPU path) and
+    returns ``(o, lse)`` in that dtype: ``o`` of shape (batch, heads_q, q_len, head_dim),
+    ``lse`` (natural log) of shape (batch, heads_q, q_len). See the module docstring for
+    the visibility rule; inputs are assumed validated (:func:`flashfold.decode` does that).
+    """
+    batch, heads_q, q_len, head_dim = q.shape
+    heads_kv = k_cache.shape[1] if block_table is None else k_cache.shape[2]
+    group = heads_q // heads_kv
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    left, right = (None, None) if window is None else window
+    left, right = _bound(left), _bound(right)
+    o = torch.zeros(batch, heads_q, q_len, head_dim, dtype=compute_dtype, device=q.device)
+    lse = torch.full((batch, heads_q, q_len), -math.inf, dtype=compute_dtype, device=q.device)
+    for b, (k, v) in enumerate(gather_kv(k_cache, v_cache, cache_seqlens, block_table)):
+        n = k.shape[1]
+        if n == 0:
+            continue
+        k = k.to(compute_dtype).repeat_interleave(group, dim=0)       # (heads_q, n, D)
+        v = v.to(compute_dtype).repeat_interleave(group, dim=0)
+        s = q[b].to(compute_dtype) @ k.transpose(-1, -2) * scale      # (heads_q, q_len, n)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(q_len, device=q.device, dtype=torch.float64)[:, None] + (n - q_len)
+        j = torch.arange(n, device=q.device, dtype=torch.float64)[None, :]
+        visible = (j <= pos) & (j >= pos - left) & (j <= pos + right)  # (q_len, n)
+        s = s.masked_fill(~visible, -math.inf)
+        row_lse = torch.logsumexp(s, dim=-1)                          # -inf for empty rows
+        pivot = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
+        p = torch.exp(s - pivot[..., None])                           # 0 where masked
+        o[b] = p @ v
+        lse[b] = row_lse
+    return o, lse

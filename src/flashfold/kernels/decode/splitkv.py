@@ -1,0 +1,510 @@
+r"""Split-KV decoding (Flash-Decoding): one read of K/V per GQA group, merged by the monoid.
+
+The math. For one query row the ATTENTION monoid's state over a set of keys ``J`` is
+``(m, d, o) = (max s_j, sum e^(s_j - m), sum e^(s_j - m) v_j)``; it finalizes to
+``(o / d, m + log d)`` and two states over disjoint key sets merge by
+
+.. math::  (m_a, d_a, o_a) \oplus (m_b, d_b, o_b)
+           = (m,\; d_a e^{m_a - m} + d_b e^{m_b - m},\; o_a e^{m_a - m} + o_b e^{m_b - m}),
+           \quad m = \max(m_a, m_b),
+
+associative with identity ``(-inf, 0, 0)`` (the pivot is kept finite when ``m = -inf``).
+So the keys ``[0, n_b)`` of a sequence are cut into splits, each split's state is computed
+by its own program, and the states are folded:
+
+1. **split kernel**, grid ``(batch * heads_kv * m_blocks, splits)``: a program loads the
+   query rows of *all* query heads of its GQA group (``group * q_len`` rows, padded to
+   ``BLOCK_M >= 16`` for ``tl.dot``) once, then streams its split of K and V (contiguous
+   cache, or pages gathered through ``block_table`` with int64 offsets, the page numbers
+   of a tile read one tile ahead so the K/V loads pipeline like contiguous ones) in tiles
+   of ``BLOCK_N`` keys: ``S = Q K^T`` on the tensor cores, then the online-softmax update
+   in base 2 (``sigma = s log2 e``, folded into the scale, so every exponential is
+   ``exp2``)::
+
+       m' = max(m, rowmax S);  alpha = 2^(m - m');  P = 2^(S - m')
+       d  = d alpha + rowsum P;  o = o alpha + P V;  m = m'
+
+   i.e. the monoid's block lift followed by its combine, under the base-2 twist. The
+   split's state is finalized with the generated ATTENTION ``finalize`` into a partial
+   ``(o_s, lse_s)`` (fp32), or, when there is a single split, straight into the output.
+2. **merge kernel**, grid ``(batch * heads_q * q_len,)``: a partial ``(o_s, lse_s)`` is
+   exactly the state of one "virtual key" with score ``lse_s`` and value ``o_s``
+   (``lift(lse_s, o_s) = (lse_s, 1, o_s)``; ``(0, -inf)`` lifts to the identity), so the
+   merge is ``finalize(fold(combine, map(lift, partials)))``, computed with the
+   ``block_lift``, ``combine`` and ``finalize`` generated from
+   :data:`flashfold.monoids.ATTENTION` by :func:`flashfold.kernels.codegen.triton_monoid`.
+   The bracketing is fixed: the splits ``[16 k, 16 k + 16)`` of a row form one tile whose
+   state the block lift computes at once (max, then sums in an order fixed by the
+   constant tile width), and the tile states are combined left to right. Missing splits
+   (past a sequence's last) load as the identity and contribute exact zeros, so the
+   result depends only on the sequence's own splits; a single split merges to itself bit
+   for bit (``e^0 = 1``, ``e^-inf = 0``), the same bits the one-split kernel writes.
+
+Lengths are read on the device (``cache_seqlens``), never on the host: nothing here
+synchronises, so the launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...monoids import ATTENTION
+from ..codegen import triton_monoid
+
+LOG2E = 1.0 / math.log(2.0)
+
+#: tokens per split in batch-invariant mode (a multiple of every BLOCK_N used)
+INVARIANT_SPLIT = 512
+#: partial states per merge tile (fixed: the merge's bracketing must not depend on the batch)
+MERGE_BLOCK = 16
+#: smallest split the default heuristic makes, and the most splits it makes
+MIN_SPLIT = 256
+MAX_SPLITS = 128
+#: "unbounded" window side, as an int32 the kernels can subtract from positions
+NO_WINDOW = 1 << 30
+
+
+# --- jit helpers ------------------------------------------------------------------------
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^{2x} + 1): exact limits +-1 (e^{2x} overflowing to inf is fine)
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _split_plan(seqlen, win_left, n_splits, split_size, Q_LEN: tl.constexpr,
+                BLOCK_N: tl.constexpr, FIXED_SPLIT: tl.constexpr):
+    """(first key of split 0, keys per split, number of non-empty splits) of one sequence."""
+    lo = tl.maximum(seqlen - Q_LEN - win_left, 0)
+    if FIXED_SPLIT:
+        size = split_size
+        base = (lo // size) * size
+    else:
+        base = (lo // BLOCK_N) * BLOCK_N
+        size = tl.cdiv(tl.cdiv(seqlen - base, n_splits), BLOCK_N) * BLOCK_N
+        size = tl.maximum(size, BLOCK_N)
+    return base, size, tl.cdiv(seqlen - base, size)
+
+
+@triton.jit
+def _kv_rows(BT, b, n0, offs_t, end, stride_btb, stride_btp,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page number of each key ``n0 + offs_t`` of a tile (int64; 0 past ``end``).
+
+    Tiles start at multiples of BLOCK_N: with ``PAGE_SIZE % BLOCK_N == 0`` a tile lies in
+    one page (one scalar read), with ``BLOCK_N % PAGE_SIZE == 0`` it spans
+    ``BLOCK_N / PAGE_SIZE`` whole pages (one small vector read, broadcast), else each key's
+    page is read."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(BT + b * stride_btb + (n0 // PAGE_SIZE) * stride_btp,
+                       mask=n0 < end, other=0).to(tl.int64)
+        return tl.full([BLOCK_N], 0, tl.int64) + page
+    elif BLOCK_N % PAGE_SIZE == 0:
+        NP: tl.constexpr = BLOCK_N // PAGE_SIZE
+        offs_p = tl.arange(0, NP)
+        pages = tl.load(BT + b * stride_btb + (n0 // PAGE_SIZE + offs_p) * stride_btp,
+                        mask=n0 + offs_p * PAGE_SIZE < end, other=0).to(tl.int64)
+        return tl.reshape(tl.broadcast_to(pages[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
+    else:
+        return tl.load(BT + b * stride_btb + ((n0 + offs_t) // PAGE_SIZE) * stride_btp,
+                       mask=n0 + offs_t < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend(q, pos, b, k_base, v_base, BT, start, end,
+            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+            stride_btp, win_left, qk_scale, cap_in, cap_out,
+            Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            PAGED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+            NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Base-2 state ``(m, d, o)`` of the rows ``q`` [BM, BD] over the keys ``[start, end)``
+    (``start`` a multiple of BLOCK_N; no key when ``start >= end``)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_t = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                 # base-2 running max
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # paged: the pages of the *next* tile are read one iteration ahead, so a tile's K/V
+    # addresses never wait on a load of the same iteration (the K/V loads then pipeline
+    # with NUM_STAGES - 1 tiles in flight, as for a contiguous cache)
+    if PAGED:
+        page = _kv_rows(BT, b, start, offs_t, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N)
+    else:
+        page = tl.zeros([BLOCK_N], tl.int64)
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        offs_n = n0 + offs_t                                             # [BN] key positions
+        n_ok = offs_n < end
+        if PAGED:
+            slot = (offs_n % PAGE_SIZE).to(tl.int64)
+            k_off = page * stride_kb + slot * stride_kn
+            v_off = page * stride_vb + slot * stride_vn
+            page = _kv_rows(BT, b, n0 + BLOCK_N, offs_t, end, stride_btb, stride_btp,
+                            PAGE_SIZE, BLOCK_N)
+        else:
+            k_off = b * stride_kb + offs_n.to(tl.int64) * stride_kn
+            v_off = b * stride_vb + offs_n.to(tl.int64) * stride_vn
+        k = tl.load(k_base + k_off[:, None] + offs_d[None, :] * stride_kd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)      # [BN, BD]
+        v = tl.load(v_base + v_off[:, None] + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)      # [BN, BD]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)       # [BM, BN]
+        if SOFTCAP:
+            s = _tanh(s * cap_in) * cap_out        # cap tanh(scale qk / cap) log2 e
+        else:
+            s = s * qk_scale                       # scale log2 e
+        visible = n_ok[None, :]
+        if Q_LEN > 1:                              # causal inside the cache
+            visible = visible & (offs_n[None, :] <= pos[:, None])
+        if WINDOW:                                 # left side of the window
+            visible = visible & (offs_n[None, :] >= pos[:, None] - win_left)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)           # no -inf - -inf
+        alpha = tl.exp2(m_i - pivot)
+        p = tl.exp2(s - pivot[:, None])                                  # [BM, BN]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _partial(c, q, pos, b, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base, size, seqlen,
+             n_used, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+             stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
+             FINALIZE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
+             WINDOW: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Split ``c`` of a sequence -> its partial ``(o_c, lse_c)`` in the workspace (nothing
+    when ``c >= n_used``)."""
+    start = base + c * size
+    m_i, l_i, acc = _attend(
+        q, pos, b, k_base, v_base, BT, start, tl.minimum(start + size, seqlen),
+        stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+        stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
+        BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+    # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
+    out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
+    offs_d = tl.arange(0, BLOCK_D)
+    ws = ws_row + c
+    tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :] & (c < n_used))
+    tl.store(LSEP + ws[:, None], lse, mask=row_ok[:, None] & (c < n_used))
+
+
+# --- kernels ----------------------------------------------------------------------------
+
+@triton.jit
+def _splitkv_kernel(
+        Q, K, V, BT, SEQ, O, LSE, OP, LSEP,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_btb, stride_btp,
+        stride_ob, stride_oh, stride_om, stride_od,
+        heads_kv, capacity, n_splits, ws_splits, split_size, win_left,
+        qk_scale, cap_in, cap_out,
+        FINALIZE: tl.constexpr,
+        Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FIXED_SPLIT: tl.constexpr,
+        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, WRITE_FINAL: tl.constexpr,
+        LOOP_SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    ROWS: tl.constexpr = GROUP * Q_LEN
+    M_BLOCKS: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
+    pid = tl.program_id(0)
+    m_blk = pid % M_BLOCKS
+    bh = pid // M_BLOCKS
+    b = (bh // heads_kv).to(tl.int64)
+    h = (bh % heads_kv).to(tl.int64)
+    seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b).to(tl.int32), 0), capacity)
+    base, size, n_used = _split_plan(seqlen, win_left, n_splits, split_size, Q_LEN, BLOCK_N,
+                                     FIXED_SPLIT)
+
+    # the group's query rows: row r is query head h * GROUP + r // Q_LEN, token r % Q_LEN
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BM]
+    row_ok = rows < ROWS
+    qi = rows % Q_LEN
+    hq = h * GROUP + rows // Q_LEN                                       # int64 [BM]
+    pos = seqlen - Q_LEN + qi                                            # absolute position
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + hq[:, None] * stride_qh + qi[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)       # [BM, BD]
+    k_base = K + h * stride_kh
+    v_base = V + h * stride_vh
+
+    if WRITE_FINAL:                                # one split: the whole sequence, no merge
+        m_i, l_i, acc = _attend(
+            q, pos, b, k_base, v_base, BT, base, seqlen, stride_kb, stride_kn, stride_kd,
+            stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
+            qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
+            PAGED, SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+        out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
+        tl.store(O + b * stride_ob + hq[:, None] * stride_oh + qi[:, None] * stride_om
+                 + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + (b * (heads_kv * GROUP) + hq[:, None]) * Q_LEN + qi[:, None], lse,
+                 mask=row_ok[:, None])
+    else:
+        ws_row = ((b * (heads_kv * GROUP) + hq) * Q_LEN + qi) * ws_splits   # [BM] int64
+        if LOOP_SPLITS:
+            # fewer split programs than a sequence may have splits (batch-invariant mode
+            # with a length bound below the capacity): splits c, c + n_splits, ...; a
+            # split's result never depends on which program computed it
+            for c in range(tl.program_id(1), n_used, n_splits):
+                _partial(c, q, pos, b, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base, size,
+                         seqlen, n_used, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
+                         stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
+                         FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
+                         SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+        else:
+            _partial(tl.program_id(1), q, pos, b, k_base, v_base, BT, OP, LSEP, ws_row, row_ok,
+                     base, size, seqlen, n_used, stride_kb, stride_kn, stride_kd, stride_vb,
+                     stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in,
+                     cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
+                     PAGED, SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+
+
+@triton.jit
+def _merge_kernel(
+        OP, LSEP, SEQ, O, LSE,
+        stride_ob, stride_oh, stride_om, stride_od,
+        heads_q, capacity, n_splits, ws_splits, split_size, win_left,
+        BLOCK_LIFT: tl.constexpr, COMBINE: tl.constexpr, FINALIZE: tl.constexpr,
+        Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, FIXED_SPLIT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)                 # (b, hq, qi) row-major
+    qi = row % Q_LEN
+    hq = (row // Q_LEN) % heads_q
+    b = row // (Q_LEN * heads_q)
+    seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b).to(tl.int32), 0), capacity)
+    _, _, n_used = _split_plan(seqlen, win_left, n_splits, split_size, Q_LEN, BLOCK_N,
+                               FIXED_SPLIT)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m = tl.full([1], float("-inf"), tl.float32)          # the identity (-inf, 0, 0)
+    d = tl.zeros([1], tl.float32)
+    o = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_used, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = offs_s < n_used
+        ws = row * ws_splits + offs_s                                    # [BS]
+        lse_s = tl.load(LSEP + ws, mask=s_ok, other=float("-inf"))
+        o_s = tl.load(OP + ws[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)   # [BS, BD]
+        # the tile's state at once: split s is a virtual key with score lse_s, value o_s
+        t_m, t_d, t_o = BLOCK_LIFT(lse_s[:, None], o_s, s_ok[:, None])  # [1], [1], [BD]
+        m, d, o = COMBINE(m, d, o, t_m, t_d, t_o)                        # left to right
+    out, lse = FINALIZE(m, d, o)                                         # [BD], [1]
+    tl.store(O + b * stride_ob + hq * stride_oh + qi * stride_om + offs_d * stride_od,
+             out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(LSE + row + tl.arange(0, 1), lse)
+
+
+# --- launcher ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile configuration of the split kernel (never chosen from the batch: bitwise
+    invariance needs the same tiles, warps and reductions whatever the batch)."""
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    block_m_max: int = 64
+
+
+def default_config(head_dim: int, dtype: torch.dtype, page_size: int | None) -> DecodeConfig:
+    """The split kernel's tiles for a head dim / dtype / page size."""
+    if dtype == torch.float32:
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=3)
+    if head_dim > 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=3)
+    return DecodeConfig()
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(int(n)))
+
+
+def choose_num_splits(programs: int, kv_len: int, num_sms: int, ctas_per_sm: int = 2,
+                      min_split: int = MIN_SPLIT, max_splits: int = MAX_SPLITS) -> int:
+    """Number of splits for ``programs`` (batch x heads_kv x row blocks) over ``kv_len`` keys.
+
+    Fill the GPU: among ``1 .. min(max_splits, ceil(kv_len / min_split))`` splits, take the
+    smallest whose wave efficiency ``w / ceil(w)`` (``w = programs * splits / slots``,
+    ``slots = num_sms * ctas_per_sm``) is within 85% of the best: fewer splits mean fewer
+    partials to write and merge, a full last wave means no idle SMs.
+    """
+    limit = max(1, min(max_splits, -(-max(kv_len, 1) // min_split)))
+    slots = max(1, num_sms * ctas_per_sm)
+    effs = []
+    for s in range(1, limit + 1):
+        waves = programs * s / slots
+        effs.append(waves / math.ceil(waves))
+    best = max(effs)
+    return next(s for s, e in enumerate(effs, start=1) if e >= 0.85 * best)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132                                   # the interpreter: plan as for an H100/H200
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """What the launcher decided: programs per sequence along the split axis of the grid
+    (``n_splits``), partial states reserved per row (``ws_splits``), the fixed split size
+    (0: derived per sequence from ``n_splits``), and whether the split kernel writes the
+    output itself (one split covers every possible length: no merge pass)."""
+    n_splits: int
+    ws_splits: int
+    split_size: int
+    write_final: bool
+    block_m: int
+    m_blocks: int
+
+
+def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int | None,
+         device: torch.device, config: DecodeConfig, *, num_splits: int | None = None,
+         batch_invariant: bool = False, invariant_split: int = INVARIANT_SPLIT) -> SplitPlan:
+    """Host-side split plan from shapes, the cache capacity and a host bound on the lengths
+    (``kv_bound``, a performance hint only); reads nothing on the device."""
+    batch, heads_q, q_len, _ = q_shape
+    rows = (heads_q // heads_kv) * q_len
+    block_m = min(_pow2(rows), _pow2(config.block_m_max))
+    m_blocks = -(-rows // block_m)
+    span = kv_bound if window_left is None else min(kv_bound, window_left + q_len)
+    if batch_invariant:
+        if invariant_split % config.block_n:
+            raise ValueError(f"invariant split {invariant_split} is not a multiple of "
+                             f"BLOCK_N={config.block_n}")
+        ws = max(1, -(-capacity // invariant_split))       # every length <= capacity fits
+        n = max(1, -(-span // invariant_split) + (window_left is not None))
+        return SplitPlan(min(n, ws), ws, invariant_split, ws == 1, block_m, m_blocks)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device))
+    n = int(num_splits)
+    return SplitPlan(n, n, 0, n == 1, block_m, m_blocks)
+
+
+@dataclass
+class Launch:
+    """Both kernel launches of one decode call, prepared but not run: ``(grid, args, kwargs)``
+    of the split kernel and of the merge kernel (``None`` with a single split), the output
+    tensors they write, and the plan. :func:`splitkv_decode` runs it; tests compile it
+    ahead of time for a GPU target."""
+    split: tuple
+    merge: tuple | None
+    out: torch.Tensor
+    lse: torch.Tensor
+    plan: SplitPlan
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        grid, args, kwargs = self.split
+        _splitkv_kernel[grid](*args, **kwargs)
+        if self.merge is not None:
+            grid, args, kwargs = self.merge
+            _merge_kernel[grid](*args, **kwargs)
+        return self.out, self.lse
+
+
+def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None, *,
+            scale: float, softcap: float | None = None,
+            window: tuple[int | None, int | None] | None = None,
+            num_splits: int | None = None, batch_invariant: bool = False,
+            max_seqlen: int | None = None, config: DecodeConfig | None = None,
+            invariant_split: int = INVARIANT_SPLIT) -> Launch:
+    """Plan the splits, allocate the outputs and workspace, and bind the kernel arguments
+    (arguments as :func:`splitkv_decode`)."""
+    batch, heads_q, q_len, head_dim = q.shape
+    paged = block_table is not None
+    if paged:
+        page_size, heads_kv = k_cache.shape[1], k_cache.shape[2]
+        capacity = block_table.shape[1] * page_size
+        # (page, slot, head, dim) -> (b-or-page, head, token, dim) strides
+        sk = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1), k_cache.stride(3))
+        sv = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(1), v_cache.stride(3))
+        sbt = (block_table.stride(0), block_table.stride(1))
+    else:
+        page_size, heads_kv, capacity = 1, k_cache.shape[1], k_cache.shape[2]
+        sk, sv, sbt = k_cache.stride(), v_cache.stride(), (0, 0)
+    group = heads_q // heads_kv
+    config = config or default_config(head_dim, q.dtype, page_size if paged else None)
+    left = None if window is None else window[0]      # the right side is causal: 0
+    bound = capacity if max_seqlen is None else max(0, min(int(max_seqlen), capacity))
+    p = plan(q.shape, heads_kv, capacity, bound, left, q.device, config, num_splits=num_splits,
+             batch_invariant=batch_invariant, invariant_split=invariant_split)
+    tm = triton_monoid(ATTENTION)
+    block_d = _pow2(head_dim)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads_q, q_len), dtype=torch.float32, device=q.device)
+    if p.write_final:
+        op = lsep = lse                               # unused
+    else:
+        op = torch.empty(batch * heads_q * q_len * p.ws_splits * head_dim,
+                         dtype=torch.float32, device=q.device)
+        lsep = torch.empty(batch * heads_q * q_len * p.ws_splits, dtype=torch.float32,
+                           device=q.device)
+    win_left = NO_WINDOW if left is None else int(left)
+    if softcap:
+        qk_scale, cap_in, cap_out = 0.0, scale / softcap, softcap * LOG2E
+    else:
+        qk_scale, cap_in, cap_out = scale * LOG2E, 0.0, 0.0
+    split = ((batch * heads_kv * p.m_blocks, p.n_splits),
+             (q, k_cache, v_cache, block_table if paged else cache_seqlens, cache_seqlens,
+              out, lse, op, lsep,
+              *q.stride(), *sk, *sv, *sbt, *out.stride(),
+              heads_kv, capacity, p.n_splits, p.ws_splits, p.split_size, win_left,
+              qk_scale, cap_in, cap_out),
+             dict(FINALIZE=tm.finalize,
+                  Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim,
+                  BLOCK_M=p.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+                  PAGE_SIZE=page_size, PAGED=paged, FIXED_SPLIT=batch_invariant,
+                  SOFTCAP=bool(softcap), WINDOW=left is not None, WRITE_FINAL=p.write_final,
+                  LOOP_SPLITS=p.n_splits < p.ws_splits, NUM_STAGES=config.num_stages,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  num_warps=config.num_warps * (2 if p.block_m >= 64 else 1),
+                  num_stages=config.num_stages))
+    merge = None
+    if not p.write_final:
+        merge = ((batch * heads_q * q_len,),
+                 (op, lsep, cache_seqlens, out, lse, *out.stride(),
+                  heads_q, capacity, p.n_splits, p.ws_splits, p.split_size, win_left),
+                 dict(BLOCK_LIFT=tm.block_lift, COMBINE=tm.combine, FINALIZE=tm.finalize,
+                      Q_LEN=q_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK,
+                      BLOCK_N=config.block_n, FIXED_SPLIT=batch_invariant, num_warps=4))
+    return Launch(split, merge, out, lse, p)
+
+
+def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None, *,
+                   scale: float, softcap: float | None = None,
+                   window: tuple[int | None, int | None] | None = None,
+                   num_splits: int | None = None, batch_invariant: bool = False,
+                   max_seqlen: int | None = None, config: DecodeConfig | None = None,
+                   invariant_split: int = INVARIANT_SPLIT) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV decode on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``).
+
+    Inputs as :func:`flashfold.decode`, already validated; ``window`` normalized to
+    ``(left, right)`` with ``None`` for unbounded. ``config`` and ``invariant_split``
+    override the tiles and the batch-invariant split size (benchmarks, tests). Returns
+    ``(o, lse)``: ``o`` (batch, heads_q, q_len, head_dim) in ``q.dtype``, ``lse``
+    (batch, heads_q, q_len) float32.
+    """
+    return prepare(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
+                   softcap=softcap, window=window, num_splits=num_splits,
+                   batch_invariant=batch_invariant, max_seqlen=max_seqlen, config=config,
+                   invariant_split=invariant_split).run()

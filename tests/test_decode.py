@@ -1,0 +1,193 @@
+"""flashfold.decode / append_kv / PagedKVCache on the CPU (the pure-torch path), and the
+float64 reference against flashfold.attention on the same tokens."""
+
+import math
+
+import pytest
+import torch
+
+import flashfold as ff
+from flashfold.kernels.decode.reference import decode_reference, gather_kv, gather_kv_padded
+from flashfold.testing import assert_close
+from test_decode_common import attention_per_sequence, make_case
+
+LENS = [0, 1, 5, 37, 64]
+
+
+@pytest.mark.parametrize("q_len", [1, 3], ids=lambda n: f"q_len{n}")
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)], ids=lambda h: f"hq{h[0]}_hkv{h[1]}")
+@pytest.mark.parametrize("mods", [{}, {"softcap": 5.0, "scale": 0.4}, {"window": (7, None)},
+                                  {"window": (0, 3)}],
+                         ids=["plain", "softcap", "window7", "window0"])
+def test_reference_is_attention_on_the_same_tokens(q_len, heads, mods):
+    case = make_case(LENS, heads_q=heads[0], heads_kv=heads[1], q_len=q_len, head_dim=32,
+                     capacity=70, page_size=8, dtype=torch.float64)
+    o, lse = decode_reference(case.q, case.k, case.v, case.seqlens, **mods)
+    ro, rl = attention_per_sequence(case, **mods)
+    assert_close(o, ro, "float64", name="o")
+    assert_close(lse, rl, "float32", name="lse")              # attention's LSE is float32
+    po, plse = decode_reference(case.q, case.k_pages, case.v_pages, case.seqlens,
+                                case.block_table, **mods)
+    assert torch.equal(po, o) and torch.equal(plse, lse)      # same tokens, same order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_cpu_matches_attention(dtype, paged):
+    case = make_case(LENS, heads_q=4, heads_kv=2, q_len=2, head_dim=32, capacity=70,
+                     page_size=16, dtype=dtype)
+    k, v, table = case.cache(paged)
+    o, lse = ff.decode(case.q, k, v, case.seqlens, block_table=table, return_lse=True)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert o.shape == case.q.shape and lse.shape == case.q.shape[:3]
+    ro, rl = attention_per_sequence(case)
+    assert_close(o, ro, dtype, name="o")
+    assert_close(lse, rl, "float32", name="lse")
+
+
+def test_empty_and_unseen_rows_are_the_identity():
+    # length 0: every row empty; length 1 with q_len 3: rows 0 and 1 sit before the cache
+    case = make_case([0, 1, 0], heads_q=2, heads_kv=1, q_len=3, head_dim=16, capacity=8,
+                     page_size=4, dtype=torch.float32)
+    for paged in (False, True):
+        k, v, table = case.cache(paged)
+        o, lse = ff.decode(case.q, k, v, case.seqlens, block_table=table, return_lse=True)
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+        assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.equal(o[2], torch.zeros_like(o[2]))
+        assert (lse[0] == -math.inf).all() and (lse[2] == -math.inf).all()
+        assert (lse[1, :, :2] == -math.inf).all() and torch.isfinite(lse[1, :, 2]).all()
+        assert torch.equal(o[1, :, :2], torch.zeros_like(o[1, :, :2]))
+        # one visible key: the output is its value
+        assert_close(o[1, :, 2], case.v[1, 0, 0].expand(2, -1), "float32", name="o")
+
+
+def test_empty_partial_merges_exactly():
+    """An empty sequence's (0, -inf) merges with a live part into that part."""
+    case = make_case([0, 9], heads_q=2, heads_kv=2, q_len=1, head_dim=16, capacity=9,
+                     dtype=torch.float32)
+    o, lse = ff.decode(case.q, case.k, case.v, case.seqlens, return_lse=True)
+    mo, mlse = ff.merge_states(o[0], lse[0], o[1], lse[1])
+    assert torch.equal(mo, o[1]) and torch.equal(mlse, lse[1])
+
+
+def test_paged_and_contiguous_agree_and_gather():
+    case = make_case([3, 40, 17], heads_q=4, heads_kv=4, q_len=1, head_dim=16, capacity=48,
+                     page_size=16, dtype=torch.float32)
+    for (k1, v1), (k2, v2) in zip(gather_kv(case.k, case.v, case.seqlens),
+                                  gather_kv(case.k_pages, case.v_pages, case.seqlens, case.block_table)):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    kp, vp = gather_kv_padded(case.k_pages, case.v_pages, case.block_table, 48)
+    assert torch.equal(kp, case.k) and torch.equal(vp, case.v)
+    a = ff.decode(case.q, case.k, case.v, case.seqlens)
+    b = ff.decode(case.q, case.k_pages, case.v_pages, case.seqlens, block_table=case.block_table)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_append_kv_builds_the_cache(paged):
+    full = make_case([30, 30], heads_q=2, heads_kv=2, q_len=1, head_dim=16, capacity=32,
+                     dtype=torch.float32, seed=3)
+    if paged:
+        cache = ff.PagedKVCache.allocate(2, 32, 2, 16, page_size=8, dtype=torch.float32,
+                                         shuffle=True)
+        kc, vc, table = cache.k_pages, cache.v_pages, cache.block_table
+    else:
+        kc = torch.zeros(2, 2, 32, 16)
+        vc = torch.zeros_like(kc)
+        table = None
+    lens = torch.zeros(2, dtype=torch.int32)
+    for lo, hi in [(0, 1), (1, 12), (12, 12), (12, 30)]:          # incl. an empty append
+        new = ff.append_kv(kc, vc, full.k[:, :, lo:hi], full.v[:, :, lo:hi], lens, table)
+        assert new.dtype == lens.dtype and torch.equal(new, lens + (hi - lo))
+        lens = new
+    got = gather_kv(kc, vc, lens, table)
+    for b in range(2):
+        assert torch.equal(got[b][0], full.k[b, :, :30]) and torch.equal(got[b][1], full.v[b, :, :30])
+    o = ff.decode(full.q, kc, vc, lens, block_table=table)
+    assert torch.equal(o, ff.decode(full.q, full.k, full.v, lens))
+    with pytest.raises(ValueError, match="cache_seqlens.*capacity"):
+        ff.append_kv(kc, vc, full.k[:, :, :3], full.v[:, :, :3], lens, table)
+    with pytest.raises(TypeError, match="k_new.*dtype"):
+        ff.append_kv(kc, vc, full.k[:, :, :1].double(), full.v[:, :, :1].double(), lens, table)
+
+
+def test_paged_kv_cache_helper():
+    cache = ff.PagedKVCache.allocate(3, 20, 2, 16, page_size=8, dtype=torch.float32)
+    assert repr(cache) == ("PagedKVCache(batch=3, capacity=24, page_size=8, num_pages=9, "
+                           "heads_kv=2, head_dim=16, dtype=float32, device=cpu)")
+    k = torch.randn(3, 2, 5, 16)
+    v = torch.randn(3, 2, 5, 16)
+    assert cache.append(k, v).tolist() == [5, 5, 5]
+    q = torch.randn(3, 4, 1, 16)
+    o = cache.decode(q)
+    assert_close(o, ff.decode(q, k, v, cache.seqlens), "float32", name="o")
+
+
+def _args():
+    case = make_case([3, 5], heads_q=4, heads_kv=2, q_len=1, head_dim=16, capacity=8,
+                     page_size=4, dtype=torch.float32)
+    return case
+
+
+@pytest.mark.parametrize("mutate, exc, pattern", [
+    (lambda a: a.update(q=a["q"].numpy()), TypeError, "q: expected a torch.Tensor"),
+    (lambda a: a.update(q=a["q"].to(torch.int32)), TypeError, "q: dtype"),
+    (lambda a: a.update(k_cache=a["k_cache"].double()), TypeError, "k_cache: dtype"),
+    (lambda a: a.update(q=a["q"][0]), ValueError, r"q: expected \(batch"),
+    (lambda a: a.update(q=torch.randn(2, 4, 17, 16)), ValueError, "q: q_len"),
+    (lambda a: a.update(q=torch.randn(2, 4, 1, 8)), ValueError, "k_cache: head_dim"),
+    (lambda a: a.update(q=torch.randn(2, 3, 1, 16)), ValueError, "heads_q=3"),
+    (lambda a: a.update(q=torch.randn(3, 4, 1, 16)), ValueError, "k_cache: contiguous cache"),
+    (lambda a: a.update(v_cache=a["v_cache"][:, :, :4]), ValueError, "v_cache: shape"),
+    (lambda a: a.update(cache_seqlens=a["cache_seqlens"].float()), TypeError, "cache_seqlens: dtype"),
+    (lambda a: a.update(cache_seqlens=a["cache_seqlens"][:1]), ValueError, "cache_seqlens: expected shape"),
+    (lambda a: a.update(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32)), ValueError,
+     r"cache_seqlens: lengths must lie in \[0, 8\]"),
+    (lambda a: a.update(cache_seqlens=torch.tensor([-1, 2], dtype=torch.int32)), ValueError,
+     "cache_seqlens: lengths"),
+    (lambda a: a.update(scale=0.0), ValueError, "scale"),
+    (lambda a: a.update(scale="x"), TypeError, "scale"),
+    (lambda a: a.update(softcap=-1.0), ValueError, "softcap"),
+    (lambda a: a.update(window=3), TypeError, "window"),
+    (lambda a: a.update(window=(-2, 0)), ValueError, "window"),
+    (lambda a: a.update(num_splits=0), ValueError, "num_splits"),
+    (lambda a: a.update(num_splits=2.0), TypeError, "num_splits"),
+    (lambda a: a.update(num_splits=2, batch_invariant=True), ValueError, "num_splits.*batch_invariant"),
+    (lambda a: a.update(batch_invariant=1), TypeError, "batch_invariant"),
+    (lambda a: a.update(max_seqlen=-1), ValueError, "max_seqlen"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_decode_validation_contiguous(mutate, exc, pattern):
+    c = _args()
+    a = dict(q=c.q, k_cache=c.k, v_cache=c.v, cache_seqlens=c.seqlens)
+    mutate(a)
+    q, k, v, s = a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), a.pop("cache_seqlens")
+    with pytest.raises(exc, match=pattern):
+        ff.decode(q, k, v, s, **a)
+
+
+@pytest.mark.parametrize("mutate, exc, pattern", [
+    (lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table: dtype"),
+    (lambda a: a.update(block_table=a["block_table"][:1]), ValueError, "block_table: expected shape"),
+    (lambda a: a.update(block_table=a["block_table"].numpy()), TypeError, "block_table"),
+    (lambda a: a.update(block_table=torch.full((2, 2), 99, dtype=torch.int32)), ValueError,
+     r"block_table: the pages in use must lie in \[0, "),
+    (lambda a: a.update(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32)), ValueError,
+     r"cache_seqlens: lengths must lie in \[0, 8\]"),
+    (lambda a: a.update(k_cache=torch.randn(7, 4, 3, 16), v_cache=torch.randn(7, 4, 3, 16)),
+     ValueError, "heads_q=4 must be a multiple of the cache's heads_kv=3"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_decode_validation_paged(mutate, exc, pattern):
+    c = _args()
+    a = dict(q=c.q, k_cache=c.k_pages, v_cache=c.v_pages, cache_seqlens=c.seqlens,
+             block_table=c.block_table)
+    mutate(a)
+    q, k, v, s = a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), a.pop("cache_seqlens")
+    with pytest.raises(exc, match=pattern):
+        ff.decode(q, k, v, s, **a)
+
+
+def test_top_level_names():
+    from flashfold.api import decode as mod
+    assert ff.decode is mod.decode and ff.append_kv is mod.append_kv
+    assert ff.PagedKVCache is mod.PagedKVCache

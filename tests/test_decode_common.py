@@ -1,0 +1,69 @@
+"""Shared builders for the decode tests (no tests here): a KV cache in both layouts holding
+the same tokens, and the decode semantics restated through `flashfold.attention`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Case:
+    q: torch.Tensor                 # (B, Hq, Lq, D)
+    k: torch.Tensor                 # contiguous cache (B, Hkv, L, D)
+    v: torch.Tensor
+    seqlens: torch.Tensor           # (B,) int32
+    k_pages: torch.Tensor | None    # paged cache (P, page, Hkv, D) with the same tokens
+    v_pages: torch.Tensor | None
+    block_table: torch.Tensor | None
+
+    def cache(self, paged: bool):
+        """(k_cache, v_cache, block_table) of one layout."""
+        if paged:
+            return self.k_pages, self.v_pages, self.block_table
+        return self.k, self.v, None
+
+
+def make_case(lens, heads_q=4, heads_kv=2, q_len=1, head_dim=32, capacity=None,
+              page_size=None, dtype=torch.float16, seed=0, device="cpu", spare_pages=3) -> Case:
+    """Random q/K/V for sequences of lengths ``lens``; with ``page_size`` also a paged copy
+    whose pages are shuffled (and interleaved with unused pages) so the gather matters."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(lens)
+    capacity = capacity or max(max(lens), 1)
+    q = torch.randn(batch, heads_q, q_len, head_dim, generator=g).to(dtype).to(device)
+    k = torch.randn(batch, heads_kv, capacity, head_dim, generator=g).to(dtype).to(device)
+    v = torch.randn(batch, heads_kv, capacity, head_dim, generator=g).to(dtype).to(device)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    kp = vp = table = None
+    if page_size is not None:
+        per_seq = -(-capacity // page_size)
+        n_pages = batch * per_seq + spare_pages
+        perm = torch.randperm(n_pages, generator=g)[:batch * per_seq].view(batch, per_seq)
+        kp = torch.randn(n_pages, page_size, heads_kv, head_dim, generator=g).to(dtype).to(device)
+        vp = torch.randn(n_pages, page_size, heads_kv, head_dim, generator=g).to(dtype).to(device)
+        pad = per_seq * page_size - capacity
+        for b in range(batch):
+            kb = torch.nn.functional.pad(k[b].transpose(0, 1), (0, 0, 0, 0, 0, pad))
+            vb = torch.nn.functional.pad(v[b].transpose(0, 1), (0, 0, 0, 0, 0, pad))
+            kp[perm[b].to(device)] = kb.reshape(per_seq, page_size, heads_kv, head_dim)
+            vp[perm[b].to(device)] = vb.reshape(per_seq, page_size, heads_kv, head_dim)
+        table = perm.to(torch.int32).to(device)
+    return Case(q, k, v, seqlens, kp, vp, table)
+
+
+def attention_per_sequence(case: Case, *, scale=None, softcap=None, window=None,
+                           dtype=torch.float64):
+    """``flashfold.attention`` on each sequence's own tokens (causal, bottom-right), in
+    ``dtype``: the decode semantics restated through the attention API."""
+    import flashfold as ff
+
+    outs, lses = [], []
+    for b, n in enumerate(case.seqlens.tolist()):
+        o, lse = ff.attention(case.q[b:b + 1].to(dtype), case.k[b:b + 1, :, :n].to(dtype),
+                              case.v[b:b + 1, :, :n].to(dtype), causal=True, window=window,
+                              scale=scale, softcap=softcap, return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

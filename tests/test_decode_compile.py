@@ -1,0 +1,99 @@
+"""The decode kernels compiled ahead of time for the H200 (sm_90) with Triton's real
+compiler, on the CPU: every constexpr branch compiles (nothing interpreter-only), without
+register spills, within shared memory, with the K/V tiles multi-buffered (cp.async
+pipelining, paged as well as contiguous). Runs in a subprocess because the interpreter is
+chosen when kernels are defined (conftest sets TRITON_INTERPRET=1 without a GPU)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(r'''
+    import json, os, re, sys
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    from flashfold.kernels.decode import splitkv
+    from flashfold.kernels.attention.aot import compile_launch
+
+    def variant(name, dtype=torch.bfloat16, hq=32, hkv=8, q_len=1, d=128, page=None,
+                splits=4, **kw):
+        q = torch.zeros(2, hq, q_len, d, dtype=dtype)
+        if page is None:
+            k = torch.zeros(2, hkv, 1024, d, dtype=dtype)
+            table = None
+        else:
+            k = torch.zeros(2 * 1024 // page, page, hkv, d, dtype=dtype)
+            table = torch.zeros(2, 1024 // page, dtype=torch.int32)
+        lens = torch.full((2,), 1000, dtype=torch.int32)
+        if not kw.get("batch_invariant"):
+            kw["num_splits"] = splits
+        launch = splitkv.prepare(q, k, k, lens, table, scale=0.1, **kw)
+        out = {}
+        for kind, kernel, spec in (("split", splitkv._splitkv_kernel, launch.split),
+                                   ("merge", splitkv._merge_kernel, launch.merge)):
+            if spec is None:
+                continue
+            info = compile_launch(kernel, spec[1], spec[2])
+            bufs = [int(n) for n in re.findall(r"memdesc<(\d+)x\d+x\d+x(?:bf16|f16|f32)",
+                                               info.ttgir)]
+            out[kind] = dict(shared=info.shared, registers=info.registers,
+                             spill=info.spill_bytes, kv_buffers=min(bufs) if bufs else 0,
+                             cp_async="cp.async" in info.ptx)
+        return name, out
+
+    cases = [
+        variant("contiguous"),
+        variant("paged16", page=16),
+        variant("paged64", page=64),
+        variant("paged16_q4_window_softcap", page=16, q_len=4, window=(100, None), softcap=30.0),
+        variant("single_split", splits=1),
+        variant("invariant", batch_invariant=True),
+        variant("rowblocks_q16_group8", hq=64, hkv=8, q_len=16, page=16),
+        variant("fp16_d64_mqa", dtype=torch.float16, hkv=1, d=64),
+        variant("fp32", dtype=torch.float32),
+        variant("d256", d=256, page=16),
+        variant("paged24", page=24),
+    ]
+    print(json.dumps(dict(cases)))
+''')
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on Hopper
+
+
+def test_every_variant_compiles_without_spills(compiled):
+    assert len(compiled) == 11
+    for name, kernels in compiled.items():
+        for kind, info in kernels.items():
+            assert info["spill"] == 0, (name, kind, info)
+            assert info["shared"] <= SMEM_LIMIT, (name, kind, info)
+            assert 0 < info["registers"] <= 255, (name, kind, info)
+
+
+def test_split_kernel_pipelines_kv(compiled):
+    for name, kernels in compiled.items():
+        split = kernels["split"]
+        assert split["cp_async"], name
+        if name not in ("fp32", "d256"):       # 16-bit, head_dim <= 128: >= 2 K/V buffers
+            assert split["kv_buffers"] >= 2, (name, split)
+
+
+def test_merge_pass_only_with_several_splits(compiled):
+    assert "merge" not in compiled["single_split"]
+    assert "merge" in compiled["contiguous"] and "merge" in compiled["invariant"]
