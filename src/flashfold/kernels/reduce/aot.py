@@ -9,7 +9,7 @@ width of global loads/stores, registers and spills, SASS instruction counts.
 
 Usage (in a process *without* ``TRITON_INTERPRET``)::
 
-    python -m flashfold.kernels.reduce.aot          # compile every built-in variant
+    python -m flashfold.kernels.reduce.aot [--json]   # compile every template variant
 
 Nothing here launches a kernel.
 """
@@ -102,31 +102,75 @@ def compile_launch(launch, capability: int = 90) -> Compiled:
                     c.metadata.num_warps, c.metadata.shared)
 
 
-def _builtin_plans():
-    """Launch plans covering every template variant the public functions use."""
+def _affine():
+    """Composition of affine maps ``h -> a·h + b`` (not commutative), for the ORDERED
+    variants: ``(a1, b1) ⊕ (a2, b2) = (a1·a2, b1·a2 + b2)``."""
+    from ...algebra.monoid import Monoid
+    return Monoid("affine", fields=("a", "b"), identity=(1.0, 0.0),
+                  lift=lambda x: (0.5, x), combine=lambda p, q: (p.a * q.a, p.b * q.a + q.b),
+                  commutative=False)
+
+
+def plans():
+    """``(name, plan)`` covering every template variant the public functions launch."""
     import torch
 
     from ... import monoids as M
     from ...api import reductions as R
     from . import launch as L
 
-    plans = []
-    for dt in (torch.float32, torch.bfloat16):
-        x = torch.empty(64, 16384, dtype=dt)
-        for m in (M.SUM, M.MAX, M.LOGSUMEXP2, M.WELFORD, M.ARGMAX):
-            plans.append((f"reduce {m.name} {dt}", L.plan_reduce(m, x, 1)[0]))
-        plans.append((f"softmax {dt}", L.plan_normalize(R.SOFTMAX_MAP, x, 1)[0]))
-        plans.append((f"cumsum {dt}", L.plan_scan(M.SUM, x, 1)[0]))
-        plans.append((f"logcumsumexp {dt}", L.plan_scan(M.LOGSUMEXP2, x, 1)[0]))
-    return plans
+    L_sms = L.num_sms
+    L.num_sms = lambda device: 132                  # split decisions as on an H200
+    try:
+        out = []
+        for dt in (torch.float32, torch.bfloat16):
+            x = torch.empty(64, 16384, dtype=dt)
+            tag = str(dt).replace("torch.", "")
+            for m in (M.SUM, M.MAX, M.LOGSUMEXP2, M.WELFORD, M.ARGMAX):
+                out.append((f"reduce {m.name} 64x16384 {tag}", L.plan_reduce(m, x, 1)[0]))
+            out.append((f"softmax 64x16384 {tag}", L.plan_normalize(R.SOFTMAX_MAP, x, 1)[0]))
+            out.append((f"cumsum 64x16384 {tag}", L.plan_scan(M.SUM, x, 1)[0]))
+            out.append((f"logcumsumexp 64x16384 {tag}", L.plan_scan(M.LOGSUMEXP2, x, 1)[0]))
+        f32 = torch.float32
+        aff = _affine()
+        out += [
+            ("reduce logsumexp2 split-K 1x2^22", L.plan_reduce(M.LOGSUMEXP2, torch.empty(1, 2**22), 1)[0]),
+            ("reduce logsumexp2 4096x12345", L.plan_reduce(M.LOGSUMEXP2, torch.empty(4096, 12345), 1)[0]),
+            ("reduce logsumexp2 2^16x7", L.plan_reduce(M.LOGSUMEXP2, torch.empty(2**16, 7), 1)[0]),
+            ("reduce welford columns", L.plan_reduce(M.WELFORD, torch.empty(4096, 1024), 0)[0]),
+            ("reduce affine ordered", L.plan_reduce(aff, torch.empty(512, 5000), 1)[0]),
+            ("reduce affine ordered split-K", L.plan_reduce(aff, torch.empty(1, 2**22), 1)[0]),
+            ("segment logsumexp2", L.plan_segment_reduce(
+                M.LOGSUMEXP2, torch.empty(10000, 64), torch.tensor([0, 100, 10000]), 0)[0]),
+            ("scan logsumexp2 reverse", L.plan_scan(M.LOGSUMEXP2, torch.empty(64, 16384), 1, True)[0]),
+            ("scan sum multi-block 1x2^22", L.plan_scan(M.SUM, torch.empty(1, 2**22), 1)[0]),
+            ("scan affine multi-block reverse", L.plan_scan(aff, torch.empty(1, 2**22), 1, True)[0]),
+            ("scan argmax 2^16x7", L.plan_scan(M.ARGMAX, torch.empty(2**16, 7), 1)[0]),
+            ("scan sum columns", L.plan_scan(M.SUM, torch.empty(1024, 1024), 0)[0]),
+            ("softmax 2-loop 64x65536", L.plan_normalize(R.SOFTMAX_MAP, torch.empty(64, 65536), 1)[0]),
+            ("softmax 2^16x7", L.plan_normalize(R.SOFTMAX_MAP, torch.empty(2**16, 7, dtype=f32), 1)[0]),
+        ]
+        return out
+    finally:
+        L.num_sms = L_sms
 
 
 def main(argv=None) -> int:
-    for name, plan in _builtin_plans():
-        for launch in plan:
+    import json
+    argv = sys.argv[1:] if argv is None else argv
+    rows = []
+    for name, plan in plans():
+        for i, launch in enumerate(plan):
             c = compile_launch(launch)
-            print(f"{name:32s} {c.name:18s} warps={c.num_warps} {c.resources()} "
-                  f"loads={c.loads()} stores={c.stores()}")
+            rows.append({"name": name, "launch": i, "kernel": c.name, "num_warps": c.num_warps,
+                         **c.resources(), "loads": c.loads(), "stores": c.stores()})
+    if "--json" in argv:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            print(f"{r['name']:36s} #{r['launch']} {r['kernel']:16s} warps={r['num_warps']:2d} "
+                  f"regs={r['registers']} spills={r['spill_stores']} loads={r['loads']} "
+                  f"stores={r['stores']}")
     return 0
 
 

@@ -415,7 +415,8 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     kwargs = dict(LIFT_XP=fns.lift_xp, COMBINE=fns.combine, SCAN_TILE=fns.scan_tile,
                   SCAN_TILE_REV=fns.scan_tile_rev, TAKE=fns.take, BCAST0=fns.bcast0,
                   IDENTITY=fns.identity, LOAD_STATE=fns.load_state, FINALIZE=fns.finalize,
-                  BLOCK=block, ROWS=rows, PBLOCK=min(_p2(n_split), 1024) if n_split > 1 else 1,
+                  BLOCK=block, ROWS=rows,
+                  PBLOCK=max(1, min(_p2(n_split), 1024, 4096 // rows)) if n_split > 1 else 1,
                   REVERSE=bool(reverse), SPLIT=n_split > 1, MASK_ROWS=g.B[2] % rows != 0,
                   N64=_n64(g), **_opts(cfg))
     plan.append(Launch(K_.scan_kernel, grid, args, kwargs))

@@ -102,8 +102,9 @@ def error_scale(monoid: Monoid, x: torch.Tensor, dim: int) -> np.ndarray:
     error is a few ulps of this, whatever the order of its combines).
 
     ``sum |x|`` for additive states (SUM, MAX_PREFIX_SUM-like), ``max |x|^2·n`` for
-    WELFORD, ``prod (1 + |x|)`` for products of lifted 2x2 matrices (MATMUL2-like: the
-    infinity norm of each factor), ``1 + max |x|`` otherwise (LOGSUMEXP, ...).
+    WELFORD, ``prod (1 + |x|)^2`` for products of lifted 2x2 matrices (MATMUL2 of the
+    tests: each factor's entries are at most ``1 + |x| + x^2``), ``1 + max |x|``
+    otherwise (LOGSUMEXP, ...).
     """
     a = np.abs(np.moveaxis(to_numpy64(x), dim, -1))
     a = np.where(np.isfinite(a), a, 0.0)
@@ -115,7 +116,7 @@ def error_scale(monoid: Monoid, x: torch.Tensor, dim: int) -> np.ndarray:
     elif name == "welford":
         s = big * big * max(n, 1) + big
     elif name == "matmul2":
-        s = np.prod(1.0 + a, axis=-1, keepdims=True)
+        s = np.prod((1.0 + a) ** 2, axis=-1, keepdims=True)
     else:
         s = 1.0 + big
     return np.maximum(np.moveaxis(s, -1, dim), 1.0)

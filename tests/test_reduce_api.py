@@ -1,0 +1,214 @@
+"""Public reductions and scans against torch in float64, on both paths.
+
+``path="reference"``: CPU tensors as users run them (the float64 reference schedules);
+``path="kernels"``: the same public calls routed to the generated Triton kernels (under
+``TRITON_INTERPRET=1``) by patching the dispatch. Every dtype, awkward sizes, rows that
+are all ``-inf``, rows of length 1 and empty dims, keepdim, several dims, and input
+validation naming the argument.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flashfold as ff
+from flashfold.api import reductions as api
+from flashfold.monoids import ATTENTION, LOGSUMEXP2, MAX, SUM, WELFORD
+from flashfold.testing import assert_close
+
+import user_monoids as U
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+NINF = -float("inf")
+
+
+@pytest.fixture(params=("reference", "kernels"))
+def path(request, monkeypatch):
+    if request.param == "kernels":
+        monkeypatch.setattr(api, "_use_kernels", lambda x: True)
+    return request.param
+
+
+def data(shape, dtype, seed=0, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def with_edges(x):
+    """Row 0 all -inf, row 1 one finite value."""
+    x = x.clone()
+    x[0] = NINF
+    x[1] = NINF
+    x[1, -1] = 1.5
+    return x
+
+
+def rowsum_abs(x, dim):
+    a = x.double().abs()
+    return torch.where(torch.isfinite(a), a, 0).sum(dim, keepdim=True).clamp_min(1.0).numpy()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_logsumexp(path, dtype):
+    x = with_edges(data((5, 33), dtype))
+    got = ff.logsumexp(x, 1)
+    assert got.dtype == dtype and got.shape == (5,)
+    assert_close(got, torch.logsumexp(x.double(), 1), dtype, name="logsumexp")
+    assert_close(ff.logsumexp(x, 0, keepdim=True), torch.logsumexp(x.double(), 0, keepdim=True),
+                 dtype, name="logsumexp dim 0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softmax(path, dtype):
+    x = with_edges(data((4, 29), dtype))
+    got = ff.softmax(x, -1)
+    want = torch.softmax(x.double(), -1)
+    assert torch.isnan(got[0]).all() and torch.isnan(want[0]).all()   # 0/0, as torch
+    assert_close(got, want, dtype, name="softmax")
+    assert_close(ff.softmax(x[1:], 0), torch.softmax(x[1:].double(), 0), dtype, name="dim 0")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_var_mean(path, dtype):
+    x = data((4, 27), dtype, scale=3.0) + 5
+    for corr in (0, 1, 2):
+        var, mean = ff.var_mean(x, 1, correction=corr)
+        wv, wm = torch.var_mean(x.double(), 1, correction=corr)
+        assert_close(mean, wm, dtype, scale=x.double().abs().amax(1).numpy(), name="mean")
+        assert_close(var, wv, dtype, scale=(x.double() ** 2).amax(1).numpy(), name="var")
+    var, mean = ff.var_mean(x, None)
+    wv, wm = torch.var_mean(x.double())
+    assert var.shape == () and mean.shape == ()
+    assert_close(var, wv, dtype, scale=float((x.double() ** 2).max()), name="var, all dims")
+
+
+def test_var_mean_edges(path):
+    one = data((3, 1), torch.float32)
+    var, mean = ff.var_mean(one, 1)                  # n - correction = 0: NaN, as torch
+    assert torch.isnan(var).all() and torch.equal(mean, one[:, 0])
+    var, mean = ff.var_mean(torch.empty(2, 0), 1)
+    assert torch.isnan(var).all() and torch.isnan(mean).all()
+    x = with_edges(data((3, 6), torch.float32))     # infinities: outside WELFORD's domain
+    var, mean = ff.var_mean(x, 1)
+    wv, wm = torch.var_mean(x, 1)
+    assert torch.equal(torch.isnan(var), torch.isnan(wv))
+    assert not torch.isfinite(mean[:2]).any() and torch.isfinite(mean[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_argmax_argmin(path, dtype):
+    x = torch.round(data((6, 31), dtype) * 2) / 2   # ties: lowest index, as torch
+    x = with_edges(x)
+    x[2, 7] = float("nan")                            # NaN wins, as torch
+    for f, t in ((ff.argmax, torch.argmax), (ff.argmin, torch.argmin)):
+        assert torch.equal(f(x, 1), t(x, 1)), f.__name__
+        assert torch.equal(f(x, 0, keepdim=True), t(x, 0, keepdim=True)), f.__name__
+        assert torch.equal(f(x), t(x)), f.__name__ + " flattened"
+    with pytest.raises(IndexError, match="x.*size 0"):
+        ff.argmax(torch.empty(3, 0), 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cumsum_and_logcumsumexp(path, dtype):
+    x = with_edges(data((4, 37), dtype))
+    finite = x.clone()
+    finite[:2] = 1.0
+    got = ff.cumsum(finite, 1)
+    assert got.dtype == dtype
+    assert_close(got, torch.cumsum(finite.double(), 1), dtype, scale=rowsum_abs(finite, 1),
+                 name="cumsum")
+    assert_close(ff.cumsum(finite, 0), torch.cumsum(finite.double(), 0), dtype,
+                 scale=rowsum_abs(finite, 0), name="cumsum dim 0")
+    assert ff.cumsum(finite, 1, dtype=torch.float32).dtype == torch.float32
+    assert_close(ff.logcumsumexp(x, 1), torch.logcumsumexp(x.double(), 1), dtype,
+                 scale=1 + x.double().abs().nan_to_num(posinf=0, neginf=0).amax(1, keepdim=True).numpy(),
+                 name="logcumsumexp")
+
+
+def test_empty_dims_and_scalars(path):
+    e = torch.empty(3, 0)
+    assert torch.equal(ff.logsumexp(e, 1), torch.full((3,), NINF))
+    assert ff.softmax(e, 1).shape == (3, 0)
+    assert ff.cumsum(e, 1).shape == (3, 0) and ff.logcumsumexp(e, 1).shape == (3, 0)
+    s = torch.tensor(0.7)
+    assert_close(ff.logsumexp(s, 0), torch.logsumexp(s.double(), 0), torch.float32, name="0-d")
+    assert ff.softmax(s, 0).item() == 1.0
+
+
+def test_generic_reduce_and_scan(path):
+    x = data((3, 4, 11), torch.float32)
+    m = ff.reduce(MAX, x, dim=(0, 2))
+    assert torch.equal(m, x.amax(dim=(0, 2)))
+    m = ff.reduce(MAX, x, dim=(0, 2), keepdim=True)
+    assert torch.equal(m, x.amax(dim=(0, 2), keepdim=True))
+    res = ff.reduce(WELFORD, x, 2, correction=0)
+    assert res._fields == ("mean", "var")
+    wv, wm = torch.var_mean(x.double(), 2, correction=0)
+    assert_close(res.var, wv, torch.float32, scale=(x.double() ** 2).amax(2).numpy(), name="var")
+    assert_close(ff.scan(SUM, x, 1), torch.cumsum(x.double(), 1), torch.float32,
+                 scale=rowsum_abs(x, 1), name="flashfold.scan on a tensor")
+    # reverse max-prefix-sum (not commutative): best prefix of x_i, x_{i+1}, ... =
+    # max_j sum_{k=i..j} x_k
+    y = ff.scan(U.MAX_PREFIX_SUM, x, -1, reverse=True)
+    suff = torch.stack([torch.cumsum(x.double()[..., i:], -1).amax(-1) for i in range(11)], -1)
+    assert_close(y, suff, torch.float32, scale=rowsum_abs(x, -1), name="reverse max prefix sum")
+
+
+def test_segment_reduce(path):
+    x = data((20, 3), torch.float32)
+    off = torch.tensor([0, 4, 4, 20])
+    got = ff.segment_reduce(LOGSUMEXP2, x, off)
+    want = torch.stack([torch.logsumexp(x[a:b].double(), 0) for a, b in ((0, 4), (4, 4), (4, 20))])
+    assert_close(got, want, torch.float32, name="segments")
+    got = ff.segment_reduce(SUM, x.T, off, dim=1)
+    assert got.shape == (3, 3)
+
+
+def test_validation():
+    x = torch.randn(3, 4)
+    with pytest.raises(TypeError, match="^x: expected a torch.Tensor"):
+        ff.logsumexp(x.numpy(), 1)
+    with pytest.raises(TypeError, match="^x: .*float32.*int64"):
+        ff.cumsum(torch.arange(4), 0)
+    with pytest.raises(TypeError, match="^x: .*float64"):
+        ff.reduce(SUM, x.double())
+    with pytest.raises(IndexError, match="^dim: 2 is out of range"):
+        ff.softmax(x, 2)
+    with pytest.raises(TypeError, match="^dim: expected an int"):
+        ff.scan(SUM, x, 1.0)
+    with pytest.raises(ValueError, match="^dim: .*twice"):
+        ff.logsumexp(x, (1, -1))
+    with pytest.raises(TypeError, match="^monoid: expected a flashfold Monoid"):
+        ff.reduce("sum", x)
+    with pytest.raises(ValueError, match="^monoid: .*attention"):
+        ff.reduce(ATTENTION, x)
+    with pytest.raises(TypeError, match="^reverse"):
+        ff.scan(SUM, x, 1, reverse=1)
+    with pytest.raises(TypeError, match="^correction"):
+        ff.var_mean(x, 1, correction="1")
+    with pytest.raises(TypeError, match="unknown parameters"):
+        ff.reduce(WELFORD, x, 1, ddof=1)
+    with pytest.raises(TypeError, match="^dtype"):
+        ff.softmax(x, 1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="^offsets: expected a 1-D int32/int64"):
+        ff.segment_reduce(SUM, x, torch.tensor([0.0, 3.0]))
+    with pytest.raises(ValueError, match=r"^offsets: must be non-decreasing indices in \[0, 3\]"):
+        ff.segment_reduce(SUM, x, torch.tensor([0, 2, 1]))
+    with pytest.raises(ValueError, match=r"^offsets: must be non-decreasing"):
+        ff.segment_reduce(SUM, x, torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="^offsets: needs at least one"):
+        ff.segment_reduce(SUM, x, torch.tensor([], dtype=torch.int64))
+
+
+def test_results_do_not_depend_on_the_path(monkeypatch):
+    """The kernels and the reference agree beyond the tolerance of the output dtype."""
+    x = data((3, 50), torch.bfloat16, seed=3)
+    ref = (ff.logsumexp(x, 1), ff.cumsum(x, 1), ff.softmax(x, 1))
+    monkeypatch.setattr(api, "_use_kernels", lambda t: True)
+    ker = (ff.logsumexp(x, 1), ff.cumsum(x, 1), ff.softmax(x, 1))
+    for r, k, name in zip(ref, ker, ("logsumexp", "cumsum", "softmax")):
+        assert r.dtype == k.dtype == torch.bfloat16
+        scale = rowsum_abs(x, 1) if name == "cumsum" else 1.0
+        assert_close(k, r.double(), torch.bfloat16, scale=scale, name=name)
+    assert math.isfinite(float(ker[0][0]))

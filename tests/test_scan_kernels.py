@@ -1,0 +1,148 @@
+"""The generated scan kernels against the float64 reference scan (Hillis-Steele).
+
+Under ``TRITON_INTERPRET=1`` at small awkward sizes, for every built-in and the
+non-commutative user monoids: single tile, several tiles with the state carried across
+them and a masked tail, reverse scans (reversed loads and stores, swapped combine),
+short rows (many rows per program), columns, and the multi-block scan (chunk states from
+the reduce kernel, then each chunk scanned from the in-order fold of the chunks before
+it, or after it when reversed).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import flashfold as ff
+import flashfold.monoids as M
+from flashfold.kernels.reduce import launch as L
+from flashfold.kernels.reduce import reference as R
+from flashfold.testing import assert_close
+
+import user_monoids as U
+
+ALL = (M.SUM, M.MAX, M.MIN, M.LOGSUMEXP, M.LOGSUMEXP2, M.WELFORD, M.ARGMAX, M.ARGMIN,
+       U.MINMAX, U.MATMUL2, U.MAX_PREFIX_SUM)
+EXACT = {"max", "min", "argmax", "argmin", "minmax"}
+C = L.Config
+
+
+def sample(monoid, shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sigma = 0.1 if monoid is U.MATMUL2 else 1.0
+    x = torch.randn(*shape, generator=g) * sigma
+    if monoid.name in EXACT:
+        x = torch.round(x * 2) / 2
+    return x.to(dtype)
+
+
+def check(monoid, outs, x, dim, reverse=False, name=""):
+    ref = R.scan_reference(monoid, x, dim, reverse)
+    scale = R.error_scale(monoid, x, dim)
+    assert len(outs) == len(ref)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        label = f"{name} {monoid.name} reverse={reverse} output {i}"
+        assert tuple(o.shape) == tuple(x.shape), label
+        if not r.dtype.is_floating_point:
+            assert o.dtype == torch.int64 and torch.equal(o, r), label
+        elif monoid.name in EXACT:
+            assert torch.equal(o.double(), r.to(x.dtype).double()), label
+        else:
+            assert_close(o, r, o.dtype, scale=scale, name=label)
+
+
+@pytest.fixture
+def force(monkeypatch):
+    def apply(scan=None, split=None, reduce=None):
+        if scan is not None:
+            monkeypatch.setattr(L, "scan_config", lambda g, e: scan)
+        if reduce is not None:
+            monkeypatch.setattr(L, "reduce_config", lambda g, e, o: reduce)
+        if split is not None:
+            monkeypatch.setattr(L, "split_plan", lambda g, tile, n, sms, min_tiles=2: split)
+    return apply
+
+
+@pytest.mark.parametrize("reverse", (False, True), ids=("forward", "reverse"))
+@pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
+def test_short_rows(monoid, reverse):
+    """(5, 13): one [16, ROWS] tile per program, scanned along axis 0, tail masked."""
+    x = sample(monoid, (5, 13))
+    check(monoid, L.launch_scan(monoid, x, 1, reverse), x, 1, reverse, "short rows")
+
+
+@pytest.mark.parametrize("reverse", (False, True), ids=("forward", "reverse"))
+@pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
+def test_tiles_carry_the_state(monoid, reverse, force):
+    """Tiles of 16 along a row of 70: four full tiles, carry, masked tail."""
+    force(scan=C(16, 1, 1, 4), split=(1, 70))
+    x = sample(monoid, (2, 70), seed=1)
+    check(monoid, L.launch_scan(monoid, x, 1, reverse), x, 1, reverse, "tiles")
+
+
+@pytest.mark.parametrize("reverse", (False, True), ids=("forward", "reverse"))
+@pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
+def test_multi_block(monoid, reverse, force):
+    """Chunks of 24 of a row of 101 (5 chunks): chunk states, then carries in order."""
+    ordered = not monoid.commutative
+    force(scan=C(8, 1, 1, 4), split=(5, 24),
+          reduce=C(1, 8, 1, 4) if ordered else C(2, 4, 1, 4))
+    x = sample(monoid, (2, 101), seed=2)
+    plan, _ = L.plan_scan(monoid, x, 1, reverse)
+    assert len(plan) == 2 and plan[0].kwargs["STATE_OUT"] and plan[1].kwargs["SPLIT"]
+    check(monoid, L.launch_scan(monoid, x, 1, reverse), x, 1, reverse, "multi-block")
+
+
+def test_multi_block_carry_spans_several_state_tiles(force, monkeypatch):
+    """More chunks than one PBLOCK of states: the carry loop folds several tiles."""
+    force(scan=C(4, 1, 1, 4), split=(11, 4), reduce=C(1, 4, 1, 4))
+    orig = L._p2
+    monkeypatch.setattr(L, "_p2", lambda n: min(orig(n), 4))
+    x = sample(U.MATMUL2, (1, 41), seed=3)
+    for reverse in (False, True):
+        check(U.MATMUL2, L.launch_scan(U.MATMUL2, x, 1, reverse), x, 1, reverse, "pblock")
+
+
+@pytest.mark.parametrize("monoid", (M.SUM, M.LOGSUMEXP2, U.MAX_PREFIX_SUM, M.ARGMAX),
+                         ids=lambda m: m.name)
+def test_columns_and_strides(monoid):
+    """Scanning dim 0 (rows of the tile contiguous), a middle dim, a transposed view."""
+    base = sample(monoid, (9, 3, 10), seed=4)
+    for name, (x, dim) in {"dim0": (base, 0), "middle": (base, 1),
+                           "transposed": (base.transpose(0, 2), 2)}.items():
+        for reverse in (False, True):
+            check(monoid, L.launch_scan(monoid, x, dim, reverse), x, dim, reverse, name)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_half_inputs(dtype, force):
+    force(scan=C(16, 1, 1, 4), split=(1, 50))
+    for monoid in (M.SUM, M.LOGSUMEXP2):
+        x = sample(monoid, (2, 50), dtype, seed=5)
+        check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, str(dtype))
+
+
+def test_edge_rows():
+    ninf = -float("inf")
+    x = torch.tensor([[ninf, ninf, ninf], [ninf, 2.0, ninf], [1.0, ninf, 3.0]])
+    for monoid in (M.SUM, M.MAX, M.LOGSUMEXP, M.LOGSUMEXP2, M.ARGMAX):
+        for reverse in (False, True):
+            check(monoid, L.launch_scan(monoid, x, 1, reverse), x, 1, reverse, "-inf")
+    one = torch.randn(4, 1)
+    check(M.LOGSUMEXP2, L.launch_scan(M.LOGSUMEXP2, one, 1), one, 1, False, "length 1")
+    empty = torch.empty(3, 0)
+    outs = L.launch_scan(M.SUM, empty, 1)
+    assert outs[0].shape == (3, 0)
+
+
+def test_reverse_scan_keeps_operand_order():
+    """A reverse scan of a non-commutative monoid is x_i ⊕ (x_{i+1} ⊕ ...), not the
+    reversed product: compare with a sequential left fold of each suffix."""
+    x = sample(U.MATMUL2, (1, 9), seed=6) * 5
+    out = L.launch_scan(U.MATMUL2, x, 1, True)
+    xs = x[0].double().numpy()
+    for i in (0, 4, 8):
+        want = ff.fold(U.MATMUL2, xs[i:], "sequential")
+        scale = float(np.prod(1.0 + np.abs(xs[i:])) ** 2)
+        for k, field in enumerate(U.MATMUL2.field_names):
+            assert_close(out[k][0, i], getattr(want, field), "float32", scale=scale,
+                         name=f"suffix {field} at {i}")
