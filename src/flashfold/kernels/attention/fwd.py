@@ -469,9 +469,13 @@ HOPPER_CONFIGS = {
 USE_TMA_DEFAULT = True
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def block_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     """Power-of-two tile widths covering the head dims (96 -> 128, 192 -> 256)."""
-    return triton.next_power_of_2(head_dim), triton.next_power_of_2(head_dim_v)
+    return _pow2(head_dim), _pow2(head_dim_v)
 
 
 def default_config(q, head_dim: int, head_dim_v: int) -> FwdConfig:
@@ -511,6 +515,11 @@ def _desc(t, block_rows, block_d):
 
 def _none_args(n):
     return [None] * n
+
+
+#: allocator of the outputs (``torch.empty``); the GPU check in ``benchmarks/attention.py``
+#: swaps in a NaN-filling one so that any element the kernel fails to write is caught
+_alloc = torch.empty
 
 
 def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
@@ -556,8 +565,8 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     n_seq = cu_seqlens_q.shape[0] - 1 if varlen else B
     seq_q = max_seqlen_q if varlen else NQ
     seq_k = max_seqlen_k if varlen else NK
-    o = torch.empty((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
+    o = _alloc((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
+    lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
     if B == 0 or HQ == 0 or NQ == 0 or n_seq == 0:
         return o, lse, None
     BD, BDV = block_dims(D, DV)
@@ -601,7 +610,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         sparse = (cfg.block_m, cfg.block_n)
         full_needs_mask = False
         mask_fn = None
-    num_m = triton.cdiv(seq_q, cfg.block_m)
+    num_m = -(-seq_q // cfg.block_m)
     grid = (num_m * n_seq * HQ,)
     zb = 0 if varlen else None
     args = [

@@ -113,14 +113,14 @@ def _launch(o1, l1, o2, l2, S, split_strides):
         return out, lse
     fns = triton_monoid(ATTENTION)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    block_d = triton.next_power_of_2(D)
+    block_d = 1 << max(0, D - 1).bit_length()
     block_r = rows_per_program(block_d) if not interpret else 16
     pair = o2 is not None
     so = list(o1.stride()[-4:])
     sl = list(l1.stride()[-3:])
     so2 = list(o2.stride()) if pair else [0] * 4
     sl2 = list(l2.stride()) if pair else [0] * 3
-    grid = (triton.cdiv(R, block_r),)
+    grid = (-(-R // block_r),)
     _merge_kernel[grid](
         o1, l1, o2, l2, out, lse, S, R, H, N, D,
         split_strides[0], *so, split_strides[1], *sl, *so2, *sl2,

@@ -1,0 +1,530 @@
+"""Exact attention forward on the GPU: correctness first, then speed against every peer.
+
+Run (H200, from the repository root)::
+
+    PYTHONPATH=src python benchmarks/attention.py            # check grid + full timing (~5 min)
+    PYTHONPATH=src python benchmarks/attention.py --quick    # small check + 1 timing subset (~1 min)
+    PYTHONPATH=src python benchmarks/attention.py --check-only
+    PYTHONPATH=src python benchmarks/attention.py --tune     # time candidate tile configs
+
+1. Correctness (FlashAttention's own criterion): on a grid of batch, heads, GQA/MQA ratios,
+   head dims, awkward lengths, causal, windows, softcap, varlen, score/mask mods and edge
+   cases, the max error of flashfold's output against a float32 reference must be at most
+   twice the max error of a naive bf16/fp16 PyTorch attention (matmuls in the input dtype,
+   softmax in fp32) against the same reference, plus the reference's own fp32 rounding.
+   Outputs are poisoned (allocated NaN-filled) so any element the kernel skips fails, and
+   LSE, -inf rows (no visible key) and NaN-freedom are checked too. TMA and the pointer
+   fallback both run; merge_states is checked on split keys.
+2. Speed: ``triton.testing.do_bench`` medians, bf16, 16 heads, batch x seq = 16K tokens,
+   head_dim 64 and 128, seq 1K/4K/16K, causal and not, plus a sliding window (causal, 1024
+   keys back) and a causal document mask; flashfold against SDPA's flash, cuDNN and efficient
+   backends and ``torch.compile``d FlexAttention (with the equivalent block mask), each
+   peer measured in the same run. FLOPs = 4 * B * H * D * (visible query-key pairs): for
+   dense rows N^2 (N^2 / 2 when causal, the usual convention), for window/document rows the
+   exact count of visible pairs. Prints TFLOP/s, the fraction of a bf16 matmul measured in
+   the same run, and flashfold's ratio to each peer; a peer that fails prints its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import flashfold
+from flashfold import mods
+from flashfold.kernels.attention import fwd
+from flashfold.kernels.attention.fwd import FwdConfig
+from flashfold.kernels.attention.mods import trace_mask_mod, trace_score_mod
+from flashfold.kernels.attention.reference import naive_attention
+
+DEV = "cuda"
+
+
+# --- references ------------------------------------------------------------------------------
+
+def _torch_mods(kw):
+    """Public keyword arguments -> the naive references' (torch-lowered mods, window)."""
+    out = dict(kw)
+    if out.get("score_mod") is not None:
+        out["score_mod"] = trace_score_mod(out["score_mod"]).torch_fn(DEV)
+    mm = out.get("mask_mod")
+    if mm is not None:
+        out["mask_mod"] = (getattr(mm, "mod", None) or trace_mask_mod(mm)).torch_fn(DEV)
+    if out.get("window") is not None:
+        out["window"] = tuple(None if w is None or w < 0 else w for w in out["window"])
+    return out
+
+
+def naive_lowp(q, k, v, *, causal=False, window=None, scale=None, softcap=None, score_mod=None,
+               mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    """Naive attention as a PyTorch user writes it: matmuls in the input dtype, softmax in
+    fp32 then rounded to the input dtype (FlashAttention's ``attention_ref(upcast=False)``)."""
+    dt = q.dtype
+    B, HQ, NQ, D = q.shape
+    g = HQ // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    left = right = None
+    if window is not None:
+        left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    o = torch.zeros(B, HQ, NQ, v.shape[-1], dtype=dt, device=q.device)
+    lse = torch.full((B, HQ, NQ), -math.inf, device=q.device)
+    segs = [(None, slice(0, NQ), slice(0, k.shape[2]))]
+    if cu_seqlens_q is not None:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        segs = [(i, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+    for seq, qs, ks in segs:
+        qq, kk = q[:, :, qs], k[:, :, ks].repeat_interleave(g, 1)
+        vv = v[:, :, ks].repeat_interleave(g, 1)
+        nq, nk = qq.shape[2], kk.shape[2]
+        s = torch.matmul(qq * scale, kk.transpose(-1, -2))                    # input dtype
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        bb = (torch.arange(B, device=q.device) if seq is None else torch.tensor([seq], device=q.device))
+        bb, hh = bb[:, None, None, None], torch.arange(HQ, device=q.device)[None, :, None, None]
+        if score_mod is not None:
+            s = torch.as_tensor(score_mod(s, bb, hh, i, j)).to(dt).expand_as(s)
+        keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+        if right is not None:
+            keep = keep & (j <= i + (nk - nq) + right)
+        if left is not None:
+            keep = keep & (j >= i + (nk - nq) - left)
+        keep = keep.expand_as(s)
+        if mask_mod is not None:
+            keep = keep & torch.as_tensor(mask_mod(bb, hh, i, j)).bool()
+        s32 = s.float().masked_fill(~keep, -math.inf)
+        row = torch.logsumexp(s32, -1)
+        p = torch.where(torch.isfinite(row)[..., None], torch.exp(s32 - torch.where(
+            torch.isfinite(row), row, 0.0)[..., None]), 0.0).to(dt)
+        o[:, :, qs] = torch.matmul(p, vv)
+        lse[:, :, qs] = row
+    return o, lse
+
+
+# --- correctness --------------------------------------------------------------------------------
+
+def _nan_alloc(*shape, dtype=None, device=None, **kw):
+    return torch.full(*shape, float("nan"), dtype=dtype, device=device)
+
+
+class Checker:
+    def __init__(self):
+        self.rows = []
+        self.failed = 0
+
+    def case(self, name, B, HQ, HK, NQ, NK, D, dtype=torch.bfloat16, *, tma=True, seed=0,
+             q_scale=1.0, make=None, **kw):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        try:
+            if make is not None:
+                q, k, v, extra = make(g)
+                kw.update(extra)
+            else:
+                q = (torch.randn(B, HQ, NQ, D, device=DEV, generator=g) * q_scale).to(dtype)
+                k = (torch.randn(B, HK, NK, D, device=DEV, generator=g) * q_scale).to(dtype)
+                v = torch.randn(B, HK, NK, D, device=DEV, generator=g).to(dtype)
+            saved_alloc, saved_tma = fwd._alloc, fwd.USE_TMA_DEFAULT
+            fwd._alloc, fwd.USE_TMA_DEFAULT = _nan_alloc, tma
+            try:
+                o, lse = flashfold.attention(q, k, v, return_lse=True, **kw)
+                _sync()
+            finally:
+                fwd._alloc, fwd.USE_TMA_DEFAULT = saved_alloc, saved_tma
+            rk = _torch_mods(kw)
+            ro, rl = naive_attention(q, k, v, dtype=torch.float32, **rk)
+            po, pl = naive_lowp(q, k, v, **rk)
+            err = (o.float() - ro).abs().max().item() if o.numel() else 0.0
+            perr = (po.float() - ro).abs().max().item() if o.numel() else 0.0
+            atol = 2 * (ro + 0.3 - 0.3 - ro).abs().max().item() if o.numel() else 0.0
+            fin = torch.isfinite(rl)
+            lerr = (lse[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+            plerr = (pl[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+            why = []
+            if torch.isnan(o).any() or torch.isnan(lse).any():
+                why.append("NaN in output (unwritten or computed)")
+            if err > 2 * perr + atol:
+                why.append(f"o err {err:.2e} > 2 x naive {perr:.2e} + {atol:.1e}")
+            if lerr > 2 * plerr + 1e-3:
+                why.append(f"lse err {lerr:.2e} > 2 x naive {plerr:.2e} + 1e-3")
+            if not torch.equal(torch.isneginf(lse), torch.isneginf(rl)):
+                why.append("-inf LSE rows differ from the reference")
+            if (~fin).any() and (o.float()[~fin] != 0).any():
+                why.append("rows with no visible key are not 0")
+            ok = not why
+            self.rows.append((name, ok, err, perr, lerr))
+            if not ok:
+                self.failed += 1
+            print(f"  {'ok ' if ok else 'BAD'} {name:<58} err {err:.2e}  naive {perr:.2e}  "
+                  f"lse {lerr:.1e}{'  <- ' + '; '.join(why) if why else ''}", flush=True)
+        except Exception as e:  # a crash is a failure with its message, not the end of the run
+            self.failed += 1
+            self.rows.append((name, False, math.nan, math.nan, math.nan))
+            print(f"  BAD {name:<58} raised {type(e).__name__}: {str(e)[:300]}", flush=True)
+            traceback.print_exc(limit=3, file=sys.stdout)
+
+
+def _docs(n, seed=0, lo=None, hi=None):
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = lo or max(1, n // 32), hi or max(2, n // 4)
+    out, d = [], 0
+    while len(out) < n:
+        out += [d] * int(torch.randint(lo, hi + 1, (1,), generator=g))
+        d += 1
+    return torch.tensor(out[:n], device=DEV)
+
+
+def _extreme_scores(B, H, N, D, dtype):
+    """q, k of entries +-c with c^2 D = 1e4: scores q.k ~ +-1e4 before scaling."""
+    c = math.sqrt(1e4 / D)
+
+    def make(g):
+        sign = lambda: torch.randint(0, 2, (B, H, N, D), device=DEV, generator=g) * 2 - 1  # noqa: E731
+        return ((c * sign()).to(dtype), (c * sign()).to(dtype),
+                torch.randn(B, H, N, D, device=DEV, generator=g).to(dtype), {})
+    return make
+
+
+def _varlen(lens_q, lens_k, HQ, HK, D, dtype):
+    def make(g):
+        q = torch.randn(1, HQ, sum(lens_q), D, device=DEV, generator=g).to(dtype)
+        k = torch.randn(1, HK, sum(lens_k), D, device=DEV, generator=g).to(dtype)
+        v = torch.randn(1, HK, sum(lens_k), D, device=DEV, generator=g).to(dtype)
+        cq = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        ck = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        return q, k, v, {"cu_seqlens_q": cq, "cu_seqlens_k": ck}
+    return make
+
+
+def correctness(quick: bool) -> bool:
+    print("== correctness: max|o - ref32| <= 2 max|naive - ref32| (+ fp32 rounding), poisoned outputs")
+    c = Checker()
+    bf = torch.bfloat16
+    lengths = [(1, 1), (17, 17), (113, 203), (1000, 1000), (2049, 2049), (1, 2049), (2049, 1000)]
+    dims = (32, 64, 96, 128, 192, 256)
+    if quick:
+        lengths, dims = [(17, 17), (113, 203), (1000, 1000)], (64, 128)
+    for D in dims:
+        for nq, nk in lengths:
+            for causal in (False, True):
+                c.case(f"d{D} q{nq} k{nk} {'causal' if causal else 'full'} B2 H4:2", 2, 4, 2, nq, nk, D,
+                       causal=causal)
+    for D in (64, 128):
+        c.case(f"fp16 d{D} q1000 k1000 causal", 2, 4, 4, 1000, 1000, D, torch.float16, causal=True)
+        c.case(f"fp16 d{D} q113 k2049", 1, 8, 1, 113, 2049, D, torch.float16)
+    c.case("MQA d128 H16:1 q777 causal", 1, 16, 1, 777, 777, 128, causal=True)
+    c.case("(B,S,H,D) storage d128", 2, 8, 8, 513, 513, 128,
+           make=lambda g: tuple(torch.randn(2, 513, 8, 128, device=DEV, generator=g).to(bf).transpose(1, 2)
+                                for _ in range(3)) + ({},))
+    c.case("pointer path d128 causal", 2, 4, 2, 1000, 1000, 128, tma=False, causal=True)
+    c.case("pointer path d64 window", 2, 4, 2, 1000, 1000, 64, tma=False, window=(100, 20))
+    c.case("window (37, 5) d128", 2, 4, 2, 1000, 1000, 128, window=(37, 5))
+    c.case("causal window 256 d64", 2, 4, 2, 2049, 2049, 64, causal=True, window=(256, None))
+    c.case("softcap 30 d128 causal", 2, 4, 2, 1000, 1000, 128, causal=True, softcap=30.0, q_scale=3.0)
+    c.case("alibi score_mod d128 causal", 2, 8, 2, 1000, 1000, 128, causal=True,
+           score_mod=mods.alibi(8))
+    docs = _docs(1000)
+    c.case("document mask d128 causal", 2, 4, 2, 1000, 1000, 128, causal=True,
+           mask_mod=mods.document_mask(docs))
+    c.case("document BlockMask + causal d64 (FULL tiles masked)", 2, 4, 2, 1000, 1000, 64, causal=True,
+           mask_mod=flashfold.create_block_mask(mods.document_mask(docs), None, None, 1000, 1000))
+    c.case("prefix-LM d128", 2, 4, 2, 1000, 1000, 128, mask_mod=mods.prefix_lm_mask(300))
+    c.case("key padding d64", 2, 4, 4, 1000, 1000, 64,
+           mask_mod=mods.key_padding_mask(torch.tensor([1000, 17], device=DEV)))
+    lq = [1, 17, 113, 1000, 2049]
+    lk = [1000, 17, 203, 1, 2049]
+    for causal in (False, True):
+        c.case(f"varlen {lq}x{lk} d128 {'causal' if causal else 'full'}", 1, 8, 2, 0, 0, 128,
+               make=_varlen(lq, lk, 8, 2, 128, bf), causal=causal)
+    c.case("varlen + document mask + alibi d64", 1, 4, 4, 0, 0, 64, make=_varlen(lq, lq, 4, 4, 64, bf),
+           mask_mod=mods.document_mask(_docs(2049, lo=40, hi=300)), score_mod=mods.alibi(4))
+    # edge cases
+    c.case("all-equal scores d128", 2, 4, 2, 500, 700, 128, q_scale=0.0)
+    c.case("scores ~ +-1e4 before scaling d128 fp16", 1, 4, 4, 300, 300, 128, torch.float16,
+           make=_extreme_scores(1, 4, 300, 128, torch.float16))
+    c.case("fp16 products overflow fp16 (q=k=300)", 1, 2, 2, 257, 257, 64, torch.float16,
+           make=lambda g: (torch.full((1, 2, 257, 64), 300.0, device=DEV).half(),
+                           torch.full((1, 2, 257, 64), 300.0, device=DEV).half(),
+                           torch.randn(1, 2, 257, 64, device=DEV, generator=g).half(), {}))
+    c.case("rows with no visible key (causal q > k)", 2, 4, 2, 1000, 100, 128, causal=True)
+    c.case("mask hides everything", 1, 2, 2, 300, 300, 64, mask_mod=lambda b, h, i, j: j < 0)
+    # merge_states on split keys (including an empty and a fully masked part)
+    try:
+        g = torch.Generator(device=DEV).manual_seed(1)
+        q, k, v = (torch.randn(2, 8, 1000, 128, device=DEV, generator=g).to(bf) for _ in range(3))
+        cuts = [0, 0, 333, 500, 1000]
+        parts = [flashfold.attention(q, k[:, :, a:b], v[:, :, a:b], return_lse=True) if b > a else
+                 (torch.zeros_like(q), torch.full(q.shape[:-1], -math.inf, device=DEV))
+                 for a, b in zip(cuts, cuts[1:])]
+        parts.append(flashfold.attention(q, k[:, :, :100], v[:, :, :100], return_lse=True,
+                                         mask_mod=lambda b, h, i, j: j < 0))
+        o, lse = flashfold.merge_states(torch.stack([p[0] for p in parts][::-1]),
+                                        torch.stack([p[1] for p in parts][::-1]))
+        o2, l2 = flashfold.merge_states(*parts[1], *parts[2])
+        ro, rl = naive_attention(q, k, v, dtype=torch.float32)
+        po, _ = naive_lowp(q, k, v)
+        err, perr = (o.float() - ro).abs().max().item(), (po.float() - ro).abs().max().item()
+        ok = err <= 2 * perr + 1e-6 and torch.isfinite(o).all() and torch.isfinite(o2).all()
+        c.failed += 0 if ok else 1
+        print(f"  {'ok ' if ok else 'BAD'} {'merge_states of 5 parts (empty, masked) vs unsplit':<58} "
+              f"err {err:.2e}  naive {perr:.2e}", flush=True)
+    except Exception as e:
+        c.failed += 1
+        print(f"  BAD merge_states raised {type(e).__name__}: {e}")
+    print(f"== correctness: {len(c.rows) + 1 - c.failed}/{len(c.rows) + 1} cases passed")
+    return c.failed == 0
+
+
+# --- speed ------------------------------------------------------------------------------------
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _bench(fn):
+    import triton
+    fn()
+    _sync()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _sdpa(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, causal):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def _matmul_ceiling():
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    ms = _bench(lambda: a @ b)
+    return 2 * 8192 ** 3 / ms / 1e9
+
+
+def speed(quick: bool, grid=None, tokens=16384, H=16, use_flex=True, dtype=torch.bfloat16):
+    """Time every row of ``grid`` ((D, N, kind) with kind full/causal/window1024/document)."""
+    print(f"== speed: {str(dtype)[6:]}, H={H}, B*N = {tokens} tokens, do_bench median")
+    try:
+        ceiling = _matmul_ceiling()
+        print(f"   bf16 matmul 8192^3 in this run: {ceiling:.0f} TFLOP/s (the ceiling column)")
+    except Exception as e:
+        ceiling = math.nan
+        print(f"   matmul ceiling failed: {e}")
+    flex = flex_mask = None
+    try:
+        if not use_flex:
+            raise RuntimeError("disabled")
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
+        from torch.nn.attention.flex_attention import create_block_mask as flex_mask
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as e:
+        flex = flex_mask = None
+        print(f"   FlexAttention unavailable: {type(e).__name__}: {e}")
+    peers = {"flash": _sdpa("FLASH_ATTENTION"), "cudnn": _sdpa("CUDNN_ATTENTION"),
+             "efficient": _sdpa("EFFICIENT_ATTENTION")}
+    rows = []
+    if grid is None:
+        grid = _default_grid(quick)
+    errors = {}
+    for D, N, kind in grid:
+        _time_row(D, N, kind, tokens, H, dtype, flex, flex_mask, peers, rows, errors, ceiling)
+    for name, msg in errors.items():
+        print(f"   peer {name} failed (first error): {msg}")
+    _print_table(rows, ceiling)
+    return rows
+
+
+def _default_grid(quick):
+    grid = []
+    for D in (64, 128):
+        for N in (1024, 4096, 16384):
+            for kind in ("full", "causal"):
+                grid.append((D, N, kind))
+        for N in ((4096, 16384) if D == 128 else (16384,)):
+            grid += [(D, N, "window1024"), (D, N, "document")]
+    if quick:
+        grid = [(128, 4096, "full"), (128, 4096, "causal"), (128, 16384, "document")]
+    return grid
+
+
+def _time_row(D, N, kind, tokens, H, dtype, flex, flex_mask, peers, rows, errors, ceiling):
+    B = max(1, tokens // N)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device=DEV, generator=g).to(dtype) for _ in range(3))
+    causal = kind != "full"
+    ff_kw, flex_fn, pairs = {}, None, None
+    if kind in ("full", "causal"):
+        pairs = N * N / (2 if causal else 1)
+        ff_kw = {"causal": causal}
+        if flex is not None:
+            bm = flex_mask(lambda b, h, i, j: i >= j, None, None, N, N) if causal else None
+            flex_fn = lambda: flex(q, k, v, block_mask=bm)  # noqa: E731
+    elif kind == "window1024":
+        W = 1024
+        pairs = sum(min(i, W) + 1 for i in range(N))
+        ff_kw = {"window": (W, 0)}
+        if flex is not None:
+            bm = flex_mask(lambda b, h, i, j: (i >= j) & (i - j <= W), None, None, N, N)
+            flex_fn = lambda: flex(q, k, v, block_mask=bm)  # noqa: E731
+    else:
+        docs = _docs(N, seed=N)
+        counts = torch.bincount(docs).double()
+        pairs = float((counts * (counts + 1) / 2).sum())
+        mm = mods.and_masks(mods.causal_mask, mods.document_mask(docs))
+        ff_kw = {"mask_mod": flashfold.create_block_mask(mm, None, None, N, N)}
+        if flex is not None:
+            bm = flex_mask(lambda b, h, i, j: (i >= j) & (docs[i] == docs[j]), None, None, N, N)
+            flex_fn = lambda: flex(q, k, v, block_mask=bm)  # noqa: E731
+    flops = 4 * B * H * D * pairs
+    res = {}
+    try:
+        out = flashfold.attention(q, k, v, **ff_kw)
+        ms = _bench(lambda: flashfold.attention(q, k, v, **ff_kw))
+        res["flashfold"] = flops / ms / 1e9
+        res["ms"] = ms
+    except Exception as e:
+        out = None
+        errors.setdefault("flashfold", f"{type(e).__name__}: {str(e)[:300]}")
+        print(f"   flashfold failed on d{D} N{N} {kind}: {errors['flashfold']}")
+    if kind in ("full", "causal"):
+        for name, fn in peers.items():
+            try:
+                ref = fn(q, k, v, causal)
+                if out is not None and name == "flash":
+                    diff = (out.float() - ref.float()).abs().max().item()
+                    if diff > 3e-2:
+                        print(f"   WARNING d{D} N{N} {kind}: flashfold vs SDPA flash max diff {diff:.3g}")
+                res[name] = flops / _bench(lambda fn=fn: fn(q, k, v, causal)) / 1e9
+            except Exception as e:
+                errors.setdefault(name, f"{type(e).__name__}: {str(e)[:200]}")
+    if flex_fn is not None:
+        try:
+            ref = flex_fn()
+            if out is not None:
+                diff = (out.float() - ref.float()).abs().max().item()
+                if diff > 3e-2:
+                    print(f"   WARNING d{D} N{N} {kind}: flashfold vs FlexAttention max diff {diff:.3g}")
+            res["flex"] = flops / _bench(flex_fn) / 1e9
+        except Exception as e:
+            errors.setdefault("flex", f"{type(e).__name__}: {str(e)[:200]}")
+    rows.append((D, N, kind, res))
+    _print_row(D, N, kind, res, ceiling)
+
+
+COLS = ("flashfold", "cudnn", "flash", "efficient", "flex")
+
+
+def _fmt(x):
+    return f"{x:6.0f}" if x is not None and not math.isnan(x) else "     -"
+
+
+def _print_row(D, N, kind, res, ceiling):
+    ff = res.get("flashfold")
+    parts = " ".join(f"{c}={_fmt(res.get(c)).strip()}" for c in COLS if c in res)
+    if "ms" in res:
+        parts = f"{res['ms']:.3f} ms  " + parts
+    frac = f" ({ff / ceiling:.0%} of matmul)" if ff and ceiling == ceiling else ""
+    print(f"   d{D} N{N:<5} {kind:<10} {parts}{frac}", flush=True)
+
+
+def _print_table(rows, ceiling):
+    print("\n| D | N | mask | flashfold | cuDNN | FA2 (flash) | efficient | Flex | ff/cuDNN | ff/FA2 | ff/Flex | ff/matmul |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for D, N, kind, r in rows:
+        ff = r.get("flashfold")
+
+        def ratio(c):
+            return f"{ff / r[c]:.2f}" if ff and r.get(c) else "-"
+        cells = [_fmt(r.get(c)).strip() for c in COLS]
+        frac = f"{ff / ceiling:.0%}" if ff and ceiling == ceiling else "-"
+        print(f"| {D} | {N} | {kind} | " + " | ".join(cells) + f" | {ratio('cudnn')} | {ratio('flash')} | "
+              f"{ratio('flex')} | {frac} |")
+    print("(TFLOP/s; FLOPs = 4 B H D x visible pairs; dense causal counts N^2/2)")
+
+
+# --- tuning ---------------------------------------------------------------------------------------
+
+CANDIDATES = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)],
+    256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
+}
+
+
+def tune():
+    print("== tune: forward TFLOP/s per tile config (bf16, H=16, N=4096, B=4); default marked *")
+    for D, cands in CANDIDATES.items():
+        g = torch.Generator(device=DEV).manual_seed(0)
+        q, k, v = (torch.randn(4, 16, 4096, D, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(3))
+        scale = 1 / math.sqrt(D)
+        ref = F.scaled_dot_product_attention(q, k, v)
+        for causal in (False, True):
+            flops = 4 * 4 * 16 * 4096 * 4096 * D / (2 if causal else 1)
+            best = None
+            for bm, bn, w, s in cands:
+                for tma in (True, False):
+                    cfg = FwdConfig(bm, bn, w, s, use_tma=tma)
+                    try:
+                        t0 = time.time()
+                        run = lambda: fwd.attention_forward(  # noqa: E731
+                            q, k, v, scale=scale, right=0 if causal else None, return_lse=False,
+                            config=cfg)
+                        o, _ = run()
+                        if not causal and (o.float() - ref.float()).abs().max().item() > 3e-2:
+                            print(f"   d{D} {cfg}: WRONG RESULT")
+                            continue
+                        tf = flops / _bench(run) / 1e9
+                        mark = "*" if (bm, bn, w, s) == fwd.HOPPER_CONFIGS[D] and tma else " "
+                        print(f"  {mark} d{D} {'causal' if causal else 'full  '} {str(cfg):<28} "
+                              f"{tf:6.0f} TFLOP/s (compile+run {time.time() - t0:.1f}s)", flush=True)
+                        if best is None or tf > best[0]:
+                            best = (tf, cfg)
+                    except Exception as e:
+                        print(f"    d{D} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
+            if best:
+                print(f"  -> d{D} {'causal' if causal else 'full'} best: {best[1]} {best[0]:.0f} TFLOP/s")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small check grid, 3 timing rows")
+    ap.add_argument("--check-only", action="store_true", help="correctness grid only")
+    ap.add_argument("--tune", action="store_true", help="time candidate tile configs only")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    import triton
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}, "
+          f"python {sys.version.split()[0]}")
+    t0 = time.time()
+    if args.tune:
+        tune()
+        return 0
+    ok = correctness(args.quick)
+    print(f"   ({time.time() - t0:.0f}s)")
+    if not args.check_only:
+        speed(args.quick)
+    print(f"total {time.time() - t0:.0f}s; correctness {'PASSED' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""A CPU dry run of benchmarks/attention.py (under the interpreter, fp16, tiny sizes), so the
+script that spends scarce GPU time is known to run, and its checks are known to fail on a
+broken kernel."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from flashfold import mods
+from flashfold.api import attention as api
+from flashfold.kernels.attention import fwd
+from flashfold.kernels.attention.fwd import FwdConfig
+
+if torch.cuda.is_available():  # pragma: no cover - on the GPU, run the script itself
+    pytest.skip("dry run for CPU machines", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", os.path.join(ROOT, "benchmarks", "attention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "DEV", "cpu")
+    monkeypatch.setattr(api, "_use_kernel", lambda t: True)
+    monkeypatch.setattr(fwd, "default_config",
+                        lambda q, d, dv: FwdConfig(16, 16, use_tma=fwd.USE_TMA_DEFAULT))
+    return mod
+
+
+def test_check_grid_cases_pass(bench):
+    c = bench.Checker()
+    h = torch.float16
+    c.case("causal GQA", 2, 4, 2, 17, 33, 32, h, causal=True)
+    c.case("pointers window", 1, 2, 2, 33, 33, 32, h, tma=False, window=(5, 2))
+    c.case("varlen", 1, 2, 1, 0, 0, 32, make=bench._varlen([5, 0, 17], [9, 4, 1], 2, 1, 32, h),
+           causal=True)
+    c.case("extreme scores", 1, 2, 2, 17, 17, 32, make=bench._extreme_scores(1, 2, 17, 32, h))
+    c.case("document + alibi", 1, 2, 2, 40, 40, 32, h, mask_mod=mods.document_mask(bench._docs(40)),
+           score_mod=mods.alibi(2))
+    c.case("no visible key", 1, 2, 2, 30, 5, 32, h, causal=True)
+    assert c.failed == 0, c.rows
+
+
+def test_check_catches_an_unwritten_row(bench, monkeypatch):
+    real = fwd.attention_forward
+
+    def skips_a_row(*a, **kw):
+        o, lse = real(*a, **kw)
+        o[:, :, 3] = fwd._alloc((1,), dtype=o.dtype, device=o.device)[0]   # the poison value
+        return o, lse
+    monkeypatch.setattr(fwd, "attention_forward", skips_a_row)
+    c = bench.Checker()
+    c.case("broken", 1, 2, 2, 17, 17, 32, torch.float16)
+    assert c.failed == 1
+
+
+def test_check_catches_a_wrong_result(bench, monkeypatch):
+    real = fwd.attention_forward
+    monkeypatch.setattr(fwd, "attention_forward",
+                        lambda *a, **kw: (lambda o, l: (o * 1.01, l))(*real(*a, **kw)))
+    c = bench.Checker()
+    c.case("off by 1%", 1, 2, 2, 17, 17, 32, torch.float16)
+    assert c.failed == 1
+
+
+def test_speed_rows_and_table(bench, monkeypatch, capsys):
+    def cpu_bench(fn):
+        t = time.perf_counter()
+        fn()
+        return max(1e-3, (time.perf_counter() - t) * 1e3)
+    monkeypatch.setattr(bench, "_bench", cpu_bench)
+    monkeypatch.setattr(bench, "_matmul_ceiling", lambda: math.nan)
+    grid = [(32, 64, "full"), (32, 64, "causal"), (32, 64, "window1024"), (32, 64, "document")]
+    rows = bench.speed(False, grid=grid, tokens=64, H=2, use_flex=False, dtype=torch.float16)
+    out = capsys.readouterr().out
+    assert len(rows) == 4 and all("flashfold" in r[3] for r in rows), rows
+    assert "| 32 | 64 | document |" in out
+    for peer in ("flash", "cudnn", "efficient"):            # measured, or its error printed
+        assert peer in rows[0][3] or f"peer {peer} failed" in out, (peer, out)
