@@ -20,7 +20,9 @@ identical on every device):
    unbounded; with ``causal`` the right side is ``min(right, 0)``), and
    ``mask_mod(b, h, q_idx, kv_idx)``.
 
-A row with no visible key gives ``o = 0`` and ``lse = -inf`` (never NaN). ``lse`` is the
+Key padding is a mask (``mask_mod=flashfold.mods.key_padding_mask(lengths)``) or, without
+padding at all, packed sequences (``cu_seqlens_*``). A row with no visible key gives
+``o = 0`` and ``lse = -inf`` (never NaN). ``lse`` is the
 natural log, float32. On CUDA tensors a Triton kernel runs (FlashAttention-2 schedule,
 statistics in fp32, ``exp2`` with ``log2 e`` folded into the scale; see
 :mod:`flashfold.kernels.attention.fwd`); on CPU tensors a blocked reference with the same

@@ -30,6 +30,8 @@ Structure (the backward and split-KV decode kernels reuse these pieces):
 * ``_scores``: ``qk`` -> scores in base-2 units (softcap, score_mod), and
   ``_visible``: the elementwise mask (sequence bound, bottom-right causal/window bounds,
   mask_mod) -- shared by every attention kernel;
+* ``_softmax_update``: one tile folded into ``(acc, l, m)`` (the online-softmax step with
+  the finite-pivot guard), and ``_kv_step``: load K, scores, mask, load V, update;
 * ``_kv_loop``: folds a run of key tiles into ``(acc, l, m)``; dense runs
   (``lo + i BLOCK_N``) or sparse ones (block indices read from a block-mask list);
   ``MASKED`` selects whether ``_visible`` is evaluated;
