@@ -20,13 +20,16 @@ ARGMAX/MIN   (value, index)              (-inf, BIG)          (value, index)
 LOGSUMEXP2 is the base-2 twist of the specification: scores are rescaled by log2(e) on
 lift (an affine bijection, so the reduction stays associative) and every exponential is
 ``exp2``; finalize converts back to natural-log units. Kernels use it because ``exp2`` is
-the hardware instruction.
+the hardware instruction. It is derived from LOGSUMEXP by transport of structure through
+psi(m, d) = (m log2 e, d) (:func:`flashfold.transport`): lift and identity come from psi,
+the combine and block lift are the exp2 rewritings that ``check_transport`` proves equal.
 """
 
 from __future__ import annotations
 
 from .algebra import ops
 from .algebra.monoid import Field, Input, Monoid
+from .algebra.transport import base2_rescale, base2_rescale_inverse, transport
 
 #: index carried by the ARGMAX/ARGMIN identity: larger than any real position, and
 #: representable in int32 so kernels can keep indices in 32-bit registers.
@@ -96,13 +99,15 @@ LOGSUMEXP = Monoid(
     doc="Online softmax state: m = max x, d = sum exp(x - m); finalize to log-sum-exp. "
         "(m, d) is the direct product (max, +) twisted by e^-m.")
 
-LOGSUMEXP2 = Monoid(
-    "logsumexp2", fields=("m", "d"), identity=(-ops.inf, 0.0),
-    lift=lambda x: _lse_lift(x * ops.LOG2E),
+# derived by transport of structure: psi(m, d) = (m log2 e, d) carries LOGSUMEXP onto the
+# base-2 state; lift and identity are psi's, the combine and block lift are its exp2
+# rewritings (proven equal to the transported ones by check_transport, tests/test_transport.py)
+LOGSUMEXP2 = transport(
+    LOGSUMEXP, base2_rescale, base2_rescale_inverse, name="logsumexp2",
     combine=lambda a, b: _lse_combine(a, b, exp=ops.exp2),
     finalize=lambda s: (s.m + ops.log2(s.d)) * ops.LN2,
     block_lift=lambda x, valid: _lse_block(x * ops.LOG2E, valid, exp=ops.exp2),
-    commutative=True, outputs=("lse",),
+    outputs=("lse",),
     doc="Base-2 online softmax: sigma = x log2(e), m = max sigma, d = sum 2^(sigma - m); "
         "finalize to the natural-log log-sum-exp.")
 
