@@ -9,9 +9,11 @@ Run (H200, from the repository root)::
 
 1. Correctness (FlashAttention's own criterion): on a grid of batch, heads, GQA/MQA ratios,
    head dims, awkward lengths, causal, windows, softcap, varlen, score/mask mods and edge
-   cases, the max error of flashfold's output against a float32 reference must be at most
-   twice the max error of a naive bf16/fp16 PyTorch attention (matmuls in the input dtype,
-   softmax in fp32) against the same reference, plus the reference's own fp32 rounding.
+   cases, the max error of flashfold's output against a reference must be at most twice the
+   max error of a naive bf16/fp16 PyTorch attention (matmuls in the input dtype, softmax in
+   fp32) against the same reference, plus fp32 rounding. The reference is float64, stricter
+   than FlashAttention's float32 one (which is itself off by ~1e-2 at scores ~1e5); where
+   the naive attention overflows (fp16 products > 65504) the bound is the dtype's rounding.
    Outputs are poisoned (allocated NaN-filled) so any element the kernel skips fails, and
    LSE, -inf rows (no visible key) and NaN-freedom are checked too. TMA and the pointer
    fallback both run; merge_states is checked on split keys.
@@ -103,8 +105,9 @@ def naive_lowp(q, k, v, *, causal=False, window=None, scale=None, softcap=None, 
             keep = keep & torch.as_tensor(mask_mod(bb, hh, i, j)).bool()
         s32 = s.float().masked_fill(~keep, -math.inf)
         row = torch.logsumexp(s32, -1)
-        p = torch.where(torch.isfinite(row)[..., None], torch.exp(s32 - torch.where(
-            torch.isfinite(row), row, 0.0)[..., None]), 0.0).to(dt)
+        empty = torch.isneginf(row)                     # no visible key; an overflow stays NaN
+        p = torch.where(empty[..., None], 0.0,
+                        torch.exp(s32 - torch.where(empty, 0.0, row)[..., None])).to(dt)
         o[:, :, qs] = torch.matmul(p, vv)
         lse[:, :, qs] = row
     return o, lse
@@ -140,10 +143,10 @@ class Checker:
             finally:
                 fwd._alloc, fwd.USE_TMA_DEFAULT = saved_alloc, saved_tma
             rk = _torch_mods(kw)
-            ro, rl = naive_attention(q, k, v, dtype=torch.float32, **rk)
+            ro, rl = naive_attention(q, k, v, dtype=torch.float64, **rk)
             po, pl = naive_lowp(q, k, v, **rk)
-            err = (o.float() - ro).abs().max().item() if o.numel() else 0.0
-            perr = (po.float() - ro).abs().max().item() if o.numel() else 0.0
+            err = (o.double() - ro).abs().max().item() if o.numel() else 0.0
+            perr = (po.double() - ro).abs().max().item() if o.numel() else 0.0
             atol = 2 * (ro + 0.3 - 0.3 - ro).abs().max().item() if o.numel() else 0.0
             fin = torch.isfinite(rl)
             lerr = (lse[fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
@@ -151,10 +154,16 @@ class Checker:
             why = []
             if torch.isnan(o).any() or torch.isnan(lse).any():
                 why.append("NaN in output (unwritten or computed)")
-            if err > 2 * perr + atol:
-                why.append(f"o err {err:.2e} > 2 x naive {perr:.2e} + {atol:.1e}")
-            if lerr > 2 * plerr + 1e-3:
-                why.append(f"lse err {lerr:.2e} > 2 x naive {plerr:.2e} + 1e-3")
+            # the naive attention may itself overflow (fp16 products > 65504): then hold
+            # flashfold to the output dtype's rounding instead of 2x an infinite error
+            eps = torch.finfo(q.dtype).eps
+            mag = max(1.0, ro.abs().max().item()) if o.numel() else 1.0
+            bound = 2 * perr + atol if math.isfinite(perr) else 2 * eps * mag
+            if not err <= bound:
+                why.append(f"o err {err:.2e} > bound {bound:.2e} (naive {perr:.2e})")
+            lbound = 2 * plerr + 1e-3 if math.isfinite(plerr) else 1e-3 * max(1.0, rl[fin].abs().max().item())
+            if not lerr <= lbound:
+                why.append(f"lse err {lerr:.2e} > bound {lbound:.2e} (naive {plerr:.2e})")
             if not torch.equal(torch.isneginf(lse), torch.isneginf(rl)):
                 why.append("-inf LSE rows differ from the reference")
             if (~fin).any() and (o.float()[~fin] != 0).any():
@@ -205,7 +214,8 @@ def _varlen(lens_q, lens_k, HQ, HK, D, dtype):
 
 
 def correctness(quick: bool) -> bool:
-    print("== correctness: max|o - ref32| <= 2 max|naive - ref32| (+ fp32 rounding), poisoned outputs")
+    print("== correctness: max|o - ref| <= 2 max|naive - ref| (+ fp32 rounding), ref in float64, "
+          "poisoned outputs")
     c = Checker()
     bf = torch.bfloat16
     lengths = [(1, 1), (17, 17), (113, 203), (1000, 1000), (2049, 2049), (1, 2049), (2049, 1000)]
@@ -269,9 +279,9 @@ def correctness(quick: bool) -> bool:
         o, lse = flashfold.merge_states(torch.stack([p[0] for p in parts][::-1]),
                                         torch.stack([p[1] for p in parts][::-1]))
         o2, l2 = flashfold.merge_states(*parts[1], *parts[2])
-        ro, rl = naive_attention(q, k, v, dtype=torch.float32)
+        ro, rl = naive_attention(q, k, v, dtype=torch.float64)
         po, _ = naive_lowp(q, k, v)
-        err, perr = (o.float() - ro).abs().max().item(), (po.float() - ro).abs().max().item()
+        err, perr = (o.double() - ro).abs().max().item(), (po.double() - ro).abs().max().item()
         ok = err <= 2 * perr + 1e-6 and torch.isfinite(o).all() and torch.isfinite(o2).all()
         c.failed += 0 if ok else 1
         print(f"  {'ok ' if ok else 'BAD'} {'merge_states of 5 parts (empty, masked) vs unsplit':<58} "

@@ -47,7 +47,12 @@ def test_check_grid_cases_pass(bench):
     c.case("document + alibi", 1, 2, 2, 40, 40, 32, h, mask_mod=mods.document_mask(bench._docs(40)),
            score_mod=mods.alibi(2))
     c.case("no visible key", 1, 2, 2, 30, 5, 32, h, causal=True)
+    c.case("naive overflows", 1, 2, 2, 17, 17, 32, h,            # naive fp16 scores are inf
+           make=lambda g: (torch.full((1, 2, 17, 32), 300.0).half(),
+                           torch.full((1, 2, 17, 32), 300.0).half(),
+                           torch.randn(1, 2, 17, 32, generator=g).half(), {}))
     assert c.failed == 0, c.rows
+    assert not math.isfinite(c.rows[-1][3])                  # ... so the fallback bound ran
 
 
 def test_check_catches_an_unwritten_row(bench, monkeypatch):
