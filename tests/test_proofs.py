@@ -103,6 +103,20 @@ def test_reachable_state_invariants():
     assert not d["m"].infinities                         # -inf only in the adjoined identity
 
 
+def test_counterexamples_are_searched_inside_the_failing_case():
+    """min(a + b, 10) breaks associativity only once a sum passes 10: the witness is drawn
+    from the case's own linear facts, not from a fixed pool of small numbers."""
+    clamp = ff.Monoid("clamp_sum", fields=("s",), identity=(0.0,),
+                      inputs=(ff.Input("x", domain="finite"),), lift=lambda x: (x,),
+                      combine=lambda a, b: (ops.minimum(a.s + b.s, 10.0),), commutative=True)
+    proof = prove(clamp)
+    assert proof.failure.name == "associativity"
+    cex = proof.counterexample
+    assert cex is not None and cex.confirmed, proof.text()
+    vals = [float(st["s"]) for _, st in cex.states]
+    assert max(vals[0] + vals[1], vals[1] + vals[2]) > 10
+
+
 def test_wrong_identity_fails():
     bad = ff.Monoid("sum_with_identity_one", fields=("s",), identity=(1.0,),
                     inputs=(ff.Input("x", domain="finite"),),

@@ -356,9 +356,12 @@ class NumericsReport:
                                             if violated else "no configuration"))
         dts = {r.dtype for r in self.rows}
         if {"float32", "bfloat16"} <= dts:
-            f32, b16 = self.worst("float32"), self.worst("bfloat16")
-            out.append(f"worst relative error of d: fp32 {f32:.2e}, bf16 {b16:.2e} "
-                       f"({b16 / f32 if f32 > 0 else math.inf:.0f}x): statistics must stay in fp32")
+            n = max(r.n for r in self.rows)
+            at = {(r.dtype, r.order): r.err_d for r in self.rows if r.n == n}
+            parts = [f"{o} {at[('float32', o)]:.1e} vs {at[('bfloat16', o)]:.1e}"
+                     for o in ORDERS if ("float32", o) in at and ("bfloat16", o) in at]
+            out.append(f"relative error of d at N = {n:,}, fp32 vs bf16 statistics: "
+                       + "; ".join(parts) + ": statistics must stay in fp32")
         return "\n".join(out)
 
     def __str__(self) -> str:

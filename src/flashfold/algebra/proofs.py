@@ -1115,6 +1115,64 @@ def _candidates(sym, rng: random.Random):
     return sp.sympify(rng.choice(pool))
 
 
+def _to_frac(c) -> Fraction:
+    return c if isinstance(c, Fraction) else Fraction(float(c)).limit_denominator(10**12)
+
+
+def _sample_point(rows, syms, rng: random.Random):
+    """A random point satisfying the linear ``rows`` (approximately for irrational
+    coefficients), by Fourier-Motzkin elimination and back-substitution: each variable,
+    in reverse elimination order, is drawn inside the interval its rows leave open."""
+    import sympy as sp
+    cur = [({v: _to_frac(a) for v, a in co.items() if a != 0}, _to_frac(k), st) for co, k, st in rows]
+    levels = []
+    for _ in range(64):
+        cur = [r for r in cur if r[0]]
+        if not cur:
+            break
+        vars_ = sorted({v for co, _, _ in cur for v in co}, key=str)
+        v = min(vars_, key=lambda x: (sum(1 for co, _, _ in cur if x in co), str(x)))
+        levels.append((v, [r for r in cur if v in r[0]]))
+        pos = [r for r in cur if v in r[0] and r[0][v] > 0]
+        neg = [r for r in cur if v in r[0] and r[0][v] < 0]
+        nxt = [r for r in cur if v not in r[0]]
+        for pc, pk, ps in pos:
+            for nc, nk, ns in neg:
+                a, b = pc[v], -nc[v]
+                co = {w: b * pc.get(w, 0) + a * nc.get(w, 0) for w in set(pc) | set(nc) if w is not v}
+                nxt.append(({w: x for w, x in co.items() if x != 0}, b * pk + a * nk, ps or ns))
+        cur = nxt
+    values: dict = {}
+    for v, vrows in reversed(levels):
+        lo = hi = None
+        lo_strict = hi_strict = False
+        for co, k, strict in vrows:
+            rest = k + sum(a * values.get(w, Fraction(0)) for w, a in co.items() if w is not v)
+            bound = -rest / co[v]                      # a v + rest (>) 0
+            if co[v] > 0 and (lo is None or bound > lo or (bound == lo and strict)):
+                lo, lo_strict = bound, strict
+            elif co[v] < 0 and (hi is None or bound < hi or (bound == hi and strict)):
+                hi, hi_strict = bound, strict
+        step = Fraction(rng.choice([1, 1, 2, 3, 5]), rng.choice([1, 2, 4]))
+        if lo is not None and hi is not None:
+            t = Fraction(rng.choice([1, 1, 2, 3]), 4) if hi > lo else Fraction(0)
+            x = lo + (hi - lo) * t
+        elif lo is not None:
+            x = lo + (step if lo_strict or rng.random() < 0.7 else 0)
+        elif hi is not None:
+            x = hi - (step if hi_strict or rng.random() < 0.7 else 0)
+        else:
+            x = Fraction(rng.choice([-2, -1, 0, 1, 2, 3]))
+        if v.is_integer and x.denominator != 1:
+            x = Fraction(math.ceil(x)) if lo is not None else Fraction(math.floor(x))
+        values[v] = x
+    out = {}
+    for sym in syms:
+        out[sym] = (sp.Rational(values[sym].numerator, values[sym].denominator)
+                    if sym in values else _candidates(sym, rng))
+    return out
+
+
 def _satisfies(path: _Path, values: dict) -> bool:
     """Whether concrete ``values`` select ``path`` (its linear facts and opaque atoms)."""
     import sympy as sp
@@ -1159,8 +1217,11 @@ def _counterexample(law, path, field_names, lhs, rhs, states, replay, tries: int
         syms |= set(st.symbols)
     syms = sorted(syms, key=str)
     rng = random.Random(0)
-    for _ in range(tries):
-        values = {s: _candidates(s, rng) for s in syms}
+    for attempt in range(tries):
+        if attempt % 2 == 0:                       # inside the case's linear facts
+            values = _sample_point(path.rows, syms, rng)
+        else:                                      # small values, which make ties likely
+            values = {s: _candidates(s, rng) for s in syms}
         if not _satisfies(path, values):
             continue
         bad_fields = []
