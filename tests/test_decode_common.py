@@ -67,3 +67,20 @@ def attention_per_sequence(case: Case, *, scale=None, softcap=None, window=None,
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
+
+
+def repage(case: Case, page_size: int) -> Case:
+    """A paged copy of ``case``'s contiguous tokens (fresh shuffled pages)."""
+    batch, heads_kv, cap, d = case.k.shape
+    per_seq = -(-cap // page_size)
+    g = torch.Generator().manual_seed(batch)
+    perm = torch.randperm(batch * per_seq + 2, generator=g)[:batch * per_seq].view(batch, per_seq)
+    kp = torch.zeros(batch * per_seq + 2, page_size, heads_kv, d, dtype=case.k.dtype, device=case.k.device)
+    vp = torch.zeros_like(kp)
+    pad = per_seq * page_size - cap
+    for b in range(batch):
+        kb = torch.nn.functional.pad(case.k[b].transpose(0, 1), (0, 0, 0, 0, 0, pad))
+        vb = torch.nn.functional.pad(case.v[b].transpose(0, 1), (0, 0, 0, 0, 0, pad))
+        kp[perm[b]] = kb.reshape(per_seq, page_size, heads_kv, d)
+        vp[perm[b]] = vb.reshape(per_seq, page_size, heads_kv, d)
+    return Case(case.q, case.k, case.v, case.seqlens, kp, vp, perm.to(torch.int32).to(case.k.device))

@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent(r'''
         lens = torch.full((2,), 1000, dtype=torch.int32)
         if not kw.get("batch_invariant"):
             kw["num_splits"] = splits
+        kw.setdefault("pdl", True)            # the default on sm_90 (off on the CPU)
         launch = splitkv.prepare(q, k, k, lens, table, scale=0.1, **kw)
         out = {}
         for kind, kernel, spec in (("split", splitkv._splitkv_kernel, launch.split),
@@ -43,7 +44,8 @@ SCRIPT = textwrap.dedent(r'''
                                                info.ttgir)]
             out[kind] = dict(shared=info.shared, registers=info.registers,
                              spill=info.spill_bytes, kv_buffers=min(bufs) if bufs else 0,
-                             cp_async="cp.async" in info.ptx)
+                             cp_async="cp.async" in info.ptx,
+                             pdl="griddepcontrol" in info.ptx)
         return name, out
 
     cases = [
@@ -58,6 +60,7 @@ SCRIPT = textwrap.dedent(r'''
         variant("fp32", dtype=torch.float32),
         variant("d256", d=256, page=16),
         variant("paged24", page=24),
+        variant("no_pdl", pdl=False),
     ]
     print(json.dumps(dict(cases)))
 ''')
@@ -78,7 +81,7 @@ SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on Hopper
 
 
 def test_every_variant_compiles_without_spills(compiled):
-    assert len(compiled) == 11
+    assert len(compiled) == 12
     for name, kernels in compiled.items():
         for kind, info in kernels.items():
             assert info["spill"] == 0, (name, kind, info)
@@ -97,3 +100,13 @@ def test_split_kernel_pipelines_kv(compiled):
 def test_merge_pass_only_with_several_splits(compiled):
     assert "merge" not in compiled["single_split"]
     assert "merge" in compiled["contiguous"] and "merge" in compiled["invariant"]
+
+
+def test_merge_launches_programmatically(compiled):
+    """On sm_90 the merge kernel is launched with programmatic dependent launch: the split
+    kernel signals, the merge waits (griddepcontrol) before reading the partials."""
+    for name, kernels in compiled.items():
+        if "merge" in kernels:
+            want = name != "no_pdl"
+            assert kernels["split"]["pdl"] == want and kernels["merge"]["pdl"] == want, name
+    assert not compiled["single_split"]["split"]["pdl"]

@@ -13,7 +13,7 @@ import flashfold as ff
 from flashfold.kernels.decode import splitkv
 from flashfold.kernels.decode.reference import decode_reference
 from flashfold.testing import assert_close
-from test_decode_common import attention_per_sequence, make_case
+from test_decode_common import attention_per_sequence, make_case, repage
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -114,6 +114,21 @@ def test_kernel_features(name, shape, mods, layout):
         check(case, o, lse, torch.float32, **mods)
 
 
+def test_strided_inputs_and_int64_lengths():
+    """q and the cache stored (batch, seq, heads, dim) and viewed as (batch, heads, seq, dim):
+    any strides, no copy; int64 lengths."""
+    case = make_case([0, 1, 90, 130], heads_q=4, heads_kv=2, q_len=2, head_dim=32,
+                     capacity=130, dtype=torch.float16, device=DEVICE, seed=12)
+    bshd = type(case)(case.q.transpose(1, 2).contiguous().transpose(1, 2),
+                      case.k.transpose(1, 2).contiguous().transpose(1, 2),
+                      case.v.transpose(1, 2).contiguous().transpose(1, 2),
+                      case.seqlens.long(), None, None, None)
+    assert not bshd.k.is_contiguous() and bshd.k.data_ptr() != case.k.data_ptr()
+    for splits in (1, 2):
+        o, lse, _ = run(bshd, False, num_splits=splits)
+        check(case, o, lse, torch.float16)
+
+
 def test_all_sequences_empty():
     case = make_case([0, 0], heads_q=2, heads_kv=1, q_len=2, head_dim=16, capacity=64,
                      page_size=16, dtype=torch.float16, device=DEVICE)
@@ -155,7 +170,7 @@ def test_batch_invariant_bitwise(paged):
         case.q[pos] = target.q[0]
         case.k[pos, :, :200], case.v[pos, :, :200] = target.k[0], target.v[0]
         if paged:
-            case = _repage(case, 16)
+            case = repage(case, 16)
         o, lse, launch = run(case, paged, batch_invariant=True, invariant_split=split)
         assert launch.plan.split_size == split
         outs.append((o[pos], lse[pos]))
@@ -181,24 +196,6 @@ def test_batch_invariant_bitwise(paged):
     assert lb.merge is not None
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     check(short, o1, l1, torch.float32)
-
-
-def _repage(case, page_size):
-    """A paged copy of ``case``'s contiguous tokens (fresh shuffled pages)."""
-    from test_decode_common import Case
-    batch, heads_kv, cap, d = case.k.shape
-    per_seq = -(-cap // page_size)
-    g = torch.Generator().manual_seed(batch)
-    perm = torch.randperm(batch * per_seq + 2, generator=g)[:batch * per_seq].view(batch, per_seq)
-    kp = torch.zeros(batch * per_seq + 2, page_size, heads_kv, d, dtype=case.k.dtype, device=case.k.device)
-    vp = torch.zeros_like(kp)
-    pad = per_seq * page_size - cap
-    for b in range(batch):
-        kb = torch.nn.functional.pad(case.k[b].transpose(0, 1), (0, 0, 0, 0, 0, pad))
-        vb = torch.nn.functional.pad(case.v[b].transpose(0, 1), (0, 0, 0, 0, 0, pad))
-        kp[perm[b]] = kb.reshape(per_seq, page_size, heads_kv, d)
-        vp[perm[b]] = vb.reshape(per_seq, page_size, heads_kv, d)
-    return Case(case.q, case.k, case.v, case.seqlens, kp, vp, perm.to(torch.int32).to(case.k.device))
 
 
 def test_default_mode_rounding_depends_on_the_split():

@@ -40,18 +40,58 @@ by its own program, and the states are folded:
    result depends only on the sequence's own splits; a single split merges to itself bit
    for bit (``e^0 = 1``, ``e^-inf = 0``), the same bits the one-split kernel writes.
 
-Lengths are read on the device (``cache_seqlens``), never on the host: nothing here
-synchronises, so the launch can be captured in a CUDA graph.
+Split plan (one jit function, :func:`_split_plan`, used by both kernels). The keys any row
+of a group can see start at ``lo = max(0, n_b - q_len - window_left)``.
+
+* default mode: ``S`` split programs per sequence, ``S`` from the host heuristic
+  :func:`choose_num_splits` (batch x heads_kv programs, the SM count, a host bound on the
+  lengths: enough programs to fill the GPU, splits of at least ``MIN_SPLIT`` keys). A
+  sequence's split size is ``ceil(ceil((n_b - base) / S) / BLOCK_N) * BLOCK_N`` from
+  ``base = floor(lo / BLOCK_N) * BLOCK_N``, computed on the device from its own length,
+  so every length is covered whatever the host assumed, and where the boundaries fall
+  depends on ``S``, i.e. on the batch: the default mode's rounding is batch-dependent.
+* ``batch_invariant``: split ``s`` of a sequence covers keys
+  ``[c (floor(lo / c) + s), c (floor(lo / c) + s + 1))`` with the constant
+  ``c = INVARIANT_SPLIT``. The splits, the tiles inside them (tiles start at multiples
+  of ``BLOCK_N``), the kernel configuration (a function of head_dim, dtype, page size,
+  group and q_len only) and the merge bracketing then depend only on the sequence, so its
+  output is bitwise the same in any batch. The grid has one split program per split the
+  capacity allows (or fewer when the caller gives a length bound, each program then
+  looping over splits ``s, s + S, ...``): either way only the set of programs that find
+  no work changes with the batch.
+
+Workspace: partials ``o`` fp32 ``(batch, heads_q, q_len, ws, head_dim)`` and ``lse``
+``(batch, heads_q, q_len, ws)``, contiguous, ``ws`` splits reserved per row; only the
+splits a sequence uses are written and read (no padding traffic). The merge is this
+module's own kernel rather than :func:`flashfold.merge_states` because decode needs a
+per-sequence number of splits read from the device (``merge_states`` folds a fixed
+leading axis: every row would read ``ws`` parts, padded with identities the split kernel
+would have to write), the output in the input dtype directly (no extra cast pass), and a
+programmatic dependent launch: on sm_90+ the merge is launched with ``launch_pdl`` while
+the split kernel runs; each split program signals ``griddepcontrol.launch_dependents`` as
+it starts and the merge waits (``griddepcontrol.wait``) before it reads a partial, so the
+merge's launch latency hides behind the split kernel. Both merges fold the same generated
+ATTENTION functions (``tests/test_decode_kernel.py`` checks split-KV against
+``merge_states`` of ``attention`` over key chunks).
+
+Lengths are read on the device (``cache_seqlens``, clamped to ``[0, capacity]``), never
+on the host: nothing here synchronises, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # Triton >= 3.3: grid dependency control (programmatic dependent launch, sm_90+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
 
 from ...monoids import ATTENTION
 from ..codegen import triton_monoid
@@ -62,9 +102,12 @@ LOG2E = 1.0 / math.log(2.0)
 INVARIANT_SPLIT = 512
 #: partial states per merge tile (fixed: the merge's bracketing must not depend on the batch)
 MERGE_BLOCK = 16
-#: smallest split the default heuristic makes, and the most splits it makes
+#: smallest split the default heuristic makes, the most splits it makes, and the split
+#: programs it assumes resident per SM (96-106 registers x 128 threads, 70 KB of shared
+#: memory: 3 fit on an H100/H200; counting 2 leaves room for the merge and for skew)
 MIN_SPLIT = 256
 MAX_SPLITS = 128
+CTAS_PER_SM = 2
 #: "unbounded" window side, as an int32 the kernels can subtract from positions
 NO_WINDOW = 1 << 30
 
@@ -218,7 +261,10 @@ def _splitkv_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FIXED_SPLIT: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, WRITE_FINAL: tl.constexpr,
-        LOOP_SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        LOOP_SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr):
+    if USE_PDL:       # the merge kernel may be scheduled once every split program has begun
+        gdc_launch_dependents()
     ROWS: tl.constexpr = GROUP * Q_LEN
     M_BLOCKS: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
     pid = tl.program_id(0)
@@ -283,7 +329,8 @@ def _merge_kernel(
         heads_q, capacity, n_splits, ws_splits, split_size, win_left,
         BLOCK_LIFT: tl.constexpr, COMBINE: tl.constexpr, FINALIZE: tl.constexpr,
         Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, FIXED_SPLIT: tl.constexpr):
+        BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, FIXED_SPLIT: tl.constexpr,
+        USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                 # (b, hq, qi) row-major
     qi = row % Q_LEN
     hq = (row // Q_LEN) % heads_q
@@ -293,6 +340,8 @@ def _merge_kernel(
                                FIXED_SPLIT)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    if USE_PDL:       # launched early: wait until the split kernel's partials are visible
+        gdc_wait()
     m = tl.full([1], float("-inf"), tl.float32)          # the identity (-inf, 0, 0)
     d = tl.zeros([1], tl.float32)
     o = tl.zeros([BLOCK_D], tl.float32)
@@ -337,7 +386,7 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(int(n)))
 
 
-def choose_num_splits(programs: int, kv_len: int, num_sms: int, ctas_per_sm: int = 2,
+def choose_num_splits(programs: int, kv_len: int, num_sms: int, ctas_per_sm: int = CTAS_PER_SM,
                       min_split: int = MIN_SPLIT, max_splits: int = MAX_SPLITS) -> int:
     """Number of splits for ``programs`` (batch x heads_kv x row blocks) over ``kv_len`` keys.
 
@@ -360,6 +409,15 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132                                   # the interpreter: plan as for an H100/H200
+
+
+def _pdl_default(device: torch.device) -> bool:
+    """Programmatic dependent launch of the merge: CUDA, Hopper or newer, not disabled by
+    ``FLASHFOLD_DECODE_PDL=0``."""
+    if (device.type != "cuda" or gdc_wait is None
+            or os.environ.get("FLASHFOLD_DECODE_PDL", "1") == "0"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @dataclass(frozen=True)
@@ -426,7 +484,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             window: tuple[int | None, int | None] | None = None,
             num_splits: int | None = None, batch_invariant: bool = False,
             max_seqlen: int | None = None, config: DecodeConfig | None = None,
-            invariant_split: int = INVARIANT_SPLIT) -> Launch:
+            invariant_split: int = INVARIANT_SPLIT, pdl: bool | None = None) -> Launch:
     """Plan the splits, allocate the outputs and workspace, and bind the kernel arguments
     (arguments as :func:`splitkv_decode`)."""
     batch, heads_q, q_len, head_dim = q.shape
@@ -459,6 +517,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         lsep = torch.empty(batch * heads_q * q_len * p.ws_splits, dtype=torch.float32,
                            device=q.device)
     win_left = NO_WINDOW if left is None else int(left)
+    pdl = _pdl_default(q.device) if pdl is None else bool(pdl)
     if softcap:
         qk_scale, cap_in, cap_out = 0.0, scale / softcap, softcap * LOG2E
     else:
@@ -475,6 +534,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   PAGE_SIZE=page_size, PAGED=paged, FIXED_SPLIT=batch_invariant,
                   SOFTCAP=bool(softcap), WINDOW=left is not None, WRITE_FINAL=p.write_final,
                   LOOP_SPLITS=p.n_splits < p.ws_splits, NUM_STAGES=config.num_stages,
+                  USE_PDL=pdl and not p.write_final,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   num_warps=config.num_warps * (2 if p.block_m >= 64 else 1),
                   num_stages=config.num_stages))
@@ -485,7 +545,8 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   heads_q, capacity, p.n_splits, p.ws_splits, p.split_size, win_left),
                  dict(BLOCK_LIFT=tm.block_lift, COMBINE=tm.combine, FINALIZE=tm.finalize,
                       Q_LEN=q_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK,
-                      BLOCK_N=config.block_n, FIXED_SPLIT=batch_invariant, num_warps=4))
+                      BLOCK_N=config.block_n, FIXED_SPLIT=batch_invariant, USE_PDL=pdl,
+                      num_warps=4, **({"launch_pdl": True} if pdl else {})))
     return Launch(split, merge, out, lse, p)
 
 
@@ -495,16 +556,19 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    window: tuple[int | None, int | None] | None = None,
                    num_splits: int | None = None, batch_invariant: bool = False,
                    max_seqlen: int | None = None, config: DecodeConfig | None = None,
-                   invariant_split: int = INVARIANT_SPLIT) -> tuple[torch.Tensor, torch.Tensor]:
+                   invariant_split: int = INVARIANT_SPLIT,
+                   pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``).
 
     Inputs as :func:`flashfold.decode`, already validated; ``window`` normalized to
     ``(left, right)`` with ``None`` for unbounded. ``config`` and ``invariant_split``
-    override the tiles and the batch-invariant split size (benchmarks, tests). Returns
+    override the tiles and the batch-invariant split size, ``pdl`` the programmatic
+    dependent launch of the merge (default: on for CUDA sm_90+ unless
+    ``FLASHFOLD_DECODE_PDL=0``) -- benchmarks and tests. Returns
     ``(o, lse)``: ``o`` (batch, heads_q, q_len, head_dim) in ``q.dtype``, ``lse``
     (batch, heads_q, q_len) float32.
     """
     return prepare(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
                    softcap=softcap, window=window, num_splits=num_splits,
                    batch_invariant=batch_invariant, max_seqlen=max_seqlen, config=config,
-                   invariant_split=invariant_split).run()
+                   invariant_split=invariant_split, pdl=pdl).run()

@@ -1,0 +1,464 @@
+"""Split-KV decoding on the GPU: correctness first, then K/V bandwidth against SDPA.
+
+Run (H200, from the repository root)::
+
+    PYTHONPATH=src python benchmarks/decode.py            # checks + full grid (~3-4 min)
+    PYTHONPATH=src python benchmarks/decode.py --quick    # checks + target rows (~1 min)
+    PYTHONPATH=src python benchmarks/decode.py --check-only
+    PYTHONPATH=src python benchmarks/decode.py --tune     # splits / tile configs at the targets
+
+1. Correctness at real sizes (bf16, 32 query / 8 KV heads, head_dim 128): lengths 0, 1,
+   ragged and full, q_len 1 and 4 (speculative), softcap, window, contiguous and paged
+   (pages of 16 and 64, shuffled), default and batch-invariant mode. FlashAttention's
+   criterion: the max error of flashfold's output against a float32 reference must be at
+   most twice the max error of a naive bf16 PyTorch decode (matmuls in bf16, softmax in
+   fp32 rounded to bf16) against the same reference, plus 1e-5; LSE within 1e-3 of the
+   reference's, empty rows exactly (0, -inf), no NaN. Then batch invariance: one sequence
+   decoded alone and inside batches of 8 and 64 other sequences (other lengths, positions,
+   capacities, page tables) must give bitwise equal output with ``batch_invariant=True``;
+   the default mode is reported (equal or not, with the split counts it chose). Paged and
+   contiguous caches are compared on the same tokens.
+2. Speed: ``triton.testing.do_bench`` medians (L2 flushed between calls) of flashfold
+   (default and batch-invariant, contiguous and paged), SDPA's flash and cuDNN backends
+   (``enable_gqa=True`` when the backend takes it, else K/V expanded to the query heads:
+   the line says which), and a paged baseline built from SDPA (gather the pages into a
+   contiguous K/V, then SDPA flash; the gather is timed). Every method is timed eagerly and
+   as a CUDA-graph replay (``--no-graphs``: eager only; ``--quick``: graphs on the target
+   rows only), the same for flashfold and the peers: graphs remove the host's launch
+   overhead (Python, argument binding) from all of them, which dominates the small rows.
+   Metric: bytes of K and V read, ``2 * batch * heads_kv * length * head_dim * 2``,
+   divided by the time (the same bytes for every method, whatever it actually moves),
+   next to a device-to-device copy measured in the same run (read + write bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import flashfold as ff
+from flashfold.kernels.decode import splitkv
+from flashfold.kernels.decode.reference import decode_reference, gather_kv_padded
+
+DEV = "cuda"
+HQ, HKV, D = 32, 8, 128
+DT = torch.bfloat16
+
+
+# --- inputs ---------------------------------------------------------------------------------
+
+class Cache:
+    """q, a contiguous K/V cache and paged copies (shuffled pages) holding the same tokens."""
+
+    def __init__(self, batch, capacity, lens=None, q_len=1, pages=(), seed=0):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.q = torch.randn(batch, HQ, q_len, D, generator=g, device=DEV, dtype=DT)
+        self.k = torch.randn(batch, HKV, capacity, D, generator=g, device=DEV, dtype=DT)
+        self.v = torch.randn(batch, HKV, capacity, D, generator=g, device=DEV, dtype=DT)
+        lens = [capacity] * batch if lens is None else lens
+        self.lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        self.capacity = capacity
+        self.paged = {p: self._pages(p, seed) for p in pages}
+
+    def _pages(self, page, seed):
+        batch, _, cap, _ = self.k.shape
+        per = -(-cap // page)
+        n = batch * per
+        perm = torch.randperm(n + 1, generator=torch.Generator().manual_seed(seed + page))[:n]
+        table = perm.view(batch, per).to(torch.int32).to(DEV)
+        out = []
+        for x in (self.k, self.v):
+            pool = torch.empty(n + 1, page, HKV, D, device=DEV, dtype=DT)
+            xp = F.pad(x, (0, 0, 0, per * page - cap)) if per * page != cap else x
+            pool[perm.to(DEV)] = xp.view(batch, HKV, per, page, D).permute(0, 2, 3, 1, 4).reshape(n, page, HKV, D)
+            out.append(pool)
+        return out[0], out[1], table
+
+    def kv_bytes(self):
+        return 2 * int(self.lens.sum()) * HKV * D * self.k.element_size()
+
+    def decode(self, page=None, **kw):
+        if page is None:
+            return ff.decode(self.q, self.k, self.v, self.lens, **kw)
+        kp, vp, table = self.paged[page]
+        return ff.decode(self.q, kp, vp, self.lens, block_table=table, **kw)
+
+
+def naive_bf16(c: Cache, *, scale=None, softcap=None, window=None):
+    """Decode as a PyTorch user writes it: bf16 matmuls, softmax in fp32 rounded to bf16."""
+    B, _, q_len, _ = c.q.shape
+    g = HQ // HKV
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    o = torch.zeros_like(c.q)
+    for b, n in enumerate(c.lens.tolist()):
+        if n == 0:
+            continue
+        kk = c.k[b, :, :n].repeat_interleave(g, 0)
+        vv = c.v[b, :, :n].repeat_interleave(g, 0)
+        s = torch.matmul(c.q[b] * scale, kk.transpose(-1, -2))
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(q_len, device=DEV)[:, None] + n - q_len
+        j = torch.arange(n, device=DEV)[None, :]
+        keep = j <= pos
+        if window is not None and window[0] is not None:
+            keep = keep & (j >= pos - window[0])
+        s32 = s.float().masked_fill(~keep, -math.inf)
+        row = torch.logsumexp(s32, -1, keepdim=True)
+        p = torch.where(torch.isfinite(row), torch.exp(s32 - torch.where(torch.isfinite(row), row, 0.0)), 0.0)
+        o[b] = torch.matmul(p.to(DT), vv)
+    return o
+
+
+# --- correctness ----------------------------------------------------------------------------
+
+class Checker:
+    def __init__(self):
+        self.failures = []
+
+    def ok(self, cond, what):
+        print(f"  [{'ok' if cond else 'FAIL'}] {what}")
+        if not cond:
+            self.failures.append(what)
+
+
+def check_case(chk: Checker, name, c: Cache, **mods):
+    win = mods.get("window")
+    ro, rl = decode_reference(c.q, c.k, c.v, c.lens, scale=mods.get("scale"),
+                              softcap=mods.get("softcap"),
+                              window=None if win is None else tuple(win), compute_dtype=torch.float32)
+    base = (naive_bf16(c, **mods).float() - ro).abs().max().item()
+    bound = 2 * base + 1e-5
+    empty = ~torch.isfinite(rl)
+    for page in [None, *c.paged]:
+        for inv in (False, True):
+            o, lse = c.decode(page, batch_invariant=inv, return_lse=True, **mods)
+            err = (o.float() - ro).abs().max().item()
+            lerr = (lse - rl)[~empty].abs().max().item() if (~empty).any() else 0.0
+            sane = (not torch.isnan(o).any().item() and not torch.isnan(lse).any().item()
+                    and bool((lse[empty] == -math.inf).all()) and bool((o[empty] == 0).all()))
+            layout = "contiguous" if page is None else f"paged{page}"
+            chk.ok(err <= bound and lerr <= 1e-3 and sane,
+                   f"{name:28s} {layout:10s} {'invariant' if inv else 'default  '} "
+                   f"err {err:.2e} <= 2 x naive bf16 {base:.2e}; lse err {lerr:.1e}; "
+                   f"empty rows (0, -inf), no NaN: {sane}")
+
+
+def check_invariance(chk: Checker, pages=(16,), target_len=7000, cap=8192):
+    """One sequence alone and inside batches of 8 and 64: bitwise equal in invariant mode."""
+    g = torch.Generator().manual_seed(1)
+    comps = [(1, 0, cap), (8, 3, cap), (64, 40, 3 * cap // 2)]
+    tq = torch.randn(1, HQ, 1, D, device=DEV, dtype=DT)
+    tk = torch.randn(1, HKV, target_len, D, device=DEV, dtype=DT)
+    tv = torch.randn(1, HKV, target_len, D, device=DEV, dtype=DT)
+    results = {}
+    for batch, pos, capacity in comps:
+        lens = torch.randint(0, capacity + 1, (batch,), generator=g).tolist()
+        lens[pos] = target_len
+        c = Cache(batch, capacity, lens, pages=pages, seed=batch)
+        c.q[pos] = tq[0]
+        c.k[pos, :, :target_len], c.v[pos, :, :target_len] = tk[0], tv[0]
+        c.paged = {p: c._pages(p, batch) for p in pages}
+        for page in [None, *pages]:
+            for inv in (True, False):
+                o, lse = c.decode(page, batch_invariant=inv, return_lse=True)
+                p = splitkv.plan(c.q.shape, HKV, capacity if page is None else
+                                 c.paged[page][2].shape[1] * page, capacity, None,
+                                 c.q.device, splitkv.default_config(D, DT, page),
+                                 batch_invariant=inv)
+                results.setdefault((page, inv), []).append((o[pos].clone(), lse[pos].clone(),
+                                                            batch, p.n_splits))
+        del c
+        torch.cuda.empty_cache()
+    for (page, inv), rs in results.items():
+        same = all(torch.equal(r[0], rs[0][0]) and torch.equal(r[1], rs[0][1]) for r in rs[1:])
+        layout = "contiguous" if page is None else f"paged{page}"
+        splits = ", ".join(f"batch {r[2]}: {r[3]} splits" for r in rs)
+        if inv:
+            chk.ok(same, f"batch_invariant=True  {layout:10s} bitwise equal across batches 1/8/64 ({splits})")
+        else:
+            maxdiff = max((r[0].float() - rs[0][0].float()).abs().max().item() for r in rs[1:])
+            print(f"  [info] default mode        {layout:10s} bitwise equal across batches: {same} "
+                  f"(max diff {maxdiff:.1e}; {splits})")
+    return results
+
+
+def run_checks(chk: Checker, quick=False):
+    print("== correctness (bf16, 32/8 heads, head_dim 128; criterion: err <= 2 x naive bf16 err)")
+    pages = (16, 64)
+    cases = [
+        ("full 8K, batch 8", Cache(8, 8192, pages=pages), {}),
+        ("ragged incl. 0 and 1", Cache(6, 8192, [0, 1, 777, 8192, 5000, 64], pages=pages, seed=1), {}),
+        ("q_len 4 (speculative)", Cache(4, 4096, [4, 100, 3000, 4096], q_len=4, pages=pages, seed=2), {}),
+        ("softcap 30, q_len 2", Cache(3, 4096, [1, 2048, 4096], q_len=2, pages=(16,), seed=3),
+         {"softcap": 30.0}),
+        ("window (1000, 0)", Cache(3, 8192, [500, 4000, 8192], q_len=2, pages=(16,), seed=4),
+         {"window": (1000, 0)}),
+    ]
+    if not quick:
+        cases.append(("64K, batch 2", Cache(2, 65536, [65536, 40000], pages=(64,), seed=5), {}))
+    for name, c, mods in cases:
+        check_case(chk, name, c, **mods)
+        del c
+        torch.cuda.empty_cache()
+    print("== batch invariance (a 7000-token sequence alone, in batch 8, in batch 64)")
+    check_invariance(chk)
+
+
+# --- timing ---------------------------------------------------------------------------------
+
+def timed(fn, graph=False, rep=100):
+    """Median ms of ``fn`` (do_bench); with ``graph`` the call is captured in a CUDA graph
+    once and the replay is timed."""
+    fn()
+    torch.cuda.synchronize()
+    call = fn
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        call = g.replay
+    return triton.testing.do_bench(call, warmup=25, rep=rep, return_mode="median")
+
+
+_GQA_MODE = {}
+
+
+def sdpa(backend, q, k, v):
+    """SDPA on one backend; GQA natively (``enable_gqa``) when the backend takes it, else
+    with K/V expanded to the query heads (materialized once, outside the timing)."""
+    from torch.nn.attention import sdpa_kernel
+
+    def native():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    mode = _GQA_MODE.get(backend)
+    if mode is None:
+        try:
+            native()
+            torch.cuda.synchronize()
+            mode = "enable_gqa"
+        except Exception:                                        # noqa: BLE001
+            mode = "expanded"
+        _GQA_MODE[backend] = mode
+    if mode == "enable_gqa":
+        return native
+    g = q.shape[1] // k.shape[1]
+    if 2 * g * k.numel() * k.element_size() > 40e9:
+        raise MemoryError("K/V expanded to the query heads would exceed 40 GB")
+    ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+
+    def expanded():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, ke, ve)
+    return expanded
+
+
+def copy_gbps(n=2**28):
+    a = torch.empty(n, device=DEV, dtype=torch.float32)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")
+    return 2 * a.numel() * 4 / ms / 1e6
+
+
+def time_row(batch, length, pages, graphs, copy, with_peers=True):
+    from torch.nn.attention import SDPBackend
+
+    c = Cache(batch, length, pages=pages)
+    nbytes = c.kv_bytes()
+    res = {}
+
+    def add(name, fn, graph):
+        key = name + (" [graph]" if graph else "")
+        try:
+            ms = timed(fn, graph)
+            res[key] = nbytes / ms / 1e6                         # GB/s
+        except Exception as e:                                    # noqa: BLE001
+            res[key] = None
+            print(f"    {key}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+
+    modes = [False, True] if graphs else [False]
+    for graph in modes:
+        add("flashfold", lambda: c.decode(), graph)
+        add("flashfold inv", lambda: c.decode(batch_invariant=True), graph)
+        for p in pages:
+            add(f"flashfold p{p}", lambda p=p: c.decode(p), graph)
+            add(f"flashfold inv p{p}", lambda p=p: c.decode(p, batch_invariant=True), graph)
+        if with_peers:
+            add("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION, c.q, c.k, c.v), graph)
+            add("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION, c.q, c.k, c.v), graph)
+            if pages:
+                p = pages[0]
+                kp, vp, table = c.paged[p]
+                flash = SDPBackend.FLASH_ATTENTION
+
+                def paged_sdpa(p=p, kp=kp, vp=vp, table=table):
+                    k, v = gather_kv_padded(kp, vp, table, length)
+                    return sdpa(flash, c.q, k, v)()
+                add(f"sdpa paged p{p}", paged_sdpa, graph)
+    plan = splitkv.plan(c.q.shape, HKV, length, length, None, c.q.device,
+                        splitkv.default_config(D, DT, None))
+    del c
+    torch.cuda.empty_cache()
+    return res, plan.n_splits
+
+
+def fmt(x, w=6):
+    return f"{x:{w}.0f}" if x is not None else " " * (w - 3) + "n/a"
+
+
+def ratio(a, b):
+    return f"{a / b:5.2f}" if a and b else "  n/a"
+
+
+TARGETS = [(8, 8192), (8, 65536)]
+GRID = [(1, 512), (1, 8192), (1, 131072), (8, 512), (8, 32768), (8, 131072),
+        (64, 512), (64, 8192), (64, 32768), (256, 512), (256, 4096), (256, 16384)]
+QUICK_GRID = [(1, 8192), (64, 8192)]
+
+
+def run_timing(quick, graphs, targets=None, grid=None, copy_elems=2**28):
+    copy = copy_gbps(copy_elems)
+    print(f"== device copy: {copy:.0f} GB/s (read + write bytes)")
+    targets = TARGETS if targets is None else targets
+    grid = targets + ((QUICK_GRID if quick else GRID) if grid is None else grid)
+    rows = []
+    print("== timing: GB/s of K and V read (bf16, 32/8 heads, head_dim 128, q_len 1)")
+    for batch, length in grid:
+        is_target = (batch, length) in targets
+        pages = (16, 64) if (is_target or not quick) else (16,)
+        t = time.time()
+        res, splits = time_row(batch, length, pages, graphs and (is_target or not quick), copy)
+        rows.append((batch, length, splits, res))
+        print(f"  batch {batch:3d} len {length:6d} ({splits:2d} splits, {time.time() - t:4.1f}s): "
+              + ", ".join(f"{k} {fmt(v, 0)}" for k, v in res.items()))
+    print()
+    print(f"GQA in SDPA: " + ", ".join(f"{b.name}: {m}" for b, m in _GQA_MODE.items()))
+    print("final table (GB/s; % = of the device copy; inv cost = 1 - inv/default; ratios = flashfold default / peer)")
+    hdr = (f"{'batch':>5} {'len':>6} {'spl':>3} | {'ff':>6} {'%':>4} {'inv':>6} {'cost':>5} | "
+           f"{'ff p16':>6} {'ff p64':>6} {'inv16':>6} | {'flash':>6} {'cuDNN':>6} {'paged':>6} | "
+           f"{'/flash':>6} {'/cuDNN':>6} {'p16/pg':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    worst_cost, verdicts = 0.0, []
+    for batch, length, splits, r in rows:
+        for suffix in ("", " [graph]"):
+            ffd = r.get("flashfold" + suffix)
+            if ffd is None and suffix:
+                continue
+            inv = r.get("flashfold inv" + suffix)
+            cost = 1 - inv / ffd if (inv and ffd) else None
+            for p in (16, 64):
+                a, b = r.get(f"flashfold p{p}" + suffix), r.get(f"flashfold inv p{p}" + suffix)
+                if a and b:
+                    worst_cost = max(worst_cost, 1 - b / a)
+            if cost is not None:
+                worst_cost = max(worst_cost, cost)
+            fl, cu, pg = (r.get("sdpa flash" + suffix), r.get("sdpa cudnn" + suffix),
+                          r.get("sdpa paged p16" + suffix))
+            print(f"{batch:5d} {length:6d} {splits:3d} | {fmt(ffd)} {fmt(100 * ffd / copy if ffd else None, 4)} "
+                  f"{fmt(inv)} {(f'{100 * cost:4.1f}%' if cost is not None else '  n/a')} | "
+                  f"{fmt(r.get('flashfold p16' + suffix))} {fmt(r.get('flashfold p64' + suffix))} "
+                  f"{fmt(r.get('flashfold inv p16' + suffix))} | {fmt(fl)} {fmt(cu)} {fmt(pg)} | "
+                  f"{ratio(ffd, fl):>6} {ratio(ffd, cu):>6} {ratio(r.get('flashfold p16' + suffix), pg):>6}"
+                  f"{'  graph' if suffix else ''}")
+            if (batch, length) in targets:
+                verdicts.append((batch, length, ffd, cu, "graph" if suffix else "eager"))
+    print()
+    for batch, length, ffd, cu, mode in verdicts:
+        if length == 8192:
+            print(f"  target ({mode}): batch 8 len 8K >= 3.8 TB/s: "
+                  f"{'PASS' if ffd and ffd >= 3800 else 'FAIL'} ({fmt(ffd, 0)} GB/s)")
+        print(f"  target ({mode}): batch {batch} len {length} >= SDPA cuDNN: "
+              f"{'PASS' if ffd and cu and ffd >= cu else 'FAIL'} (ratio {ratio(ffd, cu).strip()})")
+    print(f"  batch_invariant cost over the grid (worst row, contiguous and paged): {100 * worst_cost:.1f}% "
+          f"({'PASS' if worst_cost <= 0.10 else 'FAIL'} at <= 10%)")
+
+
+def run_tune():
+    """Split counts and tile configs at the target rows (default mode, contiguous and paged 16)."""
+    print("== tune: GB/s at the target rows")
+    for batch, length in [(8, 8192), (8, 65536)]:
+        c = Cache(batch, length, pages=(16,))
+        nbytes = c.kv_bytes()
+        kp, vp, table = c.paged[16]
+        for paged in (False, True):
+            k, v, t = (kp, vp, table) if paged else (c.k, c.v, None)
+            line = []
+            for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+                ms = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
+                                                          num_splits=s))
+                line.append(f"{s}:{nbytes / ms / 1e6:.0f}")
+            print(f"  batch {batch} len {length} {'paged16' if paged else 'contig.'} splits -> GB/s  " + "  ".join(line))
+            for pdl in (True, False):
+                for graph in (False, True):
+                    ms = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
+                                                              pdl=pdl), graph)
+                    print(f"    merge launched {'with' if pdl else 'without'} PDL, "
+                          f"{'graph' if graph else 'eager'}: {nbytes / ms / 1e6:5.0f} GB/s")
+            for split in (256, 512, 1024, 2048):
+                ms = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
+                                                          batch_invariant=True, invariant_split=split))
+                print(f"    batch_invariant split {split:4d}: {nbytes / ms / 1e6:5.0f} GB/s")
+            for bn, w, st in [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
+                              (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
+                cfg = splitkv.DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
+                try:
+                    ms = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
+                                                              config=cfg))
+                    msi = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
+                                                               config=cfg, batch_invariant=True))
+                    print(f"    BLOCK_N {bn:3d} warps {w} stages {st}: default {nbytes / ms / 1e6:5.0f}  "
+                          f"invariant {nbytes / msi / 1e6:5.0f} GB/s")
+                except Exception as e:                            # noqa: BLE001
+                    print(f"    BLOCK_N {bn:3d} warps {w} stages {st}: failed {type(e).__name__}")
+        del c
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true", help="time eagerly only (no CUDA graphs)")
+    args = ap.parse_args()
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name(),
+          f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs")
+    t0 = time.time()
+    if args.tune:
+        run_tune()
+        return 0
+    chk = Checker()
+    try:
+        run_checks(chk, args.quick)
+    except Exception:                                              # noqa: BLE001
+        traceback.print_exc()
+        chk.failures.append("exception during checks")
+    print(f"== checks: {'all passed' if not chk.failures else f'{len(chk.failures)} FAILED'} "
+          f"({time.time() - t0:.0f}s)")
+    if chk.failures:
+        for f in chk.failures:
+            print("   FAILED:", f)
+    if not args.check_only:
+        run_timing(args.quick, not args.no_graphs)
+    print(f"total {time.time() - t0:.0f}s")
+    return 1 if chk.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
