@@ -371,6 +371,7 @@ def _qkv(**over):
     ({"k": torch.zeros(1, 2, 8, 64)}, {}, ValueError, "k head_dim"),
     ({"q": torch.zeros(1, 4, 8, 48), "k": torch.zeros(1, 2, 8, 48)}, {}, ValueError, "head_dim 48"),
     ({"k": torch.zeros(2, 2, 8, 32)}, {}, ValueError, "batch sizes"),
+    ({"k": torch.zeros(1, 2, 8, 32, device="meta")}, {}, ValueError, "k is on meta but q is on cpu"),
     ({}, {"window": 3}, ValueError, "window must be a pair"),
     ({}, {"window": (-2, 0)}, ValueError, "window left"),
     ({}, {"window": (1, 2.5)}, ValueError, "window right"),
@@ -399,6 +400,7 @@ def test_validation_names_the_argument(over, kw, exc, match):
     ((torch.zeros(2, 3, 32), torch.zeros(2, 3), torch.zeros(2, 3, 32).half(), torch.zeros(2, 3)), TypeError, "dtype"),
     ((torch.zeros(0, 3, 32), torch.zeros(0, 3)), ValueError, "at least one part"),
     ((torch.zeros(3, 32),), TypeError, "takes"),
+    ((torch.zeros(2, 3, 32), torch.zeros(2, 3, device="meta")), ValueError, "lses is on meta"),
     ((torch.zeros(2, 3, 32, dtype=torch.int64), torch.zeros(2, 3)), TypeError, "floating point"),
 ])
 def test_merge_states_validation(args, exc, match):

@@ -301,7 +301,10 @@ def _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
 
 # --- the kernel -------------------------------------------------------------------------
 
-@triton.jit
+# lengths and counts vary per call: not specialized (one compiled variant per feature set,
+# not per sequence length); strides keep their divisibility specialization (vector loads)
+@triton.jit(do_not_specialize=["NUM_M", "HQ", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
+                               "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_m"])
 def _attn_fwd(
     Q, K, V, O, LSE, desc_q, desc_k, desc_v,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, slb, slh,
