@@ -12,7 +12,7 @@ import pytest
 
 import flashfold as ff
 from flashfold.cli import main
-from flashfold.numerics import (UNIT_ROUNDOFF, _data, _Format, _run_order, _seq_sum_lowp,
+from flashfold.error_analysis import (UNIT_ROUNDOFF, _data, _Format, _run_order, _seq_sum_lowp,
                                 gamma, round_to_bits)
 
 BITS = {"float32": 24, "bfloat16": 8}

@@ -182,7 +182,7 @@ def test_check_prove_on_the_command_line(capsys, monkeypatch):
 
 
 def test_import_flashfold_stays_light():
-    code = ("import sys, flashfold, flashfold.monoids, flashfold.numerics, flashfold.cli;"
+    code = ("import sys, flashfold, flashfold.monoids, flashfold.error_analysis, flashfold.cli;"
             "import flashfold.algebra.transport, flashfold.algebra.homomorphism;"
             "assert 'sympy' not in sys.modules, 'sympy'; "
             "assert 'matplotlib' not in sys.modules, 'matplotlib'; print('ok')")

@@ -34,7 +34,7 @@ _LAZY = {
     "prove": ".algebra.proofs", "Proof": ".algebra.proofs",
     "transport": ".algebra.transport", "check_transport": ".algebra.transport",
     "derive_combine": ".algebra.homomorphism", "check_folds": ".algebra.homomorphism",
-    "numerics": ".numerics",
+    "numerics": ".error_analysis",
 }
 
 

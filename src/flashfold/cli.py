@@ -235,7 +235,7 @@ register_command("trace", trace, _configure_trace, "print the (m, l, O) state af
 # --- entry point ------------------------------------------------------------------------
 
 #: modules that register subcommands or ``check`` options when imported (absent ones are skipped)
-PLUGINS = ("flashfold.numerics", "flashfold.algebra.proofs", "flashfold.bench")
+PLUGINS = ("flashfold.error_analysis", "flashfold.algebra.proofs", "flashfold.bench")
 
 
 def _load_plugins():
@@ -264,4 +264,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # run as `python -m flashfold.cli`: use the package's module, where plugins register
+    from flashfold.cli import main as _main
+    sys.exit(_main())

@@ -567,16 +567,5 @@ def _register_cli():
 _register_cli()
 
 
-class _CallableModule(type(sys)):
-    """``flashfold.numerics`` names both this module and its function :func:`numerics`:
-    once the module is imported (the CLI does), the package attribute is the module, so
-    the module forwards calls to the function and ``flashfold.numerics(...)`` always works."""
-
-    def __call__(self, *args, **kwargs):
-        return numerics(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-
 __all__ = ["numerics", "NumericsReport", "NumericsRow", "gamma", "round_to_bits",
            "UNIT_ROUNDOFF", "ORDERS", "DTYPES"]
