@@ -132,3 +132,24 @@ def test_programmatic_launch_changes_nothing():
     runs = [splitkv.splitkv_decode(case.q, case.k, case.v, case.seqlens, scale=D ** -0.5,
                                    num_splits=6, pdl=pdl) for pdl in (True, False)]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+def test_one_split_and_merged_paths_agree_bitwise(page):
+    """batch_invariant: a capacity within one split skips the merge; the same sequence in a
+    larger cache goes through the merge kernel; the bits must be the same (the merge of one
+    partial is exact: e^0 = 1, e^-inf = 0)."""
+    small = make_case([300], heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=512,
+                      page_size=page or 16, dtype=torch.bfloat16, device="cuda", seed=3)
+    big = make_case([300], heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=8192,
+                    dtype=torch.bfloat16, device="cuda", seed=3)
+    big.q[:], big.k[:, :, :512], big.v[:, :, :512] = small.q, small.k, small.v
+    big = repage(big, 16) if page else big
+    outs = []
+    for c, merged in ((small, False), (big, True)):
+        k, v, table = c.cache(page is not None)
+        launch = splitkv.prepare(c.q, k, v, c.seqlens, table, scale=D ** -0.5,
+                                 batch_invariant=True)
+        assert (launch.merge is not None) == merged
+        outs.append(launch.run())
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

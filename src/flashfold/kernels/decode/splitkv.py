@@ -33,7 +33,7 @@ by its own program, and the states are folded:
    merge is ``finalize(fold(combine, map(lift, partials)))``, computed with the
    ``block_lift``, ``combine`` and ``finalize`` generated from
    :data:`flashfold.monoids.ATTENTION` by :func:`flashfold.kernels.codegen.triton_monoid`.
-   The bracketing is fixed: the splits ``[16 k, 16 k + 16)`` of a row form one tile whose
+   The bracketing is fixed: the splits ``[64 k, 64 k + 64)`` of a row form one tile whose
    state the block lift computes at once (max, then sums in an order fixed by the
    constant tile width), and the tile states are combined left to right. Missing splits
    (past a sequence's last) load as the identity and contribute exact zeros, so the
@@ -100,8 +100,9 @@ LOG2E = 1.0 / math.log(2.0)
 
 #: tokens per split in batch-invariant mode (a multiple of every BLOCK_N used)
 INVARIANT_SPLIT = 512
-#: partial states per merge tile (fixed: the merge's bracketing must not depend on the batch)
-MERGE_BLOCK = 16
+#: partial states per merge tile (fixed: the merge's bracketing must not depend on the
+#: batch); 64 x 512 B of partials per load, the next tile's loads in flight during a combine
+MERGE_BLOCK = 64
 #: smallest split the default heuristic makes, the most splits it makes, and the split
 #: programs it assumes resident per SM (96-106 registers x 128 threads, 70 KB of shared
 #: memory: 3 fit on an H100/H200; counting 2 leaves room for the merge and for skew)
@@ -345,7 +346,7 @@ def _merge_kernel(
     m = tl.full([1], float("-inf"), tl.float32)          # the identity (-inf, 0, 0)
     d = tl.zeros([1], tl.float32)
     o = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, n_used, BLOCK_S):
+    for s0 in tl.range(0, n_used, BLOCK_S, num_stages=2):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_ok = offs_s < n_used
         ws = row * ws_splits + offs_s                                    # [BS]
@@ -546,7 +547,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  dict(BLOCK_LIFT=tm.block_lift, COMBINE=tm.combine, FINALIZE=tm.finalize,
                       Q_LEN=q_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK,
                       BLOCK_N=config.block_n, FIXED_SPLIT=batch_invariant, USE_PDL=pdl,
-                      num_warps=4, **({"launch_pdl": True} if pdl else {})))
+                      num_warps=8, num_stages=2, **({"launch_pdl": True} if pdl else {})))
     return Launch(split, merge, out, lse, p)
 
 
