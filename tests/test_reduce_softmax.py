@@ -82,3 +82,15 @@ def test_output_dtype():
     y = L.launch_normalize(SOFTMAX_MAP, x, 1, out_dtype=torch.bfloat16)
     assert y.dtype == torch.bfloat16
     assert_close(y, torch.softmax(x.double(), 1), torch.bfloat16, name="bf16 out")
+
+
+def test_split_rows(monkeypatch):
+    """Few long rows: chunk states, then each chunk normalized with the folded row state."""
+    monkeypatch.setattr(L, "normalize_config", lambda g, e, o: (C(2, 4, 1, 4), False))
+    monkeypatch.setattr(L, "reduce_config", lambda g, e, o: C(2, 4, 1, 4))
+    monkeypatch.setattr(L, "split_plan", lambda g, tile, n, sms, min_tiles=2: (5, 16))
+    x = torch.randn(2, 75) * 3
+    x[1, :40] = -float("inf")
+    plan, _ = L.plan_normalize(SOFTMAX_MAP, x, 1)
+    assert len(plan) == 2 and plan[1].kwargs["SPLIT"]
+    check(L.launch_normalize(SOFTMAX_MAP, x, 1), x, 1, "split rows")

@@ -148,6 +148,9 @@ def plans():
             ("scan argmax 2^16x7", L.plan_scan(M.ARGMAX, torch.empty(2**16, 7), 1)[0]),
             ("scan sum columns", L.plan_scan(M.SUM, torch.empty(1024, 1024), 0)[0]),
             ("softmax 2-loop 64x65536", L.plan_normalize(R.SOFTMAX_MAP, torch.empty(64, 65536), 1)[0]),
+            ("softmax split 1x2^22", L.plan_normalize(R.SOFTMAX_MAP, torch.empty(1, 2**22), 1)[0]),
+            ("segment sum 2^20x256", L.plan_segment_reduce(
+                M.SUM, torch.empty(2**20, 256), torch.arange(0, 2**20 + 1, 2**14), 0)[0]),
             ("softmax 2^16x7", L.plan_normalize(R.SOFTMAX_MAP, torch.empty(2**16, 7, dtype=f32), 1)[0]),
         ]
         return out

@@ -124,6 +124,9 @@ class ReduceFunctions:
 
 
 _CACHE: dict = {}
+#: id(monoid) -> (monoid, value): a per-object fast path (hashing a Monoid hashes its graphs)
+_BY_ID: dict = {}
+_KINDS_BY_ID: dict = {}
 
 
 def reduce_functions(monoid: Monoid) -> ReduceFunctions:
@@ -132,8 +135,17 @@ def reduce_functions(monoid: Monoid) -> ReduceFunctions:
     Raises ``ValueError`` for monoids the reduce/scan kernels do not take (vector fields,
     several data inputs).
     """
+    hit = _BY_ID.get(id(monoid))
+    if hit is not None and hit[0] is monoid:
+        return hit[1]
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
+    fns = _reduce_functions(monoid)
+    _BY_ID[id(monoid)] = (monoid, fns)
+    return fns
+
+
+def _reduce_functions(monoid: Monoid) -> ReduceFunctions:
     base = triton_monoid(monoid)
     key = (base.path, monoid.block_lift is not None)
     hit = _CACHE.get(key)
@@ -153,6 +165,15 @@ def reduce_functions(monoid: Monoid) -> ReduceFunctions:
 def output_kinds(monoid: Monoid) -> tuple[str, ...]:
     """NumPy dtype kind (``'f'``, ``'i'``, ``'b'``) of each finalize output, read off by
     finalizing a reachable state in float64."""
+    hit = _KINDS_BY_ID.get(id(monoid))
+    if hit is not None and hit[0] is monoid:
+        return hit[1]
+    kinds = _output_kinds(monoid)
+    _KINDS_BY_ID[id(monoid)] = (monoid, kinds)
+    return kinds
+
+
+def _output_kinds(monoid: Monoid) -> tuple[str, ...]:
     ex = numpy_monoid(monoid)
     inputs = []
     for inp in monoid.inputs:

@@ -188,6 +188,23 @@ def reduce_kernel(src, outs, fin_args, seg_ptr,
 
 
 @triton.jit
+def _fold_states(acc, parts, flat, n_split, j_lo, j_hi, row_ok,
+                 COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr, TAKE: tl.constexpr,
+                 LOAD_STATE: tl.constexpr, PBLOCK: tl.constexpr):
+    """``acc ⊕ P_{j_lo} ⊕ ... ⊕ P_{j_hi - 1}`` in order, for each row, from the chunk
+    states ``parts`` (one [rows, n_split] buffer per field; ``flat`` [ROWS] row ids)."""
+    jj = tl.arange(0, PBLOCK)[:, None]
+    j0 = j_lo
+    while j0 < j_hi:
+        j = j0 + jj
+        m = (j < j_hi) & row_ok[None, :]
+        s = LOAD_STATE(parts, flat[None, :] * n_split + j, m)         # [PBLOCK, ROWS]
+        acc = COMBINE(*acc, *TAKE(jj == PBLOCK - 1, 0, *SCAN_TILE(*s, 0, False)))
+        j0 = j0 + PBLOCK
+    return acc
+
+
+@triton.jit
 def _scan_step(carry, x_ptr, outs, fin_args, i, lo, hi, sn, osn, row_in, row_out, row_ok, i_last,
                LIFT_XP: tl.constexpr, COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr,
                SCAN_TILE_REV: tl.constexpr, TAKE: tl.constexpr, BCAST0: tl.constexpr,
@@ -256,19 +273,11 @@ def scan_kernel(x_ptr, outs, fin_args, parts,
     carry = IDENTITY(tl.zeros([ROWS], tl.float32))
     if SPLIT:
         if REVERSE:
-            j_lo = split + 1
-            j_hi = n_split
+            carry = _fold_states(carry, parts, flat, n_split, split + 1, n_split, row_ok,
+                                 COMBINE, SCAN_TILE, TAKE, LOAD_STATE, PBLOCK)
         else:
-            j_lo = split * 0
-            j_hi = split
-        jj = tl.arange(0, PBLOCK)[:, None]
-        j0 = j_lo
-        while j0 < j_hi:
-            j = j0 + jj
-            m = (j < j_hi) & row_ok[None, :]
-            s = LOAD_STATE(parts, flat[None, :] * n_split + j, m)     # [PBLOCK, ROWS]
-            carry = COMBINE(*carry, *TAKE(jj == PBLOCK - 1, 0, *SCAN_TILE(*s, 0, False)))
-            j0 = j0 + PBLOCK
+            carry = _fold_states(carry, parts, flat, n_split, split * 0, split, row_ok,
+                                 COMBINE, SCAN_TILE, TAKE, LOAD_STATE, PBLOCK)
     ii = tl.arange(0, BLOCK)[:, None]
     i_last = ii == BLOCK - 1
     count = hi - lo
@@ -311,28 +320,55 @@ def _map_step(x_ptr, y_ptr, n, hi, sn, osn, row_in, row_out, row_ok, consts,
 
 
 @triton.jit
-def normalize_kernel(x_ptr, y_ptr, N, sn, osn, B1, B2, s0, s1, s2, o0, o1, o2, n_inner,
+def _map_range(x_ptr, y_ptr, lo, hi, sn, osn, row_in, row_out, row_ok, consts,
+               FMAP: tl.constexpr, K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
+               MASK_ROWS: tl.constexpr):
+    """The map over elements ``[lo, hi)``: full tiles unmasked, then a masked tail."""
+    TILE: tl.constexpr = K * LANES
+    idx = tl.arange(0, K)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
+    end = lo + (hi - lo) // TILE * TILE
+    start = lo
+    while start < end:
+        _map_step(x_ptr, y_ptr, start + idx, hi, sn, osn, row_in, row_out, row_ok,
+                  consts, FMAP, K, LANES, ROWS, False, MASK_ROWS)
+        start = start + TILE
+    if end < hi:
+        _map_step(x_ptr, y_ptr, end + idx, hi, sn, osn, row_in, row_out, row_ok,
+                  consts, FMAP, K, LANES, ROWS, True, MASK_ROWS)
+
+
+@triton.jit
+def normalize_kernel(x_ptr, y_ptr, parts, N, sn, osn, B1, B2, s0, s1, s2, o0, o1, o2,
+                     n_inner, n_split, chunk,
                      TILE_STATE: tl.constexpr, COMBINE: tl.constexpr, REDUCE_TILE: tl.constexpr,
                      SCAN_TILE: tl.constexpr, TAKE: tl.constexpr, LOAD_STATE: tl.constexpr,
                      IDENTITY: tl.constexpr, PREP: tl.constexpr, FMAP: tl.constexpr,
                      K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
-                     FUSED: tl.constexpr, ORDERED: tl.constexpr, MASK_ROWS: tl.constexpr,
-                     N64: tl.constexpr):
+                     FUSED: tl.constexpr, SPLIT: tl.constexpr, PBLOCK: tl.constexpr,
+                     ORDERED: tl.constexpr, MASK_ROWS: tl.constexpr, N64: tl.constexpr):
     """``y = fmap(x, *prep(state(row)))`` for every element (softmax and kin).
 
     FUSED (the row fits one tile, ``K·LANES >= N``): the tile is read once, kept in
     registers for the state and the map, and written once. Otherwise a statistics loop
     (:func:`_row_state`) and a map loop that re-reads the row, just read by this program
-    and likely still in L2.
+    and likely still in L2. SPLIT (few long rows): program ``j`` maps chunk
+    ``[j·chunk, (j+1)·chunk)`` with the row state folded from the chunk states ``parts``
+    that a STATE_OUT pass of :func:`reduce_kernel` wrote.
     """
     split, row_ok, row_in, row_out, flat = _program_rows(
-        1, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
+        n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
     if N64:
-        lo = (tl.program_id(0) * 0).to(tl.int64)
+        lo = (split * 0).to(tl.int64)
     else:
-        lo = tl.program_id(0) * 0
-    idx = tl.arange(0, K)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
-    if FUSED:
+        lo = split * 0
+    if SPLIT:
+        st = _fold_states(IDENTITY(tl.zeros([ROWS], tl.float32)), parts, flat, n_split,
+                          split * 0, n_split, row_ok, COMBINE, SCAN_TILE, TAKE, LOAD_STATE, PBLOCK)
+        lo = lo + split * chunk
+        _map_range(x_ptr, y_ptr, lo, tl.minimum(lo + chunk, N), sn, osn, row_in, row_out, row_ok,
+                   PREP(*st), FMAP, K, LANES, ROWS, MASK_ROWS)
+    elif FUSED:
+        idx = tl.arange(0, K)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
         n = lo + idx
         off_in = n * sn + row_in[None, None, :]
         off_out = n * osn + row_out[None, None, :]
@@ -354,14 +390,5 @@ def normalize_kernel(x_ptr, y_ptr, N, sn, osn, B1, B2, s0, s1, s2, o0, o1, o2, n
         st = _row_state(x_ptr, lo, lo + N, lo, sn, row_in, row_ok,
                         TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE, IDENTITY,
                         K, LANES, ROWS, MASK_ROWS, ORDERED, False)
-        consts = PREP(*st)
-        TILE: tl.constexpr = K * LANES
-        end = lo + N // TILE * TILE
-        start = lo
-        while start < end:
-            _map_step(x_ptr, y_ptr, start + idx, lo + N, sn, osn, row_in, row_out, row_ok,
-                      consts, FMAP, K, LANES, ROWS, False, MASK_ROWS)
-            start = start + TILE
-        if end < lo + N:
-            _map_step(x_ptr, y_ptr, end + idx, lo + N, sn, osn, row_in, row_out,
-                      row_ok, consts, FMAP, K, LANES, ROWS, True, MASK_ROWS)
+        _map_range(x_ptr, y_ptr, lo, lo + N, sn, osn, row_in, row_out, row_ok,
+                   PREP(*st), FMAP, K, LANES, ROWS, MASK_ROWS)

@@ -320,6 +320,23 @@ def _contig_strides(shape):
     return list(reversed(st))
 
 
+def _pblock(n_split: int, rows: int) -> int:
+    """States folded per step of a carry loop: [PBLOCK, ROWS] <= 4096 values per field."""
+    return max(1, min(_p2(n_split), 1024, 4096 // rows)) if n_split > 1 else 1
+
+
+_DUMMIES: dict = {}
+
+
+def _dummy_parts(monoid: Monoid, device):
+    """Placeholder state buffers for launches that do not read them (no allocation per call)."""
+    key = (tuple(f.dtype for f in monoid.fields), str(device))
+    hit = _DUMMIES.get(key)
+    if hit is None:
+        hit = _DUMMIES[key] = _state_buffers(monoid, 1, 1, device)
+    return hit
+
+
 def _state_buffers(monoid: Monoid, rows: int, n_split: int, device):
     return tuple(torch.empty((rows, n_split), dtype=_state_dtype(f), device=device)
                  for f in monoid.fields)
@@ -376,6 +393,12 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
     # tiles sized for the average segment
     g_avg = Geometry(max(1, g.N // S), g.sn, g.osn, g.B, g.s, g.o)
     cfg = reduce_config(g_avg, x.element_size(), _is_ordered(monoid))
+    # few segments x row blocks: narrower row blocks (down to 32) to fill the SMs
+    sms = num_sms(x.device)
+    while (cfg.ROWS > 32 and S * g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS) < 2 * sms):
+        rows = cfg.ROWS // 2
+        k = min(cfg.K * 2, max(cfg.K, 2048 // rows)) if cfg.LANES == 1 else cfg.K
+        cfg = Config(k, cfg.LANES, rows, cfg.num_warps)
     launch = _reduce_launch(fns, x, outs, fargs, offsets, g, ost[dim], S, 1, cfg,
                             segmented=True)
     return [launch], outs
@@ -407,7 +430,7 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
         plan.append(_reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, rcfg, state_out=True))
     else:
         chunk = max(g.N, 1)
-        parts = _state_buffers(monoid, 1, 1, x.device)
+        parts = _dummy_parts(monoid, x.device)
     n_inner = -(-g.B[2] // rows)
     grid = (g.B[0] * g.B[1] * n_inner * n_split,)
     args = (x, outs, fargs, parts, g.N, g.sn, g.osn, g.B[1], g.B[2], *g.s, *g.o,
@@ -416,7 +439,7 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
                   SCAN_TILE_REV=fns.scan_tile_rev, TAKE=fns.take, BCAST0=fns.bcast0,
                   IDENTITY=fns.identity, LOAD_STATE=fns.load_state, FINALIZE=fns.finalize,
                   BLOCK=block, ROWS=rows,
-                  PBLOCK=max(1, min(_p2(n_split), 1024, 4096 // rows)) if n_split > 1 else 1,
+                  PBLOCK=_pblock(n_split, rows),
                   REVERSE=bool(reverse), SPLIT=n_split > 1, MASK_ROWS=g.B[2] % rows != 0,
                   N64=_n64(g), **_opts(cfg))
     plan.append(Launch(K_.scan_kernel, grid, args, kwargs))
@@ -424,7 +447,11 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
 
 
 def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
-    """(plan, y): ``y = map(x, *prep(state(row)))`` along ``dim`` (softmax and kin)."""
+    """(plan, y): ``y = map(x, *prep(state(row)))`` along ``dim`` (softmax and kin).
+
+    Few long rows that do not fit a tile are split: chunk states by the reduce kernel,
+    then each chunk mapped with the row state folded from all of them.
+    """
     fns = _fns(rowmap.monoid)
     dim = dim % x.dim()
     y = torch.empty(list(x.shape), dtype=out_dtype or x.dtype, device=x.device)
@@ -432,15 +459,27 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
     x, g = _prepare(x, dim, lambda t: ost)
     if g.rows == 0 or g.N == 0:
         return [], y
-    cfg, fused = normalize_config(g, x.element_size(), _is_ordered(rowmap.monoid))
+    ordered = _is_ordered(rowmap.monoid)
+    cfg, fused = normalize_config(g, x.element_size(), ordered)
     n_inner = -(-g.B[2] // cfg.ROWS)
-    grid = (g.B[0] * g.B[1] * n_inner,)
-    args = (x, y, g.N, g.sn, g.osn, g.B[1], g.B[2], *g.s, *g.o, n_inner)
+    n_split, chunk, parts, plan = 1, max(g.N, 1), _dummy_parts(rowmap.monoid, x.device), []
+    if not fused:
+        n_split, chunk = split_plan(g, cfg.K * cfg.LANES, g.B[0] * g.B[1] * n_inner,
+                                    num_sms(x.device))
+        if n_split > 1:
+            parts = _state_buffers(rowmap.monoid, g.rows, n_split, x.device)
+            gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split))
+            rcfg = reduce_config(g, x.element_size(), ordered)
+            plan.append(_reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, rcfg,
+                                       state_out=True))
+    grid = (g.B[0] * g.B[1] * n_inner * n_split,)
+    args = (x, y, parts, g.N, g.sn, g.osn, g.B[1], g.B[2], *g.s, *g.o, n_inner, n_split, chunk)
     kwargs = dict(_common(fns), PREP=rowmap.prep_fn, FMAP=rowmap.map_fn,
                   K=cfg.K, LANES=cfg.LANES, ROWS=cfg.ROWS, FUSED=bool(fused),
-                  ORDERED=_is_ordered(rowmap.monoid), MASK_ROWS=g.B[2] % cfg.ROWS != 0,
-                  N64=_n64(g), **_opts(cfg))
-    return [Launch(K_.normalize_kernel, grid, args, kwargs)], y
+                  SPLIT=n_split > 1, PBLOCK=_pblock(n_split, cfg.ROWS), ORDERED=ordered,
+                  MASK_ROWS=g.B[2] % cfg.ROWS != 0, N64=_n64(g), **_opts(cfg))
+    plan.append(Launch(K_.normalize_kernel, grid, args, kwargs))
+    return plan, y
 
 
 def _run(plan):

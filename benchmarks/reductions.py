@@ -1,0 +1,409 @@
+"""Reductions and scans from generated kernels: correctness on the GPU, then speed.
+
+Run on the GPU machine from the repository root::
+
+    PYTHONPATH=src python benchmarks/reductions.py            # ~2-3 min with compiles
+    PYTHONPATH=src python benchmarks/reductions.py --quick    # fp32 16K rows only
+
+1. Correctness at real sizes against float64 torch on the GPU, with the tolerance table
+   of :mod:`flashfold.testing` (same rule as ``assert_close``): every convenience on
+   16K x 16K (fp32, bf16, fp16), the awkward shapes (1 x 2^26 split-K / multi-block,
+   2^20 x 7, 4096 x 12345, dim 0), rows that are all -inf, rows of length 1, empty dims,
+   and the non-commutative user monoids of ``tests/user_monoids.py`` against sequential
+   folds (MAX_PREFIX_SUM: a closed form in float64; MATMUL2: a NumPy left fold), which
+   the CPU interpreter cannot check (it folds ``tl.reduce`` sequentially).
+2. Timings: median of ``triton.testing.do_bench`` for flashfold and the torch
+   equivalent, and a device-to-device copy of 1 GiB, all in this run. GB/s counts the
+   input bytes for reductions and input + output bytes for softmax and scans (as
+   TARGETS.md); "% copy" is flashfold's GB/s over the copy's (read + write) GB/s.
+3. (not with ``--quick``) Variants of the tile heuristics on 16K x 16K fp32, to tune them.
+
+Exit status 1 if any correctness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:                        # before any @triton.jit is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import flashfold as ff  # noqa: E402
+from flashfold import monoids as M  # noqa: E402
+from flashfold.kernels.reduce import launch as L  # noqa: E402
+from flashfold.testing import TOLERANCES  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import user_monoids as U  # noqa: E402
+
+DEV = "cuda"
+NINF = -float("inf")
+FAILED: list[str] = []
+#: sizes (shrunk by --smoke, a CPU run of this script's logic under the interpreter)
+BIG, LONG, MANY, WIDE = 16384, 2**26, 2**20, 12345
+
+
+def sz(n):
+    return n
+
+
+# --- correctness ------------------------------------------------------------------------
+
+def close(name, got, want, dtype, scale=1.0):
+    """``flashfold.testing.compare`` on the GPU: |a - e| <= atol·scale + rtol·|e|, NaN/inf
+    parity; prints one line and records failures."""
+    atol, rtol = TOLERANCES[str(dtype).replace("torch.", "")]
+    a, e = got.double(), want.double().to(got.device)
+    if a.shape != e.shape:
+        ok, err = False, float("nan")
+        print(f"  FAIL {name}: shape {tuple(a.shape)} != {tuple(e.shape)}")
+    else:
+        scale = torch.as_tensor(scale, dtype=torch.float64, device=a.device)
+        fin = torch.isfinite(a) & torch.isfinite(e)
+        diff = torch.where(fin, (a - e).abs(), torch.zeros_like(a))
+        bad = diff > atol * scale + rtol * e.abs()
+        bad |= torch.isnan(a) != torch.isnan(e)
+        bad |= torch.isinf(a) != torch.isinf(e)
+        bad |= torch.isinf(a) & torch.isinf(e) & (torch.sign(a) != torch.sign(e))
+        ok = not bool(bad.any())
+        err = float(diff.max()) if diff.numel() else 0.0
+    print(f"  {'ok  ' if ok else 'FAIL'} {name:58s} max abs err {err:.3g}")
+    if not ok:
+        FAILED.append(name)
+
+
+def equal(name, got, want):
+    ok = got.shape == want.shape and bool((got == want.to(got.device)).all())
+    print(f"  {'ok  ' if ok else 'FAIL'} {name:58s} exact")
+    if not ok:
+        FAILED.append(name)
+
+
+def cumabs(x, dim):
+    a = x.double().abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).cumsum(dim).clamp_min(1.0)
+
+
+def rowmax(x, dim, keepdim=True):
+    a = x.double().abs()
+    return 1.0 + torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(dim, keepdim=keepdim)
+
+
+def check_conveniences(x, tag, dim=1):
+    dt = x.dtype
+    xd = x.double()
+    close(f"logsumexp {tag}", ff.logsumexp(x, dim), torch.logsumexp(xd, dim), dt)
+    close(f"softmax {tag}", ff.softmax(x, dim), torch.softmax(xd, dim), dt)
+    var, mean = ff.var_mean(x, dim)
+    wv, wm = torch.var_mean(xd, dim)
+    close(f"var_mean.mean {tag}", mean, wm, dt, rowmax(x, dim, False))
+    close(f"var_mean.var {tag}", var, wv, dt, rowmax(x, dim, False) ** 2)
+    equal(f"argmax {tag}", ff.argmax(x, dim), torch.argmax(x, dim))
+    equal(f"argmin {tag}", ff.argmin(x, dim), torch.argmin(x, dim))
+    close(f"sum {tag}", ff.reduce(M.SUM, x, dim), xd.sum(dim), dt, cumabs(x, dim).amax(dim))
+    equal(f"amax {tag}", ff.reduce(M.MAX, x, dim), x.amax(dim))
+    close(f"cumsum {tag}", ff.cumsum(x, dim), torch.cumsum(xd, dim), dt, cumabs(x, dim))
+    close(f"logcumsumexp {tag}", ff.logcumsumexp(x, dim), torch.logcumsumexp(xd, dim), dt,
+          rowmax(x, dim))
+
+
+def check_edges(dt):
+    n = min(3000, 4 * BIG)
+    x = torch.randn(64, n, device=DEV).to(dt)
+    x[:8] = NINF                                       # all -inf rows
+    x[8:16, :n - 1] = NINF                             # one finite element
+    tag = f"-inf rows {str(dt)[6:]}"
+    xd = x.double()
+    close(f"logsumexp {tag}", ff.logsumexp(x, 1), torch.logsumexp(xd, 1), dt)
+    close(f"softmax {tag}", ff.softmax(x, 1), torch.softmax(xd, 1), dt)
+    close(f"logcumsumexp {tag}", ff.logcumsumexp(x, 1), torch.logcumsumexp(xd, 1), dt, rowmax(x, 1))
+    equal(f"argmax {tag}", ff.argmax(x, 1), torch.argmax(x, 1))
+    one = torch.randn(4096, 1, device=DEV).to(dt)
+    tag = f"length-1 rows {str(dt)[6:]}"
+    close(f"logsumexp {tag}", ff.logsumexp(one, 1), torch.logsumexp(one.double(), 1), dt)
+    close(f"softmax {tag}", ff.softmax(one, 1), torch.softmax(one.double(), 1), dt)
+    close(f"cumsum {tag}", ff.cumsum(one, 1), one.double(), dt)
+    var, mean = ff.var_mean(one, 1)
+    wv, wm = torch.var_mean(one.double(), 1)
+    close(f"var_mean {tag}", var, wv, dt)
+    empty = torch.empty(16, 0, device=DEV, dtype=dt)
+    tag = f"empty dim {str(dt)[6:]}"
+    close(f"logsumexp {tag}", ff.logsumexp(empty, 1), torch.logsumexp(empty.double(), 1), dt)
+    var, mean = ff.var_mean(empty, 1)
+    close(f"var_mean {tag}", var, torch.full((16,), float("nan")), dt)
+    ok = ff.softmax(empty, 1).shape == (16, 0) and ff.cumsum(empty, 1).shape == (16, 0)
+    equal(f"softmax/cumsum shapes {tag}", torch.tensor(ok), torch.tensor(True))
+    try:
+        ff.argmax(empty, 1)
+        equal(f"argmax raises {tag}", torch.tensor(False), torch.tensor(True))
+    except IndexError:
+        equal(f"argmax raises {tag}", torch.tensor(True), torch.tensor(True))
+
+
+def max_prefix(xd, dim=-1):
+    return torch.cumsum(xd, dim).amax(dim)
+
+
+def suffix_best(xd):
+    """y_i = max_{j >= i} sum_{k=i..j} x_k (reverse MAX_PREFIX_SUM scan), float64."""
+    c = torch.cumsum(xd, -1)
+    best_end = torch.flip(torch.cummax(torch.flip(c, [-1]), -1).values, [-1])
+    prev = torch.cat([torch.zeros_like(c[..., :1]), c[..., :-1]], -1)
+    return best_end - prev
+
+
+def numpy_sequential(monoid, x):
+    """Left fold of each row (elements along the last dim) and its prefix states."""
+    xs = x.double().cpu().numpy()
+    from flashfold.algebra.evaluate import numpy_monoid
+    ex = numpy_monoid(monoid)
+    st = ex.lift([xs[:, 0]], None)
+    prefix = [st]
+    for i in range(1, xs.shape[1]):
+        st = ex.combine(st, ex.lift([xs[:, i]], None))
+        prefix.append(st)
+    return st, prefix
+
+
+def check_non_commutative(quick):
+    print(" non-commutative user monoids (order must be kept on the GPU):")
+    for shape in ([(BIG // 4, BIG)] if quick else [(BIG // 4, BIG), (16, MANY), (1, LONG // 4)]):
+        x = torch.randn(*shape, device=DEV)
+        xd = x.double()
+        tag = "x".join(map(str, shape))
+        close(f"MAX_PREFIX_SUM reduce {tag}", ff.reduce(U.MAX_PREFIX_SUM, x, 1), max_prefix(xd), 
+              torch.float32, cumabs(x, 1).amax(1))
+        if shape[1] <= MANY:
+            close(f"MAX_PREFIX_SUM scan {tag}", ff.scan(U.MAX_PREFIX_SUM, x, 1),
+                  torch.cummax(torch.cumsum(xd, 1), 1).values, torch.float32, cumabs(x, 1)[:, -1:])
+            close(f"MAX_PREFIX_SUM reverse scan {tag}", ff.scan(U.MAX_PREFIX_SUM, x, 1, reverse=True),
+                  suffix_best(xd), torch.float32, cumabs(x, 1)[:, -1:])
+        else:
+            close(f"MAX_PREFIX_SUM multi-block scan {tag}", ff.scan(U.MAX_PREFIX_SUM, x, 1),
+                  torch.cummax(torch.cumsum(xd, 1), 1).values, torch.float32, cumabs(x, 1)[:, -1:])
+    for shape, sigma in (((BIG // 4, 64), 0.3), ((8, BIG // 2), 0.01)):
+        x = torch.randn(*shape, device=DEV) * sigma
+        st, prefix = numpy_sequential(U.MATMUL2, x)
+        mag, mag_prefix = numpy_sequential(U.MATMUL2, x.abs())   # magnitude of the terms
+        tag = "x".join(map(str, shape))
+        got = ff.reduce(U.MATMUL2, x, 1)
+        for k, f in enumerate(U.MATMUL2.field_names):
+            close(f"MATMUL2 reduce .{f} {tag}", got[k], torch.from_numpy(st[k]), torch.float32,
+                  torch.from_numpy(mag[k]).to(DEV))
+        got = ff.scan(U.MATMUL2, x, 1)
+        for k, f in enumerate(U.MATMUL2.field_names):
+            want = torch.from_numpy(np.stack([p[k] for p in prefix], -1))
+            scale = torch.from_numpy(np.stack([p[k] for p in mag_prefix], -1)).to(DEV)
+            close(f"MATMUL2 scan .{f} {tag}", got[k], want, torch.float32, scale)
+
+
+def correctness(quick):
+    print("== correctness on the GPU (vs float64, tolerances of flashfold.testing) ==")
+    torch.manual_seed(0)
+    for dt in ((torch.float32,) if quick else (torch.float32, torch.bfloat16, torch.float16)):
+        x = (torch.randn(BIG, BIG, device=DEV) * 3).to(dt)
+        check_conveniences(x, f"{BIG}x{BIG} {str(dt)[6:]}")
+        del x
+        check_edges(dt)
+    if not quick:
+        for shape, dim in (((1, LONG), 1), ((MANY, 7), 1), ((BIG // 4, WIDE), 1), ((BIG, BIG // 4), 0)):
+            x = torch.randn(*shape, device=DEV) * 3
+            check_conveniences(x, "x".join(map(str, shape)) + f" dim {dim}", dim)
+        x = torch.randn(MANY, 64, device=DEV)
+        off = torch.sort(torch.randint(0, MANY + 1, (257,), device=DEV)).values
+        off[0], off[-1] = 0, MANY
+        want = torch.stack([x[a:b].double().sum(0) for a, b in zip(off[:-1].tolist(), off[1:].tolist())])
+        close("segment_reduce SUM 2^20x64, 256 segments", ff.segment_reduce(M.SUM, x, off), want,
+              torch.float32, x.double().abs().sum(0).clamp_min(1))
+    check_non_commutative(quick)
+
+
+# --- timings ------------------------------------------------------------------------------
+
+def bench(fn):
+    if DEV == "cpu":                                   # --smoke: no CUDA events
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rows(quick):
+    """(op, shape label, dtype, flashfold fn, torch fn, bytes)."""
+    out = []
+    dts = (torch.float32,) if quick else (torch.float32, torch.bfloat16)
+    for dt in dts:
+        x = torch.randn(BIG, BIG, device=DEV).to(dt)
+        nb = x.numel() * x.element_size()
+        lab = f"{BIG}x{BIG}"
+        out += [
+            ("logsumexp", lab, dt, lambda x=x: ff.logsumexp(x, 1), lambda x=x: torch.logsumexp(x, 1), nb),
+            ("softmax", lab, dt, lambda x=x: ff.softmax(x, 1), lambda x=x: torch.softmax(x, 1), 2 * nb),
+            ("var_mean", lab, dt, lambda x=x: ff.var_mean(x, 1), lambda x=x: torch.var_mean(x, 1), nb),
+            ("amax", lab, dt, lambda x=x: ff.reduce(M.MAX, x, 1), lambda x=x: torch.amax(x, 1), nb),
+            ("sum", lab, dt, lambda x=x: ff.reduce(M.SUM, x, 1), lambda x=x: torch.sum(x, 1), nb),
+            ("argmax", lab, dt, lambda x=x: ff.argmax(x, 1), lambda x=x: torch.argmax(x, 1), nb),
+            ("cumsum", lab, dt, lambda x=x: ff.cumsum(x, 1), lambda x=x: torch.cumsum(x, 1), 2 * nb),
+            ("logcumsumexp", lab, dt, lambda x=x: ff.logcumsumexp(x, 1),
+             lambda x=x: torch.logcumsumexp(x, 1), 2 * nb),
+        ]
+    awkward = [((1, LONG), 1, ("logsumexp", "sum", "softmax", "cumsum", "logcumsumexp")),
+               ((MANY, 7), 1, ("logsumexp", "softmax", "cumsum", "argmax")),
+               ((BIG // 4, WIDE), 1, ("logsumexp", "softmax", "var_mean", "cumsum", "logcumsumexp"))]
+    if not quick:
+        awkward.append(((BIG, BIG), 0, ("logsumexp", "sum", "cumsum")))
+    for shape, dim, ops in awkward:
+        x = torch.randn(*shape, device=DEV)
+        nb = x.numel() * 4
+        lab = "x".join(map(str, shape)) + ("" if dim == 1 else f" dim {dim}")
+        table = {
+            "logsumexp": (lambda x=x: ff.logsumexp(x, dim), lambda x=x: torch.logsumexp(x, dim), nb),
+            "sum": (lambda x=x: ff.reduce(M.SUM, x, dim), lambda x=x: torch.sum(x, dim), nb),
+            "softmax": (lambda x=x: ff.softmax(x, dim), lambda x=x: torch.softmax(x, dim), 2 * nb),
+            "var_mean": (lambda x=x: ff.var_mean(x, dim), lambda x=x: torch.var_mean(x, dim), nb),
+            "argmax": (lambda x=x: ff.argmax(x, dim), lambda x=x: torch.argmax(x, dim), nb),
+            "cumsum": (lambda x=x: ff.cumsum(x, dim), lambda x=x: torch.cumsum(x, dim), 2 * nb),
+            "logcumsumexp": (lambda x=x: ff.logcumsumexp(x, dim),
+                             lambda x=x: torch.logcumsumexp(x, dim), 2 * nb),
+        }
+        for op in ops:
+            f, t, b = table[op]
+            out.append((op, lab, torch.float32, f, t, b))
+    if not quick:
+        x = torch.randn(MANY, 256, device=DEV)
+        off = torch.arange(0, MANY + 1, MANY // 256, device=DEV)       # 256 segments
+        out.append(("segment_reduce sum", f"{MANY}x256 /256", torch.float32,
+                    lambda: ff.segment_reduce(M.SUM, x, off, unsafe=True),
+                    lambda: torch.segment_reduce(x, "sum", offsets=off, axis=0),
+                    x.numel() * 4))
+    return out
+
+
+def timings(quick, copy_gbs):
+    print("\n== timings (median of triton.testing.do_bench) ==")
+    results = []
+    for op, lab, dt, f, t, nb in rows(quick):
+        f()
+        ms = bench(f)
+        try:
+            tms = bench(t)
+        except Exception as e:          # a torch op that does not exist for this case
+            print(f"  torch {op} {lab}: {type(e).__name__}: {e}")
+            tms = float("nan")
+        results.append((op, lab, str(dt)[6:], ms, nb / ms / 1e6, tms, nb / tms / 1e6))
+        print(f"  {op:20s} {lab:18s} {str(dt)[6:]:9s} {ms:8.3f} ms {nb / ms / 1e6:7.0f} GB/s "
+              f"| torch {tms:8.3f} ms", flush=True)
+    return results
+
+
+@contextlib.contextmanager
+def patched(**fns):
+    old = {k: getattr(L, k) for k in fns}
+    for k, v in fns.items():
+        setattr(L, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(L, k, v)
+
+
+def variants(copy_gbs):
+    """Alternative tiles on 16K x 16K fp32 (to tune the heuristics; default first)."""
+    print("\n== heuristic variants, 16384x16384 float32 (GB/s, % copy) ==")
+    x = torch.randn(BIG, BIG, device=DEV)
+    nb = x.numel() * 4
+    C = L.Config
+    cases = [
+        ("logsumexp", nb, lambda: ff.logsumexp(x, 1), "reduce_config", [
+            ("K=8 L=1024 w8 (default)", None), ("K=4 L=1024 w8", C(4, 1024, 1, 8)),
+            ("K=16 L=512 w4", C(16, 512, 1, 4)), ("K=4 L=2048 w16", C(4, 2048, 1, 16))]),
+        ("softmax", 2 * nb, lambda: ff.softmax(x, 1), "normalize_config", [
+            ("fused w16 maxnreg64 (default)", None),
+            ("fused w16", (C(8, 2048, 1, 16), True)),
+            ("fused w8 K=16", (C(16, 1024, 1, 8), True)),
+            ("fused w32 K=4", (C(4, 4096, 1, 32), True)),
+            ("two loops K=8 w8", (C(8, 1024, 1, 8), False)),
+            ("two loops K=8 L=512 w4", (C(8, 512, 1, 4), False))]),
+        ("cumsum", 2 * nb, lambda: ff.cumsum(x, 1), "scan_config", [
+            ("BLOCK=2048 w8 (default)", None), ("BLOCK=4096 w8", C(4096, 1, 1, 8)),
+            ("BLOCK=1024 w4", C(1024, 1, 1, 4)), ("BLOCK=4096 w16", C(4096, 1, 1, 16))]),
+        ("logcumsumexp", 2 * nb, lambda: ff.logcumsumexp(x, 1), "scan_config", [
+            ("BLOCK=2048 w8 (default)", None), ("BLOCK=4096 w8", C(4096, 1, 1, 8)),
+            ("BLOCK=1024 w4", C(1024, 1, 1, 4)), ("BLOCK=4096 w16", C(4096, 1, 1, 16))]),
+    ]
+    for op, b, fn, hook, options in cases:
+        for label, cfg in options:
+            if cfg is None:
+                ms = bench(fn)
+            else:
+                with patched(**{hook: (lambda *a, cfg=cfg: cfg)}):
+                    fn()
+                    ms = bench(fn)
+            gbs = b / ms / 1e6
+            print(f"  {op:14s} {label:32s} {ms:7.3f} ms {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}%",
+                  flush=True)
+
+
+def _smoke():
+    """Shrink every size and route flashfold to the kernels on CPU tensors (interpreter)."""
+    global DEV, BIG, LONG, MANY, WIDE
+    from flashfold.api import reductions as api
+    api._use_kernels = lambda x: True
+    DEV, BIG, LONG, MANY, WIDE = "cpu", 64, 2**12, 2**9, 77
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fp32 16K rows only, fewer checks")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness section")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU run at tiny sizes through the interpreter (tests this script)")
+    args = ap.parse_args()
+    t0 = time.time()
+    if args.smoke:
+        _smoke()
+        print("smoke run: CPU, interpreter, tiny sizes; numbers are meaningless")
+    else:
+        props = torch.cuda.get_device_properties(0)
+        print(f"flashfold reductions: {props.name}, {props.multi_processor_count} SMs, torch "
+              f"{torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}")
+    a = torch.empty(2**28 if DEV == "cuda" else 2**10, device=DEV)
+    b = torch.empty_like(a)
+    copy_ms = bench(lambda: b.copy_(a))
+    copy_gbs = 2 * a.numel() * 4 / copy_ms / 1e6
+    del a, b
+    print(f"device-to-device copy of 1 GiB: {copy_ms:.3f} ms = {copy_gbs:.0f} GB/s (read + write)")
+    if not args.no_check:
+        correctness(args.quick)
+        print(f"  [{time.time() - t0:.0f} s]")
+    res = timings(args.quick, copy_gbs)
+    if not args.quick and not args.smoke:
+        variants(copy_gbs)
+    print(f"\n== summary (copy {copy_gbs:.0f} GB/s in this run) ==")
+    print("| op | shape | dtype | flashfold ms | GB/s | % copy | torch ms | torch GB/s | speedup |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    slower = []
+    for op, lab, dt, ms, gbs, tms, tgbs in res:
+        sp = tms / ms if math.isfinite(tms) else float("nan")
+        if sp < 1.0:
+            slower.append(f"{op} {lab} {dt}")
+        print(f"| {op} | {lab} | {dt} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_gbs:.1f}% | "
+              f"{tms:.3f} | {tgbs:.0f} | {sp:.2f}x |")
+    print(f"\nrows slower than torch: {slower or 'none'}")
+    print(f"correctness failures: {FAILED or 'none'}")
+    print(f"total {time.time() - t0:.0f} s")
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
