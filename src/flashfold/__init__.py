@@ -53,13 +53,19 @@ def scan(monoid, xs, *args, **kwargs):
     return reference_scan(monoid, xs, *args, **kwargs)
 
 
+#: submodules reachable as attributes (``flashfold.mods``) without an explicit import
+_SUBMODULES = ("mods", "api", "dask", "distributed", "integrations", "kernels", "schedules",
+               "testing", "cli")
+
+
 def __getattr__(name):
+    import importlib
+    if name in _SUBMODULES:
+        return importlib.import_module("." + name, __name__)
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'flashfold' has no attribute {name!r}")
-    import importlib
-    module = importlib.import_module(target, __name__)
-    return getattr(module, name)
+    return getattr(importlib.import_module(target, __name__), name)
 
 
 __all__ = ["Monoid", "Field", "Input", "ops", "monoids", "check_laws", "LawReport", "fold",

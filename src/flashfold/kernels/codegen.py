@@ -71,7 +71,8 @@ TRITON = register_backend(Backend(
         "where": "tl.where({0}, {1}, {2})",
         "rsum": "tl.sum({0}, axis={axis})", "rmax": "tl.max({0}, axis={axis})",
         "rmin": "tl.min({0}, axis={axis})",
-        "load": "tl.load({buf} + ({0}), mask=(({0}) >= 0) & (({0}) < {buf}_numel), other=0)",
+        # clamp out-of-range indices into the table, as the NumPy and torch lowerings do
+        "load": "tl.load({buf} + tl.minimum(tl.maximum({0}, 0), {buf}_numel - 1))",
     },
     _tl_const, reduce_axis=0, buffer_numel=True))
 TRITON.check_complete()
