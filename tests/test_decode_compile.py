@@ -32,7 +32,9 @@ SCRIPT = textwrap.dedent(r'''
         lens = torch.full((2,), 1000, dtype=torch.int32)
         if not kw.get("batch_invariant"):
             kw["num_splits"] = splits
-        kw.setdefault("pdl", True)            # the default on sm_90 (off on the CPU)
+        kw.setdefault("pdl", True)            # the defaults on sm_90 (off on the CPU)
+        cfg = splitkv.default_config(d, dtype, page)
+        kw.setdefault("tma", dtype != torch.float32 and splitkv._tma_eligible(k, k, page, cfg.block_n))
         launch = splitkv.prepare(q, k, k, lens, table, scale=0.1, **kw)
         out = {}
         for kind, kernel, spec in (("split", splitkv._splitkv_kernel, launch.split),
@@ -40,12 +42,14 @@ SCRIPT = textwrap.dedent(r'''
             if spec is None:
                 continue
             info = compile_launch(kernel, spec[1], spec[2])
-            bufs = [int(n) for n in re.findall(r"memdesc<(\d+)x\d+x\d+x(?:bf16|f16|f32)",
+            # K/V tile buffers: memdescs of >= 3 dims (stage x tile) in the data dtype
+            bufs = [int(n) for n in re.findall(r"memdesc<(\d+)x\d+x\d+(?:x\d+)*x(?:bf16|f16|f32)",
                                                info.ttgir)]
             out[kind] = dict(shared=info.shared, registers=info.registers,
-                             spill=info.spill_bytes, kv_buffers=min(bufs) if bufs else 0,
+                             spill=info.spill_bytes, kv_buffers=max(bufs) if bufs else 0,
                              cp_async="cp.async" in info.ptx,
-                             pdl="griddepcontrol" in info.ptx)
+                             pdl="griddepcontrol" in info.ptx,
+                             tma="cp.async.bulk.tensor" in info.ptx)
         return name, out
 
     cases = [
@@ -61,6 +65,8 @@ SCRIPT = textwrap.dedent(r'''
         variant("d256", d=256, page=16),
         variant("paged24", page=24),
         variant("no_pdl", pdl=False),
+        variant("contiguous_pointers", tma=False),
+        variant("paged64_pointers", page=64, tma=False),
     ]
     print(json.dumps(dict(cases)))
 ''')
@@ -81,7 +87,7 @@ SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on Hopper
 
 
 def test_every_variant_compiles_without_spills(compiled):
-    assert len(compiled) == 12
+    assert len(compiled) == 14
     for name, kernels in compiled.items():
         for kind, info in kernels.items():
             assert info["spill"] == 0, (name, kind, info)
@@ -89,11 +95,17 @@ def test_every_variant_compiles_without_spills(compiled):
             assert 0 < info["registers"] <= 255, (name, kind, info)
 
 
+TMA = {"contiguous", "paged64", "single_split", "invariant", "fp16_d64_mqa", "no_pdl"}
+
+
 def test_split_kernel_pipelines_kv(compiled):
+    """K/V tiles multi-buffered: through TMA boxes where the cache allows it (contiguous,
+    pages a multiple of the key tile), else through cp.async (pages of 16 / 24 tokens)."""
     for name, kernels in compiled.items():
         split = kernels["split"]
-        assert split["cp_async"], name
-        if name not in ("fp32", "d256"):       # 16-bit, head_dim <= 128: >= 2 K/V buffers
+        assert split["tma"] == (name in TMA), (name, split)
+        assert split["tma"] or split["cp_async"], name
+        if name != "fp32":                 # fp32: 2 stages, i.e. one tile in flight
             assert split["kv_buffers"] >= 2, (name, split)
 
 

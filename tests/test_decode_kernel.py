@@ -6,6 +6,8 @@ several row blocks), batch invariance, and the split heuristic."""
 import math
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 
@@ -112,6 +114,43 @@ def test_kernel_features(name, shape, mods, layout):
         if name == "rowblocks":
             assert launch.plan.m_blocks == 2
         check(case, o, lse, torch.float32, **mods)
+
+
+@pytest.mark.parametrize("layout, q_len, mods", [
+    ("contiguous", 1, {}), ("contiguous", 3, {"window": (30, None)}),
+    ("paged64", 2, {}), ("paged128", 1, {"softcap": 3.0}),
+], ids=["contiguous", "contiguous-q3-window", "paged64-q2", "paged128-softcap"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_unused_cache_slots_may_hold_nan(layout, q_len, mods, tma):
+    """Cache slots past a sequence's length hold anything (here NaN): never read into the
+    result, through pointers (masked loads) or TMA boxes (rows zeroed in masked tiles);
+    TMA and pointers give the same values."""
+    page = LAYOUTS[layout]
+    case = make_case([0, 1, 70, 190], heads_q=4, heads_kv=2, q_len=q_len, head_dim=32,
+                     capacity=256, page_size=page or 64, dtype=torch.float16, device=DEVICE,
+                     seed=13)
+    clean = make_case([0, 1, 70, 190], heads_q=4, heads_kv=2, q_len=q_len, head_dim=32,
+                      capacity=256, dtype=torch.float16, device=DEVICE, seed=13)
+    for b, n in enumerate(case.seqlens.tolist()):
+        case.k[b, :, n:] = float("nan")
+        case.v[b, :, n:] = float("nan")
+    if page is not None:
+        case = repage(case, page)
+        spare = sorted(set(range(case.k_pages.shape[0])) - set(case.block_table.flatten().tolist()))
+        assert len(spare) == 2                           # pages in no table
+        case.k_pages[spare] = float("nan")
+        case.v_pages[spare] = float("nan")
+    for splits in (1, 3):
+        o, lse, launch = run(case, page is not None, num_splits=splits, tma=tma, **mods)
+        assert launch.split[2]["USE_TMA"] == tma
+        check(clean, o, lse, torch.float16, **mods)
+
+
+def test_tma_refused_where_it_cannot_address_the_cache():
+    case = make_case([40], heads_q=4, heads_kv=2, head_dim=32, capacity=64, page_size=8,
+                     dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="tma=True"):
+        run(case, True, tma=True)                         # 8-token pages < BLOCK_N
 
 
 def test_strided_inputs_and_int64_lengths():
@@ -257,3 +296,36 @@ def test_plan_invariant_split_ignores_the_batch():
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
         splitkv.plan((2, 32, 1, 128), 8, 8192, 1000, None, torch.device("cpu"), cfg,
                      batch_invariant=True, invariant_split=100)
+
+
+@st.composite
+def _decode_cases(draw):
+    heads_kv, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
+    capacity = draw(st.sampled_from([16, 40, 100, 200]))
+    lens = draw(st.lists(st.integers(0, capacity), min_size=1, max_size=3))
+    block_n = draw(st.sampled_from([16, 32]))
+    page = draw(st.sampled_from([None, 16, 32, 64]))
+    invariant = draw(st.booleans())
+    return dict(
+        shape=dict(heads_q=heads_kv * group, heads_kv=heads_kv, q_len=draw(st.sampled_from([1, 2, 5])),
+                   capacity=capacity, page_size=page or 16, seed=draw(st.integers(0, 99))),
+        lens=lens, paged=page is not None,
+        config=splitkv.DecodeConfig(block_n=block_n, num_warps=4, num_stages=2),
+        split=dict(batch_invariant=True, invariant_split=block_n * draw(st.sampled_from([1, 3])))
+        if invariant else dict(num_splits=draw(st.integers(1, 4))),
+        tma=(page is None or page % block_n == 0) and draw(st.booleans()),
+        mods=dict(window=draw(st.sampled_from([None, (0, None), (7, None), (45, 3)])),
+                  softcap=draw(st.sampled_from([None, 2.0])), scale=0.3))
+
+
+@settings(max_examples=12, deadline=None)
+@given(_decode_cases())
+def test_fuzz_against_reference(c):
+    """Random shapes, lengths, layouts, tiles, splits, windows, softcaps, both modes, TMA
+    or pointers: the masked and unmasked key runs always add up to the reference."""
+    case = make_case(c["lens"], head_dim=32, dtype=torch.float16, device=DEVICE, **c["shape"])
+    o, lse, _ = run(case, c["paged"], config=c["config"], tma=c["tma"], **c["split"], **c["mods"])
+    ro, rl = decode_reference(case.q.cpu().double(), case.k.cpu().double(), case.v.cpu().double(),
+                              case.seqlens.cpu(), **c["mods"])
+    assert_close(o, ro, torch.float16, name="o")
+    assert_close(lse, rl, "float32", name="lse")

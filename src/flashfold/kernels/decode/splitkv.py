@@ -14,12 +14,16 @@ by its own program, and the states are folded:
 
 1. **split kernel**, grid ``(batch * heads_kv * m_blocks, splits)``: a program loads the
    query rows of *all* query heads of its GQA group (``group * q_len`` rows, padded to
-   ``BLOCK_M >= 16`` for ``tl.dot``) once, then streams its split of K and V (contiguous
-   cache, or pages gathered through ``block_table`` with int64 offsets, the page numbers
-   of a tile read one tile ahead so the K/V loads pipeline like contiguous ones) in tiles
-   of ``BLOCK_N`` keys: ``S = Q K^T`` on the tensor cores, then the online-softmax update
-   in base 2 (``sigma = s log2 e``, folded into the scale, so every exponential is
-   ``exp2``)::
+   ``BLOCK_M >= 16`` for ``tl.dot``) once, then streams its split of K and V in tiles of
+   ``BLOCK_N`` keys, software-pipelined: through TMA boxes on sm_90 when the cache allows
+   (contiguous, or pages a multiple of ``BLOCK_N`` tokens), else ``cp.async`` with int64
+   pointer offsets (pages gathered through ``block_table``; the page numbers of a tile are
+   read one tile ahead so the K/V loads pipeline like contiguous ones). Tiles every row
+   sees entirely run without masks; only the tiles at the window's left edge and at the
+   sequence end / causal diagonal are masked (and there, with TMA, rows past the sequence
+   are zeroed: a cache slot may hold anything). Per tile, ``S = Q K^T`` on the tensor
+   cores, then the online-softmax update in base 2 (``sigma = s log2 e``, folded into the
+   scale, so every exponential is ``exp2``)::
 
        m' = max(m, rowmax S);  alpha = 2^(m - m');  P = 2^(S - m')
        d  = d alpha + rowsum P;  o = o alpha + P V;  m = m'
@@ -88,6 +92,10 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Triton >= 3.3: host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 try:  # Triton >= 3.3: grid dependency control (programmatic dependent launch, sm_90+)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover
@@ -137,17 +145,22 @@ def _split_plan(seqlen, win_left, n_splits, split_size, Q_LEN: tl.constexpr,
 
 
 @triton.jit
-def _kv_rows(BT, b, n0, offs_t, end, stride_btb, stride_btp,
+def _page_of(BT, b, n0, end, stride_btb, stride_btp, PAGE_SIZE: tl.constexpr):
+    """The page holding key ``n0`` (int32 scalar; page 0 when ``n0 >= end``)."""
+    return tl.load(BT + b * stride_btb + (n0 // PAGE_SIZE) * stride_btp, mask=n0 < end, other=0)
+
+
+@triton.jit
+def _kv_rows(BT, b, n0, end, stride_btb, stride_btp,
              PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Page number of each key ``n0 + offs_t`` of a tile (int64; 0 past ``end``).
+    """Page number of each key ``n0 .. n0 + BLOCK_N`` of a tile (int64; 0 past ``end``).
 
     Tiles start at multiples of BLOCK_N: with ``PAGE_SIZE % BLOCK_N == 0`` a tile lies in
     one page (one scalar read), with ``BLOCK_N % PAGE_SIZE == 0`` it spans
     ``BLOCK_N / PAGE_SIZE`` whole pages (one small vector read, broadcast), else each key's
     page is read."""
     if PAGE_SIZE % BLOCK_N == 0:
-        page = tl.load(BT + b * stride_btb + (n0 // PAGE_SIZE) * stride_btp,
-                       mask=n0 < end, other=0).to(tl.int64)
+        page = _page_of(BT, b, n0, end, stride_btb, stride_btp, PAGE_SIZE).to(tl.int64)
         return tl.full([BLOCK_N], 0, tl.int64) + page
     elif BLOCK_N % PAGE_SIZE == 0:
         NP: tl.constexpr = BLOCK_N // PAGE_SIZE
@@ -156,86 +169,147 @@ def _kv_rows(BT, b, n0, offs_t, end, stride_btb, stride_btp,
                         mask=n0 + offs_p * PAGE_SIZE < end, other=0).to(tl.int64)
         return tl.reshape(tl.broadcast_to(pages[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
     else:
-        return tl.load(BT + b * stride_btb + ((n0 + offs_t) // PAGE_SIZE) * stride_btp,
-                       mask=n0 + offs_t < end, other=0).to(tl.int64)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        return tl.load(BT + b * stride_btb + (offs_n // PAGE_SIZE) * stride_btp,
+                       mask=offs_n < end, other=0).to(tl.int64)
 
 
 @triton.jit
-def _attend(q, pos, b, k_base, v_base, BT, start, end,
-            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, qk_scale, cap_in, cap_out,
-            Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-            PAGED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-            NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Base-2 state ``(m, d, o)`` of the rows ``q`` [BM, BD] over the keys ``[start, end)``
-    (``start`` a multiple of BLOCK_N; no key when ``start >= end``)."""
+def _kv_step(q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+             stride_btp, win_left, qk_scale, cap_in, cap_out,
+             Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+             USE_TMA: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+             WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold the key tile ``[n0, n0 + BLOCK_N)`` into the base-2 state ``(m, d, o)``.
+
+    ``page``: the page(s) of this tile (paged caches); returns the state and the page(s) of
+    the next tile. Unmasked tiles (``MASKED=False``) hold keys every row sees, all below
+    ``end``."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)                                  # [BN] key positions
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    offs_t = tl.arange(0, BLOCK_N)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                 # base-2 running max
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # paged: the pages of the *next* tile are read one iteration ahead, so a tile's K/V
-    # addresses never wait on a load of the same iteration (the K/V loads then pipeline
-    # with NUM_STAGES - 1 tiles in flight, as for a contiguous cache)
-    if PAGED:
-        page = _kv_rows(BT, b, start, offs_t, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N)
+    n_ok = offs_n < end
+    if USE_TMA:     # one TMA box per tile; rows past the tensor read as 0
+        if PAGED:
+            slot = n0 % PAGE_SIZE
+            k = K_DESC.load([page, slot, h.to(tl.int32), 0]).reshape([BLOCK_N, BLOCK_D])
+            v = V_DESC.load([page, slot, h.to(tl.int32), 0]).reshape([BLOCK_N, BLOCK_D])
+            page = _page_of(BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, PAGE_SIZE)
+        else:
+            k = K_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
+            v = V_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
+        if MASKED:  # rows past the sequence hold whatever the cache holds (0 * NaN = NaN)
+            v = tl.where(n_ok[:, None], v, 0.0)
     else:
-        page = tl.zeros([BLOCK_N], tl.int64)
-    for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-        offs_n = n0 + offs_t                                             # [BN] key positions
-        n_ok = offs_n < end
         if PAGED:
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
             k_off = page * stride_kb + slot * stride_kn
             v_off = page * stride_vb + slot * stride_vn
-            page = _kv_rows(BT, b, n0 + BLOCK_N, offs_t, end, stride_btb, stride_btp,
-                            PAGE_SIZE, BLOCK_N)
+            page = _kv_rows(BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N)
         else:
             k_off = b * stride_kb + offs_n.to(tl.int64) * stride_kn
             v_off = b * stride_vb + offs_n.to(tl.int64) * stride_vn
-        k = tl.load(k_base + k_off[:, None] + offs_d[None, :] * stride_kd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)      # [BN, BD]
-        v = tl.load(v_base + v_off[:, None] + offs_d[None, :] * stride_vd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)      # [BN, BD]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)       # [BM, BN]
-        if SOFTCAP:
-            s = _tanh(s * cap_in) * cap_out        # cap tanh(scale qk / cap) log2 e
-        else:
-            s = s * qk_scale                       # scale log2 e
+        kv_ok = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_base + k_off[:, None] + offs_d[None, :] * stride_kd, mask=kv_ok,
+                    other=0.0)                                           # [BN, BD]
+        v = tl.load(v_base + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_ok,
+                    other=0.0)                                           # [BN, BD]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)           # [BM, BN]
+    if SOFTCAP:
+        s = _tanh(s * cap_in) * cap_out            # cap tanh(scale qk / cap) log2 e
+    else:
+        s = s * qk_scale                           # scale log2 e
+    if MASKED:
         visible = n_ok[None, :]
         if Q_LEN > 1:                              # causal inside the cache
             visible = visible & (offs_n[None, :] <= pos[:, None])
         if WINDOW:                                 # left side of the window
             visible = visible & (offs_n[None, :] >= pos[:, None] - win_left)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)           # no -inf - -inf
-        alpha = tl.exp2(m_i - pivot)
-        p = tl.exp2(s - pivot[:, None])                                  # [BM, BN]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    pivot = tl.where(m_new == float("-inf"), 0.0, m_new)               # no -inf - -inf
+    alpha = tl.exp2(m_i - pivot)
+    p = tl.exp2(s - pivot[:, None])                                      # [BM, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc, page
+
+
+@triton.jit
+def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, start, end, seqlen,
+            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+            stride_btp, win_left, qk_scale, cap_in, cap_out,
+            Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            PAGED: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+            WINDOW: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Base-2 state ``(m, d, o)`` of the rows ``q`` [BM, BD] over the keys ``[start, end)``
+    (``start`` a multiple of BLOCK_N; no key when ``start >= end``).
+
+    Three runs of tiles: ``[start, lo)`` masked (keys left of some row's window),
+    ``[lo, hi)`` unmasked (every key visible to every row: below ``end`` and below the
+    first row's causal bound ``seqlen - q_len``), ``[hi, end)`` masked (the sequence end
+    and the causal diagonal of speculative rows). Paged: the pages of the *next* tile are
+    read one tile ahead, so a tile's K/V addresses never wait on a load of the same
+    iteration and the K/V loads pipeline with NUM_STAGES - 1 tiles in flight."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                 # base-2 running max
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(end, seqlen - Q_LEN + 1)
+    hi = start + tl.maximum(hi - start, 0) // BLOCK_N * BLOCK_N
+    lo = start
+    if WINDOW:     # every row sees keys >= seqlen - 1 - win_left (the last row's bound)
+        lo = start + tl.cdiv(tl.maximum(seqlen - 1 - win_left - start, 0), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(lo, hi)
+    if PAGED:
+        if USE_TMA:
+            page = _page_of(BT, b, start, end, stride_btb, stride_btp, PAGE_SIZE)
+        else:
+            page = _kv_rows(BT, b, start, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N)
+    else:
+        page = 0
+    # the masked runs hold at most q_len + BLOCK_N keys: no software pipelining there
+    if WINDOW:
+        for n0 in tl.range(start, lo, BLOCK_N, num_stages=1):
+            m_i, l_i, acc, page = _kv_step(
+                q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+                stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+                stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
+                BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, True, SOFTCAP, WINDOW, DOT_PRECISION)
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        m_i, l_i, acc, page = _kv_step(
+            q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
+            BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, False, SOFTCAP, WINDOW, DOT_PRECISION)
+    for n0 in tl.range(hi, end, BLOCK_N, num_stages=1):
+        m_i, l_i, acc, page = _kv_step(
+            q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
+            BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, True, SOFTCAP, WINDOW, DOT_PRECISION)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _partial(c, q, pos, b, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base, size, seqlen,
-             n_used, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-             stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
+def _partial(c, q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, row_ok,
+             base, size, seqlen, n_used, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
+             stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
              FINALIZE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, SOFTCAP: tl.constexpr,
-             WINDOW: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
+             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_STAGES: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
     """Split ``c`` of a sequence -> its partial ``(o_c, lse_c)`` in the workspace (nothing
     when ``c >= n_used``)."""
     start = base + c * size
     m_i, l_i, acc = _attend(
-        q, pos, b, k_base, v_base, BT, start, tl.minimum(start + size, seqlen),
-        stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-        stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
-        BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+        q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, start,
+        tl.minimum(start + size, seqlen), seqlen, stride_kb, stride_kn, stride_kd, stride_vb,
+        stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
+        Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, SOFTCAP, WINDOW,
+        NUM_STAGES, DOT_PRECISION)
     # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
     out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
     offs_d = tl.arange(0, BLOCK_D)
@@ -249,7 +323,7 @@ def _partial(c, q, pos, b, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base, s
 
 @triton.jit
 def _splitkv_kernel(
-        Q, K, V, BT, SEQ, O, LSE, OP, LSEP,
+        Q, K, V, K_DESC, V_DESC, BT, SEQ, O, LSE, OP, LSEP,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -260,10 +334,10 @@ def _splitkv_kernel(
         FINALIZE: tl.constexpr,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FIXED_SPLIT: tl.constexpr,
-        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, WRITE_FINAL: tl.constexpr,
-        LOOP_SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        USE_PDL: tl.constexpr):
+        PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
+        FIXED_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+        WRITE_FINAL: tl.constexpr, LOOP_SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:       # the merge kernel may be scheduled once every split program has begun
         gdc_launch_dependents()
     ROWS: tl.constexpr = GROUP * Q_LEN
@@ -293,10 +367,12 @@ def _splitkv_kernel(
 
     if WRITE_FINAL:                                # one split: the whole sequence, no merge
         m_i, l_i, acc = _attend(
-            q, pos, b, k_base, v_base, BT, base, seqlen, stride_kb, stride_kn, stride_kd,
-            stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
-            qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
-            PAGED, SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+            q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, base, seqlen, seqlen,
+            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_M,
+            BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, SOFTCAP, WINDOW, NUM_STAGES,
+            DOT_PRECISION)
+        # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
         out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
         tl.store(O + b * stride_ob + hq[:, None] * stride_oh + qi[:, None] * stride_om
                  + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
@@ -310,17 +386,19 @@ def _splitkv_kernel(
             # with a length bound below the capacity): splits c, c + n_splits, ...; a
             # split's result never depends on which program computed it
             for c in range(tl.program_id(1), n_used, n_splits):
-                _partial(c, q, pos, b, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base, size,
-                         seqlen, n_used, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-                         stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
-                         FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
-                         SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+                _partial(c, q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row,
+                         row_ok, base, size, seqlen, n_used, stride_kb, stride_kn, stride_kd,
+                         stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
+                         qk_scale, cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M,
+                         BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, SOFTCAP, WINDOW,
+                         NUM_STAGES, DOT_PRECISION)
         else:
-            _partial(tl.program_id(1), q, pos, b, k_base, v_base, BT, OP, LSEP, ws_row, row_ok,
-                     base, size, seqlen, n_used, stride_kb, stride_kn, stride_kd, stride_vb,
-                     stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in,
-                     cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE,
-                     PAGED, SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+            _partial(tl.program_id(1), q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP,
+                     LSEP, ws_row, row_ok, base, size, seqlen, n_used, stride_kb, stride_kn,
+                     stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp,
+                     win_left, qk_scale, cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M,
+                     BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, SOFTCAP, WINDOW, NUM_STAGES,
+                     DOT_PRECISION)
 
 
 @triton.jit
@@ -376,8 +454,8 @@ class DecodeConfig:
 
 def default_config(head_dim: int, dtype: torch.dtype, page_size: int | None) -> DecodeConfig:
     """The split kernel's tiles for a head dim / dtype / page size."""
-    if dtype == torch.float32:
-        return DecodeConfig(block_n=32, num_warps=8, num_stages=3)
+    if dtype == torch.float32:      # exact fp32 dots (no TF32) run on FMA units: small tiles
+        return DecodeConfig(block_n=16, num_warps=8, num_stages=2)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=3)
     return DecodeConfig()
@@ -419,6 +497,38 @@ def _pdl_default(device: torch.device) -> bool:
             or os.environ.get("FLASHFOLD_DECODE_PDL", "1") == "0"):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_default(device: torch.device) -> bool:
+    """K/V through TMA descriptors: CUDA, Hopper or newer, not disabled by
+    ``FLASHFOLD_DECODE_TMA=0``."""
+    if (device.type != "cuda" or TensorDescriptor is None
+            or os.environ.get("FLASHFOLD_DECODE_TMA", "1") == "0"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_eligible(k: torch.Tensor, v: torch.Tensor, page_size: int | None, block_n: int) -> bool:
+    """Whether TMA boxes can read the cache: unit last stride, 16-byte aligned base and
+    strides (of dims longer than 1), and for pages, a key tile inside one page."""
+    if TensorDescriptor is None or (page_size is not None and page_size % block_n):
+        return False
+    for t in (k, v):
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.shape[-1] * es) % 16:
+            return False
+        if any(st == 0 or (st * es) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, box: list[int]):
+    """A 4-D TMA descriptor over ``t`` loading ``box``-shaped blocks (the stride of a
+    size-1 dim is irrelevant: replaced by an aligned value)."""
+    align = 16 // t.element_size()
+    strides = [st if n > 1 else align for st, n in zip(t.stride(), t.shape)]
+    strides[-1] = 1
+    return TensorDescriptor(t, list(t.shape), strides, box)
 
 
 @dataclass(frozen=True)
@@ -485,7 +595,8 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             window: tuple[int | None, int | None] | None = None,
             num_splits: int | None = None, batch_invariant: bool = False,
             max_seqlen: int | None = None, config: DecodeConfig | None = None,
-            invariant_split: int = INVARIANT_SPLIT, pdl: bool | None = None) -> Launch:
+            invariant_split: int = INVARIANT_SPLIT, pdl: bool | None = None,
+            tma: bool | None = None) -> Launch:
     """Plan the splits, allocate the outputs and workspace, and bind the kernel arguments
     (arguments as :func:`splitkv_decode`)."""
     batch, heads_q, q_len, head_dim = q.shape
@@ -519,12 +630,26 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            device=q.device)
     win_left = NO_WINDOW if left is None else int(left)
     pdl = _pdl_default(q.device) if pdl is None else bool(pdl)
+    tma_ok = _tma_eligible(k_cache, v_cache, page_size if paged else None, config.block_n)
+    if tma is None:             # 16-bit caches (an fp32 tile through TMA spills registers)
+        tma = _tma_default(q.device) and q.dtype != torch.float32 and tma_ok
+    use_tma = bool(tma)
+    if use_tma and not tma_ok:
+        raise ValueError("tma=True: the cache cannot be read through TMA descriptors (unit "
+                         "last stride, 16-byte aligned base and strides, pages a multiple of "
+                         f"BLOCK_N={config.block_n})")
+    if use_tma:
+        box = [1, config.block_n, 1, block_d] if paged else [1, 1, config.block_n, block_d]
+        k_desc, v_desc = _descriptor(k_cache, box), _descriptor(v_cache, box)
+    else:
+        k_desc, v_desc = k_cache, v_cache
     if softcap:
         qk_scale, cap_in, cap_out = 0.0, scale / softcap, softcap * LOG2E
     else:
         qk_scale, cap_in, cap_out = scale * LOG2E, 0.0, 0.0
     split = ((batch * heads_kv * p.m_blocks, p.n_splits),
-             (q, k_cache, v_cache, block_table if paged else cache_seqlens, cache_seqlens,
+             (q, k_cache, v_cache, k_desc, v_desc, block_table if paged else cache_seqlens,
+              cache_seqlens,
               out, lse, op, lsep,
               *q.stride(), *sk, *sv, *sbt, *out.stride(),
               heads_kv, capacity, p.n_splits, p.ws_splits, p.split_size, win_left,
@@ -532,7 +657,8 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              dict(FINALIZE=tm.finalize,
                   Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim,
                   BLOCK_M=p.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-                  PAGE_SIZE=page_size, PAGED=paged, FIXED_SPLIT=batch_invariant,
+                  PAGE_SIZE=page_size, PAGED=paged, USE_TMA=use_tma,
+                  FIXED_SPLIT=batch_invariant,
                   SOFTCAP=bool(softcap), WINDOW=left is not None, WRITE_FINAL=p.write_final,
                   LOOP_SPLITS=p.n_splits < p.ws_splits, NUM_STAGES=config.num_stages,
                   USE_PDL=pdl and not p.write_final,
@@ -557,19 +683,21 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    window: tuple[int | None, int | None] | None = None,
                    num_splits: int | None = None, batch_invariant: bool = False,
                    max_seqlen: int | None = None, config: DecodeConfig | None = None,
-                   invariant_split: int = INVARIANT_SPLIT,
-                   pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   invariant_split: int = INVARIANT_SPLIT, pdl: bool | None = None,
+                   tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``).
 
     Inputs as :func:`flashfold.decode`, already validated; ``window`` normalized to
     ``(left, right)`` with ``None`` for unbounded. ``config`` and ``invariant_split``
     override the tiles and the batch-invariant split size, ``pdl`` the programmatic
     dependent launch of the merge (default: on for CUDA sm_90+ unless
-    ``FLASHFOLD_DECODE_PDL=0``) -- benchmarks and tests. Returns
+    ``FLASHFOLD_DECODE_PDL=0``), ``tma`` the K/V loads through TMA descriptors (default:
+    on for CUDA sm_90+ when the cache allows it, unless ``FLASHFOLD_DECODE_TMA=0``; both
+    paths give the same values) -- benchmarks and tests. Returns
     ``(o, lse)``: ``o`` (batch, heads_q, q_len, head_dim) in ``q.dtype``, ``lse``
     (batch, heads_q, q_len) float32.
     """
     return prepare(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
                    softcap=softcap, window=window, num_splits=num_splits,
                    batch_invariant=batch_invariant, max_seqlen=max_seqlen, config=config,
-                   invariant_split=invariant_split, pdl=pdl).run()
+                   invariant_split=invariant_split, pdl=pdl, tma=tma).run()
