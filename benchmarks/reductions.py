@@ -335,11 +335,13 @@ def variants(copy_gbs):
             ("two loops K=8 w8", (C(8, 1024, 1, 8), False)),
             ("two loops K=8 L=512 w4", (C(8, 512, 1, 4), False))]),
         ("cumsum", 2 * nb, lambda: ff.cumsum(x, 1), "scan_config", [
-            ("BLOCK=2048 w8 (default)", None), ("BLOCK=4096 w8", C(4096, 1, 1, 8)),
-            ("BLOCK=1024 w4", C(1024, 1, 1, 4)), ("BLOCK=4096 w16", C(4096, 1, 1, 16))]),
+            ("chunked 4096 w8 (default)", None), ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4)),
+            ("chunked 8192 w16", C(8192, 1, 1, 16, vec=4)),
+            ("block scan 2048 w8", C(2048, 1, 1, 8)), ("block scan 4096 w8", C(4096, 1, 1, 8))]),
         ("logcumsumexp", 2 * nb, lambda: ff.logcumsumexp(x, 1), "scan_config", [
-            ("BLOCK=2048 w8 (default)", None), ("BLOCK=4096 w8", C(4096, 1, 1, 8)),
-            ("BLOCK=1024 w4", C(1024, 1, 1, 4)), ("BLOCK=4096 w16", C(4096, 1, 1, 16))]),
+            ("chunked 4096 w8 (default)", None), ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4)),
+            ("chunked 8192 w16", C(8192, 1, 1, 16, vec=4)),
+            ("block scan 2048 w8", C(2048, 1, 1, 8)), ("block scan 4096 w8", C(4096, 1, 1, 8))]),
     ]
     for op, b, fn, hook, options in cases:
         for label, cfg in options:

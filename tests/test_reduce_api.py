@@ -212,3 +212,22 @@ def test_results_do_not_depend_on_the_path(monkeypatch):
         scale = rowsum_abs(x, 1) if name == "cumsum" else 1.0
         assert_close(k, r.double(), torch.bfloat16, scale=scale, name=name)
     assert math.isfinite(float(ker[0][0]))
+
+
+def test_one_exp2_scan_monoid_is_lawful():
+    """LOGSUMEXP2_SCAN (logcumsumexp's state) is a commutative monoid whose combine
+    finalizes like LOGSUMEXP2's, including the infinite maxima its guard handles (with a
+    +inf max the states differ, d = 1 against inf, but both finalize to +inf)."""
+    import numpy as np
+    from flashfold.algebra.evaluate import numpy_monoid
+    report = ff.check_laws(api.LOGSUMEXP2_SCAN)
+    assert report.ok, report
+    a = numpy_monoid(api.LOGSUMEXP2_SCAN)
+    b = numpy_monoid(LOGSUMEXP2)
+    m = np.array([NINF, NINF, 3.0, 3.0, float("inf"), float("inf"), -2.0])
+    d = np.array([0.0, 0.0, 2.0, 1.5, 1.0, 1.0, 4.0])
+    s1 = (m, d)
+    s2 = (m[::-1].copy(), d[::-1].copy())
+    x, = a.finalize(a.combine(s1, s2))
+    y, = b.finalize(b.combine(s1, s2))
+    assert_close(x, y, "float64", name="one-exp2 combine, finalized")

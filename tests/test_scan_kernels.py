@@ -54,7 +54,7 @@ def check(monoid, outs, x, dim, reverse=False, name=""):
 def force(monkeypatch):
     def apply(scan=None, split=None, reduce=None):
         if scan is not None:
-            monkeypatch.setattr(L, "scan_config", lambda g, e: scan)
+            monkeypatch.setattr(L, "scan_config", lambda g, e, reverse=False: scan)
         if reduce is not None:
             monkeypatch.setattr(L, "reduce_config", lambda g, e, o: reduce)
         if split is not None:
@@ -77,6 +77,25 @@ def test_tiles_carry_the_state(monoid, reverse, force):
     force(scan=C(16, 1, 1, 4), split=(1, 70))
     x = sample(monoid, (2, 70), seed=1)
     check(monoid, L.launch_scan(monoid, x, 1, reverse), x, 1, reverse, "tiles")
+
+
+@pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
+def test_chunked_lanes(monoid, force):
+    """Forward chunked scan: 4 lanes x 4 vectors x 4 elements = tiles of 64; a row of 150
+    is two full tiles (carry) and a masked tail that ends inside a lane."""
+    force(scan=C(64, 1, 1, 4, vec=4), split=(1, 150))
+    x = sample(monoid, (2, 150), seed=7)
+    plan, _ = L.plan_scan(monoid, x, 1)
+    assert plan[-1].kwargs["CHUNKED"]
+    check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, "chunked")
+
+
+def test_chunked_multi_block(force):
+    """Chunked scan of chunks (multi-block): carries from the folded chunk states."""
+    force(scan=C(32, 1, 1, 4, vec=2), split=(4, 40), reduce=C(1, 8, 1, 4))
+    for monoid in (M.LOGSUMEXP2, U.MAX_PREFIX_SUM):
+        x = sample(monoid, (3, 150), seed=8)
+        check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, "chunked multi-block")
 
 
 @pytest.mark.parametrize("reverse", (False, True), ids=("forward", "reverse"))

@@ -130,7 +130,7 @@ def plans():
                 out.append((f"reduce {m.name} 64x16384 {tag}", L.plan_reduce(m, x, 1)[0]))
             out.append((f"softmax 64x16384 {tag}", L.plan_normalize(R.SOFTMAX_MAP, x, 1)[0]))
             out.append((f"cumsum 64x16384 {tag}", L.plan_scan(M.SUM, x, 1)[0]))
-            out.append((f"logcumsumexp 64x16384 {tag}", L.plan_scan(M.LOGSUMEXP2, x, 1)[0]))
+            out.append((f"logcumsumexp 64x16384 {tag}", L.plan_scan(R.LOGSUMEXP2_SCAN, x, 1)[0]))
         f32 = torch.float32
         aff = _affine()
         out += [

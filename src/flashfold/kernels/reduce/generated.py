@@ -23,9 +23,14 @@ content hash of its source, like every generated module):
 ``take``            ``(sel, AXIS, a) -> a[sel]`` along ``AXIS``, where ``sel`` is true at
                     exactly one index: ``sum(where(sel, a, 0))``, exact for every value
 ``bcast0``          ``(ref, a) -> a[None]`` broadcast to ``ref``'s shape
+``bcast``           ``(ref, a) -> a`` broadcast to ``ref``'s shape
+``shift1``          ``(idx, a) -> a[idx - 1]`` along the only axis (identity at ``idx = 0``):
+                    an exclusive scan from an inclusive one, through ``tl.gather``
 ``load_state``      ``(ptrs, offs, mask) -> state`` from one buffer per field (identity
                     where masked)
 ``store_state``     ``(ptrs, offs, mask, a)``
+``finalize_fast``   ``finalize`` with hardware logarithms (:data:`FAST`), for scans that
+                    finalize every element
 ==================  =====================================================================
 
 States travel through the templates as tuples (``COMBINE(*acc, *s)``), which Triton 3.6
@@ -39,10 +44,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import os
+
 from ...algebra.evaluate import numpy_monoid
-from ...algebra.ir import Var, trace
+from ...algebra.ir import Graph, Var, trace
+from ...algebra.lower import Backend, emit
 from ...algebra.monoid import Monoid
-from ..codegen import TritonMonoid, _safe, jit_source, load_source, triton_monoid
+from ..codegen import TRITON, TritonMonoid, _safe, jit_source, load_source, triton_monoid
 
 __all__ = ["ReduceFunctions", "reduce_functions", "RowMap", "row_map", "output_kinds"]
 
@@ -54,6 +62,40 @@ def _const(v, is_float: bool) -> str:
     if math.isinf(v):
         return 'float("inf")' if v > 0 else 'float("-inf")'
     return repr(v)
+
+
+#: The Triton lowering with hardware logarithms: ``tl.log``/``tl.log2`` compile to
+#: libdevice's accurate polynomials (~25 instructions), which would dominate a scan that
+#: finalizes every element (logcumsumexp); ``lg2.approx`` is one SFU instruction with a
+#: relative error below 2^-22. Used for the per-element finalize of scans and maps.
+FAST = Backend("triton_fast", {**TRITON.templates, "log2": "_fast_log2({0})",
+                               "log": "(_fast_log2({0}) * 0.6931471805599453)",
+                               "log1p": "(_fast_log2(1.0 + {0}) * 0.6931471805599453)"},
+               TRITON.const, reduce_axis=0, buffer_numel=True)
+
+
+def _fast_log2_source() -> str:
+    """``_fast_log2``: ``lg2.approx`` when compiling; ``tl.log2`` under the interpreter,
+    which has no libdevice (the generated source differs, so its cache key does too)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "@triton.jit\ndef _fast_log2(x):\n    return tl.log2(x)\n"
+    return ("from triton.language.extra import libdevice as _libdevice\n\n\n"
+            "@triton.jit\ndef _fast_log2(x):\n    return _libdevice.fast_log2f(x)\n")
+
+
+def fast_jit_source(graph: Graph, fn_name: str, arg_names: list[str], float_outputs=None) -> str:
+    """:func:`flashfold.kernels.codegen.jit_source` with the :data:`FAST` lowering."""
+    lines, outs = emit(graph, FAST, arg_names)
+    fixed = []
+    for i, (node, expr) in enumerate(zip(graph.outputs, outs)):
+        if node.op == "const":
+            dt = "tl.float32" if (float_outputs is None or float_outputs[i]) else "tl.int32"
+            expr = f"tl.full({arg_names[0]}.shape, {expr}, {dt})"
+        fixed.append(expr)
+    if graph.buffers:
+        raise ValueError(f"{graph.name}: captured buffers are not supported here")
+    ret = "    return " + ", ".join(fixed) + ("," if len(fixed) == 1 else "")
+    return "\n".join(["@triton.jit", f"def {fn_name}({', '.join(arg_names)}):", *lines, ret]) + "\n"
 
 
 def _helpers(monoid: Monoid) -> str:
@@ -84,6 +126,13 @@ def _helpers(monoid: Monoid) -> str:
                f"    return {J(f'tl.sum(tl.where(sel, {x}, 0), AXIS)' for x in xs)},\n")
     out.append(f"@triton.jit\ndef bcast0(ref, {J(xs)}):\n"
                f"    return {J(f'tl.broadcast_to(tl.expand_dims({x}, 0), ref.shape)' for x in xs)},\n")
+    out.append(f"@triton.jit\ndef bcast(ref, {J(xs)}):\n"
+               f"    return {J(f'tl.broadcast_to({x}, ref.shape)' for x in xs)},\n")
+    shifted = J(f"tl.where(idx == 0, {_const(v, f)}, tl.gather({x}, prev, 0))"
+                for x, v, f in zip(xs, monoid.identity, fl))
+    out.append(f"@triton.jit\ndef shift1(idx, {J(xs)}):\n"
+               f"    prev = tl.maximum(idx - 1, 0)\n"
+               f"    return {shifted},\n")
     loads = J(f"tl.load(ptrs[{i}] + offs, mask=mask, other={_const(v, f)})"
               for i, (v, f) in enumerate(zip(monoid.identity, fl)))
     out.append(f"@triton.jit\ndef load_state(ptrs, offs, mask):\n    return {loads},\n")
@@ -97,6 +146,9 @@ def _helpers(monoid: Monoid) -> str:
                 f"    s = select(valid, *s, *identity(x))\n"
                 f"    return reduce_tile(*s, 0)\n")
     out.append(f"@triton.jit\ndef tile_state(x, pos, valid):\n{body}")
+    out.append(_fast_log2_source())
+    out.append(fast_jit_source(monoid.finalize_graph, "finalize_fast",
+                               [f.name for f in fields] + [p for p, _ in monoid.params]))
     return "\n\n".join(out)
 
 
@@ -109,6 +161,7 @@ class ReduceFunctions:
     combine: object
     combine_rev: object
     finalize: object
+    finalize_fast: object
     tile_state: object
     reduce_tile: object
     scan_tile: object
@@ -117,6 +170,8 @@ class ReduceFunctions:
     select: object
     take: object
     bcast0: object
+    bcast: object
+    shift1: object
     load_state: object
     store_state: object
     has_position: bool
@@ -154,9 +209,10 @@ def _reduce_functions(monoid: Monoid) -> ReduceFunctions:
     source = base.source + "\n\n" + _helpers(monoid)
     mod = load_source(source, "reduce_" + _safe(monoid.name))
     fns = ReduceFunctions(
-        monoid, base, mod.lift_xp, mod.combine, mod.combine_rev, mod.finalize, mod.tile_state,
+        monoid, base, mod.lift_xp, mod.combine, mod.combine_rev, mod.finalize, mod.finalize_fast,
+        mod.tile_state,
         mod.reduce_tile, mod.scan_tile, mod.scan_tile_rev, mod.identity, mod.select, mod.take,
-        mod.bcast0, mod.load_state, mod.store_state,
+        mod.bcast0, mod.bcast, mod.shift1, mod.load_state, mod.store_state,
         any(i.domain == "position" for i in monoid.inputs), mod.__file__)
     _CACHE[key] = fns
     return fns
@@ -218,8 +274,8 @@ def row_map(name: str, monoid: Monoid, prep, fmap, n_consts: int) -> RowMap:
                    call=lambda fn, nodes: fn(S(*nodes[:k])), n_outputs=n_consts)
     consts = [f"c{i}" for i in range(n_consts)]
     map_g = trace(fmap, [Var("x")] + [Var(c) for c in consts], f"{name}.map", n_outputs=1)
-    src = (jit_source(prep_g, "prep", list(monoid.field_names)) + "\n\n"
-           + jit_source(map_g, "fmap", ["x"] + consts))
+    src = (_fast_log2_source() + "\n\n" + jit_source(prep_g, "prep", list(monoid.field_names))
+           + "\n\n" + fast_jit_source(map_g, "fmap", ["x"] + consts))
     mod = load_source(src, "rowmap_" + _safe(name))
     rm = RowMap(name, monoid, prep_g, map_g, mod.prep, mod.fmap)
     _MAPS[key] = rm
