@@ -390,42 +390,41 @@ def run_timing(quick, graphs, targets=None, grid=None, copy_elems=2**28):
 
 
 def run_tune():
-    """Split counts and tile configs at the target rows (default mode, contiguous and paged 16)."""
-    print("== tune: GB/s at the target rows")
-    for batch, length in [(8, 8192), (8, 65536)]:
-        c = Cache(batch, length, pages=(16,))
+    """At the target rows, per layout: split counts, TMA vs pointers, PDL, the invariant
+    split size and a few tile configs (GB/s of K and V; eager unless marked)."""
+    print("== tune: GB/s at the target rows (default config unless stated)")
+    configs = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 4), (128, 4, 2), (128, 8, 3)]
+    for batch, length in TARGETS:
+        c = Cache(batch, length, pages=(16, 64))
         nbytes = c.kv_bytes()
-        kp, vp, table = c.paged[16]
-        for paged in (False, True):
-            k, v, t = (kp, vp, table) if paged else (c.k, c.v, None)
-            line = []
-            for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
-                ms = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
-                                                          num_splits=s))
-                line.append(f"{s}:{nbytes / ms / 1e6:.0f}")
-            print(f"  batch {batch} len {length} {'paged16' if paged else 'contig.'} splits -> GB/s  " + "  ".join(line))
-            for pdl in (True, False):
-                for graph in (False, True):
-                    ms = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
-                                                              pdl=pdl), graph)
-                    print(f"    merge launched {'with' if pdl else 'without'} PDL, "
-                          f"{'graph' if graph else 'eager'}: {nbytes / ms / 1e6:5.0f} GB/s")
-            for split in (256, 512, 1024, 2048):
-                ms = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
-                                                          batch_invariant=True, invariant_split=split))
-                print(f"    batch_invariant split {split:4d}: {nbytes / ms / 1e6:5.0f} GB/s")
-            for bn, w, st in [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
-                              (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
+        gbps = lambda ms: f"{nbytes / ms / 1e6:5.0f}"               # noqa: E731
+        for page in (None, 16, 64):
+            k, v, t = (c.k, c.v, None) if page is None else c.paged[page]
+            run = lambda **kw: splitkv.splitkv_decode(c.q, k, v, c.lens, t,   # noqa: E731
+                                                      scale=D ** -0.5, **kw)
+            name = f"batch {batch} len {length} {'contiguous' if page is None else f'paged{page}'}"
+            line = [f"{n}:{gbps(timed(lambda: run(num_splits=n)))}".replace(" ", "")
+                    for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)]
+            print(f"  {name}: splits -> " + " ".join(line))
+            if page in (None, 64):
+                print(f"    TMA {gbps(timed(lambda: run(tma=True)))}, "
+                      f"cp.async pointers {gbps(timed(lambda: run(tma=False)))}")
+            print(f"    merge with PDL {gbps(timed(lambda: run(pdl=True)))} / graph "
+                  f"{gbps(timed(lambda: run(pdl=True), True))}; without "
+                  f"{gbps(timed(lambda: run(pdl=False)))} / graph "
+                  f"{gbps(timed(lambda: run(pdl=False), True))}")
+            print("    batch_invariant split " + ", ".join(
+                f"{sp}: {gbps(timed(lambda: run(batch_invariant=True, invariant_split=sp)))}"
+                for sp in (256, 512, 1024, 2048)))
+            for bn, w, st in configs:
                 cfg = splitkv.DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
                 try:
-                    ms = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
-                                                              config=cfg))
-                    msi = timed(lambda: splitkv.splitkv_decode(c.q, k, v, c.lens, t, scale=D ** -0.5,
-                                                               config=cfg, batch_invariant=True))
-                    print(f"    BLOCK_N {bn:3d} warps {w} stages {st}: default {nbytes / ms / 1e6:5.0f}  "
-                          f"invariant {nbytes / msi / 1e6:5.0f} GB/s")
+                    print(f"    BLOCK_N {bn:3d} warps {w} stages {st}: default "
+                          f"{gbps(timed(lambda: run(config=cfg)))}, invariant "
+                          f"{gbps(timed(lambda: run(config=cfg, batch_invariant=True)))}")
                 except Exception as e:                            # noqa: BLE001
-                    print(f"    BLOCK_N {bn:3d} warps {w} stages {st}: failed {type(e).__name__}")
+                    print(f"    BLOCK_N {bn:3d} warps {w} stages {st}: failed {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:100]}")
         del c
         torch.cuda.empty_cache()
 

@@ -68,3 +68,18 @@ def test_timing_runs_and_prints_the_table(bench, capsys):
     assert "final table" in out and "target (eager)" in out and "target (graph)" in out
     assert "batch_invariant cost over the grid" in out
     assert bench._calls                                       # every method was timed
+
+
+def test_tune_runs(bench, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "TARGETS", [(2, 128)])
+    calls = []
+
+    def fake_decode(q, k, v, lens, table, *, scale, **kw):     # records the knobs tried
+        calls.append(kw)
+        return q, q[..., 0]
+
+    monkeypatch.setattr(bench.splitkv, "splitkv_decode", fake_decode)
+    bench.run_tune()
+    out = capsys.readouterr().out
+    assert "paged16" in out and "TMA" in out and "batch_invariant split" in out
+    assert {"tma": True} in calls and {"pdl": False} in calls and {"num_splits": 32} in calls

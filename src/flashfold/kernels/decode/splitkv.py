@@ -112,7 +112,7 @@ INVARIANT_SPLIT = 512
 #: batch); 64 x 512 B of partials per load, the next tile's loads in flight during a combine
 MERGE_BLOCK = 64
 #: smallest split the default heuristic makes, the most splits it makes, and the split
-#: programs it assumes resident per SM (96-106 registers x 128 threads, 70 KB of shared
+#: programs it assumes resident per SM (~120-150 registers x 128 threads, 70 KB of shared
 #: memory: 3 fit on an H100/H200; counting 2 leaves room for the merge and for skew)
 MIN_SPLIT = 256
 MAX_SPLITS = 128
