@@ -25,8 +25,12 @@ merges correctly with others (:func:`flashfold.merge_states`).
 
 On CUDA the split-KV Triton kernels of :mod:`flashfold.kernels.decode.splitkv` run (keys
 cut into splits across thread blocks, partial states merged by the monoid's generated
-combine); on the CPU the pure-torch reference of :mod:`flashfold.kernels.decode.reference`
+combine; nothing synchronises with the host, so a decode step can be captured in a CUDA
+graph); on the CPU the pure-torch reference of :mod:`flashfold.kernels.decode.reference`
 runs (float32 accumulation; float64 inputs in float64), with the same semantics.
+Environment: ``FLASHFOLD_DECODE_TMA=0`` reads K/V through pointers instead of TMA boxes,
+``FLASHFOLD_DECODE_PDL=0`` launches the merge without programmatic dependent launch (both
+for measurement; the values do not change).
 """
 
 from __future__ import annotations
