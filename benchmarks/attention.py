@@ -501,7 +501,7 @@ def tune():
                             print(f"   d{D} {cfg}: WRONG RESULT")
                             continue
                         tf = flops / _bench(run) / 1e9
-                        mark = "*" if (bm, bn, w, s) == fwd.HOPPER_CONFIGS[D] and tma else " "
+                        mark = "*" if (bm, bn, w, s) == fwd.HOPPER_CONFIGS[(D, causal)] and tma else " "
                         print(f"  {mark} d{D} {'causal' if causal else 'full  '} {str(cfg):<28} "
                               f"{tf:6.0f} TFLOP/s (compile+run {time.time() - t0:.1f}s)", flush=True)
                         if best is None or tf > best[0]:

@@ -24,18 +24,20 @@ def _variants():
     each head dim, the pointer fallback, and every feature flag at least once."""
     from flashfold.kernels.attention.fwd import HOPPER_CONFIGS, FwdConfig
 
-    def cfg(d, tma=True):
-        bm, bn, w, s = HOPPER_CONFIGS[d]
+    def cfg(d, tma=True, causal=False):
+        bm, bn, w, s = HOPPER_CONFIGS[(d, causal)]
         return FwdConfig(bm, bn, w, s, use_tma=tma)
     out = []
     for d in (64, 128, 256):
         out.append((f"d{d}-tma", dict(D=d, config=cfg(d)), True))
+        out.append((f"d{d}-causal-tma", dict(D=d, causal=True, config=cfg(d, causal=True)), True))
     out.append(("d128-pointers", dict(D=128, config=cfg(128, False)), False))
     out.append(("d96-padded-tma", dict(D=96, config=cfg(128)), True))
-    out.append(("d128-causal-fp16", dict(D=128, causal=True, dtype="float16", config=cfg(128)), True))
-    out.append(("d128-window-softcap", dict(D=128, window=(256, 0), softcap=30.0, config=cfg(128)), True))
-    out.append(("d128-everything-tma", dict(D=128, everything=True, config=cfg(128)), True))
-    out.append(("d128-everything-pointers", dict(D=128, everything=True, config=cfg(128, False)), False))
+    out.append(("d128-causal-fp16", dict(D=128, causal=True, dtype="float16", config=cfg(128, causal=True)), True))
+    out.append(("d128-window-softcap", dict(D=128, window=(256, 0), softcap=30.0, config=cfg(128, causal=True)), True))
+    # "everything" has a right bound (window (512, 0)): the causal table entry applies
+    out.append(("d128-everything-tma", dict(D=128, everything=True, config=cfg(128, causal=True)), True))
+    out.append(("d128-everything-pointers", dict(D=128, everything=True, config=cfg(128, False, causal=True)), False))
     out.append(("d64-varlen-blockmask-pointers", dict(D=64, varlen=True, config=cfg(64, False)), False))
     return out
 

@@ -272,7 +272,7 @@ def _kernel_forward(q, k, v, scale, softcap, left, right, smod, mask_mod, mmod, 
         # user tables know only their own bounds: apply ours inside FULL tiles when needed
         full_needs_mask = cu_q is not None or left is not None or right is not None
     elif mmod is not None:
-        cfg = fwd.default_config(q, q.shape[3], DV)
+        cfg = fwd.default_config(q, q.shape[3], DV, causal=right is not None)
         block_mask = cached_block_mask(
             mmod, batch=n_seq, heads=HQ, q_len=seq_q, kv_len=seq_k, block_m=cfg.block_m,
             block_n=cfg.block_n, device=q.device, lens_q=lens_q, lens_k=lens_k,

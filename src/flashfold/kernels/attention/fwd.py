@@ -464,11 +464,17 @@ def _interpreting() -> bool:
 #: Chosen from the FA2 / Triton-tutorial design space and checked (ahead-of-time compile for
 #: sm_90) for zero register spills and shared memory under 227 KB; retune with
 #: ``benchmarks/attention.py --tune`` on the H200.
+#: (block_m, block_n, warps, stages) per (padded head dim, right-bounded i.e. causal);
+#: measured on the H200 with ``benchmarks/attention.py --tune`` (bf16, H=16, N=4096, B=4,
+#: 2026-11-29): d64 full 441 TFLOP/s (BM128-BN64-w8-s3), d64 causal 383 (BM64-BN64-w4-s3),
+#: d128 full 500 (BM128-BN128-w8-s3), d128 causal 449 (BM64-BN64-w4-s3), d256 full 557 /
+#: causal 495 (BM128-BN64-w8-s2). Causal rows prefer 64-row tiles: twice the programs and
+#: half the work wasted on the diagonal tile.
 HOPPER_CONFIGS = {
-    32: (128, 64, 4, 3),
-    64: (128, 64, 4, 3),
-    128: (128, 128, 8, 2),
-    256: (128, 64, 8, 2),
+    (32, False): (128, 64, 4, 3), (32, True): (64, 64, 4, 3),
+    (64, False): (128, 64, 8, 3), (64, True): (64, 64, 4, 3),
+    (128, False): (128, 128, 8, 3), (128, True): (64, 64, 4, 3),
+    (256, False): (128, 64, 8, 2), (256, True): (128, 64, 8, 2),
 }
 #: TMA tensor descriptors for Q/K/V on sm_90+ when strides allow (else plain pointers)
 USE_TMA_DEFAULT = True
@@ -483,12 +489,15 @@ def block_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     return _pow2(head_dim), _pow2(head_dim_v)
 
 
-def default_config(q, head_dim: int, head_dim_v: int) -> FwdConfig:
-    """The launch configuration for these inputs (heuristic; no autotuning)."""
+def default_config(q, head_dim: int, head_dim_v: int, causal: bool = False) -> FwdConfig:
+    """The launch configuration for these inputs (heuristic; no autotuning).
+
+    ``causal``: whether rows have a right bound (causal or a window's right edge).
+    """
     if q.device.type != "cuda" or _interpreting():
         return FwdConfig(16, 16, 4, 1, use_tma=False)
     bd = max(block_dims(head_dim, head_dim_v))
-    bm, bn, warps, stages = HOPPER_CONFIGS[min(max(bd, 32), 256)]
+    bm, bn, warps, stages = HOPPER_CONFIGS[(min(max(bd, 32), 256), bool(causal))]
     major = torch.cuda.get_device_capability(q.device)[0]
     if major < 9:                                 # Ampere and older: smaller stages, no TMA
         return FwdConfig(bm if bd <= 128 else 64, min(bn, 64), warps, 2, use_tma=False)
@@ -575,12 +584,16 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     if B == 0 or HQ == 0 or NQ == 0 or n_seq == 0:
         return o, lse, None
     BD, BDV = block_dims(D, DV)
-    cfg = config or default_config(q, D, DV)
+    cfg = config or default_config(q, D, DV, causal=right is not None)
     if block_mask is not None:
         sm, sn = block_mask.BLOCK_SIZE
         # kernel tiles must divide the block-mask tiles
         cfg = replace(cfg, block_m=min(cfg.block_m, sm), block_n=min(cfg.block_n, sn))
     use_tma = cfg.use_tma and tma_ok(q, k, v)
+    if not use_tma and cfg.num_stages > 2:
+        # pointer loads keep their addresses in registers: a third stage, or 4 warps on
+        # 64-row tiles, spills at 255 registers with every feature on (sm_90, d128)
+        cfg = replace(cfg, num_stages=2, num_warps=max(cfg.num_warps, 8 if cfg.block_m >= 64 else 4))
     if use_tma:
         desc_q = _desc(q, cfg.block_m, BD)
         desc_k = _desc(k, cfg.block_n, BD)
