@@ -32,7 +32,7 @@ def bench(monkeypatch):
     monkeypatch.setattr(mod, "DEV", "cpu")
     monkeypatch.setattr(api, "_use_kernel", lambda t: True)
     monkeypatch.setattr(fwd, "default_config",
-                        lambda q, d, dv: FwdConfig(16, 16, use_tma=fwd.USE_TMA_DEFAULT))
+                        lambda q, d, dv, causal=False: FwdConfig(16, 16, use_tma=fwd.USE_TMA_DEFAULT))
     return mod
 
 

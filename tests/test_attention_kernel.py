@@ -37,7 +37,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(api, "_use_kernel", lambda t: True)
 
     def use(config=FwdConfig(16, 16, use_tma=False)):
-        monkeypatch.setattr(fwd, "default_config", lambda q, d, dv: config)
+        monkeypatch.setattr(fwd, "default_config", lambda q, d, dv, causal=False: config)
     use()
     return use
 
