@@ -190,7 +190,10 @@ def check_non_commutative(quick):
         else:
             close(f"MAX_PREFIX_SUM multi-block scan {tag}", ff.scan(U.MAX_PREFIX_SUM, x, 1),
                   torch.cummax(torch.cumsum(xd, 1), 1).values, torch.float32, cumabs(x, 1)[:, -1:])
-    for shape, sigma in (((BIG // 4, 64), 0.3), ((8, BIG // 2), 0.01)):
+    shapes = [((BIG // 4, 64), 0.3), ((8, BIG // 2), 0.01)]
+    if not quick:
+        shapes.append(((2, MANY // 8), 0.0005))        # long rows: the look-back scan
+    for shape, sigma in shapes:
         x = torch.randn(*shape, device=DEV) * sigma
         st, prefix = numpy_sequential(U.MATMUL2, x)
         mag, mag_prefix = numpy_sequential(U.MATMUL2, x.abs())   # magnitude of the terms
@@ -343,12 +346,23 @@ def variants(copy_gbs):
             ("chunked 8192 w16", C(8192, 1, 1, 16, vec=4)),
             ("block scan 2048 w8", C(2048, 1, 1, 8)), ("block scan 4096 w8", C(4096, 1, 1, 8))]),
     ]
+    xl = torch.randn(1, LONG, device=DEV)
+    cases += [
+        ("cumsum 1xLONG", 2 * xl.numel() * 4, lambda: ff.cumsum(xl, 1), "LOOKBACK", [
+            ("look-back (default)", None), ("reduce-then-scan", False)]),
+        ("logcumsumexp 1xLONG", 2 * xl.numel() * 4, lambda: ff.logcumsumexp(xl, 1), "LOOKBACK", [
+            ("look-back (default)", None), ("reduce-then-scan", False)]),
+        ("cumsum 1xLONG", 2 * xl.numel() * 4, lambda: ff.cumsum(xl, 1), "LOOKBACK_TILES", [
+            ("look-back 2 tiles/chunk", 2), ("look-back 8 tiles/chunk", 8),
+            ("look-back 16 tiles/chunk", 16)]),
+    ]
     for op, b, fn, hook, options in cases:
         for label, cfg in options:
             if cfg is None:
                 ms = bench(fn)
             else:
-                with patched(**{hook: (lambda *a, cfg=cfg: cfg)}):
+                value = cfg if hook.isupper() else (lambda *a, cfg=cfg: cfg)
+                with patched(**{hook: value}):
                     fn()
                     ms = bench(fn)
             gbs = b / ms / 1e6

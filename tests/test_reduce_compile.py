@@ -29,8 +29,12 @@ def compiled():
 
 
 def test_every_variant_compiles_without_spills(compiled):
+    """No spills, except the look-back scans, capped at 128 registers (two programs per
+    SM) at the price of a few spilled bytes (see launch._plan_lookback)."""
     assert len(compiled) >= 30
-    spilled = {k: v["spill_stores"] for k, v in compiled.items() if v["spill_stores"]}
+    spilled = {k: v["spill_stores"] for k, v in compiled.items()
+               if v["spill_stores"] and not (v["kernel"] == "lookback_scan_kernel"
+                                             and v["spill_stores"] <= 64 and v["registers"] <= 128)}
     assert not spilled, spilled
 
 

@@ -165,3 +165,39 @@ def test_reverse_scan_keeps_operand_order():
         for k, field in enumerate(U.MATMUL2.field_names):
             assert_close(out[k][0, i], getattr(want, field), "float32", scale=scale,
                          name=f"suffix {field} at {i}")
+
+
+@pytest.mark.parametrize("monoid", (M.SUM, M.LOGSUMEXP2, M.ARGMAX, U.MAX_PREFIX_SUM, U.MATMUL2),
+                         ids=lambda m: m.name)
+def test_decoupled_look_back(monoid, force, monkeypatch):
+    """Few long rows, forward: one pass, chunks of 2 tiles of 32, ticket order, each chunk
+    folded, published, prefixed by the look-back, scanned again; the last chunk partial.
+    (The interpreter runs programs in ticket order, so it checks the algebra of the
+    look-back, not its concurrency; the benchmark checks it on the GPU.)"""
+    ordered = not monoid.commutative
+    force(scan=C(32, 1, 1, 4, vec=2), split=(3, 64),
+          reduce=C(1, 8, 1, 4) if ordered else C(2, 4, 1, 4))
+    monkeypatch.setattr(L, "LOOKBACK_TILES", 2)
+    x = sample(monoid, (2, 333), seed=9)
+    plan, _ = L.plan_scan(monoid, x, 1)
+    assert [p.kernel.__name__ for p in plan] == ["lookback_scan_kernel"]
+    assert plan[0].grid == (2 * 6,)
+    check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, "look-back")
+
+
+def test_look_back_walks_several_windows(force, monkeypatch):
+    """Only chunk 0 publishes an inclusive prefix: every look-back folds aggregates over
+    windows of 4 predecessors back to it, in order."""
+    force(scan=C(16, 1, 1, 4, vec=2), split=(3, 64), reduce=C(1, 8, 1, 4))
+    monkeypatch.setattr(L, "LOOKBACK_TILES", 1)
+    monkeypatch.setattr(L, "LOOKBACK_WINDOW", 4)
+    orig = L._plan_lookback
+
+    def aggregates_only(*a, **k):
+        plan = orig(*a, **k)
+        plan[0].kwargs["INCLUSIVE"] = False
+        return plan
+    monkeypatch.setattr(L, "_plan_lookback", aggregates_only)
+    for monoid in (U.MAX_PREFIX_SUM, M.SUM):
+        x = sample(monoid, (1, 200), seed=10)                      # 13 chunks
+        check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, "windows")

@@ -143,7 +143,10 @@ def plans():
             ("segment logsumexp2", L.plan_segment_reduce(
                 M.LOGSUMEXP2, torch.empty(10000, 64), torch.tensor([0, 100, 10000]), 0)[0]),
             ("scan logsumexp2 reverse", L.plan_scan(M.LOGSUMEXP2, torch.empty(64, 16384), 1, True)[0]),
-            ("scan sum multi-block 1x2^22", L.plan_scan(M.SUM, torch.empty(1, 2**22), 1)[0]),
+            ("scan sum look-back 1x2^22", L.plan_scan(M.SUM, torch.empty(1, 2**22), 1)[0]),
+            ("scan logcumsumexp look-back 4x2^20", L.plan_scan(R.LOGSUMEXP2_SCAN, torch.empty(4, 2**20), 1)[0]),
+            ("scan affine look-back 1x2^22", L.plan_scan(aff, torch.empty(1, 2**22), 1)[0]),
+            ("scan argmax look-back 1x2^22 bf16", L.plan_scan(M.ARGMAX, torch.empty(1, 2**22, dtype=torch.bfloat16), 1)[0]),
             ("scan affine multi-block reverse", L.plan_scan(aff, torch.empty(1, 2**22), 1, True)[0]),
             ("scan argmax 2^16x7", L.plan_scan(M.ARGMAX, torch.empty(2**16, 7), 1)[0]),
             ("scan sum columns", L.plan_scan(M.SUM, torch.empty(1024, 1024), 0)[0]),

@@ -277,6 +277,43 @@ def _lane_store(outs, fin_args, p, base, n, hi, osn, row_out,
 
 
 @triton.jit
+def _chunk_local(x_ptr, n, hi, sn, row_in,
+                 LIFT_XP: tl.constexpr, COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr,
+                 TAKE: tl.constexpr, VEC: tl.constexpr, MASK_N: tl.constexpr):
+    """Local half of a chunked tile scan: the four in-thread vector scans ``p_r``
+    ([VEC, LANES]), the lane prefixes ``q_1..q_3`` of the vector totals and the
+    inclusive scan of the lane totals across the block ``incl`` ([LANES])."""
+    k_last = tl.arange(0, VEC)[:, None] == VEC - 1
+    p0 = _lane_scan(x_ptr, n, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
+    p1 = _lane_scan(x_ptr, n + VEC, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
+    p2 = _lane_scan(x_ptr, n + 2 * VEC, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
+    p3 = _lane_scan(x_ptr, n + 3 * VEC, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
+    q1 = TAKE(k_last, 0, *p0)                                        # lane prefixes [LANES]
+    q2 = COMBINE(*q1, *TAKE(k_last, 0, *p1))
+    q3 = COMBINE(*q2, *TAKE(k_last, 0, *p2))
+    total = COMBINE(*q3, *TAKE(k_last, 0, *p3))
+    incl = SCAN_TILE(*total, 0, False)                               # across lanes
+    return (p0, p1, p2, p3), (q1, q2, q3), incl
+
+
+@triton.jit
+def _chunk_apply(carry, local, outs, fin_args, n, hi, osn, row_out, lane,
+                 COMBINE: tl.constexpr, BCAST0: tl.constexpr, BCAST: tl.constexpr,
+                 SHIFT1: tl.constexpr, FINALIZE: tl.constexpr, VEC: tl.constexpr,
+                 MASK_N: tl.constexpr):
+    """Apply half: ``out = finalize((carry ⊕ exclusive_lane ⊕ q_r) ⊕ p_r)``."""
+    p, q, incl = local
+    base = COMBINE(*BCAST(q[0][0], *carry), *SHIFT1(lane, *incl))   # carry ⊕ exclusive
+    _lane_store(outs, fin_args, p[0], base, n, hi, osn, row_out, COMBINE, BCAST0, FINALIZE, MASK_N)
+    _lane_store(outs, fin_args, p[1], COMBINE(*base, *q[0]), n + VEC, hi, osn, row_out,
+                COMBINE, BCAST0, FINALIZE, MASK_N)
+    _lane_store(outs, fin_args, p[2], COMBINE(*base, *q[1]), n + 2 * VEC, hi, osn, row_out,
+                COMBINE, BCAST0, FINALIZE, MASK_N)
+    _lane_store(outs, fin_args, p[3], COMBINE(*base, *q[2]), n + 3 * VEC, hi, osn, row_out,
+                COMBINE, BCAST0, FINALIZE, MASK_N)
+
+
+@triton.jit
 def _chunk_scan_step(carry, x_ptr, outs, fin_args, n0, hi, sn, osn, row_in, row_out,
                      LIFT_XP: tl.constexpr, COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr,
                      TAKE: tl.constexpr, BCAST0: tl.constexpr, BCAST: tl.constexpr,
@@ -291,30 +328,115 @@ def _chunk_scan_step(carry, x_ptr, outs, fin_args, n0, hi, sn, osn, row_in, row_
     (3 per lane), one exclusive scan of the lane totals across the block (~10 per lane),
     ``base = carry ⊕ exclusive`` (1 per lane), the vector offsets ``base ⊕ Q_r`` (3 per
     lane) and ``out = (base ⊕ Q_r) ⊕ prefix`` (1 per element). Elements past ``hi``
-    come last in order, so no stored prefix sees them.
+    come last in order, so no stored prefix sees them. Returns the new carry.
     """
-    kk = tl.arange(0, VEC)[:, None]
     lane = tl.arange(0, LANES)
-    n = n0 + lane[None, :] * (4 * VEC) + kk                        # [VEC, LANES]
-    k_last = kk == VEC - 1
-    p0 = _lane_scan(x_ptr, n, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
-    p1 = _lane_scan(x_ptr, n + VEC, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
-    p2 = _lane_scan(x_ptr, n + 2 * VEC, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
-    p3 = _lane_scan(x_ptr, n + 3 * VEC, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
-    q1 = TAKE(k_last, 0, *p0)                                        # lane prefixes [LANES]
-    q2 = COMBINE(*q1, *TAKE(k_last, 0, *p1))
-    q3 = COMBINE(*q2, *TAKE(k_last, 0, *p2))
-    total = COMBINE(*q3, *TAKE(k_last, 0, *p3))
-    incl = SCAN_TILE(*total, 0, False)                               # across lanes
-    base = COMBINE(*BCAST(q1[0], *carry), *SHIFT1(lane, *incl))      # carry ⊕ exclusive
-    _lane_store(outs, fin_args, p0, base, n, hi, osn, row_out, COMBINE, BCAST0, FINALIZE, MASK_N)
-    _lane_store(outs, fin_args, p1, COMBINE(*base, *q1), n + VEC, hi, osn, row_out,
-                COMBINE, BCAST0, FINALIZE, MASK_N)
-    _lane_store(outs, fin_args, p2, COMBINE(*base, *q2), n + 2 * VEC, hi, osn, row_out,
-                COMBINE, BCAST0, FINALIZE, MASK_N)
-    _lane_store(outs, fin_args, p3, COMBINE(*base, *q3), n + 3 * VEC, hi, osn, row_out,
-                COMBINE, BCAST0, FINALIZE, MASK_N)
-    return COMBINE(*carry, *BCAST(carry[0], *TAKE(lane == LANES - 1, 0, *incl)))
+    n = n0 + lane[None, :] * (4 * VEC) + tl.arange(0, VEC)[:, None]  # [VEC, LANES]
+    local = _chunk_local(x_ptr, n, hi, sn, row_in, LIFT_XP, COMBINE, SCAN_TILE, TAKE, VEC, MASK_N)
+    _chunk_apply(carry, local, outs, fin_args, n, hi, osn, row_out, lane,
+                 COMBINE, BCAST0, BCAST, SHIFT1, FINALIZE, VEC, MASK_N)
+    return COMBINE(*carry, *BCAST(carry[0], *TAKE(lane == LANES - 1, 0, *local[2])))
+
+
+@triton.jit
+def _publish(bufs, flags, slot, value, state, STORE_STATE: tl.constexpr):
+    """Write ``state`` ([1] per field) to ``bufs[slot]``, then release ``flags[slot] =
+    value``: the barrier orders every thread's stores before the releasing atomic.
+    Returns the flag's previous value (0 or 1)."""
+    one = tl.arange(0, 1)
+    STORE_STATE(bufs, slot + one, one == 0, *state)
+    tl.debug_barrier()
+    return tl.atomic_xchg(flags + slot, value, sem="release")
+
+
+@triton.jit
+def _look_back(c, row0, aggs, incls, flags,
+               COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr, TAKE: tl.constexpr,
+               LOAD_STATE: tl.constexpr, SELECT: tl.constexpr, IDENTITY: tl.constexpr,
+               W: tl.constexpr):
+    """Decoupled look-back: ``P_0 ⊕ ... ⊕ P_{c-1}`` of the chunks before chunk ``c`` of a
+    row whose flags start at ``row0``. Windows of ``W`` predecessors are read (acquire)
+    until each has published (flag 1: its aggregate, 2: its inclusive prefix); the window
+    is folded in order from its last inclusive prefix, and the search stops there (chunk
+    0 always publishes an inclusive prefix). Predecessors took earlier tickets, so they
+    are running or done: the spin cannot deadlock."""
+    jj = tl.arange(0, W)[:, None]                                     # [W, 1]
+    acc = IDENTITY(tl.zeros([1], tl.float32))
+    j_hi = c
+    while j_hi > 0:
+        j = j_hi - W + jj
+        ok = j >= 0
+        f = tl.atomic_add(flags + row0 + j, 0, mask=ok, sem="acquire")
+        while tl.min(tl.where(ok, f, 1)) == 0:                        # spin until published
+            f = tl.atomic_add(flags + row0 + j, 0, mask=ok, sem="acquire")
+        last = tl.max(tl.where(ok & (f == 2), j, -1), 0)              # [1]: last inclusive
+        use = ok & (j >= last)
+        a = LOAD_STATE(aggs, row0 + j, use & (j > last))
+        b = LOAD_STATE(incls, row0 + j, use & (j == last))
+        s = SELECT(j == last, *b, *a)
+        acc = COMBINE(*TAKE(jj == W - 1, 0, *SCAN_TILE(*s, 0, False)), *acc)
+        j_hi = tl.where(tl.max(last, 0) >= 0, 0, j_hi - W)
+    return acc
+
+
+@triton.jit
+def lookback_scan_kernel(x_ptr, outs, fin_args, aggs, incls, flags, ticket,
+                         N, sn, osn, B1, B2, s0, s1, s2, o0, o1, o2, n_chunks, chunk,
+                         TILE_STATE: tl.constexpr, LIFT_XP: tl.constexpr, COMBINE: tl.constexpr,
+                         REDUCE_TILE: tl.constexpr, SCAN_TILE: tl.constexpr, TAKE: tl.constexpr,
+                         BCAST0: tl.constexpr, BCAST: tl.constexpr, SHIFT1: tl.constexpr,
+                         FINALIZE: tl.constexpr, IDENTITY: tl.constexpr,
+                         LOAD_STATE: tl.constexpr, STORE_STATE: tl.constexpr,
+                         SELECT: tl.constexpr, K: tl.constexpr, LANES: tl.constexpr,
+                         BLOCK: tl.constexpr, VEC: tl.constexpr, W: tl.constexpr,
+                         ORDERED: tl.constexpr, INCLUSIVE: tl.constexpr):
+    """Single-pass forward scan of few long rows (decoupled look-back, Merrill & Garland).
+
+    Each program takes a ticket (so chunks start in order), folds its chunk
+    ``[c·chunk, (c+1)·chunk)`` of row ``r`` with the reduce tiles ``[K, LANES]``, publishes
+    that aggregate, looks back for the prefix of the chunks before it, publishes its
+    inclusive prefix, and scans the chunk again from that prefix with the chunked scan
+    (``BLOCK``-element tiles). The second read of the chunk (a few tens of KB, just read
+    by this program) comes from L2, so HBM sees one read and one write of the data, where
+    reduce-then-scan reads it twice. With INCLUSIVE=False only chunk 0 publishes an
+    inclusive prefix, so every look-back walks back to it (a test of the window loop).
+    """
+    t = tl.atomic_add(ticket, 1)
+    r = t // n_chunks
+    c = t % n_chunks
+    b2 = r % B2
+    q = r // B2
+    b1 = q % B1
+    b0 = q // B1
+    one = tl.zeros([1], tl.int64)
+    row_in = one + b0.to(tl.int64) * s0 + b1.to(tl.int64) * s1 + b2.to(tl.int64) * s2
+    row_out = one + b0.to(tl.int64) * o0 + b1.to(tl.int64) * o1 + b2.to(tl.int64) * o2
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, N)
+    total = _row_state(x_ptr, lo, hi, lo * 0, sn, row_in, one == 0,
+                       TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE, IDENTITY,
+                       K, LANES, 1, False, ORDERED, False)            # [1] per field
+    if c == 0:
+        carry = IDENTITY(tl.zeros([1], tl.float32))
+        _publish(incls, flags, t, 2, total, STORE_STATE)
+    else:
+        _publish(aggs, flags, t, 1, total, STORE_STATE)
+        carry = _look_back(c, r * n_chunks, aggs, incls, flags, COMBINE, SCAN_TILE, TAKE,
+                           LOAD_STATE, SELECT, IDENTITY, W)
+        if INCLUSIVE:
+            _publish(incls, flags, t, 2, COMBINE(*carry, *total), STORE_STATE)
+    SLANES: tl.constexpr = BLOCK // (4 * VEC)
+    end = lo + (hi - lo) // BLOCK * BLOCK
+    start = lo
+    while start < end:
+        carry = _chunk_scan_step(carry, x_ptr, outs, fin_args, start, hi, sn, osn, row_in, row_out,
+                                 LIFT_XP, COMBINE, SCAN_TILE, TAKE, BCAST0, BCAST, SHIFT1,
+                                 FINALIZE, VEC, SLANES, False)
+        start = start + BLOCK
+    if end < hi:
+        _chunk_scan_step(carry, x_ptr, outs, fin_args, end, hi, sn, osn, row_in, row_out,
+                         LIFT_XP, COMBINE, SCAN_TILE, TAKE, BCAST0, BCAST, SHIFT1,
+                         FINALIZE, VEC, SLANES, True)
 
 
 @triton.jit

@@ -43,7 +43,7 @@ from .generated import ReduceFunctions, RowMap, output_kinds, reduce_functions
 __all__ = ["Launch", "Geometry", "geometry", "reduce_config", "scan_config", "normalize_config",
            "split_plan", "states_config", "Config", "plan_reduce", "plan_segment_reduce", "plan_scan", "plan_normalize",
            "launch_reduce", "launch_segment_reduce", "launch_scan", "launch_normalize",
-           "num_sms", "fin_args", "FLOAT_DTYPES"]
+           "num_sms", "fin_args", "FLOAT_DTYPES", "LOOKBACK"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _I31 = 2**31
@@ -438,6 +438,8 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     n_split, chunk = split_plan(g, max(block, rcfg.K * rcfg.LANES), n_prog, num_sms(x.device))
     plan = []
     parts = ()
+    if n_split > 1 and cfg.vec > 0 and not reverse and not _n64(g) and LOOKBACK:
+        return _plan_lookback(fns, x, outs, fargs, g, cfg, rcfg), outs
     if n_split > 1:
         parts = _state_buffers(monoid, g.rows, n_split, x.device)
         gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split))
@@ -459,6 +461,40 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
                   N64=_n64(g), **_opts(cfg))
     plan.append(Launch(K_.scan_kernel, grid, args, kwargs))
     return plan, outs
+
+
+#: few long forward rows scan in one pass with a decoupled look-back (else reduce-then-scan)
+LOOKBACK = True
+#: scan tiles per look-back chunk: the look-back's latency is paid once per chunk
+LOOKBACK_TILES = 4
+#: predecessors read per look-back step
+LOOKBACK_WINDOW = 32
+
+
+def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
+    """Single-pass multi-block scan: chunks of ``LOOKBACK_TILES`` chunked-scan tiles, one
+    program each, ordered by a ticket; see :func:`kernels.lookback_scan_kernel`.
+
+    ``maxnreg=128``: the compiler keeps the second pass's addresses live through the first
+    pass and the look-back (~177 registers for LOGSUMEXP2_SCAN, one program per SM); the
+    cap costs a few bytes of spills and keeps two programs of 8 warps per SM."""
+    block = cfg.K
+    chunk = block * LOOKBACK_TILES
+    n_chunks = -(-g.N // chunk)
+    slots = g.rows * n_chunks
+    flags = torch.zeros(slots + 1, dtype=torch.int32, device=x.device)   # last: the ticket
+    aggs = _state_buffers(fns.monoid, g.rows, n_chunks, x.device)
+    incls = _state_buffers(fns.monoid, g.rows, n_chunks, x.device)
+    args = (x, outs, fargs, aggs, incls, flags, flags[slots:], g.N, g.sn, g.osn, g.B[1], g.B[2],
+            *g.s, *g.o, n_chunks, chunk)
+    kwargs = dict(TILE_STATE=fns.tile_state, LIFT_XP=fns.lift_xp, COMBINE=fns.combine,
+                  REDUCE_TILE=fns.reduce_tile, SCAN_TILE=fns.scan_tile, TAKE=fns.take,
+                  BCAST0=fns.bcast0, BCAST=fns.bcast, SHIFT1=fns.shift1,
+                  FINALIZE=fns.finalize_fast, IDENTITY=fns.identity, LOAD_STATE=fns.load_state,
+                  STORE_STATE=fns.store_state, SELECT=fns.select, K=rcfg.K, LANES=rcfg.LANES,
+                  BLOCK=block, VEC=cfg.vec, W=LOOKBACK_WINDOW, ORDERED=_is_ordered(fns.monoid),
+                  INCLUSIVE=True, **_opts(Config(cfg.K, 1, 1, cfg.num_warps, maxnreg=128)))
+    return [Launch(K_.lookback_scan_kernel, (slots,), args, kwargs)]
 
 
 def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
