@@ -14,18 +14,38 @@ two always suffice.
 
 Performance reasoning (H200: 132 SMs, HBM3e ~4.8 TB/s, copy measured 4.25 TB/s)
 --------------------------------------------------------------------------------
-* Long rows (``N >= 1024``, the reduced dim contiguous): one row per program, tiles of
-  ``K x LANES`` with ``LANES = 16 B / elem x 32 x num_warps`` (one 16-byte vector per
-  thread and lane group) and ``K`` such that a tile is 8K elements (32 KB fp32): each
-  thread issues ``K`` independent 16-byte loads per tile, the block lift reduces them in
-  registers, the lane accumulators are combined elementwise; the only cross-warp
-  reduction is one per row. For LOGSUMEXP2 that is ``1 + 2/K`` exp2 per element
-  (MUFU budget at 4 TB/s fp32: ~4 per element).
-* Few long rows (``programs < 2·SMs``): split-K, chunks of whole tiles, partial states
-  to an fp32 scratch ``[rows, n_split]`` per field, then a second ``FROM_STATES`` pass.
-* Short rows: ``LANES = 1``, ``K = next_pow2(N)``, many rows per program.
-* Reduced dim strided but rows contiguous (reducing dim 0 of a row-major matrix):
-  ``ROWS`` contiguous rows per program, vectorized along them; axis 0 (K) in registers.
+16K x 16K fp32 is 1 GiB: a reduction at 3.8 TB/s takes 0.28 ms, a scan or softmax (read
++ write) 0.57 ms. Per SM at ~1.9 GHz that is ~1.9 fp32 elements per clock for scans and
+maps (3.8 for reductions), against 16 SFU ops (exp2/lg2/rcp) and 4 warp-instructions
+(128 thread-instructions) per clock: at most ~8 exp2 and ~65 instructions per element
+for a scan, half that for a reduction, and less in practice (issue is never perfect).
+Instruction counts below are read off the sm_90 SASS (:mod:`.aot`).
+
+* Long rows (``N >= 1024``, reduced dim contiguous): one row per program, tiles
+  ``[K, LANES]`` with ``LANES = 16 B/elem x 32 x warps`` (one 16-byte vector per thread
+  and lane group) and 8K-element tiles (``K = 8`` fp32): ``K`` independent 16-byte loads
+  per thread per tile, the block lift in registers, lane accumulators combined
+  elementwise, one cross-warp reduction per row. SASS per element: SUM 1.6
+  instructions, LOGSUMEXP2 6.8 (1.25 exp2), WELFORD 5.8, ARGMAX 8.5; 42-83 registers,
+  2-5 programs (16-40 warps, 64-160 KB of loads in flight) per SM: memory-bound.
+* Few rows (``programs < 2·SMs``): split-K, chunks of whole tiles, partial states to a
+  ``[rows, n_split]`` scratch, then an in-order ``FROM_STATES`` pass.
+* Short rows: ``LANES = 1``, ``K = next_pow2(N)``, ``K·ROWS = 1024`` elements per program.
+* Reduced dim strided, rows contiguous (dim 0 of a row-major matrix): ``ROWS``
+  contiguous rows per program, vectorized along them, ``K`` in registers.
+* Softmax: rows up to 16K fp32 / 32K 16-bit elements are fused (read once, kept in
+  registers, written once): 16 warps x 32 values per thread, ``maxnreg=64`` for two
+  programs per SM; ~19 instructions and 2.8 SFU ops per element. Longer rows: a
+  statistics loop and a map loop (the re-read likely from L2); few long rows: split.
+* Scans, forward, long contiguous rows: the chunked scan (lanes own four 4-element
+  vectors, ~2.75 combines per element against ~5 for ``tl.associative_scan`` plus a
+  carry): cumsum 8.7 instructions per element, logcumsumexp 45 with the one-exp2 combine
+  (LOGSUMEXP2_SCAN) and ``lg2.approx`` in the finalize (71 and 12 exp2/element with the
+  two-exp2 combine and libdevice's log2). Reverse scans load in reversed order (scalar,
+  still coalesced) and use the block scan with a swapped combine.
+* Scans of few long rows: a single pass with a decoupled look-back (chunks of
+  ``LOOKBACK_TILES`` tiles, ticket-ordered; the chunk is folded, then re-read from L2 and
+  scanned), so HBM sees one read and one write; reverse ones reduce-then-scan (1.5x).
 """
 
 from __future__ import annotations
@@ -86,8 +106,15 @@ def geometry(shape, in_strides, out_strides, dim) -> Geometry | None:
     """Merge the batch dims of ``shape`` around ``dim``; ``None`` if more than three remain.
 
     ``out_strides`` has the full rank; its entry at ``dim`` is the output stride along the
-    dim (scans, maps) or anything (reductions, where the dim disappears).
+    dim (scans, maps) or anything (reductions, where the dim disappears). Memoized: the
+    host time of a launch matters for small problems.
     """
+    return _geometry(tuple(int(v) for v in shape), tuple(int(v) for v in in_strides),
+                     tuple(int(v) for v in out_strides), int(dim))
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(shape, in_strides, out_strides, dim) -> Geometry | None:
     groups = _merge(shape, in_strides, out_strides, dim)
     if len(groups) > 3:
         return None
@@ -327,11 +354,16 @@ def _reduced_out_strides(x: torch.Tensor, dim: int):
 
 
 def _contig_strides(shape):
+    return list(_contig_strides_t(tuple(int(v) for v in shape)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _contig_strides_t(shape):
     st, acc = [], 1
     for s in reversed(list(shape)):
         st.append(acc)
         acc *= max(int(s), 1)
-    return list(reversed(st))
+    return tuple(reversed(st))
 
 
 def _pblock(n_split: int, rows: int) -> int:
