@@ -29,7 +29,17 @@ A scan tile is ``[BLOCK, ROWS]``, scanned along axis 0, with the running state o
 row carried across tiles: ``out = carry ⊕ scan(tile)``. A reverse scan loads the tile
 in reversed element order and scans with the swapped combine ``(a, b) -> b ⊕ a``, so
 ``out_i = x_i ⊕ (x_{i+1} ⊕ ...)`` keeps operand order without
-``associative_scan(reverse=True)``.
+``associative_scan(reverse=True)``. Forward scans of long contiguous rows use the
+*chunked* tile instead (:func:`_chunk_scan_step`: each thread owns four consecutive
+vectors, ~2.75 combines per element). Few long rows scan in one pass with a decoupled
+look-back (:func:`lookback_scan_kernel`); reverse ones reduce-then-scan (``SPLIT``).
+
+Row maps (softmax): ``y = fmap(x, *prep(state))`` with the row state from the reduce
+machinery (:func:`normalize_kernel`).
+
+Loops over runtime bounds are ``while`` loops (the interpreter cannot take a runtime
+``range`` bound under NumPy >= 2.3) and never use ``+=`` on tensors (the interpreter
+updates in place, so an alias such as ``start = lo`` would move ``lo`` too).
 
 Offsets: row bases are int64; offsets along the reduced dim are int32 unless ``N64``
 (set by the launcher when ``N·|sn|`` can pass 2^31).

@@ -565,7 +565,13 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
     return plan, y
 
 
-def _run(plan):
+def _run(plan, device=None):
+    """Run the launches in order, on ``device`` (Triton launches on the current device)."""
+    if device is not None and torch.device(device).type == "cuda":
+        with torch.cuda.device(device):
+            for launch in plan:
+                launch()
+        return
     for launch in plan:
         launch()
 
@@ -573,26 +579,26 @@ def _run(plan):
 def launch_reduce(monoid, x, dim, params=None):
     """Outputs of ``monoid`` reduced over ``dim`` of ``x`` (a tuple, batch shape)."""
     plan, outs = plan_reduce(monoid, x, dim, params)
-    _run(plan)
+    _run(plan, x.device)
     return outs
 
 
 def launch_segment_reduce(monoid, x, offsets, dim, params=None):
     """Outputs per segment (a tuple; ``dim`` replaced by the segments)."""
     plan, outs = plan_segment_reduce(monoid, x, offsets, dim, params)
-    _run(plan)
+    _run(plan, x.device)
     return outs
 
 
 def launch_scan(monoid, x, dim, reverse=False, params=None, out_dtype=None):
     """Finalized inclusive scan outputs (a tuple, shaped like ``x``)."""
     plan, outs = plan_scan(monoid, x, dim, reverse, params, out_dtype)
-    _run(plan)
+    _run(plan, x.device)
     return outs
 
 
 def launch_normalize(rowmap, x, dim, out_dtype=None):
     """``map(x, *prep(state(row)))`` along ``dim``."""
     plan, y = plan_normalize(rowmap, x, dim, out_dtype)
-    _run(plan)
+    _run(plan, x.device)
     return y
