@@ -329,3 +329,14 @@ def test_fuzz_against_reference(c):
                               case.seqlens.cpu(), **c["mods"])
     assert_close(o, ro, torch.float16, name="o")
     assert_close(lse, rl, "float32", name="lse")
+
+
+def test_tma_eligibility():
+    k = torch.zeros(2, 4, 64, 32, dtype=torch.float16)
+    assert splitkv._tma_eligible(k, k, None, 64)
+    assert not splitkv._tma_eligible(k.transpose(1, 2).contiguous().transpose(1, 2),
+                                     k, None, 64)                  # heads inside tokens
+    assert not splitkv._tma_eligible(k[..., :31], k, None, 64)     # 62-byte rows
+    pages = torch.zeros(8, 64, 4, 32, dtype=torch.float16)
+    assert splitkv._tma_eligible(pages, pages, 64, 64) and splitkv._tma_eligible(pages, pages, 64, 32)
+    assert not splitkv._tma_eligible(pages[:, :16], pages[:, :16], 16, 64)   # 4 pages per tile

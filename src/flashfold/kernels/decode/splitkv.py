@@ -510,7 +510,9 @@ def _tma_default(device: torch.device) -> bool:
 
 def _tma_eligible(k: torch.Tensor, v: torch.Tensor, page_size: int | None, block_n: int) -> bool:
     """Whether TMA boxes can read the cache: unit last stride, 16-byte aligned base and
-    strides (of dims longer than 1), and for pages, a key tile inside one page."""
+    strides (of dims longer than 1), dims nested in row-major order (any other layout, e.g.
+    a (batch, seq, heads, dim) tensor viewed as (batch, heads, seq, dim), reads through
+    pointers), and for pages, a key tile inside one page."""
     if TensorDescriptor is None or (page_size is not None and page_size % block_n):
         return False
     for t in (k, v):
@@ -518,6 +520,9 @@ def _tma_eligible(k: torch.Tensor, v: torch.Tensor, page_size: int | None, block
         if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.shape[-1] * es) % 16:
             return False
         if any(st == 0 or (st * es) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            return False
+        dims = [(st, n) for st, n in zip(t.stride(), t.shape) if n > 1]
+        if any(outer < inner * n for (outer, _), (inner, n) in zip(dims, dims[1:])):
             return False
     return True
 
