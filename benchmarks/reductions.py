@@ -2,7 +2,7 @@
 
 Run on the GPU machine from the repository root::
 
-    PYTHONPATH=src python benchmarks/reductions.py            # ~2-3 min with compiles
+    PYTHONPATH=src python benchmarks/reductions.py            # ~3 min, ~90 kernel compiles
     PYTHONPATH=src python benchmarks/reductions.py --quick    # fp32 16K rows only
 
 1. Correctness at real sizes against float64 torch on the GPU, with the tolerance table
@@ -117,7 +117,7 @@ def check_conveniences(x, tag, dim=1):
 
 
 def check_edges(dt):
-    n = min(3000, 4 * BIG)
+    n = BIG                                            # the 16K configs: no new compiles
     x = torch.randn(64, n, device=DEV).to(dt)
     x[:8] = NINF                                       # all -inf rows
     x[8:16, :n - 1] = NINF                             # one finite element
@@ -213,9 +213,10 @@ def correctness(quick):
     print("== correctness on the GPU (vs float64, tolerances of flashfold.testing) ==")
     torch.manual_seed(0)
     for dt in ((torch.float32,) if quick else (torch.float32, torch.bfloat16, torch.float16)):
-        x = (torch.randn(BIG, BIG, device=DEV) * 3).to(dt)
-        check_conveniences(x, f"{BIG}x{BIG} {str(dt)[6:]}")
-        del x
+        if dt != torch.float16:                      # fp16: edge rows only (compile time)
+            x = (torch.randn(BIG, BIG, device=DEV) * 3).to(dt)
+            check_conveniences(x, f"{BIG}x{BIG} {str(dt)[6:]}")
+            del x
         check_edges(dt)
     if not quick:
         for shape, dim in (((1, LONG), 1), ((MANY, 7), 1), ((BIG // 4, WIDE), 1), ((BIG, BIG // 4), 0)):
@@ -329,22 +330,18 @@ def variants(copy_gbs):
     cases = [
         ("logsumexp", nb, lambda: ff.logsumexp(x, 1), "reduce_config", [
             ("K=8 L=1024 w8 (default)", None), ("K=4 L=1024 w8", C(4, 1024, 1, 8)),
-            ("K=16 L=512 w4", C(16, 512, 1, 4)), ("K=4 L=2048 w16", C(4, 2048, 1, 16))]),
+            ("K=16 L=512 w4", C(16, 512, 1, 4))]),
         ("softmax", 2 * nb, lambda: ff.softmax(x, 1), "normalize_config", [
             ("fused w16 maxnreg64 (default)", None),
-            ("fused w16", (C(8, 2048, 1, 16), True)),
+            ("fused w16 no register cap", (C(8, 2048, 1, 16), True)),
             ("fused w8 K=16", (C(16, 1024, 1, 8), True)),
-            ("fused w32 K=4", (C(4, 4096, 1, 32), True)),
-            ("two loops K=8 w8", (C(8, 1024, 1, 8), False)),
-            ("two loops K=8 L=512 w4", (C(8, 512, 1, 4), False))]),
+            ("two loops K=8 w8", (C(8, 1024, 1, 8), False))]),
         ("cumsum", 2 * nb, lambda: ff.cumsum(x, 1), "scan_config", [
             ("chunked 4096 w8 (default)", None), ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4)),
-            ("chunked 8192 w16", C(8192, 1, 1, 16, vec=4)),
-            ("block scan 2048 w8", C(2048, 1, 1, 8)), ("block scan 4096 w8", C(4096, 1, 1, 8))]),
+            ("block scan 2048 w8", C(2048, 1, 1, 8))]),
         ("logcumsumexp", 2 * nb, lambda: ff.logcumsumexp(x, 1), "scan_config", [
-            ("chunked 4096 w8 (default)", None), ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4)),
-            ("chunked 8192 w16", C(8192, 1, 1, 16, vec=4)),
-            ("block scan 2048 w8", C(2048, 1, 1, 8)), ("block scan 4096 w8", C(4096, 1, 1, 8))]),
+            ("chunked 4096 w8 (default)", None), ("chunked 8192 w16", C(8192, 1, 1, 16, vec=4)),
+            ("block scan 2048 w8", C(2048, 1, 1, 8))]),
     ]
     xl = torch.randn(1, LONG, device=DEV)
     cases += [
@@ -353,8 +350,7 @@ def variants(copy_gbs):
         ("logcumsumexp 1xLONG", 2 * xl.numel() * 4, lambda: ff.logcumsumexp(xl, 1), "LOOKBACK", [
             ("look-back (default)", None), ("reduce-then-scan", False)]),
         ("cumsum 1xLONG", 2 * xl.numel() * 4, lambda: ff.cumsum(xl, 1), "LOOKBACK_TILES", [
-            ("look-back 2 tiles/chunk", 2), ("look-back 8 tiles/chunk", 8),
-            ("look-back 16 tiles/chunk", 16)]),
+            ("look-back 2 tiles/chunk", 2), ("look-back 8 tiles/chunk", 8)]),
     ]
     for op, b, fn, hook, options in cases:
         for label, cfg in options:
@@ -382,6 +378,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fp32 16K rows only, fewer checks")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness section")
+    ap.add_argument("--no-variants", action="store_true", help="skip the heuristic variants")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU run at tiny sizes through the interpreter (tests this script)")
     args = ap.parse_args()
@@ -403,7 +400,7 @@ def main():
         correctness(args.quick)
         print(f"  [{time.time() - t0:.0f} s]")
     res = timings(args.quick, copy_gbs)
-    if not args.quick and not args.smoke:
+    if not (args.quick or args.smoke or args.no_variants):
         variants(copy_gbs)
     print(f"\n== summary (copy {copy_gbs:.0f} GB/s in this run) ==")
     print("| op | shape | dtype | flashfold ms | GB/s | % copy | torch ms | torch GB/s | speedup |")

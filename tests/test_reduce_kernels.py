@@ -17,6 +17,8 @@ order-sensitive checks on the GPU.
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashfold.monoids as M
 from flashfold.kernels.reduce import launch as L
@@ -201,3 +203,20 @@ def test_unordered_lanes_would_break_a_non_commutative_monoid(force, monkeypatch
 def test_vector_monoids_are_rejected():
     with pytest.raises(ValueError, match="monoid"):
         L.launch_reduce(M.ATTENTION, torch.randn(2, 3), 1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_random_shapes_dims_and_strides(data):
+    """Hypothesis: any rank (1-4), sizes 1-9, any dim, permuted and sliced views: the
+    geometry merges what it may, reads through strides, and matches the reference."""
+    rank = data.draw(st.integers(1, 4), label="rank")
+    shape = data.draw(st.lists(st.integers(1, 9), min_size=rank, max_size=rank), label="shape")
+    perm = data.draw(st.permutations(range(rank)), label="perm")
+    step = data.draw(st.integers(1, 2), label="step")
+    monoid = data.draw(st.sampled_from((M.LOGSUMEXP2, M.ARGMAX, U.MAX_PREFIX_SUM, M.WELFORD)),
+                       label="monoid")
+    base = sample(monoid, [s * step for s in shape], seed=data.draw(st.integers(0, 99)))
+    x = base[tuple(slice(None, None, step) for _ in shape)].permute(*perm)
+    dim = data.draw(st.integers(-rank, rank - 1), label="dim")
+    check(monoid, L.launch_reduce(monoid, x, dim), x, dim % rank, name="hypothesis")

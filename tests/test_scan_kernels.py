@@ -11,6 +11,8 @@ it, or after it when reversed).
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashfold as ff
 import flashfold.monoids as M
@@ -201,3 +203,20 @@ def test_look_back_walks_several_windows(force, monkeypatch):
     for monoid in (U.MAX_PREFIX_SUM, M.SUM):
         x = sample(monoid, (1, 200), seed=10)                      # 13 chunks
         check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, "windows")
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_random_shapes_dims_and_strides(data):
+    """Hypothesis: any rank (1-3), sizes 1-12, any dim, forward or reverse, permuted and
+    sliced views."""
+    rank = data.draw(st.integers(1, 3), label="rank")
+    shape = data.draw(st.lists(st.integers(1, 12), min_size=rank, max_size=rank), label="shape")
+    perm = data.draw(st.permutations(range(rank)), label="perm")
+    step = data.draw(st.integers(1, 2), label="step")
+    monoid = data.draw(st.sampled_from((M.SUM, M.LOGSUMEXP2, M.ARGMIN, U.MATMUL2)), label="monoid")
+    reverse = data.draw(st.booleans(), label="reverse")
+    base = sample(monoid, [s * step for s in shape], seed=data.draw(st.integers(0, 99)))
+    x = base[tuple(slice(None, None, step) for _ in shape)].permute(*perm)
+    dim = data.draw(st.integers(-rank, rank - 1), label="dim") % rank
+    check(monoid, L.launch_scan(monoid, x, dim, reverse), x, dim, reverse, "hypothesis")

@@ -38,7 +38,8 @@ def to_numpy64(x: torch.Tensor) -> np.ndarray:
 
 def _outs(values) -> tuple:
     values = values if isinstance(values, tuple) else (values,)
-    return tuple(torch.from_numpy(np.ascontiguousarray(v)) for v in values)
+    # np.array, not np.ascontiguousarray, which turns a 0-d result into shape (1,)
+    return tuple(torch.from_numpy(np.array(v)) for v in values)
 
 
 def _elements_first(monoid: Monoid, x: torch.Tensor, dim: int) -> np.ndarray:
