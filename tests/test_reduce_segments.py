@@ -6,7 +6,6 @@ along dim 0 of packed rows ``(total, features)`` and along the last dim, and the
 non-commutative user monoids (segments folded left to right).
 """
 
-import numpy as np
 import pytest
 import torch
 

@@ -51,7 +51,9 @@ from ..kernels.reduce import reference as _ref
 from ..monoids import ARGMAX, ARGMIN, LOGSUMEXP2, SUM, WELFORD
 
 __all__ = ["reduce", "segment_reduce", "scan", "logsumexp", "softmax", "var_mean", "argmax",
-           "argmin", "cumsum", "logcumsumexp", "SOFTMAX_MAP", "LOGSUMEXP2_SCAN"]
+           "argmin", "cumsum", "logcumsumexp", "LOGSUMEXP2_SCAN"]
+# SOFTMAX_MAP (softmax's traced prep/map, for the kernels and their tests) is built on
+# first access through the module's __getattr__: tracing it generates source.
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -156,9 +156,13 @@ def plans():
                 M.SUM, torch.empty(2**20, 256), torch.arange(0, 2**20 + 1, 2**14), 0)[0]),
             ("softmax 2^16x7", L.plan_normalize(R.SOFTMAX_MAP, torch.empty(2**16, 7, dtype=f32), 1)[0]),
         ]
+        L.LOOKBACK = False
+        out.append(("scan logcumsumexp reduce-then-scan 1x2^22",
+                    L.plan_scan(R.LOGSUMEXP2_SCAN, torch.empty(1, 2**22), 1)[0]))
         return out
     finally:
         L.num_sms = L_sms
+        L.LOOKBACK = True
 
 
 def main(argv=None) -> int:

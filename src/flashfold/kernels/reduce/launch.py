@@ -367,8 +367,10 @@ def _contig_strides_t(shape):
 
 
 def _pblock(n_split: int, rows: int) -> int:
-    """States folded per step of a carry loop: [PBLOCK, ROWS] <= 4096 values per field."""
-    return max(1, min(_p2(n_split), 1024, 4096 // rows)) if n_split > 1 else 1
+    """States folded per step of a carry loop, [PBLOCK, ROWS]: at most 32 x ROWS <= 4096.
+    (With 256 or more, ptxas compiled the chunked LOGSUMEXP2 scan into 32 registers and
+    6 KB of spills; 32 gives ~90 registers and none. The loop is a few steps anyway.)"""
+    return max(1, min(_p2(n_split), 32, 4096 // rows)) if n_split > 1 else 1
 
 
 _DUMMIES: dict = {}
