@@ -2,12 +2,12 @@
 
 Run on the GPU machine from the repository root::
 
-    PYTHONPATH=src python benchmarks/reductions.py            # ~3 min, ~90 kernel compiles
+    PYTHONPATH=src python benchmarks/reductions.py            # ~3-4 min, ~130 kernel compiles
     PYTHONPATH=src python benchmarks/reductions.py --quick    # fp32 16K rows only
 
 1. Correctness at real sizes against float64 torch on the GPU, with the tolerance table
    of :mod:`flashfold.testing` (same rule as ``assert_close``): every convenience on
-   16K x 16K (fp32, bf16, fp16), the awkward shapes (1 x 2^26 split-K / multi-block,
+   16K x 16K (fp32, bf16; fp16: -inf rows), the awkward shapes (1 x 2^26 split-K / multi-block,
    2^20 x 7, 4096 x 12345, dim 0), rows that are all -inf, rows of length 1, empty dims,
    and the non-commutative user monoids of ``tests/user_monoids.py`` against sequential
    folds (MAX_PREFIX_SUM: a closed form in float64; MATMUL2: a NumPy left fold), which
@@ -127,6 +127,8 @@ def check_edges(dt):
     close(f"softmax {tag}", ff.softmax(x, 1), torch.softmax(xd, 1), dt)
     close(f"logcumsumexp {tag}", ff.logcumsumexp(x, 1), torch.logcumsumexp(xd, 1), dt, rowmax(x, 1))
     equal(f"argmax {tag}", ff.argmax(x, 1), torch.argmax(x, 1))
+    if dt == torch.float16:                            # -inf rows only (compile time)
+        return
     one = torch.randn(4096, 1, device=DEV).to(dt)
     tag = f"length-1 rows {str(dt)[6:]}"
     close(f"logsumexp {tag}", ff.logsumexp(one, 1), torch.logsumexp(one.double(), 1), dt)

@@ -509,9 +509,10 @@ def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
     """Single-pass multi-block scan: chunks of ``LOOKBACK_TILES`` chunked-scan tiles, one
     program each, ordered by a ticket; see :func:`kernels.lookback_scan_kernel`.
 
-    ``maxnreg=128``: the compiler keeps the second pass's addresses live through the first
-    pass and the look-back (~177 registers for LOGSUMEXP2_SCAN, one program per SM); the
-    cap costs a few bytes of spills and keeps two programs of 8 warps per SM."""
+    ``maxnreg=128`` for states of up to two fields: the compiler keeps the second pass's
+    addresses live through the first pass and the look-back (~177 registers for
+    LOGSUMEXP2_SCAN, one program per SM); the cap costs a few bytes of spills and keeps
+    two programs of 8 warps per SM. Larger states would spill heavily: no cap."""
     block = cfg.K
     chunk = block * LOOKBACK_TILES
     n_chunks = -(-g.N // chunk)
@@ -519,6 +520,7 @@ def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
     flags = torch.zeros(slots + 1, dtype=torch.int32, device=x.device)   # last: the ticket
     aggs = _state_buffers(fns.monoid, g.rows, n_chunks, x.device)
     incls = _state_buffers(fns.monoid, g.rows, n_chunks, x.device)
+    cap = 128 if len(fns.monoid.fields) <= 2 else None      # 4-field states would spill
     args = (x, outs, fargs, aggs, incls, flags, flags[slots:], g.N, g.sn, g.osn, g.B[1], g.B[2],
             *g.s, *g.o, n_chunks, chunk)
     kwargs = dict(TILE_STATE=fns.tile_state, LIFT_XP=fns.lift_xp, COMBINE=fns.combine,
@@ -527,7 +529,7 @@ def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
                   FINALIZE=fns.finalize_fast, IDENTITY=fns.identity, LOAD_STATE=fns.load_state,
                   STORE_STATE=fns.store_state, SELECT=fns.select, K=rcfg.K, LANES=rcfg.LANES,
                   BLOCK=block, VEC=cfg.vec, W=LOOKBACK_WINDOW, ORDERED=_is_ordered(fns.monoid),
-                  INCLUSIVE=True, **_opts(Config(cfg.K, 1, 1, cfg.num_warps, maxnreg=128)))
+                  INCLUSIVE=True, **_opts(Config(cfg.K, 1, 1, cfg.num_warps, maxnreg=cap)))
     return [Launch(K_.lookback_scan_kernel, (slots,), args, kwargs)]
 
 
