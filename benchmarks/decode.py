@@ -26,7 +26,10 @@ Run (H200, from the repository root)::
    as a CUDA-graph replay (``--no-graphs``: eager only; ``--quick``: graphs on the target
    rows only), the same for flashfold and the peers: graphs remove the host's launch
    overhead (Python, argument binding) from all of them, which dominates the small rows.
-   Metric: bytes of K and V read, ``2 * batch * heads_kv * length * head_dim * 2``,
+   The target rows are also timed after a *read* flush of L2 (``[clean]``: do_bench's
+   flush writes 256 MB, and the dirty lines it leaves are written back during the timed
+   call, ~12 us for every method, ~15% of an 8K x batch 8 call). Metric: bytes of K and V
+   read, ``2 * batch * heads_kv * length * head_dim * 2``,
    divided by the time (the same bytes for every method, whatever it actually moves),
    next to a device-to-device copy measured in the same run (read + write bytes).
 """
@@ -214,9 +217,35 @@ def run_checks(chk: Checker, quick=False):
 
 # --- timing ---------------------------------------------------------------------------------
 
-def timed(fn, graph=False, rep=100):
-    """Median ms of ``fn`` (do_bench); with ``graph`` the call is captured in a CUDA graph
-    once and the replay is timed."""
+_FLUSH = {}
+
+
+def _clean_bench(call, reps=60):
+    """Median ms of ``call`` after evicting L2 with a *read* of 256 MB (clean lines), where
+    do_bench's flush *writes* 256 MB: the ~50 MB of dirty lines it leaves in L2 are written
+    back during the timed call (~12 us at the DRAM limit), a tax on every method that
+    weighs on short calls (8K x batch 8: ~15%)."""
+    buf = _FLUSH.get("buf")
+    if buf is None:
+        buf = _FLUSH["buf"] = torch.ones(2**26, device=DEV, dtype=torch.float32)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for _ in range(3):
+        call()
+    for i in range(reps):
+        buf.sum()
+        starts[i].record()
+        call()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def timed(fn, graph=False, rep=100, clean=False):
+    """Median ms of ``fn``: do_bench (L2 flushed by a write between calls), or with
+    ``clean`` the read-flushed loop of :func:`_clean_bench`; with ``graph`` the call is
+    captured in a CUDA graph once and the replay is timed."""
     fn()
     torch.cuda.synchronize()
     call = fn
@@ -231,6 +260,8 @@ def timed(fn, graph=False, rep=100):
         with torch.cuda.graph(g):
             fn()
         call = g.replay
+    if clean:
+        return _clean_bench(call)
     return triton.testing.do_bench(call, warmup=25, rep=rep, return_mode="median")
 
 
@@ -275,17 +306,17 @@ def copy_gbps(n=2**28):
     return 2 * a.numel() * 4 / ms / 1e6
 
 
-def time_row(batch, length, pages, graphs, copy, with_peers=True):
+def time_row(batch, length, pages, graphs, copy, with_peers=True, clean=False):
     from torch.nn.attention import SDPBackend
 
     c = Cache(batch, length, pages=pages)
     nbytes = c.kv_bytes()
     res = {}
 
-    def add(name, fn, graph):
-        key = name + (" [graph]" if graph else "")
+    def add(name, fn, graph, cleaned=False):
+        key = name + (" [clean]" if cleaned else " [graph]" if graph else "")
         try:
-            ms = timed(fn, graph)
+            ms = timed(fn, graph, clean=cleaned)
             res[key] = nbytes / ms / 1e6                         # GB/s
         except Exception as e:                                    # noqa: BLE001
             res[key] = None
@@ -310,6 +341,15 @@ def time_row(batch, length, pages, graphs, copy, with_peers=True):
                     k, v = gather_kv_padded(kp, vp, table, length)
                     return sdpa(flash, c.q, k, v)()
                 add(f"sdpa paged p{p}", paged_sdpa, graph)
+    if clean:                 # graph replays after a read flush (clean L2), for every method
+        add("flashfold", lambda: c.decode(), True, True)
+        add("flashfold inv", lambda: c.decode(batch_invariant=True), True, True)
+        for p in pages:
+            add(f"flashfold p{p}", lambda p=p: c.decode(p), True, True)
+            add(f"flashfold inv p{p}", lambda p=p: c.decode(p, batch_invariant=True), True, True)
+        if with_peers:
+            add("sdpa flash", sdpa(SDPBackend.FLASH_ATTENTION, c.q, c.k, c.v), True, True)
+            add("sdpa cudnn", sdpa(SDPBackend.CUDNN_ATTENTION, c.q, c.k, c.v), True, True)
     plan = splitkv.plan(c.q.shape, HKV, length, length, None, c.q.device,
                         splitkv.default_config(D, DT, None))
     del c
@@ -342,7 +382,8 @@ def run_timing(quick, graphs, targets=None, grid=None, copy_elems=2**28):
         is_target = (batch, length) in targets
         pages = (16, 64) if (is_target or not quick) else (16,)
         t = time.time()
-        res, splits = time_row(batch, length, pages, graphs and (is_target or not quick), copy)
+        res, splits = time_row(batch, length, pages, graphs and (is_target or not quick), copy,
+                               clean=is_target)
         rows.append((batch, length, splits, res))
         print(f"  batch {batch:3d} len {length:6d} ({splits:2d} splits, {time.time() - t:4.1f}s): "
               + ", ".join(f"{k} {fmt(v, 0)}" for k, v in res.items()))
@@ -354,20 +395,21 @@ def run_timing(quick, graphs, targets=None, grid=None, copy_elems=2**28):
            f"{'/flash':>6} {'/cuDNN':>6} {'p16/pg':>6}")
     print(hdr)
     print("-" * len(hdr))
-    worst_cost, verdicts = 0.0, []
+    worst, verdicts = {}, []
     for batch, length, splits, r in rows:
-        for suffix in ("", " [graph]"):
+        for suffix in ("", " [graph]", " [clean]"):
             ffd = r.get("flashfold" + suffix)
             if ffd is None and suffix:
                 continue
             inv = r.get("flashfold inv" + suffix)
             cost = 1 - inv / ffd if (inv and ffd) else None
+            mode = suffix.strip(" []") or "eager"
             for p in (16, 64):
                 a, b = r.get(f"flashfold p{p}" + suffix), r.get(f"flashfold inv p{p}" + suffix)
                 if a and b:
-                    worst_cost = max(worst_cost, 1 - b / a)
+                    worst[mode] = max(worst.get(mode, -1.0), 1 - b / a)
             if cost is not None:
-                worst_cost = max(worst_cost, cost)
+                worst[mode] = max(worst.get(mode, -1.0), cost)
             fl, cu, pg = (r.get("sdpa flash" + suffix), r.get("sdpa cudnn" + suffix),
                           r.get("sdpa paged p16" + suffix))
             print(f"{batch:5d} {length:6d} {splits:3d} | {fmt(ffd)} {fmt(100 * ffd / copy if ffd else None, 4)} "
@@ -375,9 +417,9 @@ def run_timing(quick, graphs, targets=None, grid=None, copy_elems=2**28):
                   f"{fmt(r.get('flashfold p16' + suffix))} {fmt(r.get('flashfold p64' + suffix))} "
                   f"{fmt(r.get('flashfold inv p16' + suffix))} | {fmt(fl)} {fmt(cu)} {fmt(pg)} | "
                   f"{ratio(ffd, fl):>6} {ratio(ffd, cu):>6} {ratio(r.get('flashfold p16' + suffix), pg):>6}"
-                  f"{'  graph' if suffix else ''}")
+                  f"{'  ' + suffix.strip(' []') if suffix else ''}")
             if (batch, length) in targets:
-                verdicts.append((batch, length, ffd, cu, "graph" if suffix else "eager"))
+                verdicts.append((batch, length, ffd, cu, suffix.strip(" []") or "eager"))
     print()
     for batch, length, ffd, cu, mode in verdicts:
         if length == 8192:
@@ -385,8 +427,9 @@ def run_timing(quick, graphs, targets=None, grid=None, copy_elems=2**28):
                   f"{'PASS' if ffd and ffd >= 3800 else 'FAIL'} ({fmt(ffd, 0)} GB/s)")
         print(f"  target ({mode}): batch {batch} len {length} >= SDPA cuDNN: "
               f"{'PASS' if ffd and cu and ffd >= cu else 'FAIL'} (ratio {ratio(ffd, cu).strip()})")
-    print(f"  batch_invariant cost over the grid (worst row, contiguous and paged): {100 * worst_cost:.1f}% "
-          f"({'PASS' if worst_cost <= 0.10 else 'FAIL'} at <= 10%)")
+    for mode, w in worst.items():
+        print(f"  batch_invariant cost over the grid ({mode}; worst row, contiguous and paged): "
+              f"{100 * w:.1f}% ({'PASS' if w <= 0.10 else 'FAIL'} at <= 10%)")
 
 
 def run_tune():

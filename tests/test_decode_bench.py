@@ -36,6 +36,18 @@ def bench(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
     monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    class _Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
     orig_gen = torch.Generator
     monkeypatch.setattr(torch, "Generator", lambda device=None: orig_gen())
     calls = []
@@ -66,7 +78,7 @@ def test_timing_runs_and_prints_the_table(bench, capsys):
     bench.run_timing(False, True, targets=[(2, 64)], grid=[(1, 32)], copy_elems=1024)
     out = capsys.readouterr().out
     assert "final table" in out and "target (eager)" in out and "target (graph)" in out
-    assert "batch_invariant cost over the grid" in out
+    assert "target (clean)" in out and "batch_invariant cost over the grid (graph" in out
     assert bench._calls                                       # every method was timed
 
 

@@ -193,7 +193,7 @@ def test_split_kv_is_merge_states_of_attention_chunks():
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_batch_invariant_bitwise(paged):
+def test_batch_invariant_bitwise(paged, monkeypatch):
     """The same sequence alone, and among other sequences in batches of other sizes, page
     tables and capacities: bitwise the same output (and the single-split path, used when
     the capacity fits one split, writes the same bits as the merged path)."""
@@ -217,12 +217,19 @@ def test_batch_invariant_bitwise(paged):
         assert torch.equal(o, outs[0][0]) and torch.equal(lse, outs[0][1])
     o, lse, _ = run(target, paged, batch_invariant=True, invariant_split=split)
     assert torch.equal(o[0], outs[0][0])
-    # a length bound below the true length: fewer split programs, each looping over
-    # several splits: the same splits, the same bits
+    # a length bound below the true length: fewer split programs, each folding a run of
+    # several splits (flushing each as it ends): the same splits, the same bits
     o, lse, launch = run(target, paged, batch_invariant=True, invariant_split=split,
                          max_seqlen=70)
-    assert launch.plan.n_splits == 2 < launch.plan.ws_splits
+    assert launch.plan.n_splits < launch.plan.ws_splits
     assert torch.equal(o[0], outs[0][0]) and torch.equal(lse[0], outs[0][1])
+    # however the occupancy heuristic cuts the splits into per-program runs (it sees the
+    # batch), every split is folded alike: 1, 2 or 3 programs over the 4 splits
+    for programs in (2, 3, 4):
+        monkeypatch.setattr(splitkv, "choose_num_splits", lambda *a, n=programs, **k: n)
+        o, lse, launch = run(target, paged, batch_invariant=True, invariant_split=split)
+        assert launch.plan.n_splits == programs
+        assert torch.equal(o[0], outs[0][0]) and torch.equal(lse[0], outs[0][1])
     # one split covering the whole capacity (no merge pass) == the merged path, bit for bit
     short = make_case([50], heads_q=4, heads_kv=2, q_len=2, head_dim=32, capacity=50,
                       dtype=torch.float32, device=DEVICE, seed=2)
@@ -276,6 +283,9 @@ def test_choose_num_splits():
     assert 2 <= s <= 16 and 64 * s >= sms
     # a large batch already fills the GPU: no split (no merge pass)
     assert splitkv.choose_num_splits(256 * 8, 4096, sms) == 1
+    # 512 programs are 1.3 waves of 396: the last third of a wave cannot saturate DRAM,
+    # two splits make 2.6 waves whose last one can
+    assert splitkv.choose_num_splits(64 * 8, 8192, sms) == 2
     # batch 1: many splits, bounded by the length / MIN_SPLIT and by MAX_SPLITS
     assert splitkv.choose_num_splits(8, 512, sms) == 512 // splitkv.MIN_SPLIT
     assert splitkv.choose_num_splits(8, 1 << 20, sms) <= splitkv.MAX_SPLITS

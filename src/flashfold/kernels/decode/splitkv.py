@@ -15,10 +15,11 @@ by its own program, and the states are folded:
 1. **split kernel**, grid ``(batch * heads_kv * m_blocks, splits)``: a program loads the
    query rows of *all* query heads of its GQA group (``group * q_len`` rows, padded to
    ``BLOCK_M >= 16`` for ``tl.dot``) once, then streams its split of K and V in tiles of
-   ``BLOCK_N`` keys, software-pipelined: through TMA boxes on sm_90 when the cache allows
-   (contiguous, or pages a multiple of ``BLOCK_N`` tokens), else ``cp.async`` with int64
-   pointer offsets (pages gathered through ``block_table``; the page numbers of a tile are
-   read one tile ahead so the K/V loads pipeline like contiguous ones). Tiles every row
+   ``BLOCK_N`` keys, software-pipelined: ``cp.async`` with int64 pointer offsets and an L2
+   ``evict_first`` hint (K/V are read once; pages gathered through ``block_table``, the
+   page numbers of a tile read one tile ahead so the K/V loads pipeline like contiguous
+   ones), or, opt-in, TMA boxes (contiguous caches, or pages a multiple of ``BLOCK_N``
+   tokens). Tiles every row
    sees entirely run without masks; only the tiles at the window's left edge and at the
    sequence end / causal diagonal are masked (and there, with TMA, rows past the sequence
    are zeroed: a cache slot may hold anything). Per tile, ``S = Q K^T`` on the tensor
@@ -56,13 +57,15 @@ of a group can see start at ``lo = max(0, n_b - q_len - window_left)``.
   depends on ``S``, i.e. on the batch: the default mode's rounding is batch-dependent.
 * ``batch_invariant``: split ``s`` of a sequence covers keys
   ``[c (floor(lo / c) + s), c (floor(lo / c) + s + 1))`` with the constant
-  ``c = INVARIANT_SPLIT``. The splits, the tiles inside them (tiles start at multiples
-  of ``BLOCK_N``), the kernel configuration (a function of head_dim, dtype, page size,
-  group and q_len only) and the merge bracketing then depend only on the sequence, so its
-  output is bitwise the same in any batch. The grid has one split program per split the
-  capacity allows (or fewer when the caller gives a length bound, each program then
-  looping over splits ``s, s + S, ...``): either way only the set of programs that find
-  no work changes with the batch.
+  ``c = INVARIANT_SPLIT``. The grid's split programs are still chosen by occupancy (the
+  same heuristic), but each program folds a run of *whole* fixed splits and flushes every
+  split as it ends: the split's partial is written and the state reset to the identity,
+  so each split is folded from the identity over its own tiles whichever program, run or
+  grid it lands in. The splits, the tiles inside them (tiles start at multiples of
+  ``BLOCK_N``), the kernel configuration (a function of head_dim, dtype, page size, group
+  and q_len only) and the merge bracketing then depend only on the sequence: its output
+  is bitwise the same in any batch, at the cost of a few more partials to write and merge
+  (not of more, shorter programs).
 
 Workspace: partials ``o`` fp32 ``(batch, heads_q, q_len, ws, head_dim)`` and ``lse``
 ``(batch, heads_q, q_len, ws)``, contiguous, ``ws`` splits reserved per row; only the
@@ -84,6 +87,7 @@ on the host: nothing here synchronises, so a decode step can be captured in a CU
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -111,12 +115,14 @@ INVARIANT_SPLIT = 512
 #: partial states per merge tile (fixed: the merge's bracketing must not depend on the
 #: batch); 64 x 512 B of partials per load, the next tile's loads in flight during a combine
 MERGE_BLOCK = 64
-#: smallest split the default heuristic makes, the most splits it makes, and the split
-#: programs it assumes resident per SM (~120-150 registers x 128 threads, 70 KB of shared
-#: memory: 3 fit on an H100/H200; counting 2 leaves room for the merge and for skew)
+#: smallest split the default heuristic makes, the most splits it makes, the split programs
+#: resident per SM (~120-150 registers x 128 threads, 70 KB of shared memory: 3 fit on an
+#: H100/H200), and the programs per SM that saturate DRAM (measured on the H200: 256
+#: programs of 4 splits x 8 kv heads x batch 8 streamed 4.54 TB/s at 128K keys)
 MIN_SPLIT = 256
 MAX_SPLITS = 128
-CTAS_PER_SM = 2
+CTAS_PER_SM = 3
+SATURATING_PER_SM = 2.0
 #: "unbounded" window side, as an int32 the kernels can subtract from positions
 NO_WINDOW = 1 << 30
 
@@ -176,17 +182,21 @@ def _kv_rows(BT, b, n0, end, stride_btb, stride_btp,
 
 @triton.jit
 def _kv_step(q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+             OP, LSEP, ws_row, row_ok, base, split_size,
              stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-             stride_btp, win_left, qk_scale, cap_in, cap_out,
+             stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
              Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
-             USE_TMA: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-             WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             USE_TMA: tl.constexpr, MASKED: tl.constexpr, FLUSH: tl.constexpr,
+             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold the key tile ``[n0, n0 + BLOCK_N)`` into the base-2 state ``(m, d, o)``.
 
     ``page``: the page(s) of this tile (paged caches); returns the state and the page(s) of
     the next tile. Unmasked tiles (``MASKED=False``) hold keys every row sees, all below
-    ``end``."""
+    ``end``. With ``FLUSH`` (fixed splits of ``split_size`` keys from ``base``), a tile that
+    ends a split writes the split's partial ``(o, lse)`` (the monoid's finalize) to the
+    workspace and resets the state to the identity, so every split is folded from the
+    identity over its own tiles, whichever program and key range it is part of."""
     offs_n = n0 + tl.arange(0, BLOCK_N)                                  # [BN] key positions
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < end
@@ -212,9 +222,9 @@ def _kv_step(q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base,
             v_off = b * stride_vb + offs_n.to(tl.int64) * stride_vn
         kv_ok = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_base + k_off[:, None] + offs_d[None, :] * stride_kd, mask=kv_ok,
-                    other=0.0)                                           # [BN, BD]
+                    other=0.0, eviction_policy="evict_first")           # [BN, BD]
         v = tl.load(v_base + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_ok,
-                    other=0.0)                                           # [BN, BD]
+                    other=0.0, eviction_policy="evict_first")           # [BN, BD]
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)           # [BM, BN]
     if SOFTCAP:
         s = _tanh(s * cap_in) * cap_out            # cap tanh(scale qk / cap) log2 e
@@ -233,26 +243,42 @@ def _kv_step(q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base,
     p = tl.exp2(s - pivot[:, None])                                      # [BM, BN]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FLUSH:
+        done = ((n0 + BLOCK_N - base) % split_size == 0) | (n0 + BLOCK_N >= end)
+        if done:
+            out, lse = FINALIZE(m_new[:, None] * 0.6931471805599453, l_i[:, None], acc)
+            ws = ws_row + (n0 - base) // split_size                      # [BM] int64
+            tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], out,
+                     mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+            tl.store(LSEP + ws[:, None], lse, mask=row_ok[:, None])
+        m_new = tl.where(done, float("-inf"), m_new)
+        l_i = tl.where(done, 0.0, l_i)
+        acc = tl.where(done, 0.0, acc)
     return m_new, l_i, acc, page
 
 
 @triton.jit
-def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, start, end, seqlen,
+def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base,
+            split_size, start, end, seqlen,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, qk_scale, cap_in, cap_out,
+            stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
             Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-            PAGED: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
-            WINDOW: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            PAGED: tl.constexpr, USE_TMA: tl.constexpr, FLUSH: tl.constexpr,
+            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_STAGES: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
     """Base-2 state ``(m, d, o)`` of the rows ``q`` [BM, BD] over the keys ``[start, end)``
-    (``start`` a multiple of BLOCK_N; no key when ``start >= end``).
+    (``start`` a multiple of BLOCK_N; no key when ``start >= end``); with ``FLUSH`` the
+    partial of every fixed split is written on the way (see :func:`_kv_step`).
 
     Three runs of tiles: ``[start, lo)`` masked (keys left of some row's window),
     ``[lo, hi)`` unmasked (every key visible to every row: below ``end`` and below the
     first row's causal bound ``seqlen - q_len``), ``[hi, end)`` masked (the sequence end
-    and the causal diagonal of speculative rows). Paged: the pages of the *next* tile are
-    read one tile ahead, so a tile's K/V addresses never wait on a load of the same
-    iteration and the K/V loads pipeline with NUM_STAGES - 1 tiles in flight."""
+    and the causal diagonal of speculative rows). A tile's run depends on its position and
+    the sequence only, and a masked step on a fully visible tile computes the same values
+    as an unmasked one. Paged: the pages of the *next* tile are read one tile ahead, so a
+    tile's K/V addresses never wait on a load of the same iteration and the K/V loads
+    pipeline with NUM_STAGES - 1 tiles in flight."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                 # base-2 running max
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -274,49 +300,25 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, start, end, seqlen
         for n0 in tl.range(start, lo, BLOCK_N, num_stages=1):
             m_i, l_i, acc, page = _kv_step(
                 q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
-                stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-                stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
-                BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, True, SOFTCAP, WINDOW, DOT_PRECISION)
+                OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
+                stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
+                cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
+                USE_TMA, True, FLUSH, SOFTCAP, WINDOW, DOT_PRECISION)
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         m_i, l_i, acc, page = _kv_step(
             q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
-            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
-            BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, False, SOFTCAP, WINDOW, DOT_PRECISION)
+            OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
+            stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
+            cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
+            USE_TMA, False, FLUSH, SOFTCAP, WINDOW, DOT_PRECISION)
     for n0 in tl.range(hi, end, BLOCK_N, num_stages=1):
         m_i, l_i, acc, page = _kv_step(
             q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
-            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
-            BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, True, SOFTCAP, WINDOW, DOT_PRECISION)
+            OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
+            stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
+            cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
+            USE_TMA, True, FLUSH, SOFTCAP, WINDOW, DOT_PRECISION)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _partial(c, q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, row_ok,
-             base, size, seqlen, n_used, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-             stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
-             FINALIZE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
-             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_STAGES: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
-    """Split ``c`` of a sequence -> its partial ``(o_c, lse_c)`` in the workspace (nothing
-    when ``c >= n_used``)."""
-    start = base + c * size
-    m_i, l_i, acc = _attend(
-        q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, start,
-        tl.minimum(start + size, seqlen), seqlen, stride_kb, stride_kn, stride_kd, stride_vb,
-        stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
-        Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, SOFTCAP, WINDOW,
-        NUM_STAGES, DOT_PRECISION)
-    # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
-    out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
-    offs_d = tl.arange(0, BLOCK_D)
-    ws = ws_row + c
-    tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :] & (c < n_used))
-    tl.store(LSEP + ws[:, None], lse, mask=row_ok[:, None] & (c < n_used))
 
 
 # --- kernels ----------------------------------------------------------------------------
@@ -336,7 +338,7 @@ def _splitkv_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
         FIXED_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-        WRITE_FINAL: tl.constexpr, LOOP_SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
+        WRITE_FINAL: tl.constexpr, NUM_STAGES: tl.constexpr,
         DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:       # the merge kernel may be scheduled once every split program has begun
         gdc_launch_dependents()
@@ -364,41 +366,41 @@ def _splitkv_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)       # [BM, BD]
     k_base = K + h * stride_kh
     v_base = V + h * stride_vh
+    ws_row = ((b * (heads_kv * GROUP) + hq) * Q_LEN + qi) * ws_splits   # [BM] int64
 
     if WRITE_FINAL:                                # one split: the whole sequence, no merge
-        m_i, l_i, acc = _attend(
-            q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, base, seqlen, seqlen,
-            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_M,
-            BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, SOFTCAP, WINDOW, NUM_STAGES,
-            DOT_PRECISION)
+        start = base
+        end = seqlen
+    elif FIXED_SPLIT:
+        # this program's run of whole fixed splits; each is flushed as it ends, so how the
+        # runs are cut (from the batch, through the grid) never changes a split's bits
+        per = tl.cdiv(n_used, n_splits)
+        start = base + tl.program_id(1) * per * size
+        end = tl.minimum(start + per * size, seqlen)
+    else:
+        start = base + tl.program_id(1) * size
+        end = tl.minimum(start + size, seqlen)
+    m_i, l_i, acc = _attend(
+        q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base,
+        size, start, end, seqlen, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
+        stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE,
+        Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA,
+        FIXED_SPLIT and not WRITE_FINAL, SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+    if WRITE_FINAL or not FIXED_SPLIT:
         # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
         out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
-        tl.store(O + b * stride_ob + hq[:, None] * stride_oh + qi[:, None] * stride_om
-                 + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(LSE + (b * (heads_kv * GROUP) + hq[:, None]) * Q_LEN + qi[:, None], lse,
-                 mask=row_ok[:, None])
-    else:
-        ws_row = ((b * (heads_kv * GROUP) + hq) * Q_LEN + qi) * ws_splits   # [BM] int64
-        if LOOP_SPLITS:
-            # fewer split programs than a sequence may have splits (batch-invariant mode
-            # with a length bound below the capacity): splits c, c + n_splits, ...; a
-            # split's result never depends on which program computed it
-            for c in range(tl.program_id(1), n_used, n_splits):
-                _partial(c, q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row,
-                         row_ok, base, size, seqlen, n_used, stride_kb, stride_kn, stride_kd,
-                         stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
-                         qk_scale, cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M,
-                         BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, SOFTCAP, WINDOW,
-                         NUM_STAGES, DOT_PRECISION)
+        if WRITE_FINAL:
+            tl.store(O + b * stride_ob + hq[:, None] * stride_oh + qi[:, None] * stride_om
+                     + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(LSE + (b * (heads_kv * GROUP) + hq[:, None]) * Q_LEN + qi[:, None], lse,
+                     mask=row_ok[:, None])
         else:
-            _partial(tl.program_id(1), q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP,
-                     LSEP, ws_row, row_ok, base, size, seqlen, n_used, stride_kb, stride_kn,
-                     stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp,
-                     win_left, qk_scale, cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, SOFTCAP, WINDOW, NUM_STAGES,
-                     DOT_PRECISION)
+            work = tl.program_id(1) < n_used
+            ws = ws_row + tl.program_id(1)
+            tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], out,
+                     mask=row_ok[:, None] & d_ok[None, :] & work)
+            tl.store(LSEP + ws[:, None], lse, mask=row_ok[:, None] & work)
 
 
 @triton.jit
@@ -462,26 +464,44 @@ def default_config(head_dim: int, dtype: torch.dtype, page_size: int | None) -> 
 
 
 def _pow2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(int(n)))
+    return max(least, 1 << max(0, int(n) - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_num_splits(programs: int, kv_len: int, num_sms: int, ctas_per_sm: int = CTAS_PER_SM,
-                      min_split: int = MIN_SPLIT, max_splits: int = MAX_SPLITS) -> int:
+                      saturating_per_sm: float = SATURATING_PER_SM, min_split: int = MIN_SPLIT,
+                      max_splits: int = MAX_SPLITS) -> int:
     """Number of splits for ``programs`` (batch x heads_kv x row blocks) over ``kv_len`` keys.
 
-    Fill the GPU: among ``1 .. min(max_splits, ceil(kv_len / min_split))`` splits, take the
-    smallest whose wave efficiency ``w / ceil(w)`` (``w = programs * splits / slots``,
-    ``slots = num_sms * ctas_per_sm``) is within 85% of the best: fewer splits mean fewer
-    partials to write and merge, a full last wave means no idle SMs.
+    A bandwidth model: ``slots = num_sms * ctas_per_sm`` programs run at once, and
+    ``sat = num_sms * saturating_per_sm`` of them already saturate DRAM. With ``s`` splits
+    there are ``n = programs * s`` programs of ``kv_len / s`` keys each, run in waves of at
+    most ``slots``; a wave of ``c`` programs takes ``max(1, c / sat)`` program-times (fewer
+    than ``sat`` programs cannot use all the bandwidth, more share it). Efficiency is the
+    ideal time ``n / sat`` program-times over the modelled one; take the fewest splits
+    (fewest partials to merge) within 90% of ideal, else the best, among
+    ``1 .. min(max_splits, ceil(kv_len / min_split))``.
     """
     limit = max(1, min(max_splits, -(-max(kv_len, 1) // min_split)))
     slots = max(1, num_sms * ctas_per_sm)
-    effs = []
+    sat = max(1.0, num_sms * saturating_per_sm)
+    best, best_eff = 1, -1.0
     for s in range(1, limit + 1):
-        waves = programs * s / slots
-        effs.append(waves / math.ceil(waves))
-    best = max(effs)
-    return next(s for s, e in enumerate(effs, start=1) if e >= 0.85 * best)
+        n = programs * s
+        full, rest = divmod(n, slots)
+        waves = full * max(1.0, slots / sat) + (max(1.0, rest / sat) if rest else 0.0)
+        eff = (n / sat) / waves              # ideal / modelled, in program-times
+        if eff >= 0.9:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+@functools.cache
+def _attention_fns():
+    """ATTENTION's generated Triton functions (generated once per process)."""
+    return triton_monoid(ATTENTION)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -490,22 +510,24 @@ def _num_sms(device: torch.device) -> int:
     return 132                                   # the interpreter: plan as for an H100/H200
 
 
+@functools.lru_cache(maxsize=64)
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _pdl_default(device: torch.device) -> bool:
     """Programmatic dependent launch of the merge: CUDA, Hopper or newer, not disabled by
     ``FLASHFOLD_DECODE_PDL=0``."""
-    if (device.type != "cuda" or gdc_wait is None
-            or os.environ.get("FLASHFOLD_DECODE_PDL", "1") == "0"):
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return (device.type == "cuda" and gdc_wait is not None
+            and os.environ.get("FLASHFOLD_DECODE_PDL", "1") != "0" and _hopper(device))
 
 
 def _tma_default(device: torch.device) -> bool:
-    """K/V through TMA descriptors: CUDA, Hopper or newer, not disabled by
-    ``FLASHFOLD_DECODE_TMA=0``."""
-    if (device.type != "cuda" or TensorDescriptor is None
-            or os.environ.get("FLASHFOLD_DECODE_TMA", "1") == "0"):
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """K/V through TMA descriptors: opt-in (``FLASHFOLD_DECODE_TMA=1``) on Hopper or newer.
+    The cp.async pointer path is the default: it streamed 4.54 TB/s on the H200 (at the
+    DRAM limit) and carries an L2 ``evict_first`` hint that the TMA load cannot."""
+    return (device.type == "cuda" and TensorDescriptor is not None
+            and os.environ.get("FLASHFOLD_DECODE_TMA", "0") == "1" and _hopper(device))
 
 
 def _tma_eligible(k: torch.Tensor, v: torch.Tensor, page_size: int | None, block_n: int) -> bool:
@@ -565,8 +587,9 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
             raise ValueError(f"invariant split {invariant_split} is not a multiple of "
                              f"BLOCK_N={config.block_n}")
         ws = max(1, -(-capacity // invariant_split))       # every length <= capacity fits
-        n = max(1, -(-span // invariant_split) + (window_left is not None))
-        return SplitPlan(min(n, ws), ws, invariant_split, ws == 1, block_m, m_blocks)
+        most = min(ws, max(1, -(-span // invariant_split) + (window_left is not None)))
+        n = min(most, choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device)))
+        return SplitPlan(n, ws, invariant_split, ws == 1, block_m, m_blocks)
     if num_splits is None:
         num_splits = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device))
     n = int(num_splits)
@@ -622,7 +645,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bound = capacity if max_seqlen is None else max(0, min(int(max_seqlen), capacity))
     p = plan(q.shape, heads_kv, capacity, bound, left, q.device, config, num_splits=num_splits,
              batch_invariant=batch_invariant, invariant_split=invariant_split)
-    tm = triton_monoid(ATTENTION)
+    tm = _attention_fns()
     block_d = _pow2(head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads_q, q_len), dtype=torch.float32, device=q.device)
@@ -635,14 +658,18 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            device=q.device)
     win_left = NO_WINDOW if left is None else int(left)
     pdl = _pdl_default(q.device) if pdl is None else bool(pdl)
-    tma_ok = _tma_eligible(k_cache, v_cache, page_size if paged else None, config.block_n)
+    page_arg = page_size if paged else None
     if tma is None:             # 16-bit caches (an fp32 tile through TMA spills registers)
-        tma = _tma_default(q.device) and q.dtype != torch.float32 and tma_ok
-    use_tma = bool(tma)
-    if use_tma and not tma_ok:
-        raise ValueError("tma=True: the cache cannot be read through TMA descriptors (unit "
-                         "last stride, 16-byte aligned base and strides, pages a multiple of "
-                         f"BLOCK_N={config.block_n})")
+        use_tma = (_tma_default(q.device) and q.dtype != torch.float32
+                   and _tma_eligible(k_cache, v_cache, page_arg, config.block_n))
+    elif tma:
+        if not _tma_eligible(k_cache, v_cache, page_arg, config.block_n):
+            raise ValueError("tma=True: the cache cannot be read through TMA descriptors (unit "
+                             "last stride, 16-byte aligned base and strides, pages a multiple "
+                             f"of BLOCK_N={config.block_n})")
+        use_tma = True
+    else:
+        use_tma = False
     if use_tma:
         box = [1, config.block_n, 1, block_d] if paged else [1, 1, config.block_n, block_d]
         k_desc, v_desc = _descriptor(k_cache, box), _descriptor(v_cache, box)
@@ -665,7 +692,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   PAGE_SIZE=page_size, PAGED=paged, USE_TMA=use_tma,
                   FIXED_SPLIT=batch_invariant,
                   SOFTCAP=bool(softcap), WINDOW=left is not None, WRITE_FINAL=p.write_final,
-                  LOOP_SPLITS=p.n_splits < p.ws_splits, NUM_STAGES=config.num_stages,
+                  NUM_STAGES=config.num_stages,
                   USE_PDL=pdl and not p.write_final,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   num_warps=config.num_warps * (2 if p.block_m >= 64 else 1),
@@ -697,8 +724,8 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     override the tiles and the batch-invariant split size, ``pdl`` the programmatic
     dependent launch of the merge (default: on for CUDA sm_90+ unless
     ``FLASHFOLD_DECODE_PDL=0``), ``tma`` the K/V loads through TMA descriptors (default:
-    on for CUDA sm_90+ when the cache allows it, unless ``FLASHFOLD_DECODE_TMA=0``; both
-    paths give the same values) -- benchmarks and tests. Returns
+    off, on with ``FLASHFOLD_DECODE_TMA=1`` for caches TMA can address; both paths give
+    the same values) -- benchmarks and tests. Returns
     ``(o, lse)``: ``o`` (batch, heads_q, q_len, head_dim) in ``q.dtype``, ``lse``
     (batch, heads_q, q_len) float32.
     """
