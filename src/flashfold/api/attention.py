@@ -34,8 +34,21 @@ IR and compiled into the kernel (see :mod:`flashfold.kernels.attention.mods`; he
 :mod:`flashfold.mods`). A mask_mod is summarized once per tile into a :class:`BlockMask`
 (cached), so tiles it hides are skipped and tiles it fully shows skip the mask.
 
-Backward (autograd) is not implemented yet on CUDA (issue 5): CUDA inputs that require
-grad raise ``NotImplementedError``; the CPU path is differentiable through torch.
+Backward: ``attention`` is differentiable with respect to ``q``, ``k``, ``v`` (and through
+the returned ``lse``) on every device. When gradients are needed, or under
+``torch.compile``, it calls the ``torch.library`` custom op ``flashfold::attn_fwd`` whose
+registered backward ``flashfold::attn_bwd`` runs the Triton backward kernels on CUDA
+(:mod:`flashfold.kernels.attention.bwd`: FlashAttention-2 schedule, ``P`` recomputed
+from the saved LSE) and a blocked backward with the same math on CPU
+(:func:`flashfold.kernels.attention.autograd.backward_reference`); see
+:mod:`flashfold.kernels.attention.autograd`. ``torch.compile(fullgraph=True)`` traces it
+without graph breaks (mods: create them once outside the compiled step; a new mod
+function object recompiles). Gradients of a score_mod flow through its traced expression
+(:func:`flashfold.algebra.autodiff.derivative`); captured tables get no gradient; double
+backward is not supported. ``deterministic=True`` gives bitwise reproducible gradients
+(no atomics); by default, on sm_90 for plain/causal/window attention with head dim <= 128,
+dQ is accumulated with fp32 atomic adds (TMA reduce-add), whose order varies between
+runs (last-bit differences only).
 """
 
 from __future__ import annotations
@@ -123,7 +136,7 @@ def _check_positive(name, x):
     return x
 
 
-def _check_cu(name, cu, total, device):
+def _check_cu(name, cu, total, device, values=True):
     _check_tensor(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {cu.dtype}")
@@ -132,6 +145,8 @@ def _check_cu(name, cu, total, device):
                          f"{tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    if not values:                              # under torch.compile: no host sync here
+        return None
     vals = cu.tolist()                          # one host sync: lengths drive the launch grid
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {vals[0]}")
@@ -157,7 +172,8 @@ def _use_kernel(q) -> bool:
 # --- attention ------------------------------------------------------------------------------
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, score_mod=None,
-              mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False):
+              mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False,
+              deterministic=False):
     """Exact (softmax) attention; semantics in the module docstring.
 
     Parameters
@@ -179,26 +195,26 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     cu_seqlens_q, cu_seqlens_k: int32 ``(S + 1,)`` offsets of ``S`` packed sequences
         (both or neither); sequence ``s`` is rows ``cu[s]:cu[s+1]``; masks and the causal
         alignment apply per sequence.
-    return_lse: also return ``lse (B, Hq, Nq)`` float32, natural log.
+    return_lse: also return ``lse (B, Hq, Nq)`` float32, natural log (differentiable too).
+    deterministic: bitwise reproducible gradients (the backward uses no atomics); the
+        default may accumulate dQ with atomic adds (see the module docstring).
 
     Returns ``o`` ``(B, Hq, Nq, Dv)`` in the input dtype (contiguous), and ``lse`` when
-    ``return_lse``.
+    ``return_lse``. Differentiable with respect to ``q``, ``k``, ``v``.
     """
+    compiling = torch.compiler.is_compiling()
     _check_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     left, right = _bounds(*_check_window(window), causal)
     scale = _check_positive("scale", scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
     softcap = _check_positive("softcap", softcap)
-    smod = trace_score_mod(score_mod) if score_mod is not None else None
-    if mask_mod is None or isinstance(mask_mod, BlockMask):
-        mmod = mask_mod.mod if isinstance(mask_mod, BlockMask) else None
-    else:
-        mmod = trace_mask_mod(mask_mod)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     varlen = cu_seqlens_q is not None
@@ -206,24 +222,46 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     if varlen:
         if q.shape[0] != 1:
             raise ValueError(f"with cu_seqlens, q/k/v must have batch 1 (packed), got {q.shape[0]}")
-        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device)
-        lens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device)
-        if len(lens_q) != len(lens_k):
+        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, not compiling)
+        lens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, not compiling)
+        if not compiling and len(lens_q) != len(lens_k):
             raise ValueError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_k has "
                              f"{len(lens_k)}")
-    n_seq = len(lens_q) if varlen else q.shape[0]
-    seq_q = max(lens_q) if varlen else q.shape[2]
-    seq_k = max(lens_k) if varlen else k.shape[2]
-    if isinstance(mask_mod, BlockMask):
+    if compiling and varlen:
+        if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k hold different numbers of sequences")
+    elif isinstance(mask_mod, BlockMask):
+        n_seq = len(lens_q) if varlen else q.shape[0]
+        seq_q = max(lens_q) if varlen else q.shape[2]
+        seq_k = max(lens_k) if varlen else k.shape[2]
         _check_block_mask(mask_mod, q, n_seq, seq_q, seq_k, varlen)
 
+    if compiling or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        # differentiable / compilable: the custom op (mods go through the registry)
+        from ..kernels.attention.autograd import attention_op, register_mods
+        if mask_mod is not None and not isinstance(mask_mod, BlockMask) and not callable(mask_mod):
+            raise TypeError(f"mask_mod must be a callable or a BlockMask, got {type(mask_mod).__name__}")
+        if score_mod is not None and not callable(score_mod) and not isinstance(score_mod, TracedMod):
+            raise TypeError(f"score_mod must be a callable, got {type(score_mod).__name__}")
+        key = register_mods(score_mod, mask_mod, id(score_mod), id(mask_mod))
+        o, lse = attention_op(q, k, v, key=key, scale=scale, softcap=softcap, left=left,
+                              right=right, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              use_kernel=_use_kernel(q), deterministic=deterministic)
+        if return_lse:
+            return o, (lse if lse.dtype == torch.float32 else lse.to(torch.float32))
+        return o
+    smod = trace_score_mod(score_mod) if score_mod is not None else None
+    if mask_mod is None or isinstance(mask_mod, BlockMask):
+        mmod = mask_mod.mod if isinstance(mask_mod, BlockMask) else None
+    else:
+        mmod = trace_mask_mod(mask_mod)
     if _use_kernel(q):
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise NotImplementedError("attention backward on CUDA is not implemented yet "
-                                      "(issue 5); run under torch.no_grad() or detach inputs")
-        o, lse = _kernel_forward(q, k, v, scale, softcap, left, right, smod, mask_mod, mmod,
-                                 cu_seqlens_q, cu_seqlens_k, lens_q, lens_k, n_seq, seq_q,
-                                 seq_k, return_lse)
+        from ..kernels.attention.autograd import kernel_forward
+        o, lse = kernel_forward(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
+                                score=smod, mask=mmod,
+                                block_mask=mask_mod if isinstance(mask_mod, BlockMask) else None,
+                                cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, lens_q=lens_q,
+                                lens_k=lens_k, return_lse=return_lse)
     else:
         from ..kernels.attention.reference import attention_reference
         dev = q.device
@@ -253,35 +291,6 @@ def _check_block_mask(bm: BlockMask, q, n_seq, seq_q, seq_k, varlen):
     elif (QL, KL) != (seq_q, seq_k):
         raise ValueError(f"mask_mod BlockMask was made for Q_LEN={QL}, KV_LEN={KL}; q/k have "
                          f"seq {seq_q}, {seq_k}")
-
-
-def _kernel_forward(q, k, v, scale, softcap, left, right, smod, mask_mod, mmod, cu_q, cu_k,
-                    lens_q, lens_k, n_seq, seq_q, seq_k, return_lse):
-    from ..kernels.attention import fwd
-
-    B, HQ, NQ, _ = q.shape
-    DV = v.shape[3]
-    if B == 0 or HQ == 0 or NQ == 0 or k.shape[2] == 0:
-        # nothing to compute, or no key at all: o = 0, lse = -inf
-        o = torch.zeros((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
-        lse = torch.full((B, HQ, NQ), -math.inf, dtype=torch.float32, device=q.device)
-        return o, (lse if return_lse else None)
-    block_mask, full_needs_mask = None, True
-    if isinstance(mask_mod, BlockMask):
-        block_mask = mask_mod
-        # user tables know only their own bounds: apply ours inside FULL tiles when needed
-        full_needs_mask = cu_q is not None or left is not None or right is not None
-    elif mmod is not None:
-        cfg = fwd.default_config(q, q.shape[3], DV, causal=right is not None)
-        block_mask = cached_block_mask(
-            mmod, batch=n_seq, heads=HQ, q_len=seq_q, kv_len=seq_k, block_m=cfg.block_m,
-            block_n=cfg.block_n, device=q.device, lens_q=lens_q, lens_k=lens_k,
-            left=left, right=right)
-        full_needs_mask = False                 # exact for these lengths and window
-    return fwd.attention_forward(
-        q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=smod,
-        block_mask=block_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seq_q,
-        max_seqlen_k=seq_k, return_lse=return_lse, full_needs_mask=full_needs_mask)
 
 
 # --- merging partial results ------------------------------------------------------------------

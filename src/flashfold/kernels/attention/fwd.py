@@ -143,21 +143,33 @@ def _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
 
 
 @triton.jit
+def _visible_2d(qi, kj, k_len, delta, win_left, win_right, b, h, mask_fn,
+                MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, APPLY_MASK_MOD: tl.constexpr):
+    """Visibility of the pairs ``(qi, kj)`` (broadcastable 2-D int32 index tiles: query
+    rows ``qi``, key columns ``kj``; the backward's transposed tiles pass ``[1, BLOCK_M]``
+    and ``[BLOCK_N, 1]``): ``j < N_k``, ``i + delta - L <= j <= i + delta + R`` (``delta =
+    N_k - N_q``: bottom-right alignment), and ``mask_mod(b, h, i, j)``."""
+    vis = kj < k_len
+    if MASK_RIGHT:
+        vis = vis & (kj <= qi + (delta + win_right))
+    if MASK_LEFT:
+        vis = vis & (kj >= qi + (delta - win_left))
+    if APPLY_MASK_MOD:
+        mm = mask_fn(b, h, qi, kj, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3)
+        vis = vis & (mm != 0)
+    return vis
+
+
+@triton.jit
 def _visible(offs_m, offs_n, k_len, delta, win_left, win_right, b, h, mask_fn,
              MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
              MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, APPLY_MASK_MOD: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N]`` visibility: ``j < N_k``, ``i + delta - L <= j <= i + delta + R``
-    (``delta = N_k - N_q``: bottom-right alignment), and ``mask_mod(b, h, i, j)``."""
-    vis = offs_n[None, :] < k_len
-    if MASK_RIGHT:
-        vis = vis & (offs_n[None, :] <= offs_m[:, None] + (delta + win_right))
-    if MASK_LEFT:
-        vis = vis & (offs_n[None, :] >= offs_m[:, None] + (delta - win_left))
-    if APPLY_MASK_MOD:
-        mm = mask_fn(b, h, offs_m[:, None], offs_n[None, :],
-                     MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3)
-        vis = vis & (mm != 0)
-    return vis
+    """``[BLOCK_M, BLOCK_N]`` visibility of rows ``offs_m`` and keys ``offs_n``
+    (:func:`_visible_2d` on ``offs_m[:, None]``, ``offs_n[None, :]``)."""
+    return _visible_2d(offs_m[:, None], offs_n[None, :], k_len, delta, win_left, win_right, b, h,
+                       mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                       MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
 
 
 @triton.jit

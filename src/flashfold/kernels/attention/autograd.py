@@ -1,0 +1,470 @@
+r"""``flashfold.attention`` as a differentiable ``torch.library`` custom op.
+
+Two ops in the ``flashfold`` namespace, opaque to ``torch.compile`` (no graph break: the
+compiler sees them as single nodes with the shapes of their fake implementations):
+
+* ``flashfold::attn_fwd(q, k, v, cu_seqlens_q?, cu_seqlens_k?, tables[], key, scale,
+  softcap?, left?, right?, use_kernel, deterministic) -> (o, lse)``
+* ``flashfold::attn_bwd(do, dlse?, q, k, v, o, lse, cu_seqlens_q?, cu_seqlens_k?,
+  tables[], key, scale, softcap?, left?, right?, use_kernel, deterministic) -> (dq, dk, dv)``
+
+``attn_fwd``'s gradient is registered with :func:`torch.library.register_autograd`: it
+saves ``q, k, v, o, lse`` and calls ``attn_bwd`` (for ``q``, ``k``, ``v``; ``dlse`` enters
+when the LSE output was used: :math:`D_i = dO_i \cdot O_i - d\mathrm{lse}_i`, see
+:mod:`.bwd`). ``use_kernel`` selects the Triton kernels (:mod:`.fwd`, :mod:`.bwd`) or
+the CPU implementation: the blocked reference forward
+(:func:`.reference.attention_reference`) and :func:`backward_reference`, a blocked
+backward in float64 (float64 inputs) or float32 with the same math as the kernels.
+
+Non-tensor configuration (traced score_mod / mask_mod, a precomputed
+:class:`~.mods.BlockMask`) cannot be an op argument. :func:`register_mods` stores it in a
+registry under a string ``key`` (passed to the ops) and returns the key; the tensors it
+captures (``ops.Buffer`` tables, block-mask tables) are passed as the ``tables`` list so
+that the compiler orders the op after any in-place update of them. Under
+``torch.compile``, ``register_mods`` runs once at trace time
+(``torch.compiler.assume_constant_result``) and the caller passes ``id(score_mod)``,
+``id(mask_mod)`` as arguments so that Dynamo guards on the identity of the mods: a new mod
+function object recompiles (create mods once, outside the compiled step; mutate their
+tables in place to change them). A registry entry lives as long as the mod objects it was
+made from, and an autograd graph keeps the entries it needs until its backward.
+
+Not supported: double backward (the backward op is not itself differentiable), gradients
+with respect to captured tables (they are constants).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+
+from .mods import BlockMask, TracedMod, cached_block_mask, trace_mask_mod, trace_score_mod
+
+
+# --- the registry of non-tensor configuration -----------------------------------------------
+
+class ModsEntry:
+    """What one ``key`` stands for: ``score`` (TracedMod or None), ``mask`` (the traced
+    mask_mod or None), ``block_mask`` (a user's precomputed BlockMask or None) and
+    ``tables`` (the tensors they capture, op inputs)."""
+
+    __slots__ = ("key", "score", "mask", "block_mask", "tables", "__weakref__")
+
+    def __init__(self, key, score, mask, block_mask):
+        self.key = key
+        self.score = score
+        self.mask = mask
+        self.block_mask = block_mask
+        tables = []
+        for mod in (score, mask):
+            if mod is not None:
+                tables += [b.data for b in mod.buffers if isinstance(b.data, torch.Tensor)]
+        if block_mask is not None:
+            tables += [block_mask.state, block_mask.partial_num, block_mask.partial_idx,
+                       block_mask.full_num, block_mask.full_idx]
+        self.tables = tables
+
+    def __repr__(self):
+        return (f"ModsEntry({self.key!r}, score={getattr(self.score, 'name', None)}, "
+                f"mask={getattr(self.mask, 'name', None)}, block_mask={self.block_mask is not None})")
+
+
+_ENTRIES: dict = {}                 # key -> ModsEntry (a plain dict: Dynamo reads it)
+_BY_OWNERS: dict = {}               # (id(score_mod), id(mask_mod)) -> (weakrefs, key)
+_LOCK = threading.Lock()
+_COUNTER = itertools.count()
+
+
+def _ref(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:               # not weak-referenceable: kept for the process's lifetime
+        return lambda obj=obj: obj
+
+
+def _drop(ids, key):
+    with _LOCK:
+        _ENTRIES.pop(key, None)
+        if _BY_OWNERS.get(ids, (None, None))[1] == key:
+            _BY_OWNERS.pop(ids, None)
+
+
+@torch.compiler.assume_constant_result
+def register_mods(score_mod, mask_mod, score_id: int = 0, mask_id: int = 0) -> str:
+    """The registry key of ``(score_mod, mask_mod)`` (``""`` when both are None).
+
+    ``score_mod``: a callable or TracedMod; ``mask_mod``: a callable, TracedMod or
+    BlockMask. Traces them on first use (cached per object). ``score_id`` / ``mask_id``
+    are ``id(score_mod)`` / ``id(mask_mod)``, computed by the caller so that
+    ``torch.compile`` guards on them (this function itself runs once, at trace time).
+    """
+    if score_mod is None and mask_mod is None:
+        return ""
+    ids = (id(score_mod), id(mask_mod))
+    with _LOCK:
+        hit = _BY_OWNERS.get(ids)
+        if hit is not None:
+            refs, key = hit
+            if refs[0]() is score_mod and refs[1]() is mask_mod and key in _ENTRIES:
+                return key
+    score = trace_score_mod(score_mod) if score_mod is not None else None
+    if isinstance(mask_mod, BlockMask):
+        block_mask, mask = mask_mod, mask_mod.mod
+    else:
+        block_mask, mask = None, (trace_mask_mod(mask_mod) if mask_mod is not None else None)
+    key = f"mods{next(_COUNTER)}"
+    entry = ModsEntry(key, score, mask, block_mask)
+    with _LOCK:
+        _ENTRIES[key] = entry
+        _BY_OWNERS[ids] = ((_ref(score_mod), _ref(mask_mod)), key)
+    for owner in (score_mod, mask_mod):
+        if owner is not None:
+            try:
+                weakref.finalize(owner, _drop, ids, key)
+            except TypeError:
+                pass
+    return key
+
+
+def entry_tables(key: str) -> list:
+    """The tensors of registry entry ``key`` (the ops' ``tables`` input; [] for ``""``)."""
+    return _ENTRIES[key].tables if key else []
+
+
+def _entry(key: str):
+    if not key:
+        return None
+    try:
+        return _ENTRIES[key]
+    except KeyError:
+        raise RuntimeError(f"flashfold attention: mods entry {key!r} is gone (its score_mod / "
+                           f"mask_mod was garbage collected)") from None
+
+
+# --- forward and backward implementations ----------------------------------------------------
+
+def _lengths(cu):
+    vals = cu.tolist()
+    return [b - a for a, b in zip(vals, vals[1:])]
+
+
+def kernel_forward(q, k, v, *, scale, softcap, left, right, score: TracedMod | None,
+                   mask: TracedMod | None, block_mask: BlockMask | None, cu_q=None, cu_k=None,
+                   lens_q=None, lens_k=None, return_lse=True):
+    """The Triton forward with the block mask prepared: a user's BlockMask is used as is
+    (with bounds / windows applied inside its FULL tiles when it cannot know them), a
+    callable mask_mod gets an exact table for these lengths and window (cached).
+    ``lens_*``: per-sequence lengths when already known (else read from ``cu_*``)."""
+    from . import fwd
+
+    B, HQ, NQ, _ = q.shape
+    DV = v.shape[3]
+    if B == 0 or HQ == 0 or NQ == 0 or k.shape[2] == 0:
+        # nothing to compute, or no key at all: o = 0, lse = -inf
+        o = torch.zeros((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
+        lse = torch.full((B, HQ, NQ), -math.inf, dtype=torch.float32, device=q.device)
+        return o, (lse if return_lse else None)
+    varlen = cu_q is not None
+    if varlen and lens_q is None:
+        lens_q, lens_k = _lengths(cu_q), _lengths(cu_k)
+    n_seq = len(lens_q) if varlen else B
+    seq_q = max(lens_q) if varlen else NQ
+    seq_k = max(lens_k) if varlen else k.shape[2]
+    full_needs_mask = True
+    if block_mask is not None:
+        # user tables know only their own bounds: apply ours inside FULL tiles when needed
+        full_needs_mask = varlen or left is not None or right is not None
+    elif mask is not None:
+        cfg = fwd.default_config(q, q.shape[3], DV, causal=right is not None)
+        block_mask = cached_block_mask(
+            mask, batch=n_seq, heads=HQ, q_len=seq_q, kv_len=seq_k, block_m=cfg.block_m,
+            block_n=cfg.block_n, device=q.device, lens_q=lens_q, lens_k=lens_k,
+            left=left, right=right)
+        full_needs_mask = False                 # exact for these lengths and window
+    return fwd.attention_forward(
+        q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=score,
+        block_mask=block_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seq_q,
+        max_seqlen_k=seq_k, return_lse=return_lse, full_needs_mask=full_needs_mask)
+
+
+def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
+                    score: TracedMod | None, mask: TracedMod | None,
+                    block_mask: BlockMask | None, cu_q=None, cu_k=None, deterministic=False):
+    """The Triton backward, block mask prepared as in :func:`kernel_forward` (a callable
+    mask_mod gets a table with tiles the backward kernels divide)."""
+    from . import bwd
+
+    varlen = cu_q is not None
+    B, HQ, NQ, D = q.shape
+    lens_q = lens_k = None
+    if varlen:
+        lens_q, lens_k = _lengths(cu_q), _lengths(cu_k)
+    n_seq = len(lens_q) if varlen else B
+    seq_q = max(lens_q, default=0) if varlen else NQ
+    seq_k = max(lens_k, default=0) if varlen else k.shape[2]
+    full_needs_mask = True
+    features = softcap is not None or score is not None or mask is not None
+    cfg = bwd.default_config(q, D, v.shape[3], features=features)
+    if block_mask is not None:
+        full_needs_mask = varlen or left is not None or right is not None
+    elif mask is not None and B and HQ and NQ and k.shape[2]:
+        block_mask = cached_block_mask(
+            mask, batch=n_seq, heads=HQ, q_len=max(seq_q, 1), kv_len=max(seq_k, 1),
+            block_m=max(cfg.block_m, cfg.dq_block_m), block_n=max(cfg.block_n, cfg.dq_block_n),
+            device=q.device, lens_q=lens_q, lens_k=lens_k, left=left, right=right)
+        full_needs_mask = False
+    return bwd.attention_backward(
+        do, q, k, v, o, lse, scale=scale, dlse=dlse, softcap=softcap, left=left, right=right,
+        score_mod=score, block_mask=block_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=seq_q, max_seqlen_k=seq_k, full_needs_mask=full_needs_mask,
+        deterministic=deterministic, config=cfg)
+
+
+_TORCH_GRADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def torch_score_grad(mod: TracedMod, device):
+    """``fn(score, b, h, q_idx, kv_idx) -> (value, d value / d score)``: the derivative
+    graph of a traced score_mod lowered to torch (captured tables on ``device``)."""
+    from ...algebra.autodiff import derivative
+    from ...algebra.lower import function_source
+    from ..torch_lower import TORCH
+
+    per_mod = _TORCH_GRADS.setdefault(mod, {})
+    key = (str(torch.device(device)), mod.buffer_versions())
+    fn = per_mod.get(key)
+    if fn is not None:
+        return fn
+    graph = derivative(mod.graph, "score", name=f"{mod.graph.name}.grad")
+    src = function_source(graph, TORCH, "_grad")
+    ns = dict(TORCH.namespace)
+    exec(compile(src, f"<flashfold:torch:{graph.name}>", "exec"), ns)
+    inner = ns["_grad"]
+    bufs = []
+    for b in graph.buffers:
+        t = b.data if isinstance(b.data, torch.Tensor) else torch.as_tensor(b.data)
+        bufs.append(t.to(device).reshape(-1))
+
+    def fn(*args):
+        val, d = inner(*args, *bufs)
+        return torch.as_tensor(val), torch.as_tensor(d)
+    per_mod.clear()
+    per_mod[key] = fn
+    return fn
+
+
+def _segments(B, NQ, NK, cu_q, cu_k):
+    if cu_q is None:
+        return [(None, 0, NQ, 0, NK)]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    return [(i, cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+
+
+def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, left=None,
+                       right=None, score_mod: TracedMod | None = None,
+                       mask_mod: TracedMod | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
+                       block_m: int = 64, block_n: int = 64):
+    """Blocked backward on any device: ``(dq, dk, dv)`` in the input dtype.
+
+    The kernels' math (module docstring of :mod:`.bwd`) in torch, one ``(block_m x
+    block_n)`` tile at a time, in float64 for float64 inputs else float32:
+    ``P = exp(s - lse)`` (0 for hidden pairs and rows with ``lse = -inf``),
+    ``D = rowsum(dO O) - dlse``, ``dS = P (dP - D)``, chained through softcap and the
+    score_mod's derivative graph (:func:`torch_score_grad`), ``dQ = scale dS~ K``,
+    ``dK = scale dS~^T Q``, ``dV = P^T dO``, summed over the query heads of a GQA group.
+    Mods are *traced* mods here (``TracedMod``), windows already folded (``right = 0`` for
+    causal).
+    """
+    B, HQ, NQ, D = q.shape
+    HK, NK = k.shape[1], k.shape[2]
+    g = HQ // HK
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    sfn = torch_score_grad(score_mod, dev) if score_mod is not None else None
+    mfn = mask_mod.torch_fn(dev) if mask_mod is not None else None
+    kv_head = torch.arange(HQ, device=dev) // g
+    dq = torch.zeros((B, HQ, NQ, D), dtype=cd, device=dev)
+    dk = torch.zeros((B, HQ, NK, D), dtype=cd, device=dev)           # per query head
+    dv = torch.zeros((B, HQ, NK, v.shape[3]), dtype=cd, device=dev)
+    dd = (do.to(cd) * o.to(cd)).sum(-1)                              # [B, HQ, NQ]
+    if dlse is not None:
+        dd = dd - dlse.to(cd)
+    lse = lse.to(cd)
+    hidx = torch.arange(HQ, device=dev).view(1, HQ, 1, 1)
+    for seq, q0, q1, k0, k1 in _segments(B, NQ, NK, cu_seqlens_q, cu_seqlens_k):
+        nq, nk = q1 - q0, k1 - k0
+        delta = nk - nq
+        bidx = (torch.arange(B, device=dev) if seq is None
+                else torch.tensor([seq], device=dev)).view(-1, 1, 1, 1)
+        for i0 in range(0, nq, block_m):
+            i1 = min(nq, i0 + block_m)
+            rows = slice(q0 + i0, q0 + i1)
+            qb, dob = q[:, :, rows].to(cd), do[:, :, rows].to(cd)
+            lb = lse[:, :, rows, None]
+            live = torch.isfinite(lb)
+            db = dd[:, :, rows, None]
+            qi = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
+            for j0 in range(0, nk, block_n):
+                j1 = min(nk, j0 + block_n)
+                if right is not None and j0 > (i1 - 1) + delta + right:
+                    continue
+                if left is not None and j1 - 1 < i0 + delta - left:
+                    continue
+                cols = slice(k0 + j0, k0 + j1)
+                kb = k[:, kv_head, cols].to(cd)
+                vb = v[:, kv_head, cols].to(cd)
+                kj = torch.arange(j0, j1, device=dev).view(1, 1, 1, -1)
+                x = torch.matmul(qb, kb.transpose(-1, -2)) * scale        # [B, HQ, bm, bn]
+                dfac = None
+                if softcap is not None:
+                    t = torch.tanh(x / softcap)
+                    s = softcap * t
+                    dfac = 1.0 - t * t
+                else:
+                    s = x
+                if sfn is not None:
+                    s, dmod = sfn(s, bidx, hidx, qi, kj)
+                    s = s.to(cd).expand(x.shape)
+                    dmod = dmod.to(cd).expand(x.shape)
+                    dfac = dmod if dfac is None else dfac * dmod
+                vis = torch.ones(x.shape, dtype=torch.bool, device=dev)
+                if right is not None:
+                    vis = vis & (kj <= qi + delta + right)
+                if left is not None:
+                    vis = vis & (kj >= qi + delta - left)
+                if mfn is not None:
+                    mm = torch.as_tensor(mfn(bidx, hidx, qi, kj))
+                    vis = vis & (mm if mm.dtype == torch.bool else mm != 0)
+                vis = vis & live
+                p = torch.where(vis, torch.exp(torch.where(vis, s - lb, 0.0)), 0.0)
+                dp = torch.matmul(dob, vb.transpose(-1, -2))
+                ds = p * (dp - db)
+                if dfac is not None:
+                    ds = torch.where(vis, ds * dfac, 0.0)
+                dq[:, :, rows] += torch.matmul(ds, kb) * scale
+                dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), qb) * scale
+                dv[:, :, cols] += torch.matmul(p.transpose(-1, -2), dob)
+    dk = dk.view(B, HK, g, NK, D).sum(2)
+    dv = dv.view(B, HK, g, NK, v.shape[3]).sum(2)
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+def _stat_dtype(q):
+    """LSE dtype the ops return: float64 for float64 inputs (CPU), else float32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+# --- the custom ops ---------------------------------------------------------------------------
+
+@torch.library.custom_op("flashfold::attn_fwd", mutates_args=())
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+             tables: List[torch.Tensor], key: str, scale: float, softcap: Optional[float],
+             left: Optional[int], right: Optional[int], use_kernel: bool,
+             deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward: ``(o (B, Hq, Nq, Dv) in q's dtype, lse (B, Hq, Nq))``, lse in
+    float32 (float64 for float64 inputs). ``tables`` only orders the op after updates of
+    the mods' tables (the registry entry ``key`` holds them)."""
+    entry = _entry(key)
+    score = entry.score if entry else None
+    mask = entry.mask if entry else None
+    block_mask = entry.block_mask if entry else None
+    if use_kernel:
+        o, lse = kernel_forward(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
+                                score=score, mask=mask, block_mask=block_mask,
+                                cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
+    else:
+        from .reference import attention_reference
+        dev = q.device
+        o, lse = attention_reference(
+            q, k, v, causal=False, window=(left, right), scale=scale, softcap=softcap,
+            score_mod=score.torch_fn(dev) if score is not None else None,
+            mask_mod=mask.torch_fn(dev) if mask is not None else None,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return o.contiguous(), lse.to(_stat_dtype(q)).contiguous()
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, tables, key, scale, softcap, left,
+                   right, use_kernel, deterministic):
+    B, HQ, NQ, _ = q.shape
+    o = q.new_empty((B, HQ, NQ, v.shape[3]))
+    lse = q.new_empty((B, HQ, NQ), dtype=_stat_dtype(q))
+    return o, lse
+
+
+@torch.library.custom_op("flashfold::attn_bwd", mutates_args=())
+def attn_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+             tables: List[torch.Tensor], key: str, scale: float, softcap: Optional[float],
+             left: Optional[int], right: Optional[int], use_kernel: bool,
+             deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward: ``(dq, dk, dv)`` contiguous in the input dtype."""
+    entry = _entry(key)
+    score = entry.score if entry else None
+    mask = entry.mask if entry else None
+    block_mask = entry.block_mask if entry else None
+    if use_kernel:
+        dq, dk, dv = kernel_backward(do, q, k, v, o, lse, dlse, scale=scale, softcap=softcap,
+                                     left=left, right=right, score=score, mask=mask,
+                                     block_mask=block_mask, cu_q=cu_seqlens_q,
+                                     cu_k=cu_seqlens_k, deterministic=deterministic)
+    else:
+        dq, dk, dv = backward_reference(do, q, k, v, o, lse, dlse, scale=scale, softcap=softcap,
+                                        left=left, right=right, score_mod=score, mask_mod=mask,
+                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, tables, key, scale,
+                   softcap, left, right, use_kernel, deterministic):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, tables, key, scale, softcap, left, right, use_kernel,
+     deterministic) = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.tables = tables
+    ctx.args = (key, scale, softcap, left, right, use_kernel, deterministic)
+    ctx.entry = _ENTRIES.get(key) if key else None     # keeps the mods alive until backward
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    key = ctx.args[0]
+    if key and ctx.entry is not None and key not in _ENTRIES:
+        with _LOCK:
+            _ENTRIES[key] = ctx.entry
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = attn_bwd(do, dlse, q, k, v, o, lse, cu_q, cu_k, ctx.tables, *ctx.args)
+    # one gradient per input of attn_fwd (the tables list gets a list of Nones)
+    return dq, dk, dv, None, None, [None] * len(ctx.tables), None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flashfold::attn_fwd", _backward, setup_context=_setup_context)
+
+
+# --- the entry point used by flashfold.attention ------------------------------------------------
+
+def attention_op(q, k, v, *, key: str, scale: float, softcap=None, left=None, right=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None, use_kernel: bool, deterministic=False):
+    """Differentiable, compilable attention: ``(o, lse)`` through ``flashfold::attn_fwd``
+    (``key`` from :func:`register_mods`; ``lse`` float32, float64 for float64 inputs)."""
+    return attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, entry_tables(key), key, float(scale),
+                    None if softcap is None else float(softcap),
+                    None if left is None else int(left), None if right is None else int(right),
+                    bool(use_kernel), bool(deterministic))
+
+
+__all__ = ["attention_op", "register_mods", "entry_tables", "attn_fwd", "attn_bwd",
+           "kernel_forward", "kernel_backward", "backward_reference", "torch_score_grad",
+           "ModsEntry"]

@@ -1,0 +1,1025 @@
+r"""Exact attention, backward: Triton kernels (FlashAttention-2 schedule) and their launcher.
+
+Math (per (batch, query head), rows ``i``, keys ``j``; the forward is :mod:`.fwd`). The
+forward stored only ``o`` and the row's log-sum-exp ``lse_i`` (natural log), which
+summarizes the whole row: with the final scores ``s_ij`` (scaled, soft-capped,
+score-modified; ``-inf`` where hidden), :math:`P_{ij} = e^{s_{ij} - \mathrm{lse}_i}`
+is recomputed tile by tile, never stored. Given :math:`dO` (and :math:`d\mathrm{lse}`
+when the LSE output was used):
+
+.. math::
+
+    D_i = \sum_d dO_{id}\, O_{id} - d\mathrm{lse}_i \qquad \text{(preprocess, once per row)}
+
+    dV_j = \sum_i P_{ij}\, dO_i, \qquad dP_{ij} = dO_i \cdot v_j, \qquad
+    dS_{ij} = P_{ij} (dP_{ij} - D_i)
+
+(``dlse`` enters because :math:`\partial \mathrm{lse}_i / \partial s_{ij} = P_{ij}`).
+:math:`dS` is the gradient with respect to the *final* score; the chain rule back to the
+raw product :math:`x_{ij} = q_i \cdot k_j` goes through the score pipeline:
+
+.. math::
+
+    \frac{\partial s}{\partial x} = \mathrm{scale} \cdot (1 - t^2) \cdot
+    \mathrm{score\_mod}'(s_c), \qquad t = \tanh(\mathrm{scale}\, x / c),\; s_c = c\, t
+
+(the softcap factor only with ``softcap=c``; ``score_mod'`` is the derivative graph
+:func:`flashfold.algebra.autodiff.derivative` builds from the traced score_mod, lowered
+to one Triton function returning the value and the derivative). With
+:math:`\widetilde{dS} = dS \cdot \partial s / \partial x / \mathrm{scale}`,
+
+.. math::
+
+    dQ_i = \mathrm{scale} \sum_j \widetilde{dS}_{ij} k_j, \qquad
+    dK_j = \mathrm{scale} \sum_i \widetilde{dS}_{ij} q_i,
+
+summed over the query heads of a GQA group for ``dK``/``dV``. In base 2 (as the
+forward): :math:`P = 2^{\sigma - \lambda}` with :math:`\sigma = s \log_2 e` (plain
+scores: :math:`\sigma = x \cdot \mathrm{scale} \log_2 e`, one FMA) and
+:math:`\lambda = \mathrm{lse} \log_2 e`. The preprocess stores :math:`\lambda = +\infty`
+for a row with no visible key (``lse = -inf``) and loads it as :math:`+\infty` past the end
+of a sequence, so :math:`P = 2^{\sigma - \infty} = 0` for every element of such rows,
+hidden (:math:`\sigma = -\infty`) or not: no :math:`-\infty - (-\infty)`, gradients 0,
+never NaN.
+
+Kernels (one template each; constexpr flags as in :mod:`.fwd`):
+
+* ``_bwd_preprocess``: ``D = rowsum(dO * O) - dlse`` and :math:`\lambda`, one program per
+  ``BLOCK_M`` rows of a (batch, head); optionally zeroes the fp32 ``dQ`` accumulator.
+* ``_attn_bwd_dkdv``: one program per (key tile, batch * KV head). ``K``, ``V`` stay on
+  chip; the program loops over the query heads of the GQA group and, for each, over the
+  query tiles that can see the key tile (:func:`_q_tile_ranges`: ``[masked | unmasked |
+  masked]`` runs from the causal / window bounds; with a mask_mod, the PARTIAL then FULL
+  query blocks of the key block's column of the block mask; EMPTY blocks are skipped),
+  accumulating ``dK``, ``dV`` in fp32 registers without atomics. Tiles are computed
+  transposed (``[BLOCK_N, BLOCK_M]``: :math:`S^T = K Q^T`) so that :math:`P^T` and
+  :math:`dS^T` are the register (A) operands of :math:`dV \mathrel{+}= P^T dO` and
+  :math:`dK \mathrel{+}= dS^T Q`. With ``DQ_ATOMIC`` the same program also adds
+  :math:`dS\, K` into an fp32 ``dQ`` accumulator (TMA reduce-add
+  ``cp.reduce.async.bulk`` on sm_90, pointer ``atomic_add`` otherwise).
+* ``_attn_bwd_dq``: one program per (query tile, batch * query head), looping over key
+  tiles like the forward (:func:`.fwd._tile_ranges`, block-mask rows): recomputes ``P``
+  and accumulates ``dQ`` in registers, written once.
+* ``_dq_convert`` (atomic mode): ``dQ = scale * acc`` in the input dtype.
+
+Modes: ``deterministic=True`` runs preprocess, dK/dV (no atomics) and the dQ kernel: every
+sum has a fixed order, so two runs are bitwise equal. The default mode
+(:data:`ATOMIC_DQ_DEFAULT`) adds ``dQ`` with fp32 atomics from the dK/dV kernel (5 matmuls
+per tile pair instead of 7) whose order varies from run to run (last-bit differences).
+
+Layouts: ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``, ``o``/``dO (B,
+Hq, Nq, Dv)``, any strides (TMA where :func:`.fwd.tma_ok`; ``dO`` is copied once to a
+contiguous tensor when it cannot feed TMA while q/k/v can, e.g. the expanded gradient of
+``.sum()``); ``lse (B, Hq, Nq)`` float32 natural log. Outputs ``dq``, ``dk``, ``dv``
+contiguous in the input dtype.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ...algebra.autodiff import derivative
+from .fwd import (LOG2E, TensorDescriptor, _interpreting, _load_tile, _tanh, _tile_ranges,
+                  _visible_2d, block_dims, tma_ok)
+from .mods import MAX_BUFFERS, BlockMask, TracedMod, _lists
+
+
+# --- jit helpers ----------------------------------------------------------------------------
+
+@triton.jit
+def _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
+                SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
+    """Raw ``q.k`` -> ``(sigma, dfac)``: scores in base-2 units and ``ds / dx / scale``.
+
+    Without softcap / score_mod, ``sigma`` is the raw ``qk`` (the caller applies
+    ``qk_scale = scale log2 e`` inside ``exp2``) and ``dfac`` is 1 (unused). ``qi`` /
+    ``kj``: broadcastable int32 index tiles of the rows and keys.
+    """
+    if HAS_SOFTCAP or HAS_SCORE_MOD:
+        if HAS_SOFTCAP:
+            t = _tanh(qk * qk_scale)
+            s = softcap * t
+            dfac = 1.0 - t * t
+        else:
+            s = qk * qk_scale
+            dfac = tl.full(qk.shape, 1.0, tl.float32)
+        if HAS_SCORE_MOD:
+            s, dmod = grad_fn(s, b, h, qi, kj, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3)
+            dfac = dfac * dmod.to(tl.float32)
+            s = s.to(tl.float32)
+        return s * 1.4426950408889634, dfac
+    else:
+        return qk, qk
+
+
+@triton.jit
+def _probs(qk, lam, qk_scale, softcap, b, h, qi, kj, k_len, delta, win_left, win_right,
+           grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+           mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+           MASKED: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr,
+           MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
+    """``(P, dfac)`` of a tile: ``P = 2^(sigma - lambda)`` (0 where hidden; ``lam``
+    broadcasts against ``qk``: ``+inf`` for empty or out-of-range rows gives 0)."""
+    s, dfac = _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
+                          SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, HAS_SOFTCAP, HAS_SCORE_MOD)
+    if HAS_SOFTCAP or HAS_SCORE_MOD:
+        if MASKED:
+            vis = _visible_2d(qi, kj, k_len, delta, win_left, win_right, b, h, mask_fn,
+                              MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                              MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
+            s = tl.where(vis, s, float("-inf"))
+        p = tl.math.exp2(s - lam)
+    else:
+        if MASKED:
+            vis = _visible_2d(qi, kj, k_len, delta, win_left, win_right, b, h, mask_fn,
+                              MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                              MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
+            s = tl.where(vis, s, float("-inf"))
+        p = tl.math.exp2(s * qk_scale - lam)                # one FMA per score
+    return p, dfac
+
+
+@triton.jit
+def _dscores(p, dp, dd, dfac, HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
+    """``dS~ = P (dP - D) dfac`` (``dd`` broadcasts against ``p``); 0 wherever ``P = 0`` even
+    if a score_mod's derivative is not finite at a hidden score."""
+    ds = p * (dp - dd)
+    if HAS_SCORE_MOD:
+        ds = tl.where(p == 0.0, 0.0, ds * dfac)
+    elif HAS_SOFTCAP:
+        ds = ds * dfac
+    return ds
+
+
+@triton.jit
+def _q_tile_ranges(start_n, q_len, k_len, delta, win_left, win_right,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """Query tiles that can see key tile ``start_n``, as ``[t_lo, t_a)`` masked,
+    ``[t_a, t_c)`` unmasked, ``[t_c, t_hi)`` masked (tile indices).
+
+    Key ``j`` is visible to rows ``j - delta - R <= i <= j - delta + L`` (the transpose of
+    :func:`.fwd._tile_ranges`). A tile needs no mask when every (real row, key) pair of
+    it is inside both bounds and the key tile is inside ``k_len`` (a ragged key tile masks
+    every query tile). Rows past ``q_len`` need no mask: their ``lambda = +inf`` zeroes P.
+    """
+    n_last = tl.minimum(start_n + BLOCK_N, k_len) - 1
+    lo = 0
+    full_lo = 0
+    hi = q_len
+    if MASK_RIGHT:
+        lo = tl.maximum(start_n - delta - win_right, 0)
+        full_lo = tl.maximum(n_last - delta - win_right, 0)
+    if MASK_LEFT:
+        hi = tl.minimum(n_last - delta + win_left + 1, q_len)
+    hi = tl.maximum(hi, 0)
+    t_lo = lo // BLOCK_M
+    t_hi = tl.maximum((hi + BLOCK_M - 1) // BLOCK_M, t_lo)
+    t_a = tl.minimum(tl.maximum((full_lo + BLOCK_M - 1) // BLOCK_M, t_lo), t_hi)
+    t_c = t_hi
+    if MASK_LEFT:
+        full_hi = start_n - delta + win_left + 1            # rows < full_hi see every key
+        t_c = tl.where(full_hi >= q_len, t_hi, tl.maximum(full_hi, 0) // BLOCK_M)
+        t_c = tl.minimum(tl.maximum(t_c, t_a), t_hi)
+    ragged = start_n + BLOCK_N > k_len
+    t_a = tl.where(ragged, t_hi, t_a)
+    t_c = tl.where(ragged, t_hi, t_c)
+    return t_lo, t_a, t_c, t_hi
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, i, lo, idx_ptr,
+               desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
+               tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+               offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+               grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+               mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               SPARSE: tl.constexpr, SPARSE_M: tl.constexpr, MASKED: tl.constexpr,
+               APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
+               DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr):
+    """Fold query tile ``i`` of a run into ``(dK, dV)`` (transposed tiles ``[BLOCK_N,
+    BLOCK_M]``); with ``DQ_ATOMIC`` also add its ``dS K`` into the fp32 dQ accumulator.
+
+    Dense runs: the tile starts at ``lo + i BLOCK_M``; sparse ones: sub-tile ``i % R`` of
+    query block ``idx_ptr[i // R]`` (``R = SPARSE_M / BLOCK_M``).
+    """
+    if SPARSE:
+        blk = tl.load(idx_ptr + i // (SPARSE_M // BLOCK_M))
+        start_m = blk * SPARSE_M + (i % (SPARSE_M // BLOCK_M)) * BLOCK_M
+    else:
+        start_m = lo + i * BLOCK_M
+    start_m = tl.multiple_of(start_m, BLOCK_M)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    # rows past q_len read as 0 (pointers) or as another sequence's rows (TMA, varlen):
+    # finite either way, and lambda = +inf zeroes their P
+    q = _load_tile(desc_q, q_base, tma_b, h, q_row, start_m, q_len, sqm, sqd,
+                   BLOCK_M, BLOCK_D, HEAD_DIM, True, USE_TMA)
+    row_ok = offs_m < q_len
+    lam = tl.load(lam_base + offs_m, mask=row_ok, other=float("inf"))
+    dd = tl.load(dd_base + offs_m, mask=row_ok, other=0.0)
+    # dP^T - D = V dO^T - D: -D rides in the accumulator   [BLOCK_N, BLOCK_M]
+    do = _load_tile(desc_do, do_base, tma_b, h, q_row, start_m, q_len, sdom, sdod,
+                    BLOCK_M, BLOCK_DV, HEAD_DIM_V, True, USE_TMA)
+    dpT = tl.dot(v, tl.trans(do), tl.broadcast_to(-dd[None, :], [BLOCK_N, BLOCK_M]))
+    # -- P^T: [BLOCK_N, BLOCK_M] fp32
+    if HAS_SOFTCAP or HAS_SCORE_MOD:
+        qkT = tl.dot(k, tl.trans(q))
+        pT, dfac = _probs(qkT, lam[None, :], qk_scale, softcap, b, h, offs_m[None, :],
+                          offs_n[:, None], k_len, delta, win_left, win_right,
+                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD)
+    else:
+        # -lambda / qk_scale rides in the accumulator: P = 2^(qk_scale (q.k - lambda / qk_scale))
+        # (no per-column lambda held across the tile; +inf rows give -inf, P = 0)
+        qkT = tl.dot(k, tl.trans(q), tl.broadcast_to((-lam / qk_scale)[None, :], [BLOCK_N, BLOCK_M]))
+        pT, dfac = _probs(qkT, 0.0, qk_scale, softcap, b, h, offs_m[None, :],
+                          offs_n[:, None], k_len, delta, win_left, win_right,
+                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD)
+    dv = tl.dot(pT.to(do.dtype), do, dv)                    # dV += P^T dO   [BLOCK_N, BLOCK_DV]
+    dsT = _dscores(pT, dpT, 0.0, dfac, HAS_SOFTCAP, HAS_SCORE_MOD).to(q.dtype)
+    if DQ_ATOMIC:
+        dq = tl.dot(tl.trans(dsT), k)                       # dS K           [BLOCK_M, BLOCK_D]
+        if DQ_TMA:
+            desc_dq.atomic_add([tma_b, h, q_row + start_m, 0], dq.reshape([1, 1, BLOCK_M, BLOCK_D]))
+        else:
+            offs_d = tl.arange(0, BLOCK_D)
+            ptrs = (dq_base + start_m.to(tl.int64) * sdqm
+                    + (tl.arange(0, BLOCK_M)[:, None] * sdqm + offs_d[None, :] * sdqd))
+            tl.atomic_add(ptrs, dq, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+                          sem="relaxed")
+    dk = tl.dot(dsT, q, dk)                                 # dK += dS^T Q   [BLOCK_N, BLOCK_D]
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_loop(dk, dv, k, v, lo, count, idx_ptr,
+               desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
+               tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+               offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+               grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+               mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               SPARSE: tl.constexpr, SPARSE_M: tl.constexpr, MASKED: tl.constexpr,
+               APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
+               DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold ``count`` query tiles (:func:`_dkdv_step`); ``tl.range`` compiled (software
+    pipelined), a ``while`` loop under the interpreter (as :func:`.fwd._kv_loop`)."""
+    if INTERPRET:
+        i = 0
+        while i < count:
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
+                lam_base, dd_base, tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_M,
+                MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
+                USE_TMA, DQ_ATOMIC, DQ_TMA)
+            i += 1
+    else:
+        for i in tl.range(0, count):
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
+                lam_base, dd_base, tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_M,
+                MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
+                USE_TMA, DQ_ATOMIC, DQ_TMA)
+    return dk, dv
+
+
+@triton.jit
+def _dq_step(dq, q, do, lam, dd, i, lo, idx_ptr,
+             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+             offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+             grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+             SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
+             APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr):
+    """Fold key tile ``i`` of a run into ``dQ`` (tiles ``[BLOCK_M, BLOCK_N]``; addressing
+    as :func:`.fwd._kv_step`)."""
+    if SPARSE:
+        blk = tl.load(idx_ptr + i // (SPARSE_N // BLOCK_N))
+        start_n = blk * SPARSE_N + (i % (SPARSE_N // BLOCK_N)) * BLOCK_N
+    else:
+        start_n = lo + i * BLOCK_N
+    start_n = tl.multiple_of(start_n, BLOCK_N)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _load_tile(desc_k, k_base, tma_b, hk, k_row, start_n, k_len, skn, skd,
+                   BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, USE_TMA)
+    qk = tl.dot(q, tl.trans(k))                             # [BLOCK_M, BLOCK_N]
+    p, dfac = _probs(qk, lam[:, None], qk_scale, softcap, b, h, offs_m[:, None], offs_n[None, :],
+                     k_len, delta, win_left, win_right,
+                     grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                     mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                     MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD)
+    v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
+                   BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
+    dp = tl.dot(do, tl.trans(v))                            # [BLOCK_M, BLOCK_N]
+    ds = _dscores(p, dp, dd[:, None], dfac, HAS_SOFTCAP, HAS_SCORE_MOD)
+    return tl.dot(ds.to(k.dtype), k, dq)                    # dQ += dS K  [BLOCK_M, BLOCK_D]
+
+
+@triton.jit
+def _dq_loop(dq, q, do, lam, dd, lo, count, idx_ptr,
+             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+             offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+             grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+             SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
+             APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """Fold ``count`` key tiles (:func:`_dq_step`) into ``dQ``."""
+    if INTERPRET:
+        i = 0
+        while i < count:
+            dq = _dq_step(dq, q, do, lam, dd, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
+                          tma_b, hk, k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left,
+                          win_right, b, h, qk_scale, softcap,
+                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE,
+                          SPARSE_N, MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+                          HAS_SCORE_MOD, USE_TMA)
+            i += 1
+    else:
+        for i in tl.range(0, count):
+            dq = _dq_step(dq, q, do, lam, dd, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
+                          tma_b, hk, k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left,
+                          win_right, b, h, qk_scale, softcap,
+                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE,
+                          SPARSE_N, MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+                          HAS_SCORE_MOD, USE_TMA)
+    return dq
+
+
+# --- kernels -----------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["N_ROWS", "NUM_M"])
+def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
+                    sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, sdlb, sdlh,
+                    sqab, sqah, sqam, sqad, N_ROWS, H, NUM_M,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+                    ZERO_DQ: tl.constexpr):
+    """Per row: ``D = sum_d dO O - dlse`` and ``lambda = lse log2 e`` (``+inf`` where
+    ``lse = -inf``), stored ``(B, H, N)`` fp32 contiguous; with ``ZERO_DQ``, zero the rows
+    of the fp32 dQ accumulator. Row-wise, so packed (varlen) rows need no sequence logic."""
+    pid = tl.program_id(0)
+    bh = pid // NUM_M
+    b = bh // H
+    h = bh % H
+    offs_m = (pid % NUM_M) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < N_ROWS
+    mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    rows = offs_m.to(tl.int64)
+    o = tl.load(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+                + rows[:, None] * som + offs_dv[None, :] * sod, mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+                 + rows[:, None] * sdom + offs_dv[None, :] * sdod, mask=mask, other=0.0)
+    dd = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        dl = tl.load(DLSE + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + rows,
+                     mask=row_ok, other=0.0)
+        dd = dd - dl.to(tl.float32)
+    lse = tl.load(LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + rows, mask=row_ok, other=0.0)
+    lam = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    out = bh.to(tl.int64) * N_ROWS + rows
+    tl.store(DD + out, dd, mask=row_ok)
+    tl.store(LAM + out, lam, mask=row_ok)
+    if ZERO_DQ:
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = (DQ_ACC + b.to(tl.int64) * sqab + h.to(tl.int64) * sqah
+                + rows[:, None] * sqam + offs_d[None, :] * sqad)
+        tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit(do_not_specialize=["NUM_N", "HK", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
+                               "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_n"])
+def _attn_bwd_dkdv(
+    Q, K, V, DO, DK, DV, DQ_ACC, LAM, DD,
+    desc_q, desc_k, desc_v, desc_do, desc_dq,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, sdqb, sdqh, sdqm, sdqd, slb, slh,
+    NUM_N, HK, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
+    qk_scale, softcap, scale, win_left, win_right,
+    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_n,
+    grad_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    DQ_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # program -> (key tile, batch, kv head); key tiles of one head are adjacent (they read
+    # the same Q / dO, which stay in L2); causal: the first key tiles are the heaviest
+    pid = tl.program_id(0)
+    bh = pid // NUM_N
+    start_n = (pid % NUM_N) * BLOCK_N
+    b = bh // HK
+    hk = bh % HK
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    dk_base = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh
+    dv_base = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh
+    if IS_VARLEN:
+        q_row = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_row
+        k_row = tl.load(CU_K + b)
+        k_len = tl.load(CU_K + b + 1) - k_row
+        if start_n >= k_len:
+            return
+        k_base += k_row.to(tl.int64) * skn
+        v_base += k_row.to(tl.int64) * svn
+        dk_base += k_row.to(tl.int64) * sdkn
+        dv_base += k_row.to(tl.int64) * sdvn
+        tma_b = 0
+    else:
+        q_row = 0
+        q_len = SEQ_Q
+        k_row = 0
+        k_len = SEQ_K
+        tma_b = b
+    delta = k_len - q_len
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+
+    # -- K, V stay on chip; dK, dV accumulate in fp32 over the group's heads and query tiles
+    k = _load_tile(desc_k, k_base, tma_b, hk, k_row, start_n, k_len, skn, skd,
+                   BLOCK_N, BLOCK_D, HEAD_DIM, True, USE_TMA)
+    v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
+                   BLOCK_N, BLOCK_DV, HEAD_DIM_V, True, USE_TMA)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    if not HAS_BLOCK_MASK:
+        t_lo, t_a, t_c, t_hi = _q_tile_ranges(start_n, q_len, k_len, delta, win_left, win_right,
+                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    g = 0
+    while g < GROUP:
+        h = hk * GROUP + g
+        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + q_row.to(tl.int64) * sqm
+        do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + q_row.to(tl.int64) * sdom
+        dq_base = DQ_ACC + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + q_row.to(tl.int64) * sdqm
+        lam_base = LAM + b.to(tl.int64) * slb + h.to(tl.int64) * slh + q_row
+        dd_base = DD + b.to(tl.int64) * slb + h.to(tl.int64) * slh + q_row
+        if HAS_BLOCK_MASK:
+            # the key block's column of the block mask: PARTIAL query blocks (mask_mod
+            # evaluated), then FULL ones (no mask_mod)
+            col = start_n // SPARSE_N
+            n_off = b.to(tl.int64) * bn_b + h.to(tl.int64) * bn_h + col
+            i_off = b.to(tl.int64) * bi_b + h.to(tl.int64) * bi_h + col.to(tl.int64) * bi_n
+            R: tl.constexpr = SPARSE_M // BLOCK_M
+            n_part = tl.load(PART_NUM + n_off)
+            dk, dv = _dkdv_loop(
+                dk, dv, k, v, 0, n_part * R, PART_IDX + i_off,
+                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
+                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
+                True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
+                DQ_ATOMIC, DQ_TMA, INTERPRET)
+            n_full = tl.load(FULL_NUM + n_off)
+            dk, dv = _dkdv_loop(
+                dk, dv, k, v, 0, n_full * R, FULL_IDX + i_off,
+                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
+                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
+                FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
+                USE_TMA, DQ_ATOMIC, DQ_TMA, INTERPRET)
+        else:
+            # unmasked interior first, then the masked edges (a fixed order: deterministic)
+            dk, dv = _dkdv_loop(
+                dk, dv, k, v, t_a * BLOCK_M, t_c - t_a, PART_IDX,
+                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
+                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
+                False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
+                DQ_ATOMIC, DQ_TMA, INTERPRET)
+            dk, dv = _dkdv_loop(
+                dk, dv, k, v, t_lo * BLOCK_M, t_a - t_lo, PART_IDX,
+                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
+                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
+                True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
+                DQ_ATOMIC, DQ_TMA, INTERPRET)
+            if MASK_LEFT:
+                dk, dv = _dkdv_loop(
+                    dk, dv, k, v, t_c * BLOCK_M, t_hi - t_c, PART_IDX,
+                    desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
+                    tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+                    offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+                    grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                    mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                    BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
+                    True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
+                    DQ_ATOMIC, DQ_TMA, INTERPRET)
+        g += 1
+
+    # -- dK = scale * sum dS~^T Q, dV = sum P^T dO (rows past k_len are not written)
+    offs_r = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = offs_n[:, None] < k_len
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    tl.store(dk_base + start_n.to(tl.int64) * sdkn + (offs_r[:, None] * sdkn + offs_d[None, :] * sdkd),
+             (dk * scale).to(DK.dtype.element_ty), mask=mask)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = offs_n[:, None] < k_len
+    if BLOCK_DV != HEAD_DIM_V:
+        mask = mask & (offs_dv[None, :] < HEAD_DIM_V)
+    tl.store(dv_base + start_n.to(tl.int64) * sdvn + (offs_r[:, None] * sdvn + offs_dv[None, :] * sdvd),
+             dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["NUM_M", "HQ", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
+                               "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_m"])
+def _attn_bwd_dq(
+    Q, K, V, DO, DQ, LAM, DD,
+    desc_q, desc_k, desc_v, desc_do,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+    sdqb, sdqh, sdqm, sdqd, slb, slh,
+    NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
+    qk_scale, softcap, scale, win_left, win_right,
+    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
+    grad_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # program -> (query tile, batch, head), as the forward (causal: heaviest tiles first)
+    pid = tl.program_id(0)
+    bh = pid // NUM_M
+    mt = pid % NUM_M
+    if REVERSE_M:
+        mt = NUM_M - 1 - mt
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    start_m = mt * BLOCK_M
+    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    dq_base = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh
+    if IS_VARLEN:
+        q_row = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_row
+        k_row = tl.load(CU_K + b)
+        k_len = tl.load(CU_K + b + 1) - k_row
+        if start_m >= q_len:
+            return
+        q_base += q_row.to(tl.int64) * sqm
+        do_base += q_row.to(tl.int64) * sdom
+        k_base += k_row.to(tl.int64) * skn
+        v_base += k_row.to(tl.int64) * svn
+        dq_base += q_row.to(tl.int64) * sdqm
+        tma_b = 0
+    else:
+        q_row = 0
+        q_len = SEQ_Q
+        k_row = 0
+        k_len = SEQ_K
+        tma_b = b
+    delta = k_len - q_len
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < q_len
+    lam = tl.load(LAM + b.to(tl.int64) * slb + h.to(tl.int64) * slh + q_row + offs_m,
+                  mask=row_ok, other=float("inf"))
+    dd = tl.load(DD + b.to(tl.int64) * slb + h.to(tl.int64) * slh + q_row + offs_m,
+                 mask=row_ok, other=0.0)
+    q = _load_tile(desc_q, q_base, tma_b, h, q_row, start_m, q_len, sqm, sqd,
+                   BLOCK_M, BLOCK_D, HEAD_DIM, True, USE_TMA)
+    do = _load_tile(desc_do, do_base, tma_b, h, q_row, start_m, q_len, sdom, sdod,
+                    BLOCK_M, BLOCK_DV, HEAD_DIM_V, True, USE_TMA)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    if HAS_BLOCK_MASK:
+        R: tl.constexpr = SPARSE_N // BLOCK_N
+        row = start_m // SPARSE_M
+        n_off = b.to(tl.int64) * bn_b + h.to(tl.int64) * bn_h + row
+        i_off = b.to(tl.int64) * bi_b + h.to(tl.int64) * bi_h + row.to(tl.int64) * bi_m
+        n_part = tl.load(PART_NUM + n_off)
+        dq = _dq_loop(dq, q, do, lam, dd, 0, n_part * R, PART_IDX + i_off,
+                      desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+                      offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+                      grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                      mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                      BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
+                      True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
+                      INTERPRET)
+        n_full = tl.load(FULL_NUM + n_off)
+        dq = _dq_loop(dq, q, do, lam, dd, 0, n_full * R, FULL_IDX + i_off,
+                      desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+                      offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+                      grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                      mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                      BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
+                      FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
+                      USE_TMA, INTERPRET)
+    else:
+        t_lo, t_a, t_c, t_hi = _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
+                                            BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        dq = _dq_loop(dq, q, do, lam, dd, t_a * BLOCK_N, t_c - t_a, PART_IDX,
+                      desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+                      offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+                      grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                      mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                      BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
+                      False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
+                      INTERPRET)
+        if MASK_LEFT:
+            dq = _dq_loop(dq, q, do, lam, dd, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
+                          desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn,
+                          svd, offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False,
+                          SPARSE_N, True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
+                          HAS_SCORE_MOD, USE_TMA, INTERPRET)
+        dq = _dq_loop(dq, q, do, lam, dd, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
+                      desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
+                      offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
+                      grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                      mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                      BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
+                      True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
+                      INTERPRET)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None]
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    tl.store(dq_base + start_m.to(tl.int64) * sdqm
+             + (tl.arange(0, BLOCK_M)[:, None] * sdqm + offs_d[None, :] * sdqd),
+             (dq * scale).to(DQ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dq_convert(ACC, DQ, scale, n_elements, BLOCK: tl.constexpr):
+    """``dq = scale * acc`` in dq's dtype (both contiguous, same shape)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_elements
+    acc = tl.load(ACC + offs, mask=m, other=0.0)
+    tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty), mask=m)
+
+
+# --- launcher ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tiles and launch options of the backward kernels.
+
+    ``block_m`` x ``block_n``, ``num_warps``, ``num_stages``: the dK/dV kernel (query tiles
+    of ``block_m`` rows stream past a resident key tile of ``block_n``); ``dq_*``: the dQ
+    kernel (key tiles of ``dq_block_n`` stream past a resident query tile of
+    ``dq_block_m``). ``use_tma``: TMA descriptors for Q/K/V/dO loads and the dQ reduce-add.
+    ``atomic_dq``: whether the default (non-deterministic) mode adds dQ with atomics from
+    the dK/dV kernel (else it runs the dQ kernel, as ``deterministic=True`` always does).
+    """
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    dq_block_m: int = 64
+    dq_block_n: int = 64
+    dq_warps: int = 4
+    dq_stages: int = 2
+    use_tma: bool = False
+    atomic_dq: bool = True
+
+    def __str__(self):
+        return (f"dkdv BM{self.block_m}-BN{self.block_n}-w{self.num_warps}-s{self.num_stages} "
+                f"dq BM{self.dq_block_m}-BN{self.dq_block_n}-w{self.dq_warps}-s{self.dq_stages}"
+                f"{' tma' if self.use_tma else ''}{' atomic-dq' if self.atomic_dq else ''}")
+
+
+#: Hopper configurations per (padded head dim, features), ``features`` = softcap,
+#: score_mod or mask_mod (their extra per-element state costs registers):
+#: (dK/dV block_m, block_n, warps, stages, dQ block_m, block_n, warps, stages, atomic dQ).
+#: Chosen with the real compiler for sm_90 (``tests/test_attention_backward_compile.py``):
+#: the dK/dV kernel holds two ``[block_n, D]`` fp32 accumulators, so it sits at the
+#: 255-register limit; every deterministic variant is spill-free, the atomic-dQ variant of
+#: head dim 128 spills ~40 bytes (accepted: see benchmarks/RESULTS.md) and those with
+#: features or head dim 256 spill more, so they use the dQ kernel. Not yet timed on the GPU:
+#: ``benchmarks/attention.py --tune-bwd`` times alternatives.
+HOPPER_BWD_CONFIGS = {
+    (32, False): (64, 128, 8, 2, 128, 64, 8, 2, True),
+    (64, False): (64, 128, 8, 2, 128, 64, 8, 2, True),
+    (128, False): (64, 128, 8, 2, 128, 64, 8, 2, True),
+    (256, False): (32, 64, 8, 2, 64, 32, 8, 2, False),
+    (32, True): (64, 128, 8, 2, 128, 64, 8, 2, False),
+    (64, True): (64, 128, 8, 2, 128, 64, 8, 2, False),
+    (128, True): (64, 64, 8, 2, 128, 64, 8, 2, False),
+    (256, True): (16, 64, 8, 2, 64, 32, 8, 2, False),
+}
+#: the fallback when TMA is asked for but the strides do not allow it (e.g. rows not
+#: 16-byte aligned): pointer loads keep their addresses in registers, so smaller tiles and
+#: the dQ kernel, spill-free on sm_90 with every feature (head dim 256: mma.sync-sized
+#: tiles); keyed like :data:`HOPPER_BWD_CONFIGS`, without the atomic flag
+POINTER_BWD_CONFIGS = {
+    (32, False): (32, 64, 8, 2, 64, 64, 8, 2), (32, True): (32, 64, 8, 2, 64, 64, 8, 2),
+    (64, False): (32, 64, 8, 2, 64, 64, 8, 2), (64, True): (32, 64, 8, 2, 64, 64, 8, 2),
+    (128, False): (32, 64, 8, 2, 128, 32, 8, 2), (128, True): (16, 64, 8, 2, 128, 16, 8, 2),
+    (256, False): (16, 32, 8, 2, 32, 16, 8, 2), (256, True): (16, 32, 8, 2, 32, 16, 8, 2),
+}
+#: global switch: ``False`` makes the default mode use the dQ kernel everywhere (as
+#: ``deterministic=True``); ``True`` lets the configurations above choose
+ATOMIC_DQ_DEFAULT = True
+
+
+def default_config(q, head_dim: int, head_dim_v: int, features: bool = False) -> BwdConfig:
+    """The backward launch configuration for these inputs (heuristic; no autotuning).
+
+    ``features``: softcap, score_mod or mask_mod present.
+    """
+    if q.device.type != "cuda" or _interpreting():
+        return BwdConfig(16, 16, 4, 1, 16, 16, 4, 1, use_tma=False, atomic_dq=True)
+    bd = min(max(max(block_dims(head_dim, head_dim_v)), 32), 256)
+    bm, bn, w, s, qm, qn, qw, qs, atomic = HOPPER_BWD_CONFIGS[(bd, bool(features))]
+    major = torch.cuda.get_device_capability(q.device)[0]
+    if major < 9:                          # Ampere and older: no TMA, pointer atomics
+        return BwdConfig(min(bm, 64), min(bn, 64), w, 2, min(qm, 64), min(qn, 64), qw, 2,
+                         use_tma=False, atomic_dq=False)
+    return BwdConfig(bm, bn, w, s, qm, qn, qw, qs, use_tma=TensorDescriptor is not None,
+                     atomic_dq=atomic)
+
+
+_GRAD_FNS: dict = {}
+_GRAD_LOCK = threading.Lock()
+
+
+def score_grad_fn(mod: TracedMod):
+    """``@triton.jit score_grad(score, b, h, q_idx, kv_idx, B0, N0, ..., B3, N3) -> (value,
+    d value / d score)`` for a traced score_mod: the graph of
+    :func:`~flashfold.algebra.autodiff.derivative`, lowered to Triton (cached per
+    expression). Same signature as :meth:`TracedMod.triton_fn` but two results."""
+    key = mod.key
+    fn = _GRAD_FNS.get(key)
+    if fn is not None:
+        return fn
+    from ..codegen import jit_source, load_source
+    graph = derivative(mod.graph, "score", name=f"{mod.graph.name}.grad")
+    if len(graph.buffers) != len(mod.buffers) or any(a is not b for a, b in zip(graph.buffers, mod.buffers)):
+        raise RuntimeError(f"derivative of {mod.name!r} reorders its captured tables")
+    names = [v.name for v in graph.inputs]
+    body = jit_source(graph, "body", names)
+    slots = ", ".join(f"B{i}, N{i}" for i in range(MAX_BUFFERS))
+    used = "".join(f", B{i}, N{i}" for i in range(len(mod.buffers)))
+    wrapper = (f"@triton.jit\ndef score_grad({', '.join(names)}, {slots}):\n"
+               f"    r = body({', '.join(names)}{used})\n"
+               f"    return r[0], r[1]\n")
+    module = load_source(body + "\n\n" + wrapper, "score_grad")
+    with _GRAD_LOCK:
+        _GRAD_FNS[key] = module.score_grad
+    return module.score_grad
+
+
+_COLUMNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def column_lists(bm: BlockMask):
+    """The block mask's per-*key-block* lists (the transpose of its per-query-block lists):
+    ``(partial_num, partial_idx, full_num, full_idx)`` with shapes ``(Bm, Hm, nN)`` and
+    ``(Bm, Hm, nN, nM)``; cached per BlockMask."""
+    hit = _COLUMNS.get(bm)
+    if hit is None:
+        hit = tuple(_lists(bm.state.transpose(-1, -2).contiguous()))
+        _COLUMNS[bm] = hit
+    return hit
+
+
+#: allocator of the outputs (``torch.empty``); the GPU check in ``benchmarks/attention.py``
+#: swaps in a NaN-filling one so that any element the kernels fail to write is caught
+_alloc = torch.empty
+
+
+def _none_args(n):
+    return [None] * n
+
+
+def _desc(t, block_rows, block_d):
+    align = 16 // t.element_size()
+    strides = [s if n > 1 else align for s, n in zip(t.stride(), t.shape)]
+    strides[-1] = 1
+    return TensorDescriptor(t, list(t.shape), strides, [1, 1, block_rows, block_d])
+
+
+def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
+                       softcap: float | None = None, left: int | None = None,
+                       right: int | None = None, score_mod: TracedMod | None = None,
+                       block_mask: BlockMask | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
+                       max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                       full_needs_mask: bool = True, deterministic: bool = False,
+                       atomic_dq: bool | None = None, config: BwdConfig | None = None):
+    """Launch the backward kernels; returns ``(dq, dk, dv)``.
+
+    Arguments as :func:`.fwd.attention_forward`, plus ``do`` (the gradient of ``o``,
+    any strides), ``o`` and ``lse`` (the forward's outputs) and ``dlse`` (the gradient of
+    ``lse`` or None). ``deterministic=True`` never uses atomics (bitwise reproducible);
+    otherwise ``atomic_dq`` picks the atomic dQ path (default: the configuration's choice,
+    if :data:`ATOMIC_DQ_DEFAULT`).
+    ``block_mask`` must have block sizes that the tiles divide (the launcher shrinks the
+    tiles to fit).
+    """
+    dq, dk, dv, launches = prepare_backward(
+        do, q, k, v, o, lse, scale=scale, dlse=dlse, softcap=softcap, left=left, right=right,
+        score_mod=score_mod, block_mask=block_mask, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        full_needs_mask=full_needs_mask, deterministic=deterministic, atomic_dq=atomic_dq,
+        config=config)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return dq, dk, dv
+
+
+def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, left=None,
+                     right=None, score_mod=None, block_mask=None, cu_seqlens_q=None,
+                     cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                     full_needs_mask=True, deterministic=False, atomic_dq=None, config=None,
+                     interpret=None):
+    """Allocate the gradients and build the launches: ``(dq, dk, dv, [(kernel, grid, args,
+    kwargs), ...])`` in launch order (tools compile them ahead of time)."""
+    B, HQ, NQ, D = q.shape
+    HK, NK, DV = k.shape[1], k.shape[2], v.shape[3]
+    dev = q.device
+    varlen = cu_seqlens_q is not None
+    n_seq = cu_seqlens_q.shape[0] - 1 if varlen else B
+    seq_q = max_seqlen_q if varlen else NQ
+    seq_k = max_seqlen_k if varlen else NK
+    interp = _interpreting() if interpret is None else interpret
+    dk = _alloc((B, HK, NK, D), dtype=q.dtype, device=dev)
+    dv = _alloc((B, HK, NK, DV), dtype=q.dtype, device=dev)
+    if B == 0 or HQ == 0 or NQ == 0 or NK == 0 or n_seq == 0:
+        dq = torch.zeros((B, HQ, NQ, D), dtype=q.dtype, device=dev)
+        return dq, dk.zero_(), dv.zero_(), []
+    BD, BDV = block_dims(D, DV)
+    features = softcap is not None or score_mod is not None or block_mask is not None
+    cfg = config or default_config(q, D, DV, features=features)
+    use_tma = cfg.use_tma and tma_ok(q, k, v)
+    if cfg.use_tma and not use_tma:
+        # TMA asked for but the strides do not allow it: the pointer configuration
+        bm, bn, w, st, qm, qn, qw, qs = POINTER_BWD_CONFIGS[(min(max(BD, BDV, 32), 256), features)]
+        cfg = BwdConfig(bm, bn, w, st, qm, qn, qw, qs, use_tma=False, atomic_dq=False)
+    if block_mask is not None:
+        sm, sn = block_mask.BLOCK_SIZE
+        cfg = replace(cfg, block_m=min(cfg.block_m, sm), block_n=min(cfg.block_n, sn),
+                      dq_block_m=min(cfg.dq_block_m, sm), dq_block_n=min(cfg.dq_block_n, sn))
+    if atomic_dq is None:
+        atomic_dq = ATOMIC_DQ_DEFAULT and cfg.atomic_dq
+    atomic = bool(atomic_dq) and not deterministic
+    if use_tma and not tma_ok(do):
+        do = do.contiguous()        # documented: e.g. the expanded (stride 0) gradient of .sum()
+    dq = _alloc((B, HQ, NQ, D), dtype=q.dtype, device=dev)
+    dq_acc = torch.empty((B, HQ, NQ, D), dtype=torch.float32, device=dev) if atomic else dq
+    dd = torch.empty((B, HQ, NQ), dtype=torch.float32, device=dev)
+    lam = torch.empty((B, HQ, NQ), dtype=torch.float32, device=dev)
+    dq_tma = atomic and use_tma and not interp
+
+    # scale folding as in the forward
+    has_softcap = softcap is not None
+    has_mod = score_mod is not None
+    qk_scale = scale / softcap if has_softcap else (scale if has_mod else scale * LOG2E)
+    sargs = score_mod.buffer_args(dev) if has_mod else _none_args(2 * MAX_BUFFERS)
+    grad_fn = score_grad_fn(score_mod) if has_mod else None
+    if block_mask is not None:
+        bmk = block_mask
+        margs = bmk.mod.buffer_args(dev)
+        Bm, Hm = bmk.state.shape[0], bmk.state.shape[1]
+        nM, nN = bmk.state.shape[2], bmk.state.shape[3]
+        rows = [bmk.partial_num, bmk.partial_idx, bmk.full_num, bmk.full_idx]
+        row_strides = [Hm * nM if Bm > 1 else 0, nM if Hm > 1 else 0,
+                       Hm * nM * nN if Bm > 1 else 0, nM * nN if Hm > 1 else 0, nN]
+        cols = list(column_lists(bmk))
+        col_strides = [Hm * nN if Bm > 1 else 0, nN if Hm > 1 else 0,
+                       Hm * nN * nM if Bm > 1 else 0, nN * nM if Hm > 1 else 0, nM]
+        sparse = bmk.BLOCK_SIZE
+        mask_fn = bmk.mod.triton_fn()
+    else:
+        margs = _none_args(2 * MAX_BUFFERS)
+        rows = cols = [None, None, None, None]
+        row_strides = col_strides = [0, 0, 0, 0, 0]
+        sparse = None
+        full_needs_mask = False
+        mask_fn = None
+    zb = 0 if varlen else None
+    common_kw = dict(
+        HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV,
+        MASK_LEFT=left is not None, MASK_RIGHT=right is not None, HAS_SOFTCAP=has_softcap,
+        HAS_SCORE_MOD=has_mod, HAS_BLOCK_MASK=block_mask is not None,
+        FULL_NEEDS_MASK=full_needs_mask, IS_VARLEN=varlen, USE_TMA=use_tma, INTERPRET=interp)
+    win = [int(left) if left is not None else 0, int(right) if right is not None else 0]
+    strides_in = [
+        zb if varlen else q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+        zb if varlen else k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+        zb if varlen else v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+        zb if varlen else do.stride(0), do.stride(1), do.stride(2), do.stride(3)]
+    launches = []
+
+    # 1. preprocess: D, lambda (and zero the dQ accumulator)
+    pm = 64
+    num_pm = -(-NQ // pm)
+    launches.append((_bwd_preprocess, (num_pm * B * HQ,), [
+        o, do, lse, dlse, dd, lam, dq_acc,
+        *o.stride(), *do.stride(), lse.stride(0), lse.stride(1),
+        dlse.stride(0) if dlse is not None else 0, dlse.stride(1) if dlse is not None else 0,
+        *dq_acc.stride(), NQ, HQ, num_pm,
+    ], dict(HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=pm,
+            HAS_DLSE=dlse is not None, ZERO_DQ=atomic, num_warps=4)))
+    lam_strides = [zb if varlen else lam.stride(0), lam.stride(1)]
+
+    # 2. dK, dV (and the atomic dQ)
+    bm, bn = cfg.block_m, cfg.block_n
+    if use_tma:
+        dq_desc = _desc(dq_acc, bm, BD) if dq_tma else dq_acc
+        descs = [_desc(q, bm, BD), _desc(k, bn, BD), _desc(v, bn, BDV), _desc(do, bm, BDV), dq_desc]
+    else:
+        descs = [q, k, v, do, dq_acc]
+    num_n = -(-seq_k // bn)
+    launches.append((_attn_bwd_dkdv, (num_n * n_seq * HK,), [
+        q, k, v, do, dk, dv, dq_acc, lam, dd, *descs, *strides_in,
+        zb if varlen else dk.stride(0), dk.stride(1), dk.stride(2), dk.stride(3),
+        zb if varlen else dv.stride(0), dv.stride(1), dv.stride(2), dv.stride(3),
+        zb if varlen else dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), dq_acc.stride(3),
+        *lam_strides,
+        num_n, HK, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
+        qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
+        *cols, *col_strides,
+        grad_fn, *sargs, mask_fn, *margs,
+    ], dict(common_kw, BLOCK_M=bm, BLOCK_N=bn,
+            SPARSE_M=sparse[0] if sparse else bm, SPARSE_N=sparse[1] if sparse else bn,
+            DQ_ATOMIC=atomic, DQ_TMA=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+
+    # 3. dQ: the deterministic kernel, or the conversion of the atomic accumulator
+    if atomic:
+        n = dq.numel()
+        launches.append((_dq_convert, (triton.cdiv(n, 1024),), [dq_acc, dq, float(scale), n],
+                         dict(BLOCK=1024, num_warps=4)))
+    else:
+        qm, qn = cfg.dq_block_m, cfg.dq_block_n
+        if use_tma:
+            descs = [_desc(q, qm, BD), _desc(k, qn, BD), _desc(v, qn, BDV), _desc(do, qm, BDV)]
+        else:
+            descs = [q, k, v, do]
+        num_m = -(-seq_q // qm)
+        launches.append((_attn_bwd_dq, (num_m * n_seq * HQ,), [
+            q, k, v, do, dq, lam, dd, *descs, *strides_in,
+            zb if varlen else dq.stride(0), dq.stride(1), dq.stride(2), dq.stride(3),
+            *lam_strides,
+            num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
+            qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
+            *rows, *row_strides,
+            grad_fn, *sargs, mask_fn, *margs,
+        ], dict(common_kw, BLOCK_M=qm, BLOCK_N=qn,
+                SPARSE_M=sparse[0] if sparse else qm, SPARSE_N=sparse[1] if sparse else qn,
+                REVERSE_M=right is not None, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)))
+    return dq, dk, dv, launches
+
+
+__all__ = ["attention_backward", "prepare_backward", "BwdConfig", "default_config",
+           "HOPPER_BWD_CONFIGS", "POINTER_BWD_CONFIGS", "ATOMIC_DQ_DEFAULT", "score_grad_fn", "column_lists"]
