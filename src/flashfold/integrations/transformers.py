@@ -1,0 +1,458 @@
+r"""flashfold as an attention implementation of Hugging Face ``transformers``.
+
+After ``import flashfold.integrations.transformers`` (or :func:`register`), any model whose
+attention goes through ``transformers``' attention interface (Llama, Mistral, Qwen, BERT,
+... in transformers >= 4.53) runs its attention through :func:`flashfold.attention`::
+
+    from flashfold.integrations.transformers import ATTN_IMPLEMENTATION   # registers it
+    model = AutoModelForCausalLM.from_pretrained(
+        name, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.bfloat16).cuda()
+
+The functions are registered as ``"flashfold"`` and ``"ff_attention"``. transformers 5.x
+treats every ``attn_implementation`` whose name contains "flash" as a FlashAttention
+kernel to load from the Hub (``is_flash_attention_requested``), so a model created with
+``"flashfold"`` fails there before any attention runs; :data:`ATTN_IMPLEMENTATION` is
+``"ff_attention"`` on those versions and ``"flashfold"`` elsewhere.
+
+On CUDA tensors the Triton kernels run (float16 / bfloat16), on CPU tensors the blocked
+reference (float16 to float64). transformers is an optional extra
+(``pip install flashfold[transformers]``); ``import flashfold`` never imports it.
+
+Two functions are registered under the same name:
+
+* a **mask function** (``AttentionMaskInterface``), called once per forward pass by the
+  model's ``create_causal_mask`` / ``create_bidirectional_mask``. Instead of the dense
+  ``(batch, 1, q_len, kv_len)`` bias of the eager path it returns a :class:`FlashfoldMask`:
+  the mask's kind (causal or bidirectional) and, when the 2-D ``attention_mask`` has
+  padding, a *varlen plan* (which query rows and key positions are real, as
+  ``cu_seqlens``), computed once and shared by every layer;
+* an **attention function** (``AttentionInterface``), ``fn(module, query, key, value,
+  attention_mask, scaling=None, dropout=0.0, **kwargs) -> (out (B, S, Hq, Dv), None)``,
+  with ``query (B, Hq, S, D)``, ``key``/``value (B, Hkv, L, D|Dv)`` in any strides.
+
+How each case maps onto :func:`flashfold.attention`:
+
+=====================================  ==================================================
+transformers                            flashfold
+=====================================  ==================================================
+decoder (causal) mask, no padding      ``causal=True``: bottom-right aligned, which is
+                                       the causal mask of a KV-cache step (query ``i`` is
+                                       position ``L - S + i``)
+bidirectional (encoder) mask           no mask
+key padding, bidirectional             the real keys packed (``cu_seqlens_k``), every query
+                                       row kept (the same values as eager on all rows)
+padding, causal, contiguous per row    real queries and keys packed (``cu_seqlens_q/k``,
+(left or right padding)                ``causal=True``); padded query rows give 0
+anything else the model's mask         the boolean mask HF would build, read by a
+function encodes (sliding windows,     ``mask_mod`` from a ``(B * S, L)`` table (a boolean
+packed sequences, static caches,       table, never an additive float bias)
+padding with holes in a decoder)
+a 4-D boolean mask passed by the user  the same table ``mask_mod``
+a 4-D float mask of 0 / -inf (or the   converted to boolean first
+dtype's minimum)
+GQA / MQA (``Hq`` a multiple of        passed through (no ``repeat_kv``)
+``Hkv``)
+``scaling``, ``softcap``               ``scale``, ``softcap``
+``sliding_window`` kwarg, no mask     ``window=(sliding_window - 1, None)`` (with a mask,
+                                       the mask encodes the window, as in eager)
+``cu_seq_lens_q/k`` kwargs (packed     ``cu_seqlens_q/k``
+batches, as the FlashAttention path)
+=====================================  ==================================================
+
+Unsupported, raising ``NotImplementedError`` that names the case: attention dropout
+(``dropout > 0``, i.e. training with ``attention_dropout``), a general additive float
+bias (values other than 0 and -inf), ``output_attentions=True`` (no weights are formed),
+attention sinks (``s_aux``), T5-style ``position_bias``, flex ``BlockMask`` masks.
+Unsupported head dims and dtypes raise ``ValueError`` / ``TypeError`` from
+:func:`flashfold.attention` (which names the argument), prefixed with the module.
+
+Rows with no visible key (e.g. a left-padded query row of a decoder) give 0, where
+eager gives an average of values (its -inf is the dtype's minimum): such rows are
+undefined, and the tests compare only rows eager defines. Under ``torch.compile`` both
+functions run outside the graph (``torch.compiler.disable``: one graph break per layer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: the registered names: ``NAME``, and ``ALIAS`` for transformers versions that reserve
+#: names containing "flash" for FlashAttention kernels (see :func:`register`)
+NAME = "flashfold"
+ALIAS = "ff_attention"
+
+
+def _unsupported(what: str):
+    raise NotImplementedError(f"attn_implementation='{NAME}' does not support {what}")
+
+
+# --- the compact mask -----------------------------------------------------------------------
+
+@dataclass(eq=False)
+class FlashfoldMask:
+    """What the mask function hands to every layer of one forward pass.
+
+    ``causal``: the model's mask is the decoder (causal) mask, aligned bottom-right (query
+    row ``i`` at key position ``kv_len - q_len + i``), or the bidirectional one (False).
+    ``batch``, ``q_len``, ``kv_len``: the sizes the mask was made for.
+    Varlen plan (``None`` without padding): ``cu_seqlens_q`` / ``cu_seqlens_k`` int32
+    ``(batch + 1,)`` offsets into the packed rows; ``q_index`` int64 ``(Tq,)``: the packed
+    query rows as flat indices into ``batch * q_len`` (``None``: every row kept);
+    ``k_index`` int64 ``(Tk,)``: the real keys, flat indices into ``batch * kv_len``.
+    ``table``: instead of all that, a boolean ``(batch or 1, q_len, kv_len)`` visibility
+    table (the general case).
+    """
+
+    causal: bool
+    batch: int
+    q_len: int
+    kv_len: int
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    q_index: torch.Tensor | None = None
+    k_index: torch.Tensor | None = None
+    table: torch.Tensor | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_k is not None
+
+    def __repr__(self):
+        kind = ("table" if self.table is not None else
+                "varlen" if self.varlen else "plain")
+        return (f"FlashfoldMask({'causal' if self.causal else 'bidirectional'}, {kind}, "
+                f"batch={self.batch}, q_len={self.q_len}, kv_len={self.kv_len})")
+
+
+def _as_int(x) -> int:
+    return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
+
+
+def _varlen_plan(padding: torch.Tensor, q_len: int, causal: bool):
+    """``(cu_q, cu_k, q_index, k_index)`` for a ``(B, L)`` bool key-padding mask, or None
+    when the mask cannot be expressed by packing (a causal mask with holes in a row).
+
+    Bidirectional: the real keys are packed (any pattern), every query row kept. Causal:
+    a row's real keys must be one run ``[lo, hi)``; the real queries are then the query
+    positions inside it, ``[max(lo, L - S), hi)``, and flashfold's bottom-right alignment
+    within each packed sequence is exactly ``kv <= q`` in absolute positions.
+    """
+    B, L = padding.shape
+    dev = padding.device
+    host = padding.to("cpu", torch.bool)
+    counts = host.sum(1)
+    k_index = torch.nonzero(host.reshape(-1), as_tuple=False).reshape(-1)
+    cu_k = torch.zeros(B + 1, dtype=torch.int32)
+    cu_k[1:] = torch.cumsum(counts, 0)
+    if not causal:
+        cu_q = torch.arange(B + 1, dtype=torch.int32) * q_len
+        return cu_q.to(dev), cu_k.to(dev), None, k_index.to(dev)
+    q_rows, cu_q = [], [0]
+    first = L - q_len                                  # key position of query row 0
+    for b in range(B):
+        n = int(counts[b])
+        if n == 0:
+            cu_q.append(cu_q[-1])
+            continue
+        lo = int(torch.argmax(host[b].to(torch.uint8)))
+        hi = lo + n
+        if not bool(host[b, lo:hi].all()):
+            return None                                # holes: not one run of keys
+        q0 = max(lo, first)
+        if hi > q0:
+            q_rows.append(torch.arange(q0 - first, hi - first) + b * q_len)
+        cu_q.append(cu_q[-1] + max(0, hi - q0))
+    q_index = torch.cat(q_rows) if q_rows else torch.zeros(0, dtype=torch.int64)
+    return (torch.tensor(cu_q, dtype=torch.int32, device=dev), cu_k.to(dev),
+            q_index.to(dev), k_index.to(dev))
+
+
+def _dense_table(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                 attention_mask, device, use_vmap):
+    """HF's own boolean mask ``(B or 1, 1, S, L)`` -> ``(B or 1, S, L)``."""
+    from transformers.masking_utils import sdpa_mask
+    m = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                  q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                  attention_mask=attention_mask, allow_is_causal_skip=False,
+                  allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+    return m[:, 0]
+
+
+def _mask_function_impl(batch_size: int, q_length: int, kv_length: int, q_offset=0,
+                        kv_offset=0, mask_function=None, attention_mask=None, device="cpu",
+                        use_vmap: bool = False, **kwargs) -> FlashfoldMask:
+    """The ``AttentionMaskInterface`` entry: a :class:`FlashfoldMask` (see its docstring).
+
+    ``attention_mask``: the 2-D ``(batch, seen + q_length)`` padding mask or None;
+    ``mask_function``: the model's mask pattern. The plain causal and bidirectional
+    patterns become a compact mask (varlen when padded); any other pattern, or a query
+    offset that is not bottom-right (static caches), becomes the boolean table HF would
+    build.
+    """
+    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
+                                            prepare_padding_mask)
+    if mask_function is None:
+        mask_function = causal_mask_function
+    q_off, kv_off = _as_int(q_offset), _as_int(kv_offset)
+    plain = mask_function is causal_mask_function or mask_function is bidirectional_mask_function
+    causal = mask_function is causal_mask_function
+    aligned = (not causal) or (q_off - kv_off == kv_length - q_length)
+    padding = None
+    if attention_mask is not None:
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_off)
+        padding = padding[:, kv_off:kv_off + kv_length].to(torch.bool)
+        if padding.shape[-1] == kv_length and bool(padding.all()):
+            padding = None
+    if plain and aligned:
+        if padding is None:
+            return FlashfoldMask(causal, batch_size, q_length, kv_length)
+        if padding.shape != (batch_size, kv_length):
+            raise ValueError(f"attention_mask: padding mask of shape {tuple(padding.shape)} "
+                             f"does not cover (batch={batch_size}, kv_len={kv_length})")
+        plan = _varlen_plan(padding, q_length, causal)
+        if plan is not None:
+            cu_q, cu_k, q_index, k_index = plan
+            return FlashfoldMask(causal, batch_size, q_length, kv_length, cu_q, cu_k,
+                                 q_index, k_index)
+    table = _dense_table(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                         attention_mask, device, use_vmap)
+    return FlashfoldMask(False, batch_size, q_length, kv_length, table=table)
+
+
+# --- a boolean table as a mask_mod -------------------------------------------------------------
+
+class _TableMods:
+    """One traced ``mask_mod`` per table shape and device, reading a persistent table.
+
+    ``visible(b, h, q, kv) = table[b * S + q, kv]`` (``b * 0`` when the table is shared by
+    the batch). The table's contents are copied in only when a different mask arrives, so
+    the Triton function (generated once per traced mod) and, within a forward pass, the
+    block mask (cached on the table's version) are reused by every layer.
+    """
+
+    def __init__(self):
+        self._mods: dict = {}
+
+    def get(self, table: torch.Tensor):
+        from ..ops import Buffer
+        Bt, S, L = table.shape
+        key = (str(table.device), Bt, S, L)
+        entry = self._mods.get(key)
+        if entry is None:
+            store = torch.zeros(Bt * S, L, dtype=torch.int8, device=table.device)
+            buf = Buffer(store)
+            rows = S if Bt > 1 else 0
+
+            def hf_mask_table(b, h, q_idx, kv_idx):
+                return buf[b * rows + q_idx, kv_idx] != 0
+            entry = self._mods[key] = [hf_mask_table, store, None]
+        fn, store, owner = entry
+        if owner is not table:
+            store.copy_(table.reshape(Bt * S, L))
+            entry[2] = table
+        return fn
+
+
+_TABLES = _TableMods()
+
+
+def _table_from_4d(mask: torch.Tensor, B: int, S: int, L: int) -> torch.Tensor:
+    """A user's 4-D mask ``(B|1, 1, S, L)`` -> boolean ``(B|1, S, L)``; a float mask must
+    hold only 0 (visible) and -inf / the dtype's minimum (hidden)."""
+    if mask.shape[1] != 1:
+        _unsupported(f"a 4-D attention mask with per-head entries (shape {tuple(mask.shape)})")
+    if tuple(mask.shape[2:]) != (S, L) or mask.shape[0] not in (1, B):
+        raise ValueError(f"attention_mask: 4-D mask of shape {tuple(mask.shape)} does not match "
+                         f"(batch={B} or 1, 1, q_len={S}, kv_len={L})")
+    m = mask[:, 0]
+    if m.dtype == torch.bool:
+        return m
+    if not m.is_floating_point():
+        return m != 0
+    hidden = m <= torch.finfo(m.dtype).min / 2
+    if not bool(((m == 0) | hidden).all()):
+        _unsupported("a general additive attention bias (a 4-D float attention_mask with "
+                     "values other than 0 and -inf); express it as a flashfold score_mod")
+    return ~hidden
+
+
+# --- the attention function ------------------------------------------------------------------
+
+def _attention_impl(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    sliding_window=None, softcap=None, is_causal=None, **kwargs):
+    """The ``AttentionInterface`` entry (see the module docstring).
+
+    ``query (B, Hq, S, D)``, ``key (B, Hkv, L, D)``, ``value (B, Hkv, L, Dv)`` -> ``(out
+    (B, S, Hq, Dv) contiguous, None)``.
+    """
+    import flashfold
+
+    where = type(module).__name__
+    if dropout:
+        _unsupported(f"attention dropout (dropout={dropout} in {where}: training with "
+                     f"attention_dropout > 0); set attention_dropout=0 or call model.eval()")
+    if kwargs.get("output_attentions"):
+        _unsupported("output_attentions=True (no attention weights are formed); use "
+                     "attn_implementation='eager' to inspect them")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        _unsupported("attention sinks (s_aux)")
+    if kwargs.get("position_bias") is not None:
+        _unsupported("an additive position_bias (T5-style relative attention bias)")
+    B, Hq, S, _ = query.shape
+    L = key.shape[2]
+    if is_causal is None:
+        is_causal = bool(getattr(module, "is_causal", True))
+    kw = dict(scale=scaling, softcap=softcap)
+    # a model's mask already encodes its sliding window (as eager, which ignores the
+    # kwarg); without a mask the kwarg is the only source (as the FlashAttention path)
+    window = None
+    if sliding_window is not None and attention_mask is None:
+        window = (int(sliding_window) - 1, None)
+
+    cu_q_kw, cu_k_kw = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    mask = attention_mask
+    if mask is None and cu_q_kw is not None and cu_k_kw is not None:
+        # packed batch (batch 1), as transformers' FlashAttention path
+        o = _call(flashfold.attention, where, query, key, value, causal=is_causal,
+                  window=window, cu_seqlens_q=cu_q_kw.to(torch.int32),
+                  cu_seqlens_k=cu_k_kw.to(torch.int32), **kw)
+        return o.transpose(1, 2).contiguous(), None
+    if mask is None:
+        o = _call(flashfold.attention, where, query, key, value, causal=is_causal,
+                  window=window, **kw)
+        return o.transpose(1, 2).contiguous(), None
+    if isinstance(mask, torch.Tensor):
+        if mask.dim() == 4:
+            mask = FlashfoldMask(False, B, S, L, table=_table_from_4d(mask, B, S, L))
+        elif mask.dim() == 2:
+            mask = _mask_function_impl(B, S, L, L - S, 0, _causal_fn(is_causal), mask,
+                                       query.device)
+        else:
+            raise ValueError(f"attention_mask: expected a 2-D padding mask or a 4-D mask, got "
+                             f"shape {tuple(mask.shape)}")
+    elif not isinstance(mask, FlashfoldMask):
+        _unsupported(f"an attention_mask of type {type(mask).__name__} (flex BlockMask masks "
+                     f"belong to attn_implementation='flex_attention')")
+    if (mask.batch, mask.q_len, mask.kv_len) != (B, S, L) and not (
+            mask.table is not None and mask.table.shape[0] == 1 and (mask.q_len, mask.kv_len) == (S, L)):
+        raise ValueError(f"attention_mask: {mask!r} was made for (batch, q_len, kv_len) = "
+                         f"{(mask.batch, mask.q_len, mask.kv_len)}, but {where} has query "
+                         f"{tuple(query.shape)} and key {tuple(key.shape)}")
+
+    if mask.table is not None:
+        mod = _TABLES.get(mask.table.to(query.device))
+        o = _call(flashfold.attention, where, query, key, value, mask_mod=mod, **kw)
+        return o.transpose(1, 2).contiguous(), None
+    if not mask.varlen:
+        o = _call(flashfold.attention, where, query, key, value, causal=mask.causal, **kw)
+        return o.transpose(1, 2).contiguous(), None
+    return _varlen(flashfold.attention, where, query, key, value, mask, kw), None
+
+
+def _causal_fn(is_causal: bool):
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    return causal_mask_function if is_causal else bidirectional_mask_function
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, N, D)`` -> ``(B * N, H, D)`` (a view for transformers' ``(B, N, H, D)``
+    storage)."""
+    B, H, N, D = x.shape
+    return x.permute(0, 2, 1, 3).reshape(B * N, H, D)
+
+
+def _varlen(attention, where, query, key, value, mask: FlashfoldMask, kw):
+    """Pack real rows, run the varlen attention, scatter back to ``(B, S, Hq, Dv)``."""
+    B, Hq, S, _ = query.shape
+    Dv = value.shape[-1]
+    qr = _rows(query)
+    if mask.q_index is not None:
+        qr = qr.index_select(0, mask.q_index)
+    kr = _rows(key).index_select(0, mask.k_index)
+    vr = _rows(value).index_select(0, mask.k_index)
+    pack = lambda r: r.permute(1, 0, 2).unsqueeze(0)            # (T, H, D) -> (1, H, T, D)  # noqa: E731
+    o = _call(attention, where, pack(qr), pack(kr), pack(vr), causal=mask.causal,
+              cu_seqlens_q=mask.cu_seqlens_q, cu_seqlens_k=mask.cu_seqlens_k, **kw)
+    o = o[0].permute(1, 0, 2)                                     # (Tq, Hq, Dv)
+    if mask.q_index is None:
+        return o.reshape(B, S, Hq, Dv).contiguous()
+    out = torch.zeros(B * S, Hq, Dv, dtype=o.dtype, device=o.device)
+    out.index_copy_(0, mask.q_index, o)
+    return out.view(B, S, Hq, Dv)
+
+
+def _call(attention, where, *args, **kwargs):
+    try:
+        return attention(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"attn_implementation='{NAME}' in {where}: {e}") from e
+
+
+# the registered entry points run outside torch.compile graphs (host-side planning, traced
+# mask mods and Triton launches are not traceable by dynamo)
+flashfold_attention_forward = torch.compiler.disable(_attention_impl)
+flashfold_attention_forward.__doc__ = _attention_impl.__doc__
+flashfold_attention_mask = torch.compiler.disable(_mask_function_impl)
+flashfold_attention_mask.__doc__ = _mask_function_impl.__doc__
+
+
+def _reserved_by_transformers(name: str) -> bool:
+    """Whether transformers treats ``name`` as a FlashAttention kernel (transformers 5.x
+    reserves every implementation name containing "flash" and tries to load a kernel)."""
+    try:
+        from transformers.utils.generic import is_flash_attention_requested
+    except ImportError:                            # other versions: assume the substring rule
+        return "flash" in name
+    return bool(is_flash_attention_requested(requested_attention_implementation=name))
+
+
+def register(name: str | None = None) -> str:
+    """Register flashfold with transformers (idempotent); returns the name to pass as
+    ``attn_implementation``.
+
+    Registers :func:`flashfold_attention_forward` in ``AttentionInterface`` and
+    :func:`flashfold_attention_mask` in ``AttentionMaskInterface`` under ``name``, or by
+    default under both ``"flashfold"`` and ``"ff_attention"``. transformers 5.x treats
+    any name containing "flash" as a FlashAttention kernel to load (model construction
+    fails with "Could not find the currently requested flash attention implementation"),
+    so there ``"ff_attention"`` is the name to use; :data:`ATTN_IMPLEMENTATION` holds the
+    usable one. Raises ``ImportError`` when transformers is missing or older than the
+    attention-mask interface (4.53).
+    """
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError(f"name: expected a non-empty str, got {name!r}")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:                       # pragma: no cover - depends on the env
+        raise ImportError("flashfold.integrations.transformers needs transformers >= 4.53 "
+                          "(AttentionInterface and AttentionMaskInterface): "
+                          "pip install 'flashfold[transformers]'") from e
+    names = (name,) if name is not None else (NAME, ALIAS)
+    for n in names:
+        AttentionInterface.register(n, flashfold_attention_forward)
+        AttentionMaskInterface.register(n, flashfold_attention_mask)
+    usable = [n for n in names if not _reserved_by_transformers(n)]
+    return usable[0] if usable else names[0]
+
+
+def is_registered(name: str = NAME) -> bool:
+    """Whether ``name`` is registered in both of transformers' interfaces."""
+    import sys
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    return (AttentionInterface._global_mapping.get(name) is flashfold_attention_forward and
+            AttentionMaskInterface._global_mapping.get(name) is flashfold_attention_mask)
+
+
+#: the ``attn_implementation`` to pass with the installed transformers ("flashfold", or
+#: "ff_attention" where transformers reserves names containing "flash")
+ATTN_IMPLEMENTATION = register()
+
+__all__ = ["register", "is_registered", "FlashfoldMask", "flashfold_attention_forward",
+           "flashfold_attention_mask", "NAME", "ALIAS", "ATTN_IMPLEMENTATION"]

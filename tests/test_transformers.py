@@ -1,0 +1,400 @@
+"""flashfold inside Hugging Face transformers (``flashfold.integrations.transformers``).
+
+Small BERT-style (bidirectional, absolute positions) and Llama-style (causal, RoPE, GQA
+4:2) models with random, seeded weights are built here and run with flashfold's attention
+against the *eager* implementation in float64:
+
+* without padding, against the eager model on the same batch;
+* with padding (left, right, mixed), against the eager model run on each sequence alone
+  (unpadded, same position ids): eager's own padded float64 batch is not a reference, as
+  it softmaxes in float32, where float64's "-inf" (the dtype's minimum) overflows and a
+  fully masked row becomes NaN and contaminates the next layer. Only the rows eager
+  defines are compared (for BERT every row: its padded query rows still see real keys,
+  and those are also checked against eager's padded batch).
+
+flashfold runs in float32 (checked with the float32 tolerances) and in float64 (BERT:
+float64 tolerances, the mask semantics must be exact; Llama: eager softmaxes in float32
+even in a float64 model, so its reference is exact to float32 rounding only). Also: decoding with a KV cache (dynamic
+and static), a decoder padding mask with holes, user 4-D masks, torch.compile, the Triton
+kernels under the interpreter, the errors of unsupported cases, and that ``import
+flashfold`` registers nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashfold.integrations.transformers as fft  # noqa: E402
+from flashfold.testing import assert_close  # noqa: E402
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+VOCAB = 97
+SEQ = 13
+#: padding patterns: number of (left, right) pad tokens per row of a batch of 4
+PADDINGS = {
+    "none": [(0, 0)] * 4,
+    "left": [(0, 0), (5, 0), (1, 0), (12, 0)],
+    "right": [(0, 0), (0, 4), (0, 1), (0, 12)],
+    "mixed": [(0, 0), (3, 0), (0, 6), (2, 2)],
+}
+#: torch.compile backend of the compiled tests (inductor compiles ~90 s on 2 cores; set
+#: FLASHFOLD_TEST_COMPILE_BACKEND=inductor to run it)
+COMPILE_BACKEND = os.environ.get("FLASHFOLD_TEST_COMPILE_BACKEND", "aot_eager")
+
+
+def _config(style: str, impl: str, **over):
+    if style == "llama":
+        over = {"head_dim": 32, **over}
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=64, **over)
+    else:
+        cfg = BertConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **over)
+    cfg._attn_implementation = impl
+    return cfg
+
+
+def build(style: str, impl: str, dtype=torch.float32, **over):
+    """The model with the seeded random weights (identical for every impl and dtype)."""
+    cfg = _config(style, impl, **over)
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(cfg) if style == "llama" else BertModel(cfg)
+    return model.to(dtype).eval()
+
+
+def run(model, ids, mask=None, positions=None, **kw):
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kw)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def cache_kw(model, cache):
+    """The cache keyword of this transformers version (``cache``, formerly
+    ``past_key_values``)."""
+    import inspect
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def batch(padding: str, seed=0):
+    """``(ids (4, SEQ), mask (4, SEQ) or None, position ids or None)``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    if padding == "none":
+        return ids, None, None
+    mask = torch.ones(4, SEQ, dtype=torch.long)
+    for b, (left, right) in enumerate(PADDINGS[padding]):
+        mask[b, :left] = 0
+        mask[b, SEQ - right:] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+def reference_alone(ref_model, ids, mask):
+    """The eager float64 model on each sequence alone: ``(B, S, ...)``, rows at padded
+    positions left 0 (not compared)."""
+    out = None
+    for b in range(ids.shape[0]):
+        real = mask[b].bool()
+        if not real.any():
+            continue
+        r = run(ref_model, ids[b, real][None])[0]
+        if out is None:
+            out = torch.zeros(ids.shape + r.shape[-1:], dtype=r.dtype)
+        out[b, real] = r
+    return out
+
+
+_MODELS: dict = {}
+
+
+def model(style, impl, dtype):
+    key = (style, impl, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = build(style, impl, dtype)
+    return _MODELS[key]
+
+
+FF = fft.ATTN_IMPLEMENTATION
+
+
+def check_against_eager(style, padding, ff_model, dtype, name):
+    ids, mask, pos = batch(padding)
+    ref = model(style, "eager", torch.float64)
+    got = run(ff_model, ids, mask, pos)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    if style == "llama":
+        # Llama's eager attention softmaxes in float32 even for a float64 model, so its
+        # float64 outputs are exact to float32 rounding only: the float32 row applies
+        dtype = torch.float32
+    if mask is None:
+        assert_close(got, run(ref, ids), dtype, name=f"{name}: no padding")
+        return
+    want = reference_alone(ref, ids, mask)
+    real = mask.bool()
+    assert_close(got[real], want[real], dtype, name=f"{name}: real rows vs each sequence alone")
+    if style == "bert":
+        # bidirectional: every query row (padded ones too) sees the real keys, as in eager
+        full = mask.bool().any(1)
+        assert_close(got[full], run(ref, ids, mask, pos)[full], dtype,
+                     name=f"{name}: all rows vs eager's padded batch")
+
+
+# --- registration ---------------------------------------------------------------------------
+
+def test_import_flashfold_registers_nothing():
+    code = ("import sys, flashfold; flashfold.attention; "
+            "assert 'transformers' not in sys.modules, 'import flashfold imported transformers'; "
+            "import transformers.masking_utils as mu; "
+            "from transformers import AttentionInterface as A; "
+            "assert 'flashfold' not in A._global_mapping and 'ff_attention' not in A._global_mapping; "
+            "import flashfold.integrations.transformers as f; "
+            "assert f.is_registered('flashfold') and f.is_registered('ff_attention'); "
+            "assert 'ff_attention' in mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping; "
+            "assert f.register() == f.ATTN_IMPLEMENTATION; print('ok')")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_register_is_idempotent_and_names_the_usable_implementation():
+    assert fft.register() == fft.register() == FF
+    assert fft.is_registered(fft.NAME) and fft.is_registered(fft.ALIAS)
+    # transformers 5.x treats names containing "flash" as FlashAttention kernels
+    assert not fft._reserved_by_transformers(FF)
+    assert fft.register("ff_attention_test") == "ff_attention_test"
+    assert fft.is_registered("ff_attention_test")
+    with pytest.raises(TypeError, match="name"):
+        fft.register("")
+    m = build("llama", FF)
+    assert m.config._attn_implementation == FF
+
+
+# --- eager and compiled, both model styles, with and without padding --------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("padding", list(PADDINGS))
+@pytest.mark.parametrize("style", ["bert", "llama"])
+def test_matches_eager(style, padding, dtype):
+    check_against_eager(style, padding, model(style, FF, dtype), dtype, f"{style} {padding}")
+
+
+@pytest.mark.parametrize("style", ["bert", "llama"])
+def test_matches_eager_under_torch_compile(style):
+    torch._dynamo.reset()
+    compiled = torch.compile(build(style, FF), backend=COMPILE_BACKEND)
+    for padding in ("none", "mixed"):
+        check_against_eager(style, padding, compiled, torch.float32,
+                            f"{style} {padding} compiled ({COMPILE_BACKEND})")
+
+
+def test_padding_becomes_varlen_or_a_table():
+    """The compact forms: no mask, packed rows (varlen), the boolean table otherwise."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    mk = fft._mask_function_impl
+    m = mk(2, 5, 5, 0, 0, causal_mask_function, None)
+    assert m.causal and not m.varlen and m.table is None
+    pad = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    m = mk(2, 5, 5, 0, 0, causal_mask_function, pad)
+    assert m.causal and m.varlen and m.table is None
+    assert m.cu_seqlens_q.tolist() == [0, 3, 6] and m.cu_seqlens_k.tolist() == [0, 3, 6]
+    assert m.q_index.tolist() == [2, 3, 4, 5, 6, 7] and m.k_index.tolist() == [2, 3, 4, 5, 6, 7]
+    m = mk(2, 5, 5, 0, 0, bidirectional_mask_function, pad)
+    assert not m.causal and m.q_index is None and m.cu_seqlens_q.tolist() == [0, 5, 10]
+    # a decode step (1 query, 4 cached keys): the real queries are the ones at real keys
+    m = mk(2, 1, 5, 4, 0, causal_mask_function, pad)
+    assert m.cu_seqlens_q.tolist() == [0, 1, 1] and m.q_index.tolist() == [0]
+    holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    m = mk(2, 5, 5, 0, 0, causal_mask_function, holes)
+    assert m.table is not None and m.table.shape == (2, 5, 5)
+    assert m.table[0].tolist()[3] == [True, False, True, True, False]
+    # a static cache (queries not at the end of the keys): HF's boolean table
+    m = mk(2, 2, 8, 3, 0, causal_mask_function, None)
+    assert m.table is not None and m.table[0, 0].tolist() == [True] * 4 + [False] * 4
+
+
+# --- decoding --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_llama_decoding_with_a_kv_cache(cache):
+    """Prefill a left-padded batch, then 3 greedy steps; each step's logits against the
+    eager float64 model on the sequence so far, alone."""
+    from transformers import DynamicCache, StaticCache
+    ff = model("llama", FF, torch.float32)
+    ref = model("llama", "eager", torch.float64)
+    ids, mask, _ = batch("left", seed=5)
+    kv = (DynamicCache(config=ff.config) if cache == "dynamic"
+          else StaticCache(config=ff.config, max_cache_len=SEQ + 8))
+    seq, am = ids, mask
+    step_ids, pos = ids, (mask.cumsum(-1) - 1).clamp(min=0)
+    for step in range(4):
+        with torch.no_grad():
+            out = ff(input_ids=step_ids, attention_mask=am, position_ids=pos, use_cache=True,
+                     **cache_kw(ff, kv))
+        logits = out.logits[:, -1]
+        want = torch.stack([run(ref, seq[b, am[b].bool()][None])[0, -1]
+                            for b in range(seq.shape[0])])
+        assert_close(logits, want, torch.float32, name=f"{cache} cache, step {step}")
+        nxt = logits.argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+        am = torch.cat([am, torch.ones_like(nxt)], 1)
+        step_ids, pos = nxt, pos[:, -1:] + 1
+
+
+def test_decoder_padding_with_holes_uses_the_table():
+    """A causal mask whose padding has holes is not one run per row: HF's boolean table.
+    Every row sees key 0, so eager's float64 padded batch is defined on all rows."""
+    ids, _, _ = batch("none", seed=7)
+    mask = torch.ones(4, SEQ, dtype=torch.long)
+    mask[1, 3:6] = 0
+    mask[2, 1::3] = 0
+    mask[3, 2] = 0
+    got = run(model("llama", FF, torch.float32), ids, mask)
+    want = run(model("llama", "eager", torch.float64), ids, mask)
+    assert_close(got, want, torch.float32, name="llama, padding with holes")
+
+
+def test_llama_packed_sequences():
+    """Two sequences packed in one row (position ids restart, no attention_mask, no cache):
+    HF's packed-sequence mask (a table for flashfold); each against the sequence alone."""
+    ids, _, _ = batch("none", seed=9)
+    row = torch.cat([ids[0, :6], ids[1, :7]])[None]
+    pos = torch.cat([torch.arange(6), torch.arange(7)])[None]
+    got = run(model("llama", FF, torch.float32), row, None, pos, use_cache=False)[0]
+    ref = model("llama", "eager", torch.float64)
+    want = torch.cat([run(ref, ids[0, :6][None])[0], run(ref, ids[1, :7][None])[0]])
+    assert_close(got, want, torch.float32, name="llama, packed sequences")
+
+
+def test_cu_seq_lens_kwargs_without_a_mask():
+    """The FlashAttention-style packed call: ``cu_seq_lens_q/k`` kwargs and no mask."""
+    from flashfold.kernels.attention.reference import naive_attention
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, 11, 32, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.tensor([0, 4, 4, 11])
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, weights = fft.flashfold_attention_forward(module, q, k, v, None, cu_seq_lens_q=cu,
+                                                   cu_seq_lens_k=cu)
+    want, _ = naive_attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert weights is None and out.shape == (1, 11, 4, 32)
+    assert_close(out, want.transpose(1, 2), torch.float64, name="cu_seq_lens kwargs")
+
+
+# --- user 4-D masks -------------------------------------------------------------------------
+
+def _dense_mask(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(4, 1, SEQ, SEQ, generator=g) < 0.6
+    keep[..., 0] = True                                   # every row sees a key
+    return keep
+
+
+@pytest.mark.parametrize("kind", ["bool", "float 0/-inf", "float 0/min"])
+def test_bert_user_4d_mask(kind):
+    keep = _dense_mask()
+    ids, _, _ = batch("none", seed=2)
+    ref = model("bert", "eager", torch.float64)
+    additive = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(
+        ~keep, torch.finfo(torch.float64).min)
+    want = run(ref, ids, additive)
+    if kind == "bool":
+        m = keep
+    else:
+        low = -torch.inf if kind == "float 0/-inf" else torch.finfo(torch.float32).min
+        m = torch.zeros(keep.shape).masked_fill(~keep, low)
+    got = run(model("bert", FF, torch.float32), ids, m)
+    assert_close(got, want, torch.float32, name=f"bert, 4-D {kind} mask")
+
+
+def test_additive_float_bias_is_refused():
+    ids, _, _ = batch("none")
+    bias = torch.randn(4, 1, SEQ, SEQ)
+    with pytest.raises(NotImplementedError, match="additive attention bias"):
+        run(model("bert", FF, torch.float32), ids, bias)
+
+
+# --- unsupported cases ---------------------------------------------------------------------
+
+def test_attention_dropout_in_training_is_refused():
+    m = build("llama", FF, attention_dropout=0.1).train()
+    ids, _, _ = batch("none")
+    with pytest.raises(NotImplementedError, match="dropout"):
+        m(input_ids=ids)
+    m.eval()                                              # inference: dropout is 0
+    with torch.no_grad():
+        m(input_ids=ids)
+
+
+def test_output_attentions_is_refused():
+    ids, _, _ = batch("none")
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        run(model("llama", FF, torch.float32), ids, output_attentions=True)
+
+
+def test_unsupported_head_dim_names_it():
+    m = build("llama", FF, head_dim=16)
+    ids, _, _ = batch("none")
+    with pytest.raises(ValueError, match="head_dim") as e:
+        run(m, ids)
+    assert "LlamaAttention" in str(e.value)
+
+
+def test_unsupported_mask_types_are_named():
+    q = torch.randn(1, 2, 4, 32)
+    with pytest.raises(NotImplementedError, match="attention_mask of type"):
+        fft.flashfold_attention_forward(torch.nn.Module(), q, q, q, object())
+    with pytest.raises(ValueError, match="attention_mask"):
+        fft.flashfold_attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 4, 4,
+                                                                               dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        fft.flashfold_attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="per-head"):
+        fft.flashfold_attention_forward(torch.nn.Module(), q, q, q,
+                                        torch.ones(1, 2, 4, 4, dtype=torch.bool))
+
+
+# --- the Triton kernels (interpreter) ---------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs benchmarks/transformers_gpu.py")
+@pytest.mark.parametrize("style", ["bert", "llama"])
+def test_models_through_the_kernels_under_the_interpreter(style, monkeypatch):
+    """The dispatch forced to the Triton kernels on CPU tensors (TRITON_INTERPRET=1): the
+    varlen path (padding) and the plain path, in float32."""
+    from flashfold.api import attention as api
+    from flashfold.kernels.attention import fwd
+    monkeypatch.setattr(api, "_use_kernel", lambda t: True)
+    monkeypatch.setattr(fwd, "default_config",
+                        lambda q, d, dv, causal=False: fwd.FwdConfig(16, 16, use_tma=False))
+    ff = build(style, FF)
+    for padding in ("none", "mixed"):
+        check_against_eager(style, padding, ff, torch.float32, f"{style} {padding} (kernels)")
+
+
+# --- the GPU script ---------------------------------------------------------------------------
+
+def test_gpu_script_dry_run(monkeypatch, capsys):
+    """``benchmarks/transformers_gpu.py --cpu``: every code path of the script the lead runs
+    on the GPU (checks, decoding, timing table), on the CPU in float32 at toy sizes."""
+    import importlib.util
+    from pathlib import Path
+
+    from flashfold.kernels.attention import fwd
+    monkeypatch.setattr(fwd, "attention_forward", fwd.attention_forward)   # restored after
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "transformers_gpu.py"
+    spec = importlib.util.spec_from_file_location("transformers_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "ff / sdpa" in out and "BAD" not in out
