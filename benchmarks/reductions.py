@@ -354,11 +354,11 @@ def variants(copy_gbs):
             ("fused w8 K=16", (C(16, 1024, 1, 8), True)),
             ("two loops K=8 w8", (C(8, 1024, 1, 8), False))]),
         ("cumsum", 2 * nb, lambda: ff.cumsum(x, 1), "scan_config", [
-            ("chunked 4096 w8 (default)", None), ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4)),
-            ("block scan 2048 w8", C(2048, 1, 1, 8))]),
+            ("block scan 4096 w8 (default)", None), ("block scan 2048 w8", C(2048, 1, 1, 8)),
+            ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4))]),
         ("logcumsumexp", 2 * nb, lambda: ff.logcumsumexp(x, 1), "scan_config", [
-            ("chunked 4096 w8 (default)", None), ("chunked 8192 w16", C(8192, 1, 1, 16, vec=4)),
-            ("block scan 2048 w8", C(2048, 1, 1, 8))]),
+            ("chunked 2048 w4 (default)", None), ("chunked 1024 w2", C(1024, 1, 1, 2, vec=4)),
+            ("chunked 4096 w8", C(4096, 1, 1, 8, vec=4))]),
     ]
     xl = torch.randn(1, LONG, device=DEV)
     cases += [

@@ -84,10 +84,14 @@ def force(monkeypatch):
 C = L.Config
 
 
+@pytest.mark.parametrize("n", (7, 37), ids=("small", "short"))
 @pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
-def test_rows_natural_heuristics(monoid):
-    """(3, 37): short-row tiles, many rows per program, the tail masked."""
-    x = sample(monoid, (3, 37))
+def test_rows_natural_heuristics(monoid, n):
+    """(3, 7): one row per thread, folded in registers (SMALL); (3, 37): short-row
+    tiles, many rows per program, the tail masked."""
+    x = sample(monoid, (3, n))
+    plan, _ = L.plan_reduce(monoid, x, -1)
+    assert plan[0].kwargs["SMALL"] == (n <= L.SMALL_N)
     check(monoid, L.launch_reduce(monoid, x, -1), x, -1, name="rows")
 
 

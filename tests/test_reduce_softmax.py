@@ -31,10 +31,11 @@ def force(monkeypatch):
     return apply
 
 
-def test_short_rows_fused():
-    x = torch.randn(6, 37) * 3
+@pytest.mark.parametrize("n", (7, 37), ids=("small", "short"))
+def test_short_rows_fused(n):
+    x = torch.randn(6, n) * 3
     plan, _ = L.plan_normalize(SOFTMAX_MAP, x, 1)
-    assert plan[0].kwargs["FUSED"]
+    assert plan[0].kwargs["FUSED"] and plan[0].kwargs["SMALL"] == (n <= L.SMALL_N)
     check(L.launch_normalize(SOFTMAX_MAP, x, 1), x, 1, "short rows")
 
 

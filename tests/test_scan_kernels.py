@@ -56,7 +56,8 @@ def check(monoid, outs, x, dim, reverse=False, name=""):
 def force(monkeypatch):
     def apply(scan=None, split=None, reduce=None):
         if scan is not None:
-            monkeypatch.setattr(L, "scan_config", lambda g, e, reverse=False: scan)
+            monkeypatch.setattr(L, "scan_config", lambda g, e, *a: scan)
+            monkeypatch.setattr(L, "LOOKBACK_CONFIG", scan if scan.vec else C(16, 1, 1, 4, vec=2))
         if reduce is not None:
             monkeypatch.setattr(L, "reduce_config", lambda g, e, o: reduce)
         if split is not None:
@@ -64,11 +65,15 @@ def force(monkeypatch):
     return apply
 
 
+@pytest.mark.parametrize("n", (13, 37), ids=("small", "short"))
 @pytest.mark.parametrize("reverse", (False, True), ids=("forward", "reverse"))
 @pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
-def test_short_rows(monoid, reverse):
-    """(5, 13): one [16, ROWS] tile per program, scanned along axis 0, tail masked."""
-    x = sample(monoid, (5, 13))
+def test_short_rows(monoid, reverse, n):
+    """(5, 13): one row per thread, folded in registers (SMALL); (5, 37): one [64, ROWS]
+    tile per program, scanned along axis 0, tail masked."""
+    x = sample(monoid, (5, n))
+    plan, _ = L.plan_scan(monoid, x, 1, reverse)
+    assert plan[-1].kwargs["SMALL"] == (n <= L.SMALL_N)
     check(monoid, L.launch_scan(monoid, x, 1, reverse), x, 1, reverse, "short rows")
 
 
@@ -92,8 +97,9 @@ def test_chunked_lanes(monoid, force):
     check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, "chunked")
 
 
-def test_chunked_multi_block(force):
+def test_chunked_multi_block(force, monkeypatch):
     """Chunked scan of chunks (multi-block): carries from the folded chunk states."""
+    monkeypatch.setattr(L, "LOOKBACK", False)
     force(scan=C(32, 1, 1, 4, vec=2), split=(4, 40), reduce=C(1, 8, 1, 4))
     for monoid in (M.LOGSUMEXP2, U.MAX_PREFIX_SUM):
         x = sample(monoid, (3, 150), seed=8)
@@ -102,8 +108,10 @@ def test_chunked_multi_block(force):
 
 @pytest.mark.parametrize("reverse", (False, True), ids=("forward", "reverse"))
 @pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
-def test_multi_block(monoid, reverse, force):
-    """Chunks of 24 of a row of 101 (5 chunks): chunk states, then carries in order."""
+def test_multi_block(monoid, reverse, force, monkeypatch):
+    """Reduce-then-scan: chunks of 24 of a row of 101 (5 chunks), chunk states, then
+    carries in order (forward scans use the look-back unless it is switched off)."""
+    monkeypatch.setattr(L, "LOOKBACK", False)
     ordered = not monoid.commutative
     force(scan=C(8, 1, 1, 4), split=(5, 24),
           reduce=C(1, 8, 1, 4) if ordered else C(2, 4, 1, 4))
@@ -115,6 +123,7 @@ def test_multi_block(monoid, reverse, force):
 
 def test_multi_block_carry_spans_several_state_tiles(force, monkeypatch):
     """More chunks than one PBLOCK of states: the carry loop folds several tiles."""
+    monkeypatch.setattr(L, "LOOKBACK", False)
     force(scan=C(4, 1, 1, 4), split=(11, 4), reduce=C(1, 4, 1, 4))
     orig = L._p2
     monkeypatch.setattr(L, "_p2", lambda n: min(orig(n), 4))

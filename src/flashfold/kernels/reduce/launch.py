@@ -61,7 +61,7 @@ from . import kernels as K_
 from .generated import ReduceFunctions, RowMap, output_kinds, reduce_functions
 
 __all__ = ["Launch", "Geometry", "geometry", "reduce_config", "scan_config", "normalize_config",
-           "split_plan", "states_config", "Config", "plan_reduce", "plan_segment_reduce", "plan_scan", "plan_normalize",
+           "split_plan", "states_config", "Config", "costly_combine", "plan_reduce", "plan_segment_reduce", "plan_scan", "plan_normalize",
            "launch_reduce", "launch_segment_reduce", "launch_scan", "launch_normalize",
            "num_sms", "fin_args", "FLOAT_DTYPES", "LOOKBACK"]
 
@@ -147,7 +147,8 @@ def _p2(n: int) -> int:
 @dataclass(frozen=True)
 class Config:
     """Tile ``[K, LANES, ROWS]`` (scans: ``[BLOCK=K, ROWS]``), warps, stages, register cap;
-    ``vec > 0`` selects the chunked (lane-owned vectors) forward scan with that width."""
+    ``vec > 0`` selects the chunked (lane-owned vectors) forward scan with that width;
+    ``small`` the one-row-per-thread path for rows of at most ``K`` (<= 16) elements."""
     K: int
     LANES: int
     ROWS: int
@@ -155,16 +156,24 @@ class Config:
     num_stages: int = 1
     maxnreg: int | None = None
     vec: int = 0
+    small: bool = False
 
 
 #: elements of a short-row tile (K x ROWS): 8 per thread at 4 warps
 _SHORT_TILE = 1024
+#: rows of at most this many contiguous elements take the one-row-per-thread path: the
+#: tile path spreads such a row over threads (8 for N = 7) and reduces it with shuffles;
+#: measured on the H200 for 2^20 x 7 (fp32): 84-242 GB/s, slower than torch's
+SMALL_N = 16
+_SMALL_ROWS = 256
 
 
 def reduce_config(g: Geometry, elsize: int, ordered: bool) -> Config:
     """Tile shape ``[K, LANES, ROWS]`` and warps for a reduction (see module docstring)."""
     vec = max(1, 16 // elsize)
     N, B2 = max(g.N, 1), g.B[2]
+    if g.sn == 1 and N <= SMALL_N:
+        return Config(_p2(N), 1, _SMALL_ROWS, 4, small=True)
     if ordered:
         lanes = min(_p2(N), 512)
         rows = max(1, min(_p2(B2), _SHORT_TILE // lanes))
@@ -196,39 +205,60 @@ def states_config(g: Geometry, ordered: bool) -> Config:
 
 def split_plan(g: Geometry, tile: int, n_prog: int, sms: int, min_tiles: int = 2):
     """``(n_split, chunk)`` for split-K: split when fewer than ``2·sms`` programs would run
-    and each chunk keeps at least ``min_tiles`` whole tiles."""
+    and each chunk keeps at least ``min_tiles`` whole tiles.
+
+    Chunks are an odd number of tiles: the programs of a split run in lockstep, and with
+    a power-of-two chunk (512 KB for 1 x 2^26 fp32) they all hit the same HBM channels at
+    once; the H200 measured 2.0 TB/s that way (1 x 2^26 sum and logsumexp)."""
     target = 4 * sms
     if n_prog >= 2 * sms or g.N < 2 * min_tiles * tile:
         return 1, max(g.N, 1)
     want = -(-target // n_prog)
     n_split = max(1, min(want, g.N // (min_tiles * tile)))
-    chunk = -(-(-(-g.N // n_split)) // tile) * tile
+    tiles = -(-(-(-g.N // n_split)) // tile)
+    tiles += 1 - tiles % 2                       # odd
+    chunk = tiles * tile
     n_split = -(-g.N // chunk)
     return n_split, chunk
 
 
-def scan_config(g: Geometry, elsize: int, reverse: bool = False) -> Config:
+#: combine ops that run on the SFU (or expand to many instructions): a scan whose
+#: combine has them is compute-bound and wants the fewest combines per element
+_COSTLY = ("exp", "exp2", "log", "log2", "log1p", "expm1", "div", "sqrt", "pow", "tanh",
+           "sigmoid")
+
+
+def costly_combine(monoid: Monoid) -> bool:
+    return any(n.op in _COSTLY for n in monoid.combine_graph.nodes())
+
+
+def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = False) -> Config:
     """Tile ``[BLOCK, ROWS]`` (BLOCK stored in ``K``) and warps for a scan.
 
-    Long forward rows read contiguously use the chunked scan: each thread owns four
-    4-element vectors (``BLOCK = 16·32·warps = 4096`` at 8 warps; 16-byte loads in fp32), ~2.75
-    combines per element instead of the ~5 of ``tl.associative_scan`` plus a carry (for
-    LOGSUMEXP2 that is the difference between fitting the exp2 budget or not). Reverse
-    scans load in reversed order, which cannot be vectorized; they keep the block scan.
+    H200, 16K x 16K fp32 (benchmarks/logs): for a cheap combine (cumsum) the block scan
+    (``tl.associative_scan``, coalesced 16-byte accesses) of 4096-element tiles at 8 warps
+    reached 3.97 TB/s, the chunked scan 2.7-2.9: its lanes own consecutive vectors, so a
+    warp's access is strided and each sector is fetched by several instructions. For a
+    costly combine (logcumsumexp: exp2 in the combine) the chunked scan (~2.75 combines
+    per element against ~5) wins: 3.15 TB/s at 2048 elements and 4 warps, against 2.5 at
+    8 warps and 1.96 for the block scan. Reverse scans load in reversed order (scalar,
+    coalesced) with the block scan.
     """
     vec = max(1, 16 // elsize)
     N, B2 = max(g.N, 1), g.B[2]
     if g.sn != 1 and g.s[2] == 1 and B2 > 1:
         rows = min(_p2(B2), vec * 32 * 4)
         return Config(max(1, min(_p2(N), 2048 // rows)), 1, rows, 4)
-    if not reverse and g.sn == 1 and N >= 4 * 4 * 32 * 4:
-        # 4-element vectors whatever the dtype: 16 elements per thread (bf16 with 8-element
-        # vectors would hold 32 and spill)
-        warps = 8 if N >= 4 * 4 * 32 * 8 else 4
-        return Config(4 * 4 * 32 * warps, 1, 1, warps, vec=4)
+    if g.sn == 1 and N <= SMALL_N:
+        return Config(_p2(N), 1, _SMALL_ROWS, 4, small=True)
+    if costly and not reverse and g.sn == 1 and N >= 2048:
+        # 4-element vectors whatever the dtype (8-element ones would hold 32 values per
+        # thread in 16-bit dtypes, and spill)
+        return Config(2048, 1, 1, 4, vec=4)
     if N >= 512:
         warps = 8 if N >= 2048 else 4
-        return Config(min(_p2(N), 2048 if elsize >= 4 else 4096), 1, 1, warps)
+        # costly combines (reverse logcumsumexp) spill at 16 values per thread
+        return Config(min(_p2(N), 2048 if costly else 4096), 1, 1, warps)
     block = _p2(N)
     return Config(block, 1, max(1, min(_p2(B2), _SHORT_TILE // block)), 4)
 
@@ -241,6 +271,8 @@ def normalize_config(g: Geometry, elsize: int, ordered: bool) -> tuple[Config, b
     """
     vec = max(1, 16 // elsize)
     N = max(g.N, 1)
+    if g.sn == 1 and N <= SMALL_N:
+        return Config(_p2(N), 1, _SMALL_ROWS, 4, small=True), True
     if ordered:
         c = reduce_config(g, elsize, True)
         return c, N <= c.LANES
@@ -333,6 +365,7 @@ def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split,
                   ORDERED=_is_ordered(fns.monoid), FROM_STATES=from_states,
                   STATE_OUT=state_out, SEGMENTED=segmented,
                   MASK_ROWS=g.B[2] % cfg.ROWS != 0, N64=_n64(g),
+                  LIFT_XP=fns.lift_xp, SELECT=fns.select, SMALL=cfg.small and not from_states,
                   **_opts(cfg))
     return Launch(K_.reduce_kernel, grid, args, kwargs)
 
@@ -441,6 +474,8 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
     # tiles sized for the average segment
     g_avg = Geometry(max(1, g.N // S), g.sn, g.osn, g.B, g.s, g.o)
     cfg = reduce_config(g_avg, x.element_size(), _is_ordered(monoid))
+    if cfg.small:                        # segments may be longer than the average
+        cfg = Config(cfg.K, 1, max(1, min(_p2(g.B[2]), _SHORT_TILE // cfg.K)), 4)
     # few segments x row blocks: narrower row blocks (down to 32) to fill the SMs
     sms = num_sms(x.device)
     while (cfg.ROWS > 32 and S * g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS) < 2 * sms):
@@ -465,15 +500,15 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     x, g = _prepare(x, dim, lambda t: ost)
     if g.rows == 0 or g.N == 0:
         return [], outs
-    cfg = scan_config(g, x.element_size(), bool(reverse))
+    cfg = scan_config(g, x.element_size(), bool(reverse), costly_combine(monoid))
     block, rows = cfg.K, cfg.ROWS
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // rows)
     rcfg = reduce_config(g, x.element_size(), _is_ordered(monoid))
     n_split, chunk = split_plan(g, max(block, rcfg.K * rcfg.LANES), n_prog, num_sms(x.device))
     plan = []
     parts = ()
-    if n_split > 1 and cfg.vec > 0 and not reverse and not _n64(g) and LOOKBACK:
-        return _plan_lookback(fns, x, outs, fargs, g, cfg, rcfg), outs
+    if n_split > 1 and g.sn == 1 and not reverse and not _n64(g) and LOOKBACK:
+        return _plan_lookback(fns, x, outs, fargs, g, LOOKBACK_CONFIG, rcfg), outs
     if n_split > 1:
         parts = _state_buffers(monoid, g.rows, n_split, x.device)
         gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split))
@@ -489,6 +524,7 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
                   SCAN_TILE_REV=fns.scan_tile_rev, TAKE=fns.take, BCAST0=fns.bcast0,
                   IDENTITY=fns.identity, LOAD_STATE=fns.load_state, FINALIZE=fns.finalize_fast,
                   BCAST=fns.bcast, SHIFT1=fns.shift1, CHUNKED=cfg.vec > 0, VEC=max(cfg.vec, 1),
+                  SMALL=cfg.small,
                   BLOCK=block, ROWS=rows,
                   PBLOCK=_pblock(n_split, rows),
                   REVERSE=bool(reverse), SPLIT=n_split > 1, MASK_ROWS=g.B[2] % rows != 0,
@@ -503,6 +539,9 @@ LOOKBACK = True
 LOOKBACK_TILES = 4
 #: predecessors read per look-back step
 LOOKBACK_WINDOW = 32
+#: the look-back's second-pass tiles (chunked scan); measured 4.1 TB/s for 1 x 2^26
+#: cumsum and logcumsumexp on the H200
+LOOKBACK_CONFIG = Config(4096, 1, 1, 8, vec=4)
 
 
 def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
@@ -564,7 +603,8 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
     kwargs = dict(_common(fns), PREP=rowmap.prep_fn, FMAP=rowmap.map_fn,
                   K=cfg.K, LANES=cfg.LANES, ROWS=cfg.ROWS, FUSED=bool(fused),
                   SPLIT=n_split > 1, PBLOCK=_pblock(n_split, cfg.ROWS), ORDERED=ordered,
-                  MASK_ROWS=g.B[2] % cfg.ROWS != 0, N64=_n64(g), **_opts(cfg))
+                  MASK_ROWS=g.B[2] % cfg.ROWS != 0, N64=_n64(g), LIFT_XP=fns.lift_xp,
+                  SELECT=fns.select, SMALL=cfg.small, **_opts(cfg))
     plan.append(Launch(K_.normalize_kernel, grid, args, kwargs))
     return plan, y
 
