@@ -44,7 +44,13 @@ SCRIPT = textwrap.dedent(r'''
             # K/V tile buffers: memdescs of >= 3 dims (stage x tile) in the data dtype
             bufs = [int(n) for n in re.findall(r"memdesc<(\d+)x\d+x\d+(?:x\d+)*x(?:bf16|f16|f32)",
                                                info.ttgir)]
-            out[kind] = dict(shared=info.shared, registers=info.registers,
+            # copies left in flight at a loop's first wait (async_wait num): the software
+            # pipeline overlaps the next tiles' loads with this tile's math only if > 0
+            waits = []
+            for body in info.ttgir.split("scf.for")[1:]:
+                found = re.findall(r"async_wait[^{]*\{num = (\d+)", body.split("scf.yield")[0])
+                waits.append(int(found[0]) if found else 0)
+            out[kind] = dict(shared=info.shared, registers=info.registers, in_flight=max(waits or [0]),
                              spill=info.spill_bytes, kv_buffers=max(bufs) if bufs else 0,
                              cp_async="cp.async" in info.ptx,
                              pdl="griddepcontrol" in info.ptx,
@@ -108,6 +114,9 @@ def test_split_kernel_pipelines_kv(compiled):
         assert split["tma"] or (split["cp_async"] and split["evict_first"]), name
         if name != "fp32":                 # fp32: 2 stages, i.e. one tile in flight
             assert split["kv_buffers"] >= 2, (name, split)
+            # cp.async: the next tile's K and V (and, paged, its page numbers) stay in
+            # flight at the loop's wait; TMA waits on barriers instead
+            assert split["tma"] or split["in_flight"] >= 2, (name, split)
 
 
 def test_merge_pass_only_with_several_splits(compiled):

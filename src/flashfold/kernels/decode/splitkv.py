@@ -16,10 +16,10 @@ by its own program, and the states are folded:
    query rows of *all* query heads of its GQA group (``group * q_len`` rows, padded to
    ``BLOCK_M >= 16`` for ``tl.dot``) once, then streams its split of K and V in tiles of
    ``BLOCK_N`` keys, software-pipelined: ``cp.async`` with int64 pointer offsets and an L2
-   ``evict_first`` hint (K/V are read once; pages gathered through ``block_table``, the
-   page numbers of a tile read one tile ahead so the K/V loads pipeline like contiguous
-   ones), or, opt-in, TMA boxes (contiguous caches, or pages a multiple of ``BLOCK_N``
-   tokens). Tiles every row
+   ``evict_first`` hint (K/V are read once; pages gathered through ``block_table``, whose
+   reads the pipeliner issues a stage ahead of the K/V loads they address), or, opt-in,
+   TMA boxes (contiguous caches, or pages a multiple of ``BLOCK_N`` tokens). Tiles every
+   row
    sees entirely run without masks; only the tiles at the window's left edge and at the
    sequence end / causal diagonal are masked (and there, with TMA, rows past the sequence
    are zeroed: a cache slot may hold anything). Per tile, ``S = Q K^T`` on the tensor
@@ -181,7 +181,7 @@ def _kv_rows(BT, b, n0, end, stride_btb, stride_btp,
 
 
 @triton.jit
-def _kv_step(q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+def _kv_step(q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
              OP, LSEP, ws_row, row_ok, base, split_size,
              stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
              stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
@@ -191,8 +191,9 @@ def _kv_step(q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base,
              SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold the key tile ``[n0, n0 + BLOCK_N)`` into the base-2 state ``(m, d, o)``.
 
-    ``page``: the page(s) of this tile (paged caches); returns the state and the page(s) of
-    the next tile. Unmasked tiles (``MASKED=False``) hold keys every row sees, all below
+    Paged caches: the tile's page numbers are read here too; the software pipeliner puts
+    that read a stage before the K/V loads it feeds (NUM_STAGES 5: two K/V tiles
+    buffered). Unmasked tiles (``MASKED=False``) hold keys every row sees, all below
     ``end``. With ``FLUSH`` (fixed splits of ``split_size`` keys from ``base``), a tile that
     ends a split writes the split's partial ``(o, lse)`` (the monoid's finalize) to the
     workspace and resets the state to the identity, so every split is folded from the
@@ -203,9 +204,9 @@ def _kv_step(q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base,
     if USE_TMA:     # one TMA box per tile; rows past the tensor read as 0
         if PAGED:
             slot = n0 % PAGE_SIZE
+            page = _page_of(BT, b, n0, end, stride_btb, stride_btp, PAGE_SIZE)
             k = K_DESC.load([page, slot, h.to(tl.int32), 0]).reshape([BLOCK_N, BLOCK_D])
             v = V_DESC.load([page, slot, h.to(tl.int32), 0]).reshape([BLOCK_N, BLOCK_D])
-            page = _page_of(BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, PAGE_SIZE)
         else:
             k = K_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
             v = V_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
@@ -214,9 +215,9 @@ def _kv_step(q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base,
     else:
         if PAGED:
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
+            page = _kv_rows(BT, b, n0, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N)
             k_off = page * stride_kb + slot * stride_kn
             v_off = page * stride_vb + slot * stride_vn
-            page = _kv_rows(BT, b, n0 + BLOCK_N, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N)
         else:
             k_off = b * stride_kb + offs_n.to(tl.int64) * stride_kn
             v_off = b * stride_vb + offs_n.to(tl.int64) * stride_vn
@@ -254,7 +255,7 @@ def _kv_step(q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base,
         m_new = tl.where(done, float("-inf"), m_new)
         l_i = tl.where(done, 0.0, l_i)
         acc = tl.where(done, 0.0, acc)
-    return m_new, l_i, acc, page
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -276,9 +277,7 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, 
     first row's causal bound ``seqlen - q_len``), ``[hi, end)`` masked (the sequence end
     and the causal diagonal of speculative rows). A tile's run depends on its position and
     the sequence only, and a masked step on a fully visible tile computes the same values
-    as an unmasked one. Paged: the pages of the *next* tile are read one tile ahead, so a
-    tile's K/V addresses never wait on a load of the same iteration and the K/V loads
-    pipeline with NUM_STAGES - 1 tiles in flight."""
+    as an unmasked one."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                 # base-2 running max
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -288,32 +287,25 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, 
     if WINDOW:     # every row sees keys >= seqlen - 1 - win_left (the last row's bound)
         lo = start + tl.cdiv(tl.maximum(seqlen - 1 - win_left - start, 0), BLOCK_N) * BLOCK_N
         lo = tl.minimum(lo, hi)
-    if PAGED:
-        if USE_TMA:
-            page = _page_of(BT, b, start, end, stride_btb, stride_btp, PAGE_SIZE)
-        else:
-            page = _kv_rows(BT, b, start, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N)
-    else:
-        page = 0
     # the masked runs hold at most q_len + BLOCK_N keys: no software pipelining there
     if WINDOW:
         for n0 in tl.range(start, lo, BLOCK_N, num_stages=1):
-            m_i, l_i, acc, page = _kv_step(
-                q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+            m_i, l_i, acc = _kv_step(
+                q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
                 OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
                 stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
                 cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
                 USE_TMA, True, FLUSH, SOFTCAP, WINDOW, DOT_PRECISION)
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_i, acc, page = _kv_step(
-            q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+        m_i, l_i, acc = _kv_step(
+            q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
             OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
             stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
             cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
             USE_TMA, False, FLUSH, SOFTCAP, WINDOW, DOT_PRECISION)
     for n0 in tl.range(hi, end, BLOCK_N, num_stages=1):
-        m_i, l_i, acc, page = _kv_step(
-            q, m_i, l_i, acc, n0, page, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+        m_i, l_i, acc = _kv_step(
+            q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
             OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
             stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
             cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
@@ -455,12 +447,17 @@ class DecodeConfig:
 
 
 def default_config(head_dim: int, dtype: torch.dtype, page_size: int | None) -> DecodeConfig:
-    """The split kernel's tiles for a head dim / dtype / page size."""
+    """The split kernel's tiles for a head dim / dtype / page size.
+
+    Paged caches take two more pipeline stages: the page-number read occupies a stage
+    before the K/V loads, and 5 stages are what keeps two K/V tiles buffered (checked on
+    the sm_90 compile: the main loop waits with two tiles' copies in flight)."""
+    extra = 2 if page_size is not None else 0
     if dtype == torch.float32:      # exact fp32 dots (no TF32) run on FMA units: small tiles
-        return DecodeConfig(block_n=16, num_warps=8, num_stages=2)
+        return DecodeConfig(block_n=16, num_warps=8, num_stages=2 + extra)
     if head_dim > 128:
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=3)
-    return DecodeConfig()
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=3 + extra)
+    return DecodeConfig(num_stages=3 + extra)
 
 
 def _pow2(n: int, least: int = 16) -> int:
