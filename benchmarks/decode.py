@@ -436,7 +436,9 @@ def run_tune():
     """At the target rows, per layout: split counts, TMA vs pointers, PDL, the invariant
     split size and a few tile configs (GB/s of K and V; eager unless marked)."""
     print("== tune: GB/s at the target rows (default config unless stated)")
-    configs = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 4), (128, 4, 2), (128, 8, 3)]
+    configs = {None: [(64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 4), (128, 4, 2), (128, 8, 3)],
+               # paged: the page-number read takes a pipeline stage of its own
+               "paged": [(64, 4, 5), (64, 4, 6), (64, 8, 5), (32, 4, 6), (32, 4, 7), (128, 4, 4)]}
     for batch, length in TARGETS:
         c = Cache(batch, length, pages=(16, 64))
         nbytes = c.kv_bytes()
@@ -459,7 +461,7 @@ def run_tune():
             print("    batch_invariant split " + ", ".join(
                 f"{sp}: {gbps(timed(lambda: run(batch_invariant=True, invariant_split=sp)))}"
                 for sp in (256, 512, 1024, 2048)))
-            for bn, w, st in configs:
+            for bn, w, st in configs[None if page is None else "paged"]:
                 cfg = splitkv.DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
                 try:
                     print(f"    BLOCK_N {bn:3d} warps {w} stages {st}: default "
