@@ -19,12 +19,11 @@ by its own program, and the states are folded:
    ``evict_first`` hint (K/V are read once; pages gathered through ``block_table``, whose
    reads the pipeliner issues a stage ahead of the K/V loads they address), or, opt-in,
    TMA boxes (contiguous caches, or pages a multiple of ``BLOCK_N`` tokens). Tiles every
-   row
-   sees entirely run without masks; only the tiles at the window's left edge and at the
-   sequence end / causal diagonal are masked (and there, with TMA, rows past the sequence
-   are zeroed: a cache slot may hold anything). Per tile, ``S = Q K^T`` on the tensor
-   cores, then the online-softmax update in base 2 (``sigma = s log2 e``, folded into the
-   scale, so every exponential is ``exp2``)::
+   row sees entirely run without masks; only the tiles at the window's left edge and at
+   the sequence end / causal diagonal are masked (and there, with TMA, rows past the
+   sequence are zeroed: a cache slot may hold anything). Per tile, ``S = Q K^T`` on the
+   tensor cores, then the online-softmax update in base 2 (``sigma = s log2 e``, folded
+   into the scale, so every exponential is ``exp2``)::
 
        m' = max(m, rowmax S);  alpha = 2^(m - m');  P = 2^(S - m')
        d  = d alpha + rowsum P;  o = o alpha + P V;  m = m'
@@ -32,6 +31,8 @@ by its own program, and the states are folded:
    i.e. the monoid's block lift followed by its combine, under the base-2 twist. The
    split's state is finalized with the generated ATTENTION ``finalize`` into a partial
    ``(o_s, lse_s)`` (fp32), or, when there is a single split, straight into the output.
+   Grid order: query heads of a group share a program; a sequence's split programs are
+   ``program_id(1)``.
 2. **merge kernel**, grid ``(batch * heads_q * q_len,)``: a partial ``(o_s, lse_s)`` is
    exactly the state of one "virtual key" with score ``lse_s`` and value ``o_s``
    (``lift(lse_s, o_s) = (lse_s, 1, o_s)``; ``(0, -inf)`` lifts to the identity), so the
