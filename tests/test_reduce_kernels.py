@@ -71,7 +71,7 @@ def force(monkeypatch):
     """force(reduce=Config(...), split=(n_split, chunk) | None, ...)."""
     def apply(reduce=None, split=None, states=None, n64=None):
         if reduce is not None:
-            monkeypatch.setattr(L, "reduce_config", lambda g, e, o: reduce)
+            monkeypatch.setattr(L, "reduce_config", lambda g, e, o, *a: reduce)
         if states is not None:
             monkeypatch.setattr(L, "states_config", lambda g, o: states)
         if split is not None:
@@ -95,12 +95,18 @@ def test_rows_natural_heuristics(monoid, n):
     check(monoid, L.launch_reduce(monoid, x, -1), x, -1, name="rows")
 
 
+@pytest.mark.parametrize("align", (True, False), ids=("realigned", "as-is"))
 @pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
-def test_lane_tiles_loop_and_tail(monoid, force):
-    """Long-row layout: tiles [K=2, LANES=8] (ordered: [1, 8]), 130 = 8 full tiles + 2."""
+def test_lane_tiles_loop_and_tail(monoid, align, force, monkeypatch):
+    """Long-row layout: tiles [K=2, LANES=8] (ordered: [1, 8]), 130 = 8 full tiles + 2;
+    rows of 130 start off 16-byte boundaries, so the realigned path (tiles shifted to an
+    aligned start, masked at both ends) runs unless switched off."""
+    monkeypatch.setattr(L, "ALIGN_ROWS", align)
     ordered = monoid in ORDERED
     force(reduce=C(1, 8, 1, 4) if ordered else C(2, 8, 1, 4))
     x = sample(monoid, (2, 130), seed=1)
+    plan, _ = L.plan_reduce(monoid, x, 1)
+    assert plan[0].kwargs["ALIGN"] == (4 if align else 0)
     check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name="lanes")
 
 

@@ -72,30 +72,37 @@ def _program_rows(n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS: tl.con
 
 
 @triton.jit
-def _reduce_step(acc, src, n, pos0, hi, sn, row_in, row_ok, lane_last,
+def _reduce_step(acc, src, n, off, pos0, lo, hi, row_ok, lane_last,
                  TILE_STATE: tl.constexpr, COMBINE: tl.constexpr, REDUCE_TILE: tl.constexpr,
                  SCAN_TILE: tl.constexpr, TAKE: tl.constexpr, LOAD_STATE: tl.constexpr,
                  K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
                  MASK_N: tl.constexpr, MASK_ROWS: tl.constexpr, ORDERED: tl.constexpr,
-                 FROM_STATES: tl.constexpr):
-    """``acc ⊕ state(tile)`` for the tile of elements ``n`` ([K, LANES, 1]) of each row.
+                 FROM_STATES: tl.constexpr, VMASK: tl.constexpr = False, vmask=None,
+                 inb=None):
+    """``acc ⊕ state(tile)`` for the tile of elements ``n`` ([K, LANES, 1]) of each row,
+    at offsets ``off`` ([K, LANES, ROWS], int64) from ``src``.
 
     ``acc`` is [LANES, ROWS] per field (one accumulator per lane), or [ROWS] if ORDERED.
-    Elements ``>= hi`` are masked; positions are ``n - pos0``.
+    With MASK_N elements ``>= hi`` are masked; positions are ``n - pos0``. With VMASK
+    (realigned rows) the load mask ``vmask`` is constant over each aligned vector, so the
+    load stays vectorized, and ``inb`` marks the elements that belong to the row.
     """
-    # [K, LANES, ROWS] offsets: int64 row bases + offsets along the reduced dim
-    off = n * sn + row_in[None, None, :]
     if FROM_STATES:
         # the elements are states already (second pass of split-K): masked -> identity
         m = (n < hi) & row_ok[None, None, :]
         s = REDUCE_TILE(*LOAD_STATE(src, off, m), 0)
     else:
-        if MASK_N:
-            m = n < hi
+        if VMASK:
+            x = tl.load(src + off, mask=vmask, other=0.0).to(tl.float32)
+            valid = tl.broadcast_to(inb, [K, LANES, ROWS])
+        elif MASK_N:
+            inb = n < hi
             if MASK_ROWS:
-                m = m & row_ok[None, None, :]
+                m = inb & row_ok[None, None, :]
+            else:
+                m = inb
             x = tl.load(src + off, mask=m, other=0.0).to(tl.float32)
-            valid = tl.broadcast_to(n < hi, [K, LANES, ROWS])
+            valid = tl.broadcast_to(inb, [K, LANES, ROWS])
         else:
             if MASK_ROWS:
                 x = tl.load(src + off, mask=tl.broadcast_to(row_ok[None, None, :], [K, LANES, ROWS]),
@@ -121,9 +128,20 @@ def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
                SCAN_TILE: tl.constexpr, TAKE: tl.constexpr, LOAD_STATE: tl.constexpr,
                IDENTITY: tl.constexpr,
                K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
-               MASK_ROWS: tl.constexpr, ORDERED: tl.constexpr, FROM_STATES: tl.constexpr):
+               MASK_ROWS: tl.constexpr, ORDERED: tl.constexpr, FROM_STATES: tl.constexpr,
+               ALIGN: tl.constexpr = 0):
     """State of elements ``[lo, hi)`` of each of the ROWS rows (positions counted from
-    ``pos0``): full tiles unmasked, then one masked tail tile. Returns fields [ROWS]."""
+    ``pos0``): full tiles unmasked, then one masked tail tile. Returns fields [ROWS].
+
+    ``ALIGN = v > 0`` (one contiguous row, ``sn = 1``, a row start that is not a
+    multiple of ``v`` elements): the tile grid starts ``(row_in + lo) mod v`` elements
+    early, at an address the compiler knows to be 16-byte aligned, and loads whole
+    aligned vectors that hold at least one element of the row (a mask that is constant
+    per vector keeps them vectorized; Triton scalarizes any other masked load); the
+    elements outside ``[lo, hi)`` are masked by ``valid``. Such a vector may reach up to
+    ``v - 1`` elements past the end of the tensor, inside its 16-byte granule of the
+    allocation (allocations are at least 16-byte aligned and sized).
+    """
     TILE: tl.constexpr = K * LANES
     idx = tl.arange(0, K)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
     lane_last = tl.arange(0, LANES)[:, None] == LANES - 1
@@ -134,17 +152,50 @@ def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
     # `while`, not `for ... in range(runtime bound)`: the interpreter cannot take a
     # runtime bound under NumPy >= 2.3 (int() of a 1-element array); same code either way.
     # No `+=` on tensors: the interpreter updates in place, and `start` aliases `lo`.
-    end = lo + (hi - lo) // TILE * TILE
-    start = lo
-    while start < end:
-        acc = _reduce_step(acc, src, start + idx, pos0, hi, sn, row_in, row_ok, lane_last,
-                           TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE,
-                           K, LANES, ROWS, False, MASK_ROWS, ORDERED, FROM_STATES)
-        start = start + TILE
-    if end < hi:
-        acc = _reduce_step(acc, src, end + idx, pos0, hi, sn, row_in, row_ok, lane_last,
-                           TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE,
-                           K, LANES, ROWS, True, MASK_ROWS, ORDERED, FROM_STATES)
+    if ALIGN > 0:
+        shift = tl.max(((row_in + lo) % ALIGN).to(lo.dtype), 0)          # scalar
+        astart = lo - shift
+        abase = tl.multiple_of(row_in + astart, ALIGN)                  # aligned, int64
+        span = hi - astart
+        # head tile (masked), full tiles (unmasked), tail tile (masked)
+        rel = idx                                                        # [K, LANES, 1]
+        vrel = rel // ALIGN * ALIGN                                      # vector start
+        vmask = (vrel + ALIGN > shift) & (vrel < span)
+        inb = (rel >= shift) & (rel < span)
+        acc = _reduce_step(acc, src, astart + rel, abase[None, None, :] + rel, pos0, lo, hi,
+                           row_ok, lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE,
+                           TAKE, LOAD_STATE, K, LANES, ROWS, True, MASK_ROWS, ORDERED,
+                           FROM_STATES, True, vmask, inb)
+        end = span // TILE * TILE
+        rel0 = span * 0 + TILE
+        while rel0 < end:
+            rel = rel0 + idx
+            acc = _reduce_step(acc, src, astart + rel, abase[None, None, :] + rel, pos0, lo, hi,
+                               row_ok, lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE,
+                               TAKE, LOAD_STATE, K, LANES, ROWS, False, MASK_ROWS, ORDERED,
+                               FROM_STATES)
+            rel0 = rel0 + TILE
+        if (end >= TILE) & (end < span):
+            rel = end + idx
+            vrel = rel // ALIGN * ALIGN
+            acc = _reduce_step(acc, src, astart + rel, abase[None, None, :] + rel, pos0, lo, hi,
+                               row_ok, lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE,
+                               TAKE, LOAD_STATE, K, LANES, ROWS, True, MASK_ROWS, ORDERED,
+                               FROM_STATES, True, vrel < span, rel < span)
+    else:
+        end = lo + (hi - lo) // TILE * TILE
+        start = lo
+        while start < end:
+            n = start + idx
+            acc = _reduce_step(acc, src, n, n * sn + row_in[None, None, :], pos0, lo, hi, row_ok,
+                               lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE,
+                               LOAD_STATE, K, LANES, ROWS, False, MASK_ROWS, ORDERED, FROM_STATES)
+            start = start + TILE
+        if end < hi:
+            n = end + idx
+            acc = _reduce_step(acc, src, n, n * sn + row_in[None, None, :], pos0, lo, hi, row_ok,
+                               lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE,
+                               LOAD_STATE, K, LANES, ROWS, True, MASK_ROWS, ORDERED, FROM_STATES)
     if ORDERED:
         res = acc
     else:
@@ -181,7 +232,7 @@ def reduce_kernel(src, outs, fin_args, seg_ptr,
                   ORDERED: tl.constexpr, FROM_STATES: tl.constexpr, STATE_OUT: tl.constexpr,
                   SEGMENTED: tl.constexpr, MASK_ROWS: tl.constexpr, N64: tl.constexpr,
                   LIFT_XP: tl.constexpr = None, SELECT: tl.constexpr = None,
-                  SMALL: tl.constexpr = False):
+                  SMALL: tl.constexpr = False, ALIGN: tl.constexpr = 0):
     """Reduce, split-K partial / combine passes and segmented reduce, one template.
 
     Program ``(rows, j)`` folds elements ``[lo, hi)`` of its rows, where
@@ -216,7 +267,7 @@ def reduce_kernel(src, outs, fin_args, seg_ptr,
     else:
         res = _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
                          TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE, IDENTITY,
-                         K, LANES, ROWS, MASK_ROWS, ORDERED, FROM_STATES)
+                         K, LANES, ROWS, MASK_ROWS, ORDERED, FROM_STATES, ALIGN)
     out_off = row_out + split.to(tl.int64) * o_split
     if STATE_OUT:
         STORE_STATE(outs, out_off, row_ok, *res)
