@@ -6,6 +6,9 @@ Run (H200, from the repository root)::
     PYTHONPATH=src python benchmarks/attention.py --quick    # small check + 1 timing subset (~1 min)
     PYTHONPATH=src python benchmarks/attention.py --check-only
     PYTHONPATH=src python benchmarks/attention.py --tune     # time candidate tile configs
+    PYTHONPATH=src python benchmarks/attention.py --bwd      # backward: checks + timings (~5 min)
+    PYTHONPATH=src python benchmarks/attention.py --bwd --quick
+    PYTHONPATH=src python benchmarks/attention.py --tune-bwd # time candidate backward configs
 
 1. Correctness (FlashAttention's own criterion): on a grid of batch, heads, GQA/MQA ratios,
    head dims, awkward lengths, causal, windows, softcap, varlen, score/mask mods and edge
@@ -25,6 +28,13 @@ Run (H200, from the repository root)::
    dense rows N^2 (N^2 / 2 when causal, the usual convention), for window/document rows the
    exact count of visible pairs. Prints TFLOP/s, the fraction of a bf16 matmul measured in
    the same run, and flashfold's ratio to each peer; a peer that fails prints its error.
+3. ``--bwd`` (backward, issue 5): the same grid for dQ, dK, dV (each gradient within twice
+   the naive low-precision gradient's error against autograd of the float64 attention,
+   NaN-poisoned gradients) plus dlse and deterministic-mode cases; ``deterministic=True``
+   twice -> bitwise equal gradients; ``torch.compile(fullgraph=True)`` (inductor) of a
+   module calling flashfold.attention against eager; then backward alone and forward +
+   backward TFLOP/s against SDPA flash and cuDNN (bf16, H=16, 16K tokens, d64/d128,
+   N 1K/4K/16K, causal and not), with a final table of ratios.
 """
 
 from __future__ import annotations
@@ -40,7 +50,8 @@ import torch.nn.functional as F
 
 import flashfold
 from flashfold import mods
-from flashfold.kernels.attention import fwd
+from flashfold.kernels.attention import bwd, fwd
+from flashfold.kernels.attention.bwd import BwdConfig
 from flashfold.kernels.attention.fwd import FwdConfig
 from flashfold.kernels.attention.mods import trace_mask_mod, trace_score_mod
 from flashfold.kernels.attention.reference import naive_attention
@@ -217,6 +228,37 @@ def correctness(quick: bool) -> bool:
     print("== correctness: max|o - ref| <= 2 max|naive - ref| (+ fp32 rounding), ref in float64, "
           "poisoned outputs")
     c = Checker()
+    grid_cases(c, quick)
+    # merge_states on split keys (including an empty and a fully masked part)
+    bf = torch.bfloat16
+    try:
+        g = torch.Generator(device=DEV).manual_seed(1)
+        q, k, v = (torch.randn(2, 8, 1000, 128, device=DEV, generator=g).to(bf) for _ in range(3))
+        cuts = [0, 0, 333, 500, 1000]
+        parts = [flashfold.attention(q, k[:, :, a:b], v[:, :, a:b], return_lse=True) if b > a else
+                 (torch.zeros_like(q), torch.full(q.shape[:-1], -math.inf, device=DEV))
+                 for a, b in zip(cuts, cuts[1:])]
+        parts.append(flashfold.attention(q, k[:, :, :100], v[:, :, :100], return_lse=True,
+                                         mask_mod=lambda b, h, i, j: j < 0))
+        o, lse = flashfold.merge_states(torch.stack([p[0] for p in parts][::-1]),
+                                        torch.stack([p[1] for p in parts][::-1]))
+        o2, l2 = flashfold.merge_states(*parts[1], *parts[2])
+        ro, rl = naive_attention(q, k, v, dtype=torch.float64)
+        po, _ = naive_lowp(q, k, v)
+        err, perr = (o.double() - ro).abs().max().item(), (po.double() - ro).abs().max().item()
+        ok = err <= 2 * perr + 1e-6 and torch.isfinite(o).all() and torch.isfinite(o2).all()
+        c.failed += 0 if ok else 1
+        print(f"  {'ok ' if ok else 'BAD'} {'merge_states of 5 parts (empty, masked) vs unsplit':<58} "
+              f"err {err:.2e}  naive {perr:.2e}", flush=True)
+    except Exception as e:
+        c.failed += 1
+        print(f"  BAD merge_states raised {type(e).__name__}: {e}")
+    print(f"== correctness: {len(c.rows) + 1 - c.failed}/{len(c.rows) + 1} cases passed")
+    return c.failed == 0
+
+
+def grid_cases(c, quick: bool):
+    """The correctness grid (shared by the forward's Checker and the backward's GradChecker)."""
     bf = torch.bfloat16
     lengths = [(1, 1), (17, 17), (113, 203), (1000, 1000), (2049, 2049), (1, 2049), (2049, 1000)]
     dims = (32, 64, 96, 128, 192, 256)
@@ -266,31 +308,6 @@ def correctness(quick: bool) -> bool:
                            torch.randn(1, 2, 257, 64, device=DEV, generator=g).half(), {}))
     c.case("rows with no visible key (causal q > k)", 2, 4, 2, 1000, 100, 128, causal=True)
     c.case("mask hides everything", 1, 2, 2, 300, 300, 64, mask_mod=lambda b, h, i, j: j < 0)
-    # merge_states on split keys (including an empty and a fully masked part)
-    try:
-        g = torch.Generator(device=DEV).manual_seed(1)
-        q, k, v = (torch.randn(2, 8, 1000, 128, device=DEV, generator=g).to(bf) for _ in range(3))
-        cuts = [0, 0, 333, 500, 1000]
-        parts = [flashfold.attention(q, k[:, :, a:b], v[:, :, a:b], return_lse=True) if b > a else
-                 (torch.zeros_like(q), torch.full(q.shape[:-1], -math.inf, device=DEV))
-                 for a, b in zip(cuts, cuts[1:])]
-        parts.append(flashfold.attention(q, k[:, :, :100], v[:, :, :100], return_lse=True,
-                                         mask_mod=lambda b, h, i, j: j < 0))
-        o, lse = flashfold.merge_states(torch.stack([p[0] for p in parts][::-1]),
-                                        torch.stack([p[1] for p in parts][::-1]))
-        o2, l2 = flashfold.merge_states(*parts[1], *parts[2])
-        ro, rl = naive_attention(q, k, v, dtype=torch.float64)
-        po, _ = naive_lowp(q, k, v)
-        err, perr = (o.double() - ro).abs().max().item(), (po.double() - ro).abs().max().item()
-        ok = err <= 2 * perr + 1e-6 and torch.isfinite(o).all() and torch.isfinite(o2).all()
-        c.failed += 0 if ok else 1
-        print(f"  {'ok ' if ok else 'BAD'} {'merge_states of 5 parts (empty, masked) vs unsplit':<58} "
-              f"err {err:.2e}  naive {perr:.2e}", flush=True)
-    except Exception as e:
-        c.failed += 1
-        print(f"  BAD merge_states raised {type(e).__name__}: {e}")
-    print(f"== correctness: {len(c.rows) + 1 - c.failed}/{len(c.rows) + 1} cases passed")
-    return c.failed == 0
 
 
 # --- speed ------------------------------------------------------------------------------------
@@ -512,11 +529,385 @@ def tune():
                 print(f"  -> d{D} {'causal' if causal else 'full'} best: {best[1]} {best[0]:.0f} TFLOP/s")
 
 
+# --- backward ----------------------------------------------------------------------------------
+
+def _pointer_bwd_config(q, d, dv, features=False):
+    """The backward's pointer configuration (what it falls back to when TMA is refused)."""
+    bd = min(max(max(fwd.block_dims(d, dv)), 32), 256)
+    bm, bn, w, s, qm, qn, qw, qs = bwd.POINTER_BWD_CONFIGS[(bd, bool(features))]
+    return BwdConfig(bm, bn, w, s, qm, qn, qw, qs, use_tma=False, atomic_dq=False)
+
+
+def _masked_lse(lse):
+    return torch.where(torch.isfinite(lse), lse, 0.0)
+
+
+class GradChecker:
+    """The forward's correctness grid for dQ, dK, dV (FlashAttention's criterion): for each
+    gradient, max|g - ref| <= 2 max|naive - ref| + fp32 rounding, ``ref`` the gradient of
+    the float64 naive attention (torch.autograd), ``naive`` that of ``naive_lowp`` (matmuls in
+    the input dtype, softmax in fp32), both for the same ``dO`` (and ``dlse`` when
+    ``with_lse``). Gradients are allocated NaN-filled (an element the kernels skip fails);
+    rows with no visible key must get ``dq = 0``; no NaN."""
+
+    def __init__(self, deterministic=False):
+        self.rows = []
+        self.failed = 0
+        self.deterministic = deterministic
+
+    def case(self, name, B, HQ, HK, NQ, NK, D, dtype=torch.bfloat16, *, tma=True, seed=0,
+             q_scale=1.0, make=None, with_lse=False, **kw):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        name = name + (" [det]" if self.deterministic else "") + (" +dlse" if with_lse else "")
+        try:
+            if make is not None:
+                q, k, v, extra = make(g)
+                kw.update(extra)
+            else:
+                q = (torch.randn(B, HQ, NQ, D, device=DEV, generator=g) * q_scale).to(dtype)
+                k = (torch.randn(B, HK, NK, D, device=DEV, generator=g) * q_scale).to(dtype)
+                v = torch.randn(B, HK, NK, D, device=DEV, generator=g).to(dtype)
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            do = torch.randn(q.shape[:-1] + (v.shape[-1],), device=DEV, generator=g).to(q.dtype)
+            dlse = torch.randn(q.shape[:-1], device=DEV, generator=g) if with_lse else None
+            saved = fwd.USE_TMA_DEFAULT, bwd._alloc, bwd.default_config
+            fwd.USE_TMA_DEFAULT, bwd._alloc = tma, _nan_alloc
+            if not tma:
+                bwd.default_config = _pointer_bwd_config
+            try:
+                o, lse = flashfold.attention(q, k, v, return_lse=True,
+                                             deterministic=self.deterministic, **kw)
+                outs, gouts = [o], [do]
+                if with_lse:
+                    outs.append(_masked_lse(lse))
+                    gouts.append(dlse)
+                got = torch.autograd.grad(outs, (q, k, v), gouts)
+                _sync()
+            finally:
+                fwd.USE_TMA_DEFAULT, bwd._alloc, bwd.default_config = saved
+            rk = _torch_mods(kw)
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            ro, rl = naive_attention(q64, k64, v64, dtype=torch.float64, **rk)
+            want = torch.autograd.grad([ro, _masked_lse(rl)] if with_lse else [ro], (q64, k64, v64),
+                                       [do.double(), dlse.double()] if with_lse else [do.double()])
+            ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            po, pl = naive_lowp(ql, kl, vl, **rk)
+            naive = torch.autograd.grad([po, _masked_lse(pl)] if with_lse else [po], (ql, kl, vl),
+                                        [do, dlse] if with_lse else [do], allow_unused=True)
+            why, errs = [], []
+            eps = torch.finfo(q.dtype).eps
+            for n, a, r, p in zip("qkv", got, want, naive):
+                if a.numel() == 0:
+                    errs.append((0.0, 0.0))
+                    continue
+                if torch.isnan(a).any():
+                    why.append(f"NaN in d{n} (unwritten or computed)")
+                err = (a.double() - r).abs().max().item()
+                perr = (p.double() - r).abs().max().item() if p is not None else 0.0
+                atol = 2 * (r + 0.3 - 0.3 - r).abs().max().item()
+                mag = max(1.0, r.abs().max().item())
+                bound = 2 * perr + atol if math.isfinite(perr) else 2 * eps * mag
+                if not err <= bound:
+                    why.append(f"d{n} err {err:.2e} > bound {bound:.2e} (naive {perr:.2e})")
+                errs.append((err, perr))
+            empty = torch.isneginf(rl)
+            if empty.any() and (got[0][empty] != 0).any():
+                why.append("dq of rows with no visible key is not 0")
+            ok = not why
+            self.rows.append((name, ok, errs))
+            if not ok:
+                self.failed += 1
+            e = " ".join(f"d{n} {a:.1e}/{b:.1e}" for n, (a, b) in zip("qkv", errs))
+            print(f"  {'ok ' if ok else 'BAD'} {name:<58} {e}{'  <- ' + '; '.join(why) if why else ''}",
+                  flush=True)
+        except Exception as e:
+            self.failed += 1
+            self.rows.append((name, False, []))
+            print(f"  BAD {name:<58} raised {type(e).__name__}: {str(e)[:300]}", flush=True)
+            traceback.print_exc(limit=3, file=sys.stdout)
+
+
+def correctness_bwd(quick: bool) -> bool:
+    print("== backward correctness: per gradient max|g - ref| <= 2 max|naive - ref| (+ fp32 "
+          "rounding), ref = autograd of float64 attention, poisoned gradients; printed: "
+          "flashfold err / naive err")
+    c = GradChecker()
+    grid_cases(c, quick)
+    bf = torch.bfloat16
+    c.case("dlse: d128 q1000 causal GQA", 2, 8, 2, 1000, 1000, 128, causal=True, with_lse=True)
+    c.case("dlse: softcap + alibi d64", 2, 4, 4, 777, 777, 64, softcap=20.0, with_lse=True,
+           score_mod=mods.alibi(4))
+    d = GradChecker(deterministic=True)
+    for D in ((128,) if quick else (64, 128)):
+        for causal in (False, True):
+            d.case(f"d{D} q2049 k2049 {'causal' if causal else 'full'} B2 H4:2", 2, 4, 2, 2049, 2049, D,
+                   causal=causal)
+    d.case("window (100, 20) d128", 2, 4, 2, 1000, 1000, 128, window=(100, 20))
+    d.case("document mask + alibi + softcap d128", 2, 8, 2, 1000, 1000, 128, causal=True,
+           softcap=30.0, score_mod=mods.alibi(8), mask_mod=mods.document_mask(_docs(1000)))
+    lq, lk = [1, 17, 113, 1000, 2049], [1000, 17, 203, 1, 2049]
+    d.case("varlen d128 causal", 1, 8, 2, 0, 0, 128, make=_varlen(lq, lk, 8, 2, 128, bf), causal=True)
+    d.case("pointer path d128 causal", 2, 4, 2, 1000, 1000, 128, tma=False, causal=True)
+    n = len(c.rows) + len(d.rows)
+    failed = c.failed + d.failed
+    print(f"== backward correctness: {n - failed}/{n} cases passed")
+    return failed == 0
+
+
+def determinism_cases(N=4096):
+    docs = _docs(N, seed=3)
+    return [
+        (f"d128 N{N} B2 H16:4 causal", dict(B=2, H=16, HK=4, N=N, D=128), dict(causal=True)),
+        (f"d64 N{N} B2 H16:16 full", dict(B=2, H=16, HK=16, N=N, D=64), {}),
+        (f"d128 N{N} softcap+alibi+document", dict(B=1, H=8, HK=2, N=N, D=128),
+         dict(causal=True, softcap=30.0, score_mod=mods.alibi(8), mask_mod=mods.document_mask(docs))),
+    ]
+
+
+def determinism_check(cases=None, dtype=torch.bfloat16) -> bool:
+    """deterministic=True: two runs give bitwise equal dQ, dK, dV. Also reports whether the
+    default (atomic dQ) mode happened to be bitwise equal, and its distance to the
+    deterministic gradients."""
+    print("== determinism: deterministic=True twice -> bitwise equal gradients")
+    bf = dtype
+    cases = determinism_cases() if cases is None else cases
+    ok_all = True
+    for name, sh, kw in cases:
+        try:
+            g = torch.Generator(device=DEV).manual_seed(0)
+            q = torch.randn(sh["B"], sh["H"], sh["N"], sh["D"], device=DEV, generator=g).to(bf).requires_grad_()
+            k = torch.randn(sh["B"], sh["HK"], sh["N"], sh["D"], device=DEV, generator=g).to(bf).requires_grad_()
+            v = torch.randn(sh["B"], sh["HK"], sh["N"], sh["D"], device=DEV, generator=g).to(bf).requires_grad_()
+            do = torch.randn(q.shape, device=DEV, generator=g).to(bf)
+
+            def run(det):
+                out = flashfold.attention(q, k, v, deterministic=det, **kw)
+                return torch.autograd.grad(out, (q, k, v), do)
+            a, b = run(True), run(True)
+            same = all(torch.equal(x, y) for x, y in zip(a, b))
+            c1, c2 = run(False), run(False)
+            same_default = all(torch.equal(x, y) for x, y in zip(c1, c2))
+            diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, c1))
+            ok_all &= same
+            print(f"  {'ok ' if same else 'BAD'} {name:<40} deterministic bitwise equal: {same}; "
+                  f"default mode bitwise equal: {same_default}; max |det - default| {diff:.2e}",
+                  flush=True)
+        except Exception as e:
+            ok_all = False
+            print(f"  BAD {name:<40} raised {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return ok_all
+
+
+class _CompiledAttention(torch.nn.Module):
+    """A module calling flashfold.attention with mods made once (as the docs ask)."""
+
+    def __init__(self, heads, docs, dim):
+        super().__init__()
+        self.score_mod = mods.alibi(heads)
+        self.mask_mod = mods.document_mask(docs)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, q, k, v):
+        o = flashfold.attention(q, k, v, causal=True, score_mod=self.score_mod, mask_mod=self.mask_mod)
+        return self.proj(o).float().pow(2).mean()
+
+
+def compile_check(backend="inductor", N=1024, D=64, dtype=torch.bfloat16) -> bool:
+    """torch.compile(fullgraph=True) of a module calling flashfold.attention: same loss and
+    gradients as eager (same kernels; the surrounding ops may be fused differently)."""
+    print(f"== torch.compile(fullgraph=True, backend={backend!r}) of a module calling flashfold.attention")
+    try:
+        import torch._dynamo
+        torch._dynamo.reset()
+        g = torch.Generator(device=DEV).manual_seed(0)
+        model = _CompiledAttention(4, _docs(N, seed=5), D).to(DEV).to(dtype)
+        q, k, v = (torch.randn(2, 4, N, D, device=DEV, generator=g).to(dtype).requires_grad_() for _ in range(3))
+        want_loss = model(q, k, v)
+        want = torch.autograd.grad(want_loss, (q, k, v))
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        loss = compiled(q, k, v)
+        got = torch.autograd.grad(loss, (q, k, v))
+        _sync()
+        from flashfold.testing import compare
+        reps = [compare(a, b, dtype, scale=max(1.0, b.abs().max().item())) for a, b in zip(got, want)]
+        lrep = compare(loss, want_loss, "float32", scale=max(1.0, abs(want_loss.item())))
+        ok = all(r["ok"] for r in reps) and lrep["ok"]
+        print(f"  {'ok ' if ok else 'BAD'} loss {loss.item():.6f} vs eager {want_loss.item():.6f}; "
+              f"grad max abs diff " + " ".join(f"d{n} {r['max_abs']:.1e}" for n, r in zip("qkv", reps)),
+              flush=True)
+        return ok
+    except Exception as e:
+        print(f"  BAD torch.compile raised {type(e).__name__}: {str(e)[:500]}", flush=True)
+        traceback.print_exc(limit=5, file=sys.stdout)
+        return False
+
+
+def _sdpa_train(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, backend_name)
+
+    def fwd_(q, k, v, causal):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fwd_
+
+
+BWD_COLS = ("flashfold", "ff-det", "cudnn", "flash")
+
+
+def speed_bwd(quick: bool, grid=None, tokens=16384, H=16, dtype=torch.bfloat16):
+    """Backward alone and forward + backward, flashfold (default and deterministic) against
+    SDPA's flash and cuDNN backends, on the targets grid. FLOPs: backward 2.5x the forward's
+    4 B H N^2 D (halved when causal), forward + backward 3.5x."""
+    print(f"== backward speed: {str(dtype)[6:]}, H={H}, B*N = {tokens} tokens, do_bench median; "
+          f"backward = autograd.grad of a retained graph, fwd+bwd = both")
+    peers = {"cudnn": _sdpa_train("CUDNN_ATTENTION"), "flash": _sdpa_train("FLASH_ATTENTION")}
+    if grid is None:
+        grid = [(D, N, c) for D in (64, 128) for N in (1024, 4096, 16384) for c in (False, True)]
+        if quick:
+            grid = [(128, 4096, False), (128, 4096, True), (128, 16384, True)]
+    rows, errors = [], {}
+    for D, N, causal in grid:
+        B = max(1, tokens // N)
+        g = torch.Generator(device=DEV).manual_seed(0)
+        q, k, v = (torch.randn(B, H, N, D, device=DEV, generator=g).to(dtype).requires_grad_() for _ in range(3))
+        do = torch.randn(B, H, N, D, device=DEV, generator=g).to(dtype)
+        fl = 4 * B * H * D * N * N / (2 if causal else 1)
+        res = {"bwd": {}, "fb": {}}
+        ff_grads = None
+        for name, det in (("flashfold", False), ("ff-det", True)):
+            try:
+                f = lambda: flashfold.attention(q, k, v, causal=causal, deterministic=det)  # noqa: E731
+                o = f()
+                grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+                if ff_grads is None:
+                    ff_grads = grads
+                res["bwd"][name] = 2.5 * fl / _bench(
+                    lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)) / 1e9
+                res["fb"][name] = 3.5 * fl / _bench(lambda: torch.autograd.grad(f(), (q, k, v), do)) / 1e9
+                del o
+            except Exception as e:
+                errors.setdefault(name, f"{type(e).__name__}: {str(e)[:300]}")
+        for name, fn in peers.items():
+            try:
+                o = fn(q, k, v, causal)
+                grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+                if ff_grads is not None and name == "flash":
+                    diff = max((a.float() - b.float()).abs().max().item() / max(1e-6, b.float().abs().max().item())
+                               for a, b in zip(ff_grads, grads))
+                    if diff > 5e-2:
+                        print(f"   WARNING d{D} N{N} causal={causal}: flashfold vs SDPA flash gradients "
+                              f"differ by {diff:.3g} (relative to max)")
+                res["bwd"][name] = 2.5 * fl / _bench(
+                    lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)) / 1e9
+                res["fb"][name] = 3.5 * fl / _bench(
+                    lambda fn=fn: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)) / 1e9
+                del o
+            except Exception as e:
+                errors.setdefault(name, f"{type(e).__name__}: {str(e)[:300]}")
+        rows.append((D, N, causal, res))
+        b, fb = res["bwd"], res["fb"]
+        print(f"   d{D} N{N:<5} {'causal' if causal else 'full':<6} bwd " +
+              " ".join(f"{c}={b[c]:.0f}" for c in BWD_COLS if c in b) + "  fwd+bwd " +
+              " ".join(f"{c}={fb[c]:.0f}" for c in BWD_COLS if c in fb), flush=True)
+        del q, k, v, do
+    for name, msg in errors.items():
+        print(f"   {name} failed (first error): {msg}")
+    _print_bwd_table(rows)
+    return rows
+
+
+def _print_bwd_table(rows):
+    def ratio(r, a, b):
+        return f"{r[a] / r[b]:.2f}" if r.get(a) and r.get(b) else "-"
+    print("\n| D | N | mask | ff bwd | ff det bwd | cuDNN bwd | FA2 bwd | ff/cuDNN | det/cuDNN | ff/FA2 "
+          "| ff f+b | cuDNN f+b | FA2 f+b | f+b ff/cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for D, N, causal, res in rows:
+        b, fb = res["bwd"], res["fb"]
+        cells = [_fmt(b.get(c)).strip() for c in BWD_COLS]
+        print(f"| {D} | {N} | {'causal' if causal else 'full'} | " + " | ".join(cells) +
+              f" | {ratio(b, 'flashfold', 'cudnn')} | {ratio(b, 'ff-det', 'cudnn')} | "
+              f"{ratio(b, 'flashfold', 'flash')} | {_fmt(fb.get('flashfold')).strip()} | "
+              f"{_fmt(fb.get('cudnn')).strip()} | {_fmt(fb.get('flash')).strip()} | "
+              f"{ratio(fb, 'flashfold', 'cudnn')} |")
+    print("(TFLOP/s; backward FLOPs = 2.5 x 4 B H N^2 D, fwd+bwd = 3.5x; causal halves them; "
+          "ff = default mode, ff det = deterministic=True)")
+
+
+#: backward candidates per head dim: dK/dV (BM, BN, warps, stages), dQ (BM, BN, warps, stages)
+BWD_CANDIDATES = {
+    64: [(64, 128, 8, 2, 128, 64, 8, 2), (128, 128, 8, 2, 128, 64, 8, 2), (64, 128, 8, 3, 128, 64, 8, 3),
+         (64, 64, 4, 2, 64, 64, 4, 2), (128, 64, 8, 2, 128, 128, 8, 2)],
+    128: [(64, 128, 8, 2, 128, 64, 8, 2), (32, 128, 8, 2, 128, 64, 8, 2), (64, 64, 8, 2, 128, 64, 8, 2),
+          (64, 128, 8, 3, 128, 64, 8, 3), (64, 128, 8, 2, 128, 128, 8, 2), (64, 128, 8, 2, 64, 64, 4, 2)],
+}
+
+
+def tune_bwd(N=4096, B=4, H=16):
+    """Time candidate backward configurations, atomic and deterministic dQ (bf16)."""
+    print(f"== tune-bwd: backward TFLOP/s per config (bf16, H={H}, N={N}, B={B}); default marked *")
+    for D, cands in BWD_CANDIDATES.items():
+        g = torch.Generator(device=DEV).manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(4))
+        scale = 1 / math.sqrt(D)
+        for causal in (False, True):
+            right = 0 if causal else None
+            o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
+            ref = bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right, deterministic=True,
+                                         config=BwdConfig(*cands[0], use_tma=True))
+            flops = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
+            best = None
+            for c in cands:
+                for atomic in (True, False):
+                    cfg = BwdConfig(*c, use_tma=True, atomic_dq=atomic)
+                    try:
+                        t0 = time.time()
+                        run = lambda: bwd.attention_backward(  # noqa: E731
+                            do, q, k, v, o, lse, scale=scale, right=right, deterministic=not atomic,
+                            atomic_dq=atomic, config=cfg)
+                        got = run()
+                        bad = [n for n, a, b in zip("qkv", got, ref)
+                               if (a.float() - b.float()).abs().max().item() > 2e-2 * max(1.0, b.float().abs().max().item())]
+                        if bad:
+                            print(f"    d{D} {cfg}: WRONG d{'/d'.join(bad)}")
+                            continue
+                        tf = flops / _bench(run) / 1e9
+                        default = bwd.default_config(q, D, D)
+                        mark = "*" if (c == (default.block_m, default.block_n, default.num_warps, default.num_stages,
+                                             default.dq_block_m, default.dq_block_n, default.dq_warps,
+                                             default.dq_stages) and atomic == default.atomic_dq) else " "
+                        print(f"  {mark} d{D} {'causal' if causal else 'full  '} {str(cfg):<60} {tf:6.0f} "
+                              f"TFLOP/s (compile+run {time.time() - t0:.1f}s)", flush=True)
+                        if best is None or tf > best[0]:
+                            best = (tf, cfg)
+                    except Exception as e:
+                        print(f"    d{D} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
+            if best:
+                print(f"  -> d{D} {'causal' if causal else 'full'} best: {best[1]} {best[0]:.0f} TFLOP/s")
+
+
+def main_bwd(quick: bool) -> int:
+    t0 = time.time()
+    ok = correctness_bwd(quick)
+    print(f"   ({time.time() - t0:.0f}s)")
+    det_ok = determinism_check()
+    comp_ok = compile_check()
+    print(f"   ({time.time() - t0:.0f}s)")
+    speed_bwd(quick)
+    print(f"total {time.time() - t0:.0f}s; backward correctness {'PASSED' if ok else 'FAILED'}, "
+          f"determinism {'PASSED' if det_ok else 'FAILED'}, torch.compile {'PASSED' if comp_ok else 'FAILED'}")
+    return 0 if ok and det_ok and comp_ok else 1
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small check grid, 3 timing rows")
     ap.add_argument("--check-only", action="store_true", help="correctness grid only")
     ap.add_argument("--tune", action="store_true", help="time candidate tile configs only")
+    ap.add_argument("--bwd", action="store_true", help="backward: gradient grid, determinism, "
+                    "torch.compile, backward and fwd+bwd timings (instead of the forward run)")
+    ap.add_argument("--tune-bwd", action="store_true", help="time candidate backward configs only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -528,6 +919,11 @@ def main(argv=None):
     if args.tune:
         tune()
         return 0
+    if args.tune_bwd:
+        tune_bwd()
+        return 0
+    if args.bwd:
+        return main_bwd(args.quick)
     ok = correctness(args.quick)
     print(f"   ({time.time() - t0:.0f}s)")
     if not args.check_only:

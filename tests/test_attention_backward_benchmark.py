@@ -1,0 +1,105 @@
+"""A CPU dry run of ``benchmarks/attention.py --bwd`` (interpreter, fp16/fp32, tiny sizes): the
+script that spends scarce GPU time is known to run, and its gradient checks are known to
+fail on a broken backward."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from flashfold import mods
+from flashfold.api import attention as api
+from flashfold.kernels.attention import bwd, fwd
+from flashfold.kernels.attention.bwd import BwdConfig
+from flashfold.kernels.attention.fwd import FwdConfig
+
+if torch.cuda.is_available():  # pragma: no cover - on the GPU, run the script itself
+    pytest.skip("dry run for CPU machines", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention_bwd", os.path.join(ROOT, "benchmarks", "attention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "DEV", "cpu")
+    monkeypatch.setattr(api, "_use_kernel", lambda t: True)
+    monkeypatch.setattr(fwd, "default_config",
+                        lambda q, d, dv, causal=False: FwdConfig(16, 16, use_tma=fwd.USE_TMA_DEFAULT))
+    monkeypatch.setattr(bwd, "default_config",
+                        lambda q, d, dv, features=False: BwdConfig(16, 16, 4, 1, 16, 16, 4, 1,
+                                                                   use_tma=True, atomic_dq=True))
+    return mod
+
+
+def test_grad_check_cases_pass(bench):
+    h = torch.float16
+    c = bench.GradChecker()
+    c.case("causal GQA", 2, 4, 2, 17, 33, 32, h, causal=True)
+    c.case("window + dlse", 1, 2, 2, 33, 33, 32, h, window=(5, 2), with_lse=True)
+    c.case("pointers (fallback config)", 1, 2, 1, 20, 20, 32, h, tma=False, softcap=5.0)
+    c.case("varlen", 1, 2, 1, 0, 0, 32, make=bench._varlen([5, 0, 17], [9, 4, 1], 2, 1, 32, h),
+           causal=True)
+    c.case("document + alibi", 1, 2, 2, 40, 40, 32, h, mask_mod=mods.document_mask(bench._docs(40)),
+           score_mod=mods.alibi(2))
+    c.case("no visible key", 1, 2, 2, 30, 5, 32, h, causal=True)
+    d = bench.GradChecker(deterministic=True)
+    d.case("deterministic", 1, 2, 1, 33, 17, 32, h, causal=True)
+    assert c.failed == 0 and d.failed == 0, (c.rows, d.rows)
+    assert all(len(r[2]) == 3 for r in c.rows)
+
+
+def test_grad_check_catches_a_wrong_gradient(bench, monkeypatch):
+    real = bwd.attention_backward
+
+    def off(*a, **kw):
+        dq, dk, dv = real(*a, **kw)
+        return dq, dk * 1.01, dv
+    monkeypatch.setattr(bwd, "attention_backward", off)
+    c = bench.GradChecker()
+    c.case("dk off by 1%", 1, 2, 2, 17, 17, 32, torch.float16)
+    assert c.failed == 1
+
+
+def test_grad_check_catches_an_unwritten_element(bench, monkeypatch):
+    real = bwd.prepare_backward
+
+    def skips(*a, **kw):
+        dq, dk, dv, launches = real(*a, **kw)
+        return dq, dk, dv, launches[:-1]              # the dQ conversion never runs
+    monkeypatch.setattr(bwd, "prepare_backward", skips)
+    c = bench.GradChecker()
+    c.case("dq never written", 1, 2, 2, 17, 17, 32, torch.float16)
+    assert c.failed == 1
+
+
+def test_determinism_and_compile_checks(bench):
+    small = [("tiny causal", dict(B=1, H=2, HK=1, N=40, D=32), dict(causal=True)),
+             ("tiny alibi + document", dict(B=1, H=2, HK=2, N=40, D=32),
+              dict(score_mod=mods.alibi(2), mask_mod=mods.document_mask(bench._docs(40))))]
+    assert bench.determinism_check(small, dtype=torch.float16)
+    assert bench.compile_check(backend="aot_eager", N=32, D=32, dtype=torch.float32)
+
+
+def test_speed_rows_and_table(bench, monkeypatch, capsys):
+    def cpu_bench(fn):
+        t = time.perf_counter()
+        fn()
+        return max(1e-3, (time.perf_counter() - t) * 1e3)
+    monkeypatch.setattr(bench, "_bench", cpu_bench)
+    rows = bench.speed_bwd(False, grid=[(32, 32, False), (32, 32, True)], tokens=32, H=2,
+                           dtype=torch.float16)
+    out = capsys.readouterr().out
+    assert len(rows) == 2 and all("flashfold" in r[3]["bwd"] and "ff-det" in r[3]["fb"] for r in rows)
+    assert "| 32 | 32 | causal |" in out
+    for peer in ("flash", "cudnn"):                  # measured, or its error printed
+        assert peer in rows[0][3]["bwd"] or f"{peer} failed" in out, (peer, out)
+    assert math.isfinite(rows[0][3]["bwd"]["flashfold"])
