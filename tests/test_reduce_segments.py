@@ -61,7 +61,7 @@ def test_segments_of_the_last_dim_with_tiles(monoid, force_tiles):
 
 @pytest.fixture
 def force_tiles(monkeypatch):
-    def cfg(g, elsize, ordered):
+    def cfg(g, elsize, ordered, *a):
         return C(1, 8, 1, 4) if ordered else C(2, 4, 1, 4)
     monkeypatch.setattr(L, "reduce_config", cfg)
 

@@ -88,7 +88,7 @@ def test_output_dtype():
 def test_split_rows(monkeypatch):
     """Few long rows: chunk states, then each chunk normalized with the folded row state."""
     monkeypatch.setattr(L, "normalize_config", lambda g, e, o: (C(2, 4, 1, 4), False))
-    monkeypatch.setattr(L, "reduce_config", lambda g, e, o: C(2, 4, 1, 4))
+    monkeypatch.setattr(L, "reduce_config", lambda g, e, o, *a: C(2, 4, 1, 4))
     monkeypatch.setattr(L, "split_plan", lambda g, tile, n, sms, min_tiles=2: (5, 16))
     x = torch.randn(2, 75) * 3
     x[1, :40] = -float("inf")

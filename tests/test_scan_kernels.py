@@ -59,7 +59,7 @@ def force(monkeypatch):
             monkeypatch.setattr(L, "scan_config", lambda g, e, *a: scan)
             monkeypatch.setattr(L, "LOOKBACK_CONFIG", scan if scan.vec else C(16, 1, 1, 4, vec=2))
         if reduce is not None:
-            monkeypatch.setattr(L, "reduce_config", lambda g, e, o: reduce)
+            monkeypatch.setattr(L, "reduce_config", lambda g, e, o, *a: reduce)
         if split is not None:
             monkeypatch.setattr(L, "split_plan", lambda g, tile, n, sms, min_tiles=2: split)
     return apply
