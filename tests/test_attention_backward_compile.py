@@ -33,11 +33,11 @@ def _variants():
     for d in (64, 128, 256):
         for mode in (("atomic", "det") if d <= 128 else ("det",)):   # d256: dQ kernel only
             out.append((f"d{d}-{mode}", dict(D=d, mode=mode)))
-            out.append((f"d{d}-causal-{mode}", dict(D=d, mode=mode, causal=True)))
     out += [
+        ("d128-causal-atomic", dict(D=128, mode="atomic", causal=True)),
+        ("d128-causal-det", dict(D=128, mode="det", causal=True)),
         ("d32-atomic", dict(D=32, mode="atomic")),
         ("d96-padded-atomic", dict(D=96, mode="atomic")),
-        ("d128-window-det", dict(D=128, mode="det", window=(256, 0))),
         ("d128-causal-fp16-atomic", dict(D=128, mode="atomic", causal=True, dtype="float16")),
         ("d128-softcap-det", dict(D=128, mode="det", softcap=30.0)),
         ("d128-alibi-causal-det", dict(D=128, mode="det", causal=True, alibi=True)),

@@ -63,9 +63,16 @@ Kernels (one template each; constexpr flags as in :mod:`.fwd`):
 * ``_dq_convert`` (atomic mode): ``dQ = scale * acc`` in the input dtype.
 
 Modes: ``deterministic=True`` runs preprocess, dK/dV (no atomics) and the dQ kernel: every
-sum has a fixed order, so two runs are bitwise equal. The default mode
-(:data:`ATOMIC_DQ_DEFAULT`) adds ``dQ`` with fp32 atomics from the dK/dV kernel (5 matmuls
-per tile pair instead of 7) whose order varies from run to run (last-bit differences).
+sum has a fixed order, so two runs are bitwise equal. The default mode adds ``dQ`` with fp32
+atomics from the dK/dV kernel (5 matmuls per tile pair instead of 7), whose order varies
+from run to run (last-bit differences), where the configuration allows it (sm_90 with TMA,
+head dim <= 128, no softcap / score_mod / mask_mod: :data:`HOPPER_BWD_CONFIGS`; the others
+would spill registers) and :data:`ATOMIC_DQ_DEFAULT` is on; elsewhere it runs the
+deterministic kernels too.
+
+In the dK/dV kernel without softcap / score_mod, ``-D`` and ``-lambda / qk_scale`` are
+the initial accumulators of the ``dP^T`` and ``S^T`` matmuls, so no per-column vector is
+held across the tile (it keeps the kernel within 255 registers).
 
 Layouts: ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``, ``o``/``dO (B,
 Hq, Nq, Dv)``, any strides (TMA where :func:`.fwd.tma_ok`; ``dO`` is copied once to a
@@ -129,19 +136,14 @@ def _probs(qk, lam, qk_scale, softcap, b, h, qi, kj, k_len, delta, win_left, win
     broadcasts against ``qk``: ``+inf`` for empty or out-of-range rows gives 0)."""
     s, dfac = _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
                           SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, HAS_SOFTCAP, HAS_SCORE_MOD)
+    if MASKED:
+        vis = _visible_2d(qi, kj, k_len, delta, win_left, win_right, b, h, mask_fn,
+                          MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
+        s = tl.where(vis, s, float("-inf"))                 # (qk_scale > 0: stays -inf below)
     if HAS_SOFTCAP or HAS_SCORE_MOD:
-        if MASKED:
-            vis = _visible_2d(qi, kj, k_len, delta, win_left, win_right, b, h, mask_fn,
-                              MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
-                              MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
-            s = tl.where(vis, s, float("-inf"))
         p = tl.math.exp2(s - lam)
     else:
-        if MASKED:
-            vis = _visible_2d(qi, kj, k_len, delta, win_left, win_right, b, h, mask_fn,
-                              MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
-                              MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
-            s = tl.where(vis, s, float("-inf"))
         p = tl.math.exp2(s * qk_scale - lam)                # one FMA per score
     return p, dfac
 
