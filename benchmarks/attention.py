@@ -844,12 +844,13 @@ BWD_CANDIDATES = {
 }
 
 
-def tune_bwd(N=4096, B=4, H=16):
+def tune_bwd(N=4096, B=4, H=16, candidates=None, dtype=torch.bfloat16):
     """Time candidate backward configurations, atomic and deterministic dQ (bf16)."""
     print(f"== tune-bwd: backward TFLOP/s per config (bf16, H={H}, N={N}, B={B}); default marked *")
-    for D, cands in BWD_CANDIDATES.items():
+    best_rows = []
+    for D, cands in (candidates or BWD_CANDIDATES).items():
         g = torch.Generator(device=DEV).manual_seed(0)
-        q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(4))
+        q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(dtype) for _ in range(4))
         scale = 1 / math.sqrt(D)
         for causal in (False, True):
             right = 0 if causal else None
@@ -885,6 +886,8 @@ def tune_bwd(N=4096, B=4, H=16):
                         print(f"    d{D} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
             if best:
                 print(f"  -> d{D} {'causal' if causal else 'full'} best: {best[1]} {best[0]:.0f} TFLOP/s")
+                best_rows.append((D, causal, best[1], best[0]))
+    return best_rows
 
 
 def main_bwd(quick: bool) -> int:

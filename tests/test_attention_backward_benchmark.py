@@ -103,3 +103,13 @@ def test_speed_rows_and_table(bench, monkeypatch, capsys):
     for peer in ("flash", "cudnn"):                  # measured, or its error printed
         assert peer in rows[0][3]["bwd"] or f"{peer} failed" in out, (peer, out)
     assert math.isfinite(rows[0][3]["bwd"]["flashfold"])
+
+
+def test_tune_bwd_runs_and_checks(bench, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
+    best = bench.tune_bwd(N=32, B=1, H=2, candidates={32: [(16, 16, 4, 1, 16, 16, 4, 1),
+                                                            (16, 32, 4, 1, 32, 16, 4, 1)]},
+                          dtype=torch.float16)
+    out = capsys.readouterr().out
+    assert len(best) == 2 and "WRONG" not in out and "failed" not in out, out
+    assert out.count("TFLOP/s (compile+run") == 8          # 2 configs x {atomic, det} x {full, causal}
