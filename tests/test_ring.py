@@ -323,6 +323,32 @@ def test_plan_tasks_zigzag_causal():
                           (ring_mod._Task(slice(0, 5), slice(0, 5), True),))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_plan_covers_each_visible_pair_once(layout, world):
+    """Brute force over lengths (empty chunks and shards included): the tasks of every
+    (rank, source block) cover exactly the causally visible (query, key) pairs, once each;
+    non-causal: every pair once."""
+    for n in [0, 1, 2 * world - 1, 2 * world + 3, 17]:
+        lens = shard_lengths(n, world, layout)
+        pos = [[off + i for off, m in segs for i in range(m)]
+               for segs in ring_mod._segments(layout, lens)]
+        for causal in (True, False):
+            for r in range(world):
+                plan = ring_mod._plan(layout, lens, r, causal)
+                for src in range(world):
+                    hits = torch.zeros(lens[r], lens[src], dtype=torch.int64)
+                    for t in plan.tasks[src]:
+                        nq, nk = t.q.stop - t.q.start, t.k.stop - t.k.start
+                        i = torch.arange(nq)[:, None]
+                        j = torch.arange(nk)[None, :]
+                        vis = (j <= i + nk - nq) if t.causal else torch.ones(nq, nk, dtype=torch.bool)
+                        hits[t.q, t.k] += vis.long()
+                    want = torch.tensor([[int(not causal or kp <= qp) for kp in pos[src]]
+                                         for qp in pos[r]], dtype=torch.int64).view(lens[r], lens[src])
+                    assert torch.equal(hits, want), (layout, world, n, causal, r, src)
+
+
 @pytest.mark.parametrize("path", ["autograd", "formula"])
 @pytest.mark.parametrize("use_dlse", [False, True])
 def test_block_backward_paths_sum_to_the_gradient(path, use_dlse):
