@@ -14,10 +14,10 @@ against the *eager* implementation in float64:
 
 flashfold runs in float32 (checked with the float32 tolerances) and in float64 (BERT:
 float64 tolerances, the mask semantics must be exact; Llama: eager softmaxes in float32
-even in a float64 model, so its reference is exact to float32 rounding only). Also: decoding with a KV cache (dynamic
-and static), a decoder padding mask with holes, user 4-D masks, torch.compile, the Triton
-kernels under the interpreter, the errors of unsupported cases, and that ``import
-flashfold`` registers nothing.
+even in a float64 model, so its reference is exact to float32 rounding only). Also:
+decoding with a KV cache (dynamic and static), a decoder padding mask with holes, user 4-D
+masks, torch.compile, the Triton kernels under the interpreter, the errors of unsupported
+cases, and that ``import flashfold`` registers nothing.
 """
 
 from __future__ import annotations

@@ -540,8 +540,12 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
 # =====================================================================================
 
 def _cli(args) -> int:
+    from .bench import progress_bar                # a text bar on stderr
+    bar = None if args.quiet else progress_bar("numerics")
     report = numerics(int(float(args.max_n)), block=args.block, width=args.width, seed=args.seed,
-                      out=args.out, progress=not args.quiet)
+                      out=args.out, progress=bar or False)
+    if bar is not None:
+        bar.close()
     print(report.table())
     print(f"\nwrote {report.markdown} and {report.png}")
     return 0 if report.ok else 1
@@ -555,7 +559,7 @@ def _configure(p):
     p.add_argument("--block", type=int, default=128, help="tile size of the blocked order")
     p.add_argument("--width", type=int, default=2, help="width of the value vectors")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _register_cli():

@@ -74,7 +74,6 @@ functions run outside the graph (``torch.compiler.disable``: one graph break per
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
