@@ -51,6 +51,10 @@ def test_grad_check_cases_pass(bench):
     c.case("document + alibi", 1, 2, 2, 40, 40, 32, h, mask_mod=mods.document_mask(bench._docs(40)),
            score_mod=mods.alibi(2))
     c.case("no visible key", 1, 2, 2, 30, 5, 32, h, causal=True)
+    c.case("naive overflows", 1, 2, 2, 17, 17, 32, h,            # naive fp16 scores are inf
+           make=lambda g: (torch.full((1, 2, 17, 32), 300.0).half(),
+                           torch.full((1, 2, 17, 32), 300.0).half(),
+                           torch.randn(1, 2, 17, 32, generator=g).half(), {}))
     d = bench.GradChecker(deterministic=True)
     d.case("deterministic", 1, 2, 1, 33, 17, 32, h, causal=True)
     assert c.failed == 0 and d.failed == 0, (c.rows, d.rows)
