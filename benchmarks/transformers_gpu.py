@@ -9,7 +9,8 @@ Run on the GPU machine from the repository root (transformers is in its image)::
 1. Correctness: the small BERT-style and Llama-style models of ``tests/test_transformers.py``
    (random seeded weights; Llama with GQA 4:2), in bfloat16 on CUDA, with
    ``attn_implementation`` = flashfold, ``sdpa`` and ``eager``, without padding, with left / right /
-   mixed padding, and (Llama) prefill + greedy decoding with a dynamic KV cache. The
+   mixed padding, and (Llama) prefill + greedy decoding with a dynamic KV cache (left-padded:
+   packed varlen attention; unpadded: ``flashfold.decode``). The
    reference is the eager model in float64 with the *same* bf16-rounded weights, run on
    each sequence alone (unpadded); only real rows are compared. Criterion (FlashAttention's):
    flashfold's max error <= 2 x the smaller of SDPA's and bf16 eager's + 1e-3 (bf16 models
@@ -18,9 +19,10 @@ Run on the GPU machine from the repository root (transformers is in its image)::
    the Triton kernel ran (it counts launches of ``flashfold.kernels.attention.fwd``).
 2. Timing (``triton.testing.do_bench`` median, bf16): a Llama-shaped model (hidden 2048, 16
    query / 8 KV heads of 128, 4 layers, random weights) forward over batch 8 x 2048 tokens
-   without and with padding (25% of each row padded on the left), and 64 decode steps with
-   a dynamic cache after a 2048-token prefill; flashfold against SDPA (which picks its
-   flash / cuDNN / efficient backend). Prints ms and flashfold / SDPA.
+   without and with padding (up to 25% of each row padded on the left), and a 2048-token
+   prefill + 64 decode steps with a dynamic cache, padded (packed varlen steps) and not
+   (``flashfold.decode`` steps); flashfold against SDPA (which picks its flash / cuDNN /
+   efficient backend). Prints ms and flashfold / SDPA.
 
 Exit status 1 if a check fails.
 """
@@ -124,7 +126,7 @@ def verdict(name, e_ff, e_sdpa, e_eager):
     """flashfold's error against the best finite peer's (SDPA, eager in the same dtype)."""
     peers = [e for e in (e_sdpa, e_eager) if e == e and e != float("inf")]
     ok = bool(peers) and e_ff <= 2 * min(peers) + 1e-3
-    print(f"  {'ok ' if ok else 'BAD'} {name:<26} flashfold err {e_ff:.2e}   sdpa {e_sdpa:.2e}   "
+    print(f"  {'ok ' if ok else 'BAD'} {name:<28} flashfold err {e_ff:.2e}   sdpa {e_sdpa:.2e}   "
           f"eager {e_eager:.2e}", flush=True)
     if not ok:
         FAILED.append(name)
@@ -147,26 +149,32 @@ def correctness():
                 FAILED.append(f"{style} {padding}: non-finite output")
             verdict(f"{style} {padding}", max_err(o_ff, rows), max_err(run(sd, ids, mask, pos), rows),
                     max_err(run(ea, ids, mask, pos), rows))
-    # decoding: prefill a left-padded batch, then greedy steps with a dynamic cache
+    # decoding: prefill, then greedy steps with a dynamic cache; left-padded steps run
+    # packed varlen attention, unpadded steps flashfold.decode (split-KV)
     peers = {"ff": build("llama", FF, DTYPE), "sdpa": build("llama", "sdpa", DTYPE),
              "eager": build("llama", "eager", DTYPE)}
     ref = build("llama", "eager", torch.float64)
-    ids, mask, pos = batch("left", seed=3)
-    caches = {name: DynamicCache(config=m.config) for name, m in peers.items()}
-    seq, am, step_ids = ids, mask, ids
-    for step in range(6):
-        outs = {}
-        for name, m in peers.items():
-            with torch.no_grad():
-                outs[name] = m(input_ids=step_ids, attention_mask=am, position_ids=pos,
-                               use_cache=True, **cache_kw(m, caches[name])).logits[:, -1]
-        want = [run(ref, seq[b, am[b].bool()][None])[0, -1] for b in range(seq.shape[0])]
-        err = lambda o: max(float((o[b].double() - w).abs().max()) for b, w in enumerate(want))  # noqa: E731
-        verdict(f"llama decode step {step}", err(outs["ff"]), err(outs["sdpa"]), err(outs["eager"]))
-        nxt = torch.stack(want).argmax(-1, keepdim=True)           # follow the reference
-        seq = torch.cat([seq, nxt], 1)
-        am = torch.cat([am, torch.ones_like(nxt)], 1)
-        step_ids, pos = nxt, pos[:, -1:] + 1
+    for padding in ("left", "none"):
+        ids, mask, pos = batch(padding, seed=3)
+        if mask is None:
+            mask = torch.ones_like(ids)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        caches = {name: DynamicCache(config=m.config) for name, m in peers.items()}
+        seq, am, step_ids = ids, mask, ids
+        for step in range(6):
+            outs = {}
+            for name, m in peers.items():
+                with torch.no_grad():
+                    outs[name] = m(input_ids=step_ids, attention_mask=am, position_ids=pos,
+                                   use_cache=True, **cache_kw(m, caches[name])).logits[:, -1]
+            want = [run(ref, seq[b, am[b].bool()][None])[0, -1] for b in range(seq.shape[0])]
+            err = lambda o: max(float((o[b].double() - w).abs().max()) for b, w in enumerate(want))  # noqa: E731
+            verdict(f"llama decode {padding} step {step}", err(outs["ff"]), err(outs["sdpa"]),
+                    err(outs["eager"]))
+            nxt = torch.stack(want).argmax(-1, keepdim=True)       # follow the reference
+            seq = torch.cat([seq, nxt], 1)
+            am = torch.cat([am, torch.ones_like(nxt)], 1)
+            step_ids, pos = nxt, pos[:, -1:] + 1
 
 
 def bench(fn):
@@ -206,7 +214,7 @@ def timing(batch_size=8, seq=2048, layers=4, steps=64):
             res[(name, "prefill padded")] = bench(lambda m=m: m(input_ids=ids, attention_mask=mask,
                                                                 position_ids=pos, use_cache=False))
 
-            def decode(m=m):
+            def decode(m=m, mask=mask, pos=pos):
                 cache = DynamicCache(config=m.config)
                 out = m(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                         **cache_kw(m, cache))
@@ -218,9 +226,12 @@ def timing(batch_size=8, seq=2048, layers=4, steps=64):
                             **cache_kw(m, cache))
                     nxt = out.logits[:, -1:].argmax(-1)
             res[(name, f"prefill + {steps} decode steps")] = bench(decode)
+            full = torch.ones_like(mask)
+            res[(name, "same, no padding")] = bench(
+                lambda decode=decode, full=full: decode(mask=full, pos=(full.cumsum(-1) - 1)))
         del m
     print(f"  {'case':<34}{'flashfold ms':>14}{'sdpa ms':>12}{'ff / sdpa':>11}")
-    for case in ("prefill", "prefill padded", f"prefill + {steps} decode steps"):
+    for case in ("prefill", "prefill padded", f"prefill + {steps} decode steps", "same, no padding"):
         a, b = res[("flashfold", case)], res[("sdpa", case)]
         print(f"  {case:<34}{a:>14.2f}{b:>12.2f}{a / b:>11.2f}")
 

@@ -225,14 +225,24 @@ def test_padding_becomes_varlen_or_a_table():
 
 # --- decoding --------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("padding", ["left", "none"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_llama_decoding_with_a_kv_cache(cache):
-    """Prefill a left-padded batch, then 3 greedy steps; each step's logits against the
-    eager float64 model on the sequence so far, alone."""
+def test_llama_decoding_with_a_kv_cache(cache, padding, monkeypatch):
+    """Prefill a batch, then 3 greedy steps; each step's logits against the eager float64
+    model on the sequence so far, alone. Steps without padding against a dynamic cache
+    run flashfold.decode (split-KV); padded steps run packed varlen attention; a static
+    cache runs HF's boolean table."""
     from transformers import DynamicCache, StaticCache
+
+    from flashfold.api import decode as api_decode
+    calls = []
+    inner = api_decode.decode
+    monkeypatch.setattr(api_decode, "decode", lambda *a, **k: calls.append(1) or inner(*a, **k))
     ff = model("llama", FF, torch.float32)
     ref = model("llama", "eager", torch.float64)
-    ids, mask, _ = batch("left", seed=5)
+    ids, mask, _ = batch(padding, seed=5)
+    if mask is None:
+        mask = torch.ones_like(ids)
     kv = (DynamicCache(config=ff.config) if cache == "dynamic"
           else StaticCache(config=ff.config, max_cache_len=SEQ + 8))
     seq, am = ids, mask
@@ -249,6 +259,8 @@ def test_llama_decoding_with_a_kv_cache(cache):
         seq = torch.cat([seq, nxt], 1)
         am = torch.cat([am, torch.ones_like(nxt)], 1)
         step_ids, pos = nxt, pos[:, -1:] + 1
+    uses_decode = cache == "dynamic" and padding == "none"
+    assert len(calls) == (3 * 2 if uses_decode else 0)      # 3 steps x 2 layers
 
 
 def test_decoder_padding_with_holes_uses_the_table():

@@ -37,7 +37,9 @@ transformers                            flashfold
 =====================================  ==================================================
 decoder (causal) mask, no padding      ``causal=True``: bottom-right aligned, which is
                                        the causal mask of a KV-cache step (query ``i`` is
-                                       position ``L - S + i``)
+                                       position ``L - S + i``); a step of 1 to 16 new
+                                       tokens against a longer cache runs
+                                       :func:`flashfold.decode` (split-KV)
 bidirectional (encoder) mask           no mask
 key padding, bidirectional             the real keys packed (``cu_seqlens_k``), every query
                                        row kept (the same values as eager on all rows)
@@ -74,6 +76,7 @@ functions run outside the graph (``torch.compiler.disable``: one graph break per
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -232,15 +235,20 @@ class _TableMods:
     block mask (cached on the table's version) are reused by every layer.
     """
 
+    #: table shapes kept (a prefill's and a decode step's, per device, and a few more)
+    SIZE = 8
+
     def __init__(self):
-        self._mods: dict = {}
+        self._mods: OrderedDict = OrderedDict()
 
     def get(self, table: torch.Tensor):
         from ..ops import Buffer
         Bt, S, L = table.shape
         key = (str(table.device), Bt, S, L)
         entry = self._mods.get(key)
-        if entry is None:
+        if entry is not None:
+            self._mods.move_to_end(key)
+        else:
             store = torch.zeros(Bt * S, L, dtype=torch.int8, device=table.device)
             buf = Buffer(store)
             rows = S if Bt > 1 else 0
@@ -248,6 +256,8 @@ class _TableMods:
             def hf_mask_table(b, h, q_idx, kv_idx):
                 return buf[b * rows + q_idx, kv_idx] != 0
             entry = self._mods[key] = [hf_mask_table, store, None]
+            while len(self._mods) > self.SIZE:
+                self._mods.popitem(last=False)
         fn, store, owner = entry
         if owner is not table:
             store.copy_(table.reshape(Bt * S, L))
@@ -346,9 +356,19 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
         o = _call(flashfold.attention, where, query, key, value, mask_mod=mod, **kw)
         return o.transpose(1, 2).contiguous(), None
     if not mask.varlen:
-        o = _call(flashfold.attention, where, query, key, value, causal=mask.causal, **kw)
+        if mask.causal and S < L and S <= _MAX_DECODE_Q:
+            # a KV-cache step without padding: split-KV decoding over the whole cache
+            lens = torch.full((B,), L, dtype=torch.int32, device=query.device)
+            o = _call(flashfold.decode, where, query, key, value, lens, check_lengths=False,
+                      max_seqlen=L, **kw)
+        else:
+            o = _call(flashfold.attention, where, query, key, value, causal=mask.causal, **kw)
         return o.transpose(1, 2).contiguous(), None
     return _varlen(flashfold.attention, where, query, key, value, mask, kw), None
+
+
+#: the most query tokens per step that go to :func:`flashfold.decode`
+_MAX_DECODE_Q = 16
 
 
 def _causal_fn(is_causal: bool):
