@@ -35,7 +35,7 @@ def bench(monkeypatch):
     monkeypatch.setattr(fwd, "default_config",
                         lambda q, d, dv, causal=False: FwdConfig(16, 16, use_tma=fwd.USE_TMA_DEFAULT))
     monkeypatch.setattr(bwd, "default_config",
-                        lambda q, d, dv, features=False: BwdConfig(16, 16, 4, 1, 16, 16, 4, 1,
+                        lambda q, d, dv, features=False, causal=False: BwdConfig(16, 16, 4, 1, 16, 16, 4, 1,
                                                                    use_tma=True, atomic_dq=True))
     return mod
 
@@ -51,6 +51,7 @@ def test_grad_check_cases_pass(bench):
     c.case("document + alibi", 1, 2, 2, 40, 40, 32, h, mask_mod=mods.document_mask(bench._docs(40)),
            score_mod=mods.alibi(2))
     c.case("no visible key", 1, 2, 2, 30, 5, 32, h, causal=True)
+    c.case("one key: dq = dk = 0 up to fp32 rounding", 2, 4, 2, 1, 1, 32, h)
     c.case("naive overflows", 1, 2, 2, 17, 17, 32, h,            # naive fp16 scores are inf
            make=lambda g: (torch.full((1, 2, 17, 32), 300.0).half(),
                            torch.full((1, 2, 17, 32), 300.0).half(),

@@ -93,7 +93,8 @@ def _compile_all():
                 features = True
             if kw.get("everything") or kw.get("varlen"):
                 features = True
-            cfg = _hopper_config(bwd, D, features, tma=kw.get("tma", True))
+            cfg = _hopper_config(bwd, D, features, causal=right is not None or bool(kw.get("everything")),
+                                 tma=kw.get("tma", True))
             if kw.get("everything") or kw.get("varlen"):
                 docs = torch.arange(N) // 300
                 bm = compute_block_mask(
@@ -128,10 +129,10 @@ def _compile_all():
             print(json.dumps(dict(id=vid, kernel="?", ok=False, error=repr(e)[-2000:])), flush=True)
 
 
-def _hopper_config(bwd, D, features, tma=True):
+def _hopper_config(bwd, D, features, causal=False, tma=True):
     """The configuration default_config picks on sm_90 (without asking a GPU)."""
     bd = min(max(bwd.block_dims(D, D)[0], 32), 256)
-    bm, bn, w, s, qm, qn, qw, qs, atomic = bwd.HOPPER_BWD_CONFIGS[(bd, features)]
+    bm, bn, w, s, qm, qn, qw, qs, atomic = bwd.HOPPER_BWD_CONFIGS[(bd, features, causal)]
     return bwd.BwdConfig(bm, bn, w, s, qm, qn, qw, qs, use_tma=tma, atomic_dq=atomic)
 
 

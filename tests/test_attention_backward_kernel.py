@@ -45,7 +45,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(bwd, "_alloc", _nan_alloc)
 
     def use(config=BwdConfig(16, 16, 4, 1, 16, 16, 4, 1, use_tma=False, atomic_dq=True)):
-        monkeypatch.setattr(bwd, "default_config", lambda q, d, dv, features=False: config)
+        monkeypatch.setattr(bwd, "default_config", lambda q, d, dv, features=False, causal=False: config)
     use()
     return use
 

@@ -46,9 +46,10 @@ without graph breaks (mods: create them once outside the compiled step; a new mo
 function object recompiles). Gradients of a score_mod flow through its traced expression
 (:func:`flashfold.algebra.autodiff.derivative`); captured tables get no gradient; double
 backward is not supported. ``deterministic=True`` gives bitwise reproducible gradients
-(no atomics); by default, on sm_90 for plain/causal/window attention with head dim <= 128,
-dQ is accumulated with fp32 atomic adds (TMA reduce-add), whose order varies between
-runs (last-bit differences only).
+(no atomics); by default, on sm_90 for causal (or right-bounded window) attention with head
+dim <= 128 and no softcap / score_mod / mask_mod, dQ is accumulated with fp32 atomic adds
+(TMA reduce-add), whose order varies between runs (last-bit differences only); every other
+case is deterministic by default as well.
 """
 
 from __future__ import annotations

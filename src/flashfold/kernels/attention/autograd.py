@@ -208,7 +208,7 @@ def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
     seq_k = max(lens_k, default=0) if varlen else k.shape[2]
     full_needs_mask = True
     features = softcap is not None or score is not None or mask is not None
-    cfg = bwd.default_config(q, D, v.shape[3], features=features)
+    cfg = bwd.default_config(q, D, v.shape[3], features=features, causal=right is not None)
     if block_mask is not None:
         full_needs_mask = varlen or left is not None or right is not None
     elif mask is not None and B and HQ and NQ and k.shape[2]:

@@ -65,10 +65,11 @@ Kernels (one template each; constexpr flags as in :mod:`.fwd`):
 Modes: ``deterministic=True`` runs preprocess, dK/dV (no atomics) and the dQ kernel: every
 sum has a fixed order, so two runs are bitwise equal. The default mode adds ``dQ`` with fp32
 atomics from the dK/dV kernel (5 matmuls per tile pair instead of 7), whose order varies
-from run to run (last-bit differences), where the configuration allows it (sm_90 with TMA,
-head dim <= 128, no softcap / score_mod / mask_mod: :data:`HOPPER_BWD_CONFIGS`; the others
-would spill registers) and :data:`ATOMIC_DQ_DEFAULT` is on; elsewhere it runs the
-deterministic kernels too.
+from run to run (last-bit differences), where the configuration picks it (sm_90 with TMA,
+causal / right-bounded rows, head dim <= 128, no softcap / score_mod / mask_mod:
+:data:`HOPPER_BWD_CONFIGS`; measured faster there, while the dQ kernel was as fast or faster
+on full rows, and the other variants would spill registers) and :data:`ATOMIC_DQ_DEFAULT`
+is on; elsewhere the default runs the deterministic kernels too.
 
 In the dK/dV kernel without softcap / score_mod, ``-D`` and ``-lambda / qk_scale`` are
 the initial accumulators of the ``dP^T`` and ``S^T`` matmuls, so no per-column vector is
@@ -741,24 +742,37 @@ class BwdConfig:
                 f"{' tma' if self.use_tma else ''}{' atomic-dq' if self.atomic_dq else ''}")
 
 
-#: Hopper configurations per (padded head dim, features), ``features`` = softcap,
-#: score_mod or mask_mod (their extra per-element state costs registers):
+#: Hopper configurations per (padded head dim, features, right-bounded), ``features`` =
+#: softcap, score_mod or mask_mod (their extra per-element state costs registers),
+#: right-bounded = causal or a window's right edge:
 #: (dK/dV block_m, block_n, warps, stages, dQ block_m, block_n, warps, stages, atomic dQ).
-#: Chosen with the real compiler for sm_90 (``tests/test_attention_backward_compile.py``):
+#: Tiles chosen with the real compiler for sm_90 (``tests/test_attention_backward_compile.py``):
 #: the dK/dV kernel holds two ``[block_n, D]`` fp32 accumulators, so it sits at the
 #: 255-register limit; every deterministic variant is spill-free, the atomic-dQ variant of
-#: head dim 128 spills ~40 bytes (accepted: see benchmarks/RESULTS.md) and those with
-#: features or head dim 256 spill more, so they use the dQ kernel. Not yet timed on the GPU:
-#: ``benchmarks/attention.py --tune-bwd`` times alternatives.
+#: head dim 128 spills 32-40 bytes, those with features or head dim 256 would spill more, so
+#: they use the dQ kernel. Atomic dQ only on right-bounded rows: in the H200 run of
+#: 2026-11-29 (``benchmarks/logs/2026-11-29_h200_attention_bwd_run1.log``, bf16, H=16,
+#: 16K tokens) the dQ kernel was as fast or faster on every full row (d128 N16K 382 vs
+#: 355 TFLOP/s, N4K 370 vs 346) and the atomic dQ faster on causal rows (d128 N16K 388 vs
+#: 373, N1K 170 vs 147; d64 N1K 88 vs 69; d64 N4K/16K within 3%).
+#: ``benchmarks/attention.py --tune-bwd`` times the alternatives.
 HOPPER_BWD_CONFIGS = {
-    (32, False): (64, 128, 8, 2, 128, 64, 8, 2, True),
-    (64, False): (64, 128, 8, 2, 128, 64, 8, 2, True),
-    (128, False): (64, 128, 8, 2, 128, 64, 8, 2, True),
-    (256, False): (32, 64, 8, 2, 64, 32, 8, 2, False),
-    (32, True): (64, 128, 8, 2, 128, 64, 8, 2, False),
-    (64, True): (64, 128, 8, 2, 128, 64, 8, 2, False),
-    (128, True): (64, 64, 8, 2, 128, 64, 8, 2, False),
-    (256, True): (16, 64, 8, 2, 64, 32, 8, 2, False),
+    (32, False, False): (64, 128, 8, 2, 128, 64, 8, 2, False),
+    (32, False, True): (64, 128, 8, 2, 128, 64, 8, 2, True),
+    (64, False, False): (64, 128, 8, 2, 128, 64, 8, 2, False),
+    (64, False, True): (64, 128, 8, 2, 128, 64, 8, 2, True),
+    (128, False, False): (64, 128, 8, 2, 128, 64, 8, 2, False),
+    (128, False, True): (64, 128, 8, 2, 128, 64, 8, 2, True),
+    (256, False, False): (32, 64, 8, 2, 64, 32, 8, 2, False),
+    (256, False, True): (32, 64, 8, 2, 64, 32, 8, 2, False),
+    (32, True, False): (64, 128, 8, 2, 128, 64, 8, 2, False),
+    (32, True, True): (64, 128, 8, 2, 128, 64, 8, 2, False),
+    (64, True, False): (64, 128, 8, 2, 128, 64, 8, 2, False),
+    (64, True, True): (64, 128, 8, 2, 128, 64, 8, 2, False),
+    (128, True, False): (64, 64, 8, 2, 128, 64, 8, 2, False),
+    (128, True, True): (64, 64, 8, 2, 128, 64, 8, 2, False),
+    (256, True, False): (16, 64, 8, 2, 64, 32, 8, 2, False),
+    (256, True, True): (16, 64, 8, 2, 64, 32, 8, 2, False),
 }
 #: the fallback when TMA is asked for but the strides do not allow it (e.g. rows not
 #: 16-byte aligned): pointer loads keep their addresses in registers, so smaller tiles and
@@ -775,15 +789,17 @@ POINTER_BWD_CONFIGS = {
 ATOMIC_DQ_DEFAULT = True
 
 
-def default_config(q, head_dim: int, head_dim_v: int, features: bool = False) -> BwdConfig:
+def default_config(q, head_dim: int, head_dim_v: int, features: bool = False,
+                   causal: bool = False) -> BwdConfig:
     """The backward launch configuration for these inputs (heuristic; no autotuning).
 
-    ``features``: softcap, score_mod or mask_mod present.
+    ``features``: softcap, score_mod or mask_mod present; ``causal``: rows have a right
+    bound (causal or a window's right edge).
     """
     if q.device.type != "cuda" or _interpreting():
         return BwdConfig(16, 16, 4, 1, 16, 16, 4, 1, use_tma=False, atomic_dq=True)
     bd = min(max(max(block_dims(head_dim, head_dim_v)), 32), 256)
-    bm, bn, w, s, qm, qn, qw, qs, atomic = HOPPER_BWD_CONFIGS[(bd, bool(features))]
+    bm, bn, w, s, qm, qn, qw, qs, atomic = HOPPER_BWD_CONFIGS[(bd, bool(features), bool(causal))]
     major = torch.cuda.get_device_capability(q.device)[0]
     if major < 9:                          # Ampere and older: no TMA, pointer atomics
         return BwdConfig(min(bm, 64), min(bn, 64), w, 2, min(qm, 64), min(qn, 64), qw, 2,
@@ -902,7 +918,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         return dq, dk.zero_(), dv.zero_(), []
     BD, BDV = block_dims(D, DV)
     features = softcap is not None or score_mod is not None or block_mask is not None
-    cfg = config or default_config(q, D, DV, features=features)
+    cfg = config or default_config(q, D, DV, features=features, causal=right is not None)
     use_tma = cfg.use_tma and tma_ok(q, k, v)
     if cfg.use_tma and not use_tma:
         # TMA asked for but the strides do not allow it: the pointer configuration
