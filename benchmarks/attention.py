@@ -811,6 +811,20 @@ def _sdpa_train(backend_name):
 BWD_COLS = ("flashfold", "ff-det", "cudnn", "flash")
 
 
+def _graph_bench(step):
+    """Median time of ``step`` replayed from a CUDA graph (no host overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return _bench(graph.replay)
+
+
 def speed_bwd(quick: bool, grid=None, tokens=16384, H=16, dtype=torch.bfloat16):
     """Backward alone and forward + backward, flashfold (default and deterministic) against
     SDPA's flash and cuDNN backends, on the targets grid. FLOPs: backward 2.5x the forward's
@@ -861,11 +875,24 @@ def speed_bwd(quick: bool, grid=None, tokens=16384, H=16, dtype=torch.bfloat16):
                 del o
             except Exception as e:
                 errors.setdefault(name, f"{type(e).__name__}: {str(e)[:300]}")
+        if DEV == "cuda":
+            # fwd + bwd replayed from a CUDA graph: the kernels without eager host overhead
+            res["graph"] = {}
+            for name, f in (("flashfold", lambda: flashfold.attention(q, k, v, causal=causal)),
+                            ("cudnn", lambda: peers["cudnn"](q, k, v, causal))):
+                try:
+                    res["graph"][name] = 3.5 * fl / _graph_bench(
+                        lambda f=f: torch.autograd.grad(f(), (q, k, v), do)) / 1e9
+                except Exception as e:
+                    errors.setdefault(f"{name} (CUDA graph)", f"{type(e).__name__}: {str(e)[:300]}")
         rows.append((D, N, causal, res))
         b, fb = res["bwd"], res["fb"]
+        gr = res.get("graph", {})
         print(f"   d{D} N{N:<5} {'causal' if causal else 'full':<6} bwd " +
               " ".join(f"{c}={b[c]:.0f}" for c in BWD_COLS if c in b) + "  fwd+bwd " +
-              " ".join(f"{c}={fb[c]:.0f}" for c in BWD_COLS if c in fb), flush=True)
+              " ".join(f"{c}={fb[c]:.0f}" for c in BWD_COLS if c in fb) +
+              ("  fwd+bwd CUDA graph " + " ".join(f"{c}={v:.0f}" for c, v in gr.items()) if gr else ""),
+              flush=True)
         del q, k, v, do
     for name, msg in errors.items():
         print(f"   {name} failed (first error): {msg}")
@@ -877,18 +904,20 @@ def _print_bwd_table(rows):
     def ratio(r, a, b):
         return f"{r[a] / r[b]:.2f}" if r.get(a) and r.get(b) else "-"
     print("\n| D | N | mask | ff bwd | ff det bwd | cuDNN bwd | FA2 bwd | ff/cuDNN | det/cuDNN | ff/FA2 "
-          "| ff f+b | cuDNN f+b | FA2 f+b | f+b ff/cuDNN |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ff f+b | cuDNN f+b | FA2 f+b | f+b ff/cuDNN | graph ff f+b | graph cuDNN f+b | graph ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for D, N, causal, res in rows:
-        b, fb = res["bwd"], res["fb"]
+        b, fb, gr = res["bwd"], res["fb"], res.get("graph", {})
         cells = [_fmt(b.get(c)).strip() for c in BWD_COLS]
         print(f"| {D} | {N} | {'causal' if causal else 'full'} | " + " | ".join(cells) +
               f" | {ratio(b, 'flashfold', 'cudnn')} | {ratio(b, 'ff-det', 'cudnn')} | "
               f"{ratio(b, 'flashfold', 'flash')} | {_fmt(fb.get('flashfold')).strip()} | "
               f"{_fmt(fb.get('cudnn')).strip()} | {_fmt(fb.get('flash')).strip()} | "
-              f"{ratio(fb, 'flashfold', 'cudnn')} |")
+              f"{ratio(fb, 'flashfold', 'cudnn')} | {_fmt(gr.get('flashfold')).strip()} | "
+              f"{_fmt(gr.get('cudnn')).strip()} | {ratio(gr, 'flashfold', 'cudnn')} |")
     print("(TFLOP/s; backward FLOPs = 2.5 x 4 B H N^2 D, fwd+bwd = 3.5x; causal halves them; "
-          "ff = default mode, ff det = deterministic=True)")
+          "ff = default mode, ff det = deterministic=True; graph = fwd+bwd replayed from a CUDA "
+          "graph, i.e. without eager host overhead)")
 
 
 #: backward candidates per head dim: dK/dV (BM, BN, warps, stages), dQ (BM, BN, warps, stages)

@@ -432,6 +432,7 @@ def _setup_context(ctx, inputs, output):
      deterministic) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.set_materialize_grads(False)     # an unused lse output gets dlse = None, not zeros
     ctx.tables = tables
     ctx.args = (key, scale, softcap, left, right, use_kernel, deterministic)
     ctx.entry = _ENTRIES.get(key) if key else None     # keeps the mods alive until backward
