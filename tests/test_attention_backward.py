@@ -69,15 +69,18 @@ def test_gradcheck_float64_varlen():
     assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
 
 
-def test_gradcheck_float64_through_the_lse_output():
-    """The op returns lse in float64 for float64 inputs, so the LSE path is gradcheckable."""
+@pytest.mark.parametrize("custom_op", [False, True], ids=["autograd-function", "custom-op"])
+def test_gradcheck_float64_through_the_lse_output(custom_op):
+    """The op returns lse in float64 for float64 inputs, so the LSE path is gradcheckable;
+    both wrappers (eager autograd.Function, torch.library custom op) are checked."""
     shape = Shape(1, 2, 1, 6, 8, 32)
     q, k, v = (t.requires_grad_() for t in make_qkv(shape, torch.float64, seed=7))
-    key = fa_autograd.register_mods(mods.alibi(2), None)
+    smod = mods.alibi(2)
+    key = fa_autograd.register_mods(smod, None)
 
     def fn(q, k, v):
         o, lse = fa_autograd.attention_op(q, k, v, key=key, scale=0.3, softcap=2.0, right=1,
-                                          use_kernel=False)
+                                          use_kernel=False, custom_op=custom_op)
         return o, lse
     assert fn(q, k, v)[1].dtype == torch.float64
     assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
