@@ -35,13 +35,15 @@ IR and compiled into the kernel (see :mod:`flashfold.kernels.attention.mods`; he
 (cached), so tiles it hides are skipped and tiles it fully shows skip the mask.
 
 Backward: ``attention`` is differentiable with respect to ``q``, ``k``, ``v`` (and through
-the returned ``lse``) on every device. When gradients are needed, or under
-``torch.compile``, it calls the ``torch.library`` custom op ``flashfold::attn_fwd`` whose
-registered backward ``flashfold::attn_bwd`` runs the Triton backward kernels on CUDA
+the returned ``lse``) on every device. Under ``torch.compile`` it calls the
+``torch.library`` custom op ``flashfold::attn_fwd`` whose registered backward
+``flashfold::attn_bwd`` runs the Triton backward kernels on CUDA
 (:mod:`flashfold.kernels.attention.bwd`: FlashAttention-2 schedule, ``P`` recomputed
 from the saved LSE) and a blocked backward with the same math on CPU
-(:func:`flashfold.kernels.attention.autograd.backward_reference`); see
-:mod:`flashfold.kernels.attention.autograd`. ``torch.compile(fullgraph=True)`` traces it
+(:func:`flashfold.kernels.attention.autograd.backward_reference`); in eager mode, when
+gradients are needed, an ``autograd.Function`` runs the same implementations without the
+dispatcher; see :mod:`flashfold.kernels.attention.autograd`.
+``torch.compile(fullgraph=True)`` traces it
 without graph breaks (mods: create them once outside the compiled step; a new mod
 function object recompiles). Gradients of a score_mod flow through its traced expression
 (:func:`flashfold.algebra.autodiff.derivative`); captured tables get no gradient; double
