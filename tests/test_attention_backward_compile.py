@@ -62,7 +62,7 @@ def _compile_all():
 
     from flashfold import mods
     from flashfold.kernels.attention import bwd
-    from flashfold.kernels.attention.aot import compile_launch
+    from flashfold.kernels.aot import compile_launch
     from flashfold.kernels.attention.mods import (compute_block_mask, trace_mask_mod,
                                                   trace_score_mod)
 

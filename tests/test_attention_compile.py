@@ -48,7 +48,7 @@ def _compile_all():
 
     from flashfold import mods
     from flashfold.kernels.attention import fwd, merge
-    from flashfold.kernels.attention.aot import compile_launch
+    from flashfold.kernels.aot import compile_launch
     from flashfold.kernels.attention.mods import compute_block_mask, trace_score_mod
 
     for vid, kw, want_tma in _variants():

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(r'''
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
     from flashfold.kernels.decode import splitkv
-    from flashfold.kernels.attention.aot import compile_launch
+    from flashfold.kernels.aot import compile_launch
 
     def variant(name, dtype=torch.bfloat16, hq=32, hkv=8, q_len=1, d=128, page=None,
                 splits=4, **kw):

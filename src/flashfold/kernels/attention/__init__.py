@@ -4,7 +4,7 @@
 * :mod:`.mods`: score_mod / mask_mod tracing and lowering, block masks, user helpers;
 * :mod:`.fwd`: the forward Triton template and launcher;
 * :mod:`.merge`: merging partial results with a kernel generated from ATTENTION;
-* :mod:`.aot`: ahead-of-time compilation checks for a GPU target on a CPU machine.
+* ahead-of-time compile checks use the shared :mod:`flashfold.kernels.aot`.
 
 Nothing is imported eagerly: :mod:`.reference` and :mod:`.mods` work without Triton.
 """
