@@ -89,14 +89,16 @@ def cache_dir() -> Path:
 
 
 def jit_source(graph: Graph, fn_name: str, arg_names: list[str] | None = None,
-               extra_params: tuple[str, ...] = (), float_outputs: tuple[bool, ...] | None = None) -> str:
+               extra_params: tuple[str, ...] = (), float_outputs: tuple[bool, ...] | None = None,
+               backend: Backend = TRITON) -> str:
     """Triton source of one ``@triton.jit`` function computing ``graph``.
 
     ``float_outputs[i]`` says whether output ``i`` is a float (else int32) when it is a
-    constant that must be broadcast to the first argument's shape.
+    constant that must be broadcast to the first argument's shape. ``backend`` is a Triton
+    table (:data:`TRITON`, or a variant such as one with fast approximate math).
     """
     args = list(arg_names or [v.name for v in graph.inputs])
-    lines, outs = emit(graph, TRITON, args)
+    lines, outs = emit(graph, backend, args)
     ref = args[0]
     fixed = []
     for i, (node, expr) in enumerate(zip(graph.outputs, outs)):
