@@ -3,7 +3,8 @@
 Run on the GPU machine from the repository root (transformers is in its image)::
 
     PYTHONPATH=src python benchmarks/transformers_gpu.py            # checks + timings (~2 min)
-    PYTHONPATH=src python benchmarks/transformers_gpu.py --check-only
+    PYTHONPATH=src python benchmarks/transformers_gpu.py --check-only   # ~1 min
+    PYTHONPATH=src python benchmarks/transformers_gpu.py --timing-only  # ~1-2 min
     PYTHONPATH=src python benchmarks/transformers_gpu.py --cpu      # CPU dry run (tests the script)
 
 1. Correctness: the small BERT-style and Llama-style models of ``tests/test_transformers.py``
@@ -18,7 +19,7 @@ Run on the GPU machine from the repository root (transformers is in its image)::
    whose error is NaN, e.g. from a fully masked padded row, is left out). The script also checks that
    the Triton kernel ran (it counts launches of ``flashfold.kernels.attention.fwd``).
 2. Timing (``triton.testing.do_bench`` median, bf16): a Llama-shaped model (hidden 2048, 16
-   query / 8 KV heads of 128, 4 layers, random weights) forward over batch 8 x 2048 tokens
+   query / 8 KV heads of 128, 4 layers, vocabulary 8192, random weights made on the GPU) forward over batch 8 x 2048 tokens
    without and with padding (up to 25% of each row padded on the left), and a 2048-token
    prefill + 64 decode steps with a dynamic cache, padded (packed varlen steps) and not
    (``flashfold.decode`` steps); flashfold against SDPA (which picks its flash / cuDNN /
@@ -188,18 +189,28 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
+def _timing_model(impl, kw):
+    """A random Llama-shaped model initialized on the device (a CPU init of ~300M
+    parameters takes longer than the timings)."""
+    torch.manual_seed(0)
+    cfg = config("llama", impl, **kw)
+    with torch.device(DEV):
+        m = LlamaForCausalLM(cfg)
+    return m.to(DTYPE).eval()
+
+
 def timing(batch_size=8, seq=2048, layers=4, steps=64):
+    """Per case, flashfold and SDPA one after the other; each row is printed as soon as
+    it is measured."""
     print(f"\n== timing: Llama-shaped (hidden 2048, 16/8 heads of 128, {layers} layers), "
-          f"{str(DTYPE)[6:]}, "
-          f"batch {batch_size} x {seq} tokens, do_bench median")
+          f"{str(DTYPE)[6:]}, batch {batch_size} x {seq} tokens, do_bench median", flush=True)
     kw = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-              num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+              num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=8192,
               max_position_embeddings=seq + steps + 8)
     if DEV != "cuda":                                                   # --cpu: toy sizes
         kw.update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, vocab_size=VOCAB)
-    models = {name: build("llama", impl, DTYPE, **kw) for name, impl in (("flashfold", FF),
-                                                                          ("sdpa", "sdpa"))}
+    models = {"flashfold": _timing_model(FF, kw), "sdpa": _timing_model("sdpa", kw)}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, kw["vocab_size"], (batch_size, seq), generator=g).to(DEV)
     mask = torch.ones(batch_size, seq, dtype=torch.long, device=DEV)
@@ -207,39 +218,41 @@ def timing(batch_size=8, seq=2048, layers=4, steps=64):
     for b in range(batch_size):
         mask[b, :seq - int(lens[b])] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    res = {}
-    for name, m in models.items():
-        with torch.no_grad():
-            res[(name, "prefill")] = bench(lambda m=m: m(input_ids=ids, use_cache=False))
-            res[(name, "prefill padded")] = bench(lambda m=m: m(input_ids=ids, attention_mask=mask,
-                                                                position_ids=pos, use_cache=False))
+    full = torch.ones_like(mask)
+    full_pos = full.cumsum(-1) - 1
 
-            def decode(m=m, mask=mask, pos=pos):
-                cache = DynamicCache(config=m.config)
-                out = m(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                        **cache_kw(m, cache))
-                nxt, am, p = out.logits[:, -1:].argmax(-1), mask, pos[:, -1:]
-                for _ in range(steps):
-                    am = torch.cat([am, torch.ones_like(nxt)], 1)
-                    p = p + 1
-                    out = m(input_ids=nxt, attention_mask=am, position_ids=p, use_cache=True,
-                            **cache_kw(m, cache))
-                    nxt = out.logits[:, -1:].argmax(-1)
-            res[(name, f"prefill + {steps} decode steps")] = bench(decode)
-            full = torch.ones_like(mask)
-            res[(name, "same, no padding")] = bench(
-                lambda decode=decode, full=full: decode(mask=full, pos=(full.cumsum(-1) - 1)))
-        del m
-    print(f"  {'case':<34}{'flashfold ms':>14}{'sdpa ms':>12}{'ff / sdpa':>11}")
-    for case in ("prefill", "prefill padded", f"prefill + {steps} decode steps", "same, no padding"):
-        a, b = res[("flashfold", case)], res[("sdpa", case)]
-        print(f"  {case:<34}{a:>14.2f}{b:>12.2f}{a / b:>11.2f}")
+    def decode(m, mask, pos):
+        cache = DynamicCache(config=m.config)
+        out = m(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                **cache_kw(m, cache))
+        nxt, am, p = out.logits[:, -1:].argmax(-1), mask, pos[:, -1:]
+        for _ in range(steps):
+            am = torch.cat([am, torch.ones_like(nxt)], 1)
+            p = p + 1
+            out = m(input_ids=nxt, attention_mask=am, position_ids=p, use_cache=True,
+                    **cache_kw(m, cache))
+            nxt = out.logits[:, -1:].argmax(-1)
+
+    cases = {
+        "prefill": lambda m: m(input_ids=ids, use_cache=False),
+        "prefill padded": lambda m: m(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                      use_cache=False),
+        f"prefill + {steps} decode steps, padded": lambda m: decode(m, mask, pos),
+        f"prefill + {steps} decode steps": lambda m: decode(m, full, full_pos),
+    }
+    print(f"  {'case':<40}{'flashfold ms':>14}{'sdpa ms':>12}{'ff / sdpa':>11}", flush=True)
+    for case, fn in cases.items():
+        with torch.no_grad():
+            t = {name: bench(lambda m=m: fn(m)) for name, m in models.items()}
+        print(f"  {case:<40}{t['flashfold']:>14.2f}{t['sdpa']:>12.2f}"
+              f"{t['flashfold'] / t['sdpa']:>11.2f}", flush=True)
 
 
 def main(argv=None):
     global DEV, DTYPE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--timing-only", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU (float32, toy sizes)")
     args = ap.parse_args(argv)
     FAILED.clear()
@@ -253,7 +266,8 @@ def main(argv=None):
           f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'CPU dry run'}")
     _count_launches()
     t0 = time.time()
-    correctness()
+    if not args.timing_only:
+        correctness()
     if not args.check_only:
         if args.cpu:
             timing(batch_size=2, seq=16, layers=1, steps=2)
