@@ -222,3 +222,21 @@ def test_import_flashfold_does_not_import_matplotlib():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_backward_log_and_plot(tmp_path):
+    """``attention.py --bwd`` output: backward TFLOP/s per impl (default and deterministic
+    flashfold, cuDNN, FA2) and forward + backward; no matmul in that run, so the forward
+    run's roof of the same day is drawn when both logs are plotted together."""
+    bwd_logs = sorted(LOGS.glob("*attention_bwd*.log"))
+    assert bwd_logs
+    run = bench.parse_file(str(bwd_logs[0]))
+    assert [r.kind for r in run] == ["attention_bwd"]
+    rows = run[0].rows
+    assert rows and all(set(r["values"]) <= set(bench.BACKWARD_IMPLS) for r in rows)
+    assert all(r["values"]["flashfold"] > 0 and r["fwd+bwd"]["cudnn"] > 0 for r in rows)
+    runs = bench.parse_file(str(_log("attention"))) + run
+    out = bench.render(runs, str(tmp_path))
+    path = str(tmp_path / "attention_bwd.png")
+    _is_png(path)
+    _readable(out[path], "TFLOP/s", "687", ["cuDNN", "FlashAttention 2", "deterministic"])

@@ -303,6 +303,26 @@ def test_cu_seq_lens_kwargs_without_a_mask():
     assert_close(out, want.transpose(1, 2), torch.float64, name="cu_seq_lens kwargs")
 
 
+@pytest.mark.parametrize("style", ["bert", "llama"])
+def test_training_gradients_match_eager(style):
+    """Dropout-free training through the integration: the loss and the gradients of the
+    first layer's attention projections against the eager float64 model (right padding:
+    every query row of eager's batch is defined)."""
+    ff, ref = build(style, FF).train(), build(style, "eager", torch.float64).train()
+    ids, mask, pos = batch("right", seed=11)
+    for m in (ff, ref):
+        out = m(input_ids=ids, attention_mask=mask, position_ids=pos)
+        h = out.logits if hasattr(out, "logits") else out.last_hidden_state
+        w = torch.randn(h.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        (h.double() * w * mask[..., None]).sum().backward()       # a random linear loss
+    layer = (lambda m: m.model.layers[0].self_attn) if style == "llama" else \
+        (lambda m: m.encoder.layer[0].attention.self)
+    for name in ("q_proj", "k_proj", "v_proj") if style == "llama" else ("query", "key", "value"):
+        g, want = getattr(layer(ff), name).weight.grad, getattr(layer(ref), name).weight.grad
+        assert_close(g, want, torch.float32, scale=float(want.abs().max()),
+                     name=f"{style} d loss / d {name}")
+
+
 # --- user 4-D masks -------------------------------------------------------------------------
 
 def _dense_mask(seed=3):

@@ -5,9 +5,11 @@ Three benchmark scripts live in ``benchmarks/`` of a source checkout
 (the logs in ``benchmarks/logs/`` are such output). This module reads that text and draws:
 
 * ``attention_fwd.png``: TFLOP/s against sequence length, one panel per head dim and mask
-  (no mask, causal, sliding window / document), one line per implementation (flashfold,
-  cuDNN, FlashAttention 2, memory-efficient, FlexAttention), the bf16 matmul rate measured
-  in the same run drawn as the ceiling;
+  (no mask, causal; sliding window / document as bars), one line per implementation
+  (flashfold, cuDNN, FlashAttention 2, memory-efficient, FlexAttention), the bf16 matmul
+  rate measured in the same run drawn as the ceiling;
+* ``attention_bwd.png``: the same for the backward pass (``--bwd`` runs: flashfold default
+  and deterministic, cuDNN, FlashAttention 2; forward + backward dotted);
 * ``decode.png``: GB/s of K and V read against the cached length, one panel per batch size,
   one line per implementation and cache layout (CUDA-graph replays, and flashfold eager),
   the device-to-device copy of the same run as the ceiling;
@@ -214,6 +216,35 @@ def parse_attention(text: str) -> Run:
     return run
 
 
+_BWD_ROW = re.compile(r"^\s*d(\d+)\s+N(\d+)\s+(\S+)\s+bwd\s+((?:[\w-]+=[\d.]+\s*)+)"
+                      r"(?:fwd\+bwd\s+((?:[\w-]+=[\d.]+\s*)+))?")
+#: backward impl keys in the logs -> legend names
+BACKWARD_IMPLS = {"flashfold": "flashfold", "ff-det": "flashfold, deterministic=True",
+                  "cudnn": "cuDNN (SDPA)", "flash": "FlashAttention 2 (SDPA)"}
+
+
+def parse_attention_backward(text: str) -> Run:
+    """The ``== backward speed`` lines of ``benchmarks/attention.py --bwd``: ``values``
+    holds the backward TFLOP/s per impl, ``fwd+bwd`` (a dict) forward + backward."""
+    run = Run("attention_bwd", ceiling_label="bf16 matmul 8192³ (same run)")
+    m = _ATT_CEIL.search(text)
+    if m:
+        run.ceiling = float(m.group(1))
+    for line in text.splitlines():
+        r = _BWD_ROW.match(line)
+        if not r:
+            continue
+        vals = {k: float(v) for k, v in re.findall(r"([\w-]+)=([\d.]+)", r.group(4))
+                if k in BACKWARD_IMPLS}
+        both = {k: float(v) for k, v in re.findall(r"([\w-]+)=([\d.]+)", r.group(5) or "")
+                if k in BACKWARD_IMPLS}
+        if vals:
+            run.rows.append({"D": int(r.group(1)), "N": int(r.group(2)), "mask": r.group(3),
+                             "values": vals, "fwd+bwd": both})
+    _device_info(text, run)
+    return run
+
+
 def _md_tables(text: str):
     """Markdown tables as (header cells, list of row cells)."""
     lines = text.splitlines()
@@ -317,7 +348,8 @@ def parse_reductions(text: str) -> Run:
     return run
 
 
-PARSERS = {"attention": parse_attention, "decode": parse_decode, "reductions": parse_reductions}
+PARSERS = {"attention": parse_attention, "attention_bwd": parse_attention_backward,
+           "decode": parse_decode, "reductions": parse_reductions}
 
 
 def parse(text: str, source: str = "") -> list[Run]:
@@ -476,6 +508,58 @@ def plot_attention(run: Run, path: str) -> dict:
     return desc
 
 
+def plot_attention_backward(run: Run, path: str) -> dict:
+    """Backward TFLOP/s vs N per (head dim, mask) panel; forward + backward dotted."""
+    plt = _pyplot()
+    dims = sorted({r["D"] for r in run.rows})
+    masks = [m for m in ("full", "causal") if any(r["mask"] == m for r in run.rows)]
+    masks += sorted({r["mask"] for r in run.rows} - {"full", "causal"})
+    fig, grid = plt.subplots(len(dims), len(masks), figsize=(6.0 * len(masks), 3.6 * len(dims) + 1.2),
+                             squeeze=False)
+    axes, allv = [], []
+    names = {"full": "no mask", "causal": "causal"}
+    for i, D in enumerate(dims):
+        for j, mask in enumerate(masks):
+            ax = grid[i][j]
+            axes.append(ax)
+            rows = sorted((r for r in run.rows if r["D"] == D and r["mask"] == mask),
+                          key=lambda r: r["N"])
+            for impl, label in BACKWARD_IMPLS.items():
+                pts = [(r["N"], r["values"][impl]) for r in rows if impl in r["values"]]
+                if not pts:
+                    continue
+                color, marker = _style("flashfold" if impl == "ff-det" else impl)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if impl == "ff-det" else "-",
+                        color=color, marker=marker, lw=2.6 if impl == "flashfold" else 1.3, ms=5,
+                        label=f"{label}: backward", zorder=3 if impl == "flashfold" else 2)
+                allv += [p[1] for p in pts]
+            for impl in ("flashfold", "cudnn"):
+                pts = [(r["N"], r["fwd+bwd"][impl]) for r in rows if impl in r.get("fwd+bwd", {})]
+                if pts:
+                    color, _ = _style(impl)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ":", color=color, lw=1.2,
+                            label=f"{BACKWARD_IMPLS[impl]}: forward + backward")
+                    allv += [p[1] for p in pts]
+            if rows:
+                _pow2_axis(ax, [r["N"] for r in rows])
+            _ceiling(ax, run, "TFLOP/s")
+            ax.set_title(f"head dim {D}, {names.get(mask, mask)}")
+            ax.set_xlabel("sequence length N (tokens; batch = 16K / N)")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(True, alpha=0.3)
+    for ax in axes:
+        _top(ax, run, allv)
+    roof = "" if run.ceiling else " (no matmul ceiling measured in this run)"
+    fig.suptitle("Exact attention backward, bf16, 16 heads, B·N = 16K tokens: TFLOP/s = "
+                 f"2.5·4·B·H·D·(visible pairs) / time{roof}\n{run.subtitle()}", fontsize=11)
+    _legend_below(fig, axes, ncol=3)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    desc = _describe(fig)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return desc
+
+
 _DECODE_IMPLS = ("flashfold", "flashfold p64", "flashfold p16", "flashfold inv", "sdpa flash",
                  "sdpa cudnn", "sdpa paged p16")
 _DECODE_NAMES = {"flashfold": "flashfold, contiguous cache", "flashfold p64": "flashfold, pages of 64",
@@ -578,14 +662,22 @@ def plot_reductions(run: Run, path: str) -> dict:
     return desc
 
 
-PLOTS = {"attention": (plot_attention, "attention_fwd.png"), "decode": (plot_decode, "decode.png"),
-         "reductions": (plot_reductions, "reductions.png")}
+PLOTS = {"attention": (plot_attention, "attention_fwd.png"),
+         "attention_bwd": (plot_attention_backward, "attention_bwd.png"),
+         "decode": (plot_decode, "decode.png"), "reductions": (plot_reductions, "reductions.png")}
 
 
 def render(runs: list[Run], out: str, prefix: str = "") -> dict[str, dict]:
     """Plot every run into ``out``; returns ``{path: description}`` (see :func:`_describe`)."""
     os.makedirs(out, exist_ok=True)
     done = {}
+    for run in runs:                 # a backward run without a roof: the forward run's matmul
+        if run.kind == "attention_bwd" and not run.ceiling:
+            fwd = [r for r in runs if r.kind == "attention" and r.ceiling and
+                   (r.device, r.date) == (run.device, run.date)]
+            if fwd:
+                run.ceiling = fwd[0].ceiling
+                run.ceiling_label = "bf16 matmul 8192³ (the forward run, same day)"
     for run in runs:
         fn, name = PLOTS[run.kind]
         path = os.path.join(out, prefix + name)
@@ -730,5 +822,6 @@ def _register_cli():
 _register_cli()
 
 __all__ = ["ProgressBar", "progress_bar", "Run", "parse", "parse_file", "parse_attention",
-           "parse_decode", "parse_reductions", "render", "plot_attention", "plot_decode",
-           "plot_reductions", "run_script", "find_benchmarks"]
+           "parse_attention_backward", "parse_decode", "parse_reductions", "render",
+           "plot_attention", "plot_attention_backward", "plot_decode", "plot_reductions",
+           "run_script", "find_benchmarks"]

@@ -68,6 +68,10 @@ attention sinks (``s_aux``), T5-style ``position_bias``, flex ``BlockMask`` mask
 Unsupported head dims and dtypes raise ``ValueError`` / ``TypeError`` from
 :func:`flashfold.attention` (which names the argument), prefixed with the module.
 
+Training without attention dropout works: gradients flow through the autograd of
+:func:`flashfold.attention` (the packing is index_select / index_copy, differentiable;
+KV-cache steps use :func:`flashfold.decode` only when no gradient is needed).
+
 Rows with no visible key (e.g. a left-padded query row of a decoder) give 0, where
 eager gives an average of values (its -inf is the dtype's minimum): such rows are
 undefined, and the tests compare only rows eager defines. Under ``torch.compile`` both
@@ -356,7 +360,8 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
         o = _call(flashfold.attention, where, query, key, value, mask_mod=mod, **kw)
         return o.transpose(1, 2).contiguous(), None
     if not mask.varlen:
-        if mask.causal and S < L and S <= _MAX_DECODE_Q:
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if mask.causal and S < L and S <= _MAX_DECODE_Q and not grad:
             # a KV-cache step without padding: split-KV decoding over the whole cache
             lens = torch.full((B,), L, dtype=torch.int32, device=query.device)
             o = _call(flashfold.decode, where, query, key, value, lens, check_lengths=False,
