@@ -224,7 +224,7 @@ def _kernel_dispatch():
     if _has_backward_kernel():
         from flashfold.kernels.attention import bwd
         saved.append((bwd, "default_config", bwd.default_config))
-        bwd.default_config = lambda q, d, dv, features=False: bwd.BwdConfig(
+        bwd.default_config = lambda q, d, dv, features=False, causal=False: bwd.BwdConfig(
             16, 16, 4, 1, 16, 16, 4, 1, use_tma=False, atomic_dq=True)
 
     def undo():
