@@ -2,7 +2,7 @@
 
 Run on the GPU machine from the repository root::
 
-    PYTHONPATH=src python benchmarks/reductions.py            # ~3-4 min, ~130 kernel compiles
+    PYTHONPATH=src python benchmarks/reductions.py            # ~4-5 min, ~135 kernel compiles
     PYTHONPATH=src python benchmarks/reductions.py --quick    # fp32 16K rows only
 
 1. Correctness at real sizes against float64 torch on the GPU, with the tolerance table
@@ -16,7 +16,12 @@ Run on the GPU machine from the repository root::
    equivalent, and a device-to-device copy of 1 GiB, all in this run. GB/s counts the
    input bytes for reductions and input + output bytes for softmax and scans (as
    TARGETS.md); "% copy" is flashfold's GB/s over the copy's (read + write) GB/s.
-3. (not with ``--quick``) Variants of the tile heuristics on 16K x 16K fp32, to tune them.
+   Each row is also timed as a CUDA-graph replay (``graph``; ``--no-graphs`` skips it):
+   eager do_bench counts host time (Python, Triton's launch) as kernel time whenever a
+   call's host time exceeds its kernels' time plus do_bench's L2 flush (~0.07 ms), which
+   the short rows (2^20 x 7, 4096 x 12345, 16-bit 16K reductions, dim 0) are near.
+3. (not with ``--quick``) Variants of the tile heuristics on 16K x 16K fp32 and on the
+   misaligned 4096 x 12345 rows, to tune them (eager and graph times).
 
 Exit status 1 if any correctness check fails.
 """
@@ -253,6 +258,37 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+#: time rows from CUDA graphs too (``--no-graphs`` turns it off)
+GRAPHS = True
+
+
+def bench_graph(fn):
+    """Median ms of ``fn`` captured once in a CUDA graph and replayed by do_bench (L2
+    flushed between replays as for the eager time): the kernels' time without the host's.
+    NaN when off, on the CPU, or if the call cannot be captured."""
+    if DEV == "cpu" or not GRAPHS:
+        return float("nan")
+    g = None
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):                     # compile and allocate off the graph
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+    except Exception as e:                             # noqa: BLE001 - reported, run goes on
+        print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:160]})")
+        return float("nan")
+    finally:
+        del g                                          # its pool holds the outputs
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+
+
 def rows(quick):
     """(op, shape label, dtype, flashfold fn, torch fn, bytes)."""
     out = []
@@ -320,9 +356,12 @@ def timings(quick, copy_gbs):
         except Exception as e:          # a torch op that does not exist for this case
             print(f"  torch {op} {lab}: {type(e).__name__}: {e}")
             tms = float("nan")
-        results.append((op, lab, str(dt)[6:], ms, nb / ms / 1e6, tms, nb / tms / 1e6))
+        gms = bench_graph(f)
+        tgms = bench_graph(t) if math.isfinite(tms) else float("nan")
+        results.append((op, lab, str(dt)[6:], ms, nb / ms / 1e6, tms, nb / tms / 1e6, gms, tgms))
+        graph = f" | graph {gms:8.3f} ms torch {tgms:8.3f} ms" if GRAPHS and DEV != "cpu" else ""
         print(f"  {op:20s} {lab:18s} {str(dt)[6:]:9s} {ms:8.3f} ms {nb / ms / 1e6:7.0f} GB/s "
-              f"| torch {tms:8.3f} ms", flush=True)
+              f"| torch {tms:8.3f} ms{graph}", flush=True)
     return results
 
 
@@ -339,8 +378,9 @@ def patched(**fns):
 
 
 def variants(copy_gbs):
-    """Alternative tiles on 16K x 16K fp32 (to tune the heuristics; default first)."""
-    print("\n== heuristic variants, 16384x16384 float32 (GB/s, % copy) ==")
+    """Alternative tiles on 16K x 16K fp32 and 4096 x 12345 (to tune the heuristics;
+    default first); GB/s and % copy from the eager time, then the CUDA-graph time."""
+    print("\n== heuristic variants, 16384x16384 float32 and 4096x12345 (GB/s, % copy; graph ms) ==")
     x = torch.randn(BIG, BIG, device=DEV)
     nb = x.numel() * 4
     C = L.Config
@@ -369,22 +409,32 @@ def variants(copy_gbs):
         ("cumsum 1xLONG", 2 * xl.numel() * 4, lambda: ff.cumsum(xl, 1), "LOOKBACK_TILES", [
             ("look-back 2 tiles/chunk", 2), ("look-back 8 tiles/chunk", 8)]),
     ]
+    xw = torch.randn(BIG // 4, WIDE, device=DEV)        # rows start off 16-byte boundaries
+    nw = xw.numel() * 4
+    cases += [
+        ("logsumexp 12345", nw, lambda: ff.logsumexp(xw, 1), "ALIGN_ROWS", [
+            ("scalar loads (default)", None), ("realigned tiles", True)]),
+        ("var_mean 12345", nw, lambda: ff.var_mean(xw, 1), "ALIGN_ROWS", [
+            ("scalar loads (default)", None), ("realigned tiles", True)]),
+        ("cumsum 12345", 2 * nw, lambda: ff.cumsum(xw, 1), "scan_config", [
+            ("chunked 4096 w8 (default)", None), ("block scan 4096 w8", C(4096, 1, 1, 8))]),
+    ]
     for op, b, fn, hook, options in cases:
         for label, cfg in options:
             try:
                 if cfg is None:
-                    ms = bench(fn)
+                    ms, gms = bench(fn), bench_graph(fn)
                 else:
                     value = cfg if hook.isupper() else (lambda *a, cfg=cfg: cfg)
                     with patched(**{hook: value}):
                         fn()
-                        ms = bench(fn)
+                        ms, gms = bench(fn), bench_graph(fn)
             except Exception as e:                  # report and go on with the others
                 print(f"  {op:14s} {label:32s} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
             gbs = b / ms / 1e6
-            print(f"  {op:14s} {label:32s} {ms:7.3f} ms {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}%",
-                  flush=True)
+            print(f"  {op:14s} {label:32s} {ms:7.3f} ms {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}%"
+                  f"  graph {gms:7.3f} ms", flush=True)
 
 
 def measure_copy():
@@ -408,9 +458,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fp32 16K rows only, fewer checks")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness section")
     ap.add_argument("--no-variants", action="store_true", help="skip the heuristic variants")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="time eagerly only (no CUDA-graph replays)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU run at tiny sizes through the interpreter (tests this script)")
     args = ap.parse_args()
+    global GRAPHS
+    GRAPHS = not args.no_graphs
     t0 = time.time()
     if args.smoke:
         _smoke()
@@ -428,16 +482,22 @@ def main():
     if not (args.quick or args.smoke or args.no_variants):
         variants(copy_gbs)
     print(f"\n== summary (copy {copy_gbs:.0f} GB/s in this run) ==")
-    print("| op | shape | dtype | flashfold ms | GB/s | % copy | torch ms | torch GB/s | speedup |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-    slower = []
-    for op, lab, dt, ms, gbs, tms, tgbs in res:
+    print("| op | shape | dtype | flashfold ms | GB/s | % copy | torch ms | torch GB/s | speedup "
+          "| graph ms | torch graph ms | graph speedup |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    slower, slower_graph = [], []
+    for op, lab, dt, ms, gbs, tms, tgbs, gms, tgms in res:
         sp = tms / ms if math.isfinite(tms) else float("nan")
+        gsp = tgms / gms if math.isfinite(tgms) and math.isfinite(gms) else float("nan")
         if sp < 1.0:
             slower.append(f"{op} {lab} {dt}")
+        if gsp < 1.0:
+            slower_graph.append(f"{op} {lab} {dt}")
         print(f"| {op} | {lab} | {dt} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_gbs:.1f}% | "
-              f"{tms:.3f} | {tgbs:.0f} | {sp:.2f}x |")
+              f"{tms:.3f} | {tgbs:.0f} | {sp:.2f}x | {gms:.3f} | {tgms:.3f} | {gsp:.2f}x |")
     print(f"\nrows slower than torch: {slower or 'none'}")
+    if GRAPHS and not args.smoke:
+        print(f"rows slower than torch from CUDA graphs (kernel time only): {slower_graph or 'none'}")
     print(f"correctness failures: {FAILED or 'none'}")
     print(f"total {time.time() - t0:.0f} s")
     return 1 if FAILED else 0

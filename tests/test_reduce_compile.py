@@ -57,3 +57,14 @@ def test_fused_softmax_keeps_two_programs_per_sm(compiled):
     """16 warps x 64 registers: two programs fit the 64K registers of an SM."""
     row = compiled[("softmax 64x16384 float32", 0)]
     assert row["num_warps"] == 16 and row["registers"] <= 64
+
+
+def test_misaligned_rows_scalar_by_default_vectors_when_realigned(compiled):
+    """4096 x 12345 fp32 rows start off 16-byte boundaries. The default plans load them
+    as scalars (the checkpoint's kernels, measured faster than the realigned ones); the
+    realigned tiles (``ALIGN_ROWS``, off) load nothing but 16-byte vectors."""
+    for name in ("reduce logsumexp2 4096x12345", "reduce welford 4096x12345", "cumsum 4096x12345"):
+        assert set(compiled[(name, 0)]["loads"]) == {"ld.global.b32"}, name
+    for m in ("logsumexp2", "welford"):
+        row = compiled[(f"reduce {m} 4096x12345 realigned", 0)]
+        assert set(row["loads"]) == {"ld.global.v4.b32"}, row["loads"]

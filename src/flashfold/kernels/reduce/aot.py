@@ -119,7 +119,7 @@ def plans():
     from ...api import reductions as R
     from . import launch as L
 
-    L_sms = L.num_sms
+    L_sms, align_rows = L.num_sms, L.ALIGN_ROWS
     L.num_sms = lambda device: 132                  # split decisions as on an H200
     try:
         out = []
@@ -136,6 +136,8 @@ def plans():
         out += [
             ("reduce logsumexp2 split-K 1x2^22", L.plan_reduce(M.LOGSUMEXP2, torch.empty(1, 2**22), 1)[0]),
             ("reduce logsumexp2 4096x12345", L.plan_reduce(M.LOGSUMEXP2, torch.empty(4096, 12345), 1)[0]),
+            ("reduce welford 4096x12345", L.plan_reduce(M.WELFORD, torch.empty(4096, 12345), 1)[0]),
+            ("cumsum 4096x12345", L.plan_scan(M.SUM, torch.empty(4096, 12345), 1)[0]),
             ("reduce logsumexp2 2^16x7", L.plan_reduce(M.LOGSUMEXP2, torch.empty(2**16, 7), 1)[0]),
             ("reduce welford columns", L.plan_reduce(M.WELFORD, torch.empty(4096, 1024), 0)[0]),
             ("reduce affine ordered", L.plan_reduce(aff, torch.empty(512, 5000), 1)[0]),
@@ -159,10 +161,15 @@ def plans():
         L.LOOKBACK = False
         out.append(("scan logcumsumexp reduce-then-scan 1x2^22",
                     L.plan_scan(R.LOGSUMEXP2_SCAN, torch.empty(1, 2**22), 1)[0]))
+        L.ALIGN_ROWS = True                       # off by default, kept switchable
+        for m in (M.LOGSUMEXP2, M.WELFORD):
+            out.append((f"reduce {m.name} 4096x12345 realigned",
+                        L.plan_reduce(m, torch.empty(4096, 12345), 1)[0]))
         return out
     finally:
         L.num_sms = L_sms
         L.LOOKBACK = True
+        L.ALIGN_ROWS = align_rows
 
 
 def main(argv=None) -> int:

@@ -47,9 +47,26 @@ Instruction counts below are read off the sm_90 SASS (:mod:`.aot`).
 * Scans of few long rows: a single pass with a decoupled look-back (chunks of
   ``LOOKBACK_TILES`` tiles, ticket-ordered; the chunk is folded, then re-read from L2 and
   scanned): 4.1 TB/s for 1 x 2^26 cumsum and logcumsumexp; reverse ones reduce-then-scan.
-* Rows of at most 16 contiguous elements: one row per thread, folded in registers.
-* Long rows that start off 16-byte boundaries: realigned tiles (vector loads masked per
-  vector at the head and tail).
+* Rows of at most 16 contiguous elements: one row per thread, folded in registers
+  (2^20 x 7 fp32, sm_90 SASS: argmax 296 instructions per thread for 2 rows, ~5 us of
+  issue for the whole grid; the tile path it replaced: 1056 instructions per thread of 8
+  elements, <= 37 us).
+* Long rows that start off 16-byte boundaries (4096 x 12345 fp32) load as scalars, as in
+  the checkpoint run; realigned tiles (``ALIGN_ROWS``) measured slower and are off.
+
+Eager timings and host time (the H200 runs of 2026-11-29)
+---------------------------------------------------------
+``do_bench`` times a call between two events, after a 256 MB memset that flushes L2 (~0.07
+ms). A flashfold call spends host time in Python (checks, plan) and in Triton's launch
+(binding ~50 arguments and constexprs); when that exceeds the memset plus the kernels'
+time, the GPU idles inside the timed window and the excess is measured as kernel time.
+The decode benchmark measured ~0.15 ms of host time per flashfold call on that machine
+(eager vs CUDA-graph replays). The reductions rows that swing between runs are the ones
+with little GPU work: 2^20 x 7 (<= 37 us of issue and ~10 us of DRAM for either plan,
+measured 0.12-0.40 ms), 4096 x 12345, and, with byte-identical kernels and grids in both
+runs, amax/sum over 16K x 16K bf16 (0.128 -> 0.224 / 0.129 -> 0.177 ms) and the dim-0
+reductions (0.26 -> 0.35 ms). Plans here are chosen from rows whose time is the kernels';
+``benchmarks/reductions.py`` also times every row from a CUDA graph to separate the two.
 """
 
 from __future__ import annotations
@@ -166,19 +183,31 @@ class Config:
 #: elements of a short-row tile (K x ROWS): 8 per thread at 4 warps
 _SHORT_TILE = 1024
 #: rows of at most this many contiguous elements take the one-row-per-thread path: the
-#: tile path spreads such a row over threads (8 for N = 7) and reduces it with shuffles;
-#: measured on the H200 for 2^20 x 7 (fp32): 84-242 GB/s, slower than torch's
+#: tile path spreads such a row over threads (8 for N = 7) and reduces it with shuffles.
+#: sm_90 SASS for 2^20 x 7 fp32, instructions per thread x warps of the grid, tile path
+#: -> this path: argmax 1056 x 32K -> 296 x 16K, logsumexp 1000 x 32K -> 384 x 16K, cumsum
+#: 608 x 32K -> 152 x 16K (<= 37 us -> <= 7 us of issue at 0.93e12 warp-instructions/s).
+#: Measured (eager, host-bound: see the module notes), checkpoint -> final run: argmax
+#: 0.349 -> 0.216 ms, cumsum 0.306 -> 0.184, logsumexp 0.121 -> 0.341, softmax 0.282 ->
+#: 0.401; the kernels cannot account for either direction (0.1-0.4 ms against <= 0.05 ms
+#: of GPU work), so the path stays on its instruction counts
 SMALL_N = 16
 _SMALL_ROWS = 256
 
 
-def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False) -> Config:
+def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False,
+                  fields: int = 1) -> Config:
     """Tile shape ``[K, LANES, ROWS]`` and warps for a reduction (see module docstring).
 
     ``costly``: the monoid has a block lift and a combine with SFU work (LOGSUMEXP2,
-    WELFORD). In 16-bit dtypes such rows are compute-bound (the H200 measured 74% and
-    66% of the copy for bf16 logsumexp and var_mean at K = 4): K = 8 halves the lane
-    combines per element (9.5 -> 8.0 and 9.4 -> 7.1 instructions per element)."""
+    WELFORD); ``fields``: its state's fields. In 16-bit dtypes such rows run below the
+    copy (74% and 66% for bf16 logsumexp and var_mean at K = 4), and K = 8 halves the lane
+    combines per element (9.5 -> 8.0 and 9.4 -> 7.1 instructions). Measured on 16K x 16K
+    bf16 (checkpoint K = 4 -> final run K = 8): logsumexp 3133 -> 3387 GB/s (64 -> 80
+    registers: 4 -> 3 programs of 8 warps per SM), var_mean 2777 -> 2734 (75 -> 105
+    registers: 3 -> 2 programs per SM). So K = 8 only for states of at most two fields;
+    Welford's three keep K = 4, the checkpoint's plan. Cheap monoids (MAX, SUM) never
+    took K = 8 (their bf16 kernels are byte-identical in both runs)."""
     vec = max(1, 16 // elsize)
     N, B2 = max(g.N, 1), g.B[2]
     if g.sn == 1 and N <= SMALL_N:
@@ -195,7 +224,7 @@ def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False)
     if N >= 1024:
         warps = 8 if N >= 4096 else 4
         lanes = min(vec * 32 * warps, _p2(N))
-        kmax = 16384 if costly and elsize < 4 else 8192
+        kmax = 16384 if costly and elsize < 4 and fields <= 2 else 8192
         k = max(1, min(8, kmax // lanes, _p2(N) // lanes))
         return Config(k, lanes, 1, warps)
     k = _p2(N)
@@ -218,8 +247,11 @@ def split_plan(g: Geometry, tile: int, n_prog: int, sms: int, min_tiles: int = 2
     and each chunk keeps at least ``min_tiles`` whole tiles.
 
     Chunks are an odd number of tiles: the programs of a split run in lockstep, and with
-    a power-of-two chunk (512 KB for 1 x 2^26 fp32) they all hit the same HBM channels at
-    once; the H200 measured 2.0 TB/s that way (1 x 2^26 sum and logsumexp)."""
+    a power-of-two chunk (512 KB for 1 x 2^26 fp32) they might all hit the same HBM
+    channels at once (the checkpoint measured 2.0 TB/s for 1 x 2^26 sum and logsumexp).
+    The final run measured no change from it (sum 0.130 -> 0.129 ms, logsumexp 0.149 ->
+    0.149): those rows are bound by something else, likely the host time of a two-launch
+    call (module notes). Kept: no row measured slower with it."""
     target = 4 * sms
     if n_prog >= 2 * sms or g.N < 2 * min_tiles * tile:
         return 1, max(g.N, 1)
@@ -254,17 +286,25 @@ def _costly_block(monoid: Monoid) -> bool:
     return monoid.block_lift is not None and costly_combine(monoid)
 
 
-def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = False) -> Config:
+def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = False,
+                aligned: bool = True) -> Config:
     """Tile ``[BLOCK, ROWS]`` (BLOCK stored in ``K``) and warps for a scan.
 
     H200, 16K x 16K fp32 (benchmarks/logs): for a cheap combine (cumsum) the block scan
     (``tl.associative_scan``, coalesced 16-byte accesses) of 4096-element tiles at 8 warps
     reached 3.97 TB/s, the chunked scan 2.7-2.9: its lanes own consecutive vectors, so a
-    warp's access is strided and each sector is fetched by several instructions. For a
-    costly combine (logcumsumexp: exp2 in the combine) the chunked scan (~2.75 combines
-    per element against ~5) wins: 3.15 TB/s at 2048 elements and 4 warps, against 2.5 at
-    8 warps and 1.96 for the block scan. Reverse scans load in reversed order (scalar,
-    coalesced) with the block scan.
+    warp's access is strided and each sector is fetched by several instructions (final
+    run, block scan: 4011 GB/s fp32, 3736 bf16). For a costly combine (logcumsumexp: exp2
+    in the combine) the chunked scan (~2.75 combines per element against ~5) wins: 3.15
+    TB/s at 2048 elements and 4 warps, against 2.5 at 8 warps and 1.96 for the block scan
+    (final run: 3169 GB/s). Reverse scans load in reversed order (scalar, coalesced) with
+    the block scan.
+
+    ``aligned``: every row starts on a 16-byte boundary. Rows that do not (4096 x 12345
+    fp32) load as scalars in either scan, where the coalescing argument is gone; there a
+    cheap combine keeps the checkpoint's chunked scan (4096 elements, 8 warps: 0.221 ms,
+    against 0.294 for the block scan in the final run; 896 against 1432 SASS
+    instructions per thread, 146 against 168 shuffles).
     """
     vec = max(1, 16 // elsize)
     N, B2 = max(g.N, 1), g.B[2]
@@ -277,6 +317,9 @@ def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = 
         # 4-element vectors whatever the dtype (8-element ones would hold 32 values per
         # thread in 16-bit dtypes, and spill)
         return Config(2048, 1, 1, 4, vec=4)
+    if not aligned and not reverse and g.sn == 1 and N >= 2048:
+        warps = 8 if N >= 4096 else 4          # the checkpoint's rule
+        return Config(4 * 4 * 32 * warps, 1, 1, warps, vec=4)
     if N >= 512:
         warps = 8 if N >= 2048 else 4
         # costly combines (reverse logcumsumexp) spill at 16 values per thread
@@ -376,10 +419,18 @@ def _common(fns: ReduceFunctions):
                 IDENTITY=fns.identity)
 
 
+def _rows_aligned(x: torch.Tensor, g: Geometry) -> bool:
+    """Whether every row of ``x`` (reduced dim contiguous) starts on a 16-byte boundary."""
+    if x.data_ptr() % 16:
+        return False
+    vec = max(1, 16 // x.element_size())
+    return not any(st % vec for st, b in zip(g.s, g.B) if b > 1)
+
+
 def _align(x: torch.Tensor, g: Geometry, cfg: Config) -> int:
     """Vector width (elements) to realign long contiguous rows to, 0 when they already
-    are: rows whose start is not a multiple of 16 bytes (4096 x 12345 fp32) load as
-    scalars otherwise (the H200 measured 1.2-1.7 TB/s for them, var_mean 0.81x torch)."""
+    are or :data:`ALIGN_ROWS` is off: rows whose start is not a multiple of 16 bytes
+    (4096 x 12345 fp32) load as scalars otherwise."""
     if cfg.ROWS != 1 or cfg.LANES == 1 or g.sn != 1 or cfg.small or not ALIGN_ROWS:
         return 0
     vec = max(1, 16 // x.element_size())
@@ -389,8 +440,12 @@ def _align(x: torch.Tensor, g: Geometry, cfg: Config) -> int:
     return vec if misaligned and vec > 1 else 0
 
 
-#: realign misaligned long rows (see :func:`_align`)
-ALIGN_ROWS = True
+#: realign misaligned long rows (see :func:`_align`). Off: the H200 measured the
+#: realigned tiles slower on both rows they changed, 4096 x 12345 fp32 logsumexp 0.122 ->
+#: 0.254 ms and var_mean 0.163 -> 0.180 (checkpoint scalar loads -> final run realigned).
+#: The scalar-load kernels are those of the checkpoint (same SASS); the realigned path
+#: stays tested and is timed as a variant by benchmarks/reductions.py.
+ALIGN_ROWS = False
 
 
 def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split, chunk,
@@ -478,7 +533,8 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None):
                  for k in output_kinds(monoid))
     if g.rows == 0:
         return [], outs
-    cfg = reduce_config(g, x.element_size(), _is_ordered(monoid), _costly_block(monoid))
+    cfg = reduce_config(g, x.element_size(), _is_ordered(monoid), _costly_block(monoid),
+                        len(monoid.fields))
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS)
     n_split, chunk = split_plan(g, cfg.K * cfg.LANES, n_prog, num_sms(x.device))
     if n_split == 1:
@@ -540,7 +596,8 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     x, g = _prepare(x, dim, lambda t: ost)
     if g.rows == 0 or g.N == 0:
         return [], outs
-    cfg = scan_config(g, x.element_size(), bool(reverse), costly_combine(monoid))
+    cfg = scan_config(g, x.element_size(), bool(reverse), costly_combine(monoid),
+                      g.sn != 1 or _rows_aligned(x, g))
     block, rows = cfg.K, cfg.ROWS
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // rows)
     rcfg = reduce_config(g, x.element_size(), _is_ordered(monoid))

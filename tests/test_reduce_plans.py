@@ -1,0 +1,107 @@
+"""Plan choices made from the two H200 runs of 2026-11-29 (checkpoint vs final).
+
+Each test pins one decision of :mod:`flashfold.kernels.reduce.launch` that a run measured
+(the numbers are in the docstrings there and in benchmarks/RESULTS.md), on the shapes of
+``benchmarks/reductions.py``; only plans are built (no launch), except where a path that
+the natural heuristics now take at small sizes is run under the interpreter against a
+float64 reference.
+"""
+
+import pytest
+import torch
+
+import flashfold.monoids as M
+from flashfold.api import reductions as API
+from flashfold.kernels.reduce import launch as L
+
+C = L.Config
+
+
+@pytest.fixture(autouse=True)
+def h200(monkeypatch):
+    """Split decisions as on an H200 (132 SMs), whatever runs the tests."""
+    monkeypatch.setattr(L, "num_sms", lambda device: 132)
+
+
+def _reduce(monoid, x, dim=1):
+    plan, _ = L.plan_reduce(monoid, x, dim)
+    return plan[0].kwargs
+
+
+def _scan(monoid, x, reverse=False):
+    plan, _ = L.plan_scan(monoid, x, 1, reverse)
+    return plan[-1].kwargs
+
+
+@pytest.mark.parametrize("monoid", (M.LOGSUMEXP2, M.WELFORD, M.SUM), ids=lambda m: m.name)
+def test_misaligned_long_rows_load_as_scalars(monoid, monkeypatch):
+    """4096 x 12345 fp32: the checkpoint's plan (K=8 x 1024 lanes, 8 warps, no
+    realignment), measured faster than the realigned tiles (logsumexp 0.122 vs 0.254 ms,
+    var_mean 0.163 vs 0.180). The realigned path still answers to ALIGN_ROWS."""
+    x = torch.empty(4096, 12345)
+    kw = _reduce(monoid, x)
+    assert (kw["K"], kw["LANES"], kw["num_warps"], kw["ALIGN"]) == (8, 1024, 8, 0)
+    monkeypatch.setattr(L, "ALIGN_ROWS", True)
+    assert _reduce(monoid, x)["ALIGN"] == 4
+
+
+@pytest.mark.parametrize("monoid,k16", [(M.LOGSUMEXP2, 8), (M.WELFORD, 4), (M.SUM, 4),
+                                        (M.MAX, 4), (M.ARGMAX, 4)],
+                         ids=lambda v: str(getattr(v, "name", v)))
+def test_16bit_wide_tiles_only_for_two_field_costly_states(monoid, k16):
+    """16K x 16K bf16: K=8 tiles for logsumexp (3133 -> 3387 GB/s); var_mean measured
+    2777 -> 2734 with them (75 -> 105 registers) and keeps K=4; cheap monoids never took
+    them. fp32 rows are 8K-element tiles (K=8 x 1024 lanes) for every monoid."""
+    kw = _reduce(monoid, torch.empty(16384, 16384, dtype=torch.bfloat16))
+    assert (kw["K"], kw["LANES"], kw["num_warps"]) == (k16, 2048, 8)
+    kw = _reduce(monoid, torch.empty(16384, 16384))
+    assert (kw["K"], kw["LANES"], kw["num_warps"]) == (8, 1024, 8)
+
+
+def test_cheap_scans_block_scan_on_aligned_rows_chunked_on_misaligned():
+    """cumsum: the block scan (4096, 8 warps) where rows start on 16-byte boundaries
+    (16K x 16K fp32: 2712 -> 4011 GB/s); rows that do not (4096 x 12345, or a view that
+    starts one element in) keep the checkpoint's chunked scan (0.221 vs 0.294 ms)."""
+    kw = _scan(M.SUM, torch.empty(64, 16384))
+    assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (False, 4096, 8)
+    for x in (torch.empty(64, 12345), torch.empty(64, 16385)[:, 1:]):
+        kw = _scan(M.SUM, x)
+        assert (kw["CHUNKED"], kw["VEC"], kw["BLOCK"], kw["num_warps"]) == (True, 4, 4096, 8)
+    kw = _scan(M.SUM, torch.empty(64, 3001))                     # the rule's 2048-4095 step
+    assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (True, 2048, 4)
+    kw = _scan(M.SUM, torch.empty(64, 12345), reverse=True)       # reversed loads: block scan
+    assert not kw["CHUNKED"]
+
+
+@pytest.mark.parametrize("shape", ((64, 16384), (64, 12345)))
+def test_costly_scans_keep_the_2048_chunked_scan(shape):
+    """logcumsumexp: chunked 2048 / 4 warps on aligned and misaligned rows alike (final
+    run: 16K 2502 -> 3169 GB/s; 4096 x 12345 0.256 -> 0.249 ms)."""
+    kw = _scan(API.LOGSUMEXP2_SCAN, torch.empty(*shape))
+    assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (True, 2048, 4)
+
+
+@pytest.mark.parametrize("monoid", (M.SUM, M.ARGMAX, API.LOGSUMEXP2_SCAN), ids=lambda m: m.name)
+def test_misaligned_rows_scan_correctly_through_the_natural_plan(monoid):
+    """The chunked scan that misaligned rows now take, run under the interpreter at the
+    smallest row it is chosen for (2051 elements, each row start 4 bytes past a 16-byte
+    boundary): one full 2048-element tile, then the carry into a masked tail of 3."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(3, 2052, generator=g)
+    if monoid is M.ARGMAX:
+        base = torch.round(base * 2) / 2                           # ties: lowest index
+    x = base[:, 1:]
+    kw = _scan(monoid, x)
+    assert kw["CHUNKED"] and kw["BLOCK"] == 2048
+    from flashfold.kernels.reduce import reference as R
+    from flashfold.testing import assert_close
+    outs = L.launch_scan(monoid, x, 1)
+    ref = R.scan_reference(monoid, x, 1)
+    scale = R.error_scale(monoid, x, 1)
+    for o, r in zip(outs, ref):
+        if not r.dtype.is_floating_point:
+            assert o.dtype == torch.int64 and torch.equal(o, r)
+        elif monoid is M.ARGMAX:
+            assert torch.equal(o.double(), r.to(x.dtype).double())
+        else:
+            assert_close(o, r, o.dtype, scale=scale, name=monoid.name)
