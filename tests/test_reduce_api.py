@@ -69,6 +69,18 @@ def test_softmax(path, dtype):
     assert_close(ff.softmax(x[1:], 0), torch.softmax(x[1:].double(), 0), dtype, name="dim 0")
 
 
+@pytest.mark.filterwarnings("error")
+def test_softmax_of_length_one_rows_owns_its_memory(path):
+    """Rows of length 1: softmax is 1 everywhere, and the result is an ordinary writable
+    tensor (the reference path once wrapped a read-only NumPy view: torch warns that
+    writing to such a tensor is undefined)."""
+    x = data((4, 1), torch.float32)
+    got = ff.softmax(x, 1)
+    assert torch.equal(got, torch.ones(4, 1))
+    got[0, 0] = 5.0
+    assert torch.equal(got[1:], torch.ones(3, 1))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_var_mean(path, dtype):
     x = data((4, 27), dtype, scale=3.0) + 5

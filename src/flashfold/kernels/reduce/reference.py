@@ -94,7 +94,9 @@ def normalize_reference(rowmap, x: torch.Tensor, dim: int) -> torch.Tensor:
         consts = prep(*state)
         y = fmap(xs, *[np.asarray(c)[None] for c in consts])[0]
     y = np.broadcast_to(np.asarray(y, dtype=np.float64), xs.shape)
-    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(y, 0, dim)))
+    # a copy, always: a broadcast map (one constant per row, e.g. rows of length 1) is a
+    # read-only view whose elements share memory, and the caller owns the result
+    return torch.from_numpy(np.array(np.moveaxis(y, 0, dim), order="C", copy=True))
 
 
 def error_scale(monoid: Monoid, x: torch.Tensor, dim: int) -> np.ndarray:
