@@ -495,15 +495,17 @@ CANDIDATES = {
 }
 
 
-def tune():
-    print("== tune: forward TFLOP/s per tile config (bf16, H=16, N=4096, B=4); default marked *")
+def tune(N=4096):
+    """Time every candidate tile config at sequence length ``N`` (batch 16K tokens / N)."""
+    B = max(1, 16384 // N)
+    print(f"== tune: forward TFLOP/s per tile config (bf16, H=16, N={N}, B={B}); default marked *")
     for D, cands in CANDIDATES.items():
         g = torch.Generator(device=DEV).manual_seed(0)
-        q, k, v = (torch.randn(4, 16, 4096, D, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(B, 16, N, D, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(3))
         scale = 1 / math.sqrt(D)
         ref = F.scaled_dot_product_attention(q, k, v)
         for causal in (False, True):
-            flops = 4 * 4 * 16 * 4096 * 4096 * D / (2 if causal else 1)
+            flops = 4 * B * 16 * N * N * D / (2 if causal else 1)
             best = None
             for bm, bn, w, s in cands:
                 for tma in (True, False):
@@ -998,7 +1000,7 @@ def main(argv=None):
                     "torch.compile, backward and fwd+bwd timings (instead of the forward run)")
     ap.add_argument("--tune-bwd", action="store_true", help="time candidate backward configs only")
     ap.add_argument("--tune-n", type=int, default=4096,
-                    help="--tune-bwd sequence length (batch = 16K tokens / N; default 4096)")
+                    help="--tune / --tune-bwd sequence length (batch = 16K tokens / N; default 4096)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -1008,7 +1010,7 @@ def main(argv=None):
           f"python {sys.version.split()[0]}")
     t0 = time.time()
     if args.tune:
-        tune()
+        tune(N=args.tune_n)
         return 0
     if args.tune_bwd:
         tune_bwd(N=args.tune_n, B=max(1, 16384 // args.tune_n))
