@@ -1,0 +1,171 @@
+"""Host time per call: where an eager flashfold call spends its CPU time.
+
+Run on the GPU machine from the repository root::
+
+    PYTHONPATH=src python benchmarks/host_overhead.py            # ~1 min
+    PYTHONPATH=src python benchmarks/host_overhead.py --profile  # + cProfile of each op
+
+Eager ``do_bench`` times count a call's host time as kernel time whenever the host time
+exceeds the GPU work queued ahead of the call (its L2 flush, ~0.07 ms on the H200), so
+rows with little GPU work (2^20 x 7 reductions, decode steps, N = 1K attention) measure
+the host. This script separates the two for flashfold and its torch peers:
+
+1. ``host us/call``: ``n`` calls issued back to back with no synchronisation, host clock
+   (the GPU runs behind; the queue never fills at these sizes), divided by ``n``;
+2. ``graph ms``: the same call captured in a CUDA graph and replayed (kernel time);
+3. ``eager ms``: ``do_bench`` of the eager call (what the benchmarks report);
+4. for attention rows, ``flashfold.kernels.attention.fwd.attention_forward`` called
+   directly (no API checks) as a third column, to split the API's share from Triton's;
+5. with ``--profile``: the top functions by cumulative time over 2,000 calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+
+def host_us(fn, n=2000):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def graph_ms(fn):
+    import triton
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+
+
+def eager_ms(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def profile(fn, n=2000, top=18):
+    fn()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
+
+
+def triton_launch_rows():
+    """A trivial kernel with 12 arguments and 6 constexprs: ``kernel[grid](...)`` against
+    the compiled kernel's launcher called directly (what a launch cache would do)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _noop(x, y, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9,
+              C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
+              C4: tl.constexpr, C5: tl.constexpr):
+        pid = tl.program_id(0)
+        tl.store(y + pid, tl.load(x + pid) + C0)
+
+    x = torch.zeros(132, device="cuda")
+    y = torch.empty_like(x)
+    ints = tuple(range(3, 13))
+    kw = dict(C0=1, C1=2, C2=3, C3=4, C4=5, C5=6, num_warps=4)
+    compiled = _noop[(132,)](x, y, *ints, **kw)
+    from triton.runtime.driver import driver
+    dev = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(dev)
+    allargs = (x, y) + ints + (1, 2, 3, 4, 5, 6)
+
+    def direct():
+        compiled.run(132, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *allargs)
+
+    return [("triton kernel[grid](...)", lambda: _noop[(132,)](x, y, *ints, **kw)),
+            ("triton compiled.run(...)", direct),
+            ("torch.empty(2^20, 7)", lambda: torch.empty(2**20, 7, device="cuda")),
+            ("with torch.cuda.device(0): pass", _device_ctx)]
+
+
+def _device_ctx():
+    with torch.cuda.device(0):
+        pass
+
+
+def rows():
+    import flashfold as ff
+    from flashfold.kernels.attention import fwd
+    dev = "cuda"
+    x7 = torch.randn(2**20, 7, device=dev)
+    xw = torch.randn(4096, 12345, device=dev)
+    xs = torch.randn(64, 1024, device=dev)
+    out = [
+        ("argmax 2^20x7", lambda: ff.argmax(x7, 1), lambda: torch.argmax(x7, 1), None),
+        ("logsumexp 2^20x7", lambda: ff.logsumexp(x7, 1), lambda: torch.logsumexp(x7, 1), None),
+        ("cumsum 2^20x7", lambda: ff.cumsum(x7, 1), lambda: torch.cumsum(x7, 1), None),
+        ("var_mean 4096x12345", lambda: ff.var_mean(xw, 1), lambda: torch.var_mean(xw, 1), None),
+        ("logsumexp 64x1024", lambda: ff.logsumexp(xs, 1), lambda: torch.logsumexp(xs, 1), None),
+    ]
+    F = torch.nn.functional
+    for D, causal in ((64, False), (64, True), (128, True)):
+        q, k, v = (torch.randn(16, 16, 1024, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        out.append((f"attention d{D} N1K {'causal' if causal else 'full'}",
+                    lambda q=q, k=k, v=v, c=causal: ff.attention(q, k, v, causal=c),
+                    lambda q=q, k=k, v=v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+                    lambda q=q, k=k, v=v, c=causal: fwd.attention_forward(
+                        q, k, v, scale=D ** -0.5, right=0 if c else None, return_lse=False)))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    import triton
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    print("| call | ff host us | torch host us | direct host us | ff eager ms | ff graph ms "
+          "| torch eager ms | torch graph ms | direct eager ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    profiles = []
+    for name, f in triton_launch_rows():
+        print(f"| {name} | {host_us(f):.1f} | | | | | | | |", flush=True)
+    with torch.no_grad():
+        for name, f, t, d in rows():
+            hf, ht = host_us(f), host_us(t)
+            hd = host_us(d) if d else float("nan")
+            ef, gf, et, gt = eager_ms(f), graph_ms(f), eager_ms(t), graph_ms(t)
+            ed = eager_ms(d) if d else float("nan")
+            print(f"| {name} | {hf:.1f} | {ht:.1f} | {hd:.1f} | {ef:.3f} | {gf:.3f} | {et:.3f} "
+                  f"| {gt:.3f} | {ed:.3f} |", flush=True)
+            if args.profile:
+                profiles.append((name, profile(f)))
+    for name, text in profiles:
+        print(f"\n== profile: {name} (2000 calls)\n{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
