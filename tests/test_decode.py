@@ -12,6 +12,10 @@ from flashfold.testing import assert_close
 from test_decode_common import attention_per_sequence, make_case
 
 LENS = [0, 1, 5, 37, 64]
+#: lengths and first keys (``cache_start``) covering: start > length on an empty sequence,
+#: 0, == length (1 and 37), a middle, > length, negative (clamped to 0)
+START_LENS = [0, 1, 1, 5, 37, 64, 40, 50]
+STARTS = [3, 0, 1, 2, 37, 70, 17, -3]
 
 
 @pytest.mark.parametrize("q_len", [1, 3], ids=lambda n: f"q_len{n}")
@@ -29,6 +33,67 @@ def test_reference_is_attention_on_the_same_tokens(q_len, heads, mods):
     po, plse = decode_reference(case.q, case.k_pages, case.v_pages, case.seqlens,
                                 case.block_table, **mods)
     assert torch.equal(po, o) and torch.equal(plse, lse)      # same tokens, same order
+
+
+def _poison_before_start(case, firsts):
+    """NaN in every contiguous slot before a sequence's first key, and in the paged copy a
+    block table whose entries for pages wholly before it point nowhere (-1): neither may be
+    read."""
+    for b, a in enumerate(firsts):
+        case.k[b, :, :max(a, 0)] = float("nan")
+        case.v[b, :, :max(a, 0)] = float("nan")
+    if case.block_table is not None:
+        page = case.k_pages.shape[1]
+        for b, (a, n) in enumerate(zip(firsts, case.seqlens.tolist())):
+            a = min(max(a, 0), n)
+            case.block_table[b, :a // page] = -1
+            slots = [(int(case.block_table[b, t // page]), t % page) for t in range(a // page * page, a)]
+            for p, s in slots:                    # the first live page's slots before a_b
+                case.k_pages[p, s] = float("nan")
+                case.v_pages[p, s] = float("nan")
+    return case
+
+
+@pytest.mark.parametrize("q_len", [1, 3], ids=lambda n: f"q_len{n}")
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=lambda h: f"hq{h[0]}_hkv{h[1]}")
+@pytest.mark.parametrize("mods", [{}, {"window": (7, None)}, {"softcap": 5.0}],
+                         ids=["plain", "window7", "softcap"])
+def test_reference_cache_start_is_attention_on_the_visible_tokens(q_len, heads, mods):
+    """``cache_start``: the sequence is its tokens ``[a_b, n_b)`` at their cache positions
+    (bottom-right alignment against ``n_b``); the slots before ``a_b`` are never read (NaN
+    there, unmapped pages), rows with no visible key are (0, -inf)."""
+    case = make_case(START_LENS, heads_q=heads[0], heads_kv=heads[1], q_len=q_len,
+                     head_dim=32, capacity=70, page_size=8, dtype=torch.float64)
+    ro, rl = attention_per_sequence(case, cache_start=STARTS, **mods)
+    case = _poison_before_start(case, STARTS)
+    start = torch.tensor(STARTS, dtype=torch.int32)
+    o, lse = decode_reference(case.q, case.k, case.v, case.seqlens, cache_start=start, **mods)
+    assert_close(o, ro, "float64", name="o")
+    assert_close(lse, rl, "float32", name="lse")
+    po, plse = decode_reference(case.q, case.k_pages, case.v_pages, case.seqlens,
+                                case.block_table, cache_start=start, **mods)
+    assert torch.equal(po, o) and torch.equal(plse, lse)
+    empty = [b for b, (a, n) in enumerate(zip(STARTS, START_LENS)) if a >= n]
+    assert empty == [0, 2, 4, 5]
+    assert (lse[empty] == -math.inf).all() and (o[empty] == 0).all()
+    # a zero start is no start
+    zero = torch.zeros(len(STARTS), dtype=torch.int32)
+    clean = make_case(START_LENS, heads_q=heads[0], heads_kv=heads[1], q_len=q_len,
+                      head_dim=32, capacity=70, dtype=torch.float64)
+    assert all(torch.equal(x, y) for x, y in zip(
+        decode_reference(clean.q, clean.k, clean.v, clean.seqlens, cache_start=zero, **mods),
+        decode_reference(clean.q, clean.k, clean.v, clean.seqlens, **mods)))
+
+
+def test_cache_start_hides_the_first_query_rows():
+    """q_len 3 with the start between the query positions: the rows before it see no key."""
+    case = make_case([6], heads_q=2, heads_kv=1, q_len=3, head_dim=16, capacity=6,
+                     dtype=torch.float64)
+    o, lse = decode_reference(case.q, case.k, case.v, case.seqlens,
+                              cache_start=torch.tensor([4], dtype=torch.int32))
+    assert (lse[0, :, :1] == -math.inf).all() and (o[0, :, :1] == 0).all()   # position 3
+    assert torch.isfinite(lse[0, :, 1:]).all()
+    assert_close(o[0, :, 1], case.v[0, 0, 4].expand(2, -1), "float64", name="one key")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],

@@ -54,15 +54,20 @@ def make_case(lens, heads_q=4, heads_kv=2, q_len=1, head_dim=32, capacity=None,
 
 
 def attention_per_sequence(case: Case, *, scale=None, softcap=None, window=None,
-                           dtype=torch.float64):
+                           cache_start=None, dtype=torch.float64):
     """``flashfold.attention`` on each sequence's own tokens (causal, bottom-right), in
-    ``dtype``: the decode semantics restated through the attention API."""
+    ``dtype``: the decode semantics restated through the attention API. With
+    ``cache_start`` (a list or tensor), sequence ``b`` is its tokens ``[a_b, n_b)`` only,
+    ``a_b`` clamped to ``[0, n_b]`` (bottom-right alignment keeps every position)."""
     import flashfold as ff
 
     outs, lses = [], []
-    for b, n in enumerate(case.seqlens.tolist()):
-        o, lse = ff.attention(case.q[b:b + 1].to(dtype), case.k[b:b + 1, :, :n].to(dtype),
-                              case.v[b:b + 1, :, :n].to(dtype), causal=True, window=window,
+    lens = case.seqlens.tolist()
+    firsts = [0] * len(lens) if cache_start is None else [int(a) for a in cache_start]
+    for b, (n, a) in enumerate(zip(lens, firsts)):
+        a = min(max(a, 0), n)
+        o, lse = ff.attention(case.q[b:b + 1].to(dtype), case.k[b:b + 1, :, a:n].to(dtype),
+                              case.v[b:b + 1, :, a:n].to(dtype), causal=True, window=window,
                               scale=scale, softcap=softcap, return_lse=True)
         outs.append(o)
         lses.append(lse)

@@ -1,25 +1,30 @@
 r"""Pure-torch reference of decoding against a KV cache (no Triton, no GPU needed).
 
 Semantics (shared by :func:`flashfold.decode`, the Triton kernels and this module). For
-sequence ``b`` of length ``n_b = cache_seqlens[b]`` and ``q_len = Lq`` query tokens, the
-queries are the *last* ``Lq`` tokens of the cache: query row ``i`` sits at absolute position
+sequence ``b`` of length ``n_b = cache_seqlens[b]``, first key ``a_b = clamp(cache_start[b],
+0, n_b)`` (0 without ``cache_start``; left padding: the first ``a_b`` cache slots of the row
+are not part of the sequence) and ``q_len = Lq`` query tokens, the queries are the *last*
+``Lq`` tokens of the cache: query row ``i`` sits at absolute position
 
 .. math::  p_i = n_b - L_q + i ,
 
-and key ``j`` (``0 <= j < n_b``) is visible to it iff
+and key ``j`` (``a_b <= j < n_b``) is visible to it iff
 
 .. math::  j \le p_i \quad\text{and}\quad p_i - w_\ell \le j \le p_i + w_r
 
 (causal inside the cache; ``(w_l, w_r)`` the optional window, ``None`` for unbounded; with
-causality ``w_r`` only matters when negative). Query head ``h`` reads key/value head
-``h // (H_q / H_kv)`` (GQA). With ``s_j = scale * q_i . k_j`` (then
+causality ``w_r`` only matters when negative). The alignment stays bottom-right against
+``n_b`` whatever ``a_b`` is: keys before ``a_b`` are simply invisible, like keys left of a
+window, and their cache slots are never read (they may hold anything). Query head ``h``
+reads key/value head ``h // (H_q / H_kv)`` (GQA). With ``s_j = scale * q_i . k_j`` (then
 ``softcap * tanh(s_j / softcap)`` when a softcap is given):
 
 .. math::  \mathrm{lse}_i = \log \sum_{j\ \mathrm{visible}} e^{s_j}, \qquad
            o_i = \sum_{j\ \mathrm{visible}} e^{s_j - \mathrm{lse}_i}\, v_j ,
 
-and a row with no visible key (empty sequence, or ``p_i < 0``) gives ``o_i = 0`` and
-``lse_i = -inf``: the identity state of the ATTENTION monoid, so it merges correctly.
+and a row with no visible key (empty sequence, ``a_b >= n_b``, or ``p_i < a_b``) gives
+``o_i = 0`` and ``lse_i = -inf``: the identity state of the ATTENTION monoid, so it merges
+correctly.
 
 Cache layouts:
 
@@ -36,25 +41,40 @@ import math
 
 import torch
 
-__all__ = ["gather_kv", "gather_kv_padded", "decode_reference"]
+__all__ = ["clamped_starts", "gather_kv", "gather_kv_padded", "decode_reference"]
+
+
+def clamped_starts(cache_seqlens: torch.Tensor, cache_start: torch.Tensor | None) -> list[int]:
+    """Each sequence's first key ``clamp(cache_start[b], 0, cache_seqlens[b])`` (all 0
+    without ``cache_start``), read on the host."""
+    lens = [int(x) for x in cache_seqlens.tolist()]
+    if cache_start is None:
+        return [0] * len(lens)
+    return [min(max(int(a), 0), n) for a, n in zip(cache_start.tolist(), lens)]
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-              block_table: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``cache_seqlens[b]`` tokens of every sequence, as ``(heads_kv, n_b, head_dim)``.
+              block_table: torch.Tensor | None = None,
+              cache_start: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tokens ``[a_b, n_b)`` of every sequence (``n_b = cache_seqlens[b]``, ``a_b`` its
+    clamped ``cache_start``, 0 by default), as ``(heads_kv, n_b - a_b, head_dim)``.
 
     Contiguous caches give views; paged caches give gathered copies (pages in block-table
-    order). Reads ``cache_seqlens`` on the host.
+    order; pages holding no token of ``[a_b, n_b)`` are not looked up). Reads
+    ``cache_seqlens`` and ``cache_start`` on the host.
     """
     out = []
-    for b, n in enumerate(int(x) for x in cache_seqlens.tolist()):
+    lens = [int(x) for x in cache_seqlens.tolist()]
+    for b, (n, a) in enumerate(zip(lens, clamped_starts(cache_seqlens, cache_start))):
         if block_table is None:
-            out.append((k_cache[b, :, :n], v_cache[b, :, :n]))
+            out.append((k_cache[b, :, a:n], v_cache[b, :, a:n]))
             continue
         page = k_cache.shape[1]
-        pages = block_table[b, :-(-n // page)].long()
-        k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n]      # (n, heads_kv, head_dim)
-        v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n]
+        first = a // page
+        pages = block_table[b, first:-(-n // page)].long()
+        cut = slice(a - first * page, n - first * page)
+        k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[cut]     # (n - a, heads_kv, head_dim)
+        v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[cut]
         out.append((k.transpose(0, 1), v.transpose(0, 1)))
     return out
 
@@ -80,13 +100,16 @@ def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None, *,
                      scale: float | None = None, softcap: float | None = None,
                      window: tuple[int | None, int | None] | None = None,
+                     cache_start: torch.Tensor | None = None,
                      compute_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``q`` (batch, heads_q, q_len, head_dim) against the cache, one sequence at a time.
 
-    Computes in ``compute_dtype`` (float64 for tests, float32 for the public CPU path) and
-    returns ``(o, lse)`` in that dtype: ``o`` of shape (batch, heads_q, q_len, head_dim),
-    ``lse`` (natural log) of shape (batch, heads_q, q_len). See the module docstring for
-    the visibility rule; inputs are assumed validated (:func:`flashfold.decode` does that).
+    ``cache_start``: optional ``(batch,)`` first key of each sequence (clamped to ``[0,
+    n_b]``; slots before it are never read). Computes in ``compute_dtype`` (float64 for
+    tests, float32 for the public CPU path) and returns ``(o, lse)`` in that dtype: ``o``
+    of shape (batch, heads_q, q_len, head_dim), ``lse`` (natural log) of shape (batch,
+    heads_q, q_len). See the module docstring for the visibility rule; inputs are assumed
+    validated (:func:`flashfold.decode` does that).
     """
     batch, heads_q, q_len, head_dim = q.shape
     heads_kv = k_cache.shape[1] if block_table is None else k_cache.shape[2]
@@ -96,18 +119,21 @@ def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     left, right = _bound(left), _bound(right)
     o = torch.zeros(batch, heads_q, q_len, head_dim, dtype=compute_dtype, device=q.device)
     lse = torch.full((batch, heads_q, q_len), -math.inf, dtype=compute_dtype, device=q.device)
-    for b, (k, v) in enumerate(gather_kv(k_cache, v_cache, cache_seqlens, block_table)):
-        n = k.shape[1]
-        if n == 0:
+    firsts = clamped_starts(cache_seqlens, cache_start)
+    lens = [int(x) for x in cache_seqlens.tolist()]
+    for b, (k, v) in enumerate(gather_kv(k_cache, v_cache, cache_seqlens, block_table,
+                                         cache_start)):
+        n, a = lens[b], firsts[b]                                     # keys [a, n)
+        if n == a:
             continue
-        k = k.to(compute_dtype).repeat_interleave(group, dim=0)       # (heads_q, n, D)
+        k = k.to(compute_dtype).repeat_interleave(group, dim=0)       # (heads_q, n - a, D)
         v = v.to(compute_dtype).repeat_interleave(group, dim=0)
-        s = q[b].to(compute_dtype) @ k.transpose(-1, -2) * scale      # (heads_q, q_len, n)
+        s = q[b].to(compute_dtype) @ k.transpose(-1, -2) * scale      # (heads_q, q_len, n - a)
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         pos = torch.arange(q_len, device=q.device, dtype=torch.float64)[:, None] + (n - q_len)
-        j = torch.arange(n, device=q.device, dtype=torch.float64)[None, :]
-        visible = (j <= pos) & (j >= pos - left) & (j <= pos + right)  # (q_len, n)
+        j = torch.arange(a, n, device=q.device, dtype=torch.float64)[None, :]
+        visible = (j <= pos) & (j >= pos - left) & (j <= pos + right)  # (q_len, n - a)
         s = s.masked_fill(~visible, -math.inf)
         row_lse = torch.logsumexp(s, dim=-1)                          # -inf for empty rows
         pivot = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
