@@ -93,6 +93,7 @@ import triton
 import triton.language as tl
 
 from ...algebra.autodiff import derivative
+from .. import launcher
 from .fwd import (LOG2E, TensorDescriptor, _interpreting, _load_tile, _tanh, _tile_ranges,
                   _visible_2d, block_dims, tma_ok)
 from .mods import MAX_BUFFERS, BlockMask, TracedMod, _lists
@@ -800,7 +801,7 @@ def default_config(q, head_dim: int, head_dim_v: int, features: bool = False,
         return BwdConfig(16, 16, 4, 1, 16, 16, 4, 1, use_tma=False, atomic_dq=True)
     bd = min(max(max(block_dims(head_dim, head_dim_v)), 32), 256)
     bm, bn, w, s, qm, qn, qw, qs, atomic = HOPPER_BWD_CONFIGS[(bd, bool(features), bool(causal))]
-    major = torch.cuda.get_device_capability(q.device)[0]
+    major = launcher.capability(q.device)[0]
     if major < 9:                          # Ampere and older: no TMA, pointer atomics
         return BwdConfig(min(bm, 64), min(bn, 64), w, 2, min(qm, 64), min(qn, 64), qw, 2,
                          use_tma=False, atomic_dq=False)
@@ -892,7 +893,7 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
         full_needs_mask=full_needs_mask, deterministic=deterministic, atomic_dq=atomic_dq,
         config=config)
     for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+        launcher.launch(kernel, grid, args, kwargs)
     return dq, dk, dv
 
 

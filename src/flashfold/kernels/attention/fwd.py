@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import launcher
 from .mods import MAX_BUFFERS, BlockMask, TracedMod
 
 LOG2E = 1.4426950408889634
@@ -510,7 +511,7 @@ def default_config(q, head_dim: int, head_dim_v: int, causal: bool = False) -> F
         return FwdConfig(16, 16, 4, 1, use_tma=False)
     bd = max(block_dims(head_dim, head_dim_v))
     bm, bn, warps, stages = HOPPER_CONFIGS[(min(max(bd, 32), 256), bool(causal))]
-    major = torch.cuda.get_device_capability(q.device)[0]
+    major = launcher.capability(q.device)[0]
     if major < 9:                                 # Ampere and older: smaller stages, no TMA
         return FwdConfig(bm if bd <= 128 else 64, min(bn, 64), warps, 2, use_tma=False)
     return FwdConfig(bm, bn, warps, stages, use_tma=USE_TMA_DEFAULT and TensorDescriptor is not None)
@@ -572,7 +573,7 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
         full_needs_mask=full_needs_mask, config=config)
     if launch is not None:
         grid, args, kwargs = launch
-        _attn_fwd[grid](*args, **kwargs)
+        launcher.launch(_attn_fwd, grid, args, kwargs)
     return o, lse
 
 

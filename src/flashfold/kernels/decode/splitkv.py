@@ -107,6 +107,7 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
 from ...monoids import ATTENTION
+from .. import launcher
 from ..codegen import triton_monoid
 
 LOG2E = 1.0 / math.log(2.0)
@@ -608,10 +609,10 @@ class Launch:
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         grid, args, kwargs = self.split
-        _splitkv_kernel[grid](*args, **kwargs)
+        launcher.launch(_splitkv_kernel, grid, args, kwargs)
         if self.merge is not None:
             grid, args, kwargs = self.merge
-            _merge_kernel[grid](*args, **kwargs)
+            launcher.launch(_merge_kernel, grid, args, kwargs)
         return self.out, self.lse
 
 

@@ -1,0 +1,155 @@
+"""The cached launch path (:mod:`flashfold.kernels.launcher`) without a GPU.
+
+Triton's own path (``kernel[grid]``) is replaced by a recorder returning a fake compiled
+kernel, and the driver by a fake device/stream: what is tested is the cache key (a hit
+exactly when Triton would pick the same compiled kernel) and that the launcher receives
+every argument in signature order, keyword arguments and defaults included.
+"""
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from flashfold.kernels import launcher as L
+
+
+def _k_fn(x, y, n, s: tl.constexpr, f, BLOCK: tl.constexpr, FLAG: tl.constexpr = 0, m=7):
+    pass
+
+
+def _other_fn(x):
+    pass
+
+
+# JITFunctions even under TRITON_INTERPRET=1 (where triton.jit makes interpreted ones)
+_k, _other = JITFunction(_k_fn), JITFunction(_other_fn)
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.log = log
+        self.function = "fn"
+        self.packed_metadata = "meta"
+
+    def run(self, *a):
+        self.log.append(("fast", a))
+
+
+class FakeDriver:
+    class active:
+        @staticmethod
+        def get_current_device():
+            return 0
+
+        @staticmethod
+        def get_current_stream(device):
+            return 1234
+
+
+@pytest.fixture
+def log(monkeypatch):
+    calls = []
+
+    def slow(kernel, grid, args, kwargs):
+        calls.append(("slow", kernel, grid, args, dict(kwargs)))
+        return FakeCompiled(calls)
+
+    monkeypatch.setattr(L, "_slow", slow)
+    monkeypatch.setattr(L, "_driver", FakeDriver)
+    monkeypatch.setattr(L, "enabled", lambda: True)
+    L.cache_clear()
+    yield calls
+    L.cache_clear()
+
+
+def buf(n=64, offset=0):
+    return torch.zeros(n + offset)[offset:]
+
+
+def test_second_call_is_fast_with_arguments_in_signature_order(log):
+    x, y = buf(), buf()
+    L.launch(_k, (3, 2), (x, y, 100, 5, 0.5), dict(BLOCK=32, num_warps=4))
+    assert [c[0] for c in log] == ["slow"]
+    L.launch(_k, (3, 2), (x, y, 100, 5, 0.5), dict(BLOCK=32, num_warps=4))
+    kind, a = log[-1]
+    assert kind == "fast"
+    # grid, stream, function, metadata, no launch metadata or hooks, then the arguments:
+    # positionals, then BLOCK (keyword), FLAG and m (defaults); num_warps is an option
+    assert a == (3, 2, 1, 1234, "fn", "meta", None, None, None, x, y, 100, 5, 0.5, 32, 0, 7)
+
+
+@pytest.mark.parametrize("change", [
+    "misaligned pointer", "dtype", "int becomes 1", "int loses divisibility by 16",
+    "int needs 64 bits", "positional constexpr", "keyword constexpr", "option", "kernel",
+])
+def test_anything_triton_specializes_on_misses_the_cache(log, change):
+    args = [buf(), buf(), 96, 5, 0.5]
+    kw = dict(BLOCK=32, num_warps=4)
+    kernel = _k
+    L.launch(kernel, (1,), tuple(args), kw)
+    if change == "misaligned pointer":
+        args[0] = buf(offset=1)                # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        args[1] = torch.zeros(64, dtype=torch.float16)
+    elif change == "int becomes 1":
+        args[2] = 1
+    elif change == "int loses divisibility by 16":
+        args[2] = 97
+    elif change == "int needs 64 bits":
+        args[2] = 2 ** 33
+    elif change == "positional constexpr":
+        args[3] = 6
+    elif change == "keyword constexpr":
+        kw = dict(BLOCK=64, num_warps=4)
+    elif change == "option":
+        kw = dict(BLOCK=32, num_warps=8)
+    elif change == "kernel":
+        kernel, args, kw = _other, [buf()], {}
+    L.launch(kernel, (1,), tuple(args), kw)
+    assert [c[0] for c in log] == ["slow", "slow"]
+
+
+def test_same_specialization_hits_the_cache(log):
+    """Other addresses with the same alignment, other ints with the same properties and
+    other floats reuse the compiled kernel (as Triton's own cache would)."""
+    L.launch(_k, (1,), (buf(), buf(), 96, 5, 0.5), dict(BLOCK=32))
+    L.launch(_k, (1,), (buf(128), buf(32), 160, 5, 2.0), dict(BLOCK=32))
+    assert [c[0] for c in log] == ["slow", "fast"]
+
+
+def test_jit_functions_are_keyed_by_identity(log):
+    L.launch(_k, (1,), (buf(), buf(), 96, _other, 0.5), dict(BLOCK=_other))
+    L.launch(_k, (1,), (buf(), buf(), 96, _other, 0.5), dict(BLOCK=_other))
+    L.launch(_k, (1,), (buf(), buf(), 96, _k, 0.5), dict(BLOCK=_other))
+    assert [c[0] for c in log] == ["slow", "fast", "slow"]
+
+
+def test_unknown_argument_types_always_take_tritons_path(log):
+    for _ in range(2):
+        L.launch(_k, (1,), (buf(), buf(), 96, 5, object()), dict(BLOCK=32))
+    assert [c[0] for c in log] == ["slow", "slow"]
+
+
+def test_off_under_the_interpreter_and_by_environment(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not L.enabled()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("FLASHFOLD_FAST_LAUNCH", "0")
+    assert not L.enabled()
+
+
+def test_a_launch_hook_sends_every_call_through_triton(log):
+    """Profilers (proton) install launch hooks that the cached path would skip."""
+    from triton import knobs
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(2):
+            L.launch(_k, (1,), (buf(), buf(), 96, 5, 0.5), dict(BLOCK=32))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert [c[0] for c in log] == ["slow", "slow"]
