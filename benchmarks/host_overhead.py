@@ -17,6 +17,10 @@ the host. This script separates the two for flashfold and its torch peers:
 4. for attention rows, ``flashfold.kernels.attention.fwd.attention_forward`` called
    directly (no API checks) as a third column, to split the API's share from Triton's;
 5. with ``--profile``: the top functions by cumulative time over 2,000 calls.
+
+Before timing, each flashfold row is checked: its output with the cached launch path
+(:mod:`flashfold.kernels.launcher`, the second and third calls) must equal bitwise the
+output of Triton's own launch path (``FLASHFOLD_FAST_LAUNCH=0``). Exit status 1 if not.
 """
 
 from __future__ import annotations
@@ -112,6 +116,26 @@ def _device_ctx():
         pass
 
 
+def _flat(out):
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out,))]
+
+
+def same_as_slow_path(fn) -> bool:
+    """The cached launch's output equals Triton's own path's, bitwise (NaNs included)."""
+    import os
+    from flashfold.kernels import launcher
+    os.environ["FLASHFOLD_FAST_LAUNCH"] = "0"
+    try:
+        want = [t.clone() for t in _flat(fn())]
+    finally:
+        os.environ.pop("FLASHFOLD_FAST_LAUNCH")
+    launcher.cache_clear()
+    fn()                                             # miss: Triton's path, then cached
+    got = _flat(fn())                                # hit
+    return all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) and
+               torch.equal(a.isnan(), b.isnan()) for a, b in zip(got, want))
+
+
 def rows():
     import flashfold as ff
     from flashfold.kernels.attention import fwd
@@ -119,12 +143,15 @@ def rows():
     x7 = torch.randn(2**20, 7, device=dev)
     xw = torch.randn(4096, 12345, device=dev)
     xs = torch.randn(64, 1024, device=dev)
+    xo = torch.randn(64, 1025, device=dev)[:, 1:]      # rows 4 bytes past 16-byte boundaries
     out = [
         ("argmax 2^20x7", lambda: ff.argmax(x7, 1), lambda: torch.argmax(x7, 1), None),
         ("logsumexp 2^20x7", lambda: ff.logsumexp(x7, 1), lambda: torch.logsumexp(x7, 1), None),
         ("cumsum 2^20x7", lambda: ff.cumsum(x7, 1), lambda: torch.cumsum(x7, 1), None),
         ("var_mean 4096x12345", lambda: ff.var_mean(xw, 1), lambda: torch.var_mean(xw, 1), None),
         ("logsumexp 64x1024", lambda: ff.logsumexp(xs, 1), lambda: torch.logsumexp(xs, 1), None),
+        ("logsumexp 64x1024 view +1", lambda: ff.logsumexp(xo, 1), lambda: torch.logsumexp(xo, 1), None),
+        ("softmax 64x1024", lambda: ff.softmax(xs, 1), lambda: torch.softmax(xs, 1), None),
     ]
     F = torch.nn.functional
     for D, causal in ((64, False), (64, True), (128, True)):
@@ -149,11 +176,14 @@ def main(argv=None):
     print("| call | ff host us | torch host us | direct host us | ff eager ms | ff graph ms "
           "| torch eager ms | torch graph ms | direct eager ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    profiles = []
+    profiles, failed = [], []
     for name, f in triton_launch_rows():
         print(f"| {name} | {host_us(f):.1f} | | | | | | | |", flush=True)
     with torch.no_grad():
         for name, f, t, d in rows():
+            if not same_as_slow_path(f):
+                failed.append(name)
+                print(f"| {name} | CACHED LAUNCH DIFFERS FROM TRITON'S PATH | | | | | | | |")
             hf, ht = host_us(f), host_us(t)
             hd = host_us(d) if d else float("nan")
             ef, gf, et, gt = eager_ms(f), graph_ms(f), eager_ms(t), graph_ms(t)
@@ -164,7 +194,8 @@ def main(argv=None):
                 profiles.append((name, profile(f)))
     for name, text in profiles:
         print(f"\n== profile: {name} (2000 calls)\n{text}")
-    return 0
+    print(f"cached launch vs Triton's path: {'all equal' if not failed else 'DIFFERS: ' + str(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
