@@ -1,4 +1,5 @@
-"""Plan choices made from the two H200 runs of 2026-11-29 (checkpoint vs final).
+"""Plan choices made from the H200 runs of 2026-11-29 (checkpoint, final, run 3 with
+CUDA-graph kernel times).
 
 Each test pins one decision of :mod:`flashfold.kernels.reduce.launch` that a run measured
 (the numbers are in the docstrings there and in benchmarks/RESULTS.md), on the shapes of
@@ -34,15 +35,15 @@ def _scan(monoid, x, reverse=False):
 
 
 @pytest.mark.parametrize("monoid", (M.LOGSUMEXP2, M.WELFORD, M.SUM), ids=lambda m: m.name)
-def test_misaligned_long_rows_load_as_scalars(monoid, monkeypatch):
-    """4096 x 12345 fp32: the checkpoint's plan (K=8 x 1024 lanes, 8 warps, no
-    realignment), measured faster than the realigned tiles (logsumexp 0.122 vs 0.254 ms,
-    var_mean 0.163 vs 0.180). The realigned path still answers to ALIGN_ROWS."""
+def test_misaligned_long_rows_are_realigned(monoid, monkeypatch):
+    """4096 x 12345 fp32: K=8 x 1024 lanes, 8 warps, tiles realigned to 4-element vectors
+    (kernel time from CUDA graphs, run 3: logsumexp 0.067 vs 0.085 ms with scalar loads,
+    var_mean 0.084 vs 0.092). Scalar loads still answer to ALIGN_ROWS."""
     x = torch.empty(4096, 12345)
     kw = _reduce(monoid, x)
-    assert (kw["K"], kw["LANES"], kw["num_warps"], kw["ALIGN"]) == (8, 1024, 8, 0)
-    monkeypatch.setattr(L, "ALIGN_ROWS", True)
-    assert _reduce(monoid, x)["ALIGN"] == 4
+    assert (kw["K"], kw["LANES"], kw["num_warps"], kw["ALIGN"]) == (8, 1024, 8, 4)
+    monkeypatch.setattr(L, "ALIGN_ROWS", False)
+    assert _reduce(monoid, x)["ALIGN"] == 0
 
 
 @pytest.mark.parametrize("monoid,k16", [(M.LOGSUMEXP2, 8), (M.WELFORD, 4), (M.SUM, 4),
@@ -58,17 +59,15 @@ def test_16bit_wide_tiles_only_for_two_field_costly_states(monoid, k16):
     assert (kw["K"], kw["LANES"], kw["num_warps"]) == (8, 1024, 8)
 
 
-def test_cheap_scans_block_scan_on_aligned_rows_chunked_on_misaligned():
-    """cumsum: the block scan (4096, 8 warps) where rows start on 16-byte boundaries
-    (16K x 16K fp32: 2712 -> 4011 GB/s); rows that do not (4096 x 12345, or a view that
-    starts one element in) keep the checkpoint's chunked scan (0.221 vs 0.294 ms)."""
-    kw = _scan(M.SUM, torch.empty(64, 16384))
-    assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (False, 4096, 8)
-    for x in (torch.empty(64, 12345), torch.empty(64, 16385)[:, 1:]):
+def test_cheap_scans_take_the_block_scan_aligned_or_not():
+    """cumsum: the block scan (4096, 8 warps) on rows that start on 16-byte boundaries
+    (16K x 16K fp32: 2712 -> 4011 GB/s) and on rows that do not (4096 x 12345, or a view
+    one element in: 0.149 ms against 0.202 for the chunked scan in kernel time, run 3)."""
+    for x in (torch.empty(64, 16384), torch.empty(64, 12345), torch.empty(64, 16385)[:, 1:]):
         kw = _scan(M.SUM, x)
-        assert (kw["CHUNKED"], kw["VEC"], kw["BLOCK"], kw["num_warps"]) == (True, 4, 4096, 8)
-    kw = _scan(M.SUM, torch.empty(64, 3001))                     # the rule's 2048-4095 step
-    assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (True, 2048, 4)
+        assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (False, 4096, 8)
+    kw = _scan(M.SUM, torch.empty(64, 1000))                     # the rule's 512-2047 step
+    assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (False, 1024, 4)
     kw = _scan(M.SUM, torch.empty(64, 12345), reverse=True)       # reversed loads: block scan
     assert not kw["CHUNKED"]
 
@@ -83,16 +82,18 @@ def test_costly_scans_keep_the_2048_chunked_scan(shape):
 
 @pytest.mark.parametrize("monoid", (M.SUM, M.ARGMAX, API.LOGSUMEXP2_SCAN), ids=lambda m: m.name)
 def test_misaligned_rows_scan_correctly_through_the_natural_plan(monoid):
-    """The chunked scan that misaligned rows now take, run under the interpreter at the
-    smallest row it is chosen for (2051 elements, each row start 4 bytes past a 16-byte
-    boundary): one full 2048-element tile, then the carry into a masked tail of 3."""
+    """The scans that misaligned rows take, run under the interpreter (4099 elements, each
+    row start 4 bytes past a 16-byte boundary): cheap combines the block scan (one full
+    4096-element tile, then the carry into a masked tail of 3), LOGSUMEXP2_SCAN the
+    chunked scan (two full 2048-element tiles and the tail)."""
     g = torch.Generator().manual_seed(5)
-    base = torch.randn(3, 2052, generator=g)
+    base = torch.randn(3, 4100, generator=g)
     if monoid is M.ARGMAX:
         base = torch.round(base * 2) / 2                           # ties: lowest index
     x = base[:, 1:]
     kw = _scan(monoid, x)
-    assert kw["CHUNKED"] and kw["BLOCK"] == 2048
+    costly = monoid is API.LOGSUMEXP2_SCAN
+    assert (kw["CHUNKED"], kw["BLOCK"]) == ((True, 2048) if costly else (False, 4096))
     from flashfold.kernels.reduce import reference as R
     from flashfold.testing import assert_close
     outs = L.launch_scan(monoid, x, 1)

@@ -51,8 +51,9 @@ Instruction counts below are read off the sm_90 SASS (:mod:`.aot`).
   (2^20 x 7 fp32, sm_90 SASS: argmax 296 instructions per thread for 2 rows, ~5 us of
   issue for the whole grid; the tile path it replaced: 1056 instructions per thread of 8
   elements, <= 37 us).
-* Long rows that start off 16-byte boundaries (4096 x 12345 fp32) load as scalars, as in
-  the checkpoint run; realigned tiles (``ALIGN_ROWS``) measured slower and are off.
+* Long rows that start off 16-byte boundaries (4096 x 12345 fp32): realigned tiles
+  (``ALIGN_ROWS``: vector loads, masked per vector at the head and tail), faster than
+  scalar loads in kernel time (see :data:`ALIGN_ROWS`).
 
 Eager timings and host time (the H200 runs of 2026-11-29)
 ---------------------------------------------------------
@@ -67,6 +68,11 @@ measured 0.12-0.40 ms), 4096 x 12345, and, with byte-identical kernels and grids
 runs, amax/sum over 16K x 16K bf16 (0.128 -> 0.224 / 0.129 -> 0.177 ms) and the dim-0
 reductions (0.26 -> 0.35 ms). Plans here are chosen from rows whose time is the kernels';
 ``benchmarks/reductions.py`` also times every row from a CUDA graph to separate the two.
+``benchmarks/host_overhead.py`` measured the host time itself (run 3): 187 us per
+``flashfold.argmax`` over 2^20 x 7, of which ~120 us in Triton's ``kernel[grid]`` (binding
+and hashing ~60 arguments and constexprs) against 8.6 us for a compiled kernel's launcher
+called directly; launches now go through :mod:`flashfold.kernels.launcher`, which keys
+the compiled kernel itself.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...algebra.monoid import Monoid
+from .. import launcher
 from . import kernels as K_
 from .generated import ReduceFunctions, RowMap, output_kinds, reduce_functions
 
@@ -286,8 +293,7 @@ def _costly_block(monoid: Monoid) -> bool:
     return monoid.block_lift is not None and costly_combine(monoid)
 
 
-def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = False,
-                aligned: bool = True) -> Config:
+def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = False) -> Config:
     """Tile ``[BLOCK, ROWS]`` (BLOCK stored in ``K``) and warps for a scan.
 
     H200, 16K x 16K fp32 (benchmarks/logs): for a cheap combine (cumsum) the block scan
@@ -300,11 +306,10 @@ def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = 
     (final run: 3169 GB/s). Reverse scans load in reversed order (scalar, coalesced) with
     the block scan.
 
-    ``aligned``: every row starts on a 16-byte boundary. Rows that do not (4096 x 12345
-    fp32) load as scalars in either scan, where the coalescing argument is gone; there a
-    cheap combine keeps the checkpoint's chunked scan (4096 elements, 8 warps: 0.221 ms,
-    against 0.294 for the block scan in the final run; 896 against 1432 SASS
-    instructions per thread, 146 against 168 shuffles).
+    Rows that start off 16-byte boundaries (4096 x 12345 fp32) take the same rule: in
+    kernel time (CUDA-graph replays, H200 run 3) the block scan did 0.149 ms against 0.202
+    for the chunked scan of 4096 elements at 8 warps; the eager times of the earlier runs
+    (0.221 vs 0.294, the other way) were host time (``benchmarks/host_overhead.py``).
     """
     vec = max(1, 16 // elsize)
     N, B2 = max(g.N, 1), g.B[2]
@@ -317,9 +322,6 @@ def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = 
         # 4-element vectors whatever the dtype (8-element ones would hold 32 values per
         # thread in 16-bit dtypes, and spill)
         return Config(2048, 1, 1, 4, vec=4)
-    if not aligned and not reverse and g.sn == 1 and N >= 2048:
-        warps = 8 if N >= 4096 else 4          # the checkpoint's rule
-        return Config(4 * 4 * 32 * warps, 1, 1, warps, vec=4)
     if N >= 512:
         warps = 8 if N >= 2048 else 4
         # costly combines (reverse logcumsumexp) spill at 16 values per thread
@@ -356,14 +358,15 @@ def normalize_config(g: Geometry, elsize: int, ordered: bool) -> tuple[Config, b
 
 @dataclass
 class Launch:
-    """One kernel launch: ``kernel[grid](*args, **kwargs)``."""
+    """One kernel launch: ``kernel[grid](*args, **kwargs)`` (through
+    :func:`flashfold.kernels.launcher.launch`)."""
     kernel: object
     grid: tuple
     args: tuple
     kwargs: dict = field(default_factory=dict)
 
     def __call__(self):
-        self.kernel[self.grid](*self.args, **self.kwargs)
+        launcher.launch(self.kernel, self.grid, self.args, self.kwargs)
 
 
 def _is_ordered(monoid: Monoid) -> bool:
@@ -419,14 +422,6 @@ def _common(fns: ReduceFunctions):
                 IDENTITY=fns.identity)
 
 
-def _rows_aligned(x: torch.Tensor, g: Geometry) -> bool:
-    """Whether every row of ``x`` (reduced dim contiguous) starts on a 16-byte boundary."""
-    if x.data_ptr() % 16:
-        return False
-    vec = max(1, 16 // x.element_size())
-    return not any(st % vec for st, b in zip(g.s, g.B) if b > 1)
-
-
 def _align(x: torch.Tensor, g: Geometry, cfg: Config) -> int:
     """Vector width (elements) to realign long contiguous rows to, 0 when they already
     are or :data:`ALIGN_ROWS` is off: rows whose start is not a multiple of 16 bytes
@@ -440,12 +435,12 @@ def _align(x: torch.Tensor, g: Geometry, cfg: Config) -> int:
     return vec if misaligned and vec > 1 else 0
 
 
-#: realign misaligned long rows (see :func:`_align`). Off: the H200 measured the
-#: realigned tiles slower on both rows they changed, 4096 x 12345 fp32 logsumexp 0.122 ->
-#: 0.254 ms and var_mean 0.163 -> 0.180 (checkpoint scalar loads -> final run realigned).
-#: The scalar-load kernels are those of the checkpoint (same SASS); the realigned path
-#: stays tested and is timed as a variant by benchmarks/reductions.py.
-ALIGN_ROWS = False
+#: realign misaligned long rows (see :func:`_align`). In kernel time (CUDA-graph replays,
+#: H200 run 3, 4096 x 12345 fp32) the realigned tiles beat scalar loads: logsumexp 0.067
+#: vs 0.085 ms, var_mean 0.084 vs 0.092. The eager times that once had them off (0.254 vs
+#: 0.122 ms) were host time: both plans' kernels take under 0.1 ms there. Switchable, and
+#: timed both ways as a variant by benchmarks/reductions.py.
+ALIGN_ROWS = True
 
 
 def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split, chunk,
@@ -596,8 +591,7 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     x, g = _prepare(x, dim, lambda t: ost)
     if g.rows == 0 or g.N == 0:
         return [], outs
-    cfg = scan_config(g, x.element_size(), bool(reverse), costly_combine(monoid),
-                      g.sn != 1 or _rows_aligned(x, g))
+    cfg = scan_config(g, x.element_size(), bool(reverse), costly_combine(monoid))
     block, rows = cfg.K, cfg.ROWS
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // rows)
     rcfg = reduce_config(g, x.element_size(), _is_ordered(monoid))
