@@ -2,10 +2,9 @@
 
 The interpreter (``TRITON_INTERPRET=1``) executes kernels as Python and accepts programs
 the compiler rejects; this module runs Triton's real pipeline (TTIR -> TTGIR -> LLVM ->
-PTX -> cubin, with the ``ptxas`` Triton ships) for an ``sm_90`` target, binding each
-launch's arguments exactly as the JIT would (specialization on 16-byte alignment and on
-integers equal to 1). It also reports what a kernel engineer reads off the output: the
-width of global loads/stores, registers and spills, SASS instruction counts.
+PTX -> cubin, with the ``ptxas`` Triton ships) for an ``sm_90`` target through the shared
+:func:`flashfold.kernels.aot.compile_launch`, on every launch plan the public reductions
+build: the width of global loads/stores, registers and spills of each variant.
 
 Usage (in a process *without* ``TRITON_INTERPRET``)::
 
@@ -16,90 +15,11 @@ Nothing here launches a kernel.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass
 
-__all__ = ["compile_launch", "Compiled", "main"]
+from ..aot import compile_launch
 
-
-@dataclass
-class Compiled:
-    name: str
-    ptx: str
-    ttgir: str
-    cubin: bytes
-    num_warps: int
-    shared: int
-
-    def loads(self) -> dict:
-        """``{'ld.global.v4.b32': count, ...}`` over the PTX."""
-        out: dict = {}
-        for m in re.findall(r"ld\.global[\.\w]*", self.ptx):
-            out[m] = out.get(m, 0) + 1
-        return out
-
-    def stores(self) -> dict:
-        out: dict = {}
-        for m in re.findall(r"st\.global[\.\w]*", self.ptx):
-            out[m] = out.get(m, 0) + 1
-        return out
-
-    def resources(self) -> dict:
-        """Registers and spill bytes from ``ptxas -v`` on the PTX."""
-        import triton
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        with tempfile.TemporaryDirectory() as d:
-            src = os.path.join(d, "k.ptx")
-            with open(src, "w") as f:
-                f.write(self.ptx)
-            r = subprocess.run([ptxas, "-v", "-arch=sm_90a", src, "-o", os.path.join(d, "k.o")],
-                               capture_output=True, text=True)
-        text = r.stderr + r.stdout
-        regs = re.search(r"Used (\d+) registers", text)
-        spill = re.search(r"(\d+) bytes spill stores", text)
-        return {"registers": int(regs.group(1)) if regs else None,
-                "spill_stores": int(spill.group(1)) if spill else None}
-
-    def sass_counts(self, *opcodes: str) -> dict:
-        """Occurrences of SASS opcodes (e.g. ``"MUFU.EX2"``, ``"SHFL"``, ``"BAR"``)."""
-        import triton
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(self.cubin)
-            path = f.name
-        try:
-            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
-        finally:
-            os.unlink(path)
-        return {op: len(re.findall(r"\b" + re.escape(op), sass)) for op in opcodes}
-
-
-def compile_launch(launch, capability: int = 90) -> Compiled:
-    """Compile one :class:`~flashfold.kernels.reduce.launch.Launch` for ``sm_<capability>``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
-
-    fn = launch.kernel
-    if not isinstance(fn, JITFunction):
-        raise RuntimeError("aot: kernels are interpreted (TRITON_INTERPRET is set); compile in "
-                           "a process without it")
-    target = GPUTarget("cuda", capability, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = dict(launch.kwargs)
-    bound_args, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args,
-                                                          specialization, options)
-    src = ASTSource(fn, signature, constexprs, attrs)
-    c = triton.compile(src, target=target, options=options.__dict__)
-    return Compiled(fn.__name__, c.asm["ptx"], c.asm["ttgir"], c.asm["cubin"],
-                    c.metadata.num_warps, c.metadata.shared)
+__all__ = ["plans", "main"]
 
 
 def _affine():
@@ -178,7 +98,7 @@ def main(argv=None) -> int:
     rows = []
     for name, plan in plans():
         for i, launch in enumerate(plan):
-            c = compile_launch(launch)
+            c = compile_launch(launch.kernel, launch.args, launch.kwargs)
             rows.append({"name": name, "launch": i, "kernel": c.name, "num_warps": c.num_warps,
                          **c.resources(), "loads": c.loads(), "stores": c.stores()})
     if "--json" in argv:
