@@ -48,7 +48,7 @@ import os
 
 from ...algebra.evaluate import numpy_monoid
 from ...algebra.ir import Graph, Var, trace
-from ...algebra.lower import Backend, emit
+from ...algebra.lower import Backend
 from ...algebra.monoid import Monoid
 from ..codegen import TRITON, TritonMonoid, _safe, jit_source, load_source, triton_monoid
 
@@ -84,18 +84,11 @@ def _fast_log2_source() -> str:
 
 
 def fast_jit_source(graph: Graph, fn_name: str, arg_names: list[str], float_outputs=None) -> str:
-    """:func:`flashfold.kernels.codegen.jit_source` with the :data:`FAST` lowering."""
-    lines, outs = emit(graph, FAST, arg_names)
-    fixed = []
-    for i, (node, expr) in enumerate(zip(graph.outputs, outs)):
-        if node.op == "const":
-            dt = "tl.float32" if (float_outputs is None or float_outputs[i]) else "tl.int32"
-            expr = f"tl.full({arg_names[0]}.shape, {expr}, {dt})"
-        fixed.append(expr)
+    """:func:`flashfold.kernels.codegen.jit_source` with the :data:`FAST` lowering (graphs
+    without captured buffers: the reduce/scan templates pass none)."""
     if graph.buffers:
         raise ValueError(f"{graph.name}: captured buffers are not supported here")
-    ret = "    return " + ", ".join(fixed) + ("," if len(fixed) == 1 else "")
-    return "\n".join(["@triton.jit", f"def {fn_name}({', '.join(arg_names)}):", *lines, ret]) + "\n"
+    return jit_source(graph, fn_name, arg_names, float_outputs=float_outputs, backend=FAST)
 
 
 def _helpers(monoid: Monoid) -> str:
