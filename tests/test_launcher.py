@@ -153,3 +153,12 @@ def test_a_launch_hook_sends_every_call_through_triton(log):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert [c[0] for c in log] == ["slow", "slow"]
+
+
+def test_kernels_other_than_jit_functions_take_tritons_path(log):
+    """An autotuner or an interpreted function has no compiled kernel of its own to cache."""
+    class NotJit:
+        params = _k.params
+    for _ in range(2):
+        L.launch(NotJit(), (1,), (buf(),), {})
+    assert [c[0] for c in log] == ["slow", "slow"]

@@ -23,7 +23,8 @@ The key is never coarser than Triton's (it may be finer: a finer key only costs 
 slow-path call for that key), so the cached kernel is the one Triton would pick. A miss,
 or any argument of another type, goes through ``kernel[grid]`` (which compiles when
 needed) and caches what it returns. The interpreter (``TRITON_INTERPRET=1``), launch
-hooks (profilers) and callable grids always take Triton's own path (which also rejects
+hooks (profilers), callable grids and kernels that are not plain ``JITFunction``s
+(autotuners, interpreted functions) always take Triton's own path (which also rejects
 CPU tensors, so nothing is cached for them).
 """
 
@@ -109,7 +110,7 @@ def launch(kernel, grid, args=(), kwargs=None):
 
     ``grid``: a tuple of 1-3 ints (not a callable). Returns nothing."""
     kwargs = kwargs or {}
-    if not enabled() or _hooked() or callable(grid):
+    if not enabled() or _hooked() or callable(grid) or not isinstance(kernel, _JIT):
         _slow(kernel, grid, args, kwargs)
         return
     info = _CONSTEXPR_POS.get(id(kernel))
