@@ -409,6 +409,12 @@ def variants(copy_gbs):
         ("cumsum 1xLONG", 2 * xl.numel() * 4, lambda: ff.cumsum(xl, 1), "LOOKBACK_TILES", [
             ("look-back 2 tiles/chunk", 2), ("look-back 8 tiles/chunk", 8)]),
     ]
+    cases += [                                          # columns: the reduced dim strided
+        ("sum dim 0", nb, lambda: ff.reduce(M.SUM, x, 0), "reduce_config", [
+            ("512 cols K=8 w4 (default)", None), ("512 cols K=16 w4", C(16, 1, 512, 4)),
+            ("512 cols K=8 w8", C(8, 1, 512, 8)), ("256 cols K=16 w4", C(16, 1, 256, 4)),
+            ("1024 cols K=4 w8", C(4, 1, 1024, 8))]),
+    ]
     xw = torch.randn(BIG // 4, WIDE, device=DEV)        # rows start off 16-byte boundaries
     nw = xw.numel() * 4
     cases += [
