@@ -415,6 +415,14 @@ def variants(copy_gbs):
             ("512 cols K=8 w8", C(8, 1, 512, 8)), ("256 cols K=16 w4", C(16, 1, 256, 4)),
             ("1024 cols K=4 w8", C(4, 1, 1024, 8))]),
     ]
+    x7 = torch.randn(MANY, 7, device=DEV)               # rows of 7: one row per thread
+    n7 = x7.numel() * 4
+    cases += [
+        ("argmax 2^20x7", n7, lambda: ff.argmax(x7, 1), "reduce_config", [
+            ("256 rows w4 (default)", None), ("128 rows w4", C(8, 1, 128, 4, small=True)),
+            ("512 rows w4", C(8, 1, 512, 4, small=True)), ("1024 rows w8", C(8, 1, 1024, 8, small=True)),
+            ("tile path 8 x 128 rows", C(8, 1, 128, 4))]),
+    ]
     xw = torch.randn(BIG // 4, WIDE, device=DEV)        # rows start off 16-byte boundaries
     nw = xw.numel() * 4
     cases += [
