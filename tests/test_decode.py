@@ -111,6 +111,30 @@ def test_decode_cpu_matches_attention(dtype, paged):
     assert_close(lse, rl, "float32", name="lse")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_cpu_cache_start(dtype, paged):
+    """The public function with ``cache_start`` (CPU path): the keys ``[a_b, n_b)``; the
+    host-side page check (``check_lengths``) looks only at pages holding such keys (-1 in
+    the block table before the first key is fine, a bad page after it is not)."""
+    case = make_case(START_LENS, heads_q=4, heads_kv=2, q_len=2, head_dim=32, capacity=70,
+                     page_size=8, dtype=dtype)
+    ro, rl = attention_per_sequence(case, cache_start=STARTS)
+    case = _poison_before_start(case, STARTS)
+    k, v, table = case.cache(paged)
+    start = torch.tensor(STARTS, dtype=torch.int32)
+    o, lse = ff.decode(case.q, k, v, case.seqlens, block_table=table, cache_start=start,
+                       return_lse=True, check_lengths=True)
+    assert o.dtype == dtype and not torch.isnan(o).any()
+    assert_close(o, ro, dtype, name="o")
+    assert_close(lse, rl, "float32", name="lse")
+    if paged:
+        table[7, 6] = 999                       # sequence 7: keys [0, 50), page 6 in use
+        with pytest.raises(ValueError, match="block_table: the pages in use"):
+            ff.decode(case.q, k, v, case.seqlens, block_table=table, cache_start=start)
+        assert (table[6, :17 // 8] == -1).all()  # sequence 6: pages before its first key
+
+
 def test_empty_and_unseen_rows_are_the_identity():
     # length 0: every row empty; length 1 with q_len 3: rows 0 and 1 sit before the cache
     case = make_case([0, 1, 0], heads_q=2, heads_kv=1, q_len=3, head_dim=16, capacity=8,
@@ -221,6 +245,15 @@ def _args():
     (lambda a: a.update(num_splits=2, batch_invariant=True), ValueError, "num_splits.*batch_invariant"),
     (lambda a: a.update(batch_invariant=1), TypeError, "batch_invariant"),
     (lambda a: a.update(max_seqlen=-1), ValueError, "max_seqlen"),
+    (lambda a: a.update(cache_start=[0, 0]), TypeError, "cache_start: expected a torch.Tensor"),
+    (lambda a: a.update(cache_start=torch.zeros(2, dtype=torch.int64)), TypeError,
+     "cache_start: dtype must be torch.int32"),
+    (lambda a: a.update(cache_start=torch.zeros(3, dtype=torch.int32)), ValueError,
+     r"cache_start: expected shape \(2,\)"),
+    (lambda a: a.update(cache_start=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
+     "cache_start: expected shape"),
+    (lambda a: a.update(cache_start=torch.zeros(2, dtype=torch.int32, device="meta")), ValueError,
+     "cache_start: on meta"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_decode_validation_contiguous(mutate, exc, pattern):
     c = _args()

@@ -74,6 +74,13 @@ SCRIPT = textwrap.dedent(r'''
         variant("contiguous_tma", tma=True),
         variant("paged64_tma", page=64, tma=True),
         variant("invariant_tma", batch_invariant=True, tma=True),
+        # a first key per sequence (left padding): masked first tile, clipped page lookups
+        variant("paged16_start_window", page=16, q_len=4, window=(100, None),
+                cache_start=torch.zeros(2, dtype=torch.int32)),
+        variant("invariant_start", batch_invariant=True,
+                cache_start=torch.zeros(2, dtype=torch.int32)),
+        variant("paged64_start_tma", page=64, tma=True,
+                cache_start=torch.zeros(2, dtype=torch.int32)),
     ]
     print(json.dumps(dict(cases)))
 ''')
@@ -94,7 +101,7 @@ SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on Hopper
 
 
 def test_every_variant_compiles_without_spills(compiled):
-    assert len(compiled) == 15
+    assert len(compiled) == 18
     for name, kernels in compiled.items():
         for kind, info in kernels.items():
             assert info["spill"] == 0, (name, kind, info)
@@ -102,7 +109,7 @@ def test_every_variant_compiles_without_spills(compiled):
             assert 0 < info["registers"] <= 255, (name, kind, info)
 
 
-TMA = {"contiguous_tma", "paged64_tma", "invariant_tma"}
+TMA = {"contiguous_tma", "paged64_tma", "invariant_tma", "paged64_start_tma"}
 
 
 def test_split_kernel_pipelines_kv(compiled):

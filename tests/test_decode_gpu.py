@@ -169,3 +169,95 @@ def test_tma_and_pointer_loads_agree(page):
         assert_close(runs[0][1], runs[1][1].double(), "float32", name="lse")
         print(f"page {page} invariant {inv}: TMA and pointer outputs bitwise equal:",
               torch.equal(runs[0][0], runs[1][0]))
+
+
+# --- a first key per sequence (cache_start, left padding) ----------------------------------
+
+#: lengths and first keys at real sizes: none, 0, a middle, == length, past it, one tile
+#: short of the end, unaligned to any tile, page or invariant split
+START_LENS = [0, 1, 8192, 8192, 6000, 7000, 4097, 3]
+STARTS = [5, 0, 2049, 8192, 9000, 6999, 1000, 1]
+
+
+@pytest.mark.parametrize("page", [None, 16, 64], ids=["contiguous", "paged16", "paged64"])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_cache_start_real_sizes(page, q_len):
+    """bf16 at real sizes with a first key per sequence, default and batch-invariant, with
+    and without a window: against the float64 reference on the keys [a_b, n_b); the slots
+    before a_b hold NaN and the block-table entries of pages before it are -1 (never
+    read); sequences with no key give exactly (0, -inf)."""
+    case = make_case(START_LENS, heads_q=HQ, heads_kv=HKV, q_len=q_len, head_dim=D,
+                     capacity=8192, page_size=page or 16, dtype=torch.bfloat16, device="cuda")
+    start = torch.tensor(STARTS, dtype=torch.int32, device="cuda")
+    refs = {w: decode_reference(case.q.double(), case.k.double(), case.v.double(), case.seqlens,
+                                window=w, cache_start=start) for w in (None, (1500, None))}
+    for b, a in enumerate(STARTS):
+        case.k[b, :, :a] = float("nan")
+        case.v[b, :, :a] = float("nan")
+    if page is not None:
+        case = repage(case, page)
+        for b, (a, n) in enumerate(zip(STARTS, START_LENS)):
+            a = min(a, n)
+            case.block_table[b, :a // page] = -1
+    k, v, table = case.cache(page is not None)
+    for window, (ro, rl) in refs.items():
+        for inv in (False, True):
+            o, lse = ff.decode(case.q, k, v, case.seqlens, block_table=table, window=window,
+                               cache_start=start, batch_invariant=inv, return_lse=True)
+            assert_close(o, ro, "bfloat16", name=f"o (window {window}, invariant {inv})")
+            assert_close(lse, rl, "float32", name=f"lse (window {window}, invariant {inv})")
+            for b in (0, 3, 4):
+                assert torch.equal(o[b], torch.zeros_like(o[b])) and (lse[b] == -math.inf).all()
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+def test_cache_start_batch_invariant_bitwise(page):
+    """A left-padded sequence (first key 1234, length 7000) alone and in batches of 8 and
+    64 with other lengths and first keys: bitwise the same in batch-invariant mode."""
+    target = make_case([7000], heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=7000,
+                       dtype=torch.bfloat16, device="cuda", seed=1)
+    g = torch.Generator().manual_seed(5)
+    outs = []
+    for batch, pos, cap in [(1, 0, 8192), (8, 3, 8192), (64, 40, 12288)]:
+        lens = torch.randint(0, cap + 1, (batch,), generator=g)
+        starts = (torch.rand(batch, generator=g) * lens).to(torch.int32)
+        lens[pos], starts[pos] = 7000, 1234
+        case = make_case(lens.tolist(), heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=cap,
+                         dtype=torch.bfloat16, device="cuda", seed=batch)
+        case.q[pos] = target.q[0]
+        case.k[pos, :, :7000], case.v[pos, :, :7000] = target.k[0], target.v[0]
+        k, v, table = case.k, case.v, None
+        if page is not None:
+            paged = repage(case, page)
+            k, v, table = paged.k_pages, paged.v_pages, paged.block_table
+        o = ff.decode(case.q, k, v, case.seqlens, block_table=table, batch_invariant=True,
+                      cache_start=starts.cuda())
+        outs.append(o[pos].clone())
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+def test_cache_start_cuda_graph_capture():
+    """No host synchronisation with a first key: the step captures in a CUDA graph, and a
+    replay after the first keys change (in place) follows them."""
+    case = make_case([8192, 4000], heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=8192,
+                     page_size=16, dtype=torch.bfloat16, device="cuda")
+    start = torch.tensor([100, 3000], dtype=torch.int32, device="cuda")
+    fn = lambda: ff.decode(case.q, case.k_pages, case.v_pages, case.seqlens,  # noqa: E731
+                           block_table=case.block_table, cache_start=start)
+    eager = fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    start.copy_(torch.tensor([5000, 0], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fn())

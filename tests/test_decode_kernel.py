@@ -52,14 +52,16 @@ def run(case, paged, **kw):
     return o, lse, launch
 
 
-def check(case, o, lse, dtype, **mods):
-    """Against the float64 reference and against flashfold.attention (float64)."""
+def check(case, o, lse, dtype, cache_start=None, **mods):
+    """Against the float64 reference and against flashfold.attention (float64);
+    ``cache_start`` a list of first keys."""
+    start = None if cache_start is None else torch.tensor(cache_start, dtype=torch.int32)
     ro, rl = decode_reference(case.q.cpu().double(), case.k.cpu().double(), case.v.cpu().double(),
-                              case.seqlens.cpu(), **mods)
+                              case.seqlens.cpu(), cache_start=start, **mods)
     assert_close(o, ro, dtype, name="o vs reference")
     assert_close(lse, rl, "float32", name="lse vs reference")
     cpu = type(case)(case.q.cpu(), case.k.cpu(), case.v.cpu(), case.seqlens.cpu(), None, None, None)
-    ao, al = attention_per_sequence(cpu, **{k: v for k, v in mods.items()})
+    ao, al = attention_per_sequence(cpu, cache_start=cache_start, **mods)
     assert_close(o, ao, dtype, name="o vs flashfold.attention")
     assert_close(lse, al, "float32", name="lse vs flashfold.attention")
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
@@ -144,6 +146,88 @@ def test_unused_cache_slots_may_hold_nan(layout, q_len, mods, tma):
         o, lse, launch = run(case, page is not None, num_splits=splits, tma=tma, **mods)
         assert launch.split[2]["USE_TMA"] == tma
         check(clean, o, lse, torch.float16, **mods)
+
+
+#: lengths and first keys (``cache_start``): past the length of an empty sequence, 0 and
+#: == length on length 1, a middle and == length at 77 (not a tile or page multiple), past
+#: the length, negative (clamped to 0), one before the end (q_len > 1: the first query rows
+#: see no key)
+START_LENS = [0, 1, 1, 77, 77, 150, 130, 100]
+STARTS = [2, 0, 1, 40, 77, 200, -5, 99]
+EMPTY = [0, 2, 4, 5]                      # sequences with no key at all
+
+
+def _start_case(q_len, page, dtype, seed=21):
+    """``(clean, poisoned)``: the same tokens; in the poisoned copy every contiguous slot
+    before a sequence's first key is NaN, and every block-table entry of a page holding no
+    key of ``[a_b, n_b)`` is -1 (such pages must not be looked up)."""
+    kw = dict(heads_q=4, heads_kv=2, q_len=q_len, head_dim=32, capacity=150,
+              dtype=dtype, device=DEVICE, seed=seed)
+    clean = make_case(START_LENS, **kw)
+    case = make_case(START_LENS, **kw)
+    for b, a in enumerate(STARTS):
+        case.k[b, :, :max(a, 0)] = float("nan")
+        case.v[b, :, :max(a, 0)] = float("nan")
+    if page is not None:
+        case = repage(case, page)
+        for b, (a, n) in enumerate(zip(STARTS, START_LENS)):
+            a = min(max(a, 0), n)
+            for i in range(case.block_table.shape[1]):
+                if not (i * page < n and a < min((i + 1) * page, n)):
+                    case.block_table[b, i] = -1
+    return clean, case
+
+
+@pytest.mark.parametrize("layout, q_len, dtype, mods", [
+    ("contiguous", 1, torch.float16, {}),
+    ("contiguous", 3, torch.float32, {"window": (20, None)}),
+    ("paged8", 2, torch.float16, {}),
+    ("paged64", 3, torch.float16, {"window": (30, None), "softcap": 2.0}),
+    ("paged12", 1, torch.float32, {}),
+], ids=["contiguous-q1", "contiguous-q3-window", "paged8-q2", "paged64-q3-window-softcap",
+        "paged12-q1"])
+def test_kernel_cache_start(layout, q_len, dtype, mods):
+    """A first key per sequence (left padding) in every mode: one split, merged splits,
+    batch-invariant fixed splits (several per sequence, several per program): the
+    reference and flashfold.attention on the keys ``[a_b, n_b)``; slots before ``a_b``
+    never read (NaN there, -1 in the block table); no key: exactly (0, -inf)."""
+    page = LAYOUTS[layout]
+    clean, case = _start_case(q_len, page, dtype)
+    start = torch.tensor(STARTS, dtype=torch.int32, device=DEVICE)
+    modes = [dict(num_splits=1), dict(num_splits=3),
+             dict(batch_invariant=True, invariant_split=64, max_seqlen=70)]
+    for kw in modes:
+        o, lse, launch = run(case, page is not None, cache_start=start, **kw, **mods)
+        assert launch.split[2]["HAS_START"] and launch.merge is None or launch.merge[2]["HAS_START"]
+        check(clean, o, lse, dtype, cache_start=STARTS, **mods)
+        assert torch.equal(o[EMPTY], torch.zeros_like(o[EMPTY])) and (lse[EMPTY] == -math.inf).all()
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_kernel_cache_start_tma_and_pages_larger_than_a_tile(tma):
+    """TMA boxes read whole tiles, the slots before the first key included: their values
+    are zeroed in the masked tile (NaN there does not leak); pages of 128 > BLOCK_N."""
+    clean, case = _start_case(2, 128, torch.float16, seed=22)
+    for paged in (False, True):
+        if not paged:
+            case.k, case.v = case.k.contiguous(), case.v.contiguous()
+        start = torch.tensor(STARTS, dtype=torch.int32, device=DEVICE)
+        o, lse, launch = run(case, paged, cache_start=start, num_splits=2, tma=tma)
+        assert launch.split[2]["USE_TMA"] == tma
+        check(clean, o, lse, torch.float16, cache_start=STARTS)
+
+
+def test_cache_start_zero_is_no_start_bitwise():
+    """``cache_start`` of zeros takes the masked first tile but computes the same bits as
+    no start (a masked step on a fully visible tile equals an unmasked one)."""
+    case = make_case([0, 1, 70, 150], heads_q=4, heads_kv=2, q_len=2, head_dim=32,
+                     capacity=150, page_size=8, dtype=torch.float16, device=DEVICE, seed=23)
+    zero = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    for paged, kw in [(False, dict(num_splits=2)), (True, dict(batch_invariant=True,
+                                                               invariant_split=64))]:
+        a = run(case, paged, **kw)[:2]
+        b = run(case, paged, cache_start=zero, **kw)[:2]
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_tma_refused_where_it_cannot_address_the_cache():
@@ -316,10 +400,12 @@ def _decode_cases(draw):
     block_n = draw(st.sampled_from([16, 32]))
     page = draw(st.sampled_from([None, 16, 32, 64]))
     invariant = draw(st.booleans())
+    starts = (draw(st.lists(st.integers(-2, capacity + 2), min_size=len(lens), max_size=len(lens)))
+              if draw(st.booleans()) else None)
     return dict(
         shape=dict(heads_q=heads_kv * group, heads_kv=heads_kv, q_len=draw(st.sampled_from([1, 2, 5])),
                    capacity=capacity, page_size=page or 16, seed=draw(st.integers(0, 99))),
-        lens=lens, paged=page is not None,
+        lens=lens, paged=page is not None, starts=starts,
         config=splitkv.DecodeConfig(block_n=block_n, num_warps=4, num_stages=2),
         split=dict(batch_invariant=True, invariant_split=block_n * draw(st.sampled_from([1, 3])))
         if invariant else dict(num_splits=draw(st.integers(1, 4))),
@@ -331,12 +417,15 @@ def _decode_cases(draw):
 @settings(max_examples=12, deadline=None)
 @given(_decode_cases())
 def test_fuzz_against_reference(c):
-    """Random shapes, lengths, layouts, tiles, splits, windows, softcaps, both modes, TMA
-    or pointers: the masked and unmasked key runs always add up to the reference."""
+    """Random shapes, lengths, first keys, layouts, tiles, splits, windows, softcaps, both
+    modes, TMA or pointers: the masked and unmasked key runs always add up to the
+    reference."""
     case = make_case(c["lens"], head_dim=32, dtype=torch.float16, device=DEVICE, **c["shape"])
-    o, lse, _ = run(case, c["paged"], config=c["config"], tma=c["tma"], **c["split"], **c["mods"])
+    start = None if c["starts"] is None else torch.tensor(c["starts"], dtype=torch.int32)
+    o, lse, _ = run(case, c["paged"], config=c["config"], tma=c["tma"], **c["split"], **c["mods"],
+                    cache_start=None if start is None else start.to(DEVICE))
     ro, rl = decode_reference(case.q.cpu().double(), case.k.cpu().double(), case.v.cpu().double(),
-                              case.seqlens.cpu(), **c["mods"])
+                              case.seqlens.cpu(), cache_start=start, **c["mods"])
     assert_close(o, ro, torch.float16, name="o")
     assert_close(lse, rl, "float32", name="lse")
 

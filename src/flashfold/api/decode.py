@@ -6,20 +6,25 @@ values, contiguous or paged; :func:`append_kv` writes new keys and values into t
 :class:`PagedKVCache` bundles a paged cache, its block table and its lengths.
 
 Semantics (as FlashAttention's KV-cache API). For sequence ``b`` with ``n_b =
-cache_seqlens[b]`` cached tokens, the ``q_len`` queries are the *last* ``q_len`` tokens of
-the cache: query ``i`` sits at position ``p_i = n_b - q_len + i`` and sees key ``j`` iff
+cache_seqlens[b]`` cached tokens and first key ``a_b = clamp(cache_start[b], 0, n_b)``
+(``0`` without ``cache_start``; left padding: the row's first ``a_b`` slots are not part of
+the sequence), the ``q_len`` queries are the *last* ``q_len`` tokens of the cache: query
+``i`` sits at position ``p_i = n_b - q_len + i`` and sees key ``j`` iff
 
-.. math::  j \le p_i \quad\text{and}\quad j \ge p_i - w_\ell \quad (\text{window } (w_\ell, w_r)),
+.. math::  a_b \le j \le p_i \quad\text{and}\quad j \ge p_i - w_\ell
+           \quad (\text{window } (w_\ell, w_r)),
 
-i.e. causal inside the cache (the same as ``flashfold.attention(q, k[:n_b], v[:n_b],
-causal=True, window=window)``, whose causal rule aligns the queries bottom-right, so the
-window's right side has no further effect). With ``s_j = scale\, q_i \cdot k_j`` (then
+i.e. causal inside the cache (the same as ``flashfold.attention(q, k[a_b:n_b],
+v[a_b:n_b], causal=True, window=window)``, whose causal rule aligns the queries
+bottom-right, so the window's right side has no further effect). The alignment is against
+``n_b`` whatever ``a_b``: keys before ``a_b`` are invisible like keys left of a window, and
+their slots are never read. With ``s_j = scale\, q_i \cdot k_j`` (then
 ``softcap \tanh(s_j / softcap)``):
 
 .. math::  \mathrm{lse}_i = \log \sum_{j\,\mathrm{visible}} e^{s_j}, \qquad
            o_i = \sum_{j\,\mathrm{visible}} e^{s_j - \mathrm{lse}_i} v_j,
 
-and a row with no visible key (``n_b = 0``, or ``p_i < 0``) gives ``o_i = 0``,
+and a row with no visible key (``n_b = 0``, ``a_b >= n_b``, or ``p_i < a_b``) gives ``o_i = 0``,
 ``lse_i = -inf`` (never NaN or +inf), the identity of the monoid, so such a partial result
 merges correctly with others (:func:`flashfold.merge_states`).
 
@@ -144,8 +149,25 @@ def _layout(q, k_cache, v_cache, cache_seqlens, block_table, dtypes=None):
     return heads_kv, page_size, capacity
 
 
-def _check_lengths(cache_seqlens, capacity, block_table, num_pages, extra=0, name="cache_seqlens"):
-    """Host-side range checks (reads the tensors: a device synchronisation on CUDA)."""
+def _cache_start(cache_start, batch, dev):
+    """Validate the optional ``(batch,)`` int32 first keys (any values: clamped to ``[0, n_b]``)."""
+    if cache_start is None:
+        return None
+    _tensor(cache_start, "cache_start")
+    if cache_start.dtype != torch.int32:
+        raise TypeError(f"cache_start: dtype must be torch.int32, got {cache_start.dtype}")
+    if cache_start.device != dev:
+        raise ValueError(f"cache_start: on {cache_start.device}, q on {dev}")
+    if cache_start.shape != (batch,):
+        raise ValueError(f"cache_start: expected shape ({batch},), got "
+                         f"{tuple(cache_start.shape)}")
+    return cache_start
+
+
+def _check_lengths(cache_seqlens, capacity, block_table, num_pages, extra=0, name="cache_seqlens",
+                   cache_start=None):
+    """Host-side range checks (reads the tensors: a device synchronisation on CUDA). The
+    pages in use are those holding a token of ``[cache_start, cache_seqlens + extra)``."""
     lens = cache_seqlens.to("cpu", torch.int64)
     if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) + extra > capacity):
         what = f" + {extra} new tokens" if extra else ""
@@ -154,9 +176,12 @@ def _check_lengths(cache_seqlens, capacity, block_table, num_pages, extra=0, nam
     if block_table is not None and lens.numel():
         page = capacity // block_table.shape[1]
         used = (lens + extra + page - 1) // page
+        first = torch.zeros_like(lens)
+        if cache_start is not None:
+            first = torch.minimum(cache_start.to("cpu", torch.int64).clamp(min=0), lens) // page
         bt = block_table.to("cpu", torch.int64)
         cols = torch.arange(bt.shape[1])[None, :]
-        live = bt[cols < used[:, None]]
+        live = bt[(cols < used[:, None]) & (cols >= first[:, None])]
         if live.numel() and (int(live.min()) < 0 or int(live.max()) >= num_pages):
             raise ValueError(f"block_table: the pages in use must lie in [0, {num_pages}), got "
                              f"min {int(live.min())}, max {int(live.max())}")
@@ -176,7 +201,8 @@ def _number(x, name, positive=True):
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
            scale: float | None = None, softcap: float | None = None,
-           window: tuple[int | None, int | None] | None = None, num_splits: int | None = None,
+           window: tuple[int | None, int | None] | None = None,
+           cache_start: torch.Tensor | None = None, num_splits: int | None = None,
            batch_invariant: bool = False, return_lse: bool = False,
            max_seqlen: int | None = None, check_lengths: bool | None = None):
     r"""Attention of a few new query tokens per sequence against a KV cache (split-KV).
@@ -201,13 +227,25 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         softcap: if given (``> 0``), scores become ``softcap * tanh(score / softcap)``.
         window: ``(left, right)``: query ``i`` sees keys ``p_i - left .. p_i`` (``None`` or
             ``-1``: unbounded; the right side is bounded by causality at 0).
+        cache_start: optional ``(batch,)`` int32, same device: sequence ``b``'s first key
+            ``a_b`` (left padding: its keys are the cache positions ``[a_b, n_b)``).
+            Clamped to ``[0, n_b]`` (any value is allowed; ``a_b >= n_b`` leaves no key:
+            output 0, LSE ``-inf``). Positions stay absolute (query ``i`` at ``n_b - q_len
+            + i``, the window counted from there); a query row before ``a_b`` sees no key.
+            The slots before ``a_b`` are never read (they may hold anything), nor are the
+            block-table entries of pages holding no key of ``[a_b, n_b)``. Composes with
+            the window (the left bound is ``max(p_i - left, a_b)``), paged caches and
+            ``batch_invariant``. Default ``None``: every ``a_b = 0``.
         num_splits: force the number of key splits per sequence (default: chosen from the
             batch, heads, length bound and SM count so the whole GPU is busy). Not allowed
             with ``batch_invariant``.
         batch_invariant: split the keys at fixed multiples of a constant
             (:data:`~flashfold.kernels.decode.splitkv.INVARIANT_SPLIT` tokens) and merge in
             a fixed order, so a sequence's output is bitwise the same whatever else is in
-            the batch. The default mode chooses the split size from the batch, so the
+            the batch (a sequence being its query, its keys at their cache positions and
+            its ``cache_start``: the splits sit at absolute positions, so moving the same
+            tokens to other positions, e.g. another amount of left padding, may round
+            differently). The default mode chooses the split size from the batch, so the
             rounding (not the math) can change with the batch.
         return_lse: also return the log-sum-exp.
         max_seqlen: optional host-side upper bound of ``cache_seqlens`` (default: the
@@ -226,6 +264,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         TypeError / ValueError naming the offending argument.
     """
     heads_kv, page_size, capacity = _layout(q, k_cache, v_cache, cache_seqlens, block_table)
+    cache_start = _cache_start(cache_start, q.shape[0], q.device)
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _number(scale, "scale", False)
     if scale == 0.0:
@@ -250,17 +289,20 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if check_lengths is None:
         check_lengths = cache_seqlens.device.type == "cpu"
     if check_lengths:
-        _check_lengths(cache_seqlens, capacity, block_table, k_cache.shape[0])
+        _check_lengths(cache_seqlens, capacity, block_table, k_cache.shape[0],
+                       cache_start=cache_start)
 
     if q.device.type == "cuda":
         from ..kernels.decode.splitkv import splitkv_decode
         o, lse = splitkv_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
                                 softcap=softcap, window=win, num_splits=num_splits,
-                                batch_invariant=batch_invariant, max_seqlen=max_seqlen)
+                                batch_invariant=batch_invariant, max_seqlen=max_seqlen,
+                                cache_start=cache_start)
     else:
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
         o, lse = decode_reference(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
-                                  softcap=softcap, window=win, compute_dtype=cd)
+                                  softcap=softcap, window=win, cache_start=cache_start,
+                                  compute_dtype=cd)
         o, lse = o.to(q.dtype), lse.to(torch.float32)
     return (o, lse) if return_lse else o
 

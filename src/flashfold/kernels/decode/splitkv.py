@@ -47,7 +47,8 @@ by its own program, and the states are folded:
    for bit (``e^0 = 1``, ``e^-inf = 0``), the same bits the one-split kernel writes.
 
 Split plan (one jit function, :func:`_split_plan`, used by both kernels). The keys any row
-of a group can see start at ``lo = max(0, n_b - q_len - window_left)``.
+of a group can see start at ``lo = max(a_b, n_b - q_len - window_left)``, where ``a_b`` is
+the sequence's first key (``cache_start``, clamped to ``[0, n_b]``; 0 without it).
 
 * default mode: ``S`` split programs per sequence, ``S`` from the host heuristic
   :func:`choose_num_splits` (batch x heads_kv programs, the SM count, a host bound on the
@@ -66,7 +67,15 @@ of a group can see start at ``lo = max(0, n_b - q_len - window_left)``.
   ``BLOCK_N``), the kernel configuration (a function of head_dim, dtype, page size, group
   and q_len only) and the merge bracketing then depend only on the sequence: its output
   is bitwise the same in any batch, at the cost of a few more partials to write and merge
-  (not of more, shorter programs).
+  (not of more, shorter programs). Split 0 may begin several tiles before ``lo``: those
+  tiles hold no visible key and are skipped (they would fold to the identity exactly).
+
+A first key ``a_b`` (``cache_start``, e.g. left padding) is one more left bound, like the
+window's: it moves ``lo`` (so every split, in both modes, is planned from the sequence's
+own ``a_b``, never from the batch), the tile holding ``a_b`` is masked, and keys before it
+are never loaded (masked loads; TMA tiles zero their values), nor are the pages of a paged
+cache that hold no key of ``[a_b, n_b)`` looked up in the block table. The causal alignment
+stays bottom-right against ``n_b``.
 
 Workspace: partials ``o`` fp32 ``(batch, heads_q, q_len, ws, head_dim)`` and ``lse``
 ``(batch, heads_q, q_len, ws)``, contiguous, ``ws`` splits reserved per row; only the
@@ -82,8 +91,8 @@ merge's launch latency hides behind the split kernel. Both merges fold the same 
 ATTENTION functions (``tests/test_decode_kernel.py`` checks split-KV against
 ``merge_states`` of ``attention`` over key chunks).
 
-Lengths are read on the device (``cache_seqlens``, clamped to ``[0, capacity]``), never
-on the host: nothing here synchronises, so a decode step can be captured in a CUDA graph.
+Lengths and first keys are read on the device (``cache_seqlens`` clamped to ``[0,
+capacity]``, ``cache_start`` to ``[0, n_b]``), never on the host: nothing here synchronises, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -138,86 +147,110 @@ def _tanh(x):
 
 
 @triton.jit
-def _split_plan(seqlen, win_left, n_splits, split_size, Q_LEN: tl.constexpr,
+def _split_plan(seqlen, kstart, win_left, n_splits, split_size, Q_LEN: tl.constexpr,
                 BLOCK_N: tl.constexpr, FIXED_SPLIT: tl.constexpr):
-    """(first key of split 0, keys per split, number of non-empty splits) of one sequence."""
-    lo = tl.maximum(seqlen - Q_LEN - win_left, 0)
+    """(first key of split 0, keys per split, number of non-empty splits, first tile with a
+    visible key) of one sequence, from its length and first key ``kstart`` only."""
+    lo = tl.maximum(seqlen - Q_LEN - win_left, kstart)                  # kstart >= 0
+    first_tile = (lo // BLOCK_N) * BLOCK_N
     if FIXED_SPLIT:
         size = split_size
         base = (lo // size) * size
     else:
-        base = (lo // BLOCK_N) * BLOCK_N
+        base = first_tile
         size = tl.cdiv(tl.cdiv(seqlen - base, n_splits), BLOCK_N) * BLOCK_N
         size = tl.maximum(size, BLOCK_N)
-    return base, size, tl.cdiv(seqlen - base, size)
+    return base, size, tl.cdiv(seqlen - base, size), first_tile
 
 
 @triton.jit
-def _page_of(BT, b, n0, end, stride_btb, stride_btp, PAGE_SIZE: tl.constexpr):
-    """The page holding key ``n0`` (int32 scalar; page 0 when ``n0 >= end``)."""
-    return tl.load(BT + b * stride_btb + (n0 // PAGE_SIZE) * stride_btp, mask=n0 < end, other=0)
+def _page_of(BT, b, n0, kstart, end, stride_btb, stride_btp, PAGE_SIZE: tl.constexpr,
+             BLOCK_N: tl.constexpr, CLIP_START: tl.constexpr):
+    """The page holding the tile of keys ``[n0, n0 + BLOCK_N)``, which lies in one page
+    (int32 scalar; page 0, not looked up, when the tile holds no key of ``[kstart, end)``;
+    the ``kstart`` bound only with ``CLIP_START``)."""
+    live = n0 < end
+    if CLIP_START:  # the tile meets [kstart, end)
+        live = live & (n0 + BLOCK_N > kstart) & (kstart < end)
+    return tl.load(BT + b * stride_btb + (n0 // PAGE_SIZE) * stride_btp, mask=live, other=0)
 
 
 @triton.jit
-def _kv_rows(BT, b, n0, end, stride_btb, stride_btp,
-             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Page number of each key ``n0 .. n0 + BLOCK_N`` of a tile (int64; 0 past ``end``).
+def _kv_rows(BT, b, n0, kstart, end, stride_btb, stride_btp,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CLIP_START: tl.constexpr):
+    """Page number of each key ``n0 .. n0 + BLOCK_N`` of a tile (int64; 0, not looked up,
+    for a page holding no key of ``[kstart, end)``; the ``kstart`` bound only with
+    ``CLIP_START``: tiles of the unmasked run lie inside the live keys).
 
     Tiles start at multiples of BLOCK_N: with ``PAGE_SIZE % BLOCK_N == 0`` a tile lies in
     one page (one scalar read), with ``BLOCK_N % PAGE_SIZE == 0`` it spans
     ``BLOCK_N / PAGE_SIZE`` whole pages (one small vector read, broadcast), else each key's
     page is read."""
     if PAGE_SIZE % BLOCK_N == 0:
-        page = _page_of(BT, b, n0, end, stride_btb, stride_btp, PAGE_SIZE).to(tl.int64)
+        page = _page_of(BT, b, n0, kstart, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N,
+                        CLIP_START).to(tl.int64)
         return tl.full([BLOCK_N], 0, tl.int64) + page
     elif BLOCK_N % PAGE_SIZE == 0:
         NP: tl.constexpr = BLOCK_N // PAGE_SIZE
         offs_p = tl.arange(0, NP)
+        live = n0 + offs_p * PAGE_SIZE < end
+        if CLIP_START:  # the page meets [kstart, end)
+            live = live & (n0 + (offs_p + 1) * PAGE_SIZE > kstart) & (kstart < end)
         pages = tl.load(BT + b * stride_btb + (n0 // PAGE_SIZE + offs_p) * stride_btp,
-                        mask=n0 + offs_p * PAGE_SIZE < end, other=0).to(tl.int64)
+                        mask=live, other=0).to(tl.int64)
         return tl.reshape(tl.broadcast_to(pages[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
     else:
         offs_n = n0 + tl.arange(0, BLOCK_N)
+        live = offs_n < end
+        if CLIP_START:
+            live = live & (offs_n >= kstart)
         return tl.load(BT + b * stride_btb + (offs_n // PAGE_SIZE) * stride_btp,
-                       mask=offs_n < end, other=0).to(tl.int64)
+                       mask=live, other=0).to(tl.int64)
 
 
 @triton.jit
-def _kv_step(q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+def _kv_step(q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base, v_base, BT,
              OP, LSEP, ws_row, row_ok, base, split_size,
              stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
              stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
              Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
              USE_TMA: tl.constexpr, MASKED: tl.constexpr, FLUSH: tl.constexpr,
-             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, HAS_START: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
     """Fold the key tile ``[n0, n0 + BLOCK_N)`` into the base-2 state ``(m, d, o)``.
 
     Paged caches: the tile's page numbers are read here too; the software pipeliner puts
     that read a stage before the K/V loads it feeds (NUM_STAGES 5: two K/V tiles
-    buffered). Unmasked tiles (``MASKED=False``) hold keys every row sees, all below
-    ``end``. With ``FLUSH`` (fixed splits of ``split_size`` keys from ``base``), a tile that
-    ends a split writes the split's partial ``(o, lse)`` (the monoid's finalize) to the
-    workspace and resets the state to the identity, so every split is folded from the
-    identity over its own tiles, whichever program and key range it is part of."""
+    buffered). Unmasked tiles (``MASKED=False``) hold keys every row sees, all in
+    ``[kstart, end)``; in masked tiles the keys outside ``[kstart, end)`` are neither
+    loaded nor seen. With ``FLUSH`` (fixed splits of ``split_size`` keys from ``base``), a
+    tile that ends a split writes the split's partial ``(o, lse)`` (the monoid's finalize)
+    to the workspace and resets the state to the identity, so every split is folded from
+    the identity over its own tiles, whichever program and key range it is part of."""
+    CLIP_START: tl.constexpr = MASKED and HAS_START
     offs_n = n0 + tl.arange(0, BLOCK_N)                                  # [BN] key positions
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < end
+    if CLIP_START:  # keys before the sequence's first key: never loaded (may hold anything)
+        n_ok = n_ok & (offs_n >= kstart)
     if USE_TMA:     # one TMA box per tile; rows past the tensor read as 0
         if PAGED:
             slot = n0 % PAGE_SIZE
-            page = _page_of(BT, b, n0, end, stride_btb, stride_btp, PAGE_SIZE)
+            page = _page_of(BT, b, n0, kstart, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N,
+                            CLIP_START)
             k = K_DESC.load([page, slot, h.to(tl.int32), 0]).reshape([BLOCK_N, BLOCK_D])
             v = V_DESC.load([page, slot, h.to(tl.int32), 0]).reshape([BLOCK_N, BLOCK_D])
         else:
             k = K_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
             v = V_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
-        if MASKED:  # rows past the sequence hold whatever the cache holds (0 * NaN = NaN)
+        if MASKED:  # rows outside [kstart, end) hold whatever the cache holds (0 * NaN = NaN)
             v = tl.where(n_ok[:, None], v, 0.0)
     else:
         if PAGED:
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
-            page = _kv_rows(BT, b, n0, end, stride_btb, stride_btp, PAGE_SIZE, BLOCK_N)
+            page = _kv_rows(BT, b, n0, kstart, end, stride_btb, stride_btp, PAGE_SIZE,
+                            BLOCK_N, CLIP_START)
             k_off = page * stride_kb + slot * stride_kn
             v_off = page * stride_vb + slot * stride_vn
         else:
@@ -234,7 +267,7 @@ def _kv_step(q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_bas
     else:
         s = s * qk_scale                           # scale log2 e
     if MASKED:
-        visible = n_ok[None, :]
+        visible = n_ok[None, :]                    # inside [kstart, end)
         if Q_LEN > 1:                              # causal inside the cache
             visible = visible & (offs_n[None, :] <= pos[:, None])
         if WINDOW:                                 # left side of the window
@@ -262,56 +295,63 @@ def _kv_step(q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_bas
 
 @triton.jit
 def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base,
-            split_size, start, end, seqlen,
+            split_size, start, end, seqlen, kstart,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
             stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
             Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
             PAGED: tl.constexpr, USE_TMA: tl.constexpr, FLUSH: tl.constexpr,
-            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, NUM_STAGES: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, HAS_START: tl.constexpr,
+            NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Base-2 state ``(m, d, o)`` of the rows ``q`` [BM, BD] over the keys ``[start, end)``
     (``start`` a multiple of BLOCK_N; no key when ``start >= end``); with ``FLUSH`` the
     partial of every fixed split is written on the way (see :func:`_kv_step`).
 
-    Three runs of tiles: ``[start, lo)`` masked (keys left of some row's window),
-    ``[lo, hi)`` unmasked (every key visible to every row: below ``end`` and below the
-    first row's causal bound ``seqlen - q_len``), ``[hi, end)`` masked (the sequence end
-    and the causal diagonal of speculative rows). A tile's run depends on its position and
-    the sequence only, and a masked step on a fully visible tile computes the same values
-    as an unmasked one."""
+    Three runs of tiles: ``[start, lo)`` masked (keys before the first key ``kstart`` or
+    left of some row's window), ``[lo, hi)`` unmasked (every key visible to every row: at
+    or after ``kstart`` and the last row's window bound, below ``end`` and below the first
+    row's causal bound ``seqlen - q_len``), ``[hi, end)`` masked (the sequence end and the
+    causal diagonal of speculative rows). A tile's run depends on its position and the
+    sequence only, and a masked step on a fully visible tile computes the same values as
+    an unmasked one."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                 # base-2 running max
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(end, seqlen - Q_LEN + 1)
     hi = start + tl.maximum(hi - start, 0) // BLOCK_N * BLOCK_N
     lo = start
-    if WINDOW:     # every row sees keys >= seqlen - 1 - win_left (the last row's bound)
-        lo = start + tl.cdiv(tl.maximum(seqlen - 1 - win_left - start, 0), BLOCK_N) * BLOCK_N
+    if WINDOW or HAS_START:
+        # every row sees the keys >= kstart and >= seqlen - 1 - win_left (the last row's
+        # window bound); kstart is 0 without a first key
+        first = kstart
+        if WINDOW:
+            first = tl.maximum(first, seqlen - 1 - win_left)
+        lo = start + tl.cdiv(tl.maximum(first - start, 0), BLOCK_N) * BLOCK_N
         lo = tl.minimum(lo, hi)
     # the masked runs hold at most q_len + BLOCK_N keys: no software pipelining there
-    if WINDOW:
+    if WINDOW or HAS_START:
         for n0 in tl.range(start, lo, BLOCK_N, num_stages=1):
             m_i, l_i, acc = _kv_step(
-                q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
-                OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
-                stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
-                cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
-                USE_TMA, True, FLUSH, SOFTCAP, WINDOW, DOT_PRECISION)
+                q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base, v_base,
+                BT, OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn,
+                stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
+                qk_scale, cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D,
+                PAGE_SIZE, PAGED, USE_TMA, True, FLUSH, SOFTCAP, WINDOW, HAS_START,
+                DOT_PRECISION)
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         m_i, l_i, acc = _kv_step(
-            q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+            q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base, v_base, BT,
             OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
             stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
             cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
-            USE_TMA, False, FLUSH, SOFTCAP, WINDOW, DOT_PRECISION)
+            USE_TMA, False, FLUSH, SOFTCAP, WINDOW, HAS_START, DOT_PRECISION)
     for n0 in tl.range(hi, end, BLOCK_N, num_stages=1):
         m_i, l_i, acc = _kv_step(
-            q, m_i, l_i, acc, n0, pos, b, h, end, K_DESC, V_DESC, k_base, v_base, BT,
+            q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base, v_base, BT,
             OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
             stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
             cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
-            USE_TMA, True, FLUSH, SOFTCAP, WINDOW, DOT_PRECISION)
+            USE_TMA, True, FLUSH, SOFTCAP, WINDOW, HAS_START, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -319,7 +359,7 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, 
 
 @triton.jit
 def _splitkv_kernel(
-        Q, K, V, K_DESC, V_DESC, BT, SEQ, O, LSE, OP, LSEP,
+        Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP, LSEP,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -332,7 +372,7 @@ def _splitkv_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
         FIXED_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-        WRITE_FINAL: tl.constexpr, NUM_STAGES: tl.constexpr,
+        HAS_START: tl.constexpr, WRITE_FINAL: tl.constexpr, NUM_STAGES: tl.constexpr,
         DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:       # the merge kernel may be scheduled once every split program has begun
         gdc_launch_dependents()
@@ -344,8 +384,12 @@ def _splitkv_kernel(
     b = (bh // heads_kv).to(tl.int64)
     h = (bh % heads_kv).to(tl.int64)
     seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b).to(tl.int32), 0), capacity)
-    base, size, n_used = _split_plan(seqlen, win_left, n_splits, split_size, Q_LEN, BLOCK_N,
-                                     FIXED_SPLIT)
+    if HAS_START:  # the sequence's first key (left padding), clamped to [0, seqlen]
+        kstart = tl.minimum(tl.maximum(tl.load(START + b).to(tl.int32), 0), seqlen)
+    else:
+        kstart = seqlen * 0
+    base, size, n_used, first_tile = _split_plan(seqlen, kstart, win_left, n_splits,
+                                                 split_size, Q_LEN, BLOCK_N, FIXED_SPLIT)
 
     # the group's query rows: row r is query head h * GROUP + r // Q_LEN, token r % Q_LEN
     rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BM]
@@ -374,12 +418,17 @@ def _splitkv_kernel(
     else:
         start = base + tl.program_id(1) * size
         end = tl.minimum(start + size, seqlen)
+    if FIXED_SPLIT:
+        # split 0 starts at a multiple of the split size: its tiles before the first one
+        # with a visible key would fold to the identity; they are skipped (never read)
+        start = tl.maximum(start, first_tile)
     m_i, l_i, acc = _attend(
         q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base,
-        size, start, end, seqlen, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-        stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE,
-        Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA,
-        FIXED_SPLIT and not WRITE_FINAL, SOFTCAP, WINDOW, NUM_STAGES, DOT_PRECISION)
+        size, start, end, seqlen, kstart, stride_kb, stride_kn, stride_kd, stride_vb,
+        stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
+        FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA,
+        FIXED_SPLIT and not WRITE_FINAL, SOFTCAP, WINDOW, HAS_START, NUM_STAGES,
+        DOT_PRECISION)
     if WRITE_FINAL or not FIXED_SPLIT:
         # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
         out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
@@ -399,20 +448,24 @@ def _splitkv_kernel(
 
 @triton.jit
 def _merge_kernel(
-        OP, LSEP, SEQ, O, LSE,
+        OP, LSEP, SEQ, START, O, LSE,
         stride_ob, stride_oh, stride_om, stride_od,
         heads_q, capacity, n_splits, ws_splits, split_size, win_left,
         BLOCK_LIFT: tl.constexpr, COMBINE: tl.constexpr, FINALIZE: tl.constexpr,
         Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, FIXED_SPLIT: tl.constexpr,
-        USE_PDL: tl.constexpr):
+        HAS_START: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                 # (b, hq, qi) row-major
     qi = row % Q_LEN
     hq = (row // Q_LEN) % heads_q
     b = row // (Q_LEN * heads_q)
     seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b).to(tl.int32), 0), capacity)
-    _, _, n_used = _split_plan(seqlen, win_left, n_splits, split_size, Q_LEN, BLOCK_N,
-                               FIXED_SPLIT)
+    if HAS_START:
+        kstart = tl.minimum(tl.maximum(tl.load(START + b).to(tl.int32), 0), seqlen)
+    else:
+        kstart = seqlen * 0
+    _, _, n_used, _ = _split_plan(seqlen, kstart, win_left, n_splits, split_size, Q_LEN,
+                                  BLOCK_N, FIXED_SPLIT)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     if USE_PDL:       # launched early: wait until the split kernel's partials are visible
@@ -621,9 +674,9 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale: float, softcap: float | None = None,
             window: tuple[int | None, int | None] | None = None,
             num_splits: int | None = None, batch_invariant: bool = False,
-            max_seqlen: int | None = None, config: DecodeConfig | None = None,
-            invariant_split: int = INVARIANT_SPLIT, pdl: bool | None = None,
-            tma: bool | None = None) -> Launch:
+            max_seqlen: int | None = None, cache_start: torch.Tensor | None = None,
+            config: DecodeConfig | None = None, invariant_split: int = INVARIANT_SPLIT,
+            pdl: bool | None = None, tma: bool | None = None) -> Launch:
     """Plan the splits, allocate the outputs and workspace, and bind the kernel arguments
     (arguments as :func:`splitkv_decode`)."""
     batch, heads_q, q_len, head_dim = q.shape
@@ -680,7 +733,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         qk_scale, cap_in, cap_out = scale * LOG2E, 0.0, 0.0
     split = ((batch * heads_kv * p.m_blocks, p.n_splits),
              (q, k_cache, v_cache, k_desc, v_desc, block_table if paged else cache_seqlens,
-              cache_seqlens,
+              cache_seqlens, cache_seqlens if cache_start is None else cache_start,
               out, lse, op, lsep,
               *q.stride(), *sk, *sv, *sbt, *out.stride(),
               heads_kv, capacity, p.n_splits, p.ws_splits, p.split_size, win_left,
@@ -690,7 +743,8 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   BLOCK_M=p.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
                   PAGE_SIZE=page_size, PAGED=paged, USE_TMA=use_tma,
                   FIXED_SPLIT=batch_invariant,
-                  SOFTCAP=bool(softcap), WINDOW=left is not None, WRITE_FINAL=p.write_final,
+                  SOFTCAP=bool(softcap), WINDOW=left is not None,
+                  HAS_START=cache_start is not None, WRITE_FINAL=p.write_final,
                   NUM_STAGES=config.num_stages,
                   USE_PDL=pdl and not p.write_final,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -699,11 +753,13 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     merge = None
     if not p.write_final:
         merge = ((batch * heads_q * q_len,),
-                 (op, lsep, cache_seqlens, out, lse, *out.stride(),
+                 (op, lsep, cache_seqlens,
+                  cache_seqlens if cache_start is None else cache_start, out, lse, *out.stride(),
                   heads_q, capacity, p.n_splits, p.ws_splits, p.split_size, win_left),
                  dict(BLOCK_LIFT=tm.block_lift, COMBINE=tm.combine, FINALIZE=tm.finalize,
                       Q_LEN=q_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK,
-                      BLOCK_N=config.block_n, FIXED_SPLIT=batch_invariant, USE_PDL=pdl,
+                      BLOCK_N=config.block_n, FIXED_SPLIT=batch_invariant,
+                      HAS_START=cache_start is not None, USE_PDL=pdl,
                       num_warps=8, num_stages=2, **({"launch_pdl": True} if pdl else {})))
     return Launch(split, merge, out, lse, p)
 
@@ -713,13 +769,15 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    scale: float, softcap: float | None = None,
                    window: tuple[int | None, int | None] | None = None,
                    num_splits: int | None = None, batch_invariant: bool = False,
-                   max_seqlen: int | None = None, config: DecodeConfig | None = None,
-                   invariant_split: int = INVARIANT_SPLIT, pdl: bool | None = None,
+                   max_seqlen: int | None = None, cache_start: torch.Tensor | None = None,
+                   config: DecodeConfig | None = None, invariant_split: int = INVARIANT_SPLIT,
+                   pdl: bool | None = None,
                    tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``).
 
     Inputs as :func:`flashfold.decode`, already validated; ``window`` normalized to
-    ``(left, right)`` with ``None`` for unbounded. ``config`` and ``invariant_split``
+    ``(left, right)`` with ``None`` for unbounded; ``cache_start`` ``None`` or ``(batch,)``
+    int32 on the device (each sequence's first key, clamped there to ``[0, n_b]``). ``config`` and ``invariant_split``
     override the tiles and the batch-invariant split size, ``pdl`` the programmatic
     dependent launch of the merge (default: on for CUDA sm_90+ unless
     ``FLASHFOLD_DECODE_PDL=0``), ``tma`` the K/V loads through TMA descriptors (default:
@@ -730,5 +788,6 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """
     return prepare(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
                    softcap=softcap, window=window, num_splits=num_splits,
-                   batch_invariant=batch_invariant, max_seqlen=max_seqlen, config=config,
-                   invariant_split=invariant_split, pdl=pdl, tma=tma).run()
+                   batch_invariant=batch_invariant, max_seqlen=max_seqlen,
+                   cache_start=cache_start, config=config, invariant_split=invariant_split,
+                   pdl=pdl, tma=tma).run()
