@@ -398,7 +398,10 @@ def variants(copy_gbs):
             ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4))]),
         ("logcumsumexp", 2 * nb, lambda: ff.logcumsumexp(x, 1), "scan_config", [
             ("chunked 2048 w4 (default)", None), ("chunked 1024 w2", C(1024, 1, 1, 2, vec=4)),
-            ("chunked 4096 w8", C(4096, 1, 1, 8, vec=4))]),
+            ("chunked 4096 w8", C(4096, 1, 1, 8, vec=4)),
+            ("chunked 2048 w4 prefetch", C(2048, 1, 1, 4, vec=4, prefetch=True)),
+            ("chunked 1024 w2 prefetch", C(1024, 1, 1, 2, vec=4, prefetch=True)),
+            ("chunked 4096 w8 prefetch", C(4096, 1, 1, 8, vec=4, prefetch=True))]),
     ]
     xl = torch.randn(1, LONG, device=DEV)
     cases += [

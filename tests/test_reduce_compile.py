@@ -68,3 +68,13 @@ def test_misaligned_rows_realigned_by_default_scalar_when_switched_off(compiled)
     for m in ("logsumexp2", "welford"):
         row = compiled[(f"reduce {m} 4096x12345 scalar loads", 0)]
         assert set(row["loads"]) == {"ld.global.b32"}, row["loads"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefetching_chunked_scan_keeps_vector_loads(compiled, dtype):
+    """The chunked scan that loads the next tile early (PREFETCH): the loop's loads stay
+    vectors (the row's first tile is loaded with a mask, as scalars)."""
+    row = compiled[(f"logcumsumexp prefetch 64x16384 {dtype}", 0)]
+    want = "ld.global.v4.b32" if dtype == "float32" else "ld.global.v2.b32"
+    assert want in row["loads"], row["loads"]
+    assert set(row["stores"]) == {want.replace("ld.", "st.")}, row["stores"]

@@ -97,6 +97,19 @@ def test_chunked_lanes(monoid, force):
     check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, "chunked")
 
 
+@pytest.mark.parametrize("n", (40, 64, 150, 192), ids=("no-full-tile", "one-tile", "tail", "three-tiles"))
+@pytest.mark.parametrize("monoid", (M.SUM, M.LOGSUMEXP2, M.ARGMAX, U.MATMUL2), ids=lambda m: m.name)
+def test_chunked_prefetch(monoid, n, force):
+    """The chunked scan that loads the next full tile before scanning the current one
+    (PREFETCH): rows with no full tile of 64 (the first load masked, nothing scanned in
+    the loop), exactly one, two and a tail, three (the last prefetch is skipped)."""
+    force(scan=C(64, 1, 1, 4, vec=4, prefetch=True), split=(1, n))
+    x = sample(monoid, (3, n), seed=11)
+    plan, _ = L.plan_scan(monoid, x, 1)
+    assert plan[-1].kwargs["CHUNKED"] and plan[-1].kwargs["PREFETCH"]
+    check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, "chunked prefetch")
+
+
 def test_chunked_multi_block(force, monkeypatch):
     """Chunked scan of chunks (multi-block): carries from the folded chunk states."""
     monkeypatch.setattr(L, "LOOKBACK", False)

@@ -39,7 +39,7 @@ def plans():
     from ...api import reductions as R
     from . import launch as L
 
-    L_sms, align_rows = L.num_sms, L.ALIGN_ROWS
+    L_sms, align_rows, scan_config = L.num_sms, L.ALIGN_ROWS, L.scan_config
     L.num_sms = lambda device: 132                  # split decisions as on an H200
     try:
         out = []
@@ -81,6 +81,13 @@ def plans():
         L.LOOKBACK = False
         out.append(("scan logcumsumexp reduce-then-scan 1x2^22",
                     L.plan_scan(R.LOGSUMEXP2_SCAN, torch.empty(1, 2**22), 1)[0]))
+        scan_config = L.scan_config
+        L.scan_config = lambda *a: L.Config(2048, 1, 1, 4, vec=4, prefetch=True)
+        for dt in (torch.float32, torch.bfloat16):
+            tag = str(dt).replace("torch.", "")
+            out.append((f"logcumsumexp prefetch 64x16384 {tag}",
+                        L.plan_scan(R.LOGSUMEXP2_SCAN, torch.empty(64, 16384, dtype=dt), 1)[0]))
+        L.scan_config = scan_config
         L.ALIGN_ROWS = False                      # on by default, kept switchable
         for m in (M.LOGSUMEXP2, M.WELFORD):
             out.append((f"reduce {m.name} 4096x12345 scalar loads",
@@ -90,6 +97,7 @@ def plans():
         L.num_sms = L_sms
         L.LOOKBACK = True
         L.ALIGN_ROWS = align_rows
+        L.scan_config = scan_config
 
 
 def main(argv=None) -> int:

@@ -337,15 +337,28 @@ def _scan_step(carry, x_ptr, outs, fin_args, i, lo, hi, sn, osn, row_in, row_out
 
 
 @triton.jit
-def _lane_scan(x_ptr, n, hi, sn, row_in, LIFT_XP: tl.constexpr, SCAN_TILE: tl.constexpr,
-               MASK_N: tl.constexpr):
-    """In-thread inclusive scan of one [VEC, LANES] sub-tile (axis 0 lives in a thread)."""
+def _lane_load(x_ptr, n, hi, sn, row_in, MASK_N: tl.constexpr):
+    """One [VEC, LANES] sub-tile of raw elements (axis 0 lives in a thread)."""
     off = n * sn + row_in
     if MASK_N:
-        x = tl.load(x_ptr + off, mask=n < hi, other=0.0).to(tl.float32)
+        return tl.load(x_ptr + off, mask=n < hi, other=0.0)
     else:
-        x = tl.load(x_ptr + off).to(tl.float32)
-    return SCAN_TILE(*LIFT_XP(x, n.to(tl.int32)), 0, False)
+        return tl.load(x_ptr + off)
+
+
+@triton.jit
+def _chunk_load(x_ptr, n, hi, sn, row_in, VEC: tl.constexpr, MASK_N: tl.constexpr):
+    """The four sub-tiles of a chunked tile (lane ``l`` owns ``n + [0, 4·VEC)``)."""
+    return (_lane_load(x_ptr, n, hi, sn, row_in, MASK_N),
+            _lane_load(x_ptr, n + VEC, hi, sn, row_in, MASK_N),
+            _lane_load(x_ptr, n + 2 * VEC, hi, sn, row_in, MASK_N),
+            _lane_load(x_ptr, n + 3 * VEC, hi, sn, row_in, MASK_N))
+
+
+@triton.jit
+def _lane_scan(x, n, LIFT_XP: tl.constexpr, SCAN_TILE: tl.constexpr):
+    """In-thread inclusive scan of one loaded [VEC, LANES] sub-tile."""
+    return SCAN_TILE(*LIFT_XP(x.to(tl.float32), n.to(tl.int32)), 0, False)
 
 
 @triton.jit
@@ -363,17 +376,16 @@ def _lane_store(outs, fin_args, p, base, n, hi, osn, row_out,
 
 
 @triton.jit
-def _chunk_local(x_ptr, n, hi, sn, row_in,
-                 LIFT_XP: tl.constexpr, COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr,
-                 TAKE: tl.constexpr, VEC: tl.constexpr, MASK_N: tl.constexpr):
-    """Local half of a chunked tile scan: the four in-thread vector scans ``p_r``
-    ([VEC, LANES]), the lane prefixes ``q_1..q_3`` of the vector totals and the
-    inclusive scan of the lane totals across the block ``incl`` ([LANES])."""
+def _chunk_local(xs, n, LIFT_XP: tl.constexpr, COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr,
+                 TAKE: tl.constexpr, VEC: tl.constexpr):
+    """Local half of a chunked tile scan of the loaded sub-tiles ``xs``: the four in-thread
+    vector scans ``p_r`` ([VEC, LANES]), the lane prefixes ``q_1..q_3`` of the vector
+    totals and the inclusive scan of the lane totals across the block ``incl`` ([LANES])."""
     k_last = tl.arange(0, VEC)[:, None] == VEC - 1
-    p0 = _lane_scan(x_ptr, n, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
-    p1 = _lane_scan(x_ptr, n + VEC, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
-    p2 = _lane_scan(x_ptr, n + 2 * VEC, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
-    p3 = _lane_scan(x_ptr, n + 3 * VEC, hi, sn, row_in, LIFT_XP, SCAN_TILE, MASK_N)
+    p0 = _lane_scan(xs[0], n, LIFT_XP, SCAN_TILE)
+    p1 = _lane_scan(xs[1], n + VEC, LIFT_XP, SCAN_TILE)
+    p2 = _lane_scan(xs[2], n + 2 * VEC, LIFT_XP, SCAN_TILE)
+    p3 = _lane_scan(xs[3], n + 3 * VEC, LIFT_XP, SCAN_TILE)
     q1 = TAKE(k_last, 0, *p0)                                        # lane prefixes [LANES]
     q2 = COMBINE(*q1, *TAKE(k_last, 0, *p1))
     q3 = COMBINE(*q2, *TAKE(k_last, 0, *p2))
@@ -418,7 +430,21 @@ def _chunk_scan_step(carry, x_ptr, outs, fin_args, n0, hi, sn, osn, row_in, row_
     """
     lane = tl.arange(0, LANES)
     n = n0 + lane[None, :] * (4 * VEC) + tl.arange(0, VEC)[:, None]  # [VEC, LANES]
-    local = _chunk_local(x_ptr, n, hi, sn, row_in, LIFT_XP, COMBINE, SCAN_TILE, TAKE, VEC, MASK_N)
+    xs = _chunk_load(x_ptr, n, hi, sn, row_in, VEC, MASK_N)
+    return _chunk_scan_tile(carry, xs, outs, fin_args, n, hi, osn, row_out, LIFT_XP, COMBINE,
+                            SCAN_TILE, TAKE, BCAST0, BCAST, SHIFT1, FINALIZE, VEC, LANES,
+                            MASK_N)
+
+
+@triton.jit
+def _chunk_scan_tile(carry, xs, outs, fin_args, n, hi, osn, row_out,
+                     LIFT_XP: tl.constexpr, COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr,
+                     TAKE: tl.constexpr, BCAST0: tl.constexpr, BCAST: tl.constexpr,
+                     SHIFT1: tl.constexpr, FINALIZE: tl.constexpr,
+                     VEC: tl.constexpr, LANES: tl.constexpr, MASK_N: tl.constexpr):
+    """:func:`_chunk_scan_step` on already loaded sub-tiles ``xs`` at positions ``n``."""
+    lane = tl.arange(0, LANES)
+    local = _chunk_local(xs, n, LIFT_XP, COMBINE, SCAN_TILE, TAKE, VEC)
     _chunk_apply(carry, local, outs, fin_args, n, hi, osn, row_out, lane,
                  COMBINE, BCAST0, BCAST, SHIFT1, FINALIZE, VEC, MASK_N)
     return COMBINE(*carry, *BCAST(carry[0], *TAKE(lane == LANES - 1, 0, *local[2])))
@@ -535,8 +561,10 @@ def scan_kernel(x_ptr, outs, fin_args, parts,
                 BLOCK: tl.constexpr, ROWS: tl.constexpr, PBLOCK: tl.constexpr,
                 REVERSE: tl.constexpr, SPLIT: tl.constexpr, CHUNKED: tl.constexpr,
                 VEC: tl.constexpr, MASK_ROWS: tl.constexpr, N64: tl.constexpr,
-                SMALL: tl.constexpr = False):
+                SMALL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """Inclusive scan along the dim, state carried across tiles.
+
+    PREFETCH (chunked scans): load the next full tile before scanning the current one.
 
     With SPLIT (a multi-block scan of few long rows: reduce-then-scan), program ``j``
     scans elements ``[j·chunk, (j+1)·chunk)`` starting from the carry
@@ -582,11 +610,27 @@ def scan_kernel(x_ptr, outs, fin_args, parts,
         LANES: tl.constexpr = BLOCK // (4 * VEC)
         end = lo + (hi - lo) // BLOCK * BLOCK
         start = lo
-        while start < end:
-            carry = _chunk_scan_step(carry, x_ptr, outs, fin_args, start, hi, sn, osn, row_in, row_out,
-                                     LIFT_XP, COMBINE, SCAN_TILE, TAKE, BCAST0, BCAST, SHIFT1,
-                                     FINALIZE, VEC, LANES, False)
-            start = start + BLOCK
+        if PREFETCH:
+            # the next full tile's loads are issued before this tile is scanned, so its
+            # memory latency overlaps the scan's dependent chains
+            nb = tl.arange(0, LANES)[None, :] * (4 * VEC) + tl.arange(0, VEC)[:, None]
+            cur = _chunk_load(x_ptr, start + nb, end, sn, row_in, VEC, True)
+            while start < end:
+                if start + BLOCK < end:
+                    nxt = _chunk_load(x_ptr, start + BLOCK + nb, hi, sn, row_in, VEC, False)
+                else:
+                    nxt = cur
+                carry = _chunk_scan_tile(carry, cur, outs, fin_args, start + nb, hi, osn, row_out,
+                                         LIFT_XP, COMBINE, SCAN_TILE, TAKE, BCAST0, BCAST, SHIFT1,
+                                         FINALIZE, VEC, LANES, False)
+                cur = nxt
+                start = start + BLOCK
+        else:
+            while start < end:
+                carry = _chunk_scan_step(carry, x_ptr, outs, fin_args, start, hi, sn, osn, row_in,
+                                         row_out, LIFT_XP, COMBINE, SCAN_TILE, TAKE, BCAST0, BCAST,
+                                         SHIFT1, FINALIZE, VEC, LANES, False)
+                start = start + BLOCK
         if end < hi:
             _chunk_scan_step(carry, x_ptr, outs, fin_args, end, hi, sn, osn, row_in, row_out,
                              LIFT_XP, COMBINE, SCAN_TILE, TAKE, BCAST0, BCAST, SHIFT1,

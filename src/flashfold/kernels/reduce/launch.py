@@ -176,7 +176,8 @@ def _p2(n: int) -> int:
 class Config:
     """Tile ``[K, LANES, ROWS]`` (scans: ``[BLOCK=K, ROWS]``), warps, stages, register cap;
     ``vec > 0`` selects the chunked (lane-owned vectors) forward scan with that width;
-    ``small`` the one-row-per-thread path for rows of at most ``K`` (<= 16) elements."""
+    ``small`` the one-row-per-thread path for rows of at most ``K`` (<= 16) elements;
+    ``prefetch`` (chunked scans) loads the next full tile before scanning the current."""
     K: int
     LANES: int
     ROWS: int
@@ -185,6 +186,7 @@ class Config:
     maxnreg: int | None = None
     vec: int = 0
     small: bool = False
+    prefetch: bool = False
 
 
 #: elements of a short-row tile (K x ROWS): 8 per thread at 4 warps
@@ -615,7 +617,7 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
                   SCAN_TILE_REV=fns.scan_tile_rev, TAKE=fns.take, BCAST0=fns.bcast0,
                   IDENTITY=fns.identity, LOAD_STATE=fns.load_state, FINALIZE=fns.finalize_fast,
                   BCAST=fns.bcast, SHIFT1=fns.shift1, CHUNKED=cfg.vec > 0, VEC=max(cfg.vec, 1),
-                  SMALL=cfg.small,
+                  SMALL=cfg.small, PREFETCH=cfg.prefetch and cfg.vec > 0,
                   BLOCK=block, ROWS=rows,
                   PBLOCK=_pblock(n_split, rows),
                   REVERSE=bool(reverse), SPLIT=n_split > 1, MASK_ROWS=g.B[2] % rows != 0,
