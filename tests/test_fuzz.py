@@ -12,8 +12,10 @@ score matrix, sequential folds), never with the library's own reference schedule
   window, compositions, a mask hiding every key), extreme values (scores ~1e4, all-equal
   scores, tiny values); varlen ``cu_seqlens`` with empty sequences;
 * ``decode``: contiguous and paged caches (shuffled block tables, NaN in every unused
-  slot), lengths 0..capacity (also shorter than ``q_len``), q_len 1..16, head dims 1..256,
-  windows, softcap, GQA, int32/int64 lengths, non-contiguous caches and queries;
+  slot), lengths 0..capacity (also shorter than ``q_len``), first keys ``cache_start``
+  (0, inside, == and past the length, negative; NaN in the slots before them), q_len
+  1..16, head dims 1..256, windows, softcap, GQA, int32/int64 lengths, non-contiguous
+  caches and queries;
 * ``merge_states``: the parts of a random key partition (empty parts, a fully masked part)
   merged stacked and pairwise in random order, against the unsplit attention; random
   states with ``-inf`` and ±1e4 LSEs against the float64 formula;
@@ -310,21 +312,27 @@ def decode_case(draw):
     for b in range(batch):
         lens.append(draw(st.one_of(st.sampled_from([0, min(1, capacity), capacity]),
                                    st.integers(0, capacity))))
+    starts = None
+    if draw(st.integers(0, 2)) == 0:        # a first key per sequence (left padding)
+        starts = [draw(st.one_of(st.sampled_from([0, n, n + 1, -1]), st.integers(0, n)))
+                  for n in lens]
     mag = draw(st.sampled_from([1.0, 1.0, 30.0]))
     keys, values = [], []
     for b, n in enumerate(lens):            # write the real tokens; the rest stays NaN
-        kb = torch.randn(hkv, n, d, generator=g) * mag
-        vb = torch.randn(hkv, n, d, generator=g)
+        a = 0 if starts is None else min(max(starts[b], 0), n)
+        kb = torch.randn(hkv, n - a, d, generator=g) * mag
+        vb = torch.randn(hkv, n - a, d, generator=g)
         keys.append(kb)
         values.append(vb)
-        for t in range(n):
+        for t in range(n - a):
+            t, i = t + a, t
             if paged:
                 p, s = int(table[b, t // page]), t % page
-                k_cache[p, s] = kb[:, t]
-                v_cache[p, s] = vb[:, t]
+                k_cache[p, s] = kb[:, i]
+                v_cache[p, s] = vb[:, i]
             else:
-                k_cache[b, :, t] = kb[:, t]
-                v_cache[b, :, t] = vb[:, t]
+                k_cache[b, :, t] = kb[:, i]
+                v_cache[b, :, t] = vb[:, i]
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     if draw(st.booleans()):
         q = torch.randn(batch, q_len, hq, d, generator=g).transpose(1, 2) * mag
@@ -341,8 +349,11 @@ def decode_case(draw):
     if draw(st.integers(0, 3)) == 0:
         kw["scale"] = draw(st.floats(0.05, 2.0))
     seqlens = torch.tensor(lens, dtype=draw(st.sampled_from([torch.int32, torch.int64])))
+    if starts is not None:
+        kw["cache_start"] = torch.tensor(starts, dtype=torch.int32)
     label = (f"{str(dtype)[6:]} b{batch} H{hq}:{hkv} q{q_len} d{d} "
-             f"{'paged' + str(page) if paged else 'contiguous'} lens {lens} {sorted(kw)}")
+             f"{'paged' + str(page) if paged else 'contiguous'} lens {lens} starts {starts} "
+             f"{sorted(kw)}")
     return q, k_cache, v_cache, seqlens, table, keys, values, kw, label
 
 
@@ -357,7 +368,9 @@ def test_decode(case):
     ro = torch.zeros(q.shape, dtype=F64)
     rl = torch.full(q.shape[:-1], -INF, dtype=F64)
     for b in range(q.shape[0]):
-        kb = keys[b].to(q.dtype)[None]     # the reference reads the rounded cache values
+        # the reference reads the rounded cache values of the keys [a_b, n_b), aligned
+        # bottom-right like the whole sequence
+        kb = keys[b].to(q.dtype)[None]
         vb = values[b].to(q.dtype)[None]
         ob, lb = naive_attention(q[b:b + 1], kb, vb, causal=True, window=(left, None),
                                  scale=kw.get("scale"), softcap=kw.get("softcap"))
@@ -931,6 +944,14 @@ INVALID = {
         "scale"),
     "decode softcap <= 0": (lambda d: _dec(d, q_shape=(1, 2, 1, 8), cache_shape=(1, 1, 16, 8),
                                            lens=[3], softcap=-1.0), VE, "softcap"),
+    "decode cache_start not int32": (lambda d: _dec(d, q_shape=(1, 2, 1, 8), cache_shape=(
+        1, 1, 16, 8), lens=[3], cache_start=d(st.sampled_from([
+            torch.zeros(1, dtype=torch.int64), torch.zeros(1), [0]]))), TE, "cache_start"),
+    "decode cache_start wrong shape or device": (lambda d: _dec(
+        d, q_shape=(1, 2, 1, 8), cache_shape=(1, 1, 16, 8), lens=[3], cache_start=d(
+            st.sampled_from([torch.zeros(2, dtype=torch.int32), torch.zeros((), dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32, device=META)]))), VE,
+        "cache_start"),
     # merge_states
     "merge_states wrong argument count": (lambda d: (lambda o: lambda: flashfold.merge_states(
         o, o[..., 0], o))(torch.randn(2, 3, 4)), TE, "merge_states"),
