@@ -10,19 +10,21 @@ Run on the GPU machine from the repository root (transformers is in its image)::
 1. Correctness: the small BERT-style and Llama-style models of ``tests/test_transformers.py``
    (random seeded weights; Llama with GQA 4:2), in bfloat16 on CUDA, with
    ``attn_implementation`` = flashfold, ``sdpa`` and ``eager``, without padding, with left / right /
-   mixed padding, and (Llama) prefill + greedy decoding with a dynamic KV cache (left-padded:
-   packed varlen attention; unpadded: ``flashfold.decode``). The
+   mixed padding, and (Llama) prefill + greedy decoding with a dynamic KV cache (the steps
+   run ``flashfold.decode``, left-padded ones with ``cache_start``; the padded prefill
+   packed varlen attention). The
    reference is the eager model in float64 with the *same* bf16-rounded weights, run on
    each sequence alone (unpadded); only real rows are compared. Criterion (FlashAttention's):
    flashfold's max error <= 2 x the smaller of SDPA's and bf16 eager's + 1e-3 (bf16 models
    drift through the layers; all run the same bf16 matmuls outside attention; a peer
    whose error is NaN, e.g. from a fully masked padded row, is left out). The script also checks that
-   the Triton kernel ran (it counts launches of ``flashfold.kernels.attention.fwd``).
+   the Triton kernel ran (it counts launches of ``flashfold.kernels.attention.fwd``) and
+   that every decode step went to ``flashfold.decode`` (with ``cache_start`` when padded).
 2. Timing (``triton.testing.do_bench`` median, bf16): a Llama-shaped model (hidden 2048, 16
    query / 8 KV heads of 128, 4 layers, vocabulary 8192, random weights made on the GPU) forward over batch 8 x 2048 tokens
    without and with padding (up to 25% of each row padded on the left), and a 2048-token
-   prefill + 64 decode steps with a dynamic cache, padded (packed varlen steps) and not
-   (``flashfold.decode`` steps); flashfold against SDPA (which picks its flash / cuDNN /
+   prefill + 64 decode steps with a dynamic cache, padded and not (``flashfold.decode``
+   steps, with ``cache_start`` when padded); flashfold against SDPA (which picks its flash / cuDNN /
    efficient backend). Prints ms and flashfold / SDPA.
 
 Exit status 1 if a check fails.
@@ -39,6 +41,7 @@ import warnings
 import torch
 
 import flashfold.integrations.transformers as fft
+from flashfold.api import decode as api_decode
 from flashfold.kernels.attention import fwd
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -54,6 +57,8 @@ PADDINGS = {"none": [(0, 0)] * 4, "left": [(0, 0), (17, 0), (1, 0), (40, 0)],
             "right": [(0, 0), (0, 9), (0, 1), (0, 44)], "mixed": [(0, 0), (7, 0), (0, 13), (3, 5)]}
 FAILED: list[str] = []
 LAUNCHES = [0]
+#: flashfold.decode calls: [without cache_start, with cache_start]
+DECODES = [0, 0]
 
 
 def _count_launches():
@@ -63,6 +68,12 @@ def _count_launches():
         LAUNCHES[0] += 1
         return inner(*a, **k)
     fwd.attention_forward = counted
+    inner_decode = api_decode.decode
+
+    def counted_decode(*a, **k):
+        DECODES[k.get("cache_start") is not None] += 1
+        return inner_decode(*a, **k)
+    api_decode.decode = counted_decode
 
 
 def config(style, impl, **kw):
@@ -150,8 +161,8 @@ def correctness():
                 FAILED.append(f"{style} {padding}: non-finite output")
             verdict(f"{style} {padding}", max_err(o_ff, rows), max_err(run(sd, ids, mask, pos), rows),
                     max_err(run(ea, ids, mask, pos), rows))
-    # decoding: prefill, then greedy steps with a dynamic cache; left-padded steps run
-    # packed varlen attention, unpadded steps flashfold.decode (split-KV)
+    # decoding: prefill, then greedy steps with a dynamic cache; the steps run
+    # flashfold.decode (split-KV), left-padded ones from each row's first real key
     peers = {"ff": build("llama", FF, DTYPE), "sdpa": build("llama", "sdpa", DTYPE),
              "eager": build("llama", "eager", DTYPE)}
     ref = build("llama", "eager", torch.float64)
@@ -162,6 +173,7 @@ def correctness():
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
         caches = {name: DynamicCache(config=m.config) for name, m in peers.items()}
         seq, am, step_ids = ids, mask, ids
+        before = list(DECODES)
         for step in range(6):
             outs = {}
             for name, m in peers.items():
@@ -176,6 +188,10 @@ def correctness():
             seq = torch.cat([seq, nxt], 1)
             am = torch.cat([am, torch.ones_like(nxt)], 1)
             step_ids, pos = nxt, pos[:, -1:] + 1
+        used = DECODES[padding == "left"] - before[padding == "left"]
+        if used != 5 * 2:                                  # 5 steps x 2 layers
+            FAILED.append(f"llama decode {padding}: {used} flashfold.decode calls "
+                          f"{'with' if padding == 'left' else 'without'} cache_start, not 10")
 
 
 def bench(fn):

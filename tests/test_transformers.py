@@ -206,14 +206,23 @@ def test_padding_becomes_varlen_or_a_table():
     assert m.causal and not m.varlen and m.table is None
     pad = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
     m = mk(2, 5, 5, 0, 0, causal_mask_function, pad)
-    assert m.causal and m.varlen and m.table is None
-    assert m.cu_seqlens_q.tolist() == [0, 3, 6] and m.cu_seqlens_k.tolist() == [0, 3, 6]
-    assert m.q_index.tolist() == [2, 3, 4, 5, 6, 7] and m.k_index.tolist() == [2, 3, 4, 5, 6, 7]
+    assert m.causal and m.varlen and m.table is None and m.kv_start is None   # right padding
+    p = m.plan
+    assert p.cu_seqlens_q.tolist() == [0, 3, 6] and p.cu_seqlens_k.tolist() == [0, 3, 6]
+    assert p.q_index.tolist() == [2, 3, 4, 5, 6, 7] and p.k_index.tolist() == [2, 3, 4, 5, 6, 7]
+    assert m.plan is p                                         # built once, shared
     m = mk(2, 5, 5, 0, 0, bidirectional_mask_function, pad)
-    assert not m.causal and m.q_index is None and m.cu_seqlens_q.tolist() == [0, 5, 10]
+    assert not m.causal and m.plan.q_index is None and m.plan.cu_seqlens_q.tolist() == [0, 5, 10]
     # a decode step (1 query, 4 cached keys): the real queries are the ones at real keys
     m = mk(2, 1, 5, 4, 0, causal_mask_function, pad)
-    assert m.cu_seqlens_q.tolist() == [0, 1, 1] and m.q_index.tolist() == [0]
+    assert m.plan.cu_seqlens_q.tolist() == [0, 1, 1] and m.plan.q_index.tolist() == [0]
+    # left padding (a row without real keys too): each row's first real key, on the device
+    left = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]],
+                        dtype=torch.bool)
+    m = mk(4, 1, 5, 4, 0, causal_mask_function, left)
+    assert m.varlen and m.kv_start.dtype == torch.int32 and m.kv_start.tolist() == [2, 0, 5, 4]
+    assert "plan" not in m.__dict__ and "left-padded" in repr(m)
+    assert mk(4, 1, 5, 4, 0, bidirectional_mask_function, left).kv_start is None
     holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     m = mk(2, 5, 5, 0, 0, causal_mask_function, holes)
     assert m.table is not None and m.table.shape == (2, 5, 5)
@@ -229,15 +238,20 @@ def test_padding_becomes_varlen_or_a_table():
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_llama_decoding_with_a_kv_cache(cache, padding, monkeypatch):
     """Prefill a batch, then 3 greedy steps; each step's logits against the eager float64
-    model on the sequence so far, alone. Steps without padding against a dynamic cache
-    run flashfold.decode (split-KV); padded steps run packed varlen attention; a static
-    cache runs HF's boolean table."""
+    model on the sequence so far, alone. Steps against a dynamic cache run flashfold.decode
+    (split-KV), from each row's first real key when left-padded (without building the
+    varlen plan: only the padded prefill packs); a static cache runs HF's boolean
+    table."""
     from transformers import DynamicCache, StaticCache
 
     from flashfold.api import decode as api_decode
     calls = []
     inner = api_decode.decode
-    monkeypatch.setattr(api_decode, "decode", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    monkeypatch.setattr(api_decode, "decode",
+                        lambda *a, **k: calls.append(k.get("cache_start")) or inner(*a, **k))
+    plans = []
+    build_plan = fft._varlen_plan
+    monkeypatch.setattr(fft, "_varlen_plan", lambda *a: plans.append(a[1]) or build_plan(*a))
     ff = model("llama", FF, torch.float32)
     ref = model("llama", "eager", torch.float64)
     ids, mask, _ = batch(padding, seed=5)
@@ -259,8 +273,93 @@ def test_llama_decoding_with_a_kv_cache(cache, padding, monkeypatch):
         seq = torch.cat([seq, nxt], 1)
         am = torch.cat([am, torch.ones_like(nxt)], 1)
         step_ids, pos = nxt, pos[:, -1:] + 1
-    uses_decode = cache == "dynamic" and padding == "none"
+    uses_decode = cache == "dynamic"
     assert len(calls) == (3 * 2 if uses_decode else 0)      # 3 steps x 2 layers
+    if uses_decode:
+        first = (mask == 0).sum(1).to(torch.int32)           # left padding: the pad count
+        assert all((s is None) == (padding == "none") for s in calls)
+        assert all(torch.equal(s, first) for s in calls if s is not None)
+    # the varlen plan: built once, for the padded prefill (shared by its 2 layers)
+    assert plans == ([SEQ] if padding == "left" and cache == "dynamic" else []), plans
+
+
+def test_llama_left_padded_multi_token_steps(monkeypatch):
+    """Left-padded prefill, then steps of 3 tokens (as speculative decoding verifies draft
+    tokens) against a dynamic cache: flashfold.decode with each row's first real key,
+    every step's 3 rows against the eager float64 model on the sequence so far, alone
+    (one row is padding up to its last prefill token)."""
+    from transformers import DynamicCache
+
+    from flashfold.api import decode as api_decode
+    calls = []
+    inner = api_decode.decode
+    monkeypatch.setattr(api_decode, "decode",
+                        lambda *a, **k: calls.append(k["cache_start"]) or inner(*a, **k))
+    ff = model("llama", FF, torch.float32)
+    ref = model("llama", "eager", torch.float64)
+    ids, mask, _ = batch("left", seed=8)
+    mask[3, :SEQ - 1] = 0                                 # one real token
+    g = torch.Generator().manual_seed(2)
+    kv = DynamicCache(config=ff.config)
+    seq, am = ids, mask
+    step_ids, pos = ids, (mask.cumsum(-1) - 1).clamp(min=0)
+    for step in range(3):
+        with torch.no_grad():
+            logits = ff(input_ids=step_ids, attention_mask=am, position_ids=pos, use_cache=True,
+                        **cache_kw(ff, kv)).logits
+        if step:
+            for b in range(seq.shape[0]):
+                want = run(ref, seq[b, am[b].bool()][None])[0, -3:]
+                assert_close(logits[b], want, torch.float32, name=f"step {step}, row {b}")
+        step_ids = torch.randint(0, VOCAB, (4, 3), generator=g)
+        seq = torch.cat([seq, step_ids], 1)
+        am = torch.cat([am, torch.ones_like(step_ids)], 1)
+        pos = pos[:, -1:] + torch.arange(1, 4)
+    assert len(calls) == 2 * 2 and all(c.tolist() == [0, 5, 1, SEQ - 1] for c in calls)
+
+
+def _qkv_step(S=3, L=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, h, n, 32, generator=g, dtype=torch.float64)
+            for h, n in ((4, S), (2, L), (2, L))]
+
+
+def test_left_padded_step_equals_the_varlen_path(monkeypatch):
+    """The attention function on a left-padded 3-token step: flashfold.decode over the
+    unpacked cache gives what the varlen path (packing, flashfold.attention) gives, padded
+    query rows included (0: a row whose first real key comes after the query, a row with
+    no real key); against the naive masked attention on the real rows. A step whose new
+    token is padding (not left padding) keeps the varlen path."""
+    from flashfold.api import decode as api_decode
+    from flashfold.kernels.attention.reference import naive_attention
+    import flashfold
+    calls = []
+    inner = api_decode.decode
+    monkeypatch.setattr(api_decode, "decode", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    q, k, v = _qkv_step()
+    S, L = q.shape[2], k.shape[2]
+    module = torch.nn.Module()
+    pad = torch.ones(4, L, dtype=torch.long)
+    for b, first in enumerate([0, 4, 9, L]):              # row 2: query row 0 (position 8)
+        pad[b, :first] = 0                                 # is padding; row 3: no real key
+    out, _ = fft.flashfold_attention_forward(module, q, k, v, pad)
+    assert len(calls) == 1
+    padding = pad.bool()
+    want = fft._varlen(flashfold.attention, "test", q, k, v, fft._varlen_plan(padding, S, True),
+                       True, {})
+    assert_close(out, want, torch.float64, name="decode path vs varlen path")
+    assert torch.equal(out[2, 0], torch.zeros_like(out[2, 0])) and not out[3].any()
+    visible = padding[:, None, :] & (torch.arange(L)[None, :] <= torch.arange(S)[:, None] + L - S)
+    ref, _ = naive_attention(q, k, v, mask_mod=lambda b, h, i, j: visible[b, i, j])
+    real = visible.any(-1)                                 # (B, S): rows with a key
+    assert_close(out[real], ref.transpose(1, 2)[real], torch.float64, name="vs naive")
+    # the newest token is padding in row 1: not left padding, the varlen path
+    pad[1, -1] = 0
+    out, _ = fft.flashfold_attention_forward(module, q, k, v, pad)
+    assert len(calls) == 1
+    want = fft._varlen(flashfold.attention, "test", q, k, v, fft._varlen_plan(pad.bool(), S, True),
+                       True, {})
+    assert torch.equal(out, want) and not out[1, -1].any()
 
 
 def test_decoder_padding_with_holes_uses_the_table():

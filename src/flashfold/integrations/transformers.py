@@ -24,8 +24,10 @@ Two functions are registered under the same name:
   model's ``create_causal_mask`` / ``create_bidirectional_mask``. Instead of the dense
   ``(batch, 1, q_len, kv_len)`` bias of the eager path it returns a :class:`FlashfoldMask`:
   the mask's kind (causal or bidirectional) and, when the 2-D ``attention_mask`` has
-  padding, a *varlen plan* (which query rows and key positions are real, as
-  ``cu_seqlens``), computed once and shared by every layer;
+  padding, the padding mask, classified once on the device (one host read of three flags
+  per forward pass): for left padding also each row's first real key (``kv_start``, on the
+  device), and on first use a *varlen plan* (which query rows and key positions are real,
+  as ``cu_seqlens``), shared by every layer;
 * an **attention function** (``AttentionInterface``), ``fn(module, query, key, value,
   attention_mask, scaling=None, dropout=0.0, **kwargs) -> (out (B, S, Hq, Dv), None)``,
   with ``query (B, Hq, S, D)``, ``key``/``value (B, Hkv, L, D|Dv)`` in any strides.
@@ -40,11 +42,16 @@ decoder (causal) mask, no padding      ``causal=True``: bottom-right aligned, wh
                                        position ``L - S + i``); a step of 1 to 16 new
                                        tokens against a longer cache runs
                                        :func:`flashfold.decode` (split-KV)
+KV-cache step (1 to 16 new tokens,     :func:`flashfold.decode` over the unpacked cache
+``S < L``), left padding (each row's   with ``cache_start`` = the row's first real key
+real keys one run ending at ``L``)     (no packing, no host synchronisation per layer);
+                                       query rows before it give 0
 bidirectional (encoder) mask           no mask
 key padding, bidirectional             the real keys packed (``cu_seqlens_k``), every query
                                        row kept (the same values as eager on all rows)
 padding, causal, contiguous per row    real queries and keys packed (``cu_seqlens_q/k``,
-(left or right padding)                ``causal=True``); padded query rows give 0
+(left or right padding; prefill,       ``causal=True``); padded query rows give 0
+right-padded steps)
 anything else the model's mask         the boolean mask HF would build, read by a
 function encodes (sliding windows,     ``mask_mod`` from a ``(B * S, L)`` table (a boolean
 packed sequences, static caches,       table, never an additive float bias)
@@ -70,7 +77,8 @@ Unsupported head dims and dtypes raise ``ValueError`` / ``TypeError`` from
 
 Training without attention dropout works: gradients flow through the autograd of
 :func:`flashfold.attention` (the packing is index_select / index_copy, differentiable;
-KV-cache steps use :func:`flashfold.decode` only when no gradient is needed).
+KV-cache steps use :func:`flashfold.decode` only when no gradient is needed: a left-padded
+step that needs one takes the varlen plan).
 
 Rows with no visible key (e.g. a left-padded query row of a decoder) give 0, where
 eager gives an average of values (its -inf is the dtype's minimum): such rows are
@@ -80,6 +88,7 @@ functions run outside the graph (``torch.compiler.disable``: one graph break per
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -97,6 +106,22 @@ def _unsupported(what: str):
 
 # --- the compact mask -----------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class VarlenPlan:
+    """Padded rows packed for :func:`flashfold.attention`'s varlen mode.
+
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 ``(batch + 1,)`` offsets into the packed rows;
+    ``q_index`` int64 ``(Tq,)``: the packed query rows as flat indices into ``batch *
+    q_len`` (``None``: every row kept); ``k_index`` int64 ``(Tk,)``: the real keys, flat
+    indices into ``batch * kv_len``. All on the padding mask's device.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    q_index: torch.Tensor | None
+    k_index: torch.Tensor
+
+
 @dataclass(eq=False)
 class FlashfoldMask:
     """What the mask function hands to every layer of one forward pass.
@@ -104,10 +129,13 @@ class FlashfoldMask:
     ``causal``: the model's mask is the decoder (causal) mask, aligned bottom-right (query
     row ``i`` at key position ``kv_len - q_len + i``), or the bidirectional one (False).
     ``batch``, ``q_len``, ``kv_len``: the sizes the mask was made for.
-    Varlen plan (``None`` without padding): ``cu_seqlens_q`` / ``cu_seqlens_k`` int32
-    ``(batch + 1,)`` offsets into the packed rows; ``q_index`` int64 ``(Tq,)``: the packed
-    query rows as flat indices into ``batch * q_len`` (``None``: every row kept);
-    ``k_index`` int64 ``(Tk,)``: the real keys, flat indices into ``batch * kv_len``.
+    ``padding``: ``None`` without padding, else the ``(batch, kv_len)`` boolean key-padding
+    mask (True: a real key; causal masks only when each row's real keys are one run). Then
+    :attr:`plan` packs the real rows (computed on first use, one host read, then shared by
+    every layer), and ``kv_start``, int32 ``(batch,)`` on the device, is set when the mask
+    is causal and left-padded (each row's real keys are ``[kv_start[b], kv_len)``, ``kv_len``
+    for a row without any): KV-cache steps then run :func:`flashfold.decode` with
+    ``cache_start=kv_start`` on the unpacked cache, and never build the plan.
     ``table``: instead of all that, a boolean ``(batch or 1, q_len, kv_len)`` visibility
     table (the general case).
     """
@@ -116,18 +144,24 @@ class FlashfoldMask:
     batch: int
     q_len: int
     kv_len: int
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    q_index: torch.Tensor | None = None
-    k_index: torch.Tensor | None = None
+    padding: torch.Tensor | None = None
+    kv_start: torch.Tensor | None = None
     table: torch.Tensor | None = None
 
     @property
     def varlen(self) -> bool:
-        return self.cu_seqlens_k is not None
+        return self.padding is not None
+
+    @functools.cached_property
+    def plan(self) -> VarlenPlan:
+        """The varlen packing of :attr:`padding` (built once per mask, on first use)."""
+        if self.padding is None:
+            raise ValueError(f"{self!r} has no padding to pack")
+        return _varlen_plan(self.padding, self.q_len, self.causal)
 
     def __repr__(self):
         kind = ("table" if self.table is not None else
+                "left-padded varlen" if self.kv_start is not None else
                 "varlen" if self.varlen else "plain")
         return (f"FlashfoldMask({'causal' if self.causal else 'bidirectional'}, {kind}, "
                 f"batch={self.batch}, q_len={self.q_len}, kv_len={self.kv_len})")
@@ -137,14 +171,34 @@ def _as_int(x) -> int:
     return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
 
 
-def _varlen_plan(padding: torch.Tensor, q_len: int, causal: bool):
-    """``(cu_q, cu_k, q_index, k_index)`` for a ``(B, L)`` bool key-padding mask, or None
-    when the mask cannot be expressed by packing (a causal mask with holes in a row).
+def _padding_runs(padding: torch.Tensor):
+    """Classify a ``(B, L)`` bool key-padding mask (True: a real key) on its device, with
+    one host read of three flags: ``(all_real, one_run, left, kv_start)``.
+
+    ``one_run``: every row's real keys form at most one run; ``left``: every row's run ends
+    at ``L`` (left padding; a row without real keys counts); ``kv_start`` int32 ``(B,)`` on
+    the device: ``L -`` the row's number of real keys, its first real key under ``left``.
+    """
+    B, L = padding.shape
+    n = padding.sum(1)                                          # real keys per row
+    kv_start = (L - n).to(torch.int32)
+    if L == 0:
+        return True, True, True, kv_start
+    runs = padding[:, 0].to(n.dtype) + (padding[:, 1:] & ~padding[:, :-1]).sum(1)
+    flags = torch.stack([(n == L).all(), (runs <= 1).all(),
+                         ((runs <= 1) & ((n == 0) | padding[:, -1])).all()])
+    all_real, one_run, left = flags.tolist()                    # the one host read
+    return all_real, one_run, left, kv_start
+
+
+def _varlen_plan(padding: torch.Tensor, q_len: int, causal: bool) -> VarlenPlan:
+    """The :class:`VarlenPlan` of a ``(B, L)`` bool key-padding mask (reads it on the host).
 
     Bidirectional: the real keys are packed (any pattern), every query row kept. Causal:
-    a row's real keys must be one run ``[lo, hi)``; the real queries are then the query
-    positions inside it, ``[max(lo, L - S), hi)``, and flashfold's bottom-right alignment
-    within each packed sequence is exactly ``kv <= q`` in absolute positions.
+    a row's real keys must be one run ``[lo, hi)`` (checked by :func:`_padding_runs`); the
+    real queries are then the query positions inside it, ``[max(lo, L - S), hi)``, and
+    flashfold's bottom-right alignment within each packed sequence is exactly ``kv <= q``
+    in absolute positions.
     """
     B, L = padding.shape
     dev = padding.device
@@ -155,7 +209,7 @@ def _varlen_plan(padding: torch.Tensor, q_len: int, causal: bool):
     cu_k[1:] = torch.cumsum(counts, 0)
     if not causal:
         cu_q = torch.arange(B + 1, dtype=torch.int32) * q_len
-        return cu_q.to(dev), cu_k.to(dev), None, k_index.to(dev)
+        return VarlenPlan(cu_q.to(dev), cu_k.to(dev), None, k_index.to(dev))
     q_rows, cu_q = [], [0]
     first = L - q_len                                  # key position of query row 0
     for b in range(B):
@@ -164,16 +218,14 @@ def _varlen_plan(padding: torch.Tensor, q_len: int, causal: bool):
             cu_q.append(cu_q[-1])
             continue
         lo = int(torch.argmax(host[b].to(torch.uint8)))
-        hi = lo + n
-        if not bool(host[b, lo:hi].all()):
-            return None                                # holes: not one run of keys
+        hi = lo + n                                    # one run: [lo, hi)
         q0 = max(lo, first)
         if hi > q0:
             q_rows.append(torch.arange(q0 - first, hi - first) + b * q_len)
         cu_q.append(cu_q[-1] + max(0, hi - q0))
     q_index = torch.cat(q_rows) if q_rows else torch.zeros(0, dtype=torch.int64)
-    return (torch.tensor(cu_q, dtype=torch.int32, device=dev), cu_k.to(dev),
-            q_index.to(dev), k_index.to(dev))
+    return VarlenPlan(torch.tensor(cu_q, dtype=torch.int32, device=dev), cu_k.to(dev),
+                      q_index.to(dev), k_index.to(dev))
 
 
 def _dense_table(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
@@ -194,9 +246,11 @@ def _mask_function_impl(batch_size: int, q_length: int, kv_length: int, q_offset
 
     ``attention_mask``: the 2-D ``(batch, seen + q_length)`` padding mask or None;
     ``mask_function``: the model's mask pattern. The plain causal and bidirectional
-    patterns become a compact mask (varlen when padded); any other pattern, or a query
-    offset that is not bottom-right (static caches), becomes the boolean table HF would
-    build.
+    patterns become a compact mask (varlen when padded, with each row's first real key
+    when causal and left-padded); any other pattern, a causal padding with holes, or a
+    query offset that is not bottom-right (static caches), becomes the boolean table HF
+    would build. Reads three flags of the padding mask on the host (one synchronisation
+    per forward pass), nothing else.
     """
     from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
                                             prepare_padding_mask)
@@ -206,23 +260,21 @@ def _mask_function_impl(batch_size: int, q_length: int, kv_length: int, q_offset
     plain = mask_function is causal_mask_function or mask_function is bidirectional_mask_function
     causal = mask_function is causal_mask_function
     aligned = (not causal) or (q_off - kv_off == kv_length - q_length)
-    padding = None
-    if attention_mask is not None:
-        padding = prepare_padding_mask(attention_mask, kv_length, kv_off)
-        padding = padding[:, kv_off:kv_off + kv_length].to(torch.bool)
-        if padding.shape[-1] == kv_length and bool(padding.all()):
-            padding = None
     if plain and aligned:
-        if padding is None:
+        runs = None
+        if attention_mask is not None:
+            padding = prepare_padding_mask(attention_mask, kv_length, kv_off)
+            padding = padding[:, kv_off:kv_off + kv_length].to(torch.bool)
+            runs = _padding_runs(padding)
+        if runs is None or (runs[0] and padding.shape[-1] == kv_length):
             return FlashfoldMask(causal, batch_size, q_length, kv_length)
         if padding.shape != (batch_size, kv_length):
             raise ValueError(f"attention_mask: padding mask of shape {tuple(padding.shape)} "
                              f"does not cover (batch={batch_size}, kv_len={kv_length})")
-        plan = _varlen_plan(padding, q_length, causal)
-        if plan is not None:
-            cu_q, cu_k, q_index, k_index = plan
-            return FlashfoldMask(causal, batch_size, q_length, kv_length, cu_q, cu_k,
-                                 q_index, k_index)
+        _, one_run, left, kv_start = runs
+        if not causal or one_run:
+            return FlashfoldMask(causal, batch_size, q_length, kv_length, padding=padding,
+                                 kv_start=kv_start if causal and left else None)
     table = _dense_table(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                          attention_mask, device, use_vmap)
     return FlashfoldMask(False, batch_size, q_length, kv_length, table=table)
@@ -359,17 +411,20 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
         mod = _TABLES.get(mask.table.to(query.device))
         o = _call(flashfold.attention, where, query, key, value, mask_mod=mod, **kw)
         return o.transpose(1, 2).contiguous(), None
-    if not mask.varlen:
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        if mask.causal and S < L and S <= _MAX_DECODE_Q and not grad:
-            # a KV-cache step without padding: split-KV decoding over the whole cache
-            lens = torch.full((B,), L, dtype=torch.int32, device=query.device)
-            o = _call(flashfold.decode, where, query, key, value, lens, check_lengths=False,
-                      max_seqlen=L, **kw)
-        else:
-            o = _call(flashfold.attention, where, query, key, value, causal=mask.causal, **kw)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    step = mask.causal and S < L and S <= _MAX_DECODE_Q and not grad
+    if step and (not mask.varlen or mask.kv_start is not None):
+        # a KV-cache step, unpadded or left-padded: split-KV decoding over the whole cache,
+        # each row from its first real key (query rows before it see no key: 0)
+        lens = torch.full((B,), L, dtype=torch.int32, device=query.device)
+        o = _call(flashfold.decode, where, query, key, value, lens, cache_start=mask.kv_start,
+                  check_lengths=False, max_seqlen=L, **kw)
         return o.transpose(1, 2).contiguous(), None
-    return _varlen(flashfold.attention, where, query, key, value, mask, kw), None
+    if not mask.varlen:
+        o = _call(flashfold.attention, where, query, key, value, causal=mask.causal, **kw)
+        return o.transpose(1, 2).contiguous(), None
+    return _varlen(flashfold.attention, where, query, key, value, mask.plan, mask.causal,
+                   kw), None
 
 
 #: the most query tokens per step that go to :func:`flashfold.decode`
@@ -388,23 +443,23 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).reshape(B * N, H, D)
 
 
-def _varlen(attention, where, query, key, value, mask: FlashfoldMask, kw):
+def _varlen(attention, where, query, key, value, plan: VarlenPlan, causal: bool, kw):
     """Pack real rows, run the varlen attention, scatter back to ``(B, S, Hq, Dv)``."""
     B, Hq, S, _ = query.shape
     Dv = value.shape[-1]
     qr = _rows(query)
-    if mask.q_index is not None:
-        qr = qr.index_select(0, mask.q_index)
-    kr = _rows(key).index_select(0, mask.k_index)
-    vr = _rows(value).index_select(0, mask.k_index)
+    if plan.q_index is not None:
+        qr = qr.index_select(0, plan.q_index)
+    kr = _rows(key).index_select(0, plan.k_index)
+    vr = _rows(value).index_select(0, plan.k_index)
     pack = lambda r: r.permute(1, 0, 2).unsqueeze(0)            # (T, H, D) -> (1, H, T, D)  # noqa: E731
-    o = _call(attention, where, pack(qr), pack(kr), pack(vr), causal=mask.causal,
-              cu_seqlens_q=mask.cu_seqlens_q, cu_seqlens_k=mask.cu_seqlens_k, **kw)
+    o = _call(attention, where, pack(qr), pack(kr), pack(vr), causal=causal,
+              cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k, **kw)
     o = o[0].permute(1, 0, 2)                                     # (Tq, Hq, Dv)
-    if mask.q_index is None:
+    if plan.q_index is None:
         return o.reshape(B, S, Hq, Dv).contiguous()
     out = torch.zeros(B * S, Hq, Dv, dtype=o.dtype, device=o.device)
-    out.index_copy_(0, mask.q_index, o)
+    out.index_copy_(0, plan.q_index, o)
     return out.view(B, S, Hq, Dv)
 
 
@@ -478,5 +533,5 @@ def is_registered(name: str = NAME) -> bool:
 #: "ff_attention" where transformers reserves names containing "flash")
 ATTN_IMPLEMENTATION = register()
 
-__all__ = ["register", "is_registered", "FlashfoldMask", "flashfold_attention_forward",
+__all__ = ["register", "is_registered", "FlashfoldMask", "VarlenPlan", "flashfold_attention_forward",
            "flashfold_attention_mask", "NAME", "ALIAS", "ATTN_IMPLEMENTATION"]
