@@ -533,5 +533,6 @@ def is_registered(name: str = NAME) -> bool:
 #: "ff_attention" where transformers reserves names containing "flash")
 ATTN_IMPLEMENTATION = register()
 
-__all__ = ["register", "is_registered", "FlashfoldMask", "VarlenPlan", "flashfold_attention_forward",
-           "flashfold_attention_mask", "NAME", "ALIAS", "ATTN_IMPLEMENTATION"]
+__all__ = ["register", "is_registered", "FlashfoldMask", "VarlenPlan",
+           "flashfold_attention_forward", "flashfold_attention_mask", "NAME", "ALIAS",
+           "ATTN_IMPLEMENTATION"]
