@@ -8,8 +8,9 @@ Run (H200, from the repository root)::
     PYTHONPATH=src python benchmarks/decode.py --tune     # splits / tile configs at the targets
 
 1. Correctness at real sizes (bf16, 32 query / 8 KV heads, head_dim 128): lengths 0, 1,
-   ragged and full, q_len 1 and 4 (speculative), softcap, window, contiguous and paged
-   (pages of 16 and 64, shuffled), default and batch-invariant mode. FlashAttention's
+   ragged and full, q_len 1 and 4 (speculative), softcap, window, left padding (a first
+   key per sequence, ``cache_start``), contiguous and paged (pages of 16 and 64,
+   shuffled), default and batch-invariant mode. FlashAttention's
    criterion: the max error of flashfold's output against a float32 reference must be at
    most twice the max error of a naive bf16 PyTorch decode (matmuls in bf16, softmax in
    fp32 rounded to bf16) against the same reference, plus 1e-5; LSE within 1e-3 of the
@@ -31,7 +32,10 @@ Run (H200, from the repository root)::
    call, ~12 us for every method, ~15% of an 8K x batch 8 call). Metric: bytes of K and V
    read, ``2 * batch * heads_kv * length * head_dim * 2``,
    divided by the time (the same bytes for every method, whatever it actually moves),
-   next to a device-to-device copy measured in the same run (read + write bytes).
+   next to a device-to-device copy measured in the same run (read + write bytes). Each row
+   also times ``flashfold lpad``: the same cache left-padded (sequence ``b`` starts at
+   ``b * length / (4 * batch)``, up to 25% padding, ``cache_start``), in GB/s of the keys
+   it attends to (its own bytes), next to the row's unpadded flashfold figure.
 """
 
 from __future__ import annotations
@@ -60,13 +64,16 @@ DT = torch.bfloat16
 class Cache:
     """q, a contiguous K/V cache and paged copies (shuffled pages) holding the same tokens."""
 
-    def __init__(self, batch, capacity, lens=None, q_len=1, pages=(), seed=0):
+    def __init__(self, batch, capacity, lens=None, q_len=1, pages=(), seed=0, starts=None):
         g = torch.Generator(device=DEV).manual_seed(seed)
         self.q = torch.randn(batch, HQ, q_len, D, generator=g, device=DEV, dtype=DT)
         self.k = torch.randn(batch, HKV, capacity, D, generator=g, device=DEV, dtype=DT)
         self.v = torch.randn(batch, HKV, capacity, D, generator=g, device=DEV, dtype=DT)
         lens = [capacity] * batch if lens is None else lens
         self.lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        #: first key of each sequence (cache_start) or None
+        self.starts = None if starts is None else torch.tensor(starts, dtype=torch.int32,
+                                                                device=DEV)
         self.capacity = capacity
         self.paged = {p: self._pages(p, seed) for p in pages}
 
@@ -84,10 +91,15 @@ class Cache:
             out.append(pool)
         return out[0], out[1], table
 
-    def kv_bytes(self):
-        return 2 * int(self.lens.sum()) * HKV * D * self.k.element_size()
+    def kv_bytes(self, starts=None):
+        """Bytes of K and V attended to (the keys ``[start, length)`` with ``starts``)."""
+        n = self.lens if starts is None else self.lens - torch.minimum(starts.clamp(min=0),
+                                                                       self.lens)
+        return 2 * int(n.sum()) * HKV * D * self.k.element_size()
 
     def decode(self, page=None, **kw):
+        if self.starts is not None:
+            kw.setdefault("cache_start", self.starts)
         if page is None:
             return ff.decode(self.q, self.k, self.v, self.lens, **kw)
         kp, vp, table = self.paged[page]
@@ -100,16 +112,18 @@ def naive_bf16(c: Cache, *, scale=None, softcap=None, window=None):
     g = HQ // HKV
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     o = torch.zeros_like(c.q)
+    starts = [0] * B if c.starts is None else c.starts.tolist()
     for b, n in enumerate(c.lens.tolist()):
-        if n == 0:
+        a = min(max(starts[b], 0), n)
+        if n == a:
             continue
-        kk = c.k[b, :, :n].repeat_interleave(g, 0)
-        vv = c.v[b, :, :n].repeat_interleave(g, 0)
+        kk = c.k[b, :, a:n].repeat_interleave(g, 0)
+        vv = c.v[b, :, a:n].repeat_interleave(g, 0)
         s = torch.matmul(c.q[b] * scale, kk.transpose(-1, -2))
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         pos = torch.arange(q_len, device=DEV)[:, None] + n - q_len
-        j = torch.arange(n, device=DEV)[None, :]
+        j = torch.arange(a, n, device=DEV)[None, :]
         keep = j <= pos
         if window is not None and window[0] is not None:
             keep = keep & (j >= pos - window[0])
@@ -136,7 +150,8 @@ def check_case(chk: Checker, name, c: Cache, **mods):
     win = mods.get("window")
     ro, rl = decode_reference(c.q, c.k, c.v, c.lens, scale=mods.get("scale"),
                               softcap=mods.get("softcap"),
-                              window=None if win is None else tuple(win), compute_dtype=torch.float32)
+                              window=None if win is None else tuple(win), cache_start=c.starts,
+                              compute_dtype=torch.float32)
     base = (naive_bf16(c, **mods).float() - ro).abs().max().item()
     bound = 2 * base + 1e-5
     empty = ~torch.isfinite(rl)
@@ -204,6 +219,12 @@ def run_checks(chk: Checker, quick=False):
          {"softcap": 30.0}),
         ("window (1000, 0)", Cache(3, 8192, [500, 4000, 8192], q_len=2, pages=(16,), seed=4),
          {"window": (1000, 0)}),
+        ("left-padded (cache_start)", Cache(6, 8192, [0, 1, 8192, 8192, 6000, 4097], q_len=2,
+                                            starts=[5, 0, 2049, 8192, 5999, 1000],
+                                            pages=pages, seed=6), {}),
+        ("left-padded + window (700, 0)", Cache(3, 8192, [8192, 5000, 3000], q_len=3,
+                                                starts=[7800, 100, 2999], pages=(16,), seed=7),
+         {"window": (700, 0)}),
     ]
     if not quick:
         cases.append(("64K, batch 2", Cache(2, 65536, [65536, 40000], pages=(64,), seed=5), {}))
@@ -313,7 +334,11 @@ def time_row(batch, length, pages, graphs, copy, with_peers=True, clean=False):
     nbytes = c.kv_bytes()
     res = {}
 
-    def add(name, fn, graph, cleaned=False):
+    # left padding: sequence b starts at b * length / (4 * batch) (up to 25% padding)
+    starts = torch.tensor([b * length // (4 * batch) for b in range(batch)], dtype=torch.int32,
+                          device=DEV)
+
+    def add(name, fn, graph, cleaned=False, nbytes=nbytes):
         key = name + (" [clean]" if cleaned else " [graph]" if graph else "")
         try:
             ms = timed(fn, graph, clean=cleaned)
@@ -326,6 +351,8 @@ def time_row(batch, length, pages, graphs, copy, with_peers=True, clean=False):
     for graph in modes:
         add("flashfold", lambda: c.decode(), graph)
         add("flashfold inv", lambda: c.decode(batch_invariant=True), graph)
+        add("flashfold lpad", lambda: c.decode(cache_start=starts), graph,
+            nbytes=c.kv_bytes(starts))
         for p in pages:
             add(f"flashfold p{p}", lambda p=p: c.decode(p), graph)
             add(f"flashfold inv p{p}", lambda p=p: c.decode(p, batch_invariant=True), graph)

@@ -68,6 +68,9 @@ def test_checks_run(bench, capsys):
     bench.check_case(chk, "toy", c)
     bench.check_case(chk, "toy softcap", c, softcap=30.0)
     bench.check_case(chk, "toy window", c, window=(10, 0))
+    lp = bench.Cache(3, 64, [0, 40, 60], q_len=2, pages=(16,), seed=2, starts=[1, 5, 59])
+    bench.check_case(chk, "toy left-padded", lp)
+    bench.check_case(chk, "toy left-padded window", lp, window=(10, 0))
     bench.check_invariance(chk, pages=(16,), target_len=40, cap=64)
     out = capsys.readouterr().out
     assert not chk.failures, out
@@ -78,6 +81,7 @@ def test_timing_runs_and_prints_the_table(bench, capsys):
     bench.run_timing(False, True, targets=[(2, 64)], grid=[(1, 32)], copy_elems=1024)
     out = capsys.readouterr().out
     assert "final table" in out and "target (eager)" in out and "target (graph)" in out
+    assert "flashfold lpad" in out and "flashfold lpad [graph]" in out
     assert "target (clean)" in out and "batch_invariant cost over the grid (graph" in out
     assert bench._calls                                       # every method was timed
 
