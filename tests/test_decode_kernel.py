@@ -201,6 +201,17 @@ def test_kernel_cache_start(layout, q_len, dtype, mods):
         assert launch.split[2]["HAS_START"] and launch.merge is None or launch.merge[2]["HAS_START"]
         check(clean, o, lse, dtype, cache_start=STARTS, **mods)
         assert torch.equal(o[EMPTY], torch.zeros_like(o[EMPTY])) and (lse[EMPTY] == -math.inf).all()
+        if kw.get("batch_invariant"):
+            # sequence 3 (keys [40, 77)) alone, in a cache of another capacity: the same bits
+            alone = make_case([77], heads_q=4, heads_kv=2, q_len=q_len, head_dim=32,
+                              capacity=100, dtype=dtype, device=DEVICE)
+            alone.q[0], alone.k[0, :, :77], alone.v[0, :, :77] = (
+                clean.q[3], clean.k[3, :, :77], clean.v[3, :, :77])
+            if page is not None:
+                alone = repage(alone, page)
+            a = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+            o1, l1, _ = run(alone, page is not None, cache_start=a, **kw, **mods)
+            assert torch.equal(o1[0], o[3]) and torch.equal(l1[0], lse[3])
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
