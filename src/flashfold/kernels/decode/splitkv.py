@@ -19,9 +19,9 @@ by its own program, and the states are folded:
    ``evict_first`` hint (K/V are read once; pages gathered through ``block_table``, whose
    reads the pipeliner issues a stage ahead of the K/V loads they address), or, opt-in,
    TMA boxes (contiguous caches, or pages a multiple of ``BLOCK_N`` tokens). Tiles every
-   row sees entirely run without masks; only the tiles at the window's left edge and at
-   the sequence end / causal diagonal are masked (and there, with TMA, rows past the
-   sequence are zeroed: a cache slot may hold anything). Per tile, ``S = Q K^T`` on the
+   row sees entirely run without masks; only the tiles at the first key / the window's
+   left edge and at the sequence end / causal diagonal are masked (and there, with TMA,
+   rows outside the sequence are zeroed: a cache slot may hold anything). Per tile, ``S = Q K^T`` on the
    tensor cores, then the online-softmax update in base 2 (``sigma = s log2 e``, folded
    into the scale, so every exponential is ``exp2``)::
 
