@@ -162,3 +162,35 @@ def test_kernels_other_than_jit_functions_take_tritons_path(log):
     for _ in range(2):
         L.launch(NotJit(), (1,), (buf(),), {})
     assert [c[0] for c in log] == ["slow", "slow"]
+
+
+def test_none_constexprs_and_tuples_of_tensors_are_cached(log):
+    """What the kernels pass (the H200 run that first used this module found every launch
+    on Triton's path): ``None`` for an absent optional function or table, by position or
+    keyword, and tuples of output tensors and of JITFunctions."""
+    outs = (buf(), buf())
+    for _ in range(2):
+        L.launch(_k, (1,), (buf(), outs, 96, None, (0.5, 2)), dict(BLOCK=None, FLAG=(_other, None)))
+    assert [c[0] for c in log] == ["slow", "fast"]
+    kind, a = log[-1]
+    assert a[10] is outs and a[12] is None and a[14] is None and a[15] == (_other, None)
+
+
+@pytest.mark.parametrize("change", ["tuple element misaligned", "tuple element dtype",
+                                    "tuple length", "constexpr None -> 0", "jit in tuple"])
+def test_tuple_and_none_changes_miss_the_cache(log, change):
+    outs = [buf(), buf()]
+    s, flag = None, (_other,)
+    L.launch(_k, (1,), (buf(), tuple(outs), 96, s, 0.5), dict(BLOCK=32, FLAG=flag))
+    if change == "tuple element misaligned":
+        outs[1] = buf(offset=2)
+    elif change == "tuple element dtype":
+        outs[0] = torch.zeros(64, dtype=torch.float64)
+    elif change == "tuple length":
+        outs.append(buf())
+    elif change == "constexpr None -> 0":
+        s = 0
+    elif change == "jit in tuple":
+        flag = (_k,)
+    L.launch(_k, (1,), (buf(), tuple(outs), 96, s, 0.5), dict(BLOCK=32, FLAG=flag))
+    assert [c[0] for c in log] == ["slow", "slow"]

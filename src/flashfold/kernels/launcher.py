@@ -55,35 +55,57 @@ except Exception:  # pragma: no cover
 _I32 = (-(2 ** 31), 2 ** 31)
 
 
+#: what :func:`_spec` / :func:`_kspec` return for an argument they cannot key
+_UNKNOWN = object()
+
+
 def _spec(a):
-    """What Triton's specialization of a runtime argument depends on (None: unknown)."""
+    """What Triton's specialization of a runtime argument depends on (``_UNKNOWN``: an
+    argument type this module does not key; the launch then takes Triton's path)."""
     t = type(a)
     if t is torch.Tensor or isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
     if t is int:
         return (int, a == 1, a % 16 == 0, _I32[0] <= a < _I32[1], a >= 2 ** 63)
-    if t is bool or t is float or a is None:
-        return (t, a) if t is not float else (float,)
+    if a is None or t is bool:
+        return (t, a)
+    if t is float:
+        return (float,)
+    if t is tuple:                                  # Triton specializes each element
+        parts = tuple(_spec(e) for e in a)
+        return _UNKNOWN if any(p is _UNKNOWN for p in parts) else (tuple, parts)
     if _JIT is not None and isinstance(a, _JIT):      # a function: constexpr in Triton
         return ("jit", id(a))
     if _Desc is not None and t is _Desc:
         b = a.base
         return (_Desc, b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
                 tuple(a.block_shape), getattr(a, "padding", None))
-    return None
+    return _UNKNOWN
 
 
 def _kspec(v):
-    """Constexprs and options: by value (JITFunctions by identity)."""
+    """Constexprs and options: by value (JITFunctions by identity, tuples element-wise)."""
     if _JIT is not None and isinstance(v, _JIT):
         return ("jit", id(v))
+    if type(v) is tuple:
+        parts = tuple(_kspec(e) for e in v)
+        return _UNKNOWN if any(p is _UNKNOWN for p in parts) else (tuple, parts)
     if isinstance(v, torch.Tensor):
-        return None
+        return _spec(v)
     try:
         hash(v)
     except TypeError:
-        return None
-    return v
+        return _UNKNOWN
+    return (type(v), v)
+
+
+def _jit_objects(values):
+    """Every JITFunction in ``values``, tuples searched too (their ids are in the key)."""
+    for v in values:
+        if isinstance(v, _JIT):
+            yield v
+        elif type(v) is tuple:
+            yield from _jit_objects(v)
 
 
 def _slow(kernel, grid, args, kwargs):
@@ -121,13 +143,13 @@ def launch(kernel, grid, args=(), kwargs=None):
     parts = [id(kernel)]
     for i, a in enumerate(args):
         s = _kspec(a) if i in cpos else _spec(a)
-        if s is None:
+        if s is _UNKNOWN:
             _slow(kernel, grid, args, kwargs)
             return
         parts.append(s)
     for k, v in kwargs.items():
-        s = _kspec(v) if type(v) is not torch.Tensor else _spec(v)
-        if s is None:
+        s = _kspec(v)
+        if s is _UNKNOWN:
             _slow(kernel, grid, args, kwargs)
             return
         parts.append((k, s))
@@ -144,7 +166,7 @@ def launch(kernel, grid, args=(), kwargs=None):
             tail.append((p.name, None) if p.name in kwargs else (None, p.default))
         # the entry holds the kernel and every JITFunction of the key: while it lives, the
         # ids in its key cannot be reused by other objects
-        refs = (kernel,) + tuple(v for v in (*args, *kwargs.values()) if isinstance(v, _JIT))
+        refs = (kernel,) + tuple(_jit_objects((*args, *kwargs.values())))
         if len(_CACHE) >= _MAX:
             _CACHE.clear()
         _CACHE[key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(tail), refs)
