@@ -397,11 +397,11 @@ def variants(copy_gbs):
             ("block scan 4096 w8 (default)", None), ("block scan 2048 w8", C(2048, 1, 1, 8)),
             ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4))]),
         ("logcumsumexp", 2 * nb, lambda: ff.logcumsumexp(x, 1), "scan_config", [
-            ("chunked 2048 w4 (default)", None), ("chunked 1024 w2", C(1024, 1, 1, 2, vec=4)),
-            ("chunked 4096 w8", C(4096, 1, 1, 8, vec=4)),
+            ("chunked 1024 w2 prefetch (default)", None), ("chunked 1024 w2", C(1024, 1, 1, 2, vec=4)),
+            ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4)),
             ("chunked 2048 w4 prefetch", C(2048, 1, 1, 4, vec=4, prefetch=True)),
-            ("chunked 1024 w2 prefetch", C(1024, 1, 1, 2, vec=4, prefetch=True)),
-            ("chunked 4096 w8 prefetch", C(4096, 1, 1, 8, vec=4, prefetch=True))]),
+            ("chunked 512 w1 prefetch", C(512, 1, 1, 1, vec=4, prefetch=True)),
+            ("chunked 1024 vec2 w4 prefetch", C(1024, 1, 1, 4, vec=2, prefetch=True))]),
     ]
     xl = torch.randn(1, LONG, device=DEV)
     cases += [
@@ -414,9 +414,9 @@ def variants(copy_gbs):
     ]
     cases += [                                          # columns: the reduced dim strided
         ("sum dim 0", nb, lambda: ff.reduce(M.SUM, x, 0), "reduce_config", [
-            ("512 cols K=8 w4 (default)", None), ("512 cols K=16 w4", C(16, 1, 512, 4)),
-            ("512 cols K=8 w8", C(8, 1, 512, 8)), ("256 cols K=16 w4", C(16, 1, 256, 4)),
-            ("1024 cols K=4 w8", C(4, 1, 1024, 8))]),
+            ("512 cols K=8 w4 (default)", None), ("1024 cols K=4 w8", C(4, 1, 1024, 8)),
+            ("1024 cols K=8 w8", C(8, 1, 1024, 8)), ("2048 cols K=2 w16", C(2, 1, 2048, 16)),
+            ("512 cols K=16 w4", C(16, 1, 512, 4))]),
     ]
     x7 = torch.randn(MANY, 7, device=DEV)               # rows of 7: one row per thread
     n7 = x7.numel() * 4

@@ -73,11 +73,15 @@ def test_cheap_scans_take_the_block_scan_aligned_or_not():
 
 
 @pytest.mark.parametrize("shape", ((64, 16384), (64, 12345)))
-def test_costly_scans_keep_the_2048_chunked_scan(shape):
-    """logcumsumexp: chunked 2048 / 4 warps on aligned and misaligned rows alike (final
-    run: 16K 2502 -> 3169 GB/s; 4096 x 12345 0.256 -> 0.249 ms)."""
+def test_costly_scans_take_the_prefetching_1024_chunked_scan_in_fp32(shape):
+    """logcumsumexp: fp32 chunked 1024 / 2 warps with the next tile prefetched, on aligned
+    and misaligned rows alike (runs 4-5, 16K fp32 kernel time: 0.639-0.641 ms against
+    0.680 for the 2048 / 4 warps chunked scan); bf16 keeps 2048 / 4 warps (0.505 ms in run
+    4, 0.539 with the fp32 plan in run 5)."""
     kw = _scan(API.LOGSUMEXP2_SCAN, torch.empty(*shape))
-    assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (True, 2048, 4)
+    assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"], kw["PREFETCH"]) == (True, 1024, 2, True)
+    kw = _scan(API.LOGSUMEXP2_SCAN, torch.empty(*shape, dtype=torch.bfloat16))
+    assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"], kw["PREFETCH"]) == (True, 2048, 4, False)
 
 
 @pytest.mark.parametrize("monoid", (M.SUM, M.ARGMAX, API.LOGSUMEXP2_SCAN), ids=lambda m: m.name)
@@ -85,7 +89,7 @@ def test_misaligned_rows_scan_correctly_through_the_natural_plan(monoid):
     """The scans that misaligned rows take, run under the interpreter (4099 elements, each
     row start 4 bytes past a 16-byte boundary): cheap combines the block scan (one full
     4096-element tile, then the carry into a masked tail of 3), LOGSUMEXP2_SCAN the
-    chunked scan (two full 2048-element tiles and the tail)."""
+    prefetching chunked scan (four full 1024-element tiles and the tail)."""
     g = torch.Generator().manual_seed(5)
     base = torch.randn(3, 4100, generator=g)
     if monoid is M.ARGMAX:
@@ -93,7 +97,7 @@ def test_misaligned_rows_scan_correctly_through_the_natural_plan(monoid):
     x = base[:, 1:]
     kw = _scan(monoid, x)
     costly = monoid is API.LOGSUMEXP2_SCAN
-    assert (kw["CHUNKED"], kw["BLOCK"]) == ((True, 2048) if costly else (False, 4096))
+    assert (kw["CHUNKED"], kw["BLOCK"]) == ((True, 1024) if costly else (False, 4096))
     from flashfold.kernels.reduce import reference as R
     from flashfold.testing import assert_close
     outs = L.launch_scan(monoid, x, 1)
