@@ -194,3 +194,24 @@ def test_tuple_and_none_changes_miss_the_cache(log, change):
         flag = (_k,)
     L.launch(_k, (1,), (buf(), tuple(outs), 96, s, 0.5), dict(BLOCK=32, FLAG=flag))
     assert [c[0] for c in log] == ["slow", "slow"]
+
+
+def test_device_facts_are_read_once_per_device(monkeypatch):
+    """capability / sm_count: one ``get_device_properties`` call per device index (the
+    plans ask on every call; torch's query costs ~10 us of host time)."""
+    import types
+    reads = []
+
+    def props(index):
+        reads.append(index)
+        return types.SimpleNamespace(major=9, minor=0, multi_processor_count=132 + index)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    L._properties.cache_clear()
+    try:
+        assert L.capability("cuda:0") == (9, 0) and L.sm_count("cuda:0") == 132
+        assert L.sm_count("cuda") == 133 and L.capability(torch.device("cuda", 1)) == (9, 0)
+        assert reads == [0, 1]
+    finally:
+        L._properties.cache_clear()

@@ -183,15 +183,25 @@ def launch(kernel, grid, args=(), kwargs=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _index(device) -> int:
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def capability(device) -> tuple:
     """``(major, minor)`` compute capability of a CUDA ``device``, read once per device
     (``torch.cuda.get_device_capability`` costs ~10 us of host time per call)."""
-    device = torch.device(device)
-    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+    p = _properties(_index(device))
+    return (p.major, p.minor)
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``, read once per device."""
+    return _properties(_index(device)).multi_processor_count
 
 
 def cache_clear() -> None:
@@ -200,4 +210,4 @@ def cache_clear() -> None:
     _CACHE.clear()
 
 
-__all__ = ["launch", "enabled", "cache_clear", "capability"]
+__all__ = ["launch", "enabled", "cache_clear", "capability", "sm_count"]

@@ -558,13 +558,12 @@ def _attention_fns():
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return launcher.sm_count(device)
     return 132                                   # the interpreter: plan as for an H100/H200
 
 
-@functools.lru_cache(maxsize=64)
 def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and launcher.capability(device)[0] >= 9
 
 
 def _pdl_default(device: torch.device) -> bool:

@@ -155,17 +155,10 @@ def _geometry(shape, in_strides, out_strides, dim) -> Geometry | None:
 
 # --- heuristics -------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_sms(device) -> int:
     """Streaming multiprocessors of ``device`` (a small number on the CPU interpreter)."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 4
+    return launcher.sm_count(device) if device.type == "cuda" else 4
 
 
 def _p2(n: int) -> int:
