@@ -14,10 +14,14 @@ a few Python operations per argument:
 
 * tensors: dtype and whether the address is 16-byte aligned;
 * ints: whether the value is 1, divisible by 16, and fits in 32 bits (the i32/i64
-  choice); bools, floats and ``None`` by type (``None`` and constexprs by value);
+  choice); floats by type; bools and ``None`` by value; tuples element by element;
 * TMA tensor descriptors: base dtype and alignment, shape, strides, block shape;
 * constexprs (by keyword or position) and options (``num_warps``...): by value,
   ``JITFunction`` by identity.
+
+Measured on the H200 host (run 5): 30-110 us less per eager call; building this key in
+Python for ~60 arguments still costs ~40-60 us (a plan cache per call signature would
+skip it).
 
 The key is never coarser than Triton's (it may be finer: a finer key only costs one more
 slow-path call for that key), so the cached kernel is the one Triton would pick. A miss,
