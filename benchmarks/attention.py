@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 import flashfold
 from flashfold import mods
+from flashfold.bench import graph_replay
 from flashfold.kernels.attention import bwd, fwd
 from flashfold.kernels.attention.bwd import BwdConfig
 from flashfold.kernels.attention.fwd import FwdConfig
@@ -815,16 +816,7 @@ BWD_COLS = ("flashfold", "ff-det", "cudnn", "flash")
 
 def _graph_bench(step):
     """Median time of ``step`` replayed from a CUDA graph (no host overhead)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return _bench(graph.replay)
+    return _bench(graph_replay(step))
 
 
 def speed_bwd(quick: bool, grid=None, tokens=16384, H=16, dtype=torch.bfloat16):

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 import triton
 
 import flashfold as ff
+from flashfold.bench import graph_replay
 from flashfold.kernels.decode import splitkv
 from flashfold.kernels.decode.reference import decode_reference, gather_kv_padded
 
@@ -269,18 +270,7 @@ def timed(fn, graph=False, rep=100, clean=False):
     captured in a CUDA graph once and the replay is timed."""
     fn()
     torch.cuda.synchronize()
-    call = fn
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        call = g.replay
+    call = graph_replay(fn) if graph else fn
     if clean:
         return _clean_bench(call)
     return triton.testing.do_bench(call, warmup=25, rep=rep, return_mode="median")

@@ -48,16 +48,8 @@ def host_us(fn, n=2000):
 
 def graph_ms(fn):
     import triton
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+    from flashfold.bench import graph_replay
+    return triton.testing.do_bench(graph_replay(fn), warmup=25, rep=100, return_mode="median")
 
 
 def eager_ms(fn):

@@ -44,6 +44,7 @@ import triton  # noqa: E402
 
 import flashfold as ff  # noqa: E402
 from flashfold import monoids as M  # noqa: E402
+from flashfold.bench import graph_replay  # noqa: E402
 from flashfold.kernels.reduce import launch as L  # noqa: E402
 from flashfold.testing import TOLERANCES  # noqa: E402
 
@@ -268,23 +269,15 @@ def bench_graph(fn):
     NaN when off, on the CPU, or if the call cannot be captured."""
     if DEV == "cpu" or not GRAPHS:
         return float("nan")
-    g = None
+    replay = None
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):                     # compile and allocate off the graph
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+        replay = graph_replay(fn)
+        return triton.testing.do_bench(replay, warmup=25, rep=100, return_mode="median")
     except Exception as e:                             # noqa: BLE001 - reported, run goes on
         print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:160]})")
         return float("nan")
     finally:
-        del g                                          # its pool holds the outputs
+        del replay                                     # the graph's pool holds the outputs
         with contextlib.suppress(Exception):
             torch.cuda.synchronize()
 

@@ -240,3 +240,41 @@ def test_backward_log_and_plot(tmp_path):
     path = str(tmp_path / "attention_bwd.png")
     _is_png(path)
     _readable(out[path], "TFLOP/s", "687", ["cuDNN", "FlashAttention 2", "deterministic"])
+
+
+def test_graph_replay_warms_up_off_the_capture_then_captures_once(monkeypatch):
+    """The CUDA-graph helper the benchmarks time kernels with: ``warmup`` calls on a side
+    stream (compiles and allocations stay out of the graph), one captured call, and the
+    graph's replay returned. CUDA is faked: only the order of operations is checked."""
+    import contextlib
+
+    import torch
+
+    from flashfold.bench import graph_replay
+
+    log = []
+
+    class Stream:
+        def wait_stream(self, other):
+            log.append("wait")
+
+    class Graph:
+        def replay(self):
+            log.append("replay")
+
+    @contextlib.contextmanager
+    def ctx(name):
+        log.append(f"enter {name}")
+        yield
+        log.append(f"exit {name}")
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: ctx("side"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: ctx("capture"))
+    replay = graph_replay(lambda: log.append("call"), warmup=2)
+    assert log == ["wait", "enter side", "call", "call", "exit side", "wait",
+                   "enter capture", "call", "exit capture"]
+    replay()
+    assert log[-1] == "replay"

@@ -821,7 +821,25 @@ def _register_cli():
 
 _register_cli()
 
+def graph_replay(fn, warmup: int = 2):
+    """``fn`` captured once in a CUDA graph; returns the graph's ``replay`` (kernel time
+    without host time when timed). ``warmup`` calls run first on a side stream, so kernels
+    compile and memory is allocated outside the capture. The graph, and the memory pool
+    holding the outputs of the captured call, live as long as the returned callable."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 __all__ = ["ProgressBar", "progress_bar", "Run", "parse", "parse_file", "parse_attention",
            "parse_attention_backward", "parse_decode", "parse_reductions", "render",
            "plot_attention", "plot_attention_backward", "plot_decode", "plot_reductions",
-           "run_script", "find_benchmarks"]
+           "run_script", "find_benchmarks", "graph_replay"]
