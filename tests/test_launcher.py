@@ -13,6 +13,8 @@ from triton.runtime.jit import JITFunction
 
 from flashfold.kernels import launcher as L
 
+_enabled = L.enabled                            # the fixture below replaces it
+
 
 def _k_fn(x, y, n, s: tl.constexpr, f, BLOCK: tl.constexpr, FLAG: tl.constexpr = 0, m=7):
     pass
@@ -194,6 +196,25 @@ def test_tuple_and_none_changes_miss_the_cache(log, change):
         flag = (_k,)
     L.launch(_k, (1,), (buf(), tuple(outs), 96, s, 0.5), dict(BLOCK=32, FLAG=flag))
     assert [c[0] for c in log] == ["slow", "slow"]
+
+
+def test_interpreter_and_environment_send_launches_through_triton(log, monkeypatch):
+    """The real :func:`launcher.enabled` reads the environment on every call."""
+    monkeypatch.setattr(L, "enabled", _enabled)
+    monkeypatch.delenv("FLASHFOLD_FAST_LAUNCH", raising=False)
+    args = (buf(), buf(), 96, 5, 0.5)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    L.launch(_k, (1,), args, dict(BLOCK=32))
+    L.launch(_k, (1,), args, dict(BLOCK=32))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    L.launch(_k, (1,), args, dict(BLOCK=32))
+    L.launch(_k, (1,), args, dict(BLOCK=32))
+    monkeypatch.setenv("FLASHFOLD_FAST_LAUNCH", "0")
+    L.launch(_k, (1,), args, dict(BLOCK=32))
+    monkeypatch.delenv("FLASHFOLD_FAST_LAUNCH")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    L.launch(_k, (1,), args, dict(BLOCK=32))
+    assert [c[0] for c in log] == ["slow", "slow", "slow", "fast", "slow", "fast"]
 
 
 def test_device_facts_are_read_once_per_device(monkeypatch):
