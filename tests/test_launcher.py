@@ -198,6 +198,118 @@ def test_tuple_and_none_changes_miss_the_cache(log, change):
     assert [c[0] for c in log] == ["slow", "slow"]
 
 
+def _exact_key(kernel, args, kwargs=None):
+    return L._exact(L._key(kernel, args, kwargs or {})[2])
+
+
+def test_keys_are_never_coarser_than_tritons_specialization(log):
+    """Two values whose exact keys are equal are specialized alike by Triton itself
+    (``native_specialize_impl``, what ``kernel[grid]`` calls for each argument); for ints
+    and tensors the converse holds too (no extra misses)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    ints = [0, 1, 2, 15, 16, 17, 32, 96, 97, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31,
+            2**31 + 16, -2**31, -2**31 - 1, -2**31 - 16, 2**32, 2**63 - 16, 2**63 - 1, 2**63,
+            2**63 + 16, 2**64 - 16]
+    tensors = [torch.zeros(64, dtype=d)[o:] for d in (torch.float32, torch.float16, torch.int64)
+               for o in range(5)]
+    others = [0.5, -2.0, True, False, None, (buf(), buf(offset=1)), (buf(), buf()), (1, 16),
+              (16, 1), (0.5, None), (None, None), (0.5, 0.5), ((1,), 2.0), ((1.0,), 2.0)]
+
+    def triton(v):
+        return native_specialize_impl(BaseBackend, v, False, True, True)
+
+    for group, iff in ((ints, True), (tensors, True), (ints + tensors + others, False)):
+        for a in group:
+            for b in group:
+                same_key = _exact_key(_other, (a,)) == _exact_key(_other, (b,))
+                same_triton = triton(a) == triton(b)
+                assert same_key == same_triton if iff else same_triton or not same_key, (a, b)
+
+
+def test_keys_differ_in_one_property(log):
+    """One int's divisibility by 16, one tensor's alignment, one constexpr's value or type,
+    one JITFunction's identity: each alone changes the exact key."""
+    x, y = buf(), buf()
+    base = _exact_key(_k, (x, y, 96, 5, 0.5), dict(BLOCK=32, FLAG=_other))
+    for args, kwargs in [((x, y, 97, 5, 0.5), dict(BLOCK=32, FLAG=_other)),
+                         ((x, buf(offset=2), 96, 5, 0.5), dict(BLOCK=32, FLAG=_other)),
+                         ((x, y, 96, 6, 0.5), dict(BLOCK=32, FLAG=_other)),
+                         ((x, y, 96, 5, 0.5), dict(BLOCK=64, FLAG=_other)),
+                         ((x, y, 96, 5, 0.5), dict(BLOCK=32.0, FLAG=_other)),
+                         ((x, y, 96, 5, 0.5), dict(BLOCK=32, FLAG=_k)),
+                         ((x, y, 96, 5, 0.5), dict(BLOCK=32, FLAG=_other, num_warps=8))]:
+        assert _exact_key(_k, args, kwargs) != base
+    # other addresses, ints and floats of the same properties: the same key
+    assert _exact_key(_k, (buf(), buf(), 160, 5, 2.0), dict(BLOCK=32, FLAG=_other)) == base
+
+
+def test_constexprs_are_keyed_by_type_and_value(log):
+    """1, True and 1.0 are equal in Python but are different constexprs, alone or in tuples."""
+    for block in (1, True, 1.0, 1, (1,), (True,), (1,)):
+        L.launch(_k, (1,), (buf(), buf(), 96, 5, 0.5), dict(BLOCK=block))
+    assert [c[0] for c in log] == ["slow", "slow", "slow", "fast", "slow", "slow", "fast"]
+
+
+def test_new_ints_of_known_properties_hit_the_exact_cache(log):
+    """Ints key by value first; new values are looked up by their properties (no Triton
+    call) and remembered by value too, even after the by-value cache was emptied."""
+    for n in (96, 160, 160, 32):
+        L.launch(_k, (1,), (buf(), buf(), n, 5, 0.5), dict(BLOCK=32))
+    assert [c[0] for c in log] == ["slow", "fast", "fast", "fast"]
+    assert len(L._CACHE) == 1 and len(L._BY_VALUE) == 3
+    L._BY_VALUE.clear()
+    L.launch(_k, (1,), (buf(), buf(), 48, 5, 0.5), dict(BLOCK=32))
+    assert log[-1][0] == "fast" and len(L._BY_VALUE) == 1
+
+
+def test_the_caches_are_bounded(log, monkeypatch):
+    """A full cache is emptied: emptying the by-value one costs no Triton call, emptying
+    the exact one a Triton call for each key seen again."""
+    monkeypatch.setattr(L, "_MAX", 2)
+    for n in (16, 32, 48, 64):                  # one exact key, four by-value keys
+        L.launch(_k, (1,), (buf(), buf(), n, 5, 0.5), dict(BLOCK=32))
+        assert len(L._BY_VALUE) <= 2
+    for block in (16, 48, 32):                  # the third exact key empties the cache
+        L.launch(_k, (1,), (buf(), buf(), 16, 5, 0.5), dict(BLOCK=block))
+        assert len(L._CACHE) <= 2
+    assert [c[0] for c in log] == ["slow", "fast", "fast", "fast", "slow", "slow", "slow"]
+
+
+def test_keyword_order_and_defaults_reach_the_launcher_in_signature_order(log):
+    x, y = buf(), buf()
+    L.launch(_k, (1,), (x, y, 100, 5, 0.5), dict(m=3, BLOCK=32))
+    for kw in (dict(BLOCK=32, m=3), dict(m=3, BLOCK=32)):
+        L.launch(_k, (1,), (x, y, 100, 5, 0.5), kw)
+    assert [c[0] for c in log] == ["slow", "slow", "fast"]   # a new keyword order: a new plan
+    assert log[-1][1][9:] == (x, y, 100, 5, 0.5, 32, 0, 3)
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    ((buf(), buf(), 96, 5, 0.5), dict(BLOCK=[32])),           # unhashable constexpr
+    ((buf(), (buf(), object()), 96, 5, 0.5), dict(BLOCK=32)),  # unknown type in a tuple
+    ((buf(), buf(), 96, 5, 0.5), dict(BLOCK=((1, [2]),))),     # unhashable inside a tuple
+    ((buf(), buf(), 96, 5, 0.5, 32, 0, 7, 8), {}),             # more positionals than params
+])
+def test_what_the_key_cannot_hold_takes_tritons_path(log, args, kwargs):
+    for _ in range(2):
+        L.launch(_k, (1,), args, kwargs)
+    assert [c[0] for c in log] == ["slow", "slow"]
+
+
+def test_tensor_subclasses_and_tma_descriptors_are_keyed(log):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(block):
+        return TensorDescriptor(torch.zeros(64, 64), [64, 64], [64, 1], [block, 16])
+
+    p = torch.nn.Parameter(buf())
+    for d in (desc(16), desc(16), desc(32)):
+        L.launch(_k, (1,), (p, d, 96, 5, 0.5), dict(BLOCK=32))
+    assert [c[0] for c in log] == ["slow", "fast", "slow"]
+
+
 def test_interpreter_and_environment_send_launches_through_triton(log, monkeypatch):
     """The real :func:`launcher.enabled` reads the environment on every call."""
     monkeypatch.setattr(L, "enabled", _enabled)

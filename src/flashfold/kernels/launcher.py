@@ -9,19 +9,41 @@ constexprs, against 8.6 us for the compiled kernel's launcher called directly
 (``benchmarks/host_overhead.py``). Eager calls on small inputs (decode steps, N = 1K
 attention, 2^20 x 7 reductions) are host-bound by it.
 
-:func:`launch` keys the compiled kernel on what Triton specializes on, computed here in
-a few Python operations per argument:
+:func:`launch` keys the compiled kernel on what Triton specializes on:
 
 * tensors: dtype and whether the address is 16-byte aligned;
 * ints: whether the value is 1, divisible by 16, and fits in 32 bits (the i32/i64
-  choice); floats by type; bools and ``None`` by value; tuples element by element;
+  choice) or needs u64; floats by type; bools and ``None`` by value; tuples element by
+  element;
 * TMA tensor descriptors: base dtype and alignment, shape, strides, block shape;
-* constexprs (by keyword or position) and options (``num_warps``...): by value,
-  ``JITFunction`` by identity.
+* constexprs (by keyword or position) and options (``num_warps``...): by type and value,
+  ``JITFunction`` by identity;
+* the kernel, the number of positionals, the keyword names in order, and the type of
+  every value.
 
-Measured on the H200 host (run 5): 30-110 us less per eager call; building this key in
-Python for ~60 arguments still costs ~40-60 us (a plan cache per call signature would
-skip it).
+Measured on the H200 host (run 5): 30-110 us less per eager call than ``kernel[grid]``,
+but building that key with one or two Python calls per argument still cost ~40-60 us for
+~60 arguments. So the key is now built from a plan cached per call signature (kernel,
+positional count, keyword names, the type of every value: :class:`_Plan`), which sorts
+the values once into groups that go into the key through C-level itemgetters (ints,
+constexprs, ``id`` of JITFunctions) or one comprehension (tensors); only tuples and
+descriptors take a Python call each. Ints go into the key by value first
+(``_BY_VALUE``); their properties (:func:`_exact`, ~0.2 us per int on the machine below)
+are computed only when that lookup misses, for the exact cache (``_CACHE``).
+
+Host time per call on the 2-core CPU dev machine, measured with
+``PYTHONPATH=src python benchmarks/launcher_keys.py --against OLD_LAUNCHER.py`` (fake
+driver and compiled kernel; best of 7 interleaved repeats, us; before: commit d176a9a,
+its key loop timed as a function)::
+
+    arguments                              key before -> after   cache hit before -> after
+    synthetic: 49 positionals, 24 kwargs         29.7 -> 10.7          39.0 -> 14.3
+    argmax 2^20 x 7 plan: 18 + 24                16.5 -> 6.5           23.4 -> 9.1
+    attention forward: 64 + 22                   30.5 -> 7.9           40.4 -> 11.1
+
+(under load from other processes every number grew up to ~2x; the ratios held). Not
+yet measured on the GPU host, where a hit also queries the driver's device and stream
+and calls the compiled kernel's own launcher (8.6 us).
 
 The key is never coarser than Triton's (it may be finer: a finer key only costs one more
 slow-path call for that key), so the cached kernel is the one Triton would pick. A miss,
@@ -36,13 +58,9 @@ from __future__ import annotations
 
 import functools
 import os
+from operator import itemgetter
 
 import torch
-
-_CACHE: dict = {}
-_MAX = 4096
-#: id(kernel) -> (kernel, positions of its constexpr parameters: keyed by value, not type)
-_CONSTEXPR_POS: dict = {}
 
 try:
     from triton import knobs as _knobs
@@ -56,51 +74,178 @@ try:
 except Exception:  # pragma: no cover
     _Desc = None
 
-_I32 = (-(2 ** 31), 2 ** 31)
+_MAX = 4096
+#: (id(kernel), number of positionals, keyword names, type of every value) -> _Plan
+_PLANS: dict = {}
+#: exact key (ints by what Triton specializes on) -> cached launch
+_CACHE: dict = {}
+#: key with the ints by value -> cached launch (the entries of _CACHE, found without
+#: computing the ints' properties when the same ints come again)
+_BY_VALUE: dict = {}
+
+_I32_LO, _I32_HI, _U64 = -(2 ** 31), 2 ** 31, 2 ** 63
 
 
-#: what :func:`_spec` / :func:`_kspec` return for an argument they cannot key
-_UNKNOWN = object()
+class _Unkeyed(Exception):
+    """An argument of a type this module does not key: the call takes Triton's path."""
 
 
-def _spec(a):
-    """What Triton's specialization of a runtime argument depends on (``_UNKNOWN``: an
-    argument type this module does not key; the launch then takes Triton's path)."""
-    t = type(a)
-    if t is torch.Tensor or isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if t is int:
-        return (int, a == 1, a % 16 == 0, _I32[0] <= a < _I32[1], a >= 2 ** 63)
-    if a is None or t is bool:
-        return (t, a)
-    if t is float:
-        return (float,)
-    if t is tuple:                                  # Triton specializes each element
-        parts = tuple(_spec(e) for e in a)
-        return _UNKNOWN if any(p is _UNKNOWN for p in parts) else (tuple, parts)
-    if _JIT is not None and isinstance(a, _JIT):      # a function: constexpr in Triton
-        return ("jit", id(a))
-    if _Desc is not None and t is _Desc:
-        b = a.base
-        return (_Desc, b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
-                tuple(a.block_shape), getattr(a, "padding", None))
-    return _UNKNOWN
+# What a value of each type is keyed on, within its type (the key holds the types too).
+
+def _int_spec(a):
+    """What Triton specializes an int on: equal to 1, divisible by 16, i32 / i64 / u64."""
+    return (a == 1, a % 16 == 0, _I32_LO <= a < _I32_HI, a >= _U64)
 
 
-def _kspec(v):
-    """Constexprs and options: by value (JITFunctions by identity, tuples element-wise)."""
-    if _JIT is not None and isinstance(v, _JIT):
-        return ("jit", id(v))
-    if type(v) is tuple:
-        parts = tuple(_kspec(e) for e in v)
-        return _UNKNOWN if any(p is _UNKNOWN for p in parts) else (tuple, parts)
-    if isinstance(v, torch.Tensor):
-        return _spec(v)
-    try:
-        hash(v)
-    except TypeError:
-        return _UNKNOWN
-    return (type(v), v)
+def _tensor_spec(a):
+    return (a.dtype, a.data_ptr() % 16 == 0)
+
+
+def _desc_spec(a):
+    b = a.base
+    return (b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+            tuple(a.block_shape), getattr(a, "padding", None))
+
+
+def _value(a):
+    return a
+
+
+def _nothing(a):
+    """Runtime floats and None: the type is all Triton specializes them on."""
+
+
+def _unkeyed(a):
+    raise _Unkeyed(type(a))
+
+
+def _tuple_spec(a):
+    """A runtime tuple: Triton specializes each element."""
+    return tuple([(type(e), _RUNTIME[type(e)](e)) for e in a])
+
+
+def _constexpr_tuple_spec(a):
+    return tuple([(type(e), _CONSTEXPR[type(e)](e)) for e in a])
+
+
+class _ByType(dict):
+    """type -> the function keying its values. Types not listed are resolved on first
+    sight: subclasses of ``torch.Tensor`` and ``JITFunction`` (by identity: ``id``) like
+    them, any other by ``other(type)``."""
+
+    def __init__(self, table, other):
+        super().__init__(table)
+        self.other = other
+
+    def __missing__(self, t):
+        if issubclass(t, torch.Tensor):
+            f = _tensor_spec
+        elif _JIT is not None and issubclass(t, _JIT):
+            f = id
+        else:
+            f = self.other(t)
+        self[t] = f
+        return f
+
+
+#: runtime arguments: what Triton specializes them on (bools and None by value)
+_RUNTIME = _ByType({int: _int_spec, float: _nothing, type(None): _nothing, bool: _value,
+                    tuple: _tuple_spec}, lambda t: _unkeyed)
+if _Desc is not None:
+    _RUNTIME[_Desc] = _desc_spec
+#: constexprs and options: by value (tensors as runtime arguments)
+_CONSTEXPR = _ByType({tuple: _constexpr_tuple_spec},
+                     lambda t: _unkeyed if t.__hash__ is None else _value)
+
+
+def _getter(positions):
+    """``itemgetter(*positions)`` that always returns a tuple (of one item, or empty)."""
+    if len(positions) > 1:
+        return itemgetter(*positions)
+    if positions:
+        i = positions[0]
+        return lambda values: (values[i],)
+    return lambda values: ()
+
+
+class _Plan:
+    """How to key the calls of one kernel with one signature: the number of positionals,
+    the keyword names and the type of every value (positionals, then keyword values).
+
+    The types decide, once per signature, what each value is keyed on (:data:`_RUNTIME`,
+    :data:`_CONSTEXPR`), and the plan groups the positions by that: ``ints`` (runtime,
+    by value; :func:`_exact` replaces them with their properties), ``plain`` (constexprs,
+    options and runtime bools, by value), ``jits`` (by id), ``tensors``, and ``others``
+    (tuples, descriptors) keyed by ``specs``; runtime floats and ``None`` are not picked
+    at all (their type is all Triton specializes them on). ``unkeyed``: some value has a
+    type not keyed here, or there are more positionals than parameters (such calls take
+    Triton's path). ``call`` picks every parameter of the kernel in order, for the
+    compiled kernel's launcher, from the values and ``defaults`` appended to them.
+    """
+
+    __slots__ = ("kernel", "unkeyed", "ints", "plain", "jits", "tensors", "others", "specs",
+                 "call", "defaults")
+
+    def __init__(self, kernel, nargs, names, types):
+        self.kernel = kernel                    # alive while the plan is: its id is in _PLANS
+        params = kernel.params
+        self.unkeyed = nargs > len(params)
+        const = [p.is_constexpr for p in params[:nargs]] + [True] * len(names)
+        ints, plain, jits, tensors, others, specs = [], [], [], [], [], []
+        for i, (t, c) in enumerate(zip(types, const)):
+            f = (_CONSTEXPR if c else _RUNTIME)[t]
+            if f is _int_spec:
+                ints.append(i)
+            elif f is _value:
+                plain.append(i)
+            elif f is id:
+                jits.append(i)
+            elif f is _tensor_spec:
+                tensors.append(i)
+            elif f is _unkeyed:
+                self.unkeyed = True
+            elif f is not _nothing:
+                others.append(i)
+                specs.append(f)
+        self.ints, self.plain, self.jits = _getter(ints), _getter(plain), _getter(jits)
+        self.tensors, self.others, self.specs = _getter(tensors), _getter(others), tuple(specs)
+        defaults, picks = [], list(range(nargs))
+        for p in params[nargs:]:
+            if p.name in names:
+                picks.append(nargs + names.index(p.name))
+            else:
+                picks.append(len(types) + len(defaults))
+                defaults.append(p.default)
+        self.defaults = tuple(defaults)
+        self.call = _getter(picks)
+
+
+def _key(kernel, args, kwargs):
+    """``(plan, values, key)`` of a call: its plan, its positionals and keyword values in
+    one tuple, and its cache key with the ints by value. Raises :class:`_Unkeyed` for a
+    call that only Triton's path can launch."""
+    values = (*args, *kwargs.values())
+    sig = (id(kernel), len(args), tuple(kwargs), tuple(map(type, values)))
+    plan = _PLANS.get(sig)
+    if plan is None:
+        if len(_PLANS) >= _MAX:
+            _PLANS.clear()
+        plan = _PLANS[sig] = _Plan(kernel, len(args), sig[2], sig[3])
+    if plan.unkeyed:
+        raise _Unkeyed(sig)
+    tensors = plan.tensors(values)
+    key = (plan, _driver.active.get_current_device(), plan.ints(values), plan.plain(values),
+           tuple(map(id, plan.jits(values))), tuple([t.dtype for t in tensors]),
+           tuple([t.data_ptr() % 16 == 0 for t in tensors]),
+           tuple([f(v) for f, v in zip(plan.specs, plan.others(values))]))
+    return plan, values, key
+
+
+def _exact(key):
+    """``key`` with each int replaced by what Triton specializes it on (the key of
+    ``_CACHE``: two calls whose ints differ only in value share it)."""
+    plan, device, ints, *rest = key
+    return (plan, device, tuple([_int_spec(a) for a in ints]), *rest)
 
 
 def _jit_objects(values):
@@ -110,6 +255,12 @@ def _jit_objects(values):
             yield v
         elif type(v) is tuple:
             yield from _jit_objects(v)
+
+
+def _store(cache, key, entry):
+    if len(cache) >= _MAX:
+        cache.clear()
+    cache[key] = entry
 
 
 def _slow(kernel, grid, args, kwargs):
@@ -148,51 +299,33 @@ def launch(kernel, grid, args=(), kwargs=None):
     if not enabled() or _hooked() or callable(grid) or not isinstance(kernel, _JIT):
         _slow(kernel, grid, args, kwargs)
         return
-    info = _CONSTEXPR_POS.get(id(kernel))
-    if info is None or info[0] is not kernel:
-        info = _CONSTEXPR_POS[id(kernel)] = (kernel, frozenset(
-            i for i, p in enumerate(kernel.params) if p.is_constexpr))
-    cpos = info[1]
-    parts = [id(kernel)]
-    for i, a in enumerate(args):
-        s = _kspec(a) if i in cpos else _spec(a)
-        if s is _UNKNOWN:
-            _slow(kernel, grid, args, kwargs)
-            return
-        parts.append(s)
-    for k, v in kwargs.items():
-        s = _kspec(v)
-        if s is _UNKNOWN:
-            _slow(kernel, grid, args, kwargs)
-            return
-        parts.append((k, s))
-    device = _driver.active.get_current_device()
-    parts.append(device)
-    key = tuple(parts)
-    hit = _CACHE.get(key)
-    if hit is None:
-        compiled = _slow(kernel, grid, args, kwargs)
-        if compiled is None or not hasattr(compiled, "packed_metadata"):
-            return
-        tail = []                            # (kwarg name or None, default) after the positionals
-        for p in kernel.params[len(args):]:
-            tail.append((p.name, None) if p.name in kwargs else (None, p.default))
-        # the entry holds the kernel and every JITFunction of the key: while it lives, the
-        # ids in its key cannot be reused by other objects
-        refs = (kernel,) + tuple(_jit_objects((*args, *kwargs.values())))
-        if len(_CACHE) >= _MAX:
-            _CACHE.clear()
-        _CACHE[key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(tail), refs)
+    try:
+        plan, values, key = _key(kernel, args, kwargs)
+        hit = _BY_VALUE.get(key)
+    except (_Unkeyed, TypeError):                 # TypeError: an unhashable constexpr
+        _slow(kernel, grid, args, kwargs)
         return
-    run, function, packed, tail, _ = hit
-    full = list(args)
-    for name, default in tail:
-        full.append(kwargs[name] if name is not None else default)
+    if hit is None:
+        exact = _exact(key)
+        hit = _CACHE.get(exact)
+        if hit is None:
+            compiled = _slow(kernel, grid, args, kwargs)
+            if compiled is None or not hasattr(compiled, "packed_metadata"):
+                return
+            # the entry holds every JITFunction of the key: while it lives, their ids in
+            # the key cannot be reused by other objects (the plan holds the kernel)
+            hit = (compiled.run, compiled.function, compiled.packed_metadata,
+                   tuple(_jit_objects(values)))
+            _store(_CACHE, exact, hit)
+            _store(_BY_VALUE, key, hit)
+            return
+        _store(_BY_VALUE, key, hit)
+    run, function, packed, _ = hit
     g0 = grid[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    run(g0, g1, g2, _driver.active.get_current_stream(device), function, packed, None,
-        None, None, *full)
+    run(g0, g1, g2, _driver.active.get_current_stream(key[1]), function, packed, None,
+        None, None, *plan.call(values + plan.defaults))
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,9 +351,11 @@ def sm_count(device) -> int:
 
 
 def cache_clear() -> None:
-    """Forget every cached compiled kernel (tests; a changed generated source is a new
-    ``JITFunction`` anyway)."""
+    """Forget every cached compiled kernel and plan (tests; a changed generated source is a
+    new ``JITFunction`` anyway)."""
     _CACHE.clear()
+    _BY_VALUE.clear()
+    _PLANS.clear()
 
 
 __all__ = ["launch", "enabled", "cache_clear", "capability", "sm_count"]
