@@ -370,11 +370,12 @@ def patched(**fns):
             setattr(L, k, v)
 
 
-def variants(copy_gbs):
+def variants(copy_gbs, only=None):
     """Alternative tiles on 16K x 16K fp32 and 4096 x 12345 (to tune the heuristics;
     default first); GB/s and % copy from the eager time, then the CUDA-graph time."""
     print("\n== heuristic variants, 16384x16384 float32 and 4096x12345 (GB/s, % copy; graph ms) ==")
     x = torch.randn(BIG, BIG, device=DEV)
+    xh = x.to(torch.bfloat16)
     nb = x.numel() * 4
     C = L.Config
     cases = [
@@ -390,11 +391,13 @@ def variants(copy_gbs):
             ("block scan 4096 w8 (default)", None), ("block scan 2048 w8", C(2048, 1, 1, 8)),
             ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4))]),
         ("logcumsumexp", 2 * nb, lambda: ff.logcumsumexp(x, 1), "scan_config", [
-            ("chunked 1024 w2 prefetch (default)", None), ("chunked 1024 w2", C(1024, 1, 1, 2, vec=4)),
-            ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4)),
-            ("chunked 2048 w4 prefetch", C(2048, 1, 1, 4, vec=4, prefetch=True)),
-            ("chunked 512 w1 prefetch", C(512, 1, 1, 1, vec=4, prefetch=True)),
-            ("chunked 1024 vec2 w4 prefetch", C(1024, 1, 1, 4, vec=2, prefetch=True))]),
+            ("block scan 1024 w1 (default)", None), ("block scan 2048 w4", C(2048, 1, 1, 4)),
+            ("block scan 1024 w2", C(1024, 1, 1, 2)), ("block scan 512 w1", C(512, 1, 1, 1)),
+            ("chunked 1024 w2 prefetch (before)", C(1024, 1, 1, 2, vec=4, prefetch=True))]),
+        ("logcumsumexp bf16", nb, lambda: ff.logcumsumexp(xh, 1), "scan_config", [
+            ("block scan 1024 w1 (default)", None), ("block scan 2048 w2", C(2048, 1, 1, 2)),
+            ("block scan 2048 w4", C(2048, 1, 1, 4)),
+            ("chunked 2048 w4 (before)", C(2048, 1, 1, 4, vec=4))]),
     ]
     xl = torch.randn(1, LONG, device=DEV)
     cases += [
@@ -430,6 +433,8 @@ def variants(copy_gbs):
             ("block scan 4096 w8 (default)", None), ("chunked 4096 w8", C(4096, 1, 1, 8, vec=4))]),
     ]
     for op, b, fn, hook, options in cases:
+        if only is not None and only not in op:
+            continue
         for label, cfg in options:
             try:
                 if cfg is None:
@@ -470,6 +475,9 @@ def main():
     ap.add_argument("--no-variants", action="store_true", help="skip the heuristic variants")
     ap.add_argument("--no-graphs", action="store_true",
                     help="time eagerly only (no CUDA-graph replays)")
+    ap.add_argument("--variants", metavar="OP",
+                    help="only the heuristic variants whose op name contains OP (e.g. "
+                         "logcumsumexp), after the copy measurement")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU run at tiny sizes through the interpreter (tests this script)")
     args = ap.parse_args()
@@ -485,6 +493,9 @@ def main():
               f"{torch.__version__}, triton {triton.__version__}, python {sys.version.split()[0]}")
     copy_ms, copy_gbs = measure_copy()
     print(f"device-to-device copy of 1 GiB: {copy_ms:.3f} ms = {copy_gbs:.0f} GB/s (read + write)")
+    if args.variants:
+        variants(copy_gbs, args.variants)
+        return 0
     if not args.no_check:
         correctness(args.quick)
         print(f"  [{time.time() - t0:.0f} s]")

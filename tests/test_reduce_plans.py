@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flashfold.monoids as M
+from flashfold.algebra.monoid import Monoid
 from flashfold.api import reductions as API
 from flashfold.kernels.reduce import launch as L
 
@@ -73,14 +74,30 @@ def test_cheap_scans_take_the_block_scan_aligned_or_not():
 
 
 @pytest.mark.parametrize("shape", ((64, 16384), (64, 12345)))
-def test_costly_scans_take_the_prefetching_1024_chunked_scan_in_fp32(shape):
-    """logcumsumexp: fp32 chunked 1024 / 2 warps with the next tile prefetched, on aligned
-    and misaligned rows alike (runs 4-5, 16K fp32 kernel time: 0.639-0.641 ms against
-    0.680 for the 2048 / 4 warps chunked scan); bf16 keeps 2048 / 4 warps (0.505 ms in run
-    4, 0.539 with the fp32 plan in run 5)."""
-    kw = _scan(API.LOGSUMEXP2_SCAN, torch.empty(*shape))
+def test_costly_scans_with_a_block_scan_take_the_block_path(shape):
+    """logcumsumexp (LOGSUMEXP2_SCAN has a block scan): the block path, tiles of 1024 on
+    one warp (16K x 16K on the H200: fp32 0.543 ms against 0.639 for the chunked scan;
+    bf16 0.351 against 0.505), aligned rows or not."""
+    for dtype in (torch.float32, torch.bfloat16):
+        kw = _scan(API.LOGSUMEXP2_SCAN, torch.empty(*shape, dtype=dtype))
+        assert kw["BLOCK_SCAN"] is not None
+        assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (False, 1024, 1)
+
+
+@pytest.mark.parametrize("shape", ((64, 16384), (64, 12345)))
+def test_costly_scans_without_one_take_the_prefetching_1024_chunked_scan_in_fp32(shape):
+    """A costly combine and no block scan (LOGSUMEXP2_SCAN's functions minus its block
+    scan): fp32 chunked 1024 / 2 warps with the next tile prefetched, on aligned and
+    misaligned rows alike (runs 4-5, logcumsumexp 16K fp32 kernel time: 0.639-0.641 ms
+    against 0.680 for the 2048 / 4 warps chunked scan); bf16 2048 / 4 warps (0.505 ms in
+    run 4, 0.539 with the fp32 plan in run 5)."""
+    m = API.LOGSUMEXP2_SCAN
+    plain = Monoid("logsumexp2_scan_plain", fields=m.fields, identity=m.identity, lift=m.lift,
+                   combine=m.combine, finalize=m.finalize, commutative=True)
+    kw = _scan(plain, torch.empty(*shape))
     assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"], kw["PREFETCH"]) == (True, 1024, 2, True)
-    kw = _scan(API.LOGSUMEXP2_SCAN, torch.empty(*shape, dtype=torch.bfloat16))
+    assert "BLOCK_SCAN" not in kw
+    kw = _scan(plain, torch.empty(*shape, dtype=torch.bfloat16))
     assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"], kw["PREFETCH"]) == (True, 2048, 4, False)
 
 
@@ -88,8 +105,8 @@ def test_costly_scans_take_the_prefetching_1024_chunked_scan_in_fp32(shape):
 def test_misaligned_rows_scan_correctly_through_the_natural_plan(monoid):
     """The scans that misaligned rows take, run under the interpreter (4099 elements, each
     row start 4 bytes past a 16-byte boundary): cheap combines the block scan (one full
-    4096-element tile, then the carry into a masked tail of 3), LOGSUMEXP2_SCAN the
-    prefetching chunked scan (four full 1024-element tiles and the tail)."""
+    4096-element tile, then the carry into a masked tail of 3), LOGSUMEXP2_SCAN its block
+    scan (four full 1024-element tiles and the tail)."""
     g = torch.Generator().manual_seed(5)
     base = torch.randn(3, 4100, generator=g)
     if monoid is M.ARGMAX:
@@ -97,7 +114,7 @@ def test_misaligned_rows_scan_correctly_through_the_natural_plan(monoid):
     x = base[:, 1:]
     kw = _scan(monoid, x)
     costly = monoid is API.LOGSUMEXP2_SCAN
-    assert (kw["CHUNKED"], kw["BLOCK"]) == ((True, 1024) if costly else (False, 4096))
+    assert (kw["CHUNKED"], kw["BLOCK"]) == (False, 1024 if costly else 4096)
     from flashfold.kernels.reduce import reference as R
     from flashfold.testing import assert_close
     outs = L.launch_scan(monoid, x, 1)

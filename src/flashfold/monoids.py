@@ -89,12 +89,36 @@ def _lse_block(x, valid, exp=ops.exp):
     return m, ops.reduce_sum(exp(xm - _pivot(m)))
 
 
+def _lse_block_scan(x, valid, exp=ops.exp):
+    """Prefix states of a block, all referred to the block's max ``M`` (the twist once
+    per block): ``(M, sum_{j <= i} exp(x_j - M))``, one exponential and one addition per
+    element instead of a rescaling combine."""
+    xm = ops.where(valid, x, -ops.inf)
+    m = ops.reduce_max(xm)
+    return m, ops.scan_sum(exp(xm - _pivot(m)))
+
+
+#: below this ``d`` a block-scan state may have lost digits: ``d`` sums terms referred to
+#: a max far above the prefix's own, and terms (or a carry) under 2^-126 underflow. With
+#: d >= 2^-60 what underflowed is < (block + carry count) 2^-126 <= 2^32 2^-126, i.e. a
+#: relative 2^-34 of d, below float32 rounding.
+LSE_SCAN_MIN_D = 2.0 ** -60
+
+
+def _lse_scan_exact(s):
+    """A block-scan state is exact when empty (``m = -inf``, ``d = 0`` exactly), or when
+    ``m`` is finite and ``d`` is not small enough to have lost digits to underflow.
+    ``+inf`` and NaN maxima (``inf - inf`` in the rescale) rescan the block with the
+    combine, which handles them."""
+    return (s.m == -ops.inf) | ((s.m < ops.inf) & (s.d >= LSE_SCAN_MIN_D))
+
+
 LOGSUMEXP = Monoid(
     "logsumexp", fields=("m", "d"), identity=(-ops.inf, 0.0),
     lift=_lse_lift,
     combine=_lse_combine,
     finalize=lambda s: s.m + ops.log(s.d),
-    block_lift=_lse_block,
+    block_lift=_lse_block, block_scan=_lse_block_scan, scan_exact=_lse_scan_exact,
     commutative=True, outputs=("lse",),
     doc="Online softmax state: m = max x, d = sum exp(x - m); finalize to log-sum-exp. "
         "(m, d) is the direct product (max, +) twisted by e^-m.")
@@ -107,6 +131,7 @@ LOGSUMEXP2 = transport(
     combine=lambda a, b: _lse_combine(a, b, exp=ops.exp2),
     finalize=lambda s: (s.m + ops.log2(s.d)) * ops.LN2,
     block_lift=lambda x, valid: _lse_block(x * ops.LOG2E, valid, exp=ops.exp2),
+    block_scan=lambda x, valid: _lse_block_scan(x * ops.LOG2E, valid, exp=ops.exp2),
     outputs=("lse",),
     doc="Base-2 online softmax: sigma = x log2(e), m = max sigma, d = sum 2^(sigma - m); "
         "finalize to the natural-log log-sum-exp.")

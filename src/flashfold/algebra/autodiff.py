@@ -31,8 +31,8 @@ op                             tangent
 ``where``                      ``where(cond, da, db)``
 ``mod``                        :math:`\dot a - \lfloor a / b \rfloor \dot b`
 ``to_float``                   :math:`\dot a`
-``rsum``                       ``rsum(da)``; ``rmax``/``rmin``: mean tangent of the
-                               elements equal to the extremum
+``rsum``, ``csum``             ``rsum(da)``, ``csum(da)``; ``rmax``/``rmin``: mean
+                               tangent of the elements equal to the extremum
 ``floor``, ``to_int``,         0 (piecewise constant, integer or boolean results)
 ``floordiv``, comparisons,
 ``and``/``or``/``not``,
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 
-from .ir import (BINARY, BOOLEAN, REDUCTIONS, UNARY, Graph, Node, _context, apply, const,
+from .ir import (BINARY, BOOLEAN, REDUCTIONS, SCANS, UNARY, Graph, Node, _context, apply, const,
                  reduce_node, trace)
 
 LN2 = math.log(2.0)
@@ -57,7 +57,8 @@ LN2 = math.log(2.0)
 ZERO_DERIVATIVE = ("floor", "to_int", "floordiv", "isnan", "isinf", "load") + BOOLEAN
 
 #: every op :func:`derivative` differentiates
-SUPPORTED = tuple(sorted(set(UNARY) | set(BINARY) | set(REDUCTIONS) | {"where", "load", "var", "const"}))
+SUPPORTED = tuple(sorted(set(UNARY) | set(BINARY) | set(REDUCTIONS) | set(SCANS)
+                         | {"where", "load", "var", "const"}))
 
 
 # --- tangent arithmetic: structural zeros (None) and constant folding ------------------
@@ -190,8 +191,8 @@ def _rule(op: str, r: Node, args: tuple, dots: tuple):
 def _reduce_rule(op: str, r: Node, a: Node, da):
     if da is None:
         return None
-    if op == "rsum":
-        return reduce_node("rsum", da)
+    if op in ("rsum", "csum"):                   # linear: the sum (prefix sum) of tangents
+        return reduce_node(op, da)
     hit = a == r                                 # the elements attaining the extremum
     count = reduce_node("rsum", apply("where", hit, 1.0, 0.0))
     return _op("div", reduce_node("rsum", apply("where", hit, da, 0.0)), count)
@@ -236,7 +237,7 @@ def derivative(graph: Graph, wrt: str, *, output: int = 0, with_value: bool = Tr
                 idx = val[id(n.args[0])]
                 val[id(n)] = _context().make("load", (idx,), n.attr, idx.vector)
                 dot[id(n)] = None
-            elif n.op in REDUCTIONS:
+            elif n.op in REDUCTIONS or n.op in SCANS:
                 a = val[id(n.args[0])]
                 r = reduce_node(n.op, a)
                 val[id(n)] = r

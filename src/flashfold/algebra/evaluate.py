@@ -47,6 +47,10 @@ class NumpyMonoid:
         self._finalize = compile_graph(monoid.finalize_graph, backend)
         self._block = (compile_graph(monoid.block_lift_graph, backend)
                        if monoid.block_lift_graph is not None else None)
+        self._block_scan = (compile_graph(monoid.block_scan_graph, backend)
+                            if monoid.block_scan_graph is not None else None)
+        self._scan_exact = (compile_graph(monoid.scan_exact_graph, backend)
+                            if monoid.scan_exact_graph is not None else None)
         self.expand = monoid.has_vector
         self.dtypes = tuple(np.int64 if f.dtype == "int" else np.float64 for f in monoid.fields)
 
@@ -98,6 +102,28 @@ class NumpyMonoid:
         with np.errstate(all="ignore"):
             outs = self._block(*self._args(list(inputs) + [valid], flags))
         return self._state(outs, shape, width)
+
+    @property
+    def has_block_scan(self) -> bool:
+        return self._block_scan is not None
+
+    def block_scan(self, inputs: Sequence[np.ndarray], valid: np.ndarray | None = None):
+        """Prefix states of a block (leading axis) through the monoid's block scan, one per
+        element, each broadcast to full state shape; ``valid`` masks trailing elements."""
+        shape = _scalar_shape(inputs, self.monoid)
+        if valid is None:
+            valid = np.ones(shape, dtype=bool)
+        if self.expand:
+            raise ValueError(f"monoid {self.monoid.name!r}: block scans take scalar fields")
+        with np.errstate(all="ignore"):
+            outs = self._block_scan(*inputs, valid)
+        return self._state(outs, shape, None)
+
+    def scan_exact(self, state) -> np.ndarray:
+        """``scan_exact`` of each state (a boolean array)."""
+        with np.errstate(all="ignore"):
+            (flag,) = self._scan_exact(*state)
+        return np.broadcast_to(np.asarray(flag, dtype=bool), np.shape(state[0]))
 
     def finalize(self, state, **params):
         names = [p for p, _ in self.monoid.params]

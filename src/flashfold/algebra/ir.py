@@ -13,7 +13,8 @@ The IR is deliberately tiny so that each backend lowering is a table, not a comp
 
 * leaves: ``var`` (a named input) and ``const`` (a Python float/int/bool);
 * elementwise ops (:data:`UNARY`, :data:`BINARY`, ``where``);
-* reductions over the block axis (:data:`REDUCTIONS`), used only by block lifts;
+* reductions over the block axis (:data:`REDUCTIONS`), used only by block lifts, and the
+  inclusive prefix sum along it (:data:`SCANS`), used only by block scans;
 * ``load``: an element of a captured :class:`Buffer` (a 1-D/2-D table such as per-token
   document ids or per-head ALiBi slopes), so masks and score modifications can read data.
 
@@ -38,8 +39,10 @@ UNARY = ("neg", "exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt", "abs", "
 BINARY = ("add", "sub", "mul", "div", "floordiv", "mod", "pow", "maximum", "minimum",
           "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
 REDUCTIONS = ("rsum", "rmax", "rmin")
+#: shape-preserving ops along the block axis: ``csum`` is the inclusive prefix sum
+SCANS = ("csum",)
 LEAVES = ("var", "const")
-OPS = LEAVES + UNARY + BINARY + ("where", "load") + REDUCTIONS
+OPS = LEAVES + UNARY + BINARY + ("where", "load") + REDUCTIONS + SCANS
 
 #: ops whose result is boolean
 BOOLEAN = ("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "isnan", "isinf")
@@ -206,7 +209,8 @@ class Buffer:
 
 
 def reduce_node(op: str, x) -> Node:
-    """A reduction over the block axis (only meaningful inside a block lift)."""
+    """A reduction (or, for an op of :data:`SCANS`, a prefix scan) over the block axis
+    (only meaningful inside a block lift or block scan)."""
     x = const(x)
     return _context().make(op, (x,), None, x.vector)
 
@@ -309,7 +313,7 @@ class Graph:
         return hashlib.sha256(self.text().encode()).hexdigest()[:16]
 
     def uses_reductions(self) -> bool:
-        return any(n.op in REDUCTIONS for n in self.nodes())
+        return any(n.op in REDUCTIONS or n.op in SCANS for n in self.nodes())
 
     @property
     def buffers(self) -> tuple:

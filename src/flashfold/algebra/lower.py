@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from .ir import BINARY, OPS, REDUCTIONS, UNARY, Graph, Node
+from .ir import BINARY, OPS, REDUCTIONS, SCANS, UNARY, Graph, Node
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def _numpy_backend() -> Backend:
         "and": "np.logical_and({0}, {1})", "or": "np.logical_or({0}, {1})",
         "where": "np.where({0}, {1}, {2})",
         "rsum": "np.sum({0}, axis={axis})", "rmax": "np.max({0}, axis={axis})",
-        "rmin": "np.min({0}, axis={axis})",
+        "rmin": "np.min({0}, axis={axis})", "csum": "np.cumsum({0}, axis={axis})",
         "load": "{buf}[np.clip(np.asarray({0}, dtype=np.int64), 0, {buf}.size - 1)]",
     }
     return Backend("numpy", t, _np_const, {"np": np, "_sigmoid": sigmoid}, reduce_axis=0,
@@ -192,7 +192,7 @@ def _flat_numpy(data):
 NUMPY = register_backend(_numpy_backend())
 NUMPY.check_complete()
 
-assert set(UNARY) | set(BINARY) | set(REDUCTIONS) | {"where"} <= set(NUMPY.templates)
+assert set(UNARY) | set(BINARY) | set(REDUCTIONS) | set(SCANS) | {"where"} <= set(NUMPY.templates)
 
 
 def node_count(graph: Graph) -> int:

@@ -116,6 +116,19 @@ class Monoid:
         whole block at once with ``ops.reduce_*`` (e.g. max then sum of exp); ``valid``
         is a boolean mask of the block's real elements. Kernels use it inside a tile so
         that ``combine`` only runs between tiles.
+    block_scan: optional ``block_scan(*inputs, valid) -> state``: the inclusive prefix
+        states of a block at once, one per element (a field may be a block reduction,
+        which broadcasts: the state of element ``i`` may be the prefix's value in a
+        representation shared by the whole block, as ``(block max, prefix sum of
+        exp(x - block max))`` is for LOGSUMEXP: the twist applied once per block). It is
+        written with ``ops.reduce_*`` and ``ops.scan_sum``, and requires ``scan_exact``.
+        Scan kernels use it instead of a scan of ``combine`` inside a tile.
+    scan_exact: ``scan_exact(state) -> bool``, required with ``block_scan``: whether a
+        state built from ``block_scan`` (then combined with the carry of the earlier
+        blocks) is as accurate as the sequential scan's. A shared representation can
+        underflow where the sequential one would not (a prefix far below the block's max);
+        where ``scan_exact`` is false for any element of a block, kernels rescan that
+        block with ``combine``.
     commutative: whether ``a ⊕ b == b ⊕ a``; kernels that reorder need it, and
         :func:`check_laws` verifies it.
     doc: a one-paragraph description.
@@ -130,6 +143,8 @@ class Monoid:
     params: tuple = ()
     outputs: tuple | None = None
     block_lift: Callable | None = None
+    block_scan: Callable | None = None
+    scan_exact: Callable | None = None
     commutative: bool = False
     doc: str = ""
 
@@ -161,13 +176,17 @@ class Monoid:
         for k in ("lift", "combine"):
             if not callable(getattr(self, k)):
                 raise TypeError(f"monoid {self.name!r}: {k} must be callable")
-        for k in ("finalize", "block_lift"):
+        for k in ("finalize", "block_lift", "block_scan", "scan_exact"):
             if getattr(self, k) is not None and not callable(getattr(self, k)):
                 raise TypeError(f"monoid {self.name!r}: {k} must be callable or None")
+        if (self.block_scan is None) != (self.scan_exact is None):
+            raise ValueError(f"monoid {self.name!r}: block_scan and scan_exact go together "
+                             f"(scan_exact says where block_scan's states are accurate)")
         if not isinstance(self.commutative, bool):
             raise TypeError(f"monoid {self.name!r}: commutative must be True or False")
         # trace eagerly so that errors show where the monoid is defined
-        _ = self.combine_graph, self.lift_graph, self.finalize_graph, self.block_lift_graph
+        _ = (self.combine_graph, self.lift_graph, self.finalize_graph, self.block_lift_graph,
+             self.block_scan_graph, self.scan_exact_graph)
 
     # --- structure --------------------------------------------------------------
     @property
@@ -248,6 +267,27 @@ class Monoid:
         vars_ = [Var(i.name, i.vector) for i in self.inputs] + [Var("valid")]
         g = trace(self.block_lift, vars_, f"{self.name}.block_lift", n_outputs=len(self.fields))
         self._check_shapes(g, "block_lift")
+        return g
+
+    @cached_property
+    def block_scan_graph(self) -> Graph | None:
+        if self.block_scan is None:
+            return None
+        vars_ = [Var(i.name, i.vector) for i in self.inputs] + [Var("valid")]
+        g = trace(self.block_scan, vars_, f"{self.name}.block_scan", n_outputs=len(self.fields))
+        self._check_shapes(g, "block_scan")
+        return g
+
+    @cached_property
+    def scan_exact_graph(self) -> Graph | None:
+        if self.scan_exact is None:
+            return None
+        S = self.State
+        g = trace(self.scan_exact, [Var(f.name, f.vector) for f in self.fields],
+                  f"{self.name}.scan_exact", lambda fn, nodes: fn(S(*nodes)), n_outputs=1)
+        if g.outputs[0].vector:
+            raise ValueError(f"monoid {self.name!r}: scan_exact must give one scalar flag "
+                             f"per state, not a vector")
         return g
 
     @property

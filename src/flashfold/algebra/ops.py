@@ -12,7 +12,9 @@ go through :func:`where`::
         return m, a.d * ops.exp(a.m - pivot) + b.d * ops.exp(b.m - pivot)
 
 Reductions (:func:`reduce_sum`, :func:`reduce_max`, :func:`reduce_min`) act over the
-elements of a block and are only valid inside a monoid's ``block_lift``.
+elements of a block and are only valid inside a monoid's ``block_lift`` or
+``block_scan``; :func:`scan_sum` (the inclusive prefix sum along the block) only inside a
+``block_scan``.
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ def softcap(x, cap):
 def reduce_sum(x): return reduce_node("rsum", x)
 def reduce_max(x): return reduce_node("rmax", x)
 def reduce_min(x): return reduce_node("rmin", x)
+def scan_sum(x): return reduce_node("csum", x)
 
 
 __all__ = ["Buffer", "inf", "pi", "e", "LOG2E", "LN2", "exp", "exp2", "log", "log2", "log1p", "expm1",
            "sqrt", "abs", "tanh", "sigmoid", "floor", "isnan", "isinf", "to_float", "to_int",
            "maximum", "minimum", "where", "logical_and", "logical_or", "logical_not", "pow",
-           "clamp", "softcap", "reduce_sum", "reduce_max", "reduce_min"]
+           "clamp", "softcap", "reduce_sum", "reduce_max", "reduce_min", "scan_sum"]

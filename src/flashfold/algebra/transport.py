@@ -208,7 +208,7 @@ def transport(base: Monoid, psi: Callable, psi_inv: Callable, *, name: str,
               fields: Sequence | None = None, identity: Sequence | None = None,
               lift: Callable | None = None, combine: Callable | None = None,
               finalize: Callable | None = None, block_lift: Callable | None = None,
-              outputs: Sequence[str] | None = None, commutative: bool | None = None,
+              block_scan: Callable | None = None, outputs: Sequence[str] | None = None, commutative: bool | None = None,
               doc: str = "") -> Monoid:
     """The monoid ``base`` carried through the bijection ``psi`` (transport of structure).
 
@@ -225,9 +225,10 @@ def transport(base: Monoid, psi: Callable, psi_inv: Callable, *, name: str,
     identity: the twisted identity. Default ``psi(e)``. When ``psi`` is undefined at
         ``e`` (NaN), it must be given: it is then *adjoined* (``ψ(e) := e'``), and the
         derived functions treat it by definition through ``ops.where`` guards.
-    lift, combine, finalize, block_lift: rewritings that replace the derived functions
-        (which are ``psi ∘ base.lift``, ``psi(base.combine(psi_inv(a), psi_inv(b)))``,
-        ``base.finalize ∘ psi_inv`` and ``psi ∘ base.block_lift``); use
+    lift, combine, finalize, block_lift, block_scan: rewritings that replace the derived
+        functions (which are ``psi ∘ base.lift``, ``psi(base.combine(psi_inv(a),
+        psi_inv(b)))``, ``base.finalize ∘ psi_inv``, ``psi ∘ base.block_lift`` and
+        ``psi ∘ base.block_scan``; ``scan_exact`` is always ``base.scan_exact ∘ psi_inv``); use
         :func:`check_transport` to prove a rewritten combine equal to the derived one.
     outputs, commutative, doc: as for :class:`Monoid` (default: the base's outputs when
         finalize is derived; commutativity is transported).
@@ -297,19 +298,17 @@ def transport(base: Monoid, psi: Callable, psi_inv: Callable, *, name: str,
                          _guard(_is_state(b, identity, tw_fields), tuple(a), out))
         return out
 
-    def derived_lift(*xs):
-        s = BaseS(*base.lift(*xs))
-        out = tuple(psi(s))
-        if adjoined:
-            out = _guard(_is_state(s, base.identity, base.fields), identity, out)
-        return out
+    def through_psi(fn):                    # psi ∘ fn, for lift and the block lift / scan
+        def derived(*xs):
+            s = BaseS(*fn(*xs))
+            out = tuple(psi(s))
+            if adjoined:
+                out = _guard(_is_state(s, base.identity, base.fields), identity, out)
+            return out
+        return derived
 
-    def derived_block_lift(*xs):
-        s = BaseS(*base.block_lift(*xs))
-        out = tuple(psi(s))
-        if adjoined:
-            out = _guard(_is_state(s, base.identity, base.fields), identity, out)
-        return out
+    def derived_scan_exact(t):
+        return base.scan_exact(to_base(t))
 
     def derived_finalize(t, **params):
         s = tuple(psi_inv(t))
@@ -321,7 +320,7 @@ def transport(base: Monoid, psi: Callable, psi_inv: Callable, *, name: str,
 
     twisted = Monoid(
         name, fields=tw_fields, identity=identity,
-        lift=lift if lift is not None else derived_lift,
+        lift=lift if lift is not None else through_psi(base.lift),
         combine=combine if combine is not None else derived_combine,
         inputs=base.inputs,
         finalize=finalize if finalize is not None else derived_finalize,
@@ -329,7 +328,10 @@ def transport(base: Monoid, psi: Callable, psi_inv: Callable, *, name: str,
         outputs=tuple(outputs) if outputs is not None else (
             base.outputs if finalize is None else None),
         block_lift=block_lift if block_lift is not None else (
-            derived_block_lift if base.block_lift is not None else None),
+            through_psi(base.block_lift) if base.block_lift is not None else None),
+        block_scan=block_scan if block_scan is not None else (
+            through_psi(base.block_scan) if base.block_scan is not None else None),
+        scan_exact=derived_scan_exact if base.scan_exact is not None else None,
         commutative=base.commutative if commutative is None else commutative,
         doc=doc or f"{base.name} transported through {getattr(psi, '__name__', 'psi')}")
     _PROVENANCE[twisted] = (base, psi, psi_inv, adjoined)

@@ -70,14 +70,17 @@ def _lse2_combine_one_exp2(a, b):
     return m, ops.where(a_top, a.d, b.d) + ops.where(a_top, b.d, a.d) * scale
 
 
-#: LOGSUMEXP2 with a one-exp2 combine, for scans: a block scan runs the combine ~3 times
-#: per element, and with two exp2 per combine logcumsumexp would exceed the SFU budget at
-#: memory speed (an H200 issues 16 exp2/clock/SM: ~8 per element at 3.8 TB/s of fp32).
-#: Lift, block lift and finalize are LOGSUMEXP2's.
+#: LOGSUMEXP2 with a one-exp2 combine, for scans. The block scan (LOGSUMEXP2's: one exp2
+#: per element) runs the combine only between tiles and on tiles it cannot take; the
+#: chunked and look-back scans run it ~2.75 times per element, and with two exp2 per
+#: combine logcumsumexp would exceed the SFU budget at memory speed (an H200 issues 16
+#: exp2/clock/SM: ~8 per element at 3.8 TB/s of fp32). Lift, block lift, block scan and
+#: finalize are LOGSUMEXP2's.
 LOGSUMEXP2_SCAN = Monoid(
     "logsumexp2_scan", fields=("m", "d"), identity=(-ops.inf, 0.0),
     lift=LOGSUMEXP2.lift, combine=_lse2_combine_one_exp2, finalize=LOGSUMEXP2.finalize,
-    block_lift=LOGSUMEXP2.block_lift, commutative=True, outputs=("lse",),
+    block_lift=LOGSUMEXP2.block_lift, block_scan=LOGSUMEXP2.block_scan,
+    scan_exact=LOGSUMEXP2.scan_exact, commutative=True, outputs=("lse",),
     doc="Base-2 online softmax state (m, d) with a one-exp2 combine; finalize to the "
         "natural-log log-sum-exp.")
 

@@ -18,6 +18,9 @@ Conventions of the generated functions:
 * ``block_lift(x1, ..., valid) -> fields`` reducing over axis 0 of the tile (the block
   axis leads, as in the NumPy reference, so a reduced value broadcasts back against the
   tile); with vector inputs, scalar-class tiles carry a trailing axis of 1;
+* ``block_scan(x1, ..., valid) -> fields`` the prefix states along axis 0 (a reduced
+  field has the tile's shape without axis 0 and broadcasts), and
+  ``scan_exact(f1, ..., fk) -> flag``, when the monoid has them;
 * captured buffers become trailing ``bufN, bufN_numel`` arguments.
 
 Float fields are float32 in kernels, int fields int32. Constant outputs are broadcast to
@@ -70,7 +73,7 @@ TRITON = register_backend(Backend(
         "eq": "({0} == {1})", "ne": "({0} != {1})", "and": "({0} & {1})", "or": "({0} | {1})",
         "where": "tl.where({0}, {1}, {2})",
         "rsum": "tl.sum({0}, axis={axis})", "rmax": "tl.max({0}, axis={axis})",
-        "rmin": "tl.min({0}, axis={axis})",
+        "rmin": "tl.min({0}, axis={axis})", "csum": "tl.cumsum({0}, axis={axis})",
         # clamp out-of-range indices into the table, as the NumPy and torch lowerings do
         "load": "tl.load({buf} + tl.minimum(tl.maximum({0}, 0), {buf}_numel - 1))",
     },
@@ -152,6 +155,8 @@ class TritonMonoid:
     combine: object
     finalize: object
     block_lift: object | None
+    block_scan: object | None
+    scan_exact: object | None
     reduce_tile: object
     scan_tile: object
     source: str
@@ -183,9 +188,9 @@ def _combinators(fields) -> str:
 
 def triton_monoid(monoid: Monoid) -> TritonMonoid:
     """Generate (or fetch from the cache) the Triton functions of ``monoid``."""
+    optional = (monoid.block_lift_graph, monoid.block_scan_graph, monoid.scan_exact_graph)
     key = (monoid.name, monoid.combine_graph.key(), monoid.lift_graph.key(),
-           monoid.finalize_graph.key(),
-           monoid.block_lift_graph.key() if monoid.block_lift_graph is not None else None)
+           monoid.finalize_graph.key(), *(g.key() if g is not None else None for g in optional))
     hit = _BY_MONOID.get(key)
     if hit is not None:
         return hit
@@ -199,14 +204,21 @@ def triton_monoid(monoid: Monoid) -> TritonMonoid:
         jit_source(monoid.finalize_graph, "finalize",
                    [f.name for f in fields] + [p for p, _ in monoid.params]),
     ]
+    block_args = [i.name for i in monoid.inputs] + ["valid"]
     if monoid.block_lift_graph is not None:
-        parts.append(jit_source(monoid.block_lift_graph, "block_lift",
-                                [i.name for i in monoid.inputs] + ["valid"], float_outputs=is_float))
+        parts.append(jit_source(monoid.block_lift_graph, "block_lift", block_args,
+                                float_outputs=is_float))
+    if monoid.block_scan_graph is not None:
+        parts.append(jit_source(monoid.block_scan_graph, "block_scan", block_args,
+                                float_outputs=is_float))
+        parts.append(jit_source(monoid.scan_exact_graph, "scan_exact",
+                                [f.name for f in fields], float_outputs=(False,)))
     parts.append(_combinators(fields))
     source = "\n\n".join(parts)
     mod = load_source(source, _safe(monoid.name))
     tm = TritonMonoid(monoid, mod.lift, mod.combine, mod.finalize,
-                      getattr(mod, "block_lift", None), mod.reduce_tile, mod.scan_tile,
+                      getattr(mod, "block_lift", None), getattr(mod, "block_scan", None),
+                      getattr(mod, "scan_exact", None), mod.reduce_tile, mod.scan_tile,
                       source, mod.__file__)
     _BY_MONOID[key] = tm
     return tm

@@ -33,6 +33,9 @@ content hash of its source, like every generated module):
                     finalize every element
 ==================  =====================================================================
 
+``block_scan`` and ``scan_exact`` (None unless the monoid declares them) are the
+monoid's own generated functions.
+
 States travel through the templates as tuples (``COMBINE(*acc, *s)``), which Triton 3.6
 unpacks at compile time. Float fields are float32, int fields int32 (positions are int32).
 """
@@ -156,6 +159,8 @@ class ReduceFunctions:
     finalize: object
     finalize_fast: object
     tile_state: object
+    block_scan: object | None
+    scan_exact: object | None
     reduce_tile: object
     scan_tile: object
     scan_tile_rev: object
@@ -203,7 +208,7 @@ def _reduce_functions(monoid: Monoid) -> ReduceFunctions:
     mod = load_source(source, "reduce_" + _safe(monoid.name))
     fns = ReduceFunctions(
         monoid, base, mod.lift_xp, mod.combine, mod.combine_rev, mod.finalize, mod.finalize_fast,
-        mod.tile_state,
+        mod.tile_state, getattr(mod, "block_scan", None), getattr(mod, "scan_exact", None),
         mod.reduce_tile, mod.scan_tile, mod.scan_tile_rev, mod.identity, mod.select, mod.take,
         mod.bcast0, mod.bcast, mod.shift1, mod.load_state, mod.store_state,
         any(i.domain == "position" for i in monoid.inputs), mod.__file__)

@@ -295,13 +295,34 @@ def _fold_states(acc, parts, flat, n_split, j_lo, j_hi, row_ok,
 
 
 @triton.jit
+def _scan_combine(carry, x, n, LIFT_XP: tl.constexpr, COMBINE: tl.constexpr,
+                  SCAN_TILE: tl.constexpr, SCAN_TILE_REV: tl.constexpr, BCAST0: tl.constexpr,
+                  BLOCK: tl.constexpr, ROWS: tl.constexpr, REVERSE: tl.constexpr):
+    """``carry ⊕ prefix`` of a loaded [BLOCK, ROWS] tile by a scan of the combine.
+    Lanes past the end come last in processing order: no prefix of a stored lane sees them."""
+    s = LIFT_XP(x, tl.broadcast_to(n.to(tl.int32), [BLOCK, ROWS]))
+    if REVERSE:
+        p = SCAN_TILE_REV(*s, 0)             # p_i = x_i ⊕ x_{i+1} ⊕ ... (within the tile)
+        return COMBINE(*p, *BCAST0(x, *carry))
+    else:
+        p = SCAN_TILE(*s, 0, False)
+        return COMBINE(*BCAST0(x, *carry), *p)
+
+
+@triton.jit
 def _scan_step(carry, x_ptr, outs, fin_args, i, lo, hi, sn, osn, row_in, row_out, row_ok, i_last,
                LIFT_XP: tl.constexpr, COMBINE: tl.constexpr, SCAN_TILE: tl.constexpr,
                SCAN_TILE_REV: tl.constexpr, TAKE: tl.constexpr, BCAST0: tl.constexpr,
                FINALIZE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-               MASK_N: tl.constexpr, MASK_ROWS: tl.constexpr, REVERSE: tl.constexpr):
+               MASK_N: tl.constexpr, MASK_ROWS: tl.constexpr, REVERSE: tl.constexpr,
+               BLOCK_SCAN: tl.constexpr = None, SCAN_EXACT: tl.constexpr = None):
     """Scan one [BLOCK, ROWS] tile (``i``: [BLOCK, 1] positions in processing order),
-    store ``finalize(carry ⊕ prefix)``, return the new carry ([ROWS] per field)."""
+    store ``finalize(carry ⊕ prefix)``, return the new carry ([ROWS] per field).
+
+    With BLOCK_SCAN (the monoid's block scan; reverse only for a commutative monoid) the
+    tile's prefixes come from it: one shared reference per tile, no combine per element.
+    Where SCAN_EXACT fails on any valid element (e.g. a prefix that underflowed against
+    the tile's max), the tile is rescanned with the combine."""
     if REVERSE:
         n = hi - 1 - i                       # reversed loads: processing order = x order reversed
     else:
@@ -319,14 +340,22 @@ def _scan_step(carry, x_ptr, outs, fin_args, i, lo, hi, sn, osn, row_in, row_out
             x = tl.load(x_ptr + off_in, mask=m, other=0.0).to(tl.float32)
         else:
             x = tl.load(x_ptr + off_in).to(tl.float32)
-    # lanes past the end come last in processing order: no prefix of a stored lane sees them
-    s = LIFT_XP(x, tl.broadcast_to(n.to(tl.int32), [BLOCK, ROWS]))
-    if REVERSE:
-        p = SCAN_TILE_REV(*s, 0)             # p_i = x_i ⊕ x_{i+1} ⊕ ... (within the tile)
-        p = COMBINE(*p, *BCAST0(x, *carry))
+    if BLOCK_SCAN is not None:
+        if MASK_N:
+            valid = tl.broadcast_to(i < hi - lo, [BLOCK, ROWS])
+        else:
+            valid = tl.full([BLOCK, ROWS], 1, tl.int1)
+        if REVERSE:                          # commutative: suffix ⊕ carry = carry ⊕ suffix
+            p = COMBINE(*BLOCK_SCAN(x, valid), *BCAST0(x, *carry))
+        else:
+            p = COMBINE(*BCAST0(x, *carry), *BLOCK_SCAN(x, valid))
+        inexact = tl.max(tl.where(valid & (SCAN_EXACT(*p)[0] == 0), 1, 0))
+        if inexact > 0:
+            p = _scan_combine(carry, x, n, LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, BCAST0,
+                              BLOCK, ROWS, REVERSE)
     else:
-        p = SCAN_TILE(*s, 0, False)
-        p = COMBINE(*BCAST0(x, *carry), *p)
+        p = _scan_combine(carry, x, n, LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, BCAST0,
+                          BLOCK, ROWS, REVERSE)
     f = FINALIZE(*p, *fin_args)
     for j in tl.static_range(len(outs)):
         if MASK_N or MASK_ROWS:
@@ -561,10 +590,13 @@ def scan_kernel(x_ptr, outs, fin_args, parts,
                 BLOCK: tl.constexpr, ROWS: tl.constexpr, PBLOCK: tl.constexpr,
                 REVERSE: tl.constexpr, SPLIT: tl.constexpr, CHUNKED: tl.constexpr,
                 VEC: tl.constexpr, MASK_ROWS: tl.constexpr, N64: tl.constexpr,
-                SMALL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                SMALL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                BLOCK_SCAN: tl.constexpr = None, SCAN_EXACT: tl.constexpr = None):
     """Inclusive scan along the dim, state carried across tiles.
 
     PREFETCH (chunked scans): load the next full tile before scanning the current one.
+    BLOCK_SCAN, SCAN_EXACT (block scans): the monoid's block scan inside a tile (see
+    :func:`_scan_step`).
 
     With SPLIT (a multi-block scan of few long rows: reduce-then-scan), program ``j``
     scans elements ``[j·chunk, (j+1)·chunk)`` starting from the carry
@@ -645,13 +677,13 @@ def scan_kernel(x_ptr, outs, fin_args, parts,
             carry = _scan_step(carry, x_ptr, outs, fin_args, start + ii, lo, hi, sn, osn,
                                row_in, row_out, row_ok, i_last,
                                LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, TAKE, BCAST0, FINALIZE,
-                               BLOCK, ROWS, False, MASK_ROWS, REVERSE)
+                               BLOCK, ROWS, False, MASK_ROWS, REVERSE, BLOCK_SCAN, SCAN_EXACT)
             start = start + BLOCK
         if end < count:
             _scan_step(carry, x_ptr, outs, fin_args, end + ii, lo, hi, sn, osn,
                        row_in, row_out, row_ok, i_last,
                        LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, TAKE, BCAST0, FINALIZE,
-                       BLOCK, ROWS, True, MASK_ROWS, REVERSE)
+                       BLOCK, ROWS, True, MASK_ROWS, REVERSE, BLOCK_SCAN, SCAN_EXACT)
 
 
 @triton.jit
