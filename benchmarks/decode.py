@@ -6,6 +6,7 @@ Run (H200, from the repository root)::
     PYTHONPATH=src python benchmarks/decode.py --quick    # checks + target rows (~1 min)
     PYTHONPATH=src python benchmarks/decode.py --check-only
     PYTHONPATH=src python benchmarks/decode.py --tune     # splits / tile configs at the targets
+    PYTHONPATH=src python benchmarks/decode.py --tune-invariant  # batch_invariant's cost, by row
 
 1. Correctness at real sizes (bf16, 32 query / 8 KV heads, head_dim 128): lengths 0, 1,
    ragged and full, q_len 1 and 4 (speculative), softcap, window, left padding (a first
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 import triton
 
 import flashfold as ff
+from flashfold.kernels import launcher
 from flashfold.bench import graph_replay
 from flashfold.kernels.decode import splitkv
 from flashfold.kernels.decode.reference import decode_reference, gather_kv_padded
@@ -491,11 +493,58 @@ def run_tune():
         torch.cuda.empty_cache()
 
 
+#: rows where batch_invariant cost the most (run 4: 17% at 256 x 4K, ~10% at 1 x 131K and
+#: 256 x 16K), and a row where it cost nothing, for contrast
+INVARIANT_ROWS = [(256, 4096), (1, 131072), (256, 16384), (64, 8192)]
+
+
+def run_tune_invariant():
+    """Where the invariant mode's time goes, from CUDA-graph replays (GB/s of K and V):
+    default vs invariant at several fixed split sizes, with and without PDL, and the
+    default mode forced to the invariant grid's split count."""
+    print("== tune-invariant: graph GB/s, default vs batch_invariant (contiguous cache)")
+    for batch, length in INVARIANT_ROWS:
+        c = Cache(batch, length)
+        nbytes = c.kv_bytes()
+        run = lambda **kw: splitkv.splitkv_decode(c.q, c.k, c.v, c.lens, None,   # noqa: E731
+                                                  scale=D ** -0.5, **kw)
+        gbps = lambda **kw: f"{nbytes / timed(lambda: run(**kw), True) / 1e6:5.0f}"  # noqa: E731
+        inv = splitkv.prepare(c.q, c.k, c.v, c.lens, None, scale=D ** -0.5,
+                              batch_invariant=True).plan
+        dflt = splitkv.prepare(c.q, c.k, c.v, c.lens, None, scale=D ** -0.5).plan
+        print(f"  batch {batch} len {length}: default {gbps()} (splits {dflt.n_splits}), "
+              f"invariant {gbps(batch_invariant=True)} (programs/seq {inv.n_splits}, "
+              f"splits {inv.ws_splits} of {inv.split_size})")
+        print("    invariant split " + ", ".join(
+            f"{sp}: {gbps(batch_invariant=True, invariant_split=sp)}"
+            for sp in (512, 1024, 2048, 4096, 8192)))
+        print(f"    invariant without PDL {gbps(batch_invariant=True, pdl=False)}; default "
+              f"with {inv.n_splits} splits {gbps(num_splits=inv.n_splits)}, with "
+              f"{max(2, inv.ws_splits)} splits {gbps(num_splits=max(2, inv.ws_splits))}")
+        parts = []
+        for label, kw in (("invariant", dict(batch_invariant=True)),
+                          ("invariant 2048", dict(batch_invariant=True, invariant_split=2048)),
+                          (f"default {max(2, inv.ws_splits)} splits",
+                           dict(num_splits=max(2, inv.ws_splits)))):
+            lp = splitkv.prepare(c.q, c.k, c.v, c.lens, None, scale=D ** -0.5, **kw)
+            us = [1e3 * timed(lambda: launcher.launch(splitkv._splitkv_kernel, *lp.split), True)]
+            if lp.merge is not None:
+                us.append(1e3 * timed(lambda: launcher.launch(splitkv._merge_kernel, *lp.merge),
+                                      True))
+            parts.append(f"{label}: split {us[0]:.1f} us" + (f" + merge {us[1]:.1f} us"
+                                                              if len(us) > 1 else ""))
+        print("    kernels alone (graph): " + "; ".join(parts))
+        del c
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-invariant", action="store_true",
+                    help="where batch_invariant's cost goes, on the rows where it is largest")
     ap.add_argument("--no-graphs", action="store_true", help="time eagerly only (no CUDA graphs)")
     args = ap.parse_args()
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(),
@@ -503,6 +552,9 @@ def main():
     t0 = time.time()
     if args.tune:
         run_tune()
+        return 0
+    if args.tune_invariant:
+        run_tune_invariant()
         return 0
     chk = Checker()
     try:

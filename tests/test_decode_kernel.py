@@ -319,11 +319,12 @@ def test_batch_invariant_bitwise(paged, monkeypatch):
     assert launch.plan.n_splits < launch.plan.ws_splits
     assert torch.equal(o[0], outs[0][0]) and torch.equal(lse[0], outs[0][1])
     # however the occupancy heuristic cuts the splits into per-program runs (it sees the
-    # batch), every split is folded alike: 1, 2 or 3 programs over the 4 splits
-    for programs in (2, 3, 4):
+    # batch), every split is folded alike: runs of 4, 2 or 1 split (the plan evens the
+    # runs out: a target of 3 programs over 4 splits becomes 4 programs of 1)
+    for programs, grid in ((1, 1), (2, 2), (3, 4), (4, 4)):
         monkeypatch.setattr(splitkv, "choose_num_splits", lambda *a, n=programs, **k: n)
         o, lse, launch = run(target, paged, batch_invariant=True, invariant_split=split)
-        assert launch.plan.n_splits == programs
+        assert launch.plan.n_splits == grid
         assert torch.equal(o[0], outs[0][0]) and torch.equal(lse[0], outs[0][1])
     # one split covering the whole capacity (no merge pass) == the merged path, bit for bit
     short = make_case([50], heads_q=4, heads_kv=2, q_len=2, head_dim=32, capacity=50,
@@ -388,7 +389,7 @@ def test_choose_num_splits():
     assert splitkv.choose_num_splits(8, 0, sms) == 1
 
 
-def test_plan_invariant_split_ignores_the_batch():
+def test_plan_invariant_split_ignores_the_batch(monkeypatch):
     cfg = splitkv.DecodeConfig()
     plans = [splitkv.plan((b, 32, 1, 128), 8, cap, cap, None, torch.device("cpu"), cfg,
                           batch_invariant=True) for b, cap in [(1, 8192), (64, 8192), (3, 131072)]]
@@ -398,6 +399,13 @@ def test_plan_invariant_split_ignores_the_batch():
     p = splitkv.plan((2, 32, 1, 128), 8, 8192, 1000, None, torch.device("cpu"), cfg,
                      batch_invariant=True)
     assert p.n_splits == 2 and p.ws_splits == 16 and not p.write_final
+    # a long sequence: splits of 2048 (64 of them); the occupancy heuristic's 30 programs
+    # would take runs of 3 splits on 22 programs, so the grid is 32 programs of 2
+    monkeypatch.setattr(splitkv, "choose_num_splits", lambda *a, **k: 30)
+    p = splitkv.plan((1, 32, 1, 128), 8, 131072, 131072, None, torch.device("cpu"), cfg,
+                     batch_invariant=True)
+    assert splitkv.invariant_size(131072) == 2048 and p.n_splits == 32
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
         splitkv.plan((2, 32, 1, 128), 8, 8192, 1000, None, torch.device("cpu"), cfg,
                      batch_invariant=True, invariant_split=100)
@@ -450,3 +458,34 @@ def test_tma_eligibility():
     pages = torch.zeros(8, 64, 4, 32, dtype=torch.float16)
     assert splitkv._tma_eligible(pages, pages, 64, 64) and splitkv._tma_eligible(pages, pages, 64, 32)
     assert not splitkv._tma_eligible(pages[:, :16], pages[:, :16], 16, 64)   # 4 pages per tile
+
+
+def test_invariant_split_doubles_for_long_sequences_only():
+    """In batch-invariant mode a sequence's split size is INVARIANT_SPLIT doubled until its
+    keys fit in INVARIANT_MAX_SPLITS splits: a function of its own length. A long
+    sequence decodes with fewer, longer splits, bitwise alike alone and beside a short
+    one (which keeps the base size), and both match the reference."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def plan_kernel(out, seqlen, split, BLOCK_N: tl.constexpr):
+        base, size, n_used, _ = splitkv._split_plan(seqlen, seqlen * 0, 1 << 30, 1, split, 1,
+                                                    BLOCK_N, True)
+        tl.store(out, size)
+        tl.store(out + 1, n_used)
+
+    cap = splitkv.INVARIANT_MAX_SPLITS.value
+    for length, size in ((16 * cap, 16), (16 * cap + 1, 32), (2000, 32), (300, 16)):
+        out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        plan_kernel[(1,)](out, length, 16, BLOCK_N=16)
+        assert out.tolist() == [size, -(-length // size)], (length, out.tolist())
+
+    kw = dict(heads_q=2, heads_kv=1, q_len=1, head_dim=32, dtype=torch.float32, device=DEVICE)
+    long = make_case([2000], capacity=2000, seed=21, **kw)
+    both = make_case([300, 2000], capacity=2000, seed=22, **kw)
+    both.q[1], both.k[1], both.v[1] = long.q[0], long.k[0], long.v[0]
+    o1, l1, _ = run(long, False, batch_invariant=True, invariant_split=16)
+    o2, l2, _ = run(both, False, batch_invariant=True, invariant_split=16)
+    assert torch.equal(o1[0], o2[1]) and torch.equal(l1[0], l2[1])
+    check(both, o2, l2, torch.float32)

@@ -239,9 +239,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_splits: force the number of key splits per sequence (default: chosen from the
             batch, heads, length bound and SM count so the whole GPU is busy). Not allowed
             with ``batch_invariant``.
-        batch_invariant: split the keys at fixed multiples of a constant
-            (:data:`~flashfold.kernels.decode.splitkv.INVARIANT_SPLIT` tokens) and merge in
-            a fixed order, so a sequence's output is bitwise the same whatever else is in
+        batch_invariant: split the keys at fixed multiples of a split size that depends
+            on the sequence alone (:data:`~flashfold.kernels.decode.splitkv.INVARIANT_SPLIT`
+            tokens, doubled for long sequences up to at most ``INVARIANT_MAX_SPLITS``
+            splits) and merge in a fixed order, so a sequence's output is bitwise the same whatever else is in
             the batch (a sequence being its query, its keys at their cache positions and
             its ``cache_start``: the splits sit at absolute positions, so moving the same
             tokens to other positions, e.g. another amount of left padding, may round

@@ -58,8 +58,9 @@ the sequence's first key (``cache_start``, clamped to ``[0, n_b]``; 0 without it
   so every length is covered whatever the host assumed, and where the boundaries fall
   depends on ``S``, i.e. on the batch: the default mode's rounding is batch-dependent.
 * ``batch_invariant``: split ``s`` of a sequence covers keys
-  ``[c (floor(lo / c) + s), c (floor(lo / c) + s + 1))`` with the constant
-  ``c = INVARIANT_SPLIT``. The grid's split programs are still chosen by occupancy (the
+  ``[c (floor(lo / c) + s), c (floor(lo / c) + s + 1))`` with ``c = INVARIANT_SPLIT``,
+  doubled until the sequence's ``n_b - lo`` keys fit in ``INVARIANT_MAX_SPLITS`` splits
+  (so ``c`` is a function of the sequence alone). The grid's split programs are still chosen by occupancy (the
   same heuristic), but each program folds a run of *whole* fixed splits and flushes every
   split as it ends: the split's partial is written and the state reset to the identity,
   so each split is folded from the identity over its own tiles whichever program, run or
@@ -121,11 +122,21 @@ from ..codegen import triton_monoid
 
 LOG2E = 1.0 / math.log(2.0)
 
-#: tokens per split in batch-invariant mode (a multiple of every BLOCK_N used)
+#: tokens per split in batch-invariant mode (a multiple of every BLOCK_N used), doubled
+#: for a sequence until its keys fit in INVARIANT_MAX_SPLITS splits (a function of the
+#: sequence alone). H200, 1 x 131K (`decode.py --tune-invariant`): 256 splits of 512 ran at
+#: 3,310-3,411 GB/s against 3,454-3,484 for 64 of 2048 (default mode: 3,789); the merge
+#: of 256 partials per row took 22 us, of 64 10 us
 INVARIANT_SPLIT = 512
+INVARIANT_MAX_SPLITS = tl.constexpr(64)
 #: partial states per merge tile (fixed: the merge's bracketing must not depend on the
-#: batch); 64 x 512 B of partials per load, the next tile's loads in flight during a combine
-MERGE_BLOCK = 64
+#: batch), with the next tile's loads in flight during a combine, and the merge's warps.
+#: One program merges one query row, so programs are many and short: at 256 x 4K (8192
+#: rows of 8 partials) tiles of 64 at 8 warps took 142 us, against ~1 ms for the split
+#: kernel (H200, `benchmarks/decode.py --tune-invariant`): a program's 8 warps mostly
+#: loaded masked rows. 16 x 128 values at 2 warps is 32 per thread.
+MERGE_BLOCK = 16
+MERGE_WARPS = 2
 #: smallest split the default heuristic makes, the most splits it makes, the split programs
 #: resident per SM (~120-150 registers x 128 threads, 70 KB of shared memory: 3 fit on an
 #: H100/H200), and the programs per SM that saturate DRAM (measured on the H200: 256
@@ -155,6 +166,8 @@ def _split_plan(seqlen, kstart, win_left, n_splits, split_size, Q_LEN: tl.conste
     first_tile = (lo // BLOCK_N) * BLOCK_N
     if FIXED_SPLIT:
         size = split_size
+        while size * INVARIANT_MAX_SPLITS < seqlen - lo:                 # the sequence's own
+            size = size * 2
         base = (lo // size) * size
     else:
         base = first_tile
@@ -638,13 +651,29 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
             raise ValueError(f"invariant split {invariant_split} is not a multiple of "
                              f"BLOCK_N={config.block_n}")
         ws = max(1, -(-capacity // invariant_split))       # every length <= capacity fits
-        most = min(ws, max(1, -(-span // invariant_split) + (window_left is not None)))
-        n = min(most, choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device)))
+        size = invariant_size(span, invariant_split)       # the longest sequence's splits
+        used = min(ws, max(1, -(-span // size) + (window_left is not None)))
+        # programs fold runs of whole splits: from the occupancy heuristic's count, the
+        # run length rounds down and the program count up, so that the runs are even
+        # (64 splits over 30 programs would leave runs of 3 on 22 programs, the critical
+        # path 41% above an even cut; 32 programs take runs of 2)
+        target = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device))
+        n = min(used, -(-used // max(1, used // target)))
         return SplitPlan(n, ws, invariant_split, ws == 1, block_m, m_blocks)
     if num_splits is None:
         num_splits = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device))
     n = int(num_splits)
     return SplitPlan(n, n, 0, n == 1, block_m, m_blocks)
+
+
+def invariant_size(keys: int, invariant_split: int = INVARIANT_SPLIT) -> int:
+    """Batch-invariant split size of a sequence with ``keys`` keys from its first visible
+    one: ``invariant_split`` doubled until they fit in INVARIANT_MAX_SPLITS splits (the
+    host's mirror of :func:`_split_plan`)."""
+    size = invariant_split
+    while size * INVARIANT_MAX_SPLITS.value < keys:
+        size *= 2
+    return size
 
 
 @dataclass
@@ -759,7 +788,8 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       Q_LEN=q_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK,
                       BLOCK_N=config.block_n, FIXED_SPLIT=batch_invariant,
                       HAS_START=cache_start is not None, USE_PDL=pdl,
-                      num_warps=8, num_stages=2, **({"launch_pdl": True} if pdl else {})))
+                      num_warps=MERGE_WARPS, num_stages=2,
+                      **({"launch_pdl": True} if pdl else {})))
     return Launch(split, merge, out, lse, p)
 
 
