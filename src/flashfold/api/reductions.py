@@ -41,6 +41,7 @@ that are adjacent, and a copy otherwise (torch's ``flatten`` rule).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import namedtuple
 
 import torch
@@ -83,6 +84,14 @@ LOGSUMEXP2_SCAN = Monoid(
     scan_exact=LOGSUMEXP2.scan_exact, commutative=True, outputs=("lse",),
     doc="Base-2 online softmax state (m, d) with a one-exp2 combine; finalize to the "
         "natural-log log-sum-exp.")
+
+
+#: ARGMAX / ARGMIN finalized to the index alone: ``argmax`` stores no values (torch's
+#: argmax writes only its int64 indices; 2^20 x 7 fp32 moves 37 MB instead of 41)
+ARGMAX_INDEX, ARGMIN_INDEX = (
+    dataclasses.replace(m, name=f"{m.name}_index", finalize=lambda s: s.i, outputs=("index",),
+                        doc=f"{m.name.upper()} finalized to the position alone.")
+    for m in (ARGMAX, ARGMIN))
 
 
 # --- validation -------------------------------------------------------------------------
@@ -383,19 +392,18 @@ def _arg(monoid, x, dim, keepdim, name):
             raise IndexError(f"x: {name}() over dim {d}, which has size 0")
     if x.numel() == 0:
         raise IndexError(f"x: {name}() of an empty tensor")
-    value, index = reduce(monoid, x, dim, keepdim=keepdim and not flat)
-    return index
+    return reduce(monoid, x, dim, keepdim=keepdim and not flat)
 
 
 def argmax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """Index of the largest value along ``dim`` (``None``: of the flattened tensor), int64;
     ties give the lowest index and NaN counts as the largest, as ``torch.argmax``."""
-    return _arg(ARGMAX, x, dim, keepdim, "argmax")
+    return _arg(ARGMAX_INDEX, x, dim, keepdim, "argmax")
 
 
 def argmin(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """Index of the smallest value along ``dim``, int64; as ``torch.argmin``."""
-    return _arg(ARGMIN, x, dim, keepdim, "argmin")
+    return _arg(ARGMIN_INDEX, x, dim, keepdim, "argmin")
 
 
 def cumsum(x: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
