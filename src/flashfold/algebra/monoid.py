@@ -260,23 +260,23 @@ class Monoid:
                              f"but outputs names {len(self.outputs)}")
         return g
 
-    @cached_property
-    def block_lift_graph(self) -> Graph | None:
-        if self.block_lift is None:
+    def _block_graph(self, what: str) -> Graph | None:
+        """The traced ``block_lift`` / ``block_scan``: ``(*inputs, valid) -> state``."""
+        fn = getattr(self, what)
+        if fn is None:
             return None
         vars_ = [Var(i.name, i.vector) for i in self.inputs] + [Var("valid")]
-        g = trace(self.block_lift, vars_, f"{self.name}.block_lift", n_outputs=len(self.fields))
-        self._check_shapes(g, "block_lift")
+        g = trace(fn, vars_, f"{self.name}.{what}", n_outputs=len(self.fields))
+        self._check_shapes(g, what)
         return g
 
     @cached_property
+    def block_lift_graph(self) -> Graph | None:
+        return self._block_graph("block_lift")
+
+    @cached_property
     def block_scan_graph(self) -> Graph | None:
-        if self.block_scan is None:
-            return None
-        vars_ = [Var(i.name, i.vector) for i in self.inputs] + [Var("valid")]
-        g = trace(self.block_scan, vars_, f"{self.name}.block_scan", n_outputs=len(self.fields))
-        self._check_shapes(g, "block_scan")
-        return g
+        return self._block_graph("block_scan")
 
     @cached_property
     def scan_exact_graph(self) -> Graph | None:
