@@ -538,11 +538,36 @@ def run_tune_invariant():
         torch.cuda.empty_cache()
 
 
+def run_tune_splits():
+    """The default mode's split count at the target rows (contiguous cache): GB/s from CUDA
+    graphs and with a clean L2, against cuDNN measured the same way."""
+    print("== tune-splits: GB/s at the target rows, graph / clean L2")
+    for batch, length in TARGETS:
+        c = Cache(batch, length)
+        nbytes = c.kv_bytes()
+        chosen = splitkv.prepare(c.q, c.k, c.v, c.lens, None, scale=D ** -0.5).plan.n_splits
+        row = []
+        for n in (2, 3, 4, 5, 6, 8, 12, 16):
+            fn = lambda n=n: splitkv.splitkv_decode(c.q, c.k, c.v, c.lens, None,  # noqa: E731
+                                                    scale=D ** -0.5, num_splits=n)
+            row.append(f"{n}:{nbytes / timed(fn, True) / 1e6:.0f}/"
+                       f"{nbytes / timed(fn, True, clean=True) / 1e6:.0f}")
+        from torch.nn.attention import SDPBackend
+        ref = sdpa(SDPBackend.CUDNN_ATTENTION, c.q, c.k, c.v)
+        print(f"  batch {batch} len {length} (default {chosen} splits): " + " ".join(row)
+              + f" | cuDNN {nbytes / timed(ref, True) / 1e6:.0f}/"
+                f"{nbytes / timed(ref, True, clean=True) / 1e6:.0f}")
+        del c
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-splits", action="store_true",
+                    help="the default split count at the target rows, against cuDNN")
     ap.add_argument("--tune-invariant", action="store_true",
                     help="where batch_invariant's cost goes, on the rows where it is largest")
     ap.add_argument("--no-graphs", action="store_true", help="time eagerly only (no CUDA graphs)")
@@ -555,6 +580,9 @@ def main():
         return 0
     if args.tune_invariant:
         run_tune_invariant()
+        return 0
+    if args.tune_splits:
+        run_tune_splits()
         return 0
     chk = Checker()
     try:
