@@ -73,13 +73,55 @@ reductions (0.26 -> 0.35 ms). Plans here are chosen from rows whose time is the 
 and hashing ~60 arguments and constexprs) against 8.6 us for a compiled kernel's launcher
 called directly; launches now go through :mod:`flashfold.kernels.launcher`, which keys
 the compiled kernel itself.
+
+Plan cache
+----------
+Building a plan (geometry, heuristics, split, buffers, the ~40 arguments of each launch)
+took 64 of the ~95 us of host time of ``flashfold.argmax`` over 2^20 x 7 on the H200
+host (cProfile, which inflates ~2x). The launchers (``launch_*``) therefore replay a plan
+recorded for the same signature (:func:`_planned`): the operation; the monoid or row map,
+by identity (the entry keeps it); each input's shape, strides, dtype, device and whether
+its address is 16-byte aligned (all that the planners, :func:`_align` included, and
+Triton's specialization read of it); the dim, the finalize parameters, the scan's
+direction, the output dtype and ``TRITON_INTERPRET``. A hit allocates new outputs and
+scratch (split-K partial states; the look-back's flags zeroed, its ticket a view of them)
+and rebuilds each launch's arguments with them and the call's inputs at the positions
+recorded when the plan was built: no tensor of an earlier call is returned or kept.
+All four launchers use it (segment offsets are an input like ``x``: their values are not
+part of a plan). Not cached: plans that read a contiguous copy of the input (more than
+three unmergeable batch dims) and finalize parameters that are not plain numbers. The
+cache is bypassed while any global that the planners read (found from their code:
+heuristics, ``ALIGN_ROWS``, ``LOOKBACK``..., which tests monkeypatch) differs from what
+it was at import, and with ``FLASHFOLD_PLAN_CACHE=0``. At most :data:`PLAN_CACHE_SIZE`
+entries, dropped wholesale when full; one dict lookup and store per call, and each call
+allocates its own buffers, so threads may share it. ``plan_*`` still build a plan on
+every call (:mod:`.aot`, tests).
+
+Host time per call up to the kernel launch (``_run`` a no-op) on the 2-core CPU dev
+machine, CPU tensors, ``PYTHONPATH=src python benchmarks/reduce_plan_keys.py`` (best of
+7 interleaved repeats of 2,000 calls, and of 4 runs; us; before: commit 8acb2f1 timed
+by the same harness)::
+
+    call                            launcher: before  hit    public function: before  hit
+    argmax 2^20 x 7                           20.0    6.9                     31.4   16.9
+    softmax 64 x 1024                         16.5    6.7                     18.3    8.2
+    logsumexp 2 x 40000 (split-K)             38.9   12.3                     54.8   21.0
+    cumsum 1 x 40000 (look-back)              35.9   16.3                     46.7   23.6
+
+(other processes loaded the machine: single runs varied up to ~1.5x). With the cache off
+the launchers matched "before" within that noise. The rest of ``flashfold.argmax``'s hit
+is the public function's checks and views (``api/reductions``), ~10 us.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
+import types
 from dataclasses import dataclass, field
+from functools import partial
+from operator import itemgetter
 
 import torch
 
@@ -91,7 +133,8 @@ from .generated import ReduceFunctions, RowMap, output_kinds, reduce_functions
 __all__ = ["Launch", "Geometry", "geometry", "reduce_config", "scan_config", "normalize_config",
            "split_plan", "states_config", "Config", "costly_combine", "plan_reduce", "plan_segment_reduce", "plan_scan", "plan_normalize",
            "launch_reduce", "launch_segment_reduce", "launch_scan", "launch_normalize",
-           "num_sms", "fin_args", "FLOAT_DTYPES", "LOOKBACK"]
+           "num_sms", "fin_args", "FLOAT_DTYPES", "LOOKBACK", "plan_cache_info",
+           "plan_cache_clear", "PLAN_CACHE_SIZE"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _I31 = 2**31
@@ -524,13 +567,24 @@ def _dummy_parts(monoid: Monoid, device):
     key = (tuple(f.dtype for f in monoid.fields), str(device))
     hit = _DUMMIES.get(key)
     if hit is None:
-        hit = _DUMMIES[key] = _state_buffers(monoid, 1, 1, device)
+        hit = _DUMMIES[key] = tuple(torch.empty((1, 1), dtype=_state_dtype(f), device=device)
+                                    for f in monoid.fields)
     return hit
 
 
+def _new(shape, dtype, device, zero=False):
+    """A buffer that a plan writes (an output or scratch), zeroed when its kernels need
+    that. While a plan is being recorded for the plan cache (:func:`_planned`) the buffer
+    is noted, so that a cache hit can allocate its like."""
+    t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    fresh = getattr(_RECORDING, "fresh", None)
+    if fresh is not None:
+        fresh.append((t, zero))
+    return t
+
+
 def _state_buffers(monoid: Monoid, rows: int, n_split: int, device):
-    return tuple(torch.empty((rows, n_split), dtype=_state_dtype(f), device=device)
-                 for f in monoid.fields)
+    return tuple(_new((rows, n_split), _state_dtype(f), device) for f in monoid.fields)
 
 
 def _parts_strides(g: Geometry, n_split: int):
@@ -545,8 +599,7 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None):
     dim = dim % x.dim()
     x, g = _prepare(x, dim, lambda t: _reduced_out_strides(t, dim))
     out_shape = [s for i, s in enumerate(x.shape) if i != dim]
-    outs = tuple(torch.empty(out_shape, dtype=_out_dtype(k, x), device=x.device)
-                 for k in output_kinds(monoid))
+    outs = tuple(_new(out_shape, _out_dtype(k, x), x.device) for k in output_kinds(monoid))
     if g.rows == 0:
         return [], outs
     cfg = reduce_config(g, x.element_size(), _is_ordered(monoid), _costly_block(monoid),
@@ -576,8 +629,7 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
     S = offsets.numel() - 1
     out_shape = list(x.shape)
     out_shape[dim] = S
-    outs = tuple(torch.empty(out_shape, dtype=_out_dtype(k, x), device=x.device)
-                 for k in output_kinds(monoid))
+    outs = tuple(_new(out_shape, _out_dtype(k, x), x.device) for k in output_kinds(monoid))
     ost = _contig_strides(out_shape)
     x, g = _prepare(x, dim, lambda t: ost)
     if g.rows == 0 or S == 0:
@@ -606,7 +658,7 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     fargs = fin_args(monoid, params)
     dim = dim % x.dim()
     shape = list(x.shape)
-    outs = tuple(torch.empty(shape, dtype=_out_dtype(k, x, out_dtype), device=x.device)
+    outs = tuple(_new(shape, _out_dtype(k, x, out_dtype), x.device)
                  for k in output_kinds(monoid))
     ost = _contig_strides(shape)
     x, g = _prepare(x, dim, lambda t: ost)
@@ -671,7 +723,7 @@ def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
     chunk = block * LOOKBACK_TILES
     n_chunks = -(-g.N // chunk)
     slots = g.rows * n_chunks
-    flags = torch.zeros(slots + 1, dtype=torch.int32, device=x.device)   # last: the ticket
+    flags = _new(slots + 1, torch.int32, x.device, zero=True)            # last: the ticket
     aggs = _state_buffers(fns.monoid, g.rows, n_chunks, x.device)
     incls = _state_buffers(fns.monoid, g.rows, n_chunks, x.device)
     cap = 128 if len(fns.monoid.fields) <= 2 else None      # 4-field states would spill
@@ -695,7 +747,7 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
     """
     fns = _fns(rowmap.monoid)
     dim = dim % x.dim()
-    y = torch.empty(list(x.shape), dtype=out_dtype or x.dtype, device=x.device)
+    y = _new(list(x.shape), out_dtype or x.dtype, x.device)
     ost = _contig_strides(list(x.shape))
     x, g = _prepare(x, dim, lambda t: ost)
     if g.rows == 0 or g.N == 0:
@@ -735,29 +787,259 @@ def _run(plan, device=None):
         launch()
 
 
+# --- plan cache -------------------------------------------------------------------------
+
+#: entries the plan cache holds; when full it is dropped wholesale (a rebuilt plan costs
+#: ~20 us of host time, and a working set of more signatures than this is rare)
+PLAN_CACHE_SIZE = 1024
+#: call signature -> :class:`_Entry`, or ``False`` for a plan that cannot be replayed (built
+#: on every call; such an entry does not keep its monoid, so a later monoid with the same id
+#: may find it: it then only goes uncached)
+_PLANS: dict = {}
+#: [hits, misses] of the calls that consulted the cache (racing threads may lose a count)
+_STATS = [0, 0]
+#: ``fresh``: the buffers that the plan being built on this thread allocated (:func:`_new`)
+_RECORDING = threading.local()
+#: os.environ's own mapping, read without ``os.environ.get``'s encoding and KeyError
+#: (as :mod:`flashfold.kernels.launcher` does): the switch is read on every call
+_ENV = os.environ._data
+_CACHE_VAR = os.environ.encodekey("FLASHFOLD_PLAN_CACHE")
+_INTERPRET_VAR = os.environ.encodekey("TRITON_INTERPRET")
+_OFF = os.environ.encodevalue("0")
+
+
+class _Unreplayable(Exception):
+    """A plan holds a tensor that a replay could not recreate."""
+
+
+def plan_cache_info() -> dict:
+    """Hits and misses of the plan cache since it was last cleared, and its entries."""
+    return {"hits": _STATS[0], "misses": _STATS[1], "size": len(_PLANS)}
+
+
+def plan_cache_clear():
+    """Drop every cached plan and zero the counters."""
+    _PLANS.clear()
+    _STATS[0] = _STATS[1] = 0
+
+
+def _sig(t: torch.Tensor) -> tuple:
+    """What a plan reads off an input tensor: shape, strides, dtype, device, and whether
+    its address is a multiple of 16 bytes (:func:`_align` reads no more of it; Triton
+    specializes pointers on the same)."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _items(params) -> tuple:
+    """Finalize parameters for a key. Plans hold them as floats (:func:`fin_args`): a
+    value that is not a plain number (a tensor could change in place) is put in a list,
+    which makes the key unhashable and the call uncached."""
+    if not params:
+        return ()
+    items = tuple(params.items())
+    return items if all(type(v) in (float, int, bool) for _, v in items) else [items]
+
+
+def _caching() -> bool:
+    """Whether plans are cached: ``FLASHFOLD_PLAN_CACHE`` is not ``0``, and every global
+    that the planners read (:data:`_WATCHED`: heuristics, switches, helpers, which tests
+    monkeypatch) still equals what it was at import (a function: is the same object)."""
+    return _ENV.get(_CACHE_VAR) != _OFF and _watched(_GLOBALS) == _PRISTINE
+
+
+def _planned(key, owner, inputs, build, *args):
+    """``build(*args)``, a ``(plan, outputs)`` pair, replayed from the plan cache when
+    ``key`` was planned before.
+
+    ``key`` names the operation, ``id(owner)`` (the monoid or row map: the entry keeps a
+    reference to it, so the id cannot be reused while the entry lives), the inputs by
+    :func:`_sig` and every other argument of ``build``; the ``TRITON_INTERPRET`` setting
+    is added (:func:`_opts` reads it). ``inputs``: the tensors of the call that the plan
+    reads (``x``, segment offsets), put into the replayed launches. A miss builds the
+    plan while recording the buffers it allocates, then stores what :meth:`_Entry.capture`
+    makes of it."""
+    if not _caching():
+        return build(*args)
+    key = (key, _ENV.get(_INTERPRET_VAR))
+    try:
+        entry = _PLANS.get(key)
+    except TypeError:                            # finalize parameters (see _items)
+        return build(*args)
+    if entry:
+        _STATS[0] += 1
+        return entry.replay(inputs)
+    _STATS[1] += 1
+    if entry is False:
+        return build(*args)
+    _RECORDING.fresh = fresh = []
+    try:
+        plan, outs = build(*args)
+    finally:
+        _RECORDING.fresh = None
+    entry = _Entry.capture(owner, inputs, fresh, plan, outs)
+    if len(_PLANS) >= PLAN_CACHE_SIZE:
+        _PLANS.clear()
+    _PLANS[key] = entry
+    return plan, outs
+
+
+class _Entry:
+    """A plan without its tensors. ``makes``: how to allocate each buffer the plan
+    allocated, in order (``(factory, None)``, zeroed where the plan zeroed it), or a view
+    into an earlier one (``((size, stride, offset), slot)``: the look-back's ticket).
+    ``launches``: each launch's kernel, grid, positionals with the tensors taken out
+    (``None``), the positions and slots to put tensors back (see :func:`_pattern`), and
+    keyword arguments (constexprs, shared between replays: nothing mutates them).
+    ``outs``: the outputs' pattern. Slots below ``len(inputs)`` are the call's inputs,
+    the rest ``makes``' buffers."""
+
+    __slots__ = ("owner", "makes", "launches", "outs")
+
+    @classmethod
+    def capture(cls, owner, inputs, fresh, plan, outs):
+        """The entry of a plan just built from ``inputs``, with ``fresh`` the buffers
+        (and whether zeroed) it allocated; ``False`` when the plan holds a tensor that is
+        none of those, a view into a buffer or a placeholder (:func:`_dummy_parts`): the
+        contiguous copy of an input with more than three unmergeable batch dims is one."""
+        n_in = len(inputs)
+        slots = {id(t): i for i, t in enumerate(inputs)}
+        makes = []
+        for t, zero in fresh:
+            slots[id(t)] = n_in + len(makes)
+            makes.append((partial(torch.zeros if zero else torch.empty, tuple(t.shape),
+                                  dtype=t.dtype, device=t.device), None))
+        constants = {id(t) for parts in _DUMMIES.values() for t in parts}
+
+        def slot(t):
+            i = slots.get(id(t))
+            if i is None:
+                base = slots.get(id(t._base)) if t._base is not None else None
+                if base is None or base < n_in:          # not a view into a fresh buffer
+                    raise _Unreplayable
+                i = slots[id(t)] = n_in + len(makes)
+                makes.append(((tuple(t.shape), t.stride(), t.storage_offset()), base))
+            return i
+
+        entry = cls()
+        entry.owner = owner
+        try:
+            launches = []
+            for launch in plan:
+                if _pattern(tuple(launch.kwargs.values()), slot, constants)[1] is not None:
+                    return False
+                args, subs = [], []
+                for i, a in enumerate(launch.args):
+                    template, how = _pattern(a, slot, constants)
+                    args.append(template)
+                    if how is not None:
+                        subs.append((i, how))
+                launches.append((launch.kernel, launch.grid, tuple(args), tuple(subs),
+                                 launch.kwargs))
+            entry.outs = _pattern(outs, slot, constants)
+        except _Unreplayable:
+            return False
+        entry.launches = tuple(launches)
+        entry.makes = tuple(makes)
+        return entry
+
+    def replay(self, inputs):
+        """``(plan, outputs)`` for ``inputs``: new buffers, and the recorded launches with
+        them and ``inputs`` in their places."""
+        new = list(inputs)
+        for make, base in self.makes:
+            new.append(make() if base is None else new[base].as_strided(*make))
+        plan = []
+        for kernel, grid, args, subs, kwargs in self.launches:
+            args = list(args)
+            for i, how in subs:
+                args[i] = _fill(args[i], how, new)
+            plan.append(Launch(kernel, grid, tuple(args), kwargs))
+        return plan, _fill(*self.outs, new)
+
+
+def _pattern(value, slot, constants):
+    """``(template, how)`` of a launch argument. A tensor: ``(None, its slot)``, or
+    itself and ``None`` for a placeholder (ids in ``constants``); a tuple holding tensors:
+    the tuples of its items' templates and hows; any other value: itself and ``None``.
+    Lists, dicts and sets (which could hide tensors) make the plan unreplayable."""
+    if isinstance(value, torch.Tensor):
+        return (value, None) if id(value) in constants else (None, slot(value))
+    if type(value) is tuple:
+        parts = [_pattern(v, slot, constants) for v in value]
+        if all(how is None for _, how in parts):
+            return value, None
+        return tuple(t for t, _ in parts), tuple(h for _, h in parts)
+    if isinstance(value, (list, dict, set)):
+        raise _Unreplayable
+    return value, None
+
+
+def _fill(template, how, new):
+    """The value of a :func:`_pattern` with the tensors of its slots taken from ``new``."""
+    if how is None:
+        return template
+    if type(how) is int:
+        return new[how]
+    return tuple([t if h is None else new[h] if type(h) is int else _fill(t, h, new)
+                  for t, h in zip(template, how)])
+
+
+def _read_by(functions) -> tuple:
+    """Names of this module's globals that ``functions`` read, directly or through the
+    functions of this module that they read (nested code objects included)."""
+    g = globals()
+    names, todo = {}, [f.__code__ for f in functions]
+    while todo:
+        code = todo.pop()
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        for n in code.co_names:
+            if n in g and n not in names:
+                names[n] = None
+                f = getattr(g[n], "__wrapped__", g[n])           # lru_cache'd helpers
+                if isinstance(f, types.FunctionType) and f.__module__ == __name__:
+                    todo.append(f.__code__)
+    return tuple(names)
+
+
+# --- launches ---------------------------------------------------------------------------
+
 def launch_reduce(monoid, x, dim, params=None):
     """Outputs of ``monoid`` reduced over ``dim`` of ``x`` (a tuple, batch shape)."""
-    plan, outs = plan_reduce(monoid, x, dim, params)
+    plan, outs = _planned(("reduce", id(monoid), _sig(x), dim, _items(params)), monoid,
+                          (x,), plan_reduce, monoid, x, dim, params)
     _run(plan, x.device)
     return outs
 
 
 def launch_segment_reduce(monoid, x, offsets, dim, params=None):
     """Outputs per segment (a tuple; ``dim`` replaced by the segments)."""
-    plan, outs = plan_segment_reduce(monoid, x, offsets, dim, params)
+    plan, outs = _planned(("segment", id(monoid), _sig(x), _sig(offsets), dim, _items(params)),
+                          monoid, (x, offsets), plan_segment_reduce, monoid, x, offsets, dim,
+                          params)
     _run(plan, x.device)
     return outs
 
 
 def launch_scan(monoid, x, dim, reverse=False, params=None, out_dtype=None):
     """Finalized inclusive scan outputs (a tuple, shaped like ``x``)."""
-    plan, outs = plan_scan(monoid, x, dim, reverse, params, out_dtype)
+    plan, outs = _planned(("scan", id(monoid), _sig(x), dim, reverse, _items(params), out_dtype),
+                          monoid, (x,), plan_scan, monoid, x, dim, reverse, params, out_dtype)
     _run(plan, x.device)
     return outs
 
 
 def launch_normalize(rowmap, x, dim, out_dtype=None):
     """``map(x, *prep(state(row)))`` along ``dim``."""
-    plan, y = plan_normalize(rowmap, x, dim, out_dtype)
+    plan, y = _planned(("normalize", id(rowmap), _sig(x), dim, out_dtype), rowmap, (x,),
+                       plan_normalize, rowmap, x, dim, out_dtype)
     _run(plan, x.device)
     return y
+
+
+_PLANNERS = (plan_reduce, plan_segment_reduce, plan_scan, plan_normalize)
+#: the globals the planners read, and the planners themselves: plans are cached only
+#: while every one of them equals what it was at import (:func:`_caching`)
+_WATCHED = _read_by(_PLANNERS) + tuple(f.__name__ for f in _PLANNERS)
+_GLOBALS = globals()
+_watched = itemgetter(*_WATCHED)
+_PRISTINE = _watched(_GLOBALS)
