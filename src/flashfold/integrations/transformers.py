@@ -354,6 +354,7 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
     (B, S, Hq, Dv) contiguous, None)``.
     """
     import flashfold
+    from ..api import decode as api_decode   # looked up at each call: wrappers set there apply
 
     where = type(module).__name__
     if dropout:
@@ -417,7 +418,7 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
         # a KV-cache step, unpadded or left-padded: split-KV decoding over the whole cache,
         # each row from its first real key (query rows before it see no key: 0)
         lens = torch.full((B,), L, dtype=torch.int32, device=query.device)
-        o = _call(flashfold.decode, where, query, key, value, lens, cache_start=mask.kv_start,
+        o = _call(api_decode.decode, where, query, key, value, lens, cache_start=mask.kv_start,
                   check_lengths=False, max_seqlen=L, **kw)
         return o.transpose(1, 2).contiguous(), None
     if not mask.varlen:
