@@ -538,25 +538,40 @@ def run_tune_invariant():
         torch.cuda.empty_cache()
 
 
+#: split-kernel tiles tried by --tune-splits: (BLOCK_N, warps, stages)
+TUNE_CONFIGS = [(64, 4, 3), (64, 4, 4), (64, 4, 5), (64, 8, 3), (128, 4, 2), (128, 4, 3),
+                (128, 8, 2), (128, 8, 3), (32, 4, 4), (32, 2, 4)]
+
+
 def run_tune_splits():
-    """The default mode's split count at the target rows (contiguous cache): GB/s from CUDA
-    graphs and with a clean L2, against cuDNN measured the same way."""
+    """The default mode's split count, then the split kernel's tiles (at the default split
+    count), at the target rows (contiguous cache): GB/s from CUDA graphs and with a clean
+    L2, against cuDNN measured the same way."""
     print("== tune-splits: GB/s at the target rows, graph / clean L2")
     for batch, length in TARGETS:
         c = Cache(batch, length)
         nbytes = c.kv_bytes()
         chosen = splitkv.prepare(c.q, c.k, c.v, c.lens, None, scale=D ** -0.5).plan.n_splits
-        row = []
-        for n in (2, 3, 4, 5, 6, 8, 12, 16):
-            fn = lambda n=n: splitkv.splitkv_decode(c.q, c.k, c.v, c.lens, None,  # noqa: E731
-                                                    scale=D ** -0.5, num_splits=n)
-            row.append(f"{n}:{nbytes / timed(fn, True) / 1e6:.0f}/"
-                       f"{nbytes / timed(fn, True, clean=True) / 1e6:.0f}")
+
+        def gbps(**kw):
+            fn = lambda: splitkv.splitkv_decode(c.q, c.k, c.v, c.lens, None,  # noqa: E731
+                                                scale=D ** -0.5, **kw)
+            return (f"{nbytes / timed(fn, True) / 1e6:.0f}/"
+                    f"{nbytes / timed(fn, True, clean=True) / 1e6:.0f}")
+        row = [f"{n}:{gbps(num_splits=n)}" for n in (2, 3, 4, 5, 6, 8, 12, 16)]
+        tiles = []
+        for bn, w, st in TUNE_CONFIGS:
+            cfg = splitkv.DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
+            try:
+                tiles.append(f"{bn}/{w}w/{st}s:{gbps(config=cfg)}")
+            except Exception as e:                                 # noqa: BLE001
+                tiles.append(f"{bn}/{w}w/{st}s:failed ({type(e).__name__})")
         from torch.nn.attention import SDPBackend
         ref = sdpa(SDPBackend.CUDNN_ATTENTION, c.q, c.k, c.v)
         print(f"  batch {batch} len {length} (default {chosen} splits): " + " ".join(row)
               + f" | cuDNN {nbytes / timed(ref, True) / 1e6:.0f}/"
                 f"{nbytes / timed(ref, True, clean=True) / 1e6:.0f}")
+        print("    tiles (BLOCK_N/warps/stages): " + " ".join(tiles))
         del c
         torch.cuda.empty_cache()
 
@@ -567,7 +582,7 @@ def main():
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-splits", action="store_true",
-                    help="the default split count at the target rows, against cuDNN")
+                    help="split counts and split-kernel tiles at the target rows, against cuDNN")
     ap.add_argument("--tune-invariant", action="store_true",
                     help="where batch_invariant's cost goes, on the rows where it is largest")
     ap.add_argument("--no-graphs", action="store_true", help="time eagerly only (no CUDA graphs)")
