@@ -800,12 +800,6 @@ _PLANS: dict = {}
 _STATS = [0, 0]
 #: ``fresh``: the buffers that the plan being built on this thread allocated (:func:`_new`)
 _RECORDING = threading.local()
-#: os.environ's own mapping, read without ``os.environ.get``'s encoding and KeyError
-#: (as :mod:`flashfold.kernels.launcher` does): the switch is read on every call
-_ENV = os.environ._data
-_CACHE_VAR = os.environ.encodekey("FLASHFOLD_PLAN_CACHE")
-_INTERPRET_VAR = os.environ.encodekey("TRITON_INTERPRET")
-_OFF = os.environ.encodevalue("0")
 
 
 class _Unreplayable(Exception):
@@ -844,7 +838,7 @@ def _caching() -> bool:
     """Whether plans are cached: ``FLASHFOLD_PLAN_CACHE`` is not ``0``, and every global
     that the planners read (:data:`_WATCHED`: heuristics, switches, helpers, which tests
     monkeypatch) still equals what it was at import (a function: is the same object)."""
-    return _ENV.get(_CACHE_VAR) != _OFF and _watched(_GLOBALS) == _PRISTINE
+    return launcher.env("FLASHFOLD_PLAN_CACHE") != "0" and _watched(_GLOBALS) == _PRISTINE
 
 
 def _planned(key, owner, inputs, build, *args):
@@ -860,7 +854,7 @@ def _planned(key, owner, inputs, build, *args):
     makes of it."""
     if not _caching():
         return build(*args)
-    key = (key, _ENV.get(_INTERPRET_VAR))
+    key = (key, launcher.env("TRITON_INTERPRET"))
     try:
         entry = _PLANS.get(key)
     except TypeError:                            # finalize parameters (see _items)
