@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flashfold as ff
+from flashfold.bench import graph_replay
 from flashfold.kernels.decode import splitkv
 from flashfold.kernels.decode.reference import decode_reference
 from flashfold.testing import assert_close
@@ -93,21 +94,22 @@ def test_default_mode_depends_on_the_batch():
           [torch.equal(o, bf[0][0]) for o, _ in bf[1:]], "splits", [s for _, s in bf])
 
 
+def _captured(fn):
+    """``fn`` captured in a CUDA graph (one warm-up call on a side stream first):
+    ``(replay, the output of the captured call)``."""
+    box = []
+    replay = graph_replay(lambda: box.append(fn()), warmup=1)
+    return replay, box[-1]
+
+
 def test_cuda_graph_capture():
     case = make_case([8192, 4000], heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=8192,
                      page_size=16, dtype=torch.bfloat16, device="cuda")
     fn = lambda: ff.decode(case.q, case.k_pages, case.v_pages, case.seqlens,  # noqa: E731
                            block_table=case.block_table)
     eager = fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
+    replay, out = _captured(fn)
+    replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
 
@@ -246,18 +248,11 @@ def test_cache_start_cuda_graph_capture():
     fn = lambda: ff.decode(case.q, case.k_pages, case.v_pages, case.seqlens,  # noqa: E731
                            block_table=case.block_table, cache_start=start)
     eager = fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
+    replay, out = _captured(fn)
+    replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     start.copy_(torch.tensor([5000, 0], dtype=torch.int32))
-    graph.replay()
+    replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fn())
