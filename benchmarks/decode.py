@@ -173,9 +173,10 @@ def check_case(chk: Checker, name, c: Cache, **mods):
 
 
 def check_invariance(chk: Checker, pages=(16,), target_len=7000, cap=8192):
-    """One sequence alone and inside batches of 8 and 64: bitwise equal in invariant mode."""
+    """One sequence alone and inside batches of 8, 64 and 256: bitwise equal in invariant
+    mode (batch 256: one program per sequence, folding its splits in registers)."""
     g = torch.Generator().manual_seed(1)
-    comps = [(1, 0, cap), (8, 3, cap), (64, 40, 3 * cap // 2)]
+    comps = [(1, 0, cap), (8, 3, cap), (64, 40, 3 * cap // 2), (256, 100, cap)]
     tq = torch.randn(1, HQ, 1, D, device=DEV, dtype=DT)
     tk = torch.randn(1, HKV, target_len, D, device=DEV, dtype=DT)
     tv = torch.randn(1, HKV, target_len, D, device=DEV, dtype=DT)
@@ -203,7 +204,7 @@ def check_invariance(chk: Checker, pages=(16,), target_len=7000, cap=8192):
         layout = "contiguous" if page is None else f"paged{page}"
         splits = ", ".join(f"batch {r[2]}: {r[3]} splits" for r in rs)
         if inv:
-            chk.ok(same, f"batch_invariant=True  {layout:10s} bitwise equal across batches 1/8/64 ({splits})")
+            chk.ok(same, f"batch_invariant=True  {layout:10s} bitwise equal across batches 1/8/64/256 ({splits})")
         else:
             maxdiff = max((r[0].float() - rs[0][0].float()).abs().max().item() for r in rs[1:])
             print(f"  [info] default mode        {layout:10s} bitwise equal across batches: {same} "

@@ -21,15 +21,15 @@ SCRIPT = textwrap.dedent(r'''
     from flashfold.kernels.aot import compile_launch
 
     def variant(name, dtype=torch.bfloat16, hq=32, hkv=8, q_len=1, d=128, page=None,
-                splits=4, **kw):
-        q = torch.zeros(2, hq, q_len, d, dtype=dtype)
+                splits=4, batch=2, **kw):
+        q = torch.zeros(batch, hq, q_len, d, dtype=dtype)
         if page is None:
-            k = torch.zeros(2, hkv, 1024, d, dtype=dtype)
+            k = torch.zeros(batch, hkv, 1024, d, dtype=dtype)
             table = None
         else:
-            k = torch.zeros(2 * 1024 // page, page, hkv, d, dtype=dtype)
-            table = torch.zeros(2, 1024 // page, dtype=torch.int32)
-        lens = torch.full((2,), 1000, dtype=torch.int32)
+            k = torch.zeros(batch * 1024 // page, page, hkv, d, dtype=dtype)
+            table = torch.zeros(batch, 1024 // page, dtype=torch.int32)
+        lens = torch.full((batch,), 1000, dtype=torch.int32)
         if not kw.get("batch_invariant"):
             kw["num_splits"] = splits
         kw.setdefault("pdl", True)            # the defaults on sm_90 (off on the CPU)
@@ -55,7 +55,12 @@ SCRIPT = textwrap.dedent(r'''
                              cp_async="cp.async" in info.ptx,
                              pdl="griddepcontrol" in info.ptx,
                              tma="cp.async.bulk.tensor" in info.ptx,
-                             evict_first="L2::evict_first" in info.ptx)
+                             evict_first="L2::evict_first" in info.ptx,
+                             # fusable arithmetic: mul/add/sub without a rounding mode
+                             # (ptxas may fuse them) or LLVM's contracted fma.rn.f32 (the
+                             # math library's own fma.rn.ftz are written out, not fused)
+                             contracts=bool(re.search(r"\b(?:mul|add|sub)\.f32\b|\bfma\.rn\.f32\b",
+                                                      info.ptx)))
         return name, out
 
     cases = [
@@ -65,6 +70,8 @@ SCRIPT = textwrap.dedent(r'''
         variant("paged16_q4_window_softcap", page=16, q_len=4, window=(100, None), softcap=30.0),
         variant("single_split", splits=1),
         variant("invariant", batch_invariant=True),
+        # a batch large enough for one program per sequence: it folds its splits (FOLD)
+        variant("invariant_fold", batch_invariant=True, batch=256),
         variant("rowblocks_q16_group8", hq=64, hkv=8, q_len=16, page=16),
         variant("fp16_d64_mqa", dtype=torch.float16, hkv=1, d=64),
         variant("fp32", dtype=torch.float32),
@@ -101,7 +108,7 @@ SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on Hopper
 
 
 def test_every_variant_compiles_without_spills(compiled):
-    assert len(compiled) == 18
+    assert len(compiled) == 19
     for name, kernels in compiled.items():
         for kind, info in kernels.items():
             assert info["spill"] == 0, (name, kind, info)
@@ -126,8 +133,18 @@ def test_split_kernel_pipelines_kv(compiled):
             assert split["tma"] or split["in_flight"] >= 2, (name, split)
 
 
+def test_invariant_kernels_round_every_operation_as_written(compiled):
+    """Batch-invariant kernels compile without FP contraction (every mul/add/sub in their
+    PTX is ``.rn``, no contracted ``fma.rn.f32``; ptxas gets ``--fmad=false``): the merge
+    kernel and a FOLD program must round their combines alike, whichever products each
+    compiler context would have fused. The default mode keeps contraction."""
+    for name, kernels in compiled.items():
+        for kind, info in kernels.items():
+            assert info["contracts"] == (not name.startswith("invariant")), (name, kind)
+
+
 def test_merge_pass_only_with_several_splits(compiled):
-    assert "merge" not in compiled["single_split"]
+    assert "merge" not in compiled["single_split"] and "merge" not in compiled["invariant_fold"]
     assert "merge" in compiled["contiguous"] and "merge" in compiled["invariant"]
 
 

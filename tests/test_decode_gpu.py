@@ -3,6 +3,7 @@ against float64, paged = contiguous, batch invariance bit for bit, the default m
 dependence, CUDA-graph capture. Runs on the device machine (marked ``gpu``)."""
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -50,13 +51,17 @@ def test_paged_equals_contiguous():
 
 
 def _target_in_batches(dtype, batch_invariant, page=None):
-    """The same 7000-token sequence alone and in batches of 8 and 64 (other lengths,
-    positions, capacities); returns [(output row, chosen split count)]."""
+    """The same 7000-token sequence alone and in batches of 8, 64 and 16 (other lengths,
+    positions, capacities); returns [(output row, chosen split count)]. The batch of 16 is
+    planned with one program per sequence (as for large batches; forced here to keep the
+    test small): in batch-invariant mode each program folds its splits in registers (no
+    partials, no merge), where the others write partials that the merge kernel folds."""
     target = make_case([7000], heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=7000,
                        dtype=dtype, device="cuda", seed=1)
     g = torch.Generator().manual_seed(2)
     outs = []
-    for batch, pos, cap in [(1, 0, 8192), (8, 3, 8192), (64, 40, 12288)]:
+    for batch, pos, cap in [(1, 0, 8192), (8, 3, 8192), (64, 40, 12288), (16, 5, 8192)]:
+        one = (lambda *a, **k: 1) if batch == 16 else splitkv.choose_num_splits
         lens = torch.randint(0, cap + 1, (batch,), generator=g).tolist()
         lens[pos] = 7000
         case = make_case(lens, heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=cap,
@@ -67,10 +72,12 @@ def _target_in_batches(dtype, batch_invariant, page=None):
         if page is not None:
             paged = repage(case, page)
             k, v, table = paged.k_pages, paged.v_pages, paged.block_table
-        o = ff.decode(case.q, k, v, case.seqlens, block_table=table,
-                      batch_invariant=batch_invariant)
-        plan = splitkv.plan(case.q.shape, HKV, cap, cap, None, case.q.device,
-                            splitkv.default_config(D, dtype, page), batch_invariant=batch_invariant)
+        with mock.patch.object(splitkv, "choose_num_splits", one):
+            o = ff.decode(case.q, k, v, case.seqlens, block_table=table,
+                          batch_invariant=batch_invariant)
+            plan = splitkv.plan(case.q.shape, HKV, cap, cap, None, case.q.device,
+                                splitkv.default_config(D, dtype, page),
+                                batch_invariant=batch_invariant)
         outs.append((o[pos].clone(), plan.n_splits))
     return outs
 
@@ -78,6 +85,8 @@ def _target_in_batches(dtype, batch_invariant, page=None):
 @pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
 def test_batch_invariant_bitwise_on_gpu(page):
     outs = _target_in_batches(torch.bfloat16, True, page)
+    programs = [n for _, n in outs]
+    assert programs[-1] == 1 and min(programs[:-1]) > 1, programs   # FOLD and merged paths
     for o, _ in outs[1:]:
         assert torch.equal(o, outs[0][0])
 
@@ -138,9 +147,11 @@ def test_programmatic_launch_changes_nothing():
 
 @pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
 def test_one_split_and_merged_paths_agree_bitwise(page):
-    """batch_invariant: a capacity within one split skips the merge; the same sequence in a
-    larger cache goes through the merge kernel; the bits must be the same (the merge of one
-    partial is exact: e^0 = 1, e^-inf = 0)."""
+    """batch_invariant: planned with one program per sequence (as for a large batch; forced
+    here), the split kernel folds the sequence's splits itself and skips the merge; the
+    same sequence in a larger cache, with several programs, goes through the merge
+    kernel; the bits must be the same (the same combines in the same order, no FP
+    contraction in either kernel)."""
     small = make_case([300], heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=512,
                       page_size=page or 16, dtype=torch.bfloat16, device="cuda", seed=3)
     big = make_case([300], heads_q=HQ, heads_kv=HKV, head_dim=D, capacity=8192,
@@ -150,8 +161,10 @@ def test_one_split_and_merged_paths_agree_bitwise(page):
     outs = []
     for c, merged in ((small, False), (big, True)):
         k, v, table = c.cache(page is not None)
-        launch = splitkv.prepare(c.q, k, v, c.seqlens, table, scale=D ** -0.5,
-                                 batch_invariant=True)
+        one = splitkv.choose_num_splits if merged else (lambda *a, **kw: 1)
+        with mock.patch.object(splitkv, "choose_num_splits", one):
+            launch = splitkv.prepare(c.q, k, v, c.seqlens, table, scale=D ** -0.5,
+                                     batch_invariant=True)
         assert (launch.merge is not None) == merged
         outs.append(launch.run())
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -319,23 +319,30 @@ def test_batch_invariant_bitwise(paged, monkeypatch):
     assert launch.plan.n_splits < launch.plan.ws_splits
     assert torch.equal(o[0], outs[0][0]) and torch.equal(lse[0], outs[0][1])
     # however the occupancy heuristic cuts the splits into per-program runs (it sees the
-    # batch), every split is folded alike: runs of 4, 2 or 1 split (the plan evens the
-    # runs out: a target of 3 programs over 4 splits becomes 4 programs of 1)
-    for programs, grid in ((1, 1), (2, 2), (3, 4), (4, 4)):
+    # batch), every split is folded alike. The 200 keys take splits of 32 (64 halved: 200
+    # keys < 4 x 64), 7 of them: one program folding all 7 in registers (no partials, no
+    # merge), or runs of 3, 2 or 1 split (the plan evens the runs out: a target of 2
+    # programs over 7 splits becomes 3 programs of runs 3, 3, 1)
+    assert splitkv.invariant_size(200, split, 16) == 32
+    for programs, grid in ((1, 1), (2, 3), (3, 4), (4, 7)):
         monkeypatch.setattr(splitkv, "choose_num_splits", lambda *a, n=programs, **k: n)
         o, lse, launch = run(target, paged, batch_invariant=True, invariant_split=split)
-        assert launch.plan.n_splits == grid
+        assert launch.plan.n_splits == grid and (launch.merge is None) == (grid == 1)
         assert torch.equal(o[0], outs[0][0]) and torch.equal(lse[0], outs[0][1])
     # one split covering the whole capacity (no merge pass) == the merged path, bit for bit
+    # (splits of 16 = 64 halved twice: 50 keys < 4 x 32; halving stops at 64 / 4)
+    monkeypatch.setattr(splitkv, "choose_num_splits", lambda *a, **k: 1)
     short = make_case([50], heads_q=4, heads_kv=2, q_len=2, head_dim=32, capacity=50,
                       dtype=torch.float32, device=DEVICE, seed=2)
     o1, l1, la = run(short, False, batch_invariant=True, invariant_split=split)
-    assert la.merge is None
+    assert la.merge is None and la.plan.n_splits == 1
+    assert splitkv.invariant_size(50, split, 16) == 16 == splitkv.invariant_size(10, split, 16)
+    monkeypatch.setattr(splitkv, "choose_num_splits", lambda *a, **k: 4)
     wide = make_case([50], heads_q=4, heads_kv=2, q_len=2, head_dim=32, capacity=300,
                      dtype=torch.float32, device=DEVICE, seed=2)
     wide.q[:], wide.k[:, :, :50], wide.v[:, :, :50] = short.q, short.k, short.v
     o2, l2, lb = run(wide, False, batch_invariant=True, invariant_split=split)
-    assert lb.merge is not None
+    assert lb.merge is not None and lb.plan.n_splits > 1
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     check(short, o1, l1, torch.float32)
 
@@ -398,13 +405,18 @@ def test_plan_invariant_split_ignores_the_batch(monkeypatch):
     # a length bound below the capacity shrinks the grid, never the workspace
     p = splitkv.plan((2, 32, 1, 128), 8, 8192, 1000, None, torch.device("cpu"), cfg,
                      batch_invariant=True)
-    assert p.n_splits == 2 and p.ws_splits == 16 and not p.write_final
-    # a long sequence: splits of 2048 (64 of them); the occupancy heuristic's 30 programs
-    # would take runs of 3 splits on 22 programs, so the grid is 32 programs of 2
-    monkeypatch.setattr(splitkv, "choose_num_splits", lambda *a, **k: 30)
+    # (1000 keys take splits of 128: 512 halved twice, 1000 < 4 x 256)
+    assert splitkv.invariant_size(1000, 512, cfg.block_n) == 128
+    assert 1 < p.n_splits <= 8 and p.ws_splits == 16 and not p.write_final
+    # the workspace covers the short sequences' extra splits: 1000 keys in splits of 128
+    assert splitkv.invariant_slots(1000, 512) == 8 and splitkv.invariant_slots(128, 512) == 1
+    # a long sequence: splits of 4096 (32 of them); the occupancy heuristic's 12 programs
+    # would take runs of 3 splits on 10 programs and 2 on the 11th, so the grid is 16
+    # programs of 2
+    monkeypatch.setattr(splitkv, "choose_num_splits", lambda *a, **k: 12)
     p = splitkv.plan((1, 32, 1, 128), 8, 131072, 131072, None, torch.device("cpu"), cfg,
                      batch_invariant=True)
-    assert splitkv.invariant_size(131072) == 2048 and p.n_splits == 32
+    assert splitkv.invariant_size(131072) == 4096 and p.n_splits == 16
     monkeypatch.undo()
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
         splitkv.plan((2, 32, 1, 128), 8, 8192, 1000, None, torch.device("cpu"), cfg,
@@ -460,9 +472,10 @@ def test_tma_eligibility():
     assert not splitkv._tma_eligible(pages[:, :16], pages[:, :16], 16, 64)   # 4 pages per tile
 
 
-def test_invariant_split_doubles_for_long_sequences_only():
+def test_invariant_split_doubles_for_long_sequences_halves_for_short():
     """In batch-invariant mode a sequence's split size is INVARIANT_SPLIT doubled until its
-    keys fit in INVARIANT_MAX_SPLITS splits: a function of its own length. A long
+    keys fit in INVARIANT_MAX_SPLITS splits, or halved (at most twice, staying a multiple of
+    BLOCK_N) until they span INVARIANT_MIN_SPLITS: a function of its own length. A long
     sequence decodes with fewer, longer splits, bitwise alike alone and beside a short
     one (which keeps the base size), and both match the reference."""
     import triton
@@ -476,10 +489,14 @@ def test_invariant_split_doubles_for_long_sequences_only():
         tl.store(out + 1, n_used)
 
     cap = splitkv.INVARIANT_MAX_SPLITS.value
-    for length, size in ((16 * cap, 16), (16 * cap + 1, 32), (2000, 32), (300, 16)):
+    cases = [(16, 16 * cap, 16), (16, 16 * cap + 1, 32), (16, 2000, 64), (16, 300, 16),
+             (16, 40, 16),                              # 8 is not a multiple of BLOCK_N
+             (64, 256, 64), (64, 255, 32), (64, 200, 32), (64, 127, 16), (64, 0, 16)]
+    for split, length, size in cases:
         out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-        plan_kernel[(1,)](out, length, 16, BLOCK_N=16)
-        assert out.tolist() == [size, -(-length // size)], (length, out.tolist())
+        plan_kernel[(1,)](out, length, split, BLOCK_N=16)
+        assert out.tolist() == [size, -(-length // size)], (split, length, out.tolist())
+        assert splitkv.invariant_size(length, split, 16) == size
 
     kw = dict(heads_q=2, heads_kv=1, q_len=1, head_dim=32, dtype=torch.float32, device=DEVICE)
     long = make_case([2000], capacity=2000, seed=21, **kw)

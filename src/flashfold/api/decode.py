@@ -242,7 +242,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch_invariant: split the keys at fixed multiples of a split size that depends
             on the sequence alone (:data:`~flashfold.kernels.decode.splitkv.INVARIANT_SPLIT`
             tokens, doubled for long sequences up to at most ``INVARIANT_MAX_SPLITS``
-            splits) and merge in a fixed order, so a sequence's output is bitwise the same whatever else is in
+            splits, halved for short ones) and fold the splits left to right, in the
+            merge kernel or, with one program per sequence (large batches), in that
+            program's registers; these kernels compile without FP contraction so both
+            round alike. A sequence's output is then bitwise the same whatever else is in
             the batch (a sequence being its query, its keys at their cache positions and
             its ``cache_start``: the splits sit at absolute positions, so moving the same
             tokens to other positions, e.g. another amount of left padding, may round

@@ -39,9 +39,13 @@ by its own program, and the states are folded:
    merge is ``finalize(fold(combine, map(lift, partials)))``, computed with the
    ``block_lift``, ``combine`` and ``finalize`` generated from
    :data:`flashfold.monoids.ATTENTION` by :func:`flashfold.kernels.codegen.triton_monoid`.
-   The bracketing is fixed: the splits ``[64 k, 64 k + 64)`` of a row form one tile whose
-   state the block lift computes at once (max, then sums in an order fixed by the
-   constant tile width), and the tile states are combined left to right. Missing splits
+   The bracketing is fixed. Default mode: the splits ``[16 k, 16 k + 16)`` of a row form
+   one tile whose state the block lift computes at once (max, then sums in an order fixed
+   by the constant tile width), and the tile states are combined left to right.
+   Batch-invariant mode: the partials are the splits' raw states ``(m, d, o)`` (``m`` in
+   base 2, ``o`` unnormalized), folded one at a time, left to right, by the combine
+   (:func:`_fold`), which is what lets one program fold all of a sequence's splits itself
+   (below). Missing splits
    (past a sequence's last) load as the identity and contribute exact zeros, so the
    result depends only on the sequence's own splits; a single split merges to itself bit
    for bit (``e^0 = 1``, ``e^-inf = 0``), the same bits the one-split kernel writes.
@@ -59,8 +63,9 @@ the sequence's first key (``cache_start``, clamped to ``[0, n_b]``; 0 without it
   depends on ``S``, i.e. on the batch: the default mode's rounding is batch-dependent.
 * ``batch_invariant``: split ``s`` of a sequence covers keys
   ``[c (floor(lo / c) + s), c (floor(lo / c) + s + 1))`` with ``c = INVARIANT_SPLIT``,
-  doubled until the sequence's ``n_b - lo`` keys fit in ``INVARIANT_MAX_SPLITS`` splits
-  (so ``c`` is a function of the sequence alone). The grid's split programs are still chosen by occupancy (the
+  doubled until the sequence's ``n_b - lo`` keys fit in ``INVARIANT_MAX_SPLITS`` splits,
+  or halved (at most twice) until they span ``INVARIANT_MIN_SPLITS`` (so ``c`` is a
+  function of the sequence alone). The grid's split programs are still chosen by occupancy (the
   same heuristic), but each program folds a run of *whole* fixed splits and flushes every
   split as it ends: the split's partial is written and the state reset to the identity,
   so each split is folded from the identity over its own tiles whichever program, run or
@@ -70,6 +75,13 @@ the sequence's first key (``cache_start``, clamped to ``[0, n_b]``; 0 without it
   is bitwise the same in any batch, at the cost of a few more partials to write and merge
   (not of more, shorter programs). Split 0 may begin several tiles before ``lo``: those
   tiles hold no visible key and are skipped (they would fold to the identity exactly).
+  When the grid has one program per sequence (large batches) that program does not write
+  partials at all (``FOLD``): at each split's end it folds the split's finalized partial
+  into a run state with the merge kernel's own step, :func:`_fold`, on the same fp32
+  values in the same order (the raw state: no finalize, no division on the way), so the output has the merged bits without the partials'
+  traffic or the merge launch. This is the specification's point in one place: with the
+  bracketing fixed, where each combine runs (registers of one program, or a second
+  kernel) is free.
 
 A first key ``a_b`` (``cache_start``, e.g. left padding) is one more left bound, like the
 window's: it moves ``lo`` (so every split, in both modes, is planned from the sequence's
@@ -79,7 +91,7 @@ cache that hold no key of ``[a_b, n_b)`` looked up in the block table. The causa
 stays bottom-right against ``n_b``.
 
 Workspace: partials ``o`` fp32 ``(batch, heads_q, q_len, ws, head_dim)`` and ``lse``
-``(batch, heads_q, q_len, ws)``, contiguous, ``ws`` splits reserved per row; only the
+``(batch, heads_q, q_len, ws)`` (batch-invariant: ``o``, ``m`` and ``d``), contiguous, ``ws`` splits reserved per row; only the
 splits a sequence uses are written and read (no padding traffic). The merge is this
 module's own kernel rather than :func:`flashfold.merge_states` because decode needs a
 per-sequence number of splits read from the device (``merge_states`` folds a fixed
@@ -126,9 +138,16 @@ LOG2E = 1.0 / math.log(2.0)
 #: for a sequence until its keys fit in INVARIANT_MAX_SPLITS splits (a function of the
 #: sequence alone). H200, 1 x 131K (`decode.py --tune-invariant`): 256 splits of 512 ran at
 #: 3,310-3,411 GB/s against 3,454-3,484 for 64 of 2048 (default mode: 3,789); the merge
-#: of 256 partials per row took 22 us, of 64 10 us
+#: of 256 partials per row took 22 us, of 64 10 us. 32 since the merge folds one partial
+#: at a time (run 10: 64 partials per row cost 8 x 32K 10.9% against the default mode)
 INVARIANT_SPLIT = 512
-INVARIANT_MAX_SPLITS = tl.constexpr(64)
+INVARIANT_MAX_SPLITS = tl.constexpr(32)
+#: ... and halved for a short sequence (at most twice, staying a multiple of BLOCK_N) until
+#: its keys span INVARIANT_MIN_SPLITS splits: a batch of one 512-key sequence otherwise
+#: ran 8 programs of 512 keys where the default mode ran 16 of 256 (12% slower, H200 run
+#: 8); a large batch pays nothing for the extra splits, which one program folds in
+#: registers (see ``FOLD``)
+INVARIANT_MIN_SPLITS = tl.constexpr(4)
 #: partial states per merge tile (fixed: the merge's bracketing must not depend on the
 #: batch), with the next tile's loads in flight during a combine, and the merge's warps.
 #: One program merges one query row, so programs are many and short: at 256 x 4K (8192
@@ -158,16 +177,40 @@ def _tanh(x):
 
 
 @triton.jit
+def _fold(m, d, o, m2_s, d_s, o_s, COMBINE: tl.constexpr):
+    """``(m, d, o) (+) (m2_s ln 2, d_s, o_s)``: a fixed split's raw state (base-2 max, sum,
+    unnormalized output) folded into a run state in natural-log units. The merge kernel
+    (batch-invariant mode) and a FOLD program call this same function on the same fp32
+    values in the same order, so both give the same bits."""
+    return COMBINE(m, d, o, m2_s * 0.6931471805599453, d_s, o_s)
+
+
+@triton.jit
+def _raw_partial(LSEP, DP, OP, ws, ok, offs_d, d_ok, HEAD_DIM: tl.constexpr):
+    """A fixed split's raw state from the workspace slot ``ws``: ``(m2 [1], d [1], o [BD])``;
+    the identity ``(-inf, 0, 0)`` where ``ok`` is false."""
+    w = ws + tl.zeros([1], tl.int64)
+    m2 = tl.load(LSEP + w, mask=ok, other=float("-inf"))
+    d = tl.load(DP + w, mask=ok, other=0.0)
+    o = tl.load(OP + ws * HEAD_DIM + offs_d, mask=d_ok & ok, other=0.0)
+    return m2, d, o
+
+
+@triton.jit
 def _split_plan(seqlen, kstart, win_left, n_splits, split_size, Q_LEN: tl.constexpr,
                 BLOCK_N: tl.constexpr, FIXED_SPLIT: tl.constexpr):
     """(first key of split 0, keys per split, number of non-empty splits, first tile with a
     visible key) of one sequence, from its length and first key ``kstart`` only."""
     lo = tl.maximum(seqlen - Q_LEN - win_left, kstart)                  # kstart >= 0
     first_tile = (lo // BLOCK_N) * BLOCK_N
-    if FIXED_SPLIT:
+    if FIXED_SPLIT:                                                      # the sequence's own
+        keys = seqlen - lo
         size = split_size
-        while size * INVARIANT_MAX_SPLITS < seqlen - lo:                 # the sequence's own
+        while size * INVARIANT_MAX_SPLITS < keys:
             size = size * 2
+        while ((size * INVARIANT_MIN_SPLITS > keys) & (size * INVARIANT_MIN_SPLITS >= 2 * split_size)
+               & ((size // 2) % BLOCK_N == 0)):
+            size = size // 2
         base = (lo // size) * size
     else:
         base = first_tile
@@ -222,15 +265,15 @@ def _kv_rows(BT, b, n0, kstart, end, stride_btb, stride_btp,
 
 
 @triton.jit
-def _kv_step(q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base, v_base, BT,
-             OP, LSEP, ws_row, row_ok, base, split_size,
+def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC,
+             k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
              stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
              stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
-             Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+             COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
              USE_TMA: tl.constexpr, MASKED: tl.constexpr, FLUSH: tl.constexpr,
-             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, HAS_START: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
+             FOLD: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+             HAS_START: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold the key tile ``[n0, n0 + BLOCK_N)`` into the base-2 state ``(m, d, o)``.
 
     Paged caches: the tile's page numbers are read here too; the software pipeliner puts
@@ -238,9 +281,12 @@ def _kv_step(q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_bas
     buffered). Unmasked tiles (``MASKED=False``) hold keys every row sees, all in
     ``[kstart, end)``; in masked tiles the keys outside ``[kstart, end)`` are neither
     loaded nor seen. With ``FLUSH`` (fixed splits of ``split_size`` keys from ``base``), a
-    tile that ends a split writes the split's partial ``(o, lse)`` (the monoid's finalize)
-    to the workspace and resets the state to the identity, so every split is folded from
-    the identity over its own tiles, whichever program and key range it is part of."""
+    tile that ends a split writes the split's raw state ``(m, d, o)`` to the workspace
+    and resets the state to the identity, so every split is folded from the identity over
+    its own tiles, whichever program and key range it is part of. With ``FOLD``
+    (batch-invariant, one program per sequence) the split's state is instead folded into
+    the run state ``(rm, rd, ro)`` (natural-log units) with :func:`_fold`, the merge
+    kernel's step: the same bits without writing or merging partials."""
     CLIP_START: tl.constexpr = MASKED and HAS_START
     offs_n = n0 + tl.arange(0, BLOCK_N)                                  # [BN] key positions
     offs_d = tl.arange(0, BLOCK_D)
@@ -292,33 +338,37 @@ def _kv_step(q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_bas
     p = tl.exp2(s - pivot[:, None])                                      # [BM, BN]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    if FLUSH:
+    if FLUSH or FOLD:
         done = ((n0 + BLOCK_N - base) % split_size == 0) | (n0 + BLOCK_N >= end)
         if done:
-            out, lse = FINALIZE(m_new[:, None] * 0.6931471805599453, l_i[:, None], acc)
-            ws = ws_row + (n0 - base) // split_size                      # [BM] int64
-            tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], out,
-                     mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
-            tl.store(LSEP + ws[:, None], lse, mask=row_ok[:, None])
+            if FOLD:
+                rm, rd, ro = _fold(rm, rd, ro, m_new[:, None], l_i[:, None], acc, COMBINE)
+            else:
+                ws = ws_row + (n0 - base) // split_size                  # [BM] int64
+                tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                         mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+                tl.store(LSEP + ws, m_new, mask=row_ok)
+                tl.store(DP + ws, l_i, mask=row_ok)
         m_new = tl.where(done, float("-inf"), m_new)
         l_i = tl.where(done, 0.0, l_i)
         acc = tl.where(done, 0.0, acc)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, rm, rd, ro
 
 
 @triton.jit
-def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base,
+def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base,
             split_size, start, end, seqlen, kstart,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
             stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
-            Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+            COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-            PAGED: tl.constexpr, USE_TMA: tl.constexpr, FLUSH: tl.constexpr,
+            PAGED: tl.constexpr, USE_TMA: tl.constexpr, FLUSH: tl.constexpr, FOLD: tl.constexpr,
             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, HAS_START: tl.constexpr,
             NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Base-2 state ``(m, d, o)`` of the rows ``q`` [BM, BD] over the keys ``[start, end)``
     (``start`` a multiple of BLOCK_N; no key when ``start >= end``); with ``FLUSH`` the
-    partial of every fixed split is written on the way (see :func:`_kv_step`).
+    partial of every fixed split is written on the way, with ``FOLD`` folded into the run
+    state ``(rm, rd, ro)``, returned after ``(m, d, o)`` (see :func:`_kv_step`).
 
     Three runs of tiles: ``[start, lo)`` masked (keys before the first key ``kstart`` or
     left of some row's window), ``[lo, hi)`` unmasked (every key visible to every row: at
@@ -330,6 +380,9 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)                 # base-2 running max
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    rm = tl.full([BLOCK_M, 1], float("-inf"), tl.float32)               # FOLD's run state
+    rd = tl.zeros([BLOCK_M, 1], tl.float32)
+    ro = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(end, seqlen - Q_LEN + 1)
     hi = start + tl.maximum(hi - start, 0) // BLOCK_N * BLOCK_N
     lo = start
@@ -344,35 +397,37 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, 
     # the masked runs hold at most q_len + BLOCK_N keys: no software pipelining there
     if WINDOW or HAS_START:
         for n0 in tl.range(start, lo, BLOCK_N, num_stages=1):
-            m_i, l_i, acc = _kv_step(
-                q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base, v_base,
-                BT, OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn,
-                stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
-                qk_scale, cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D,
-                PAGE_SIZE, PAGED, USE_TMA, True, FLUSH, SOFTCAP, WINDOW, HAS_START,
-                DOT_PRECISION)
+            m_i, l_i, acc, rm, rd, ro = _kv_step(
+                q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC,
+                k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size, stride_kb,
+                stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp,
+                win_left, qk_scale, cap_in, cap_out, FINALIZE, COMBINE, Q_LEN, HEAD_DIM,
+                BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, True, FLUSH, FOLD, SOFTCAP,
+                WINDOW, HAS_START, DOT_PRECISION)
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_i, acc = _kv_step(
-            q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base, v_base, BT,
-            OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
-            stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
-            cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
-            USE_TMA, False, FLUSH, SOFTCAP, WINDOW, HAS_START, DOT_PRECISION)
+        m_i, l_i, acc, rm, rd, ro = _kv_step(
+            q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base,
+            v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size, stride_kb, stride_kn,
+            stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
+            qk_scale, cap_in, cap_out, FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_N,
+            BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, False, FLUSH, FOLD, SOFTCAP, WINDOW,
+            HAS_START, DOT_PRECISION)
     for n0 in tl.range(hi, end, BLOCK_N, num_stages=1):
-        m_i, l_i, acc = _kv_step(
-            q, m_i, l_i, acc, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base, v_base, BT,
-            OP, LSEP, ws_row, row_ok, base, split_size, stride_kb, stride_kn, stride_kd,
-            stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale,
-            cap_in, cap_out, FINALIZE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
-            USE_TMA, True, FLUSH, SOFTCAP, WINDOW, HAS_START, DOT_PRECISION)
-    return m_i, l_i, acc
+        m_i, l_i, acc, rm, rd, ro = _kv_step(
+            q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base,
+            v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size, stride_kb, stride_kn,
+            stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
+            qk_scale, cap_in, cap_out, FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_N,
+            BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, True, FLUSH, FOLD, SOFTCAP, WINDOW,
+            HAS_START, DOT_PRECISION)
+    return m_i, l_i, acc, rm, rd, ro
 
 
 # --- kernels ----------------------------------------------------------------------------
 
 @triton.jit
 def _splitkv_kernel(
-        Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP, LSEP,
+        Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP, LSEP, DP,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -380,7 +435,7 @@ def _splitkv_kernel(
         stride_ob, stride_oh, stride_om, stride_od,
         heads_kv, capacity, n_splits, ws_splits, split_size, win_left,
         qk_scale, cap_in, cap_out,
-        FINALIZE: tl.constexpr,
+        FINALIZE: tl.constexpr, COMBINE: tl.constexpr,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
@@ -419,7 +474,9 @@ def _splitkv_kernel(
     v_base = V + h * stride_vh
     ws_row = ((b * (heads_kv * GROUP) + hq) * Q_LEN + qi) * ws_splits   # [BM] int64
 
-    if WRITE_FINAL:                                # one split: the whole sequence, no merge
+    # FOLD: one program per sequence in batch-invariant mode folds its fixed splits itself
+    FOLD: tl.constexpr = FIXED_SPLIT and WRITE_FINAL
+    if WRITE_FINAL:                                # the whole sequence, no merge
         start = base
         end = seqlen
     elif FIXED_SPLIT:
@@ -435,16 +492,19 @@ def _splitkv_kernel(
         # split 0 starts at a multiple of the split size: its tiles before the first one
         # with a visible key would fold to the identity; they are skipped (never read)
         start = tl.maximum(start, first_tile)
-    m_i, l_i, acc = _attend(
-        q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, ws_row, row_ok, base,
+    m_i, l_i, acc, rm, rd, ro = _attend(
+        q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base,
         size, start, end, seqlen, kstart, stride_kb, stride_kn, stride_kd, stride_vb,
         stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
-        FINALIZE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA,
-        FIXED_SPLIT and not WRITE_FINAL, SOFTCAP, WINDOW, HAS_START, NUM_STAGES,
+        FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
+        USE_TMA, FIXED_SPLIT and not WRITE_FINAL, FOLD, SOFTCAP, WINDOW, HAS_START, NUM_STAGES,
         DOT_PRECISION)
     if WRITE_FINAL or not FIXED_SPLIT:
         # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
-        out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
+        if FOLD:
+            out, lse = FINALIZE(rm, rd, ro)
+        else:
+            out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
         if WRITE_FINAL:
             tl.store(O + b * stride_ob + hq[:, None] * stride_oh + qi[:, None] * stride_om
                      + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
@@ -461,11 +521,11 @@ def _splitkv_kernel(
 
 @triton.jit
 def _merge_kernel(
-        OP, LSEP, SEQ, START, O, LSE,
+        OP, LSEP, DP, SEQ, START, O, LSE,
         stride_ob, stride_oh, stride_om, stride_od,
         heads_q, capacity, n_splits, ws_splits, split_size, win_left,
-        BLOCK_LIFT: tl.constexpr, COMBINE: tl.constexpr, FINALIZE: tl.constexpr,
-        Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_LIFT: tl.constexpr, COMBINE: tl.constexpr,
+        FINALIZE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, FIXED_SPLIT: tl.constexpr,
         HAS_START: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                 # (b, hq, qi) row-major
@@ -486,16 +546,49 @@ def _merge_kernel(
     m = tl.full([1], float("-inf"), tl.float32)          # the identity (-inf, 0, 0)
     d = tl.zeros([1], tl.float32)
     o = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in tl.range(0, n_used, BLOCK_S, num_stages=2):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        s_ok = offs_s < n_used
-        ws = row * ws_splits + offs_s                                    # [BS]
-        lse_s = tl.load(LSEP + ws, mask=s_ok, other=float("-inf"))
-        o_s = tl.load(OP + ws[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)   # [BS, BD]
-        # the tile's state at once: split s is a virtual key with score lse_s, value o_s
-        t_m, t_d, t_o = BLOCK_LIFT(lse_s[:, None], o_s, s_ok[:, None])  # [1], [1], [BD]
-        m, d, o = COMBINE(m, d, o, t_m, t_d, t_o)                        # left to right
+    if FIXED_SPLIT:
+        # raw split states one at a time, left to right: the fold a FOLD program runs. Eight
+        # partials are loaded before their eight combines (one load per step waited on L2
+        # every step: 1 x 131K's 64 partials took ~4 us more than the tiled merge, H200
+        # run 9); a slot past the sequence's last split loads as the identity, which every
+        # combine passes through exactly
+        for s0 in tl.range(0, n_used, 8):
+            ws = row * ws_splits + s0
+            m0, d0, o0 = _raw_partial(LSEP, DP, OP, ws, s0 < n_used, offs_d, d_ok,
+                                      HEAD_DIM)
+            m1, d1, o1 = _raw_partial(LSEP, DP, OP, ws + 1, s0 + 1 < n_used, offs_d, d_ok,
+                                      HEAD_DIM)
+            m2, d2, o2 = _raw_partial(LSEP, DP, OP, ws + 2, s0 + 2 < n_used, offs_d, d_ok,
+                                      HEAD_DIM)
+            m3, d3, o3 = _raw_partial(LSEP, DP, OP, ws + 3, s0 + 3 < n_used, offs_d, d_ok,
+                                      HEAD_DIM)
+            m4, d4, o4 = _raw_partial(LSEP, DP, OP, ws + 4, s0 + 4 < n_used, offs_d, d_ok,
+                                      HEAD_DIM)
+            m5, d5, o5 = _raw_partial(LSEP, DP, OP, ws + 5, s0 + 5 < n_used, offs_d, d_ok,
+                                      HEAD_DIM)
+            m6, d6, o6 = _raw_partial(LSEP, DP, OP, ws + 6, s0 + 6 < n_used, offs_d, d_ok,
+                                      HEAD_DIM)
+            m7, d7, o7 = _raw_partial(LSEP, DP, OP, ws + 7, s0 + 7 < n_used, offs_d, d_ok,
+                                      HEAD_DIM)
+            m, d, o = _fold(m, d, o, m0, d0, o0, COMBINE)
+            m, d, o = _fold(m, d, o, m1, d1, o1, COMBINE)
+            m, d, o = _fold(m, d, o, m2, d2, o2, COMBINE)
+            m, d, o = _fold(m, d, o, m3, d3, o3, COMBINE)
+            m, d, o = _fold(m, d, o, m4, d4, o4, COMBINE)
+            m, d, o = _fold(m, d, o, m5, d5, o5, COMBINE)
+            m, d, o = _fold(m, d, o, m6, d6, o6, COMBINE)
+            m, d, o = _fold(m, d, o, m7, d7, o7, COMBINE)
+    else:
+        for s0 in tl.range(0, n_used, BLOCK_S, num_stages=2):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            s_ok = offs_s < n_used
+            ws = row * ws_splits + offs_s                                # [BS]
+            lse_s = tl.load(LSEP + ws, mask=s_ok, other=float("-inf"))
+            o_s = tl.load(OP + ws[:, None] * HEAD_DIM + offs_d[None, :],
+                          mask=s_ok[:, None] & d_ok[None, :], other=0.0)   # [BS, BD]
+            # the tile's state at once: split s is a virtual key with score lse_s, value o_s
+            t_m, t_d, t_o = BLOCK_LIFT(lse_s[:, None], o_s, s_ok[:, None])  # [1], [1], [BD]
+            m, d, o = COMBINE(m, d, o, t_m, t_d, t_o)                    # left to right
     out, lse = FINALIZE(m, d, o)                                         # [BD], [1]
     tl.store(O + b * stride_ob + hq * stride_oh + qi * stride_om + offs_d * stride_od,
              out.to(O.dtype.element_ty), mask=d_ok)
@@ -526,6 +619,15 @@ def default_config(head_dim: int, dtype: torch.dtype, page_size: int | None) -> 
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=3 + extra)
     return DecodeConfig(num_stages=3 + extra)
+
+
+def _exact_ops(batch_invariant: bool) -> dict:
+    """Compile options of the batch-invariant kernels: no FP contraction (``mul`` + ``add``
+    into ``fma``), neither by LLVM nor by ptxas. The merge kernel and a FOLD program run the
+    same combines on the same values; with contraction the compiler chose per kernel, by
+    context, which products to fuse, and they differed (H200 run 10: unrolling the merge
+    loop changed its bits). Without it every operation rounds as written."""
+    return {"enable_fp_fusion": False} if batch_invariant else {}
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -627,7 +729,8 @@ class SplitPlan:
     """What the launcher decided: programs per sequence along the split axis of the grid
     (``n_splits``), partial states reserved per row (``ws_splits``), the fixed split size
     (0: derived per sequence from ``n_splits``), and whether the split kernel writes the
-    output itself (one split covers every possible length: no merge pass)."""
+    output itself (one program per sequence: no merge pass; with fixed splits it folds
+    them in registers)."""
     n_splits: int
     ws_splits: int
     split_size: int
@@ -650,8 +753,8 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
         if invariant_split % config.block_n:
             raise ValueError(f"invariant split {invariant_split} is not a multiple of "
                              f"BLOCK_N={config.block_n}")
-        ws = max(1, -(-capacity // invariant_split))       # every length <= capacity fits
-        size = invariant_size(span, invariant_split)       # the longest sequence's splits
+        ws = invariant_slots(capacity, invariant_split)   # every length <= capacity fits
+        size = invariant_size(span, invariant_split, config.block_n)  # the longest's splits
         used = min(ws, max(1, -(-span // size) + (window_left is not None)))
         # programs fold runs of whole splits: from the occupancy heuristic's count, the
         # run length rounds down and the program count up, so that the runs are even
@@ -659,21 +762,36 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
         # path 41% above an even cut; 32 programs take runs of 2)
         target = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device))
         n = min(used, -(-used // max(1, used // target)))
-        return SplitPlan(n, ws, invariant_split, ws == 1, block_m, m_blocks)
+        # one program per sequence: it folds its splits itself (FOLD), no partials, no merge
+        return SplitPlan(n, ws, invariant_split, n == 1, block_m, m_blocks)
     if num_splits is None:
         num_splits = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device))
     n = int(num_splits)
     return SplitPlan(n, n, 0, n == 1, block_m, m_blocks)
 
 
-def invariant_size(keys: int, invariant_split: int = INVARIANT_SPLIT) -> int:
+def invariant_size(keys: int, invariant_split: int = INVARIANT_SPLIT, block_n: int = 16) -> int:
     """Batch-invariant split size of a sequence with ``keys`` keys from its first visible
-    one: ``invariant_split`` doubled until they fit in INVARIANT_MAX_SPLITS splits (the
-    host's mirror of :func:`_split_plan`)."""
-    size = invariant_split
-    while size * INVARIANT_MAX_SPLITS.value < keys:
+    one: ``invariant_split`` doubled until they fit in INVARIANT_MAX_SPLITS splits, or
+    halved (down to ``invariant_split / INVARIANT_MIN_SPLITS``, a multiple of ``block_n``)
+    until they span INVARIANT_MIN_SPLITS splits (the host's mirror of :func:`_split_plan`)."""
+    size, most, least = invariant_split, INVARIANT_MAX_SPLITS.value, INVARIANT_MIN_SPLITS.value
+    while size * most < keys:
         size *= 2
+    while size * least > keys and size * least >= 2 * invariant_split and (size // 2) % block_n == 0:
+        size //= 2
     return size
+
+
+def invariant_slots(capacity: int, invariant_split: int = INVARIANT_SPLIT) -> int:
+    """Partials reserved per row in batch-invariant mode: the most splits any sequence of at
+    most ``capacity`` keys can use. Splits of ``invariant_split`` keys or more number at
+    most ``ceil(capacity / invariant_split)`` (they start at ``floor(lo / c) c >= 0``); a
+    halved split ``c`` serves fewer than ``2 INVARIANT_MIN_SPLITS c`` keys, so at most
+    ``2 INVARIANT_MIN_SPLITS + 1`` splits counting a misaligned first one."""
+    least = INVARIANT_MIN_SPLITS.value
+    short = min(-(-capacity // max(1, invariant_split // least)), 2 * least + 1)
+    return max(1, -(-capacity // invariant_split), short)
 
 
 @dataclass
@@ -729,13 +847,14 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_d = _pow2(head_dim)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads_q, q_len), dtype=torch.float32, device=q.device)
-    if p.write_final:
-        op = lsep = lse                               # unused
-    else:
-        op = torch.empty(batch * heads_q * q_len * p.ws_splits * head_dim,
-                         dtype=torch.float32, device=q.device)
-        lsep = torch.empty(batch * heads_q * q_len * p.ws_splits, dtype=torch.float32,
-                           device=q.device)
+    # partials: default mode (o, lse) finalized; batch-invariant (o, m, d) raw, m in base 2
+    op = lsep = dp = lse                              # unused with one program per sequence
+    if not p.write_final:
+        rows = batch * heads_q * q_len * p.ws_splits
+        op = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
+        lsep = torch.empty(rows, dtype=torch.float32, device=q.device)
+        if batch_invariant:
+            dp = torch.empty(rows, dtype=torch.float32, device=q.device)
     win_left = NO_WINDOW if left is None else int(left)
     pdl = _pdl_default(q.device) if pdl is None else bool(pdl)
     page_arg = page_size if paged else None
@@ -762,11 +881,11 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     split = ((batch * heads_kv * p.m_blocks, p.n_splits),
              (q, k_cache, v_cache, k_desc, v_desc, block_table if paged else cache_seqlens,
               cache_seqlens, cache_seqlens if cache_start is None else cache_start,
-              out, lse, op, lsep,
+              out, lse, op, lsep, dp,
               *q.stride(), *sk, *sv, *sbt, *out.stride(),
               heads_kv, capacity, p.n_splits, p.ws_splits, p.split_size, win_left,
               qk_scale, cap_in, cap_out),
-             dict(FINALIZE=tm.finalize,
+             dict(FINALIZE=tm.finalize, COMBINE=tm.combine,
                   Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim,
                   BLOCK_M=p.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
                   PAGE_SIZE=page_size, PAGED=paged, USE_TMA=use_tma,
@@ -776,19 +895,21 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   NUM_STAGES=config.num_stages,
                   USE_PDL=pdl and not p.write_final,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  **_exact_ops(batch_invariant),
                   num_warps=config.num_warps * (2 if p.block_m >= 64 else 1),
                   num_stages=config.num_stages))
     merge = None
     if not p.write_final:
         merge = ((batch * heads_q * q_len,),
-                 (op, lsep, cache_seqlens,
+                 (op, lsep, dp, cache_seqlens,
                   cache_seqlens if cache_start is None else cache_start, out, lse, *out.stride(),
                   heads_q, capacity, p.n_splits, p.ws_splits, p.split_size, win_left),
-                 dict(BLOCK_LIFT=tm.block_lift, COMBINE=tm.combine, FINALIZE=tm.finalize,
+                 dict(BLOCK_LIFT=tm.block_lift, COMBINE=tm.combine,
+                      FINALIZE=tm.finalize,
                       Q_LEN=q_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK,
                       BLOCK_N=config.block_n, FIXED_SPLIT=batch_invariant,
                       HAS_START=cache_start is not None, USE_PDL=pdl,
-                      num_warps=MERGE_WARPS, num_stages=2,
+                      num_warps=MERGE_WARPS, num_stages=2, **_exact_ops(batch_invariant),
                       **({"launch_pdl": True} if pdl else {})))
     return Launch(split, merge, out, lse, p)
 
