@@ -146,6 +146,19 @@ def rows():
         ("softmax 64x1024", lambda: ff.softmax(xs, 1), lambda: torch.softmax(xs, 1), None),
     ]
     F = torch.nn.functional
+    # decode steps: batch 1 / 8 x 512 keys, 32 / 8 heads, head_dim 128 (GPU work ~10 us),
+    # against SDPA (cuDNN picks itself at q_len 1); direct = splitkv_decode, no API checks
+    from flashfold.kernels.decode import splitkv
+    for batch in (1, 8):
+        q = torch.randn(batch, 32, 1, 128, device=dev, dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, 8, 512, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        lens = torch.full((batch,), 512, device=dev, dtype=torch.int32)
+        for inv in (False, True):
+            out.append((f"decode {batch}x512{' invariant' if inv else ''}",
+                        lambda q=q, k=k, v=v, n=lens, i=inv: ff.decode(q, k, v, n, batch_invariant=i),
+                        lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                        lambda q=q, k=k, v=v, n=lens, i=inv: splitkv.splitkv_decode(
+                            q, k, v, n, scale=128 ** -0.5, batch_invariant=i)))
     for D, causal in ((64, False), (64, True), (128, True)):
         q, k, v = (torch.randn(16, 16, 1024, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
         out.append((f"attention d{D} N1K {'causal' if causal else 'full'}",
