@@ -78,7 +78,8 @@ the sequence's first key (``cache_start``, clamped to ``[0, n_b]``; 0 without it
   When the grid has one program per sequence (large batches) that program does not write
   partials at all (``FOLD``): at each split's end it folds the split's finalized partial
   into a run state with the merge kernel's own step, :func:`_fold`, on the same fp32
-  values in the same order (the raw state: no finalize, no division on the way), so the output has the merged bits without the partials'
+  values in the same order (the raw state: no finalize, no division on the way), so the
+  output has the merged bits without the partials'
   traffic or the merge launch. This is the specification's point in one place: with the
   bracketing fixed, where each combine runs (registers of one program, or a second
   kernel) is free.
@@ -91,7 +92,8 @@ cache that hold no key of ``[a_b, n_b)`` looked up in the block table. The causa
 stays bottom-right against ``n_b``.
 
 Workspace: partials ``o`` fp32 ``(batch, heads_q, q_len, ws, head_dim)`` and ``lse``
-``(batch, heads_q, q_len, ws)`` (batch-invariant: ``o``, ``m`` and ``d``), contiguous, ``ws`` splits reserved per row; only the
+``(batch, heads_q, q_len, ws)`` (batch-invariant: ``o``, ``m`` and ``d``), contiguous, ``ws``
+splits reserved per row; only the
 splits a sequence uses are written and read (no padding traffic). The merge is this
 module's own kernel rather than :func:`flashfold.merge_states` because decode needs a
 per-sequence number of splits read from the device (``merge_states`` folds a fixed
@@ -148,6 +150,9 @@ INVARIANT_MAX_SPLITS = tl.constexpr(32)
 #: 8); a large batch pays nothing for the extra splits, which one program folds in
 #: registers (see ``FOLD``)
 INVARIANT_MIN_SPLITS = tl.constexpr(4)
+#: partials the batch-invariant merge loads at once before folding them one by one (the
+#: fold's order is fixed; only how many loads are in flight depends on this)
+INVARIANT_MERGE_GROUP = tl.constexpr(8)
 #: partial states per merge tile (fixed: the merge's bracketing must not depend on the
 #: batch), with the next tile's loads in flight during a combine, and the merge's warps.
 #: One program merges one query row, so programs are many and short: at 256 x 4K (8192
@@ -208,7 +213,8 @@ def _split_plan(seqlen, kstart, win_left, n_splits, split_size, Q_LEN: tl.conste
         size = split_size
         while size * INVARIANT_MAX_SPLITS < keys:
             size = size * 2
-        while ((size * INVARIANT_MIN_SPLITS > keys) & (size * INVARIANT_MIN_SPLITS >= 2 * split_size)
+        while ((size * INVARIANT_MIN_SPLITS > keys)
+               & (size * INVARIANT_MIN_SPLITS >= 2 * split_size)
                & ((size // 2) % BLOCK_N == 0)):
             size = size // 2
         base = (lo // size) * size
@@ -269,7 +275,8 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V
              k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
              stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
              stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
-             COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+             COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
              USE_TMA: tl.constexpr, MASKED: tl.constexpr, FLUSH: tl.constexpr,
              FOLD: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
@@ -360,7 +367,8 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_r
             split_size, start, end, seqlen, kstart,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
             stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
-            COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+            COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
             PAGED: tl.constexpr, USE_TMA: tl.constexpr, FLUSH: tl.constexpr, FOLD: tl.constexpr,
             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, HAS_START: tl.constexpr,
@@ -547,37 +555,19 @@ def _merge_kernel(
     d = tl.zeros([1], tl.float32)
     o = tl.zeros([BLOCK_D], tl.float32)
     if FIXED_SPLIT:
-        # raw split states one at a time, left to right: the fold a FOLD program runs. Eight
-        # partials are loaded before their eight combines (one load per step waited on L2
+        # raw split states one at a time, left to right: the fold a FOLD program runs. A
+        # group of partials is loaded before its combines (one load per step waited on L2
         # every step: 1 x 131K's 64 partials took ~4 us more than the tiled merge, H200
         # run 9); a slot past the sequence's last split loads as the identity, which every
         # combine passes through exactly
-        for s0 in tl.range(0, n_used, 8):
+        for s0 in tl.range(0, n_used, INVARIANT_MERGE_GROUP):
             ws = row * ws_splits + s0
-            m0, d0, o0 = _raw_partial(LSEP, DP, OP, ws, s0 < n_used, offs_d, d_ok,
-                                      HEAD_DIM)
-            m1, d1, o1 = _raw_partial(LSEP, DP, OP, ws + 1, s0 + 1 < n_used, offs_d, d_ok,
-                                      HEAD_DIM)
-            m2, d2, o2 = _raw_partial(LSEP, DP, OP, ws + 2, s0 + 2 < n_used, offs_d, d_ok,
-                                      HEAD_DIM)
-            m3, d3, o3 = _raw_partial(LSEP, DP, OP, ws + 3, s0 + 3 < n_used, offs_d, d_ok,
-                                      HEAD_DIM)
-            m4, d4, o4 = _raw_partial(LSEP, DP, OP, ws + 4, s0 + 4 < n_used, offs_d, d_ok,
-                                      HEAD_DIM)
-            m5, d5, o5 = _raw_partial(LSEP, DP, OP, ws + 5, s0 + 5 < n_used, offs_d, d_ok,
-                                      HEAD_DIM)
-            m6, d6, o6 = _raw_partial(LSEP, DP, OP, ws + 6, s0 + 6 < n_used, offs_d, d_ok,
-                                      HEAD_DIM)
-            m7, d7, o7 = _raw_partial(LSEP, DP, OP, ws + 7, s0 + 7 < n_used, offs_d, d_ok,
-                                      HEAD_DIM)
-            m, d, o = _fold(m, d, o, m0, d0, o0, COMBINE)
-            m, d, o = _fold(m, d, o, m1, d1, o1, COMBINE)
-            m, d, o = _fold(m, d, o, m2, d2, o2, COMBINE)
-            m, d, o = _fold(m, d, o, m3, d3, o3, COMBINE)
-            m, d, o = _fold(m, d, o, m4, d4, o4, COMBINE)
-            m, d, o = _fold(m, d, o, m5, d5, o5, COMBINE)
-            m, d, o = _fold(m, d, o, m6, d6, o6, COMBINE)
-            m, d, o = _fold(m, d, o, m7, d7, o7, COMBINE)
+            parts = ()
+            for j in tl.static_range(INVARIANT_MERGE_GROUP):        # the loads, all in flight
+                parts = parts + (_raw_partial(LSEP, DP, OP, ws + j, s0 + j < n_used, offs_d,
+                                              d_ok, HEAD_DIM),)
+            for j in tl.static_range(INVARIANT_MERGE_GROUP):        # then the combines
+                m, d, o = _fold(m, d, o, parts[j][0], parts[j][1], parts[j][2], COMBINE)
     else:
         for s0 in tl.range(0, n_used, BLOCK_S, num_stages=2):
             offs_s = s0 + tl.arange(0, BLOCK_S)
@@ -778,7 +768,8 @@ def invariant_size(keys: int, invariant_split: int = INVARIANT_SPLIT, block_n: i
     size, most, least = invariant_split, INVARIANT_MAX_SPLITS.value, INVARIANT_MIN_SPLITS.value
     while size * most < keys:
         size *= 2
-    while size * least > keys and size * least >= 2 * invariant_split and (size // 2) % block_n == 0:
+    while (size * least > keys and size * least >= 2 * invariant_split
+           and (size // 2) % block_n == 0):
         size //= 2
     return size
 
