@@ -30,7 +30,8 @@ by its own program, and the states are folded:
 
    i.e. the monoid's block lift followed by its combine, under the base-2 twist. The
    split's state is finalized with the generated ATTENTION ``finalize`` into a partial
-   ``(o_s, lse_s)`` (fp32), or, when there is a single split, straight into the output.
+   ``(o_s, lse_s)`` (fp32; batch-invariant mode keeps the raw state, see below), or, when
+   one program covers the sequence, straight into the output.
    Grid order: query heads of a group share a program; a sequence's split programs are
    ``program_id(1)``.
 2. **merge kernel**, grid ``(batch * heads_q * q_len,)``: a partial ``(o_s, lse_s)`` is
@@ -76,8 +77,8 @@ the sequence's first key (``cache_start``, clamped to ``[0, n_b]``; 0 without it
   (not of more, shorter programs). Split 0 may begin several tiles before ``lo``: those
   tiles hold no visible key and are skipped (they would fold to the identity exactly).
   When the grid has one program per sequence (large batches) that program does not write
-  partials at all (``FOLD``): at each split's end it folds the split's finalized partial
-  into a run state with the merge kernel's own step, :func:`_fold`, on the same fp32
+  partials at all (``FOLD``): at each split's end it folds the split's raw state into a
+  run state with the merge kernel's own step, :func:`_fold`, on the same fp32
   values in the same order (the raw state: no finalize, no division on the way), so the
   output has the merged bits without the partials'
   traffic or the merge launch. This is the specification's point in one place: with the
