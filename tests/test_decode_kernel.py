@@ -6,7 +6,6 @@ several row blocks), batch invariance, and the split heuristic."""
 import math
 from unittest import mock
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
@@ -19,30 +18,6 @@ from flashfold.testing import assert_close
 from test_decode_common import attention_per_sequence, make_case, repage
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_numpy_compat():
-    """Triton 3.6's interpreter turns a loop bound into an int with ``int(ndarray)``, which
-    NumPy >= 2.4 rejects for its 1-element arrays (triton-lang/triton#9171, fixed upstream
-    by #9172): apply the same one-line fix while these tests run (interpreter only)."""
-    try:
-        int(np.array([1]))
-        yield
-        return
-    except TypeError:
-        pass
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    yield
-    interpreter._patch_lang_tensor = original
 
 
 def run(case, paged, **kw):
