@@ -455,6 +455,22 @@ def test_tma_eligibility():
     assert not splitkv._tma_eligible(pages[:, :16], pages[:, :16], 16, 64)   # 4 pages per tile
 
 
+def test_invariant_workspace_holds_every_split():
+    """The partials reserved per row (``invariant_slots(capacity)``) hold every split any
+    sequence of at most ``capacity`` keys can use, whatever its first visible key ``lo``
+    (window, first key): otherwise a split program would write into the next row's slots.
+    Exhaustive over small capacities, for split sizes that halve and that cannot."""
+    for split, block_n in ((64, 16), (48, 16), (16, 16)):
+        for cap in range(0, 131):
+            ws = splitkv.invariant_slots(cap, split)
+            most = 0
+            for seqlen in range(cap + 1):
+                for lo in range(seqlen + 1):
+                    size = splitkv.invariant_size(seqlen - lo, split, block_n)
+                    most = max(most, -(-(seqlen - lo // size * size) // size))
+            assert most <= ws, (split, cap, most, ws)
+
+
 def test_invariant_split_doubles_for_long_sequences_halves_for_short():
     """In batch-invariant mode a sequence's split size is INVARIANT_SPLIT doubled until its
     keys fit in INVARIANT_MAX_SPLITS splits, or halved (at most twice, staying a multiple of
