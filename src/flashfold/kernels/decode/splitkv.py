@@ -115,7 +115,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -676,7 +675,7 @@ def _pdl_default(device: torch.device) -> bool:
     """Programmatic dependent launch of the merge: CUDA, Hopper or newer, not disabled by
     ``FLASHFOLD_DECODE_PDL=0``."""
     return (device.type == "cuda" and gdc_wait is not None
-            and os.environ.get("FLASHFOLD_DECODE_PDL", "1") != "0" and _hopper(device))
+            and launcher.env("FLASHFOLD_DECODE_PDL") != "0" and _hopper(device))
 
 
 def _tma_default(device: torch.device) -> bool:
@@ -684,7 +683,7 @@ def _tma_default(device: torch.device) -> bool:
     The cp.async pointer path is the default: it streamed 4.54 TB/s on the H200 (at the
     DRAM limit) and carries an L2 ``evict_first`` hint that the TMA load cannot."""
     return (device.type == "cuda" and TensorDescriptor is not None
-            and os.environ.get("FLASHFOLD_DECODE_TMA", "0") == "1" and _hopper(device))
+            and launcher.env("FLASHFOLD_DECODE_TMA") == "1" and _hopper(device))
 
 
 def _tma_eligible(k: torch.Tensor, v: torch.Tensor, page_size: int | None, block_n: int) -> bool:
