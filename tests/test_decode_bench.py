@@ -6,6 +6,7 @@ its CPU reference path, the timings are fake."""
 
 import contextlib
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,11 @@ def test_timing_runs_and_prints_the_table(bench, capsys):
     assert "final table" in out and "target (eager)" in out and "target (graph)" in out
     assert "flashfold lpad" in out and "flashfold lpad [graph]" in out
     assert "target (clean)" in out and "batch_invariant cost over the grid (graph" in out
+    # the worst row is named, per layout
+    lines = [ln for ln in out.splitlines() if "batch_invariant cost over the grid" in ln]
+    assert lines and all(re.search(r"contiguous -?\d+\.\d% at \d+ x \d+ contiguous", ln)
+                         and re.search(r"paged -?\d+\.\d% at \d+ x \d+ paged 16", ln)
+                         for ln in lines), lines
     assert bench._calls                                       # every method was timed
 
 
