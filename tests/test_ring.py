@@ -199,6 +199,10 @@ def _worker(rank, world, init_file, payload):
             rc = _bench_module().main(BENCH_DRY_RUN)
             if rc != 0:
                 failures.append(f"rank {rank}: benchmarks/ring.py dry run returned {rc}")
+        # no rank tears its connections down while a peer may still be receiving from it
+        # (a gloo transport thread that finds its peer gone aborts the process: CI saw
+        # "terminate called without an active exception" once, after all checks passed)
+        dist.barrier()
         if failures:
             raise AssertionError("\n".join(failures))
     finally:
