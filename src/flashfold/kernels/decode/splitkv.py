@@ -402,32 +402,21 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_r
             first = tl.maximum(first, seqlen - 1 - win_left)
         lo = start + tl.cdiv(tl.maximum(first - start, 0), BLOCK_N) * BLOCK_N
         lo = tl.minimum(lo, hi)
-    # the masked runs hold at most q_len + BLOCK_N keys: no software pipelining there
-    if WINDOW or HAS_START:
-        for n0 in tl.range(start, lo, BLOCK_N, num_stages=1):
-            m_i, l_i, acc, rm, rd, ro = _kv_step(
-                q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC,
-                k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size, stride_kb,
-                stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp,
-                win_left, qk_scale, cap_in, cap_out, FINALIZE, COMBINE, Q_LEN, HEAD_DIM,
-                BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, True, FLUSH, FOLD, SOFTCAP,
-                WINDOW, HAS_START, DOT_PRECISION)
-    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_i, acc, rm, rd, ro = _kv_step(
-            q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base,
-            v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size, stride_kb, stride_kn,
-            stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
-            qk_scale, cap_in, cap_out, FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_N,
-            BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, False, FLUSH, FOLD, SOFTCAP, WINDOW,
-            HAS_START, DOT_PRECISION)
-    for n0 in tl.range(hi, end, BLOCK_N, num_stages=1):
-        m_i, l_i, acc, rm, rd, ro = _kv_step(
-            q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC, k_base,
-            v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size, stride_kb, stride_kn,
-            stride_kd, stride_vb, stride_vn, stride_vd, stride_btb, stride_btp, win_left,
-            qk_scale, cap_in, cap_out, FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_N,
-            BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, True, FLUSH, FOLD, SOFTCAP, WINDOW,
-            HAS_START, DOT_PRECISION)
+    # the three runs [start, lo) masked, [lo, hi) unmasked and software-pipelined, [hi, end)
+    # masked: one static loop, unrolled (the first run exists only with a left bound); the
+    # masked runs hold at most q_len + BLOCK_N keys: no pipelining there
+    bounds = (start, lo, hi, end)
+    for run in tl.static_range(3):
+        if run != 0 or WINDOW or HAS_START:
+            for n0 in tl.range(bounds[run], bounds[run + 1], BLOCK_N,
+                               num_stages=NUM_STAGES if run == 1 else 1):
+                m_i, l_i, acc, rm, rd, ro = _kv_step(
+                    q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC,
+                    k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
+                    stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+                    stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE,
+                    COMBINE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA,
+                    run != 1, FLUSH, FOLD, SOFTCAP, WINDOW, HAS_START, DOT_PRECISION)
     return m_i, l_i, acc, rm, rd, ro
 
 
