@@ -127,7 +127,10 @@ def compile_launch(kernel, args, kwargs, arch: int = 90) -> Compiled:
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
                                                               specialization, options)
-    c = compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():       # Gluon kernels (GPU-only)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    c = compile(source(kernel, signature, constexprs, attrs), target=target,
                 options=options.__dict__)
     return Compiled(c.metadata.name, c.asm["ptx"], c.asm["ttgir"], c.asm["cubin"],
                     c.metadata.num_warps, c.metadata.shared)

@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from .. import launcher
+from . import gluon_fwd
 from .mods import MAX_BUFFERS, BlockMask, TracedMod
 
 LOG2E = 1.4426950408889634
@@ -566,6 +567,14 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     table was computed for these lengths and this window), else the kernel also applies
     bounds and window masks inside FULL tiles. ``config`` overrides the heuristic.
     """
+    dense = (softcap is None and score_mod is None and block_mask is None and left is None
+             and right in (None, 0) and cu_seqlens_q is None and config is None)
+    if dense and gluon_fwd.eligible(q, k, v, causal=right == 0, scale=scale):
+        B, HQ, NQ = q.shape[:3]
+        o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
+        lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
+        return gluon_fwd.gluon_attention_fwd(q, k, v, causal=right == 0, scale=scale,
+                                             return_lse=return_lse, out=o, lse=lse)
     o, lse, launch = prepare_forward(
         q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
         block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -1,0 +1,376 @@
+r"""Exact attention, forward, for Hopper (sm_90): a warp-specialized Gluon kernel.
+
+Same math as :mod:`.fwd` (the ATTENTION monoid's state ``(m, l, acc)`` in base 2, finite
+rescale pivot, ``o = acc / l``, ``lse = (m + log2 l) ln 2``), with the schedule of
+FlashAttention-3 written out explicitly, which Triton 3.6 does not derive from the
+``tl.dot`` kernel on sm_90 (see ``benchmarks/RESULTS.md``, "Open problems for the forward
+on Hopper"):
+
+* **a producer warp** (``_producer``, 24 registers) issues every TMA load: the query tile
+  once, then key and value tiles into ``STAGES``-deep rings, each slot guarded by a
+  ``ready`` mbarrier (TMA bytes arrived) and an ``empty`` one (the consumers' ``wgmma``
+  that read it has completed);
+* **two consumer warpgroups** (the default partition, 8 warps, 64 query rows each of a
+  ``BLOCK_M = 128`` tile; ~240 registers) never issue a global load. Per key tile ``j``
+  they overlap the tensor cores with the softmax *inside* each warpgroup:
+
+  .. code-block:: text
+
+      S_j   = Q K_j^T                (wgmma, async)
+      acc  += P_{j-1} V_{j-1}        (wgmma, async, P from registers)
+      wait until S_j is done         (PV still running)
+      m, l, P_j from S_j             (exp2 on the SFU while the PV wgmma runs)
+      wait until PV is done; acc *= alpha_j
+
+  so the exponentials of tile ``j`` run under the ``P V`` product of tile ``j - 1``.
+
+Scope (the dispatcher in :mod:`.fwd` sends everything else to the Triton template):
+fp16/bf16, head_dim 64 or 128, dense or causal (bottom-right aligned, ``Nq <= Nk``),
+GQA, ``scale > 0``, no window, softcap, mods or varlen; ``q``, ``k``, ``v``, ``o`` as
+``(B, H, N, D)`` with unit last stride and 16-byte aligned strides (4-D TMA descriptors:
+rows past a head's end read as zero and are not written). Returns ``o (B, Hq, Nq, D)``
+in the input dtype and ``lse (B, Hq, Nq)`` float32.
+
+GPU only: Gluon kernels have no interpreter mode. The CPU suite compiles every variant
+for sm_90 (``tests/test_attention_gluon.py``: warp specialization, TMA, wgmma, no spills);
+correctness against the float64 reference runs on the H200 (``tests/test_attention_gpu.py``,
+``benchmarks/attention.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .. import launcher
+
+try:  # Triton >= 3.5 ships Gluon
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:  # pragma: no cover
+    gluon = None
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+#: query rows per program (two consumer warpgroups of 64 rows)
+BLOCK_M = 128
+#: key rows per tile
+BLOCK_N = 128
+#: depth of the key and value rings
+STAGES = 2
+#: registers of the second consumer warpgroup (a worker partition; the first, the
+#: default partition, gets what the cap leaves: (168 * 12 - 240 * 4 - 24 * 4) / 4 = 240)
+CONSUMER_REGS = 240
+#: registers of the producer warp (the minimum ``setmaxnreg`` allows)
+PRODUCER_REGS = 24
+#: register cap of the whole kernel: 12 warps (two consumer warpgroups, the producer's
+#: warp rounded up to a warpgroup) x 32 threads x 168 <= 65,536
+MAXNREG = 168
+
+__all__ = ["available", "supported", "eligible", "gluon_attention_fwd", "BLOCK_M", "BLOCK_N"]
+
+
+def available() -> bool:
+    """Whether this Triton has Gluon's Hopper API."""
+    return gluon is not None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _producer(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  RETURN_LSE: gl.constexpr):
+        """TMA loads: the two query halves, then key and value tiles ``0 .. n_tiles``
+        into their rings. An ``empty`` barrier starts out with its phase 1 complete, so
+        the first ``STAGES`` waits pass at once; each slot is released by both consumer
+        warpgroups (count 2)."""
+        q_desc, k_desc, v_desc, o_desc = descs
+        q_bufs, k_bufs, v_bufs = bufs
+        q_bar, k_ready, k_empty, v_ready, v_empty = bars
+        b, hq, hk, q0, q_len, kv_len, n_tiles, mask_from, qk_scale, LSE, stride_lb, stride_lh = geo
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, hq, q0, 0], q_bar, q_bufs.index(0))
+        tma.async_copy_global_to_shared(q_desc, [b, hq, q0 + BLOCK_M // 2, 0], q_bar,
+                                        q_bufs.index(1))
+        for j in range(n_tiles):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0],
+                                            k_ready.index(slot), k_bufs.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0],
+                                            v_ready.index(slot), v_bufs.index(slot))
+
+    @gluon.jit
+    def _masked(s, j, mask_from, last_key, cols, kv_len,
+                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """``s`` with invisible keys at ``-inf`` on tiles ``j >= mask_from`` (the ragged
+        last tile, and the causal diagonal: key ``c`` visible to row ``r`` iff ``c <=
+        last_key[r] = r + Nk - Nq``)."""
+        if j >= mask_from:
+            c = j * BLOCK_N + cols
+            ok = c[None, :] < kv_len
+            if CAUSAL:
+                ok = ok & (c[None, :] <= last_key[:, None])
+            s = gl.where(ok, s, -float("inf"))
+        return s
+
+    @gluon.jit
+    def _consumer(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  RETURN_LSE: gl.constexpr, WG: gl.constexpr):
+        """One warpgroup's 64 query rows (half ``WG`` of the tile): fold key tiles ``0 ..
+        n_tiles`` (``>= 1``) into ``(acc, l, m)`` -- base-2 maxima ``m`` of ``qk *
+        qk_scale``, ``l = sum 2^(s - m)``, ``acc = sum 2^(s - m) v`` -- with ``P V`` of
+        tile ``j - 1`` running while the softmax of tile ``j`` is computed; then write
+        ``o = acc / l`` (through shared memory and a TMA store) and the LSE."""
+        q_desc, k_desc, v_desc, o_desc = descs
+        q_bufs, k_bufs, v_bufs = bufs
+        q_bar, k_ready, k_empty, v_ready, v_empty = bars
+        b, hq, hk, q0, q_len, kv_len, n_tiles, mask_from, qk_scale, LSE, stride_lb, stride_lh = geo
+        HALF: gl.constexpr = BLOCK_M // 2
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+        causal_off = kv_len - q_len
+        r0 = q0 + WG * HALF
+        rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+        last_key = rows + causal_off
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+        q_smem = q_bufs.index(WG)
+        q = q_smem.reshape([HALF, HEAD_DIM])
+        mbarrier.wait(q_bar, 0)
+
+        # tile 0: S, then its softmax (nothing to overlap with yet)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                          s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        s = _masked(s, 0, mask_from, last_key, cols, kv_len, BLOCK_N, CAUSAL)
+        m = gl.max(s, 1) * qk_scale
+        m_use = gl.where(m == -float("inf"), 0.0, m)
+        p = gl.exp2(s * qk_scale - m_use[:, None])
+        l = gl.sum(p, 1)
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+
+        for j in range(1, n_tiles):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                              s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            pa = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(pa, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
+                                is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            s = _masked(s, j, mask_from, last_key, cols, kv_len, BLOCK_N, CAUSAL)
+            m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
+            m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_use)
+            p = gl.exp2(s * qk_scale - m_use[:, None])
+            l = l * alpha + gl.sum(p, 1)
+            m = m_new
+            acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+        last = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+        pa = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(pa, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
+                            is_async=True)
+        acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+        # epilogue: o = acc / l (0 for a row with no visible key), lse in natural log;
+        # this half's query tile is no longer read, so it stages the output
+        l_o = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
+        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+        q.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, hq, r0, 0], q_smem)
+        if RETURN_LSE:
+            lse = gl.where(l == 0.0, -float("inf"), (m + gl.log2(l)) * 0.6931471805599453)
+            gl.store(LSE + b.to(gl.int64) * stride_lb + hq * stride_lh + rows, lse,
+                     mask=rows < q_len)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer0(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   RETURN_LSE: gl.constexpr):
+        _consumer(descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                  RETURN_LSE, 0)
+
+    @gluon.jit
+    def _consumer1(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   RETURN_LSE: gl.constexpr):
+        _consumer(descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                  RETURN_LSE, 1)
+
+    @gluon.jit
+    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
+                     q_len, kv_len, heads_q, group, qk_scale,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        """One program per (query tile, batch x query head); causal programs take the
+        heaviest query tiles first. Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``; ``num_warps=4``
+        (the first consumer warpgroup) plus the second consumer and the producer."""
+        n_m = gl.cdiv(q_len, BLOCK_M)
+        pid_m = gl.program_id(0)
+        if CAUSAL:
+            pid_m = n_m - 1 - pid_m
+        bh = gl.program_id(1)
+        b = bh // heads_q
+        hq = bh % heads_q
+        hk = hq // group
+        q0 = pid_m * BLOCK_M
+        causal_off = kv_len - q_len
+        if CAUSAL:
+            kv_end = gl.minimum(kv_len, q0 + BLOCK_M + causal_off)
+            mask_from = gl.minimum((q0 + causal_off + 1) // BLOCK_N, kv_len // BLOCK_N)
+        else:
+            kv_end = kv_len
+            mask_from = kv_len // BLOCK_N
+        n_tiles = gl.cdiv(kv_end, BLOCK_N)
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+
+        descs = (q_desc, k_desc, v_desc, o_desc)
+        bufs = (q_bufs, k_bufs, v_bufs)
+        bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
+        geo = (b, hq, hk, q0, q_len, kv_len, n_tiles, mask_from, qk_scale, LSE, stride_lb,
+               stride_lh)
+        gl.warp_specialize([
+            (_consumer0, (descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          RETURN_LSE)),
+            (_consumer1, (descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                          RETURN_LSE)),
+            (_producer, (descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                         RETURN_LSE)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_ready.index(i))
+            mbarrier.invalidate(k_empty.index(i))
+            mbarrier.invalidate(v_ready.index(i))
+            mbarrier.invalidate(v_empty.index(i))
+
+
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    es = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((s * es) % 16 == 0 for s in t.stride()[:-1]))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def supported(q, k, v, *, causal: bool = False, scale: float | None = None) -> bool:
+    """Whether the kernel's scope covers these tensors, whatever their device: fp16/bf16,
+    ``(B, H, N, D)`` with ``D`` 64 or 128 for q, k and v, ``Hq % Hk == 0``, non-empty,
+    ``Nq <= Nk`` when causal (every row sees a key), ``scale > 0``, TMA-compatible strides
+    and addresses (unit last stride, the others and the base 16-byte aligned)."""
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[-1] not in (64, 128) \
+            or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return False
+    if scale is not None and not scale > 0:
+        return False
+    nq, nk = q.shape[2], k.shape[2]
+    if q.shape[0] == 0 or q.shape[1] == 0 or nq == 0 or nk == 0 or (causal and nq > nk):
+        return False
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        return False
+    return all(_tma_ok(t) for t in (q, k, v))
+
+
+def eligible(q, k, v, *, causal: bool = False, scale: float | None = None) -> bool:
+    """:func:`supported`, on an sm_90 GPU, with Gluon present and ``FLASHFOLD_GLUON`` not
+    ``0`` (the caller rules out windows, softcap, mods and varlen)."""
+    if gluon is None or not q.is_cuda or launcher.env("FLASHFOLD_GLUON") == "0":
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _is_sm90(index) and supported(q, k, v, causal=causal, scale=scale)
+
+
+def _desc(t: torch.Tensor, rows: int):
+    d = t.shape[-1]
+    block = [1, 1, rows, d]
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
+    return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        causal: bool = False, scale: float | None = None,
+                        return_lse: bool = False, out: torch.Tensor | None = None,
+                        lse: torch.Tensor | None = None, launch: bool = True,
+                        stages: int = STAGES, block_n: int = BLOCK_N):
+    """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k, v (B, Hk, Nk, D)``: ``o (B, Hq, Nq, D)``
+    in the input dtype, ``lse (B, Hq, Nq)`` float32 natural log (``None`` without
+    ``return_lse``). ``out`` / ``lse``: contiguous buffers to write (else allocated).
+    The caller checks :func:`eligible`. ``launch=False`` returns the kernel, its grid,
+    positional and keyword arguments instead (compile checks)."""
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    o = torch.empty((B, Hq, Nq, D), device=q.device, dtype=q.dtype) if out is None else out
+    if return_lse and lse is None:
+        lse = torch.empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
+    if not return_lse:
+        lse = None
+    lse_arg = lse if return_lse else o
+    args = (_desc(q, BLOCK_M // 2), _desc(k, block_n), _desc(v, block_n),
+            _desc(o, BLOCK_M // 2), lse_arg,
+            lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
+            Nq, Nk, Hq, Hq // Hk, float(scale) * LOG2E)
+    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
+                  CAUSAL=bool(causal), RETURN_LSE=bool(return_lse),
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+                  maxnreg=MAXNREG)
+    grid = (-(-Nq // BLOCK_M), B * Hq)
+    if not launch:
+        return _attn_fwd_ws, grid, args, kwargs
+    launcher.launch(_attn_fwd_ws, grid, args, kwargs)
+    return o, lse
