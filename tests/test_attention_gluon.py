@@ -3,8 +3,8 @@
 On the CPU (CI): its scope (:func:`supported`), the dispatch from
 :func:`flashfold.attention`, and every variant through the real compiler for sm_90 in a
 subprocess without ``TRITON_INTERPRET``: it compiles, is warp-specialized (``setmaxnreg``),
-loads through TMA, multiplies with ``wgmma``, fits shared memory, and no named barrier
-spans both consumer warpgroups (the first version synchronized all 8 consumer warps at
+loads through TMA, multiplies with ``wgmma``, fits shared memory, keeps its key loops
+free of local memory, and no named barrier spans both consumer warpgroups (the first version synchronized all 8 consumer warps at
 every mbarrier arrive, which held the two warpgroups in lockstep: 0.80-0.87x cuDNN at
 head_dim 128 against 0.98-1.07x with one barrier per warpgroup; ``benchmarks/RESULTS.md``).
 Gluon kernels have no interpreter mode, so the numerics are checked on the GPU (marked
@@ -35,9 +35,28 @@ VARIANTS = [("d64", 64, False, False, "bfloat16"), ("d64-causal-lse", 64, True, 
             ("d128-causal-lse", 128, True, True, "bfloat16")]
 
 
+def _key_loops(sass: str):
+    """``(start, end)`` addresses of the innermost loops that issue ``HGMMA`` (the key
+    loops) and the addresses of local-memory accesses, from ``cuobjdump -sass``. A loop
+    is a predicated branch back to an earlier address; unpredicated ones are the jumps
+    back from the out-of-line retries of mbarrier waits, not loops."""
+    ops = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
+    loops = []
+    for addr, op in ops:
+        m = re.match(r"@!?U?P\d\s+BRA\s+(0x[0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    mma = [a for a, op in ops if "HGMMA" in op]
+    with_mma = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi for a in mma)]
+    inner = [(lo, hi) for lo, hi in with_mma
+             if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in with_mma)]
+    local = [a for a, op in ops if re.search(r"\b(LDL|STL)\b", op)]
+    return inner, local
+
+
 def _compile_all():
     """Worker: compile every variant, one JSON line each."""
-    from flashfold.kernels.aot import compile_launch
+    from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_fwd as G
 
     for vid, d, causal, lse, dtype in VARIANTS:
@@ -48,11 +67,14 @@ def _compile_all():
                                                            return_lse=lse, launch=False)
             c = compile_launch(kernel, args, kwargs)
             bars = sorted(set(re.findall(r"bar\.sync\s+\d+,\s*(\d+)", c.ptx)))
+            loops, local = _key_loops(_run_on_cubin(c.cubin, "-sass"))
             print(json.dumps(dict(
                 id=vid, ok=True, regs=c.registers, spill=c.resources()["spill_stores"],
                 smem=c.shared, tma=c.uses_tma, wgmma=c.uses_wgmma,
                 setmaxnreg=sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", c.ptx)))),
-                bar_threads=[int(b) for b in bars])), flush=True)
+                bar_threads=[int(b) for b in bars], key_loops=loops,
+                local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)])),
+                flush=True)
         except Exception as e:  # reported, then asserted by the test
             print(json.dumps(dict(id=vid, ok=False, error=repr(e)[-2000:])), flush=True)
 
@@ -93,10 +115,13 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert r["smem"] <= SMEM_LIMIT, f"{vid}: {r['smem']} bytes of shared memory"
     # one named barrier per consumer warpgroup (128 threads), none across both
     assert r["bar_threads"] and all(t <= 128 for t in r["bar_threads"]), r["bar_threads"]
-    # measured: 0 bytes everywhere but d128 causal with the LSE, where the second consumer
-    # keeps one 32-bit value in local memory across its key loop (one store, one load
-    # per program)
-    assert r["spill"] <= 4, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
+    # the two consumers' key loops (innermost loops issuing wgmma) touch no local memory.
+    # Outside them the persistent kernel does spill at head_dim 128 (~20 loop-invariant
+    # words, stored once per program and reloaded once per work item, against >= 2 x 8
+    # HGMMA per key tile): allowed, and bounded here so that growth is seen
+    assert len(r["key_loops"]) == 2, r["key_loops"]
+    assert not r["local_in_loops"], f"{vid}: local memory in the key loop at {r['local_in_loops']}"
+    assert r["spill"] <= 256, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
 
 
 # --- scope and dispatch (CPU) -------------------------------------------------------------
@@ -127,6 +152,15 @@ def test_scope():
     assert supported(odd, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))
     odd = torch.randn(1, 4, 256, 129, dtype=torch.bfloat16)[..., :128]
     assert not supported(odd, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))
+
+
+def test_persistent_rule():
+    """Dense calls always run persistent; causal ones while a round of ``sms`` work items
+    spans at least 4 heads (132 SMs: N <= 4K at 128-row tiles)."""
+    from flashfold.kernels.attention.gluon_fwd import persistent_default
+    assert persistent_default(False, 128, 132) and persistent_default(False, 1, 132)
+    assert persistent_default(True, 8, 132) and persistent_default(True, 33, 132)
+    assert not persistent_default(True, 34, 132) and not persistent_default(True, 128, 132)
 
 
 def test_not_on_cpu_tensors():
@@ -187,8 +221,10 @@ def _naive_lowp(q, k, v, causal, scale):
     return torch.softmax(s.float(), -1).to(q.dtype) @ v
 
 
+#: (B, Hq, Hk, Nq, Nk); the last two have more work items than SMs (persistent rounds)
 CASES = [(1, 1, 1, 1, 1), (2, 4, 4, 17, 17), (1, 2, 1, 113, 113), (2, 4, 2, 1000, 1000),
-         (1, 2, 2, 2049, 2049), (1, 2, 1, 100, 1000), (1, 1, 1, 128, 4096), (1, 3, 3, 256, 300)]
+         (1, 2, 2, 2049, 2049), (1, 2, 1, 100, 1000), (1, 1, 1, 128, 4096), (1, 3, 3, 256, 300),
+         (4, 16, 4, 1000, 1000), (3, 40, 8, 700, 1500)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
@@ -217,6 +253,22 @@ def test_gpu_flash_criterion(case, D, causal, dtype):
     assert torch.isfinite(o).all()
     assert err <= 2 * naive + 1e-5, f"err {err:.2e} > 2 x naive {naive:.2e}"
     assert (lse.double() - rl).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_equals_one_program_per_item():
+    """The two grids run the same per-item code: bit-identical outputs, dense and causal,
+    with several rounds per program."""
+    _needs_sm90()
+    from flashfold.kernels.attention.gluon_fwd import gluon_attention_fwd
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(3, 40, 700, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(3, 8, 1500, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    for causal in (False, True):
+        a = gluon_attention_fwd(q, k, v, causal=causal, return_lse=True, persistent=True)
+        b = gluon_attention_fwd(q, k, v, causal=causal, return_lse=True, persistent=False)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.gpu

@@ -4,15 +4,19 @@ Same math as :mod:`.fwd` (the ATTENTION monoid's state ``(m, l, acc)`` in base 2
 rescale pivot, ``o = acc / l``, ``lse = (m + log2 l) ln 2``), with the schedule of
 FlashAttention-3 written out explicitly, which Triton 3.6 does not derive from the
 ``tl.dot`` kernel on sm_90 (see ``benchmarks/RESULTS.md``, "Open problems for the forward
-on Hopper"):
+on Hopper"). Three partitions per program (``gl.warp_specialize``):
 
-* **a producer warp** (``_producer``, 24 registers) issues every TMA load: the query tile
-  once, then key and value tiles into ``STAGES``-deep rings, each slot guarded by a
-  ``ready`` mbarrier (TMA bytes arrived) and an ``empty`` one (the consumers' ``wgmma``
-  that read it has completed);
-* **two consumer warpgroups** (the default partition, 8 warps, 64 query rows each of a
-  ``BLOCK_M = 128`` tile; ~240 registers) never issue a global load. Per key tile ``j``
-  they overlap the tensor cores with the softmax *inside* each warpgroup:
+* **a producer warp** (``_producer``, 24 registers) issues every TMA load: a work item's
+  two 64-row query halves, then its key and value tiles into ``STAGES``-deep rings, each
+  slot guarded by a ``ready`` mbarrier (TMA bytes arrived) and an ``empty`` one (both
+  consumers' ``wgmma`` that read it have completed, count 2);
+* **two consumer warpgroups** (``_consumer``: the default partition and a worker, 4 warps
+  and 240 registers each, 64 query rows each of a ``BLOCK_M = 128`` tile) never issue a
+  global load. They are separate partitions so that each synchronizes only its own 128
+  threads: in one 8-warp partition every mbarrier arrive came with a barrier over both
+  warpgroups, which held them in lockstep (0.80-0.87x cuDNN at head_dim 128, against
+  0.98-1.07x split). Per key tile ``j`` each overlaps its tensor-core work with its
+  softmax:
 
   .. code-block:: text
 
@@ -22,19 +26,26 @@ on Hopper"):
       m, l, P_j from S_j             (exp2 on the SFU while the PV wgmma runs)
       wait until PV is done; acc *= alpha_j
 
-  so the exponentials of tile ``j`` run under the ``P V`` product of tile ``j - 1``.
+  then writes ``o = acc / l`` through its own shared-memory buffer and a TMA store.
+
+Work items are query tiles ``(bh, m)``. A grid of one program per SM takes them in
+rounds (persistent): the producer loads the next item's query tile once both consumers
+have computed the last ``S`` of the previous one (``q_empty``), so loads overlap the
+epilogue. Causal items differ in cost, and long causal sequences run one program per
+item instead (:func:`persistent_default`).
 
 Scope (the dispatcher in :mod:`.fwd` sends everything else to the Triton template):
 fp16/bf16, head_dim 64 or 128, dense or causal (bottom-right aligned, ``Nq <= Nk``),
-GQA, ``scale > 0``, no window, softcap, mods or varlen; ``q``, ``k``, ``v``, ``o`` as
-``(B, H, N, D)`` with unit last stride and 16-byte aligned strides (4-D TMA descriptors:
-rows past a head's end read as zero and are not written). Returns ``o (B, Hq, Nq, D)``
-in the input dtype and ``lse (B, Hq, Nq)`` float32.
+GQA, ``scale > 0``, no window, softcap, mods or varlen; ``q``, ``k``, ``v`` as ``(B, H,
+N, D)`` with unit last stride and 16-byte aligned strides (4-D TMA descriptors: rows past
+a head's end read as zero and are not written). Returns ``o (B, Hq, Nq, D)`` contiguous
+in the input dtype and ``lse (B, Hq, Nq)`` float32. ``FLASHFOLD_GLUON=0`` turns the
+path off.
 
 GPU only: Gluon kernels have no interpreter mode. The CPU suite compiles every variant
-for sm_90 (``tests/test_attention_gluon.py``: warp specialization, TMA, wgmma, no spills);
-correctness against the float64 reference runs on the H200 (``tests/test_attention_gpu.py``,
-``benchmarks/attention.py``).
+for sm_90 (``tests/test_attention_gluon.py``: warp specialization, TMA, wgmma, per-
+warpgroup barriers, key loops free of local memory); correctness against float64 runs
+on the H200 (the same file's ``gpu`` tests, ``benchmarks/attention.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +75,9 @@ BLOCK_M = 128
 BLOCK_N = 128
 #: depth of the key and value rings
 STAGES = 2
+#: causal calls run persistent while a round of work items spans at least this many
+#: heads (see :func:`persistent_default`)
+CAUSAL_HEADS_PER_ROUND = 4
 #: registers of the second consumer warpgroup (a worker partition; the first, the
 #: default partition, gets what the cap leaves: (168 * 12 - 240 * 4 - 24 * 4) / 4 = 240)
 CONSUMER_REGS = 240
@@ -73,7 +87,8 @@ PRODUCER_REGS = 24
 #: warp rounded up to a warpgroup) x 32 threads x 168 <= 65,536
 MAXNREG = 168
 
-__all__ = ["available", "supported", "eligible", "gluon_attention_fwd", "BLOCK_M", "BLOCK_N"]
+__all__ = ["available", "supported", "eligible", "gluon_attention_fwd", "persistent_default",
+           "BLOCK_M", "BLOCK_N"]
 
 
 def available() -> bool:
@@ -84,32 +99,81 @@ def available() -> bool:
 if gluon is not None:
 
     @gluon.jit
-    def _producer(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _items(shape, bh_total):
+        """``(count, rounds)``: the work items and how many of them this program takes.
+        Program ``p`` of ``G`` takes one item per round ``i``: item ``i G + p`` in even
+        rounds and ``i G + G - 1 - p`` in odd ones (a snake: with items ordered heaviest
+        first, each program's sum of work evens out), while the item exists."""
+        count = shape[4] * bh_total
+        G = gl.num_programs(0)
+        p = gl.program_id(0)
+        rounds = gl.cdiv(count, G)
+        last = rounds - 1
+        slot = gl.where(last % 2 == 0, p, G - 1 - p)
+        return count, gl.where(last * G + slot < count, rounds, last)
+
+    @gluon.jit
+    def _tile(i, shape, bh_total, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              CAUSAL: gl.constexpr):
+        """This program's item of round ``i`` (see :func:`_items`): query tile ``m`` of head
+        ``(b, hq)``, its key/value head ``hk``, first row ``q0``, key tiles ``n_kv`` and
+        the first tile that needs masking. Items are numbered head-major, ``t = bh * n_m +
+        m'``: the query tiles of a head together, so that the programs running at once
+        share its keys and values in L2, with ``m' = m`` or, causal, ``n_m - 1 - m``
+        (heaviest first)."""
+        q_len, kv_len, heads_q, group, n_m = shape
+        G = gl.num_programs(0)
+        p = gl.program_id(0)
+        t = i * G + gl.where(i % 2 == 0, p, G - 1 - p)
+        m = t % n_m
+        if CAUSAL:
+            m = n_m - 1 - m
+        bh = t // n_m
+        b = bh // heads_q
+        hq = bh % heads_q
+        q0 = m * BLOCK_M
+        causal_off = kv_len - q_len
+        if CAUSAL:
+            kv_end = gl.minimum(kv_len, q0 + BLOCK_M + causal_off)
+            mask_from = gl.minimum((q0 + causal_off + 1) // BLOCK_N, kv_len // BLOCK_N)
+        else:
+            kv_end = kv_len
+            mask_from = kv_len // BLOCK_N
+        return b, hq, hq // group, q0, gl.cdiv(kv_end, BLOCK_N), mask_from
+
+    @gluon.jit
+    def _producer(descs, bufs, bars, shape, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   RETURN_LSE: gl.constexpr):
-        """TMA loads: the two query halves, then key and value tiles ``0 .. n_tiles``
-        into their rings. An ``empty`` barrier starts out with its phase 1 complete, so
-        the first ``STAGES`` waits pass at once; each slot is released by both consumer
-        warpgroups (count 2)."""
+        """TMA loads, work item after work item: the two query halves (once both consumer
+        warpgroups have released the previous ones: ``q_empty``), then key and value
+        tiles into their rings, whose slot and phase count on across items. An ``empty``
+        barrier starts out with its phase 1 complete, so the first waits pass at once;
+        each slot is released by both consumer warpgroups (count 2)."""
         q_desc, k_desc, v_desc, o_desc = descs
-        q_bufs, k_bufs, v_bufs = bufs
-        q_bar, k_ready, k_empty, v_ready, v_empty = bars
-        b, hq, hk, q0, q_len, kv_len, n_tiles, mask_from, qk_scale, LSE, stride_lb, stride_lh = geo
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, hq, q0, 0], q_bar, q_bufs.index(0))
-        tma.async_copy_global_to_shared(q_desc, [b, hq, q0 + BLOCK_M // 2, 0], q_bar,
-                                        q_bufs.index(1))
-        for j in range(n_tiles):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_empty.index(slot), phase ^ 1)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0],
-                                            k_ready.index(slot), k_bufs.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0],
-                                            v_ready.index(slot), v_bufs.index(slot))
+        q_bufs, o_bufs, k_bufs, v_bufs = bufs
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+        _, rounds = _items(shape, out[4])
+        it = 0
+        for i in range(rounds):
+            b, hq, hk, q0, n_kv, mask_from = _tile(i, shape, out[4], BLOCK_M, BLOCK_N, CAUSAL)
+            mbarrier.wait(q_empty, (i & 1) ^ 1)
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, hq, q0, 0], q_ready, q_bufs.index(0))
+            tma.async_copy_global_to_shared(q_desc, [b, hq, q0 + BLOCK_M // 2, 0], q_ready,
+                                            q_bufs.index(1))
+            for j in range(n_kv):
+                slot = (it + j) % STAGES
+                phase = ((it + j) // STAGES) & 1
+                mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0],
+                                                k_ready.index(slot), k_bufs.index(slot))
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0],
+                                                v_ready.index(slot), v_bufs.index(slot))
+            it += n_kv
 
     @gluon.jit
     def _masked(s, j, mask_from, last_key, cols, kv_len,
@@ -126,18 +190,19 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _consumer(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _consumer(descs, bufs, bars, shape, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   RETURN_LSE: gl.constexpr, WG: gl.constexpr):
-        """One warpgroup's 64 query rows (half ``WG`` of the tile): fold key tiles ``0 ..
-        n_tiles`` (``>= 1``) into ``(acc, l, m)`` -- base-2 maxima ``m`` of ``qk *
+        """One warpgroup's 64 query rows (half ``WG``) of each work item: fold key tiles
+        ``0 .. n_kv`` (``>= 1``) into ``(acc, l, m)`` -- base-2 maxima ``m`` of ``qk *
         qk_scale``, ``l = sum 2^(s - m)``, ``acc = sum 2^(s - m) v`` -- with ``P V`` of
         tile ``j - 1`` running while the softmax of tile ``j`` is computed; then write
-        ``o = acc / l`` (through shared memory and a TMA store) and the LSE."""
+        ``o = acc / l`` (staged in this half's output buffer, TMA store) and the LSE."""
         q_desc, k_desc, v_desc, o_desc = descs
-        q_bufs, k_bufs, v_bufs = bufs
-        q_bar, k_ready, k_empty, v_ready, v_empty = bars
-        b, hq, hk, q0, q_len, kv_len, n_tiles, mask_from, qk_scale, LSE, stride_lb, stride_lh = geo
+        q_bufs, o_bufs, k_bufs, v_bufs = bufs
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+        q_len, kv_len, heads_q, group, n_m = shape
+        LSE, stride_lb, stride_lh, qk_scale, bh_total = out
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -145,125 +210,121 @@ if gluon is not None:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-        causal_off = kv_len - q_len
-        r0 = q0 + WG * HALF
-        rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-        last_key = rows + causal_off
+        q = q_bufs.index(WG).reshape([HALF, HEAD_DIM])
+        o_smem = o_bufs.index(WG)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
-        q_smem = q_bufs.index(WG)
-        q = q_smem.reshape([HALF, HEAD_DIM])
-        mbarrier.wait(q_bar, 0)
 
-        # tile 0: S, then its softmax (nothing to overlap with yet)
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                          s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        mbarrier.arrive(k_empty.index(0), count=1)
-        s = _masked(s, 0, mask_from, last_key, cols, kv_len, BLOCK_N, CAUSAL)
-        m = gl.max(s, 1) * qk_scale
-        m_use = gl.where(m == -float("inf"), 0.0, m)
-        p = gl.exp2(s * qk_scale - m_use[:, None])
-        l = gl.sum(p, 1)
-        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        _, rounds = _items(shape, bh_total)
+        it = 0
+        for i in range(rounds):
+            b, hq, hk, q0, n_kv, mask_from = _tile(i, shape, bh_total, BLOCK_M, BLOCK_N,
+                                                   CAUSAL)
+            r0 = q0 + WG * HALF
+            rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+            last_key = rows + (kv_len - q_len)
+            mbarrier.wait(q_ready, i & 1)
 
-        for j in range(1, n_tiles):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            # key tile 0: S, then its softmax (nothing to overlap with yet)
+            slot = it % STAGES
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
             s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                               s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            pa = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(pa, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
-                                is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
+            s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(slot), count=1)
-            s = _masked(s, j, mask_from, last_key, cols, kv_len, BLOCK_N, CAUSAL)
-            m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
-            m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_use)
+            s = _masked(s, 0, mask_from, last_key, cols, kv_len, BLOCK_N, CAUSAL)
+            m = gl.max(s, 1) * qk_scale
+            m_use = gl.where(m == -float("inf"), 0.0, m)
             p = gl.exp2(s * qk_scale - m_use[:, None])
-            l = l * alpha + gl.sum(p, 1)
-            m = m_new
+            l = gl.sum(p, 1)
+            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+
+            for j in range(1, n_kv):
+                slot = (it + j) % STAGES
+                prev = (it + j - 1) % STAGES
+                mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
+                s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                                  s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+                pa = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(pa, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
+                                    is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                s = _masked(s, j, mask_from, last_key, cols, kv_len, BLOCK_N, CAUSAL)
+                m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
+                m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+                alpha = gl.exp2(m - m_use)
+                p = gl.exp2(s * qk_scale - m_use[:, None])
+                l = l * alpha + gl.sum(p, 1)
+                m = m_new
+                acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+            # every S of this item is done: the producer may load the next query tile
+            mbarrier.arrive(q_empty, count=1)
+            last = (it + n_kv - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((it + n_kv - 1) // STAGES) & 1)
+            pa = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(pa, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
+                                is_async=True)
             acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            mbarrier.arrive(v_empty.index(last), count=1)
+            it += n_kv
 
-        last = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-        pa = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(pa, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
-                            is_async=True)
-        acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
-        mbarrier.arrive(v_empty.index(last), count=1)
-
-        # epilogue: o = acc / l (0 for a row with no visible key), lse in natural log;
-        # this half's query tile is no longer read, so it stages the output
-        l_o = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
-        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-        q.store(o.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, hq, r0, 0], q_smem)
-        if RETURN_LSE:
-            lse = gl.where(l == 0.0, -float("inf"), (m + gl.log2(l)) * 0.6931471805599453)
-            gl.store(LSE + b.to(gl.int64) * stride_lb + hq * stride_lh + rows, lse,
-                     mask=rows < q_len)
+            # epilogue: o = acc / l (0 for a row with no visible key), lse in natural log
+            l_o = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
+            o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+            tma.store_wait(0)                  # the previous item's store has read o_smem
+            o_smem.reshape([HALF, HEAD_DIM]).store(o.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [b, hq, r0, 0], o_smem)
+            if RETURN_LSE:
+                lse = gl.where(l == 0.0, -float("inf"), (m + gl.log2(l)) * 0.6931471805599453)
+                gl.store(LSE + b.to(gl.int64) * stride_lb + hq * stride_lh + rows, lse,
+                         mask=rows < q_len)
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer0(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _consumer0(descs, bufs, bars, shape, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    RETURN_LSE: gl.constexpr):
-        _consumer(descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+        _consumer(descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                   RETURN_LSE, 0)
 
     @gluon.jit
-    def _consumer1(descs, bufs, bars, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _consumer1(descs, bufs, bars, shape, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    RETURN_LSE: gl.constexpr):
-        _consumer(descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+        _consumer(descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                   RETURN_LSE, 1)
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
-                     q_len, kv_len, heads_q, group, qk_scale,
+                     q_len, kv_len, heads_q, group, bh_total, qk_scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        """One program per (query tile, batch x query head); causal programs take the
-        heaviest query tiles first. Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``; ``num_warps=4``
-        (the first consumer warpgroup) plus the second consumer and the producer."""
-        n_m = gl.cdiv(q_len, BLOCK_M)
-        pid_m = gl.program_id(0)
-        if CAUSAL:
-            pid_m = n_m - 1 - pid_m
-        bh = gl.program_id(1)
-        b = bh // heads_q
-        hq = bh % heads_q
-        hk = hq // group
-        q0 = pid_m * BLOCK_M
-        causal_off = kv_len - q_len
-        if CAUSAL:
-            kv_end = gl.minimum(kv_len, q0 + BLOCK_M + causal_off)
-            mask_from = gl.minimum((q0 + causal_off + 1) // BLOCK_N, kv_len // BLOCK_N)
-        else:
-            kv_end = kv_len
-            mask_from = kv_len // BLOCK_N
-        n_tiles = gl.cdiv(kv_end, BLOCK_N)
-
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
+        """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
+        programs: one item each when ``G`` is the item count, else persistent (``G`` =
+        the SM count; rounds in a snake order, :func:`_items`), where the producer loads
+        the next item while the consumers finish the last one. ``num_warps=4`` (the
+        first consumer warpgroup) plus the second consumer and the producer."""
         dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        o_bufs = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)
@@ -271,19 +332,20 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=2)
 
         descs = (q_desc, k_desc, v_desc, o_desc)
-        bufs = (q_bufs, k_bufs, v_bufs)
-        bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
-        geo = (b, hq, hk, q0, q_len, kv_len, n_tiles, mask_from, qk_scale, LSE, stride_lb,
-               stride_lh)
+        bufs = (q_bufs, o_bufs, k_bufs, v_bufs)
+        bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+        shape = (q_len, kv_len, heads_q, group, gl.cdiv(q_len, BLOCK_M))
+        out = (LSE, stride_lb, stride_lh, qk_scale, bh_total)
         gl.warp_specialize([
-            (_consumer0, (descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          RETURN_LSE)),
-            (_consumer1, (descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                          RETURN_LSE)),
-            (_producer, (descs, bufs, bars, geo, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                         RETURN_LSE)),
+            (_consumer0, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                          CAUSAL, RETURN_LSE)),
+            (_consumer1, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                          CAUSAL, RETURN_LSE)),
+            (_producer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                         CAUSAL, RETURN_LSE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        mbarrier.invalidate(q_bar)
+        mbarrier.invalidate(q_ready)
+        mbarrier.invalidate(q_empty)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(k_empty.index(i))
@@ -334,6 +396,22 @@ def eligible(q, k, v, *, causal: bool = False, scale: float | None = None) -> bo
     return _is_sm90(index) and supported(q, k, v, causal=causal, scale=scale)
 
 
+def persistent_default(causal: bool, n_m: int, sms: int) -> bool:
+    """Whether a call runs persistent (one program per SM taking work items in snake
+    rounds) rather than one program per item (the hardware's block scheduler then
+    balances the items as they finish).
+
+    Dense items all cost the same: persistent (H200, head_dim 128: +5-12% at N = 1K-16K,
+    the next item's loads overlapping the last one's epilogue). Causal items cost ``m + 1``
+    key tiles: a head contributes a sawtooth of weights ``n_m .. 1`` and the snake evens
+    out a program's sum only when one round (``sms`` items) spans several heads. Measured
+    (``benchmarks/RESULTS.md``, "Gluon forward"): at 4K (``n_m = 32``, 4 heads per round)
+    persistent 564-571 TFLOP/s against 493-513 per item; at 16K (``n_m = 128``, one head
+    per round) 467-472 against 580-618. So causal calls go persistent while ``sms >=
+    CAUSAL_HEADS_PER_ROUND * n_m``."""
+    return not causal or sms >= CAUSAL_HEADS_PER_ROUND * n_m
+
+
 def _desc(t: torch.Tensor, rows: int):
     d = t.shape[-1]
     block = [1, 1, rows, d]
@@ -345,7 +423,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         causal: bool = False, scale: float | None = None,
                         return_lse: bool = False, out: torch.Tensor | None = None,
                         lse: torch.Tensor | None = None, launch: bool = True,
-                        stages: int = STAGES, block_n: int = BLOCK_N):
+                        stages: int = STAGES, block_n: int = BLOCK_N,
+                        persistent: bool | None = None):
     """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k, v (B, Hk, Nk, D)``: ``o (B, Hq, Nq, D)``
     in the input dtype, ``lse (B, Hq, Nq)`` float32 natural log (``None`` without
     ``return_lse``). ``out`` / ``lse``: contiguous buffers to write (else allocated).
@@ -364,12 +443,16 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     args = (_desc(q, BLOCK_M // 2), _desc(k, block_n), _desc(v, block_n),
             _desc(o, BLOCK_M // 2), lse_arg,
             lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
-            Nq, Nk, Hq, Hq // Hk, float(scale) * LOG2E)
+            Nq, Nk, Hq, Hq // Hk, B * Hq, float(scale) * LOG2E)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
                   CAUSAL=bool(causal), RETURN_LSE=bool(return_lse),
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                   maxnreg=MAXNREG)
-    grid = (-(-Nq // BLOCK_M), B * Hq)
+    n_m = -(-Nq // BLOCK_M)
+    sms = launcher.sm_count(q.device) if q.is_cuda else 132
+    if persistent is None:
+        persistent = persistent_default(causal, n_m, sms)
+    grid = (min(n_m * B * Hq, sms) if persistent else n_m * B * Hq,)
     if not launch:
         return _attn_fwd_ws, grid, args, kwargs
     launcher.launch(_attn_fwd_ws, grid, args, kwargs)
