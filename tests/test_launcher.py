@@ -348,3 +348,71 @@ def test_device_facts_are_read_once_per_device(monkeypatch):
         assert reads == [0, 1]
     finally:
         L._properties.cache_clear()
+
+
+# --- memos: the launch resolved once for the replays of a cached plan ---------------------
+
+@pytest.fixture
+def keys(monkeypatch):
+    """The calls that built a key."""
+    made = []
+    key = L._key
+
+    def counting(*args):
+        made.append(args[0])
+        return key(*args)
+
+    monkeypatch.setattr(L, "_key", counting)
+    return made
+
+
+def test_a_memo_keeps_the_launch_and_skips_the_key(log, keys):
+    memo = [None]
+    L.launch(_k, (3, 2), (buf(), buf(), 100, 5, 0.5), dict(BLOCK=32, num_warps=4), memo)
+    assert memo[0] is not None                       # kept from the compiling call
+    x, y = buf(), buf()
+    L.launch(_k, (3, 2), (x, y, 100, 5, 0.25), dict(BLOCK=32, num_warps=4), memo)
+    assert [c[0] for c in log] == ["slow", "fast"] and len(keys) == 1
+    assert log[-1][1] == (3, 2, 1, 1234, "fn", "meta", None, None, None, x, y, 100, 5, 0.25,
+                          32, 0, 7)
+    fresh = [None]                                   # a memo from a hit of the key cache
+    L.launch(_k, (1,), (buf(), buf(), 100, 5, 0.5), dict(BLOCK=32, num_warps=4), fresh)
+    L.launch(_k, (1,), (buf(), buf(), 100, 5, 0.5), dict(BLOCK=32, num_warps=4), fresh)
+    assert [c[0] for c in log] == ["slow", "fast", "fast", "fast"] and len(keys) == 2
+
+
+def _hook(metadata):
+    pass
+
+
+@pytest.mark.parametrize("change", ["cache cleared", "other device", "other kernel",
+                                    "launcher off", "launch hook"])
+def test_a_memo_is_not_used_when_the_launch_could_differ(log, keys, monkeypatch, change):
+    from triton import knobs
+    memo = [None]
+    args, kwargs, kernel = (buf(), buf(), 96, 5, 0.5), dict(BLOCK=32), _k
+    L.launch(kernel, (1,), args, kwargs, memo)
+    L.launch(kernel, (1,), args, kwargs, memo)
+    assert [c[0] for c in log] == ["slow", "fast"] and len(keys) == 1
+    hooked = False
+    if change == "cache cleared":
+        L.cache_clear()
+    elif change == "other device":
+        monkeypatch.setattr(FakeDriver.active, "get_current_device", staticmethod(lambda: 1))
+    elif change == "other kernel":
+        kernel, args = _other, (buf(),)
+    elif change == "launcher off":
+        monkeypatch.setattr(L, "enabled", lambda: False)
+    else:
+        knobs.runtime.launch_enter_hook.add(_hook)
+        hooked = True
+    try:
+        L.launch(kernel, (1,), args, kwargs, memo)
+    finally:
+        if hooked:
+            knobs.runtime.launch_enter_hook.remove(_hook)
+    assert log[-1][0] == "slow"                      # a new key (or Triton's path)
+    if change in ("cache cleared", "other device", "other kernel"):
+        assert len(keys) == 2
+        L.launch(kernel, (1,), args, kwargs, memo)   # ... kept for the next call
+        assert log[-1][0] == "fast" and len(keys) == 2

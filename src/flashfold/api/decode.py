@@ -35,7 +35,10 @@ graph); on the CPU the pure-torch reference of :mod:`flashfold.kernels.decode.re
 runs (float32 accumulation; float64 inputs in float64), with the same semantics.
 Environment: ``FLASHFOLD_DECODE_TMA=1`` reads K/V through TMA boxes instead of ``cp.async``
 pointers (where the cache allows), ``FLASHFOLD_DECODE_PDL=0`` launches the merge without
-programmatic dependent launch (both for measurement; the values do not change).
+programmatic dependent launch (both for measurement; the values do not change),
+``FLASHFOLD_PLAN_CACHE=0`` plans every call anew (by default a repeated call signature
+replays its launches, its tensor checks included: see the "Plan cache" notes of
+:mod:`flashfold.kernels.decode.splitkv`).
 """
 
 from __future__ import annotations
@@ -196,6 +199,68 @@ def _number(x, name, positive=True):
     return float(x)
 
 
+def _options(head_dim, scale, softcap, window, num_splits, batch_invariant, max_seqlen):
+    """Validate the scalar options; returns ``(scale, softcap, window)`` normalized (the
+    scale's default ``1 / sqrt(head_dim)``)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _number(scale, "scale", False)
+    if scale == 0.0:
+        raise ValueError("scale: must be non-zero")
+    softcap = None if softcap is None else _number(softcap, "softcap")
+    win = _window(window)
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+            raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__}")
+        if not 1 <= num_splits <= 65535:
+            raise ValueError(f"num_splits: must be in 1..65535, got {num_splits}")
+        if batch_invariant:
+            raise ValueError("num_splits: batch_invariant=True fixes the split size; do not "
+                             "pass num_splits with it")
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"max_seqlen: expected an int, got {type(max_seqlen).__name__}")
+        if max_seqlen < 0:
+            raise ValueError(f"max_seqlen: must be >= 0, got {max_seqlen}")
+    return scale, softcap, win
+
+
+def _check_tensors(q, k_cache, v_cache, cache_seqlens, block_table, cache_start):
+    """The checks of :func:`decode`'s tensors (``_layout``, ``_cache_start``): they read
+    only what a plan key holds of them (shapes, dtypes, devices)."""
+    _layout(q, k_cache, v_cache, cache_seqlens, block_table)
+    _cache_start(cache_start, q.shape[0], q.device)
+
+
+def _use_kernels(q: torch.Tensor) -> bool:
+    """Whether the call goes to the split-KV kernels (CUDA) or the reference (CPU). Tests
+    patch this to drive the kernels on CPU tensors under ``TRITON_INTERPRET=1``."""
+    return q.is_cuda
+
+
+def _kernel_call(q, k_cache, v_cache, cache_seqlens, block_table, cache_start) -> bool:
+    """Whether the call goes to the kernels with tensors where tensors belong and a 4-D
+    ``q`` with a head dim (what the plan key and the scale's default read before the
+    tensors' checks run, :func:`_check_tensors`)."""
+    T = torch.Tensor
+    return (isinstance(q, T) and isinstance(k_cache, T) and isinstance(v_cache, T)
+            and isinstance(cache_seqlens, T) and (block_table is None or isinstance(block_table, T))
+            and (cache_start is None or isinstance(cache_start, T)) and q.dim() == 4
+            and q.shape[3] >= 1 and _use_kernels(q))
+
+
+_SPLITKV = []
+
+
+def _splitkv():
+    """The module :mod:`flashfold.kernels.decode.splitkv`, imported on first use (this
+    module imports without Triton; an ``import`` statement per call costs ~1 us)."""
+    if not _SPLITKV:
+        from ..kernels.decode import splitkv
+        _SPLITKV.append(splitkv)
+    return _SPLITKV[0]
+
+
 # --- public functions -------------------------------------------------------------------
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -267,41 +332,36 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Raises:
         TypeError / ValueError naming the offending argument.
     """
+    kernels = _kernel_call(q, k_cache, v_cache, cache_seqlens, block_table, cache_start)
+    if check_lengths is None:       # (on the reference's path, cache_seqlens is on the CPU)
+        check_lengths = not kernels or cache_seqlens.device.type == "cpu"
+    if kernels and not check_lengths:
+        # the tensors' checks read only their signatures: the decode plan cache runs them
+        # once per signature, before the plan is built (splitkv_decode's ``check``); the
+        # scalar options are checked first here, on every call
+        scale, softcap, win = _options(q.shape[-1], scale, softcap, window, num_splits,
+                                       batch_invariant, max_seqlen)
+        o, lse = _splitkv().splitkv_decode(q, k_cache, v_cache, cache_seqlens, block_table,
+                                           scale=scale, softcap=softcap, window=win,
+                                           num_splits=num_splits,
+                                           batch_invariant=batch_invariant,
+                                           max_seqlen=max_seqlen, cache_start=cache_start,
+                                           check=_check_tensors)
+        return (o, lse) if return_lse else o
     heads_kv, page_size, capacity = _layout(q, k_cache, v_cache, cache_seqlens, block_table)
     cache_start = _cache_start(cache_start, q.shape[0], q.device)
-    head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else _number(scale, "scale", False)
-    if scale == 0.0:
-        raise ValueError("scale: must be non-zero")
-    softcap = None if softcap is None else _number(softcap, "softcap")
-    win = _window(window)
-    if not isinstance(batch_invariant, bool):
-        raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
-    if num_splits is not None:
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-            raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__}")
-        if not 1 <= num_splits <= 65535:
-            raise ValueError(f"num_splits: must be in 1..65535, got {num_splits}")
-        if batch_invariant:
-            raise ValueError("num_splits: batch_invariant=True fixes the split size; do not "
-                             "pass num_splits with it")
-    if max_seqlen is not None:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-            raise TypeError(f"max_seqlen: expected an int, got {type(max_seqlen).__name__}")
-        if max_seqlen < 0:
-            raise ValueError(f"max_seqlen: must be >= 0, got {max_seqlen}")
-    if check_lengths is None:
-        check_lengths = cache_seqlens.device.type == "cpu"
+    scale, softcap, win = _options(q.shape[-1], scale, softcap, window, num_splits,
+                                   batch_invariant, max_seqlen)
     if check_lengths:
         _check_lengths(cache_seqlens, capacity, block_table, k_cache.shape[0],
                        cache_start=cache_start)
 
-    if q.device.type == "cuda":
-        from ..kernels.decode.splitkv import splitkv_decode
-        o, lse = splitkv_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
-                                softcap=softcap, window=win, num_splits=num_splits,
-                                batch_invariant=batch_invariant, max_seqlen=max_seqlen,
-                                cache_start=cache_start)
+    if _use_kernels(q):
+        o, lse = _splitkv().splitkv_decode(q, k_cache, v_cache, cache_seqlens, block_table,
+                                           scale=scale, softcap=softcap, window=win,
+                                           num_splits=num_splits,
+                                           batch_invariant=batch_invariant,
+                                           max_seqlen=max_seqlen, cache_start=cache_start)
     else:
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
         o, lse = decode_reference(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,

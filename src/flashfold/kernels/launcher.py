@@ -45,6 +45,12 @@ its key loop timed as a function)::
 yet measured on the GPU host, where a hit also queries the driver's device and stream
 and calls the compiled kernel's own launcher (8.6 us).
 
+A caller that launches the same arguments but for their tensors again and again (the
+replays of one cached plan, :mod:`flashfold.kernels.plans`: the reductions, decode) passes
+a *memo*, a one-item list that keeps the launch resolved for them: the next calls check
+only the switches, launch hooks, kernel, current device and :func:`cache_clear`, and call
+the compiled kernel's launcher without building a key.
+
 The key is never coarser than Triton's (it may be finer: a finer key only costs one more
 slow-path call for that key), so the cached kernel is the one Triton would pick. A miss,
 or any argument of another type, goes through ``kernel[grid]`` (which compiles when
@@ -82,6 +88,10 @@ _CACHE: dict = {}
 #: key with the ints by value -> cached launch (the entries of _CACHE, found without
 #: computing the ints' properties when the same ints come again)
 _BY_VALUE: dict = {}
+
+#: the memos' epoch (see :func:`launch`): a memo kept before the last
+#: :func:`cache_clear` is stale
+_EPOCH = [object()]
 
 _I32_LO, _I32_HI, _U64 = -(2 ** 31), 2 ** 31, 2 ** 63
 
@@ -298,14 +308,27 @@ def enabled() -> bool:
             and env("FLASHFOLD_FAST_LAUNCH") != "0")
 
 
-def launch(kernel, grid, args=(), kwargs=None):
+def launch(kernel, grid, args=(), kwargs=None, memo=None):
     """``kernel[grid](*args, **kwargs)``, through the cached compiled kernel when possible.
 
-    ``grid``: a tuple of 1-3 ints (not a callable). Returns nothing."""
+    ``grid``: a tuple of 1-3 ints (not a callable). ``memo``: a one-item list (``[None]``
+    to start) that the caller passes only with arguments that key alike on every call
+    (the replays of one cached plan, :mod:`flashfold.kernels.plans`: same kernel, the
+    same types, ints, constexprs and options, tensors of the same dtypes and alignment):
+    the launch resolved for them is kept there, and later calls on the same current
+    device skip the key (still checked on every call: the switches, launch hooks, the
+    kernel, the device, and :func:`cache_clear` since). Returns nothing."""
     kwargs = kwargs or {}
     if not enabled() or _hooked() or callable(grid) or not isinstance(kernel, _JIT):
         _slow(kernel, grid, args, kwargs)
         return
+    kept = memo[0] if memo is not None else None
+    if kept is not None:
+        epoch, device, plan, hit = kept
+        if (epoch is _EPOCH[0] and plan.kernel is kernel
+                and device == _driver.active.get_current_device()):
+            _call(hit, plan, grid, device, (*args, *kwargs.values()))
+            return
     try:
         plan, values, key = _key(kernel, args, kwargs)
         hit = _BY_VALUE.get(key)
@@ -325,13 +348,22 @@ def launch(kernel, grid, args=(), kwargs=None):
                    tuple(_jit_objects(values)))
             _store(_CACHE, exact, hit)
             _store(_BY_VALUE, key, hit)
+            if memo is not None:
+                memo[0] = (_EPOCH[0], key[1], plan, hit)
             return
         _store(_BY_VALUE, key, hit)
+    if memo is not None:
+        memo[0] = (_EPOCH[0], key[1], plan, hit)
+    _call(hit, plan, grid, key[1], values)
+
+
+def _call(hit, plan, grid, device, values):
+    """Run the compiled kernel of ``hit`` with the values in its parameters' order."""
     run, function, packed, _ = hit
     g0 = grid[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    run(g0, g1, g2, _driver.active.get_current_stream(key[1]), function, packed, None,
+    run(g0, g1, g2, _driver.active.get_current_stream(device), function, packed, None,
         None, None, *plan.call(values + plan.defaults))
 
 
@@ -358,11 +390,12 @@ def sm_count(device) -> int:
 
 
 def cache_clear() -> None:
-    """Forget every cached compiled kernel and plan (tests; a changed generated source is a
-    new ``JITFunction`` anyway)."""
+    """Forget every cached compiled kernel and plan, and every memo's launch (tests; a
+    changed generated source is a new ``JITFunction`` anyway)."""
     _CACHE.clear()
     _BY_VALUE.clear()
     _PLANS.clear()
+    _EPOCH[0] = object()
 
 
 __all__ = ["launch", "enabled", "cache_clear", "capability", "sm_count"]

@@ -109,13 +109,65 @@ ATTENTION functions (``tests/test_decode_kernel.py`` checks split-KV against
 
 Lengths and first keys are read on the device (``cache_seqlens`` clamped to ``[0,
 capacity]``, ``cache_start`` to ``[0, n_b]``), never on the host: nothing here synchronises, so a decode step can be captured in a CUDA graph.
+
+Plan cache
+----------
+An eager decode step at small batch is host-bound: on the H200 host a call took ~134 us
+of host time (152 batch-invariant) against SDPA's 25, for 12-16 us of GPU work
+(``benchmarks/RESULTS.md``, "Host time per eager call", run 9); cProfile split it into
+the two launches 113 us (building their keys 51), :func:`prepare` 88 (four allocations
+23, the split plan 16, the PDL switch 11) and the API's checks 22. So
+:func:`splitkv_decode` replays the launches recorded for the same call signature, with
+the mechanism of the reductions' launchers (:mod:`flashfold.kernels.plans`). The key:
+shape, strides, dtype, device and 16-byte alignment of ``q``, both caches, the lengths,
+the block table and the first keys (all that :func:`prepare`, :func:`_tma_eligible` and
+Triton's specialization read of them); the options (scale, softcap, window, num_splits,
+batch_invariant, max_seqlen, config, invariant split, pdl, tma); the
+``FLASHFOLD_DECODE_PDL`` / ``FLASHFOLD_DECODE_TMA`` switches and ``TRITON_INTERPRET``.
+No value of a tensor is read on the host (lengths, first keys and pages are read by the
+kernels), so other lengths, first keys or block table replay the same plan. A hit
+allocates a new output, LSE and workspace (none is zeroed: the kernels write every slot
+they read), puts the call's tensors into the recorded arguments, and rebuilds the TMA
+descriptors around the call's caches (the plan cache rebuilds dataclasses from their
+fields); the two launches keep their resolved compiled kernels (launcher memos, see
+:func:`flashfold.kernels.launcher.launch`), so no launch key is built either. The public
+function's tensor checks are part of the plan (``check``: shapes, dtypes, devices, all in
+the key) and run once per signature; its options are checked on every call, and with
+``check_lengths`` (which reads the lengths) it checks everything eagerly. The PDL and TMA
+defaults are not cached per device: a hit does not evaluate them (their switches are in
+the key). Bypassed with ``FLASHFOLD_PLAN_CACHE=0`` and while a global that
+:func:`prepare` reads is patched (tests); at most :data:`PLAN_CACHE_SIZE` entries;
+:func:`plan_cache_info`, :func:`plan_cache_clear`. A miss costs the key and the plan's
+capture on top of the build (~80 us against ~25 for :func:`prepare` alone on the machine
+below); a decode loop repeats its signature on every step and layer (with a cache that
+grows every step, on every layer but the first).
+
+Host time per call up to the launches on the 2-core CPU dev machine, CPU tensors (bf16,
+32 / 8 heads, head_dim 128, 512 keys), the launches no-ops or, with ``--launcher``, through
+:func:`flashfold.kernels.launcher.launch` with a fake driver and compiled kernel;
+``PYTHONPATH=src python benchmarks/decode_plan_keys.py [--launcher] --against OLD`` (best
+of 7 interleaved repeats of 2,000 calls, and of two runs; us; before: commit ca6b053 with
+the API's ``_use_kernels`` switch added, timed in the same process)::
+
+    call                          launches no-op: before -> hit     through the launcher
+                                  splitkv_decode  flashfold.decode  splitkv_decode  flashfold.decode
+    1 x 512                        22.4 -> 18.5     29.6 -> 20.1     43.8 -> 23.6     54.6 -> 25.0
+    1 x 512 batch_invariant        32.5 -> 19.0     36.1 -> 21.6     48.2 -> 25.1     59.6 -> 27.0
+    8 x 512                        24.6 -> 18.5     33.4 -> 21.6     45.6 -> 23.9     57.3 -> 25.0
+    8 x 512 batch_invariant        25.4 -> 22.2     38.8 -> 23.1     48.9 -> 26.6     61.6 -> 27.4
+    8 x 512 paged 16, q_len 4, lse 25.4 -> 23.6     34.2 -> 22.2     46.7 -> 25.1     58.7 -> 25.6
+
+(single runs varied up to ~1.5x under other load). What a hit still costs here: the three
+to five allocations (~8-10 us on CPU tensors), the key (six tensor signatures, ~5 us),
+the arguments rebuilt (~3 us). With the cache off a call costs ~10 us more than before
+(the key). Not measured on the GPU host yet.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -131,7 +183,7 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
 from ...monoids import ATTENTION
-from .. import launcher
+from .. import launcher, plans
 from ..codegen import triton_monoid
 
 LOG2E = 1.0 / math.log(2.0)
@@ -778,20 +830,23 @@ def invariant_slots(capacity: int, invariant_split: int = INVARIANT_SPLIT) -> in
 class Launch:
     """Both kernel launches of one decode call, prepared but not run: ``(grid, args, kwargs)``
     of the split kernel and of the merge kernel (``None`` with a single split), the output
-    tensors they write, and the plan. :func:`splitkv_decode` runs it; tests compile it
-    ahead of time for a GPU target."""
+    tensors they write, and the plan. :func:`splitkv_decode` runs it (and replays it from
+    the plan cache); tests compile it ahead of time for a GPU target. ``memos``: the
+    launcher's memos of the two launches (:func:`flashfold.kernels.launcher.launch`),
+    shared by the replays of a cached plan."""
     split: tuple
     merge: tuple | None
     out: torch.Tensor
     lse: torch.Tensor
     plan: SplitPlan
+    memos: tuple = field(default_factory=lambda: ([None], [None]), repr=False, compare=False)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         grid, args, kwargs = self.split
-        launcher.launch(_splitkv_kernel, grid, args, kwargs)
+        launcher.launch(_splitkv_kernel, grid, args, kwargs, self.memos[0])
         if self.merge is not None:
             grid, args, kwargs = self.merge
-            launcher.launch(_merge_kernel, grid, args, kwargs)
+            launcher.launch(_merge_kernel, grid, args, kwargs, self.memos[1])
         return self.out, self.lse
 
 
@@ -825,16 +880,17 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              batch_invariant=batch_invariant, invariant_split=invariant_split)
     tm = _attention_fns()
     block_d = _pow2(head_dim)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, q_len), dtype=torch.float32, device=q.device)
+    # outputs and workspace through plans.new: noted while splitkv_decode records a plan
+    out = plans.new(q.shape, q.dtype, q.device)
+    lse = plans.new((batch, heads_q, q_len), torch.float32, q.device)
     # partials: default mode (o, lse) finalized; batch-invariant (o, m, d) raw, m in base 2
     op = lsep = dp = lse                              # unused with one program per sequence
     if not p.write_final:
         rows = batch * heads_q * q_len * p.ws_splits
-        op = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
-        lsep = torch.empty(rows, dtype=torch.float32, device=q.device)
+        op = plans.new(rows * head_dim, torch.float32, q.device)
+        lsep = plans.new(rows, torch.float32, q.device)
         if batch_invariant:
-            dp = torch.empty(rows, dtype=torch.float32, device=q.device)
+            dp = plans.new(rows, torch.float32, q.device)
     win_left = NO_WINDOW if left is None else int(left)
     pdl = _pdl_default(q.device) if pdl is None else bool(pdl)
     page_arg = page_size if paged else None
@@ -901,8 +957,8 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    num_splits: int | None = None, batch_invariant: bool = False,
                    max_seqlen: int | None = None, cache_start: torch.Tensor | None = None,
                    config: DecodeConfig | None = None, invariant_split: int = INVARIANT_SPLIT,
-                   pdl: bool | None = None,
-                   tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   pdl: bool | None = None, tma: bool | None = None,
+                   check=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``).
 
     Inputs as :func:`flashfold.decode`, already validated; ``window`` normalized to
@@ -912,12 +968,52 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     dependent launch of the merge (default: on for CUDA sm_90+ unless
     ``FLASHFOLD_DECODE_PDL=0``), ``tma`` the K/V loads through TMA descriptors (default:
     off, on with ``FLASHFOLD_DECODE_TMA=1`` for caches TMA can address; both paths give
-    the same values) -- benchmarks and tests. Returns
-    ``(o, lse)``: ``o`` (batch, heads_q, q_len, head_dim) in ``q.dtype``, ``lse``
-    (batch, heads_q, q_len) float32.
+    the same values) -- benchmarks and tests. ``check``: the caller's checks of the
+    tensors (the public API's), called as ``check(q, k_cache, v_cache, cache_seqlens,
+    block_table, cache_start)`` before a plan is built; a call that replays a cached plan
+    does not call it again, so it may read no more of them than their signatures (see
+    "Plan cache"). Returns ``(o, lse)``: ``o`` (batch, heads_q, q_len, head_dim) in
+    ``q.dtype``, ``lse`` (batch, heads_q, q_len) float32; new tensors on every call.
     """
-    return prepare(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
-                   softcap=softcap, window=window, num_splits=num_splits,
-                   batch_invariant=batch_invariant, max_seqlen=max_seqlen,
-                   cache_start=cache_start, config=config, invariant_split=invariant_split,
-                   pdl=pdl, tma=tma).run()
+    sig = plans.signature
+    # what prepare reads: the tensors' signatures, the options, the PDL / TMA switches
+    key = (sig(q), sig(k_cache), sig(v_cache), sig(cache_seqlens),
+           None if block_table is None else sig(block_table),
+           None if cache_start is None else sig(cache_start), scale, softcap, window,
+           num_splits, batch_invariant, max_seqlen, config, invariant_split, pdl, tma,
+           launcher.env("FLASHFOLD_DECODE_PDL"), launcher.env("FLASHFOLD_DECODE_TMA"), check)
+    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, cache_start)
+    return _CACHE.planned(key, None, inputs, _checked_prepare, check, *inputs, scale=scale,
+                          softcap=softcap, window=window, num_splits=num_splits,
+                          batch_invariant=batch_invariant, max_seqlen=max_seqlen,
+                          config=config, invariant_split=invariant_split, pdl=pdl,
+                          tma=tma).run()
+
+
+def _checked_prepare(check, q, k_cache, v_cache, cache_seqlens, block_table, cache_start,
+                     **options) -> Launch:
+    """``check`` the tensors (if given), then :func:`prepare` the launches."""
+    if check is not None:
+        check(q, k_cache, v_cache, cache_seqlens, block_table, cache_start)
+    return prepare(q, k_cache, v_cache, cache_seqlens, block_table, cache_start=cache_start,
+                   **options)
+
+
+# --- plan cache -------------------------------------------------------------------------
+
+#: entries the plan cache holds; when full it is dropped wholesale
+PLAN_CACHE_SIZE = 1024
+#: :func:`splitkv_decode`'s plans (:mod:`flashfold.kernels.plans`), bypassed while any
+#: global that :func:`prepare` reads (heuristics, constants, which tests monkeypatch)
+#: differs from what it was at import
+_CACHE = plans.PlanCache("decode", globals(), (_checked_prepare,))
+
+
+def plan_cache_info() -> dict:
+    """Hits and misses of the decode plan cache since it was last cleared, and its entries."""
+    return _CACHE.info()
+
+
+def plan_cache_clear():
+    """Drop every cached decode plan and zero the counters."""
+    _CACHE.clear()

@@ -79,23 +79,26 @@ Plan cache
 Building a plan (geometry, heuristics, split, buffers, the ~40 arguments of each launch)
 took 64 of the ~95 us of host time of ``flashfold.argmax`` over 2^20 x 7 on the H200
 host (cProfile, which inflates ~2x). The launchers (``launch_*``) therefore replay a plan
-recorded for the same signature (:func:`_planned`): the operation; the monoid or row map,
-by identity (the entry keeps it); each input's shape, strides, dtype, device and whether
-its address is 16-byte aligned (all that the planners, :func:`_align` included, and
-Triton's specialization read of it); the dim, the finalize parameters, the scan's
-direction, the output dtype and ``TRITON_INTERPRET``. A hit allocates new outputs and
-scratch (split-K partial states; the look-back's flags zeroed, its ticket a view of them)
-and rebuilds each launch's arguments with them and the call's inputs at the positions
-recorded when the plan was built: no tensor of an earlier call is returned or kept.
-All four launchers use it (segment offsets are an input like ``x``: their values are not
-part of a plan). Not cached: plans that read a contiguous copy of the input (more than
-three unmergeable batch dims) and finalize parameters that are not plain numbers. The
-cache is bypassed while any global that the planners read (found from their code:
-heuristics, ``ALIGN_ROWS``, ``LOOKBACK``..., which tests monkeypatch) differs from what
-it was at import, and with ``FLASHFOLD_PLAN_CACHE=0``. At most :data:`PLAN_CACHE_SIZE`
-entries, dropped wholesale when full; one dict lookup and store per call, and each call
-allocates its own buffers, so threads may share it. ``plan_*`` still build a plan on
-every call (:mod:`.aot`, tests).
+recorded for the same signature (:func:`_planned`, with the shared mechanism of
+:mod:`flashfold.kernels.plans`): the key holds the operation; the monoid or row map, by
+identity (the entry keeps it); each input's shape, strides, dtype, device and whether its
+address is 16-byte aligned (all that the planners, :func:`_align` included, and Triton's
+specialization read of it); the dim, the finalize parameters, the scan's direction, the
+output dtype (and ``TRITON_INTERPRET``). A hit allocates new outputs and scratch (split-K
+partial states; the look-back's flags zeroed, its ticket a view of them) and rebuilds
+each launch's arguments with them and the call's inputs at the positions recorded when
+the plan was built: no tensor of an earlier call is returned or kept. All four launchers
+use it (segment offsets are an input like ``x``: their values are not part of a plan).
+Not cached: plans that read a contiguous copy of the input (more than three unmergeable
+batch dims) and finalize parameters that are not plain numbers. The cache is bypassed
+while any global that the planners read (found from their code: heuristics,
+``ALIGN_ROWS``, ``LOOKBACK``..., which tests monkeypatch) differs from what it was at
+import, and with ``FLASHFOLD_PLAN_CACHE=0``. At most :data:`PLAN_CACHE_SIZE` entries,
+dropped wholesale when full; one dict lookup and store per call, and each call allocates
+its own buffers, so threads may share it. ``plan_*`` still build a plan on every call
+(:mod:`.aot`, tests). The launches of a cached plan share a launcher memo
+(:attr:`Launch.memo`): once the plan's first run has resolved its compiled kernel, the
+replays' launches skip the launcher's key.
 
 Host time per call up to the kernel launch (``_run`` a no-op) on the 2-core CPU dev
 machine, CPU tensors, ``PYTHONPATH=src python benchmarks/reduce_plan_keys.py`` (best of
@@ -117,16 +120,12 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-import types
 from dataclasses import dataclass, field
-from functools import partial
-from operator import itemgetter
 
 import torch
 
 from ...algebra.monoid import Monoid
-from .. import launcher
+from .. import launcher, plans
 from . import kernels as K_
 from .generated import ReduceFunctions, RowMap, output_kinds, reduce_functions
 
@@ -428,9 +427,12 @@ class Launch:
     grid: tuple
     args: tuple
     kwargs: dict = field(default_factory=dict)
+    #: the launcher's memo of the resolved compiled kernel (:func:`launcher.launch`):
+    #: shared by the replays of a cached plan, whose launches all key alike
+    memo: list = field(default_factory=lambda: [None], repr=False, compare=False)
 
     def __call__(self):
-        launcher.launch(self.kernel, self.grid, self.args, self.kwargs)
+        launcher.launch(self.kernel, self.grid, self.args, self.kwargs, self.memo)
 
 
 def _is_ordered(monoid: Monoid) -> bool:
@@ -567,20 +569,15 @@ def _dummy_parts(monoid: Monoid, device):
     key = (tuple(f.dtype for f in monoid.fields), str(device))
     hit = _DUMMIES.get(key)
     if hit is None:
-        hit = _DUMMIES[key] = tuple(torch.empty((1, 1), dtype=_state_dtype(f), device=device)
-                                    for f in monoid.fields)
+        hit = _DUMMIES[key] = tuple(
+            plans.constant(torch.empty((1, 1), dtype=_state_dtype(f), device=device))
+            for f in monoid.fields)
     return hit
 
 
-def _new(shape, dtype, device, zero=False):
-    """A buffer that a plan writes (an output or scratch), zeroed when its kernels need
-    that. While a plan is being recorded for the plan cache (:func:`_planned`) the buffer
-    is noted, so that a cache hit can allocate its like."""
-    t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-    fresh = getattr(_RECORDING, "fresh", None)
-    if fresh is not None:
-        fresh.append((t, zero))
-    return t
+#: a buffer that a plan writes (an output or scratch; zeroed when its kernels need that),
+#: noted while a plan is recorded for the plan cache
+_new = plans.new
 
 
 def _state_buffers(monoid: Monoid, rows: int, n_split: int, device):
@@ -792,36 +789,19 @@ def _run(plan, device=None):
 #: entries the plan cache holds; when full it is dropped wholesale (a rebuilt plan costs
 #: ~20 us of host time, and a working set of more signatures than this is rare)
 PLAN_CACHE_SIZE = 1024
-#: call signature -> :class:`_Entry`, or ``False`` for a plan that cannot be replayed (built
-#: on every call; such an entry does not keep its monoid, so a later monoid with the same id
-#: may find it: it then only goes uncached)
-_PLANS: dict = {}
-#: [hits, misses] of the calls that consulted the cache (racing threads may lose a count)
-_STATS = [0, 0]
-#: ``fresh``: the buffers that the plan being built on this thread allocated (:func:`_new`)
-_RECORDING = threading.local()
-
-
-class _Unreplayable(Exception):
-    """A plan holds a tensor that a replay could not recreate."""
 
 
 def plan_cache_info() -> dict:
     """Hits and misses of the plan cache since it was last cleared, and its entries."""
-    return {"hits": _STATS[0], "misses": _STATS[1], "size": len(_PLANS)}
+    return _CACHE.info()
 
 
 def plan_cache_clear():
     """Drop every cached plan and zero the counters."""
-    _PLANS.clear()
-    _STATS[0] = _STATS[1] = 0
+    _CACHE.clear()
 
 
-def _sig(t: torch.Tensor) -> tuple:
-    """What a plan reads off an input tensor: shape, strides, dtype, device, and whether
-    its address is a multiple of 16 bytes (:func:`_align` reads no more of it; Triton
-    specializes pointers on the same)."""
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+_sig = plans.signature
 
 
 def _items(params) -> tuple:
@@ -834,165 +814,15 @@ def _items(params) -> tuple:
     return items if all(type(v) in (float, int, bool) for _, v in items) else [items]
 
 
-def _caching() -> bool:
-    """Whether plans are cached: ``FLASHFOLD_PLAN_CACHE`` is not ``0``, and every global
-    that the planners read (:data:`_WATCHED`: heuristics, switches, helpers, which tests
-    monkeypatch) still equals what it was at import (a function: is the same object)."""
-    return launcher.env("FLASHFOLD_PLAN_CACHE") != "0" and _watched(_GLOBALS) == _PRISTINE
-
-
 def _planned(key, owner, inputs, build, *args):
     """``build(*args)``, a ``(plan, outputs)`` pair, replayed from the plan cache when
-    ``key`` was planned before.
+    ``key`` was planned before (:meth:`flashfold.kernels.plans.PlanCache.planned`).
 
     ``key`` names the operation, ``id(owner)`` (the monoid or row map: the entry keeps a
     reference to it, so the id cannot be reused while the entry lives), the inputs by
-    :func:`_sig` and every other argument of ``build``; the ``TRITON_INTERPRET`` setting
-    is added (:func:`_opts` reads it). ``inputs``: the tensors of the call that the plan
-    reads (``x``, segment offsets), put into the replayed launches. A miss builds the
-    plan while recording the buffers it allocates, then stores what :meth:`_Entry.capture`
-    makes of it."""
-    if not _caching():
-        return build(*args)
-    key = (key, launcher.env("TRITON_INTERPRET"))
-    try:
-        entry = _PLANS.get(key)
-    except TypeError:                            # finalize parameters (see _items)
-        return build(*args)
-    if entry:
-        _STATS[0] += 1
-        return entry.replay(inputs)
-    _STATS[1] += 1
-    if entry is False:
-        return build(*args)
-    _RECORDING.fresh = fresh = []
-    try:
-        plan, outs = build(*args)
-    finally:
-        _RECORDING.fresh = None
-    entry = _Entry.capture(owner, inputs, fresh, plan, outs)
-    if len(_PLANS) >= PLAN_CACHE_SIZE:
-        _PLANS.clear()
-    _PLANS[key] = entry
-    return plan, outs
-
-
-class _Entry:
-    """A plan without its tensors. ``makes``: how to allocate each buffer the plan
-    allocated, in order (``(factory, None)``, zeroed where the plan zeroed it), or a view
-    into an earlier one (``((size, stride, offset), slot)``: the look-back's ticket).
-    ``launches``: each launch's kernel, grid, positionals with the tensors taken out
-    (``None``), the positions and slots to put tensors back (see :func:`_pattern`), and
-    keyword arguments (constexprs, shared between replays: nothing mutates them).
-    ``outs``: the outputs' pattern. Slots below ``len(inputs)`` are the call's inputs,
-    the rest ``makes``' buffers."""
-
-    __slots__ = ("owner", "makes", "launches", "outs")
-
-    @classmethod
-    def capture(cls, owner, inputs, fresh, plan, outs):
-        """The entry of a plan just built from ``inputs``, with ``fresh`` the buffers
-        (and whether zeroed) it allocated; ``False`` when the plan holds a tensor that is
-        none of those, a view into a buffer or a placeholder (:func:`_dummy_parts`): the
-        contiguous copy of an input with more than three unmergeable batch dims is one."""
-        n_in = len(inputs)
-        slots = {id(t): i for i, t in enumerate(inputs)}
-        makes = []
-        for t, zero in fresh:
-            slots[id(t)] = n_in + len(makes)
-            makes.append((partial(torch.zeros if zero else torch.empty, tuple(t.shape),
-                                  dtype=t.dtype, device=t.device), None))
-        constants = {id(t) for parts in _DUMMIES.values() for t in parts}
-
-        def slot(t):
-            i = slots.get(id(t))
-            if i is None:
-                base = slots.get(id(t._base)) if t._base is not None else None
-                if base is None or base < n_in:          # not a view into a fresh buffer
-                    raise _Unreplayable
-                i = slots[id(t)] = n_in + len(makes)
-                makes.append(((tuple(t.shape), t.stride(), t.storage_offset()), base))
-            return i
-
-        entry = cls()
-        entry.owner = owner
-        try:
-            launches = []
-            for launch in plan:
-                if _pattern(tuple(launch.kwargs.values()), slot, constants)[1] is not None:
-                    return False
-                args, subs = [], []
-                for i, a in enumerate(launch.args):
-                    template, how = _pattern(a, slot, constants)
-                    args.append(template)
-                    if how is not None:
-                        subs.append((i, how))
-                launches.append((launch.kernel, launch.grid, tuple(args), tuple(subs),
-                                 launch.kwargs))
-            entry.outs = _pattern(outs, slot, constants)
-        except _Unreplayable:
-            return False
-        entry.launches = tuple(launches)
-        entry.makes = tuple(makes)
-        return entry
-
-    def replay(self, inputs):
-        """``(plan, outputs)`` for ``inputs``: new buffers, and the recorded launches with
-        them and ``inputs`` in their places."""
-        new = list(inputs)
-        for make, base in self.makes:
-            new.append(make() if base is None else new[base].as_strided(*make))
-        plan = []
-        for kernel, grid, args, subs, kwargs in self.launches:
-            args = list(args)
-            for i, how in subs:
-                args[i] = _fill(args[i], how, new)
-            plan.append(Launch(kernel, grid, tuple(args), kwargs))
-        return plan, _fill(*self.outs, new)
-
-
-def _pattern(value, slot, constants):
-    """``(template, how)`` of a launch argument. A tensor: ``(None, its slot)``, or
-    itself and ``None`` for a placeholder (ids in ``constants``); a tuple holding tensors:
-    the tuples of its items' templates and hows; any other value: itself and ``None``.
-    Lists, dicts and sets (which could hide tensors) make the plan unreplayable."""
-    if isinstance(value, torch.Tensor):
-        return (value, None) if id(value) in constants else (None, slot(value))
-    if type(value) is tuple:
-        parts = [_pattern(v, slot, constants) for v in value]
-        if all(how is None for _, how in parts):
-            return value, None
-        return tuple(t for t, _ in parts), tuple(h for _, h in parts)
-    if isinstance(value, (list, dict, set)):
-        raise _Unreplayable
-    return value, None
-
-
-def _fill(template, how, new):
-    """The value of a :func:`_pattern` with the tensors of its slots taken from ``new``."""
-    if how is None:
-        return template
-    if type(how) is int:
-        return new[how]
-    return tuple([t if h is None else new[h] if type(h) is int else _fill(t, h, new)
-                  for t, h in zip(template, how)])
-
-
-def _read_by(functions) -> tuple:
-    """Names of this module's globals that ``functions`` read, directly or through the
-    functions of this module that they read (nested code objects included)."""
-    g = globals()
-    names, todo = {}, [f.__code__ for f in functions]
-    while todo:
-        code = todo.pop()
-        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-        for n in code.co_names:
-            if n in g and n not in names:
-                names[n] = None
-                f = getattr(g[n], "__wrapped__", g[n])           # lru_cache'd helpers
-                if isinstance(f, types.FunctionType) and f.__module__ == __name__:
-                    todo.append(f.__code__)
-    return tuple(names)
+    :func:`_sig` and every other argument of ``build``. ``inputs``: the tensors of the
+    call that the plan reads (``x``, segment offsets), put into the replayed launches."""
+    return _CACHE.planned(key, owner, inputs, build, *args)
 
 
 # --- launches ---------------------------------------------------------------------------
@@ -1031,9 +861,8 @@ def launch_normalize(rowmap, x, dim, out_dtype=None):
 
 
 _PLANNERS = (plan_reduce, plan_segment_reduce, plan_scan, plan_normalize)
-#: the globals the planners read, and the planners themselves: plans are cached only
-#: while every one of them equals what it was at import (:func:`_caching`)
-_WATCHED = _read_by(_PLANNERS) + tuple(f.__name__ for f in _PLANNERS)
-_GLOBALS = globals()
-_watched = itemgetter(*_WATCHED)
-_PRISTINE = _watched(_GLOBALS)
+#: the plan cache: bypassed while any global that the planners read differs from what it
+#: was at import (heuristics, ``ALIGN_ROWS``, ``LOOKBACK``..., which tests monkeypatch)
+_CACHE = plans.PlanCache("reduce", globals(), _PLANNERS)
+#: call signature -> entry (:class:`flashfold.kernels.plans.PlanCache`), and [hits, misses]
+_PLANS, _STATS = _CACHE.entries, _CACHE.stats

@@ -1,0 +1,341 @@
+"""Plan caches: the launches of a kernel call recorded per call signature, then replayed.
+
+A kernel family's host code turns a call into a *plan*: its launches (kernel, grid,
+arguments) and its outputs, from geometry, heuristics, workspace allocation and argument
+lists. For small problems that host code costs more than the kernels (tens of
+microseconds per call), and it reads nothing of the call but its *signature*: the shape,
+strides, dtype, device and 16-byte alignment of each tensor (:func:`signature`: all that
+the planners and Triton's specialization read of it) and the call's other arguments. A
+:class:`PlanCache` therefore keeps, per signature, the plan with its tensors taken out,
+and a repeated signature *replays* it: new outputs and scratch buffers, and the recorded
+launches with them and the call's tensors put back in their places. No tensor of an
+earlier call is returned or kept, and each call allocates its own buffers, so threads
+may share a cache.
+
+Each family (``kernels/reduce/launch.py``, ``kernels/decode/splitkv.py``) owns one cache
+and supplies:
+
+* the *key* of each call: every property of the call that its planner reads (tensors by
+  :func:`signature`; host values by value; an object held by identity is passed as the
+  ``owner``, which the entry keeps alive so that its id cannot be reused);
+* the *inputs*: the call's tensors that the plan may hold, put back on a replay (an input
+  passed twice in one call, e.g. ``v`` as ``k``, makes that plan unreplayable: a later
+  call may pass two tensors there);
+* its *planners*: functions whose module globals (heuristics, switches, constants, found
+  from their code: :func:`read_by`) are watched; while any of them differs from what it
+  was when the cache was made (a test monkeypatched it) the cache is bypassed.
+
+The buffers a plan writes (outputs, scratch) are allocated through :func:`new`, which
+notes them while a plan is recorded (and zeroes those that must start at zero, on every
+replay too). A plan is captured as a pattern (:func:`_pattern`): tensors become slots
+(the inputs, then the recorded buffers, then views into those, such as a ticket at the
+end of a flags buffer); tuples and lists holding tensors are rebuilt around them, and so
+are dataclass instances (their class called with their fields: a launch record, a Triton
+``TensorDescriptor`` around a new base tensor); any value holding no tensor (ints,
+configs, constexpr dicts, a launcher memo) is kept as it is, shared between replays (no
+plan is mutated, except the launcher memos, see :func:`flashfold.kernels.launcher.launch`).
+A plan that holds any other tensor (a contiguous copy of an input, a dict or an object
+holding a tensor) is not replayable: its signature is built on every call. Placeholder
+tensors that kernels never touch may be shared by every plan once marked with
+:func:`constant`.
+
+The cache is off with ``FLASHFOLD_PLAN_CACHE=0``, holds at most its family's
+``PLAN_CACHE_SIZE`` entries (dropped wholesale when full), and counts hits and misses
+(:meth:`PlanCache.info`; racing threads may lose a count). ``TRITON_INTERPRET`` is part of
+every key.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from dataclasses import fields, is_dataclass
+from functools import partial
+from operator import itemgetter
+
+import torch
+
+from . import launcher
+
+__all__ = ["PlanCache", "signature", "new", "constant", "read_by"]
+
+#: ``fresh``: the buffers that the plan being built on this thread allocated (:func:`new`)
+_RECORDING = threading.local()
+#: id -> tensor of the placeholders every plan may hold (:func:`constant`; kept alive, so
+#: an id here is never another tensor's)
+_CONSTANTS: dict = {}
+
+
+def signature(t: torch.Tensor) -> tuple:
+    """What a plan reads off a tensor: shape, strides, dtype, device, and whether its
+    address is a multiple of 16 bytes (Triton specializes pointers on the same)."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def new(shape, dtype, device, zero=False) -> torch.Tensor:
+    """A buffer that a plan writes (an output or scratch), zeroed when its kernels need
+    that. While a plan is being recorded (:meth:`PlanCache.planned`) the buffer is noted,
+    so that a replay can allocate its like."""
+    t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    fresh = getattr(_RECORDING, "fresh", None)
+    if fresh is not None:
+        fresh.append((t, zero))
+    return t
+
+
+def constant(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as a placeholder that plans may share (kernels neither read nor write
+    it); returns ``t``, which is kept alive from then on."""
+    _CONSTANTS[id(t)] = t
+    return t
+
+
+def read_by(functions, namespace: dict) -> tuple:
+    """Names of the globals in ``namespace`` (a module's) that ``functions`` read, directly
+    or through the functions of that module that they read (nested code objects and
+    ``lru_cache``'d helpers included)."""
+    module = namespace["__name__"]
+    names, todo = {}, [f.__code__ for f in functions]
+    while todo:
+        code = todo.pop()
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        for n in code.co_names:
+            if n in namespace and n not in names:
+                names[n] = None
+                f = getattr(namespace[n], "__wrapped__", namespace[n])
+                if isinstance(f, types.FunctionType) and f.__module__ == module:
+                    todo.append(f.__code__)
+    return tuple(names)
+
+
+class PlanCache:
+    """The plan cache of one kernel family (see the module notes).
+
+    ``namespace``: the family's module globals, holding its ``PLAN_CACHE_SIZE`` (read
+    when an entry is stored, so it can be changed at run time) and the globals that
+    ``planners`` read, which are watched. ``entries``: key -> :class:`_Entry`, or
+    ``False`` for a plan that cannot be replayed (built on every call; such an entry does
+    not keep its owner, so a later owner with the same id may find it: it then only goes
+    uncached). ``stats``: ``[hits, misses]`` of the calls that consulted the cache."""
+
+    __slots__ = ("name", "entries", "stats", "_namespace", "_watched", "_pristine")
+
+    def __init__(self, name: str, namespace: dict, planners):
+        self.name = name
+        self.entries: dict = {}
+        self.stats = [0, 0]
+        self._namespace = namespace
+        watched = read_by(planners, namespace) + tuple(f.__name__ for f in planners)
+        self._watched = itemgetter(*watched)
+        self._pristine = self._watched(namespace)
+
+    def __repr__(self) -> str:
+        return f"PlanCache({self.name!r}, {self.info()})"
+
+    def info(self) -> dict:
+        """Hits and misses since the cache was last cleared, and its entries."""
+        return {"hits": self.stats[0], "misses": self.stats[1], "size": len(self.entries)}
+
+    def clear(self):
+        """Drop every entry and zero the counters."""
+        self.entries.clear()
+        self.stats[0] = self.stats[1] = 0
+
+    def caching(self) -> bool:
+        """Whether plans are cached: ``FLASHFOLD_PLAN_CACHE`` is not ``0``, and every
+        watched global still equals what it was when the cache was made (a function: is
+        the same object)."""
+        return (launcher.env("FLASHFOLD_PLAN_CACHE") != "0"
+                and self._watched(self._namespace) == self._pristine)
+
+    def planned(self, key, owner, inputs, build, *args, **kwargs):
+        """``build(*args, **kwargs)``, replayed from the cache when ``key`` was planned
+        before.
+
+        ``key``: every property of the call that ``build`` reads (the ``TRITON_INTERPRET``
+        setting is added); ``owner``: an object the key holds by ``id``, kept by the
+        entry; ``inputs``: the call's tensors that the plan may hold (``None`` items
+        allowed), put into the replayed plan. A miss builds the plan while recording the
+        buffers it allocates (:func:`new`), then stores what :meth:`_Entry.capture` makes
+        of it. An unhashable key is not cached."""
+        if not self.caching():
+            return build(*args, **kwargs)
+        key = (key, launcher.env("TRITON_INTERPRET"))
+        entries = self.entries
+        try:
+            entry = entries.get(key)
+        except TypeError:
+            return build(*args, **kwargs)
+        if entry:
+            self.stats[0] += 1
+            return entry.replay(inputs)
+        self.stats[1] += 1
+        if entry is False:
+            return build(*args, **kwargs)
+        _RECORDING.fresh = fresh = []
+        try:
+            result = build(*args, **kwargs)
+        finally:
+            _RECORDING.fresh = None
+        entry = _Entry.capture(owner, inputs, fresh, result)
+        if len(entries) >= self._namespace["PLAN_CACHE_SIZE"]:
+            entries.clear()
+        entries[key] = entry
+        return result
+
+
+class _Unreplayable(Exception):
+    """A plan holds a tensor that a replay could not recreate."""
+
+
+class _Make:
+    """How to rebuild a list or dataclass instance holding tensors: ``make`` of the tuple
+    of its items (fields) filled by ``inner`` (a tuple's ``how``, see :func:`_pattern`)."""
+
+    __slots__ = ("make", "inner")
+
+    def __init__(self, make, inner):
+        self.make, self.inner = make, inner
+
+
+class _Entry:
+    """A plan without its tensors. ``makes``: how to allocate each buffer the plan
+    allocated, in order (``(factory, None)``, zeroed where the plan zeroed it), or a view
+    into an earlier one (``((size, stride, offset), slot)``). ``template``, ``how``: the
+    plan's pattern (:func:`_pattern`); slots below ``len(inputs)`` are the call's inputs,
+    the rest ``makes``' buffers."""
+
+    __slots__ = ("owner", "makes", "template", "how")
+
+    @classmethod
+    def capture(cls, owner, inputs, fresh, result):
+        """The entry of ``result``, a plan just built from ``inputs``, with ``fresh`` the
+        buffers (and whether zeroed) it allocated; ``False`` when it holds a tensor that
+        is none of those, a view into a buffer or a :func:`constant`, or when an input
+        is passed twice."""
+        n_in = len(inputs)
+        slots = {id(t): i for i, t in enumerate(inputs) if t is not None}
+        if len(slots) != sum(t is not None for t in inputs):
+            return False
+        makes = []
+        for t, zero in fresh:
+            slots[id(t)] = n_in + len(makes)
+            makes.append((partial(torch.zeros if zero else torch.empty, tuple(t.shape),
+                                  dtype=t.dtype, device=t.device), None))
+
+        def slot(t):
+            i = slots.get(id(t))
+            if i is None:
+                base = slots.get(id(t._base)) if t._base is not None else None
+                if base is None or base < n_in:          # not a view into a fresh buffer
+                    raise _Unreplayable
+                i = slots[id(t)] = n_in + len(makes)
+                makes.append(((tuple(t.shape), t.stride(), t.storage_offset()), base))
+            return i
+
+        entry = cls()
+        entry.owner = owner
+        try:
+            entry.template, entry.how = _pattern(result, slot)
+        except (_Unreplayable, RecursionError):          # (a cycle of dataclasses)
+            return False
+        entry.makes = tuple(makes)
+        return entry
+
+    def replay(self, inputs):
+        """The plan for ``inputs``: new buffers, and the recorded plan with them and
+        ``inputs`` in their places."""
+        new = list(inputs)
+        for make, base in self.makes:
+            new.append(make() if base is None else new[base].as_strided(*make))
+        return _fill(self.template, self.how, new)
+
+
+def _construct(cls, values):
+    return cls(*values)
+
+
+#: what :func:`_pattern` does with a value, by its type (resolved on first sight, below)
+_ATOM, _TENSOR, _SEQUENCE, _CONTAINER = 0, 1, 2, 3
+_KINDS: dict = {int: _ATOM, float: _ATOM, bool: _ATOM, str: _ATOM, type(None): _ATOM,
+                tuple: _SEQUENCE, list: _SEQUENCE, dict: _CONTAINER, set: _CONTAINER,
+                frozenset: _CONTAINER}
+
+
+def _kind(kind):
+    """``_ATOM``... for the values of type ``kind``; a dataclass: ``(field names, whether
+    its class can be called with them in order)``."""
+    k = _KINDS.get(kind)
+    if k is None:
+        if issubclass(kind, torch.Tensor):
+            k = _TENSOR
+        elif is_dataclass(kind):
+            fs = fields(kind)
+            k = (tuple(f.name for f in fs), all(f.init and not f.kw_only for f in fs))
+        else:
+            k = _ATOM                    # any other object: not searched for tensors
+        _KINDS[kind] = k
+    return k
+
+
+def _pattern(value, slot):
+    """``(template, how)`` of a plan or a part of it. A tensor: ``(None, its slot)``, or
+    itself and ``None`` for a :func:`constant`. A tuple holding tensors: the tuple of its
+    items' templates, and the ``(index, how)`` of each item that holds one; a list or a
+    dataclass instance holding tensors: that tuple of its items (fields, in order) and a
+    :class:`_Make`. Any value holding no tensor: itself and ``None``. Raises
+    :class:`_Unreplayable` for a dict or set holding a tensor, and a dataclass holding one
+    that cannot be rebuilt from its fields (objects of other classes are not searched)."""
+    kind = type(value)
+    k = _KINDS.get(kind)
+    if k is None:
+        k = _kind(kind)
+    if k is _ATOM:
+        return value, None
+    if k is _TENSOR:
+        return (value, None) if id(value) in _CONSTANTS else (None, slot(value))
+    if k is _SEQUENCE:
+        items, holes = None, []
+        for i, v in enumerate(value):
+            k = _KINDS.get(type(v))
+            if k is _ATOM:
+                continue
+            if k is _TENSOR and id(v) not in _CONSTANTS:
+                t, how = None, slot(v)
+            else:
+                t, how = _pattern(v, slot)
+            if how is not None:
+                if items is None:
+                    items = list(value)
+                items[i] = t
+                holes.append((i, how))
+        if not holes:
+            return value, None
+        template, holes = tuple(items), tuple(holes)
+        return (template, holes) if kind is tuple else (template, _Make(list, holes))
+    if k is _CONTAINER:
+        for v in (value.values() if kind is dict else value):
+            if _KINDS.get(type(v)) is not _ATOM and _pattern(v, slot)[1] is not None:
+                raise _Unreplayable
+        return value, None
+    names, rebuildable = k
+    template, how = _pattern(tuple([getattr(value, n) for n in names]), slot)
+    if how is None:
+        return value, None
+    if not rebuildable:
+        raise _Unreplayable
+    return template, _Make(partial(_construct, kind), how)
+
+
+def _fill(template, how, new):
+    """The value of a :func:`_pattern` with the tensors of its slots taken from ``new``."""
+    if how is None:
+        return template
+    if type(how) is int:
+        return new[how]
+    if type(how) is tuple:
+        items = list(template)
+        for i, h in how:
+            items[i] = new[h] if type(h) is int else _fill(items[i], h, new)
+        return tuple(items)
+    return how.make(_fill(template, how.inner, new))
