@@ -62,6 +62,7 @@ CPU tensors, so nothing is cached for them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from operator import itemgetter
@@ -365,6 +366,22 @@ def _call(hit, plan, grid, device, values):
     g2 = grid[2] if len(grid) > 2 else 1
     run(g0, g1, g2, _driver.active.get_current_stream(device), function, packed, None,
         None, None, *plan.call(values + plan.defaults))
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(device):
+    """A context in which CUDA ``device`` is the current device. Triton launches on the
+    current device, not on its arguments', so every kernel family enters this with its
+    inputs' device: without it, tensors on ``cuda:1`` while ``cuda:0`` is current (layers
+    spread over GPUs, as ``device_map="auto"`` does) would be read by a kernel on the
+    wrong GPU. A no-op (a shared ``nullcontext``) for CPU tensors and when the device is
+    already current, which costs one ``torch.cuda.current_device()``."""
+    if device.type != "cuda" or device.index is None \
+            or device.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(device)
 
 
 @functools.lru_cache(maxsize=None)

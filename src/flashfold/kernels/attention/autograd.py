@@ -47,6 +47,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .. import launcher
 from .mods import BlockMask, TracedMod, cached_block_mask, trace_mask_mod, trace_score_mod
 
 
@@ -190,10 +191,11 @@ def kernel_forward(q, k, v, *, scale, softcap, left, right, score: TracedMod | N
             block_n=cfg.block_n, device=q.device, lens_q=lens_q, lens_k=lens_k,
             left=left, right=right)
         full_needs_mask = False                 # exact for these lengths and window
-    return fwd.attention_forward(
-        q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=score,
-        block_mask=block_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seq_q,
-        max_seqlen_k=seq_k, return_lse=return_lse, full_needs_mask=full_needs_mask)
+    with launcher.on_device(q.device):
+        return fwd.attention_forward(
+            q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=score,
+            block_mask=block_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seq_q,
+            max_seqlen_k=seq_k, return_lse=return_lse, full_needs_mask=full_needs_mask)
 
 
 def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
@@ -222,11 +224,12 @@ def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
             block_m=max(cfg.block_m, cfg.dq_block_m), block_n=max(cfg.block_n, cfg.dq_block_n),
             device=q.device, lens_q=lens_q, lens_k=lens_k, left=left, right=right)
         full_needs_mask = False
-    return bwd.attention_backward(
-        do, q, k, v, o, lse, scale=scale, dlse=dlse, softcap=softcap, left=left, right=right,
-        score_mod=score, block_mask=block_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=seq_q, max_seqlen_k=seq_k, full_needs_mask=full_needs_mask,
-        deterministic=deterministic, config=cfg)
+    with launcher.on_device(q.device):
+        return bwd.attention_backward(
+            do, q, k, v, o, lse, scale=scale, dlse=dlse, softcap=softcap, left=left,
+            right=right, score_mod=score, block_mask=block_mask, cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k, max_seqlen_q=seq_q, max_seqlen_k=seq_k,
+            full_needs_mask=full_needs_mask, deterministic=deterministic, config=cfg)
 
 
 _TORCH_GRADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

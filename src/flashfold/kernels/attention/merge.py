@@ -122,12 +122,13 @@ def _launch(o1, l1, o2, l2, S, split_strides):
     so2 = list(o2.stride()) if pair else [0] * 4
     sl2 = list(l2.stride()) if pair else [0] * 3
     grid = (-(-R // block_r),)
-    launcher.launch(_merge_kernel, grid, (
-        o1, l1, o2, l2, out, lse, S, R, H, N, D,
-        split_strides[0], *so, split_strides[1], *sl, *so2, *sl2,
-        *out.stride(), *lse.stride(),
-        fns.lift, fns.combine, fns.finalize),
-        dict(PAIR=pair, BLOCK_R=block_r, BLOCK_D=block_d, INTERPRET=interpret, num_warps=4))
+    with launcher.on_device(o1.device):
+        launcher.launch(_merge_kernel, grid, (
+            o1, l1, o2, l2, out, lse, S, R, H, N, D,
+            split_strides[0], *so, split_strides[1], *sl, *so2, *sl2,
+            *out.stride(), *lse.stride(),
+            fns.lift, fns.combine, fns.finalize),
+            dict(PAIR=pair, BLOCK_R=block_r, BLOCK_D=block_d, INTERPRET=interpret, num_warps=4))
     return out, lse
 
 

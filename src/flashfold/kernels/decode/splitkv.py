@@ -842,11 +842,12 @@ class Launch:
     memos: tuple = field(default_factory=lambda: ([None], [None]), repr=False, compare=False)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        grid, args, kwargs = self.split
-        launcher.launch(_splitkv_kernel, grid, args, kwargs, self.memos[0])
-        if self.merge is not None:
-            grid, args, kwargs = self.merge
-            launcher.launch(_merge_kernel, grid, args, kwargs, self.memos[1])
+        with launcher.on_device(self.out.device):
+            grid, args, kwargs = self.split
+            launcher.launch(_splitkv_kernel, grid, args, kwargs, self.memos[0])
+            if self.merge is not None:
+                grid, args, kwargs = self.merge
+                launcher.launch(_merge_kernel, grid, args, kwargs, self.memos[1])
         return self.out, self.lse
 
 

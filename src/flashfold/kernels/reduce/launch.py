@@ -775,13 +775,13 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
 
 def _run(plan, device=None):
     """Run the launches in order, on ``device`` (Triton launches on the current device)."""
-    if device is not None and torch.device(device).type == "cuda":
-        with torch.cuda.device(device):
-            for launch in plan:
-                launch()
+    if device is None:
+        for launch in plan:
+            launch()
         return
-    for launch in plan:
-        launch()
+    with launcher.on_device(torch.device(device)):
+        for launch in plan:
+            launch()
 
 
 # --- plan cache -------------------------------------------------------------------------
