@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
+
+from compile_worker import worker_rows
 
 SMEM_LIMIT = 227 * 1024
 #: bytes of local memory the atomic-dQ dK/dV variants may use (measured: 32-40 at d128)
@@ -136,29 +135,10 @@ def _hopper_config(bwd, D, features, causal=False, tma=True):
     return bwd.BwdConfig(bm, bn, w, s, qm, qn, qw, qs, use_tma=tma, atomic_dq=atomic)
 
 
-def _have_backend():
-    try:
-        import triton
-        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        return os.path.exists(path)
-    except ImportError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    if not _have_backend():
-        pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not rows:
-        pytest.fail(f"compile worker produced nothing:\n{proc.stderr[-3000:]}")
     out: dict = {}
-    for r in rows:
+    for r in worker_rows(__file__, timeout=900):
         out.setdefault(r["id"], []).append(r)
     return out
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
+
+from compile_worker import worker_rows
 
 SMEM_LIMIT = 227 * 1024
 
@@ -110,28 +109,9 @@ def _compile_all():
             print(json.dumps(dict(id=f"merge-{pair}", ok=False, error=repr(e)[-2000:])), flush=True)
 
 
-def _have_backend():
-    try:
-        import triton
-        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        return os.path.exists(path)
-    except ImportError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    if not _have_backend():
-        pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not rows:
-        pytest.fail(f"compile worker produced nothing:\n{proc.stderr[-3000:]}")
-    return {r["id"]: r for r in rows}
+    return {r["id"]: r for r in worker_rows(__file__)}
 
 
 EXPECTED = [v[0] for v in [("d64-tma",), ("d128-tma",), ("d256-tma",), ("d128-pointers",),

@@ -19,11 +19,11 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
+
+from compile_worker import worker_rows
 import torch
 
 SMEM_LIMIT = 227 * 1024
@@ -79,29 +79,10 @@ def _compile_all():
             print(json.dumps(dict(id=vid, ok=False, error=repr(e)[-2000:])), flush=True)
 
 
-def _have_gluon_backend():
-    try:
-        import triton
-        import triton.experimental.gluon  # noqa: F401
-    except ImportError:
-        return False
-    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                       "bin", "ptxas"))
-
-
 @pytest.fixture(scope="module")
 def compiled():
-    if not _have_gluon_backend():
-        pytest.skip("Triton's Gluon and NVIDIA backend (ptxas) are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not rows:
-        pytest.fail(f"compile worker produced nothing:\n{proc.stderr[-3000:]}")
-    return {r["id"]: r for r in rows}
+    pytest.importorskip("triton.experimental.gluon")
+    return {r["id"]: r for r in worker_rows(__file__)}
 
 
 @pytest.mark.parametrize("vid", [v[0] for v in VARIANTS])

@@ -145,19 +145,25 @@ def test_hits_replay_bitwise_with_the_new_tensors(layout, mode, q_len, return_ls
     assert counts() == (2, 2)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
-def test_invariant_merge_replays_with_new_workspace(layout, monkeypatch):
-    """300 keys: batch-invariant splits of 128 keys over three split programs, raw partial
-    states (o, m, d) to a workspace, then the merge kernel: the hit allocates a new
-    workspace and gives the uncached bits."""
-    runs = []
+@pytest.fixture
+def runs(monkeypatch):
+    """The :class:`splitkv.Launch` records run by the calls, in order."""
+    seen = []
     run = splitkv.Launch.run
 
     def spy(self):
-        runs.append(self)
+        seen.append(self)
         return run(self)
 
     monkeypatch.setattr(splitkv.Launch, "run", spy)
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_invariant_merge_replays_with_new_workspace(layout, monkeypatch, runs):
+    """300 keys: batch-invariant splits of 128 keys over three split programs, raw partial
+    states (o, m, d) to a workspace, then the merge kernel: the hit allocates a new
+    workspace and gives the uncached bits."""
     a = inputs(layout, 1, [300, 250], seed=3, capacity=300)
     b = inputs(layout, 1, [131, 300], seed=4, capacity=300)
     ref_b = uncached(monkeypatch, decode, b, batch_invariant=True)
@@ -175,17 +181,9 @@ def test_invariant_merge_replays_with_new_workspace(layout, monkeypatch):
     assert first[0].data_ptr() != second[0].data_ptr()
 
 
-def test_tma_descriptors_are_rebuilt_around_the_new_caches(monkeypatch):
+def test_tma_descriptors_are_rebuilt_around_the_new_caches(monkeypatch, runs):
     """``tma=True`` (contiguous fp16 cache, 16-byte aligned): the split kernel reads K/V
     through descriptors, rebuilt on a hit around the call's caches."""
-    runs = []
-    run = splitkv.Launch.run
-
-    def spy(self):
-        runs.append(self)
-        return run(self)
-
-    monkeypatch.setattr(splitkv.Launch, "run", spy)
     a = inputs("contiguous", 2, [40, 64], seed=5)
     b = inputs("contiguous", 2, [64, 33], seed=6)
 

@@ -287,20 +287,6 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer0(descs, bufs, bars, shape, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   RETURN_LSE: gl.constexpr):
-        _consumer(descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                  RETURN_LSE, 0)
-
-    @gluon.jit
-    def _consumer1(descs, bufs, bars, shape, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   RETURN_LSE: gl.constexpr):
-        _consumer(descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                  RETURN_LSE, 1)
-
-    @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
                      q_len, kv_len, heads_q, group, bh_total, qk_scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -337,10 +323,10 @@ if gluon is not None:
         shape = (q_len, kv_len, heads_q, group, gl.cdiv(q_len, BLOCK_M))
         out = (LSE, stride_lb, stride_lh, qk_scale, bh_total)
         gl.warp_specialize([
-            (_consumer0, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, RETURN_LSE)),
-            (_consumer1, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, RETURN_LSE)),
+            (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                         CAUSAL, RETURN_LSE, 0)),
+            (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                         CAUSAL, RETURN_LSE, 1)),
             (_producer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                          CAUSAL, RETURN_LSE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
