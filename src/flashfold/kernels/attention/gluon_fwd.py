@@ -67,7 +67,6 @@ except ImportError:  # pragma: no cover
     gluon = None
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 #: query rows per program (two consumer warpgroups of 64 rows)
 BLOCK_M = 128
@@ -87,20 +86,15 @@ PRODUCER_REGS = 24
 #: warp rounded up to a warpgroup) x 32 threads x 168 <= 65,536
 MAXNREG = 168
 
-__all__ = ["available", "supported", "eligible", "gluon_attention_fwd", "persistent_default",
-           "BLOCK_M", "BLOCK_N"]
-
-
-def available() -> bool:
-    """Whether this Triton has Gluon's Hopper API."""
-    return gluon is not None
+__all__ = ["supported", "eligible", "gluon_attention_fwd", "persistent_default", "BLOCK_M",
+           "BLOCK_N"]
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _items(shape, bh_total):
-        """``(count, rounds)``: the work items and how many of them this program takes.
+    def _rounds(shape, bh_total):
+        """How many work items (``n_m x BH`` in all) this program takes.
         Program ``p`` of ``G`` takes one item per round ``i``: item ``i G + p`` in even
         rounds and ``i G + G - 1 - p`` in odd ones (a snake: with items ordered heaviest
         first, each program's sum of work evens out), while the item exists."""
@@ -110,12 +104,12 @@ if gluon is not None:
         rounds = gl.cdiv(count, G)
         last = rounds - 1
         slot = gl.where(last % 2 == 0, p, G - 1 - p)
-        return count, gl.where(last * G + slot < count, rounds, last)
+        return gl.where(last * G + slot < count, rounds, last)
 
     @gluon.jit
     def _tile(i, shape, bh_total, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               CAUSAL: gl.constexpr):
-        """This program's item of round ``i`` (see :func:`_items`): query tile ``m`` of head
+        """This program's item of round ``i`` (see :func:`_rounds`): query tile ``m`` of head
         ``(b, hq)``, its key/value head ``hk``, first row ``q0``, key tiles ``n_kv`` and
         the first tile that needs masking. Items are numbered head-major, ``t = bh * n_m +
         m'``: the query tiles of a head together, so that the programs running at once
@@ -153,7 +147,7 @@ if gluon is not None:
         q_desc, k_desc, v_desc, o_desc = descs
         q_bufs, o_bufs, k_bufs, v_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-        _, rounds = _items(shape, out[4])
+        rounds = _rounds(shape, out[4])
         it = 0
         for i in range(rounds):
             b, hq, hk, q0, n_kv, mask_from = _tile(i, shape, out[4], BLOCK_M, BLOCK_N, CAUSAL)
@@ -215,7 +209,7 @@ if gluon is not None:
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
 
-        _, rounds = _items(shape, bh_total)
+        rounds = _rounds(shape, bh_total)
         it = 0
         for i in range(rounds):
             b, hq, hk, q0, n_kv, mask_from = _tile(i, shape, bh_total, BLOCK_M, BLOCK_N,
@@ -295,7 +289,7 @@ if gluon is not None:
                      PRODUCER_REGS: gl.constexpr):
         """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
         programs: one item each when ``G`` is the item count, else persistent (``G`` =
-        the SM count; rounds in a snake order, :func:`_items`), where the producer loads
+        the SM count; rounds in a snake order, :func:`_rounds`), where the producer loads
         the next item while the consumers finish the last one. ``num_warps=4`` (the
         first consumer warpgroup) plus the second consumer and the producer."""
         dtype: gl.constexpr = q_desc.dtype
