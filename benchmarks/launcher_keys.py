@@ -16,7 +16,9 @@ Argument lists timed:
 * ``reduce``: the plan of ``flashfold.argmax`` over a 2^20 x 7 fp32 tensor (18
   positionals with tuples of outputs, 24 keyword constexprs, 11 of them JITFunctions);
 * ``attention``: the forward launch of causal attention, (2, 8, 1024, 64) fp32 (64
-  positionals, 24 of them ``None``, two positional constexprs; 22 keyword constexprs).
+  positionals, 24 of them ``None``, two positional constexprs; 22 keyword constexprs);
+* ``gluon``: the Gluon forward's launch, causal (16, 16, 1024, 128) bf16 (four Gluon TMA
+  descriptors, 13 positionals, 10 keyword constexprs and options).
 
 Columns, in microseconds per call, best of 7 timeit repeats: ``key``, the key alone
 (``launcher._key``, for a module that has one); ``hit``, :func:`launch` on a cache hit
@@ -85,6 +87,14 @@ def attention_launch():
     return fwd._attn_fwd, grid, args, kwargs
 
 
+def gluon_attention_launch():
+    from flashfold.kernels.attention import gluon_fwd
+    q, k, v = (torch.empty(16, 16, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+    kernel, grid, args, kwargs = gluon_fwd.gluon_attention_fwd(q, k, v, causal=True,
+                                                               return_lse=True, launch=False)
+    return kernel, grid, args, kwargs
+
+
 class _FakeCompiled:
     function = packed_metadata = None
 
@@ -127,7 +137,8 @@ def main():
         L._driver = _FakeDriver
         L._slow = lambda kernel, grid, args, kwargs: misses.append(kernel) or _FakeCompiled()
     cases = [(name, make()) for name, make in (("synthetic", synthetic), ("reduce", reduce_plan),
-                                               ("attention", attention_launch))]
+                                               ("attention", attention_launch),
+                                               ("gluon", gluon_attention_launch))]
     best: dict = {}
     for _ in range(7):                  # interleaved repeats: both see the same machine load
         for name, (kernel, grid, args, kwargs) in cases:

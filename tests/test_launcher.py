@@ -310,6 +310,25 @@ def test_tensor_subclasses_and_tma_descriptors_are_keyed(log):
     assert [c[0] for c in log] == ["slow", "fast", "slow"]
 
 
+def test_gluon_descriptors_are_keyed_with_their_layout(log):
+    """Gluon's descriptors take the cached path; one that differs only in its shared-memory
+    layout (which Triton specializes on) misses; the descriptor itself reaches the
+    compiled kernel's launcher, which builds the TMA map from it as on Triton's path."""
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    def desc(swizzle):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
+        return hopper.TensorDescriptor(torch.zeros(64, 64), [64, 64], [64, 1], [16, 16], layout)
+
+    for d in (desc(64), desc(64), desc(32)):
+        L.launch(_k, (1,), (buf(), d, 96, 5, 0.5), dict(BLOCK=32))
+    assert [c[0] for c in log] == ["slow", "fast", "slow"]
+    d = desc(64)
+    L.launch(_k, (1,), (buf(), d, 96, 5, 0.5), dict(BLOCK=32))
+    assert log[-1][0] == "fast" and log[-1][1][10] is d
+
+
 def test_interpreter_and_environment_send_launches_through_triton(log, monkeypatch):
     """The real :func:`launcher.enabled` reads the environment on every call."""
     monkeypatch.setattr(L, "enabled", _enabled)

@@ -15,7 +15,8 @@ attention, 2^20 x 7 reductions) are host-bound by it.
 * ints: whether the value is 1, divisible by 16, and fits in 32 bits (the i32/i64
   choice) or needs u64; floats by type; bools and ``None`` by value; tuples element by
   element;
-* TMA tensor descriptors: base dtype and alignment, shape, strides, block shape;
+* TMA tensor descriptors: base dtype and alignment, shape, strides, block shape (and, for
+  Gluon's, the shared-memory layout);
 * constexprs (by keyword or position) and options (``num_warps``...): by type and value,
   ``JITFunction`` by identity;
 * the kernel, the number of positionals, the keyword names in order, and the type of
@@ -81,6 +82,11 @@ try:
 except Exception:  # pragma: no cover
     _Desc = None
 
+try:  # Gluon's host descriptors also carry the shared-memory layout Triton specializes on
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDesc
+except Exception:  # pragma: no cover
+    _GluonDesc = None
+
 _MAX = 4096
 #: (id(kernel), number of positionals, keyword names, type of every value) -> _Plan
 _PLANS: dict = {}
@@ -116,6 +122,12 @@ def _desc_spec(a):
     b = a.base
     return (b.dtype, b.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
             tuple(a.block_shape), getattr(a, "padding", None))
+
+
+def _gluon_desc_spec(a):
+    """A Gluon descriptor: as a Triton one, and its shared-memory layout (a frozen
+    dataclass, hashable)."""
+    return (*_desc_spec(a), a.layout)
 
 
 def _value(a):
@@ -164,6 +176,8 @@ _RUNTIME = _ByType({int: _int_spec, float: _nothing, type(None): _nothing, bool:
                     tuple: _tuple_spec}, lambda t: _unkeyed)
 if _Desc is not None:
     _RUNTIME[_Desc] = _desc_spec
+if _GluonDesc is not None:
+    _RUNTIME[_GluonDesc] = _gluon_desc_spec
 #: constexprs and options: by value (tensors as runtime arguments)
 _CONSTEXPR = _ByType({tuple: _constexpr_tuple_spec},
                      lambda t: _unkeyed if t.__hash__ is None else _value)
