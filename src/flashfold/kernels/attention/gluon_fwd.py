@@ -381,10 +381,11 @@ def persistent_default(causal: bool, n_m: int, sms: int) -> bool:
     rounds) rather than one program per item (the hardware's block scheduler then
     balances the items as they finish).
 
-    Dense items all cost the same: persistent (H200, head_dim 128: +5-12% at N = 1K-16K,
-    the next item's loads overlapping the last one's epilogue). Causal items cost ``m + 1``
-    key tiles: a head contributes a sawtooth of weights ``n_m .. 1`` and the snake evens
-    out a program's sum only when one round (``sms`` items) spans several heads. Measured
+    Dense items all cost the same: persistent (H200, head_dim 128: +4-12% at N = 1K-16K
+    over one program per item, the next item's loads overlapping the last one's
+    epilogue). Causal items cost ``m + 1`` key tiles: a head contributes a sawtooth of
+    weights ``n_m .. 1`` and the snake evens out a program's sum only when one round
+    (``sms`` items) spans several heads. Measured
     (``benchmarks/RESULTS.md``, "Gluon forward"): at 4K (``n_m = 32``, 4 heads per round)
     persistent 564-571 TFLOP/s against 493-513 per item; at 16K (``n_m = 128``, one head
     per round) 467-472 against 580-618. So causal calls go persistent while ``sms >=
