@@ -94,7 +94,7 @@ import triton.language as tl
 
 from ...algebra.autodiff import derivative
 from .. import launcher
-from .fwd import (LOG2E, TensorDescriptor, _interpreting, _load_tile, _tanh, _tile_ranges,
+from .fwd import (LOG2E, TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
                   _visible_2d, block_dims, tma_ok)
 from .mods import MAX_BUFFERS, BlockMask, TracedMod, _lists
 
@@ -860,13 +860,6 @@ _alloc = torch.empty
 
 def _none_args(n):
     return [None] * n
-
-
-def _desc(t, block_rows, block_d):
-    align = 16 // t.element_size()
-    strides = [s if n > 1 else align for s, n in zip(t.stride(), t.shape)]
-    strides[-1] = 1
-    return TensorDescriptor(t, list(t.shape), strides, [1, 1, block_rows, block_d])
 
 
 def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,

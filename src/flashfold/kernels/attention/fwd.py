@@ -57,7 +57,6 @@ log (the backward wants base 2: multiply by ``log2 e``).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 
@@ -65,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import launcher
+from .. import launcher, tma
 from . import gluon_fwd
 from .mods import MAX_BUFFERS, BlockMask, TracedMod
 
@@ -521,24 +520,13 @@ def default_config(q, head_dim: int, head_dim_v: int, causal: bool = False) -> F
 def tma_ok(*tensors) -> bool:
     """Whether TMA descriptors can address these tensors: unit last stride, 16-byte aligned
     base and strides (of dims longer than 1), no zero strides."""
-    if TensorDescriptor is None:
-        return False
-    for t in tensors:
-        es = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if any(s == 0 or (s * es) % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
-            return False
-    return True
+    return TensorDescriptor is not None and all(tma.addressable(t) for t in tensors)
 
 
 def _desc(t, block_rows, block_d):
     """A 4-D TMA descriptor over ``t (B, H, N, D)`` loading ``[1, 1, block_rows, block_d]``
     boxes (the stride of a size-1 dim is irrelevant; replaced by an aligned value)."""
-    align = 16 // t.element_size()
-    strides = [s if n > 1 else align for s, n in zip(t.stride(), t.shape)]
-    strides[-1] = 1
-    return TensorDescriptor(t, list(t.shape), strides, [1, 1, block_rows, block_d])
+    return TensorDescriptor(t, list(t.shape), tma.box_strides(t), [1, 1, block_rows, block_d])
 
 
 def _none_args(n):

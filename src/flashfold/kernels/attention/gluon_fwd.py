@@ -56,6 +56,7 @@ import math
 import torch
 
 from .. import launcher
+from ..tma import addressable, box_strides
 
 try:  # Triton >= 3.5 ships Gluon
     from triton.experimental import gluon
@@ -336,12 +337,6 @@ if gluon is not None:
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    es = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all((s * es) % 16 == 0 for s in t.stride()[:-1]))
-
-
 @functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
@@ -364,7 +359,7 @@ def supported(q, k, v, *, causal: bool = False, scale: float | None = None) -> b
         return False
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         return False
-    return all(_tma_ok(t) for t in (q, k, v))
+    return all(addressable(t) for t in (q, k, v))
 
 
 def eligible(q, k, v, *, causal: bool = False, scale: float | None = None) -> bool:
@@ -404,7 +399,7 @@ def _layout(block: tuple, dtype: torch.dtype):
 def _desc(t: torch.Tensor, rows: int):
     """A 4-D TMA descriptor over ``t (B, H, N, D)`` with ``[1, 1, rows, D]`` blocks."""
     block = (1, 1, rows, t.shape[-1])
-    return GluonDescriptor(t, list(t.shape), list(t.stride()), list(block),
+    return GluonDescriptor(t, list(t.shape), box_strides(t), list(block),
                            _layout(block, t.dtype))
 
 

@@ -183,7 +183,7 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
 from ...monoids import ATTENTION
-from .. import launcher, plans
+from .. import launcher, plans, tma
 from ..codegen import triton_monoid
 
 LOG2E = 1.0 / math.log(2.0)
@@ -735,10 +735,7 @@ def _tma_eligible(k: torch.Tensor, v: torch.Tensor, page_size: int | None, block
     if TensorDescriptor is None or (page_size is not None and page_size % block_n):
         return False
     for t in (k, v):
-        es = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.shape[-1] * es) % 16:
-            return False
-        if any(st == 0 or (st * es) % 16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+        if not tma.addressable(t) or (t.shape[-1] * t.element_size()) % 16:
             return False
         dims = [(st, n) for st, n in zip(t.stride(), t.shape) if n > 1]
         if any(outer < inner * n for (outer, _), (inner, n) in zip(dims, dims[1:])):
@@ -749,10 +746,7 @@ def _tma_eligible(k: torch.Tensor, v: torch.Tensor, page_size: int | None, block
 def _descriptor(t: torch.Tensor, box: list[int]):
     """A 4-D TMA descriptor over ``t`` loading ``box``-shaped blocks (the stride of a
     size-1 dim is irrelevant: replaced by an aligned value)."""
-    align = 16 // t.element_size()
-    strides = [st if n > 1 else align for st, n in zip(t.stride(), t.shape)]
-    strides[-1] = 1
-    return TensorDescriptor(t, list(t.shape), strides, box)
+    return TensorDescriptor(t, list(t.shape), tma.box_strides(t), box)
 
 
 @dataclass(frozen=True)
