@@ -39,6 +39,8 @@ def worker_rows(path: str, timeout: int = 600) -> list[dict]:
     """The JSON rows printed by ``python path``; skips the test without ``ptxas``, fails
     it when the worker printed none."""
     if not have_ptxas():
+        # an environment without Triton's NVIDIA backend (CI's Linux wheel ships it, so
+        # these tests run there): nothing can be compiled
         pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
     proc = subprocess.run([sys.executable, os.path.abspath(path)], env=compile_env(),
                           capture_output=True, text=True, timeout=timeout)

@@ -23,6 +23,8 @@ from flashfold.api import reductions as api_reductions
 from flashfold.kernels import launcher
 from flashfold.kernels.attention import fwd
 
+# the kernels run under the interpreter on CPU tensors here; on a CUDA machine the same
+# routing would send them to the GPU, as the other interpreter test files skip there too
 if torch.cuda.is_available():  # pragma: no cover - the interpreter runs on CPU machines
     pytest.skip("interpreter tests run on CPU machines", allow_module_level=True)
 

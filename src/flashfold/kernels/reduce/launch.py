@@ -779,7 +779,7 @@ def _run(plan, device=None):
         for launch in plan:
             launch()
         return
-    with launcher.on_device(torch.device(device)):
+    with launcher.on_device(device):
         for launch in plan:
             launch()
 
