@@ -983,36 +983,47 @@ def main_bwd(quick: bool) -> int:
     return 0 if ok and det_ok and comp_ok else 1
 
 
-def gluon_grids(tokens=16384, H=16):
-    """The Gluon forward's two grids side by side (``gluon_fwd.persistent_default``): for
-    each head dim, length and mask, TFLOP/s of the persistent grid, of one program per
-    work item, and of SDPA cuDNN, after checking that both grids give the same bits."""
+def gluon_variants(tokens=16384, H=16):
+    """The Gluon forward's schedule choices side by side: for each head dim, length and
+    mask, TFLOP/s of the persistent grid and of one program per work item
+    (``gluon_fwd.persistent_default`` picks one: ``*``), of the chosen grid with the
+    other ping-pong setting (``gluon_fwd.pingpong_default``), and of SDPA cuDNN, after
+    checking that every variant gives the same bits (they change the order of issue, not
+    the math)."""
     from flashfold.kernels.attention import gluon_fwd
     if not gluon_fwd.eligible(*(torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16),) * 3):
         print("the Gluon forward needs an sm_90 GPU")
         return
     cudnn = _sdpa("CUDNN_ATTENTION")
-    print("== Gluon grids: persistent vs one program per work item (TFLOP/s; chosen: *)")
-    print("| D | N | mask | persistent | per item | cuDNN |")
-    print("|---|---|---|---:|---:|---:|")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("== Gluon variants (TFLOP/s; the grid chosen: *; ping-pong: the default, flipped)")
+    print("| D | N | mask | ping-pong | persistent | per item | ping-pong flipped | cuDNN "
+          "| best/cuDNN |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
     for D in (64, 128):
         for N in (1024, 4096, 16384):
             for causal in (False, True):
                 B = max(1, tokens // N)
                 q, k, v = (torch.randn(B, H, N, D, device=DEV, dtype=torch.bfloat16)
                            for _ in range(3))
-                runs = [lambda p=p: gluon_fwd.gluon_attention_fwd(q, k, v, causal=causal,
-                                                                  return_lse=True, persistent=p)
-                        for p in (True, False)]
-                a, b = runs[0](), runs[1]()
-                same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                pick = gluon_fwd.persistent_default(causal, -(-N // gluon_fwd.BLOCK_M), sms)
+                pp = gluon_fwd.pingpong_default(causal, N, N)
+                opts = [dict(persistent=True), dict(persistent=False),
+                        dict(persistent=pick, pingpong=not pp)]
+                runs = [lambda o=o: gluon_fwd.gluon_attention_fwd(q, k, v, causal=causal,
+                                                                  return_lse=True, **o)
+                        for o in opts]
+                outs = [f() for f in runs]
+                same = all(torch.equal(outs[0][0], r[0]) and torch.equal(outs[0][1], r[1])
+                           for r in outs[1:])
                 fl = 4 * B * H * D * N * N * (0.5 if causal else 1.0)
                 tf = [fl / _bench(f) / 1e9 for f in runs + [lambda: cudnn(q, k, v, causal)]]
-                pick = gluon_fwd.persistent_default(causal, -(-N // gluon_fwd.BLOCK_M),
-                                                    torch.cuda.get_device_properties(0).multi_processor_count)
-                cells = [f"{t:.0f}" + ("*" if i == (0 if pick else 1) else "") for i, t in enumerate(tf)]
-                print(f"| {D} | {N} | {'causal' if causal else 'full'} | " + " | ".join(cells)
-                      + (" |" if same else " | BITS DIFFER |"), flush=True)
+                cells = [f"{t:.0f}" + ("*" if i == (0 if pick else 1) else "")
+                         for i, t in enumerate(tf)]
+                print(f"| {D} | {N} | {'causal' if causal else 'full'} | {'on' if pp else 'off'} | "
+                      + " | ".join(cells)
+                      + f" | {max(tf[:3]) / tf[3]:.2f} |" + ("" if same else " BITS DIFFER |"),
+                      flush=True)
 
 
 def main(argv=None):
@@ -1023,8 +1034,8 @@ def main(argv=None):
     ap.add_argument("--bwd", action="store_true", help="backward: gradient grid, determinism, "
                     "torch.compile, backward and fwd+bwd timings (instead of the forward run)")
     ap.add_argument("--tune-bwd", action="store_true", help="time candidate backward configs only")
-    ap.add_argument("--gluon-grids", action="store_true",
-                    help="the Gluon forward's persistent and per-item grids vs cuDNN only")
+    ap.add_argument("--gluon-variants", action="store_true",
+                    help="the Gluon forward's grids and ping-pong on/off vs cuDNN only")
     ap.add_argument("--tune-n", type=int, default=4096,
                     help="--tune / --tune-bwd sequence length (batch = 16K tokens / N; default 4096)")
     args = ap.parse_args(argv)
@@ -1041,8 +1052,8 @@ def main(argv=None):
     if args.tune_bwd:
         tune_bwd(N=args.tune_n, B=max(1, 16384 // args.tune_n))
         return 0
-    if args.gluon_grids:
-        gluon_grids()
+    if args.gluon_variants:
+        gluon_variants()
         return 0
     if args.bwd:
         return main_bwd(args.quick)

@@ -28,11 +28,16 @@ import torch
 
 SMEM_LIMIT = 227 * 1024
 
-#: (id, head_dim, causal, return_lse, dtype) of the variants compiled on the CPU
-VARIANTS = [("d64", 64, False, False, "bfloat16"), ("d64-causal-lse", 64, True, True, "bfloat16"),
-            ("d128", 128, False, False, "bfloat16"), ("d128-lse", 128, False, True, "float16"),
-            ("d128-causal", 128, True, False, "bfloat16"),
-            ("d128-causal-lse", 128, True, True, "bfloat16")]
+#: (id, head_dim, causal, return_lse, dtype, warpgroup ping-pong) of the variants
+#: compiled on the CPU
+VARIANTS = [("d64", 64, False, False, "bfloat16", True),
+            ("d64-causal-lse", 64, True, True, "bfloat16", True),
+            ("d128", 128, False, False, "bfloat16", True),
+            ("d128-lse", 128, False, True, "float16", True),
+            ("d128-causal", 128, True, False, "bfloat16", True),
+            ("d128-causal-lse", 128, True, True, "bfloat16", True),
+            ("d128-no-pingpong", 128, False, True, "bfloat16", False),
+            ("d128-causal-no-pingpong", 128, True, True, "bfloat16", False)]
 
 
 def _key_loops(sass: str):
@@ -59,12 +64,13 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_fwd as G
 
-    for vid, d, causal, lse, dtype in VARIANTS:
+    for vid, d, causal, lse, dtype, pingpong in VARIANTS:
         try:
             q = torch.empty(2, 4, 1000, d, dtype=getattr(torch, dtype))
             k = torch.empty(2, 2, 1000, d, dtype=q.dtype)
             kernel, _, args, kwargs = G.gluon_attention_fwd(q, k, k, causal=causal,
-                                                           return_lse=lse, launch=False)
+                                                           return_lse=lse, launch=False,
+                                                           pingpong=pingpong)
             c = compile_launch(kernel, args, kwargs)
             bars = sorted(set(re.findall(r"bar\.sync\s+\d+,\s*(\d+)", c.ptx)))
             loops, local = _key_loops(_run_on_cubin(c.cubin, "-sass"))
@@ -150,6 +156,17 @@ def test_persistent_rule():
     assert persistent_default(False, 128, 132) and persistent_default(False, 1, 132)
     assert persistent_default(True, 8, 132) and persistent_default(True, 33, 132)
     assert not persistent_default(True, 34, 132) and not persistent_default(True, 128, 132)
+
+
+def test_pingpong_rule():
+    """Ping-pong while work items average at most 24 key tiles of 128: dense N <= 3K,
+    causal N <= ~6K (items average (N / 2 + 64) / 128 tiles), more when Nk > Nq."""
+    from flashfold.kernels.attention.gluon_fwd import pingpong_default
+    assert pingpong_default(False, 1024, 1024) and pingpong_default(False, 1, 3072)
+    assert not pingpong_default(False, 1024, 4096) and not pingpong_default(False, 1, 3073)
+    assert pingpong_default(True, 4096, 4096) and pingpong_default(True, 6016, 6016)
+    assert not pingpong_default(True, 6272, 6272) and not pingpong_default(True, 16384, 16384)
+    assert not pingpong_default(True, 128, 4096)      # 31.5 key tiles per item
 
 
 def test_not_on_cpu_tensors():
@@ -247,9 +264,10 @@ def test_gpu_flash_criterion(case, D, causal, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_persistent_equals_one_program_per_item():
-    """The two grids run the same per-item code: bit-identical outputs, dense and causal,
-    with several rounds per program."""
+def test_gpu_schedules_give_the_same_bits():
+    """The two grids, with and without ping-pong, run the same per-item math in another
+    order of issue: bit-identical outputs, dense and causal, with several rounds per
+    program."""
     _needs_sm90()
     from flashfold.kernels.attention.gluon_fwd import gluon_attention_fwd
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -257,9 +275,14 @@ def test_gpu_persistent_equals_one_program_per_item():
     k = torch.randn(3, 8, 1500, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
     for causal in (False, True):
-        a = gluon_attention_fwd(q, k, v, causal=causal, return_lse=True, persistent=True)
-        b = gluon_attention_fwd(q, k, v, causal=causal, return_lse=True, persistent=False)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        a = gluon_attention_fwd(q, k, v, causal=causal, return_lse=True, persistent=True,
+                                pingpong=False)
+        for persistent in (True, False):
+            for pingpong in (True, False):
+                b = gluon_attention_fwd(q, k, v, causal=causal, return_lse=True,
+                                        persistent=persistent, pingpong=pingpong)
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), \
+                    (causal, persistent, pingpong)
 
 
 @pytest.mark.gpu

@@ -78,6 +78,9 @@ STAGES = 2
 #: causal calls run persistent while a round of work items spans at least this many
 #: heads (see :func:`persistent_default`)
 CAUSAL_HEADS_PER_ROUND = 4
+#: calls whose work items average at most this many key tiles ping-pong the two consumer
+#: warpgroups (see :func:`pingpong_default`)
+PINGPONG_MAX_TILES = 24
 #: registers of the second consumer warpgroup (a worker partition; the first, the
 #: default partition, gets what the cap leaves: (168 * 12 - 240 * 4 - 24 * 4) / 4 = 240)
 CONSUMER_REGS = 240
@@ -87,8 +90,8 @@ PRODUCER_REGS = 24
 #: warp rounded up to a warpgroup) x 32 threads x 168 <= 65,536
 MAXNREG = 168
 
-__all__ = ["supported", "eligible", "gluon_attention_fwd", "persistent_default", "BLOCK_M",
-           "BLOCK_N"]
+__all__ = ["supported", "eligible", "gluon_attention_fwd", "persistent_default",
+           "pingpong_default", "BLOCK_M", "BLOCK_N"]
 
 
 if gluon is not None:
@@ -147,7 +150,7 @@ if gluon is not None:
         each slot is released by both consumer warpgroups (count 2)."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_bufs, o_bufs, k_bufs, v_bufs = bufs
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         rounds = _rounds(shape, out[4])
         it = 0
         for i in range(rounds):
@@ -171,23 +174,43 @@ if gluon is not None:
             it += n_kv
 
     @gluon.jit
-    def _masked(s, j, mask_from, last_key, cols, kv_len,
-                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def _masked(s, j, mask_from, last_key, kv_len, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr):
         """``s`` with invisible keys at ``-inf`` on tiles ``j >= mask_from`` (the ragged
         last tile, and the causal diagonal: key ``c`` visible to row ``r`` iff ``c <=
-        last_key[r] = r + Nk - Nq``)."""
+        last_key[r] = r + Nk - Nq``). Causal needs no ``c < Nk`` test: a row ``r < Nq``
+        has ``last_key < Nk``, and the rows past ``Nq`` of the last query tile (keys read
+        as zeros past ``Nk``) are never written."""
         if j >= mask_from:
-            c = j * BLOCK_N + cols
-            ok = c[None, :] < kv_len
+            c = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
             if CAUSAL:
-                ok = ok & (c[None, :] <= last_key[:, None])
+                ok = c[None, :] <= last_key[:, None]
+            else:
+                ok = c[None, :] < kv_len
             s = gl.where(ok, s, -float("inf"))
         return s
 
     @gluon.jit
+    def _take_turn(turn, e, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: wait until the other warpgroup has issued its wgmma of event ``e - 1``
+        (warpgroup 0) or ``e`` (warpgroup 1); ``turn[0]`` starts with one arrival, so
+        warpgroup 0 goes first. Events count the issues of both warpgroups in step: an
+        item of ``n_kv`` key tiles has ``n_kv + 1`` (``S_0``, ``S_j`` with ``P_{j-1} V``,
+        the last ``P V``), so the item of round ``i`` starting at ring position ``it``
+        starts at event ``it + i``."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), e & 1)
+
+    @gluon.jit
+    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: this warpgroup's wgmma of the current event are issued."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
     def _consumer(descs, bufs, bars, shape, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  RETURN_LSE: gl.constexpr, WG: gl.constexpr):
+                  RETURN_LSE: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
         """One warpgroup's 64 query rows (half ``WG``) of each work item: fold key tiles
         ``0 .. n_kv`` (``>= 1``) into ``(acc, l, m)`` -- base-2 maxima ``m`` of ``qk *
         qk_scale``, ``l = sum 2^(s - m)``, ``acc = sum 2^(s - m) v`` -- with ``P V`` of
@@ -195,7 +218,7 @@ if gluon is not None:
         ``o = acc / l`` (staged in this half's output buffer, TMA store) and the LSE."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_bufs, o_bufs, k_bufs, v_bufs = bufs
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         q_len, kv_len, heads_q, group, n_m = shape
         LSE, stride_lb, stride_lh, qk_scale, bh_total = out
         HALF: gl.constexpr = BLOCK_M // 2
@@ -207,7 +230,6 @@ if gluon is not None:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         q = q_bufs.index(WG).reshape([HALF, HEAD_DIM])
         o_smem = o_bufs.index(WG)
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
 
         rounds = _rounds(shape, bh_total)
@@ -223,11 +245,13 @@ if gluon is not None:
             # key tile 0: S, then its softmax (nothing to overlap with yet)
             slot = it % STAGES
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            _take_turn(turn, it + i, WG, PINGPONG)
             s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                               s_zero, use_acc=False, is_async=True)
+            _pass_turn(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(slot), count=1)
-            s = _masked(s, 0, mask_from, last_key, cols, kv_len, BLOCK_N, CAUSAL)
+            s = _masked(s, 0, mask_from, last_key, kv_len, BLOCK_N, CAUSAL)
             m = gl.max(s, 1) * qk_scale
             m_use = gl.where(m == -float("inf"), 0.0, m)
             p = gl.exp2(s * qk_scale - m_use[:, None])
@@ -238,15 +262,17 @@ if gluon is not None:
                 slot = (it + j) % STAGES
                 prev = (it + j - 1) % STAGES
                 mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
+                _take_turn(turn, it + j + i, WG, PINGPONG)
                 s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
                                   s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
                 pa = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(pa, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
                                     is_async=True)
+                _pass_turn(turn, WG, PINGPONG)
                 s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
                 mbarrier.arrive(k_empty.index(slot), count=1)
-                s = _masked(s, j, mask_from, last_key, cols, kv_len, BLOCK_N, CAUSAL)
+                s = _masked(s, j, mask_from, last_key, kv_len, BLOCK_N, CAUSAL)
                 m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
                 m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
                 alpha = gl.exp2(m - m_use)
@@ -262,8 +288,10 @@ if gluon is not None:
             last = (it + n_kv - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((it + n_kv - 1) // STAGES) & 1)
             pa = gl.convert_layout(p.to(dtype), p_layout)
+            _take_turn(turn, it + n_kv + i, WG, PINGPONG)
             acc = warpgroup_mma(pa, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
                                 is_async=True)
+            _pass_turn(turn, WG, PINGPONG)
             acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
             mbarrier.arrive(v_empty.index(last), count=1)
             it += n_kv
@@ -286,8 +314,8 @@ if gluon is not None:
                      q_len, kv_len, heads_q, group, bh_total, qk_scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
+                     RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
         programs: one item each when ``G`` is the item count, else persistent (``G`` =
         the SM count; rounds in a snake order, :func:`_rounds`), where the producer loads
@@ -304,6 +332,7 @@ if gluon is not None:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         mbarrier.init(q_empty, count=2)
         for i in gl.static_range(STAGES):
@@ -311,17 +340,21 @@ if gluon is not None:
             mbarrier.init(k_empty.index(i), count=2)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 issues first
 
         descs = (q_desc, k_desc, v_desc, o_desc)
         bufs = (q_bufs, o_bufs, k_bufs, v_bufs)
-        bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+        bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
         shape = (q_len, kv_len, heads_q, group, gl.cdiv(q_len, BLOCK_M))
         out = (LSE, stride_lb, stride_lh, qk_scale, bh_total)
         gl.warp_specialize([
             (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                         CAUSAL, RETURN_LSE, 0)),
+                         CAUSAL, RETURN_LSE, 0, PINGPONG)),
             (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                         CAUSAL, RETURN_LSE, 1)),
+                         CAUSAL, RETURN_LSE, 1, PINGPONG)),
             (_producer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                          CAUSAL, RETURN_LSE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -332,6 +365,8 @@ if gluon is not None:
             mbarrier.invalidate(k_empty.index(i))
             mbarrier.invalidate(v_ready.index(i))
             mbarrier.invalidate(v_empty.index(i))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(turn.index(i))
 
 
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -371,6 +406,22 @@ def eligible(q, k, v, *, causal: bool = False, scale: float | None = None) -> bo
     return _is_sm90(index) and supported(q, k, v, causal=causal, scale=scale)
 
 
+def pingpong_default(causal: bool, nq: int, nk: int) -> bool:
+    """Whether the two consumer warpgroups ping-pong: each issues its wgmma only after the
+    other has issued its own for the previous event (two mbarriers), so that one
+    warpgroup's softmax runs while the other's products hold the tensor cores.
+
+    Each warpgroup already overlaps its softmax with its own ``P V`` product, except on
+    an item's first key tile (``S_0`` alone, then its softmax) and last ``P V``; ping-pong
+    fills those gaps with the other warpgroup's work, and costs a wait per tile
+    everywhere. Measured (H200, ``benchmarks/RESULTS.md``, "Gluon forward"), against no
+    ping-pong: 1K dense (8 tiles per item) +2%, 4K causal (16.5 on average) +1-5.5%,
+    4K dense (32) -3.5% at head_dim 128, 16K (64-128) 0 to -1.3%. So items averaging at
+    most ``PINGPONG_MAX_TILES`` key tiles ping-pong."""
+    mean = (nk - nq + (nq + BLOCK_M) / 2) / BLOCK_N if causal else nk / BLOCK_N
+    return mean <= PINGPONG_MAX_TILES
+
+
 def persistent_default(causal: bool, n_m: int, sms: int) -> bool:
     """Whether a call runs persistent (one program per SM taking work items in snake
     rounds) rather than one program per item (the hardware's block scheduler then
@@ -408,7 +459,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         return_lse: bool = False, out: torch.Tensor | None = None,
                         lse: torch.Tensor | None = None, launch: bool = True,
                         stages: int = STAGES, block_n: int = BLOCK_N,
-                        persistent: bool | None = None):
+                        persistent: bool | None = None, pingpong: bool | None = None):
     """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k, v (B, Hk, Nk, D)``: ``o (B, Hq, Nq, D)``
     in the input dtype, ``lse (B, Hq, Nq)`` float32 natural log (``None`` without
     ``return_lse``). ``out`` / ``lse``: contiguous buffers to write (else allocated).
@@ -424,12 +475,14 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if not return_lse:
         lse = None
     lse_arg = lse if return_lse else o
+    if pingpong is None:
+        pingpong = pingpong_default(causal, Nq, Nk)
     args = (_desc(q, BLOCK_M // 2), _desc(k, block_n), _desc(v, block_n),
             _desc(o, BLOCK_M // 2), lse_arg,
             lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
             Nq, Nk, Hq, Hq // Hk, B * Hq, float(scale) * LOG2E)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
-                  CAUSAL=bool(causal), RETURN_LSE=bool(return_lse),
+                  CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), PINGPONG=bool(pingpong),
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                   maxnreg=MAXNREG)
     n_m = -(-Nq // BLOCK_M)
