@@ -1026,6 +1026,52 @@ def gluon_variants(tokens=16384, H=16):
                       flush=True)
 
 
+def gluon_bwd_compare(tokens=16384, H=16):
+    """The Gluon backward (``gluon_bwd``) next to the Triton kernels it replaces (default
+    and deterministic configurations, forced by passing their config) and SDPA cuDNN's
+    backward, head_dim 128, on the targets grid: TFLOP/s of the backward alone (2.5 x
+    4 B H N^2 D, halved when causal), after checking that dQ, dK, dV of the Gluon kernel
+    and of the deterministic Triton kernels agree (max |diff| relative to max |grad|)."""
+    from flashfold.kernels.attention import gluon_bwd
+    probe = torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16)
+    if not gluon_bwd.eligible(probe, probe, probe, probe):
+        print("the Gluon backward needs an sm_90 GPU")
+        return
+    cudnn = _sdpa_train("CUDNN_ATTENTION")
+    print("== Gluon backward vs Triton backward vs cuDNN (TFLOP/s, bf16, head_dim 128)")
+    print("| N | mask | Gluon | Triton default | Triton det | cuDNN | Gluon/cuDNN | Gluon/Triton "
+          "| max rel diff |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    D = 128
+    for N in (1024, 4096, 16384):
+        for causal in (False, True):
+            B = max(1, tokens // N)
+            g = torch.Generator(device=DEV).manual_seed(0)
+            q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(torch.bfloat16)
+                           for _ in range(4))
+            scale = 1 / math.sqrt(D)
+            right = 0 if causal else None
+            o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
+            cfg = bwd.default_config(q, D, D, causal=causal)
+            runs = [lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right),
+                    lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right,
+                                                   config=cfg),
+                    lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right,
+                                                   config=cfg, deterministic=True)]
+            got, ref = runs[0](), runs[2]()
+            diff = max((a.float() - b.float()).abs().max().item()
+                       / max(1e-6, b.float().abs().max().item()) for a, b in zip(got, ref))
+            fl = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
+            tf = [fl / _bench(f) / 1e9 for f in runs]
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            oc = cudnn(qg, kg, vg, causal)
+            tf.append(fl / _bench(lambda: torch.autograd.grad(oc, (qg, kg, vg), do,
+                                                              retain_graph=True)) / 1e9)
+            print(f"| {N} | {'causal' if causal else 'full'} | " + " | ".join(f"{t:.0f}" for t in tf)
+                  + f" | {tf[0] / tf[3]:.2f} | {tf[0] / max(tf[1], tf[2]):.2f} | {diff:.1e}"
+                  + (" WRONG" if diff > 2e-2 else "") + " |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small check grid, 3 timing rows")
@@ -1036,6 +1082,8 @@ def main(argv=None):
     ap.add_argument("--tune-bwd", action="store_true", help="time candidate backward configs only")
     ap.add_argument("--gluon-variants", action="store_true",
                     help="the Gluon forward's grids and ping-pong on/off vs cuDNN only")
+    ap.add_argument("--gluon-bwd", action="store_true",
+                    help="the Gluon backward vs the Triton backward kernels vs cuDNN only")
     ap.add_argument("--tune-n", type=int, default=4096,
                     help="--tune / --tune-bwd sequence length (batch = 16K tokens / N; default 4096)")
     args = ap.parse_args(argv)
@@ -1054,6 +1102,9 @@ def main(argv=None):
         return 0
     if args.gluon_variants:
         gluon_variants()
+        return 0
+    if args.gluon_bwd:
+        gluon_bwd_compare()
         return 0
     if args.bwd:
         return main_bwd(args.quick)

@@ -229,7 +229,8 @@ def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
             do, q, k, v, o, lse, scale=scale, dlse=dlse, softcap=softcap, left=left,
             right=right, score_mod=score, block_mask=block_mask, cu_seqlens_q=cu_q,
             cu_seqlens_k=cu_k, max_seqlen_q=seq_q, max_seqlen_k=seq_k,
-            full_needs_mask=full_needs_mask, deterministic=deterministic, config=cfg)
+            full_needs_mask=full_needs_mask, deterministic=deterministic,
+            config=cfg if block_mask is not None else None)
 
 
 _TORCH_GRADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -62,6 +62,12 @@ Kernels (one template each; constexpr flags as in :mod:`.fwd`):
   and accumulates ``dQ`` in registers, written once.
 * ``_dq_convert`` (atomic mode): ``dQ = scale * acc`` in the input dtype.
 
+On sm_90, dense and causal calls at head_dim 128 in the default mode (no softcap, mods,
+window or varlen, no explicit ``config``) run the warp-specialized Gluon kernel of
+:mod:`.gluon_bwd` between the preprocess and the conversion instead: dK, dV and a dQ
+added by TMA reduce-adds in one pass (0.89-0.91x cuDNN against 0.71-0.73x for these
+kernels, ``benchmarks/RESULTS.md``).
+
 Modes: ``deterministic=True`` runs preprocess, dK/dV (no atomics) and the dQ kernel: every
 sum has a fixed order, so two runs are bitwise equal. The default mode adds ``dQ`` with fp32
 atomics from the dK/dV kernel (5 matmuls per tile pair instead of 7), whose order varies
@@ -94,6 +100,7 @@ import triton.language as tl
 
 from ...algebra.autodiff import derivative
 from .. import launcher
+from . import gluon_bwd
 from .fwd import (LOG2E, TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
                   _visible_2d, block_dims, tma_ok)
 from .mods import MAX_BUFFERS, BlockMask, TracedMod, _lists
@@ -922,11 +929,18 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         sm, sn = block_mask.BLOCK_SIZE
         cfg = replace(cfg, block_m=min(cfg.block_m, sm), block_n=min(cfg.block_n, sn),
                       dq_block_m=min(cfg.dq_block_m, sm), dq_block_n=min(cfg.dq_block_n, sn))
+    gluon_allowed = atomic_dq is not False     # before the configuration's default
     if atomic_dq is None:
         atomic_dq = ATOMIC_DQ_DEFAULT and cfg.atomic_dq
     atomic = bool(atomic_dq) and not deterministic
     if use_tma and not tma_ok(do):
         do = do.contiguous()        # documented: e.g. the expanded (stride 0) gradient of .sum()
+    # dense or causal calls at head_dim 128 on sm_90: the warp-specialized Gluon kernel
+    # (dK, dV and the atomic dQ in one pass; gluon_bwd), unless deterministic
+    use_gluon = (not deterministic and gluon_allowed and config is None
+                 and not features and left is None and right in (None, 0) and not varlen
+                 and not interp and gluon_bwd.eligible(q, k, v, do, causal=right == 0))
+    atomic = atomic or use_gluon
     dq = _alloc((B, HQ, NQ, D), dtype=q.dtype, device=dev)
     dq_acc = torch.empty((B, HQ, NQ, D), dtype=torch.float32, device=dev) if atomic else dq
     dd = torch.empty((B, HQ, NQ), dtype=torch.float32, device=dev)
@@ -986,6 +1000,14 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     lam_strides = [zb if varlen else lam.stride(0), lam.stride(1)]
 
     # 2. dK, dV (and the atomic dQ)
+    if use_gluon:
+        launches.append(gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv,
+                                                      causal=right == 0, scale=scale,
+                                                      launch=False))
+        n = dq.numel()
+        launches.append((_dq_convert, (triton.cdiv(n, 1024),), [dq_acc, dq, float(scale), n],
+                         dict(BLOCK=1024, num_warps=4)))
+        return dq, dk, dv, launches
     bm, bn = cfg.block_m, cfg.block_n
     if use_tma:
         dq_desc = _desc(dq_acc, bm, BD) if dq_tma else dq_acc
