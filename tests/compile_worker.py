@@ -48,3 +48,34 @@ def worker_rows(path: str, timeout: int = 600) -> list[dict]:
     if not rows:
         pytest.fail(f"compile worker produced nothing:\n{proc.stderr[-3000:]}")
     return rows
+
+
+#: shared memory per block on sm_90
+SMEM_LIMIT = 227 * 1024
+
+
+def ws_facts(compiled) -> dict:
+    """What the warp-specialization checks read from a compiled Gluon kernel
+    (:func:`flashfold.kernels.aot.compile_launch`): registers, spill stores, shared memory,
+    TMA and wgmma use, the ``setmaxnreg`` values and the thread counts of named barriers."""
+    import re
+    return dict(
+        regs=compiled.registers, spill=compiled.resources()["spill_stores"],
+        smem=compiled.shared, tma=compiled.uses_tma, wgmma=compiled.uses_wgmma,
+        setmaxnreg=sorted({int(n) for n in re.findall(
+            r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.ptx)}),
+        bar_threads=sorted({int(n) for n in re.findall(r"bar\.sync\s+\d+,\s*(\d+)",
+                                                       compiled.ptx)}))
+
+
+def assert_warp_specialized(r: dict, vid: str) -> None:
+    """A worker row (:func:`ws_facts` and ``ok``) of a producer / two-consumer Gluon kernel:
+    compiled, TMA and wgmma, the producer warp down to 24 registers and the consumers up to
+    240, shared memory within the limit, and no named barrier spanning both consumer
+    warpgroups (one that did held them in lockstep: see ``tests/test_attention_gluon.py``)."""
+    assert r is not None, f"{vid} was not compiled"
+    assert r["ok"], r.get("error")
+    assert r["tma"] and r["wgmma"], f"{vid}: TMA {r['tma']}, wgmma {r['wgmma']}"
+    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r["setmaxnreg"]
+    assert r["smem"] <= SMEM_LIMIT, f"{vid}: {r['smem']} bytes of shared memory"
+    assert r["bar_threads"] and all(t <= 128 for t in r["bar_threads"]), r["bar_threads"]

@@ -18,9 +18,8 @@ import math
 
 import pytest
 
-from compile_worker import worker_rows
+from compile_worker import SMEM_LIMIT, worker_rows
 
-SMEM_LIMIT = 227 * 1024
 #: bytes of local memory the atomic-dQ dK/dV variants may use (measured: 32-40 at d128)
 ATOMIC_SPILL_LIMIT = 64
 

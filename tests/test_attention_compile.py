@@ -13,9 +13,7 @@ import math
 
 import pytest
 
-from compile_worker import worker_rows
-
-SMEM_LIMIT = 227 * 1024
+from compile_worker import SMEM_LIMIT, worker_rows
 
 
 def _variants():

@@ -23,10 +23,8 @@ from unittest import mock
 
 import pytest
 
-from compile_worker import worker_rows
+from compile_worker import assert_warp_specialized, worker_rows, ws_facts
 import torch
-
-SMEM_LIMIT = 227 * 1024
 
 #: (id, head_dim, causal, return_lse, dtype, warpgroup ping-pong) of the variants
 #: compiled on the CPU
@@ -72,13 +70,9 @@ def _compile_all():
                                                            return_lse=lse, launch=False,
                                                            pingpong=pingpong)
             c = compile_launch(kernel, args, kwargs)
-            bars = sorted(set(re.findall(r"bar\.sync\s+\d+,\s*(\d+)", c.ptx)))
             loops, local = _key_loops(_run_on_cubin(c.cubin, "-sass"))
             print(json.dumps(dict(
-                id=vid, ok=True, regs=c.registers, spill=c.resources()["spill_stores"],
-                smem=c.shared, tma=c.uses_tma, wgmma=c.uses_wgmma,
-                setmaxnreg=sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", c.ptx)))),
-                bar_threads=[int(b) for b in bars], key_loops=loops,
+                id=vid, ok=True, **ws_facts(c), key_loops=loops,
                 local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)])),
                 flush=True)
         except Exception as e:  # reported, then asserted by the test
@@ -96,14 +90,9 @@ def compiled():
 @pytest.mark.parametrize("vid", [v[0] for v in VARIANTS])
 def test_compiles_warp_specialized_for_sm90(compiled, vid):
     r = compiled.get(vid)
-    assert r is not None, f"{vid} was not compiled"
-    assert r["ok"], r.get("error")
-    assert r["tma"] and r["wgmma"], f"{vid}: TMA {r['tma']}, wgmma {r['wgmma']}"
-    # the producer warp drops to 24 registers, the consumer warpgroups rise to 240
-    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r["setmaxnreg"]
-    assert r["smem"] <= SMEM_LIMIT, f"{vid}: {r['smem']} bytes of shared memory"
-    # one named barrier per consumer warpgroup (128 threads), none across both
-    assert r["bar_threads"] and all(t <= 128 for t in r["bar_threads"]), r["bar_threads"]
+    # producer warp at 24 registers, consumers at 240, one named barrier per consumer
+    # warpgroup (128 threads) and none across both
+    assert_warp_specialized(r, vid)
     # the two consumers' key loops (innermost loops issuing wgmma) touch no local memory.
     # Outside them the persistent kernel does spill at head_dim 128 (~20 loop-invariant
     # words, stored once per program and reloaded once per work item, against >= 2 x 8

@@ -18,8 +18,8 @@ from unittest import mock
 import pytest
 import torch
 
-from compile_worker import worker_rows
-from test_attention_gluon import SMEM_LIMIT, _naive_lowp, _needs_sm90, _qkv, _reference
+from compile_worker import assert_warp_specialized, worker_rows, ws_facts
+from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
 
 #: (id, causal, dtype) of the variants compiled on the CPU
 VARIANTS = [("dense", False, "bfloat16"), ("causal", True, "bfloat16"),
@@ -43,11 +43,7 @@ def _compile_all():
             c = compile_launch(kernel, args, kwargs)
             sass = _run_on_cubin(c.cubin, "-sass")
             print(json.dumps(dict(
-                id=vid, ok=True, regs=c.registers, spill=c.resources()["spill_stores"],
-                smem=c.shared, tma=c.uses_tma, wgmma=c.uses_wgmma,
-                setmaxnreg=sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", c.ptx)))),
-                bar_threads=sorted(set(int(b) for b in re.findall(r"bar\.sync\s+\d+,\s*(\d+)", c.ptx))),
-                tma_reduce="UTMAREDG" in sass,
+                id=vid, ok=True, **ws_facts(c), tma_reduce="UTMAREDG" in sass,
                 red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))))), flush=True)
         except Exception as e:  # reported, then asserted by the test
             print(json.dumps(dict(id=vid, ok=False, error=repr(e)[-2000:])), flush=True)
@@ -63,13 +59,7 @@ def compiled():
 @pytest.mark.parametrize("vid", [v[0] for v in VARIANTS])
 def test_compiles_warp_specialized_for_sm90(compiled, vid):
     r = compiled.get(vid)
-    assert r is not None, f"{vid} was not compiled"
-    assert r["ok"], r.get("error")
-    assert r["tma"] and r["wgmma"], f"{vid}: TMA {r['tma']}, wgmma {r['wgmma']}"
-    assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r["setmaxnreg"]
-    assert r["smem"] <= SMEM_LIMIT, f"{vid}: {r['smem']} bytes of shared memory"
-    # one named barrier per consumer warpgroup (128 threads), none across both
-    assert r["bar_threads"] and all(t <= 128 for t in r["bar_threads"]), r["bar_threads"]
+    assert_warp_specialized(r, vid)
     # dQ is added by TMA reduce-adds of whole tiles, not by per-thread atomics (those
     # cost 45% of the kernel's time in the first version: 363 against 641 TFLOP/s)
     assert r["tma_reduce"] and not r["red"], r["red"]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from compile_worker import SMEM_LIMIT   # opt-in shared memory per block on Hopper
+
 SCRIPT = textwrap.dedent(r'''
     import json, os, re, sys
     os.environ.pop("TRITON_INTERPRET", None)
@@ -102,9 +104,6 @@ def compiled():
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on Hopper
 
 
 def test_every_variant_compiles_without_spills(compiled):

@@ -54,11 +54,10 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from .. import launcher
-from ..tma import addressable, box_strides
-from .gluon_fwd import _GL_DTYPES, _desc, _is_sm90, gluon
+from ..tma import addressable
+from . import gluon_fwd
+from .gluon_fwd import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _desc, gluon
 
 if gluon is not None:
     from triton._C.libtriton import ir as _ir
@@ -66,7 +65,8 @@ if gluon is not None:
     from triton.experimental.gluon.language._core import builtin as _builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+
+    from .gluon_fwd import _wgmma_layout
 
     @_builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -86,11 +86,8 @@ BLOCK_M = 64
 BLOCK_N = 128
 #: depth of the Q / dO ring
 STAGES = 2
-#: the TMA box of one warpgroup's dQ reduce-add: 64 rows x 64 of the 128 columns
-DQ_BLOCK = (1, 1, BLOCK_M, 64)
-CONSUMER_REGS = 240
-PRODUCER_REGS = 24
-MAXNREG = 168
+#: columns of one warpgroup's dQ reduce-add (half the head dim)
+DQ_COLS = 64
 
 __all__ = ["supported", "eligible", "gluon_attention_bwd", "BLOCK_M", "BLOCK_N"]
 
@@ -151,14 +148,11 @@ if gluon is not None:
         q_len, kv_len, heads_k, group, n_n = shape
         LAM, DD, DK, DV, qk_scale, scale = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2     # the module's DQ_COLS at head_dim 128
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16])
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
+        acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+        dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
         b, hk, n, m_lo = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
@@ -294,19 +288,12 @@ if gluon is not None:
 
 
 def supported(q, k, v, do, *, causal: bool = False) -> bool:
-    """Whether the kernel's scope covers these tensors, whatever their device: fp16/bf16
-    ``(B, H, N, 128)`` q, k, v and dO of one dtype, ``Hq % Hk == 0``, non-empty, ``Nq <=
-    Nk`` when causal, TMA-compatible strides and addresses."""
-    if q.dtype not in _GL_DTYPES or any(t.dtype != q.dtype for t in (k, v, do)):
-        return False
-    if any(t.dim() != 4 or t.shape[-1] != 128 for t in (q, k, v, do)):
-        return False
-    nq, nk = q.shape[2], k.shape[2]
-    if q.shape[0] == 0 or q.shape[1] == 0 or nq == 0 or nk == 0 or (causal and nq > nk):
-        return False
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0 or do.shape != q.shape:
-        return False
-    return all(addressable(t) for t in (q, k, v, do))
+    """Whether the kernel's scope covers these tensors, whatever their device: the
+    forward's scope (:func:`.gluon_fwd.supported`) at head_dim 128, with ``dO`` of
+    ``q``'s shape and dtype, TMA-compatible."""
+    return (q.dim() == 4 and q.shape[-1] == 128 and do.shape == q.shape
+            and do.dtype == q.dtype and gluon_fwd.supported(q, k, v, causal=causal)
+            and addressable(do))
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,26 +304,10 @@ def _has_tma_reduce() -> bool:
 
 
 def eligible(q, k, v, do, *, causal: bool = False) -> bool:
-    """:func:`supported`, on an sm_90 GPU, with Gluon (and its TMA reduce op) present and
-    ``FLASHFOLD_GLUON`` not ``0`` (the caller rules out windows, softcap, mods, varlen
-    and the deterministic mode)."""
-    if gluon is None or not q.is_cuda or launcher.env("FLASHFOLD_GLUON") == "0" \
-            or not _has_tma_reduce():
-        return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _is_sm90(index) and supported(q, k, v, do, causal=causal)
-
-
-@functools.lru_cache(maxsize=None)
-def _dq_layout():
-    return gl.NVMMASharedLayout.get_default_for(list(DQ_BLOCK), gl.float32)
-
-
-def _dq_desc(dq_acc: torch.Tensor):
-    """A 4-D TMA descriptor over the fp32 dQ accumulator ``(B, Hq, Nq, D)`` with blocks of
-    ``BLOCK_M`` rows x half the head dim (one consumer warpgroup's dQ columns)."""
-    return _GluonDescriptor(dq_acc, list(dq_acc.shape), box_strides(dq_acc), list(DQ_BLOCK),
-                            _dq_layout())
+    """:func:`supported`, :func:`.gluon_fwd.on_hopper`, and the TMA reduce op present
+    (the caller rules out windows, softcap, mods, varlen and the deterministic mode)."""
+    return gluon_fwd.on_hopper(q) and _has_tma_reduce() and supported(q, k, v, do,
+                                                                       causal=causal)
 
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
@@ -351,7 +322,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     Hk, Nk = k.shape[1], k.shape[2]
     n_n = -(-Nk // BLOCK_N)
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
-            _dq_desc(dq_acc), lam, dd, dk, dv, Nq, Nk, Hk, Hq // Hk, n_n,
+            _desc(dq_acc, BLOCK_M, DQ_COLS), lam, dd, dk, dv, Nq, Nk, Hk, Hq // Hk, n_n,
             float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
                   CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,

@@ -90,11 +90,17 @@ PRODUCER_REGS = 24
 #: warp rounded up to a warpgroup) x 32 threads x 168 <= 65,536
 MAXNREG = 168
 
-__all__ = ["supported", "eligible", "gluon_attention_fwd", "persistent_default",
+__all__ = ["supported", "eligible", "on_hopper", "gluon_attention_fwd", "persistent_default",
            "pingpong_default", "BLOCK_M", "BLOCK_N"]
 
 
 if gluon is not None:
+
+    @gluon.constexpr_function
+    def _wgmma_layout(n):
+        """The register layout of a wgmma accumulator ``[64, n]`` of one warpgroup."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, n, 16])
 
     @gluon.jit
     def _rounds(shape, bh_total):
@@ -223,10 +229,8 @@ if gluon is not None:
         LSE, stride_lb, stride_lh, qk_scale, bh_total = out
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         q = q_bufs.index(WG).reshape([HALF, HEAD_DIM])
         o_smem = o_bufs.index(WG)
@@ -397,13 +401,19 @@ def supported(q, k, v, *, causal: bool = False, scale: float | None = None) -> b
     return all(addressable(t) for t in (q, k, v))
 
 
-def eligible(q, k, v, *, causal: bool = False, scale: float | None = None) -> bool:
-    """:func:`supported`, on an sm_90 GPU, with Gluon present and ``FLASHFOLD_GLUON`` not
-    ``0`` (the caller rules out windows, softcap, mods and varlen)."""
+def on_hopper(q: torch.Tensor) -> bool:
+    """Whether Gluon kernels may run on ``q``'s device: Gluon present, an sm_90 GPU, and
+    ``FLASHFOLD_GLUON`` not ``0`` (which turns every Gluon path off)."""
     if gluon is None or not q.is_cuda or launcher.env("FLASHFOLD_GLUON") == "0":
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _is_sm90(index) and supported(q, k, v, causal=causal, scale=scale)
+    return _is_sm90(index)
+
+
+def eligible(q, k, v, *, causal: bool = False, scale: float | None = None) -> bool:
+    """:func:`supported` and :func:`on_hopper` (the caller rules out windows, softcap,
+    mods and varlen)."""
+    return on_hopper(q) and supported(q, k, v, causal=causal, scale=scale)
 
 
 def pingpong_default(causal: bool, nq: int, nk: int) -> bool:
@@ -444,12 +454,14 @@ def _layout(block: tuple, dtype: torch.dtype):
     """The shared-memory layout of a TMA block (a frozen, hashable value): computing it
     took ~60% of the host time of a call (~37 us per descriptor under cProfile on the dev
     machine), so it is computed once per block shape and dtype."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
+    name = "float32" if dtype == torch.float32 else _GL_DTYPES[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, name))
 
 
-def _desc(t: torch.Tensor, rows: int):
-    """A 4-D TMA descriptor over ``t (B, H, N, D)`` with ``[1, 1, rows, D]`` blocks."""
-    block = (1, 1, rows, t.shape[-1])
+def _desc(t: torch.Tensor, rows: int, cols: int | None = None):
+    """A 4-D TMA descriptor over ``t (B, H, N, D)`` with ``[1, 1, rows, cols]`` blocks
+    (``cols``: all of ``D`` by default)."""
+    block = (1, 1, rows, cols or t.shape[-1])
     return GluonDescriptor(t, list(t.shape), box_strides(t), list(block),
                            _layout(block, t.dtype))
 
