@@ -79,3 +79,21 @@ def assert_warp_specialized(r: dict, vid: str) -> None:
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r["setmaxnreg"]
     assert r["smem"] <= SMEM_LIMIT, f"{vid}: {r['smem']} bytes of shared memory"
     assert r["bar_threads"] and all(t <= 128 for t in r["bar_threads"]), r["bar_threads"]
+
+
+def emit(vid: str, facts) -> None:
+    """Print one worker row: ``{"id": vid, "ok": True, **facts()}``, or the error that
+    ``facts`` raised (``ok`` false; the test then fails with it)."""
+    try:
+        row = dict(id=vid, ok=True, **facts())
+    except Exception as e:  # reported, then asserted by the test
+        row = dict(id=vid, ok=False, error=repr(e)[-2000:])
+    print(json.dumps(row), flush=True)
+
+
+def gluon_rows(path: str) -> dict:
+    """The rows of a Gluon compile worker (``python path``) by id. Gluon ships with Triton
+    >= 3.5 (flashfold accepts >= 3.2, which dispatches no call to a Gluon kernel); CI's
+    Triton 3.6 has it, so these compile tests run there."""
+    pytest.importorskip("triton.experimental.gluon")
+    return {r["id"]: r for r in worker_rows(path)}

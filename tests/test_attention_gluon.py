@@ -15,7 +15,6 @@ Triton template; gradients through autograd.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -23,7 +22,7 @@ from unittest import mock
 
 import pytest
 
-from compile_worker import assert_warp_specialized, worker_rows, ws_facts
+from compile_worker import assert_warp_specialized, emit, gluon_rows, ws_facts
 import torch
 
 #: (id, head_dim, causal, return_lse, dtype, warpgroup ping-pong) of the variants
@@ -62,29 +61,23 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_fwd as G
 
-    for vid, d, causal, lse, dtype, pingpong in VARIANTS:
-        try:
-            q = torch.empty(2, 4, 1000, d, dtype=getattr(torch, dtype))
-            k = torch.empty(2, 2, 1000, d, dtype=q.dtype)
-            kernel, _, args, kwargs = G.gluon_attention_fwd(q, k, k, causal=causal,
-                                                           return_lse=lse, launch=False,
-                                                           pingpong=pingpong)
-            c = compile_launch(kernel, args, kwargs)
-            loops, local = _key_loops(_run_on_cubin(c.cubin, "-sass"))
-            print(json.dumps(dict(
-                id=vid, ok=True, **ws_facts(c), key_loops=loops,
-                local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)])),
-                flush=True)
-        except Exception as e:  # reported, then asserted by the test
-            print(json.dumps(dict(id=vid, ok=False, error=repr(e)[-2000:])), flush=True)
+    def facts(d, causal, lse, dtype, pingpong):
+        q = torch.empty(2, 4, 1000, d, dtype=getattr(torch, dtype))
+        k = torch.empty(2, 2, 1000, d, dtype=q.dtype)
+        kernel, _, args, kwargs = G.gluon_attention_fwd(q, k, k, causal=causal, return_lse=lse,
+                                                       launch=False, pingpong=pingpong)
+        c = compile_launch(kernel, args, kwargs)
+        loops, local = _key_loops(_run_on_cubin(c.cubin, "-sass"))
+        return dict(**ws_facts(c), key_loops=loops,
+                    local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)])
+
+    for vid, *variant in VARIANTS:
+        emit(vid, lambda: facts(*variant))
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    # Gluon ships with Triton >= 3.5 (flashfold accepts >= 3.2, which dispatches no call
-    # to the Gluon kernel); CI's Triton 3.6 has it, so these compile tests run there
-    pytest.importorskip("triton.experimental.gluon")
-    return {r["id"]: r for r in worker_rows(__file__)}
+    return gluon_rows(__file__)
 
 
 @pytest.mark.parametrize("vid", [v[0] for v in VARIANTS])

@@ -10,7 +10,6 @@ Triton kernels.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from unittest import mock
@@ -18,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from compile_worker import assert_warp_specialized, worker_rows, ws_facts
+from compile_worker import assert_warp_specialized, emit, gluon_rows, ws_facts
 from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
 
 #: (id, causal, dtype) of the variants compiled on the CPU
@@ -31,29 +30,25 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_bwd as G
 
-    for vid, causal, dtype in VARIANTS:
-        try:
-            q = torch.empty(2, 4, 1000, 128, dtype=getattr(torch, dtype))
-            k = torch.empty(2, 2, 1000, 128, dtype=q.dtype)
-            lam = torch.empty(2, 4, 1000)
-            acc = torch.empty(2, 4, 1000, 128)
-            kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k,
-                                                            causal=causal, scale=0.1,
-                                                            launch=False)
-            c = compile_launch(kernel, args, kwargs)
-            sass = _run_on_cubin(c.cubin, "-sass")
-            print(json.dumps(dict(
-                id=vid, ok=True, **ws_facts(c), tma_reduce="UTMAREDG" in sass,
-                red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))))), flush=True)
-        except Exception as e:  # reported, then asserted by the test
-            print(json.dumps(dict(id=vid, ok=False, error=repr(e)[-2000:])), flush=True)
+    def facts(causal, dtype):
+        q = torch.empty(2, 4, 1000, 128, dtype=getattr(torch, dtype))
+        k = torch.empty(2, 2, 1000, 128, dtype=q.dtype)
+        lam = torch.empty(2, 4, 1000)
+        acc = torch.empty(2, 4, 1000, 128)
+        kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k,
+                                                        causal=causal, scale=0.1, launch=False)
+        c = compile_launch(kernel, args, kwargs)
+        sass = _run_on_cubin(c.cubin, "-sass")
+        return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass,
+                    red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))))
+
+    for vid, *variant in VARIANTS:
+        emit(vid, lambda: facts(*variant))
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    # Gluon ships with Triton >= 3.5; CI's Triton 3.6 has it, so these run there
-    pytest.importorskip("triton.experimental.gluon")
-    return {r["id"]: r for r in worker_rows(__file__)}
+    return gluon_rows(__file__)
 
 
 @pytest.mark.parametrize("vid", [v[0] for v in VARIANTS])
