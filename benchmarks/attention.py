@@ -1031,7 +1031,10 @@ def gluon_bwd_compare(tokens=16384, H=16):
     and deterministic configurations, forced by passing their config) and SDPA cuDNN's
     backward, head_dim 128, on the targets grid: TFLOP/s of the backward alone (2.5 x
     4 B H N^2 D, halved when causal), after checking that dQ, dK, dV of the Gluon kernel
-    and of the deterministic Triton kernels agree (max |diff| relative to max |grad|)."""
+    and of the deterministic Triton kernels agree (max |diff| relative to max |grad|).
+    Last column: the Gluon kernel alone, without the preprocess and dQ conversion around
+    it (same FLOP count), which separates the kernel's time from theirs."""
+    from flashfold.kernels import launcher
     from flashfold.kernels.attention import gluon_bwd
     probe = torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16)
     if not gluon_bwd.eligible(probe, probe, probe, probe):
@@ -1040,8 +1043,8 @@ def gluon_bwd_compare(tokens=16384, H=16):
     cudnn = _sdpa_train("CUDNN_ATTENTION")
     print("== Gluon backward vs Triton backward vs cuDNN (TFLOP/s, bf16, head_dim 128)")
     print("| N | mask | Gluon | Triton default | Triton det | cuDNN | Gluon/cuDNN | Gluon/Triton "
-          "| max rel diff |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| max rel diff | Gluon kernel alone |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     D = 128
     for N in (1024, 4096, 16384):
         for causal in (False, True):
@@ -1067,9 +1070,13 @@ def gluon_bwd_compare(tokens=16384, H=16):
             oc = cudnn(qg, kg, vg, causal)
             tf.append(fl / _bench(lambda: torch.autograd.grad(oc, (qg, kg, vg), do,
                                                               retain_graph=True)) / 1e9)
+            # the dK/dV/dQ kernel without the preprocess and the dQ conversion (its
+            # repeated reduce-adds pile up in the accumulator: timing only)
+            launch = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale, right=right)[3][1]
+            alone = fl / _bench(lambda: launcher.launch(*launch)) / 1e9
             print(f"| {N} | {'causal' if causal else 'full'} | " + " | ".join(f"{t:.0f}" for t in tf)
                   + f" | {tf[0] / tf[3]:.2f} | {tf[0] / max(tf[1], tf[2]):.2f} | {diff:.1e}"
-                  + (" WRONG" if diff > 2e-2 else "") + " |", flush=True)
+                  + (" WRONG" if diff > 2e-2 else "") + f" | {alone:.0f} |", flush=True)
 
 
 def main(argv=None):
