@@ -57,7 +57,7 @@ import functools
 from .. import launcher
 from ..tma import addressable
 from . import gluon_fwd
-from .gluon_fwd import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, _desc, gluon
+from .gluon_fwd import CONSUMER_REGS, LOG2E, MAXNREG, PRODUCER_REGS, _desc, gluon
 
 if gluon is not None:
     from triton._C.libtriton import ir as _ir
@@ -77,8 +77,6 @@ if gluon is not None:
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD,
                                                   tensor_desc.handle, coord, src.handle)
-
-LOG2E = 1.4426950408889634
 
 #: query rows per step (one wgmma N of the transposed tiles)
 BLOCK_M = 64
