@@ -78,6 +78,18 @@ def test_not_on_cpu_tensors():
     assert not eligible(q, k, v, q)
 
 
+def test_needs_the_tma_reduce_op():
+    """The kernel adds dQ through a private Gluon builder op (Triton 3.6 has it; the
+    compile tests above fail if it is gone); a Triton without it turns the path off
+    instead of failing at import."""
+    from flashfold.kernels.attention import gluon_bwd, gluon_fwd
+    q, k, v = _qkv()
+    with mock.patch.object(gluon_fwd, "on_hopper", return_value=True):
+        for has in (True, False):
+            with mock.patch.object(gluon_bwd, "HAS_TMA_REDUCE", has):
+                assert gluon_bwd.eligible(q, k, v, q) is has
+
+
 def test_dispatch_sends_only_dense_and_causal_non_deterministic_calls():
     """``prepare_backward`` builds the Gluon launch exactly for dense / causal calls in the
     default mode without a config (``eligible`` mocked true; nothing runs)."""

@@ -52,21 +52,29 @@ mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
 
 from __future__ import annotations
 
-import functools
-
 from .. import launcher
 from ..tma import addressable
 from . import gluon_fwd
 from .gluon_fwd import CONSUMER_REGS, LOG2E, MAXNREG, PRODUCER_REGS, _desc, gluon
 
+#: whether this Triton has what :func:`_tma_reduce_add` uses (3.6 does)
+HAS_TMA_REDUCE = False
 if gluon is not None:
-    from triton._C.libtriton import ir as _ir
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language._core import builtin as _builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
     from .gluon_fwd import _wgmma_layout
+
+    try:  # private API (see _tma_reduce_add): another Triton may move it; then no Gluon path
+        from triton._C.libtriton import gluon_ir as _gluon_ir
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+        HAS_TMA_REDUCE = hasattr(_gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+    except (ImportError, AttributeError):
+        pass
+
+if HAS_TMA_REDUCE:
 
     @_builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -294,18 +302,11 @@ def supported(q, k, v, do, *, causal: bool = False) -> bool:
             and addressable(do))
 
 
-@functools.lru_cache(maxsize=None)
-def _has_tma_reduce() -> bool:
-    """Whether this Gluon's builder has the TMA reduce op (Triton 3.6 does)."""
-    from triton._C.libtriton import gluon_ir
-    return hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
-
-
 def eligible(q, k, v, do, *, causal: bool = False) -> bool:
-    """:func:`supported`, :func:`.gluon_fwd.on_hopper`, and the TMA reduce op present
-    (the caller rules out windows, softcap, mods, varlen and the deterministic mode)."""
-    return gluon_fwd.on_hopper(q) and _has_tma_reduce() and supported(q, k, v, do,
-                                                                       causal=causal)
+    """:func:`supported`, :func:`.gluon_fwd.on_hopper`, and the TMA reduce op present in
+    this Triton (3.6 has it; the caller rules out windows, softcap, mods, varlen and the
+    deterministic mode)."""
+    return HAS_TMA_REDUCE and gluon_fwd.on_hopper(q) and supported(q, k, v, do, causal=causal)
 
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
