@@ -897,6 +897,13 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
     return dq, dk, dv
 
 
+def _convert_launch(dq_acc, dq, scale):
+    """The launch of ``_dq_convert``: ``dq = scale * dq_acc`` (the atomic modes' last step)."""
+    n = dq.numel()
+    return (_dq_convert, (triton.cdiv(n, 1024),), [dq_acc, dq, float(scale), n],
+            dict(BLOCK=1024, num_warps=4))
+
+
 def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, left=None,
                      right=None, score_mod=None, block_mask=None, cu_seqlens_q=None,
                      cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -1004,9 +1011,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         launches.append(gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv,
                                                       causal=right == 0, scale=scale,
                                                       launch=False))
-        n = dq.numel()
-        launches.append((_dq_convert, (triton.cdiv(n, 1024),), [dq_acc, dq, float(scale), n],
-                         dict(BLOCK=1024, num_warps=4)))
+        launches.append(_convert_launch(dq_acc, dq, scale))
         return dq, dk, dv, launches
     bm, bn = cfg.block_m, cfg.block_n
     if use_tma:
@@ -1031,9 +1036,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
 
     # 3. dQ: the deterministic kernel, or the conversion of the atomic accumulator
     if atomic:
-        n = dq.numel()
-        launches.append((_dq_convert, (triton.cdiv(n, 1024),), [dq_acc, dq, float(scale), n],
-                         dict(BLOCK=1024, num_warps=4)))
+        launches.append(_convert_launch(dq_acc, dq, scale))
     else:
         qm, qn = cfg.dq_block_m, cfg.dq_block_n
         if use_tma:
