@@ -21,10 +21,10 @@ the GQA group stream past. Three partitions (``gl.warp_specialize``):
       P^T  = 2^(S^T scale log2e - lambda)            (0 where causal hides the pair)
       dV_w += P^T dO                                 (async; registers A)
       dS^T = P^T (dP^T - D)
-      dK_w += dS^T Q                                 (async; registers A)
       dS^T -> shared memory (both halves: 128 keys x 64 queries), then
       dQ[:, 64 w : 64 w + 64] = dS K[:, 64 w : 64 w + 64]   (async; shared A and B)
-      dQ_acc[rows, 64 w ..] += that                  (TMA reduce-add from shared memory)
+      dK_w += dS^T Q                                 (async; registers A), while
+      dQ_acc[rows, 64 w ..] += dQ[...]               (TMA reduce-add from shared memory)
 
   The dQ product is split across the warpgroups by head-dim columns, so each query
   tile's dQ is summed over the 128 keys on chip and added to global memory once per
@@ -38,7 +38,8 @@ the GQA group stream past. Three partitions (``gl.warp_specialize``):
 Finally ``dK = scale * sum dS^T Q`` and ``dV`` are written (input dtype). Causal is
 bottom-right aligned (key ``c`` visible to row ``r`` iff ``c <= r + Nk - Nq``): a key
 tile starts at the first query tile that sees it and masks the tiles that cross the
-diagonal. Rows past ``Nq`` read ``lambda = +inf`` (``P = 0``; the reduce-add clips
+diagonal. Dense programs start their walk over the query tiles at different tiles
+(:func:`_query_tile`). Rows past ``Nq`` read ``lambda = +inf`` (``P = 0``; the reduce-add clips
 them); keys past ``Nk`` read as zeros and get ``P = 0`` (``2^{-lambda}`` could overflow),
 their ``dK``, ``dV`` rows are not written.
 
@@ -103,15 +104,28 @@ if gluon is not None:
     @gluon.jit
     def _program(shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         """This program's key tile ``n`` of ``(b, hk)`` (key tiles of a head adjacent, the
-        heaviest causal tile first), and the first query tile that sees it."""
+        heaviest causal tile first), the first query tile that sees it (``m_lo``) and
+        where its walk over the query tiles starts (``m_0``, see :func:`_query_tile`)."""
         q_len, kv_len, heads_k, group, n_n = shape
         pid = gl.program_id(0)
         n = pid % n_n
         bh = pid // n_n
         m_lo = 0
+        m_0 = 0
         if CAUSAL:
             m_lo = gl.maximum(n * BLOCK_N - (kv_len - q_len), 0) // BLOCK_M
-        return bh // heads_k, bh % heads_k, n, m_lo
+        else:
+            m_0 = (n * (BLOCK_N // BLOCK_M)) % gl.cdiv(q_len, BLOCK_M)
+        return bh // heads_k, bh % heads_k, n, m_lo, m_0
+
+    @gluon.jit
+    def _query_tile(i, m_lo, m_0, n_m):
+        """Query tile of step ``i`` (``m_lo <= i < n_m``): the tiles ``m_lo .. n_m - 1``
+        rotated to start at ``m_lo + m_0``. Dense programs of one head would otherwise all
+        start at tile 0 and walk in lockstep, adding into the same dQ rows at the same
+        time; causal ones start at their diagonal (``m_0 = 0``), already spread. (H200,
+        seventh session, two runs: dense rows +1-3% at N = 1K-16K, in the noise of some.)"""
+        return m_lo + (i - m_lo + m_0) % (n_m - m_lo)
 
     @gluon.jit
     def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -122,7 +136,7 @@ if gluon is not None:
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs = bufs
         kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
         q_len, kv_len, heads_k, group, n_n = shape
-        b, hk, n, m_lo = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
+        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
@@ -130,7 +144,8 @@ if gluon is not None:
         j = 0
         for g in range(group):
             hq = hk * group + g
-            for m in range(m_lo, n_m):
+            for i in range(m_lo, n_m):
+                m = _query_tile(i, m_lo, m_0, n_m)
                 slot = j % STAGES
                 mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(slot),
@@ -161,7 +176,7 @@ if gluon is not None:
         dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
-        b, hk, n, m_lo = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
+        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
         k_w = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
         v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
         k_cols = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
@@ -181,7 +196,8 @@ if gluon is not None:
         for g in range(group):
             hq = hk * group + g
             row_base = (b * (heads_k * group) + hq).to(gl.int64) * q_len
-            for m in range(m_lo, n_m):
+            for i in range(m_lo, n_m):
+                m = _query_tile(i, m_lo, m_0, n_m)
                 slot = j % STAGES
                 mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
                 q_s = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -206,7 +222,6 @@ if gluon is not None:
                 dpt = warpgroup_mma_wait(1, deps=[dpt])
                 ds = p * (dpt - dd[None, :])
                 dsa = gl.convert_layout(ds.to(dtype), a_layout)
-                dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
                 # dS^T halves of both warpgroups into shared memory, then dQ columns
                 dsb = j % 2
                 mbarrier.wait(ds_empty.index(dsb), ((j // 2) & 1) ^ 1)
@@ -216,8 +231,11 @@ if gluon is not None:
                 mbarrier.wait(ds_ready.index(dsb), (j // 2) & 1)
                 dq = warpgroup_mma(ds_bufs.index(dsb).permute((1, 0)), k_cols, dq_zero,
                                    use_acc=False, is_async=True)
-                dq, dv, dk = warpgroup_mma_wait(0, deps=[dq, dv, dk])
-                mbarrier.arrive(q_empty.index(slot), count=1)
+                # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
+                # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
+                # +3%, and the causal variant's spill stores 952 -> 488 bytes)
+                dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
+                dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
                 mbarrier.arrive(ds_empty.index(dsb), count=1)
                 # dQ_acc[rows, 64 WG ..] += dq by a TMA reduce-add (rows past Nq clipped);
                 # the previous step's reduce must have read the buffer first
@@ -225,6 +243,8 @@ if gluon is not None:
                 dq_tile.store(dq)
                 fence_async_shared()
                 _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, WG * DQ_COLS], dq_smem)
+                dk = warpgroup_mma_wait(0, deps=[dk])
+                mbarrier.arrive(q_empty.index(slot), count=1)
                 j += 1
 
         tma.store_wait(0)
