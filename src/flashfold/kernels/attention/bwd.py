@@ -392,16 +392,18 @@ def _dq_loop(dq, q, do, lam, dd, lo, count, idx_ptr,
 
 # --- kernels -----------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["N_ROWS", "NUM_M"])
+@triton.jit(do_not_specialize=["N_ROWS", "ROW_STRIDE", "NUM_M"])
 def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
                     sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, sdlb, sdlh,
-                    sqab, sqah, sqam, sqad, N_ROWS, H, NUM_M,
+                    sqab, sqah, sqam, sqad, N_ROWS, ROW_STRIDE, H, NUM_M,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
                     ZERO_DQ: tl.constexpr):
     """Per row: ``D = sum_d dO O - dlse`` and ``lambda = lse log2 e`` (``+inf`` where
-    ``lse = -inf``), stored ``(B, H, N)`` fp32 contiguous; with ``ZERO_DQ``, zero the rows
-    of the fp32 dQ accumulator. Row-wise, so packed (varlen) rows need no sequence logic."""
+    ``lse = -inf``), stored ``(B, H, N)`` fp32 with unit last stride and ``ROW_STRIDE``
+    between heads (``N`` rounded up to 16 bytes, so that the Gluon kernel can load their
+    tiles by TMA); with ``ZERO_DQ``, zero the rows of the fp32 dQ accumulator. Row-wise,
+    so packed (varlen) rows need no sequence logic."""
     pid = tl.program_id(0)
     bh = pid // NUM_M
     b = bh // H
@@ -422,7 +424,7 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
         dd = dd - dl.to(tl.float32)
     lse = tl.load(LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + rows, mask=row_ok, other=0.0)
     lam = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    out = bh.to(tl.int64) * N_ROWS + rows
+    out = bh.to(tl.int64) * ROW_STRIDE + rows
     tl.store(DD + out, dd, mask=row_ok)
     tl.store(LAM + out, lam, mask=row_ok)
     if ZERO_DQ:
@@ -950,8 +952,10 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     atomic = atomic or use_gluon
     dq = _alloc((B, HQ, NQ, D), dtype=q.dtype, device=dev)
     dq_acc = torch.empty((B, HQ, NQ, D), dtype=torch.float32, device=dev) if atomic else dq
-    dd = torch.empty((B, HQ, NQ), dtype=torch.float32, device=dev)
-    lam = torch.empty((B, HQ, NQ), dtype=torch.float32, device=dev)
+    # rows of D and lambda 16-byte aligned (TMA tiles in gluon_bwd), read through views
+    stat_stride = -(-NQ // 4) * 4
+    dd = torch.empty((B, HQ, stat_stride), dtype=torch.float32, device=dev)[..., :NQ]
+    lam = torch.empty((B, HQ, stat_stride), dtype=torch.float32, device=dev)[..., :NQ]
     dq_tma = atomic and use_tma and not interp
 
     # scale folding as in the forward
@@ -1001,7 +1005,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         o, do, lse, dlse, dd, lam, dq_acc,
         *o.stride(), *do.stride(), lse.stride(0), lse.stride(1),
         dlse.stride(0) if dlse is not None else 0, dlse.stride(1) if dlse is not None else 0,
-        *dq_acc.stride(), NQ, HQ, num_pm,
+        *dq_acc.stride(), NQ, stat_stride, HQ, num_pm,
     ], dict(HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=pm,
             HAS_DLSE=dlse is not None, ZERO_DQ=atomic, num_warps=4)))
     lam_strides = [zb if varlen else lam.stride(0), lam.stride(1)]
