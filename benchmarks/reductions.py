@@ -413,16 +413,16 @@ def variants(copy_gbs, only=None):
             ("512 cols K=8 w4 (default)", None), ("1024 cols K=4 w8", C(4, 1, 1024, 8)),
             ("1024 cols K=8 w8", C(8, 1, 1024, 8)), ("2048 cols K=2 w16", C(2, 1, 2048, 16)),
             ("512 cols K=16 w4", C(16, 1, 512, 4))]),
-        # the split of the reduced dim (default 17 chunks of 968 rows, then a second pass)
+        # the split of the reduced dim (default 33 chunks of 504 rows, then a second pass)
         ("sum dim 0", nb, lambda: ff.reduce(M.SUM, x, 0), "split_plan", [
-            ("4 chunks of 4096", (4, 4096)), ("8 chunks of 2048", (8, 2048)),
-            ("33 chunks of 504", (33, 504)), ("64 chunks of 256", (64, 256))]),
+            ("8 chunks of 2048", (8, 2048)), ("17 chunks of 968 (before)", (17, 968)),
+            ("64 chunks of 256", (64, 256))]),
     ]
     x7 = torch.randn(MANY, 7, device=DEV)               # rows of 7: one row per thread
     n7 = x7.numel() * 4
     cases += [
         ("argmax 2^20x7", n7, lambda: ff.argmax(x7, 1), "reduce_config", [
-            ("256 rows w4 (default)", None), ("128 rows w4", C(8, 1, 128, 4, small=True)),
+            ("128 rows w4 (default)", None), ("256 rows w4 (before)", C(8, 1, 256, 4, small=True)),
             ("512 rows w4", C(8, 1, 512, 4, small=True)), ("1024 rows w8", C(8, 1, 1024, 8, small=True)),
             ("tile path 8 x 128 rows", C(8, 1, 128, 4))]),
     ]

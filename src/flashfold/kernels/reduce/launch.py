@@ -236,7 +236,10 @@ _SHORT_TILE = 1024
 #: 0.401; the kernels cannot account for either direction (0.1-0.4 ms against <= 0.05 ms
 #: of GPU work), so the path stays on its instruction counts
 SMALL_N = 16
-_SMALL_ROWS = 256
+#: rows per program on that path (one per thread at 4 warps): argmax 2^20 x 7 measured
+#: 0.017 ms from CUDA graphs with 128 against 0.018 with 256 and 0.021 with 512, in each
+#: of four H200 runs (variants of runs 4-7)
+_SMALL_ROWS = 128
 
 
 def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False,
@@ -299,8 +302,13 @@ def split_plan(g: Geometry, tile: int, n_prog: int, sms: int, min_tiles: int = 2
     channels at once (the checkpoint measured 2.0 TB/s for 1 x 2^26 sum and logsumexp).
     The final run measured no change from it (sum 0.130 -> 0.129 ms, logsumexp 0.149 ->
     0.149): those rows are bound by something else, likely the host time of a two-launch
-    call (module notes). Kept: no row measured slower with it."""
-    target = 4 * sms
+    call (module notes). Kept: no row measured slower with it.
+
+    The split aims at ``4·sms`` programs, and at ``8·sms`` when the reduced dim is strided
+    (columns): a column program's loads in flight are one ``[K, 512]`` tile, and sum over
+    dim 0 of 16K x 16K fp32 measured 0.268-0.270 ms with 17 chunks (544 programs) against
+    0.261 with 33 (1,056) and 0.272 with 64 (H200, variants of runs 7-9; torch 0.259)."""
+    target = (8 if g.sn != 1 else 4) * sms
     if n_prog >= 2 * sms or g.N < 2 * min_tiles * tile:
         return 1, max(g.N, 1)
     want = -(-target // n_prog)
