@@ -213,6 +213,34 @@ def test_validation():
         ff.segment_reduce(SUM, x, torch.tensor([], dtype=torch.int64))
 
 
+def test_monoid_checks_are_kept_per_monoid_and_failures_raise_every_time(monkeypatch):
+    """``_check_monoid`` remembers a monoid that passed (by identity, keeping it alive so
+    that its id cannot become another object's); one that fails raises on every call."""
+    import dataclasses
+    import gc
+    import weakref
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^monoid: .*attention"):
+            ff.reduce(ATTENTION, x)
+        with pytest.raises(TypeError, match="^monoid: expected a flashfold Monoid"):
+            ff.reduce("sum", x)
+    assert id(ATTENTION) not in api._CHECKED
+    good = dataclasses.replace(SUM, name="sum_copy")
+    ff.reduce(good, x, 1)
+    assert api._CHECKED[id(good)] is good
+    kept = weakref.ref(good)
+    del good
+    gc.collect()
+    assert kept() is not None
+    monkeypatch.setattr(api, "_CHECKED_SIZE", 2)
+    for i in range(4):
+        ff.reduce(dataclasses.replace(SUM, name=f"sum_{i}"), x, 1)
+        assert len(api._CHECKED) <= 2
+    with pytest.raises(ValueError, match="^monoid: .*attention"):
+        ff.reduce(ATTENTION, x)
+
+
 def test_results_do_not_depend_on_the_path(monkeypatch):
     """The kernels and the reference agree beyond the tolerance of the output dtype."""
     x = data((3, 50), torch.bfloat16, seed=3)
