@@ -286,6 +286,21 @@ def test_keyword_order_and_defaults_reach_the_launcher_in_signature_order(log):
     assert log[-1][1][9:] == (x, y, 100, 5, 0.5, 32, 0, 3)
 
 
+def test_every_parameter_in_order_reaches_the_launcher_without_the_options(log):
+    """Keywords in the signature's order, options after them, or every parameter
+    positional: the launcher passes the values up to the options as one slice."""
+    x, y = buf(), buf()
+    for args, kw in (((x, y, 100, 5, 0.5), dict(BLOCK=32, FLAG=1, m=9, num_warps=4,
+                                                num_stages=2)),
+                     ((x, y, 100, 5, 0.5, 32, 1, 9), {}),
+                     ((x, y, 100, 5, 0.5, 32, 1), dict(m=9, num_warps=4))):
+        log.clear()
+        for _ in range(2):
+            L.launch(_k, (1,), args, kw)
+        assert [c[0] for c in log] == ["slow", "fast"]
+        assert log[-1][1][9:] == (x, y, 100, 5, 0.5, 32, 1, 9)
+
+
 @pytest.mark.parametrize("args, kwargs", [
     ((buf(), buf(), 96, 5, 0.5), dict(BLOCK=[32])),           # unhashable constexpr
     ((buf(), (buf(), object()), 96, 5, 0.5), dict(BLOCK=32)),  # unknown type in a tuple

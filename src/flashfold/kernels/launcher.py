@@ -242,7 +242,11 @@ class _Plan:
                 picks.append(len(types) + len(defaults))
                 defaults.append(p.default)
         self.defaults = tuple(defaults)
-        self.call = _getter(picks)
+        # parameters passed in their order, then options (num_warps...): one slice of the
+        # values, ~0.2 us per launch against ~0.5 for picking 40 of them one by one (the
+        # reduce kernel's; 2-core dev machine)
+        in_order = picks == list(range(len(picks)))
+        self.call = itemgetter(slice(0, len(picks))) if in_order else _getter(picks)
 
 
 def _key(kernel, args, kwargs):

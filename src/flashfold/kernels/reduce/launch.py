@@ -79,7 +79,7 @@ Plan cache
 Building a plan (geometry, heuristics, split, buffers, the ~40 arguments of each launch)
 took 64 of the ~95 us of host time of ``flashfold.argmax`` over 2^20 x 7 on the H200
 host (cProfile, which inflates ~2x). The launchers (``launch_*``) therefore replay a plan
-recorded for the same signature (:func:`_planned`, with the shared mechanism of
+recorded for the same signature (``_planned``, with the shared mechanism of
 :mod:`flashfold.kernels.plans`): the key holds the operation; the monoid or row map, by
 identity (the entry keeps it); each input's shape, strides, dtype, device and whether its
 address is 16-byte aligned (all that the planners, :func:`_align` included, and Triton's
@@ -523,7 +523,11 @@ def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split,
     grid = (g.B[0] * g.B[1] * n_inner * n_split,)
     args = (src, tuple(outs), tuple(fin_args), seg,
             g.N, g.sn, g.B[1], g.B[2], *g.s, *g.o, o_split, n_inner, n_split, chunk)
-    kwargs = dict(_common(fns), STORE_STATE=fns.store_state, FINALIZE=fns.finalize,
+    # in the kernel's parameter order: the launcher then passes them (and ``args``) to the
+    # compiled kernel as one slice (see ``launcher._Plan``)
+    kwargs = dict(TILE_STATE=fns.tile_state, COMBINE=fns.combine, REDUCE_TILE=fns.reduce_tile,
+                  SCAN_TILE=fns.scan_tile, TAKE=fns.take, LOAD_STATE=fns.load_state,
+                  STORE_STATE=fns.store_state, IDENTITY=fns.identity, FINALIZE=fns.finalize,
                   K=cfg.K, LANES=cfg.LANES, ROWS=cfg.ROWS,
                   ORDERED=_is_ordered(fns.monoid), FROM_STATES=from_states,
                   STATE_OUT=state_out, SEGMENTED=segmented,
@@ -822,17 +826,6 @@ def _items(params) -> tuple:
     return items if all(type(v) in (float, int, bool) for _, v in items) else [items]
 
 
-def _planned(key, owner, inputs, build, *args):
-    """``build(*args)``, a ``(plan, outputs)`` pair, replayed from the plan cache when
-    ``key`` was planned before (:meth:`flashfold.kernels.plans.PlanCache.planned`).
-
-    ``key`` names the operation, ``id(owner)`` (the monoid or row map: the entry keeps a
-    reference to it, so the id cannot be reused while the entry lives), the inputs by
-    :func:`_sig` and every other argument of ``build``. ``inputs``: the tensors of the
-    call that the plan reads (``x``, segment offsets), put into the replayed launches."""
-    return _CACHE.planned(key, owner, inputs, build, *args)
-
-
 # --- launches ---------------------------------------------------------------------------
 
 def launch_reduce(monoid, x, dim, params=None):
@@ -872,5 +865,14 @@ _PLANNERS = (plan_reduce, plan_segment_reduce, plan_scan, plan_normalize)
 #: the plan cache: bypassed while any global that the planners read differs from what it
 #: was at import (heuristics, ``ALIGN_ROWS``, ``LOOKBACK``..., which tests monkeypatch)
 _CACHE = plans.PlanCache("reduce", globals(), _PLANNERS)
+#: ``_planned(key, owner, inputs, build, *args)``: ``build(*args)``, a ``(plan, outputs)``
+#: pair, replayed from the plan cache when ``key`` was planned before
+#: (:meth:`flashfold.kernels.plans.PlanCache.planned`; the bound method itself: a wrapper
+#: function cost ~0.5 us per call on the 2-core dev machine). ``key`` names the
+#: operation, ``id(owner)`` (the monoid or row map: the entry keeps a reference to it, so
+#: the id cannot be reused while the entry lives), the inputs by :func:`_sig` and every
+#: other argument of ``build``. ``inputs``: the tensors of the call that the plan reads
+#: (``x``, segment offsets), put into the replayed launches.
+_planned = _CACHE.planned
 #: call signature -> entry (:class:`flashfold.kernels.plans.PlanCache`), and [hits, misses]
 _PLANS, _STATS = _CACHE.entries, _CACHE.stats
