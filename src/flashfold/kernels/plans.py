@@ -205,11 +205,11 @@ class _Entry:
     """A plan without its tensors. ``makes``: how to allocate each buffer the plan
     allocated, in order (``(factory, None)``, zeroed where the plan zeroed it), or a view
     into an earlier one (``((size, stride, offset), slot)``). ``template``, ``how``: the
-    plan's pattern (:func:`_pattern`); slots below ``len(inputs)`` are the call's inputs,
-    the rest ``makes``' buffers. ``run``: the replay function generated from them on the
-    first replay (:func:`_replay_function`), ``None`` until then."""
+    plan's pattern (:func:`_pattern`); slots below ``n_in`` (the number of inputs) are the
+    call's inputs, the rest ``makes``' buffers. ``run``: the replay function generated
+    from them on the first replay (:func:`_replay_function`), ``None`` until then."""
 
-    __slots__ = ("owner", "makes", "template", "how", "run")
+    __slots__ = ("owner", "n_in", "makes", "template", "how", "run")
 
     @classmethod
     def capture(cls, owner, inputs, fresh, result):
@@ -238,7 +238,7 @@ class _Entry:
             return i
 
         entry = cls()
-        entry.owner = owner
+        entry.owner, entry.n_in = owner, n_in
         try:
             entry.template, entry.how = _pattern(result, slot)
         except (_Unreplayable, RecursionError):          # (a cycle of dataclasses)
@@ -253,7 +253,7 @@ class _Entry:
         is its first replay)."""
         run = self.run
         if run is None:
-            run = self.run = _replay_function(len(inputs), self.makes, self.template,
+            run = self.run = _replay_function(self.n_in, self.makes, self.template,
                                               self.how)
         return run(inputs)
 
@@ -273,10 +273,11 @@ def _replay_function(n_in, makes, template, how):
     allocated in order); it builds each tuple, list and dataclass instance of the plan
     that holds a tensor once, innermost first, and reads every other value from its
     globals (``c0``, ``m0``...), shared with the recorded plan. It replaced a recursive
-    fill of the template, which cost 3.0 us per replay of the argmax plan of 2^20 x 7 (a
-    launch of 18 arguments and 30 constexprs and options, one output) on the 2-core dev
-    machine, against ~0.6 us (plus the allocation, 1.6 us). Generating it costs ~15 us,
-    so it is made on a plan's first replay: a signature seen once does not pay it."""
+    fill of the template, which cost 2.0 us per replay of the argmax plan of 2^20 x 7 (a
+    launch of 18 arguments and 24 constexprs and options, one output) on the 2-core dev
+    machine, against 0.7 us (both plus the allocation, ~1.6 us). Generating it costs
+    ~9 us (and compiling a new source ~80 us), so it is made on a plan's first replay: a
+    signature seen once does not pay it."""
     names, lines = {}, ["def replay(inputs):"]
     if n_in:
         lines.append(f"    {', '.join(f't{i}' for i in range(n_in))}, = inputs")
