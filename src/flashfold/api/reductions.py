@@ -129,7 +129,7 @@ def _check_x(x, name: str = "x"):
 
 
 def _norm_dim(dim, ndim: int, name: str = "dim") -> int:
-    if type(dim) is int and -ndim <= dim < ndim:        # valid (a bool is not an int here)
+    if type(dim) is int and -ndim <= dim < ndim:   # the common case (a bool fails below)
         return dim % ndim
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{name}: expected an int, got {type(dim).__name__}")
