@@ -321,8 +321,8 @@ class _Source:
     def items(self, template, holes) -> str:
         """The items of the tuple ``template`` with its ``holes`` (``(index, how)``, in
         order) filled; each run of the other items is unpacked from one global (a launch
-        holds tens of ints and constexprs: a global for each made the generation of the
-        argmax plan's function ~10 us slower, and the function no faster)."""
+        holds tens of ints and constexprs: a global for each made generating the argmax
+        plan's function ~10 us slower)."""
         parts, start = [], 0
         for i, h in holes:
             if start < i:
@@ -334,12 +334,14 @@ class _Source:
         return ", ".join(parts)
 
     def const(self, value) -> str:
+        """A global of the function holding ``value`` (shared by every replay)."""
         name = f"c{self.n}"
         self.n += 1
         self.names[name] = value
         return name
 
     def node(self, expr: str) -> str:
+        """A local of the function assigned ``expr`` (a new object on every replay)."""
         name = f"v{self.n}"
         self.n += 1
         self.lines.append(f"    {name} = {expr}")
