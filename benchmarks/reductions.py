@@ -410,9 +410,9 @@ def variants(copy_gbs, only=None):
     ]
     cases += [                                          # columns: the reduced dim strided
         ("sum dim 0", nb, lambda: ff.reduce(M.SUM, x, 0), "reduce_config", [
-            ("512 cols K=8 w4 (default)", None), ("1024 cols K=4 w8", C(4, 1, 1024, 8)),
-            ("1024 cols K=8 w8", C(8, 1, 1024, 8)), ("2048 cols K=2 w16", C(2, 1, 2048, 16)),
-            ("512 cols K=16 w4", C(16, 1, 512, 4))]),
+            ("512 cols K=16 w4 (default)", None), ("512 cols K=8 w4 (before)", C(8, 1, 512, 4)),
+            ("1024 cols K=4 w8", C(4, 1, 1024, 8)), ("1024 cols K=8 w8", C(8, 1, 1024, 8)),
+            ("2048 cols K=2 w16", C(2, 1, 2048, 16))]),
         # the split of the reduced dim (default 33 chunks of 504 rows, then a second pass)
         ("sum dim 0", nb, lambda: ff.reduce(M.SUM, x, 0), "split_plan", [
             ("8 chunks of 2048", (8, 2048)), ("17 chunks of 968 (before)", (17, 968)),

@@ -260,11 +260,12 @@ _SMALL_ROWS = 128
 
 
 def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False,
-                  fields: int = 1) -> Config:
+                  fields: int | None = None) -> Config:
     """Tile shape ``[K, LANES, ROWS]`` and warps for a reduction (see module docstring).
 
     ``costly``: the monoid has a block lift and a combine with SFU work (LOGSUMEXP2,
-    WELFORD); ``fields``: its state's fields. In 16-bit dtypes such rows run below the
+    WELFORD); ``fields``: its state's fields (``None``: not given; taken as one for row
+    plans, and as more than one for column plans). In 16-bit dtypes such rows run below the
     copy (74% and 66% for bf16 logsumexp and var_mean at K = 4), and K = 8 halves the lane
     combines per element (9.5 -> 8.0 and 9.4 -> 7.1 instructions). Measured on 16K x 16K
     bf16 (checkpoint K = 4 -> final run K = 8): logsumexp 3133 -> 3387 GB/s (64 -> 80
@@ -285,14 +286,17 @@ def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False,
         # fp32 columns measured 0.263 ms for sum over dim 0 of 16K x 16K against 0.269
         # for this plan (H200 run 4), but with them logsumexp over dim 0 went 0.265 ->
         # 0.272 and cumsum over dim 0 (whose split pass uses this plan) 0.991 -> 1.027
-        # (run 5): kept at 4 warps over 512 columns
+        # (run 5): kept at 4 warps over 512 columns. One-field states load 16 rows per
+        # step instead of 8 (more loads in flight): sum over dim 0 measured 0.267 against
+        # 0.269 ms (run 9's variants) and 0.254 against 0.255 (seventh session; torch
+        # 0.254); states of more fields keep 8 (registers)
         rows = min(_p2(B2), vec * 32 * 4)
-        k = max(1, min(_p2(N), 4096 // rows))
+        k = max(1, min(_p2(N), (8192 if fields == 1 else 4096) // rows))
         return Config(k, 1, rows, 4)
     if N >= 1024:
         warps = 8 if N >= 4096 else 4
         lanes = min(vec * 32 * warps, _p2(N))
-        kmax = 16384 if costly and elsize < 4 and fields <= 2 else 8192
+        kmax = 16384 if costly and elsize < 4 and (fields or 1) <= 2 else 8192
         k = max(1, min(8, kmax // lanes, _p2(N) // lanes))
         return Config(k, lanes, 1, warps)
     k = _p2(N)
