@@ -81,14 +81,16 @@ def assert_warp_specialized(r: dict, vid: str) -> None:
     assert r["bar_threads"] and all(t <= 128 for t in r["bar_threads"]), r["bar_threads"]
 
 
-def emit(vid: str, facts) -> None:
-    """Print one worker row: ``{"id": vid, "ok": True, **facts()}``, or the error that
-    ``facts`` raised (``ok`` false; the test then fails with it)."""
-    try:
-        row = dict(id=vid, ok=True, **facts())
-    except Exception as e:  # reported, then asserted by the test
-        row = dict(id=vid, ok=False, error=repr(e)[-2000:])
-    print(json.dumps(row), flush=True)
+def emit_rows(variants, facts) -> None:
+    """Print one worker row per variant ``(vid, *args)``: ``{"id": vid, "ok": True,
+    **facts(*args)}``, or the error that ``facts`` raised (``ok`` false; the test then
+    fails with it)."""
+    for vid, *args in variants:
+        try:
+            row = dict(id=vid, ok=True, **facts(*args))
+        except Exception as e:  # reported, then asserted by the test
+            row = dict(id=vid, ok=False, error=repr(e)[-2000:])
+        print(json.dumps(row), flush=True)
 
 
 def gluon_rows(path: str) -> dict:

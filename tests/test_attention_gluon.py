@@ -22,7 +22,7 @@ from unittest import mock
 
 import pytest
 
-from compile_worker import assert_warp_specialized, emit, gluon_rows, ws_facts
+from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
 import torch
 
 #: (id, head_dim, causal, return_lse, dtype, warpgroup ping-pong) of the variants
@@ -71,8 +71,7 @@ def _compile_all():
         return dict(**ws_facts(c), key_loops=loops,
                     local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)])
 
-    for vid, *variant in VARIANTS:
-        emit(vid, lambda: facts(*variant))
+    emit_rows(VARIANTS, facts)
 
 
 @pytest.fixture(scope="module")

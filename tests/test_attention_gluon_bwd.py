@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from compile_worker import assert_warp_specialized, emit, gluon_rows, ws_facts
+from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
 from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
 
 #: (id, causal, dtype) of the variants compiled on the CPU
@@ -42,8 +42,7 @@ def _compile_all():
         return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass,
                     red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))))
 
-    for vid, *variant in VARIANTS:
-        emit(vid, lambda: facts(*variant))
+    emit_rows(VARIANTS, facts)
 
 
 @pytest.fixture(scope="module")

@@ -65,8 +65,8 @@ Kernels (one template each; constexpr flags as in :mod:`.fwd`):
 On sm_90, dense and causal calls at head_dim 128 in the default mode (no softcap, mods,
 window or varlen, no explicit ``config``) run the warp-specialized Gluon kernel of
 :mod:`.gluon_bwd` between the preprocess and the conversion instead: dK, dV and a dQ
-added by TMA reduce-adds in one pass (0.89-0.91x cuDNN against 0.71-0.73x for these
-kernels, ``benchmarks/RESULTS.md``).
+added by TMA reduce-adds in one pass (H200, head_dim 128: 0.90-0.99x cuDNN, 1.25-1.42x
+these kernels; ``benchmarks/RESULTS.md``).
 
 Modes: ``deterministic=True`` runs preprocess, dK/dV (no atomics) and the dQ kernel: every
 sum has a fixed order, so two runs are bitwise equal. The default mode adds ``dQ`` with fp32
