@@ -20,10 +20,9 @@ import torch
 from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
 from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
 
-#: (id, causal, dtype, fused dQ conversion) of the variants compiled on the CPU
-VARIANTS = [("dense", False, "bfloat16", True), ("causal", True, "bfloat16", True),
-            ("dense-fp16", False, "float16", True), ("causal-fp16", True, "float16", True),
-            ("dense-pass", False, "bfloat16", False), ("causal-pass", True, "bfloat16", False)]
+#: (id, causal, dtype) of the variants compiled on the CPU
+VARIANTS = [("dense", False, "bfloat16"), ("causal", True, "bfloat16"),
+            ("dense-fp16", False, "float16"), ("causal-fp16", True, "float16")]
 
 
 def _compile_all():
@@ -31,22 +30,17 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_bwd as G
 
-    def facts(causal, dtype, fused):
+    def facts(causal, dtype):
         q = torch.empty(2, 4, 1000, 128, dtype=getattr(torch, dtype))
         k = torch.empty(2, 2, 1000, 128, dtype=q.dtype)
         lam = torch.empty(2, 4, 1000)
         acc = torch.empty(2, 4, 1000, 128)
-        counters = torch.empty(2, 4, 16, 2, dtype=torch.int32) if fused else None
-        kernel, _, args, kwargs = G.gluon_attention_bwd(
-            q, k, k, q, lam, lam, acc, k, k, causal=causal, scale=0.1,
-            dq=q if fused else None, counters=counters, launch=False)
+        kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k,
+                                                        causal=causal, scale=0.1, launch=False)
         c = compile_launch(kernel, args, kwargs)
         sass = _run_on_cubin(c.cubin, "-sass")
-        return dict(**ws_facts(c), fused=fused, tma_reduce="UTMAREDG" in sass,
-                    red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))),
-                    atoms=sorted(set(re.findall(r"atom\.[\w.]+", c.ptx))),
-                    acquire="ld.acquire.gpu.global" in c.ptx,
-                    waits=sorted(set(re.findall(r"cp\.async\.bulk\.wait_group[\w.]*", c.ptx))))
+        return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass,
+                    red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))))
 
     emit_rows(VARIANTS, facts)
 
@@ -62,17 +56,7 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert_warp_specialized(r, vid)
     # dQ is added by TMA reduce-adds of whole tiles, not by per-thread atomics (those
     # cost 45% of the kernel's time in the first version: 363 against 641 TFLOP/s)
-    assert r["tma_reduce"]
-    if r["fused"]:
-        # the fused conversion: each program counts its adds once they are written (the
-        # full wait, not only ``.read``) by integer adds with release semantics (REDG:
-        # nothing waits for them); the converter programs read the counts with acquire
-        assert r["red"] == ["REDG.E.ADD.STRONG.GPU"], r["red"]
-        assert r["atoms"] == ["atom.global.gpu.release.add.u32"], r["atoms"]
-        assert "cp.async.bulk.wait_group" in r["waits"] and r["acquire"], r
-    else:
-        assert not r["red"] and not r["atoms"], (r["red"], r["atoms"])
-        assert r["waits"] == ["cp.async.bulk.wait_group.read"], r["waits"]
+    assert r["tma_reduce"] and not r["red"], r["red"]
 
 
 def test_scope():
@@ -111,10 +95,9 @@ def test_dispatch_sends_only_dense_and_causal_non_deterministic_calls():
     from flashfold.kernels.attention import bwd, gluon_bwd
     calls = []
 
-    def fake(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, scale, dq, counters, launch):
+    def fake(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, scale, launch):
         calls.append(causal)
         assert dq_acc.dtype == torch.float32 and lam.shape == q.shape[:3]
-        assert dq.shape == q.shape and counters.shape == (*q.shape[:2], -(-q.shape[2] // 64), 2)
         return ("gluon", (1,), (), {})
     q, k, v = _qkv(NQ=64, NK=64)
     do = torch.randn_like(q)
@@ -124,9 +107,7 @@ def test_dispatch_sends_only_dense_and_causal_non_deterministic_calls():
         def kernels(**kw):
             return [launch[0] for launch in bwd.prepare_backward(
                 do, q, k, v, o, lse, scale=0.1, interpret=False, **kw)[3]]
-        # preprocess (zeroing the counters too), the kernel, and no conversion pass
-        assert kernels() == [bwd._bwd_preprocess, "gluon"]
-        assert kernels(right=0) == [bwd._bwd_preprocess, "gluon"]
+        assert kernels()[1] == "gluon" and kernels(right=0)[1] == "gluon"
         assert calls == [False, True]
         for kw in (dict(deterministic=True), dict(atomic_dq=False), dict(left=8, right=0),
                    dict(softcap=20.0), dict(right=4)):
@@ -149,9 +130,8 @@ MORE_ROWS = (1, 2, 2, 300, 200)
                          ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
                          else ("causal" if x else "dense"))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-dq", "dq-pass"])
 @pytest.mark.gpu
-def test_gpu_gradients_flash_criterion(case, causal, dtype, fused):
+def test_gpu_gradients_flash_criterion(case, causal, dtype):
     _needs_sm90()
     import flashfold as ff
     from flashfold.kernels.attention import gluon_bwd
@@ -164,8 +144,7 @@ def test_gpu_gradients_flash_criterion(case, causal, dtype, fused):
     scale = 1 / math.sqrt(128)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with mock.patch.object(gluon_bwd, "gluon_attention_bwd",
-                           wraps=gluon_bwd.gluon_attention_bwd) as spy, \
-            mock.patch.object(gluon_bwd, "FUSE_DQ", fused):
+                           wraps=gluon_bwd.gluon_attention_bwd) as spy:
         ff.attention(*leaves, causal=causal).backward(do)
     assert spy.call_count == 1
     ref = [t.double().requires_grad_() for t in (q, k, v)]
@@ -177,49 +156,6 @@ def test_gpu_gradients_flash_criterion(case, causal, dtype, fused):
         err = (a.grad.double() - r.grad).abs().max().item()
         naive = (n.grad.double() - r.grad).abs().max().item()
         assert err <= 2 * naive + 1e-5, f"d{name}: err {err:.2e} > 2 x naive {naive:.2e}"
-
-
-@pytest.mark.parametrize("case", [(2, 4, 2, 1000, 1000), (1, 2, 1, 100, 1000),
-                                  (1, 3, 3, 256, 300), (1, 1, 1, 4096, 4096)],
-                         ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-@pytest.mark.gpu
-def test_gpu_fused_conversion_writes_every_tile_once(case, causal):
-    """The fused dQ conversion: with dQ filled with NaN before the launches, every element
-    is written (a query tile whose count never completed would stay NaN), each tile's
-    counters end at its number of key tiles (``n_n``; under causal, bottom-right, the key
-    tiles ``n`` with ``128 n - (Nk - Nq) < 64 (m + 1)``), and dQ matches the conversion
-    pass's to the rounding of the last add's order."""
-    _needs_sm90()
-    from flashfold.kernels import launcher
-    from flashfold.kernels.attention import bwd, gluon_bwd
-    B, HQ, HK, NQ, NK = case
-    g = torch.Generator(device="cuda").manual_seed(NQ + NK)
-    q, do = (torch.randn(B, HQ, NQ, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-             for _ in range(2))
-    k, v = (torch.randn(B, HK, NK, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-            for _ in range(2))
-    scale = 1 / math.sqrt(128)
-    ref = [t.double() for t in (q, k, v)]
-    o, lse = _reference(*ref, causal, scale)
-    o, lse = o.to(q.dtype), lse.float()
-    right = 0 if causal else None
-    dq, dk, dv, launches = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale, right=right)
-    assert len(launches) == 2 and launches[0][0] is bwd._bwd_preprocess
-    counters = launches[0][2][7]
-    dq.fill_(float("nan"))
-    for launch in launches:
-        launcher.launch(*launch)
-    assert torch.isfinite(dq).all()
-    n_n, m = -(-NK // 128), torch.arange(-(-NQ // 64), device="cuda")
-    want = (torch.clamp(((m + 1) * 64 - 1 + NK - NQ) // 128 + 1, max=n_n) if causal
-            else torch.full_like(m, n_n))
-    assert torch.equal(counters, want[None, None, :, None].expand_as(counters).int())
-    with mock.patch.object(gluon_bwd, "FUSE_DQ", False):
-        dq2, dk2, dv2 = bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right)
-    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
-    # two fp32 sums in different orders, each rounded once to bf16: at most one ulp apart
-    assert ((dq.float() - dq2.float()).abs() <= dq2.float().abs() * 2 ** -7 + 1e-5).all()
 
 
 @pytest.mark.gpu

@@ -393,19 +393,17 @@ def _dq_loop(dq, q, do, lam, dd, lo, count, idx_ptr,
 # --- kernels -----------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["N_ROWS", "ROW_STRIDE", "NUM_M"])
-def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC, CNT,
+def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
                     sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, sdlb, sdlh,
                     sqab, sqah, sqam, sqad, N_ROWS, ROW_STRIDE, H, NUM_M,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
-                    ZERO_DQ: tl.constexpr, ZERO_CNT: tl.constexpr):
+                    ZERO_DQ: tl.constexpr):
     """Per row: ``D = sum_d dO O - dlse`` and ``lambda = lse log2 e`` (``+inf`` where
     ``lse = -inf``), stored ``(B, H, N)`` fp32 with unit last stride and ``ROW_STRIDE``
     between heads (``N`` rounded up to 16 bytes, so that the Gluon kernel can load their
-    tiles by TMA); with ``ZERO_DQ``, zero the rows of the fp32 dQ accumulator, and with
-    ``ZERO_CNT`` the program's two int32 counters ``CNT[pid, 0:2]`` (the Gluon kernel's
-    fused dQ conversion counts its adds per tile of ``BLOCK_M`` rows and half the head
-    dim). Row-wise, so packed (varlen) rows need no sequence logic."""
+    tiles by TMA); with ``ZERO_DQ``, zero the rows of the fp32 dQ accumulator. Row-wise,
+    so packed (varlen) rows need no sequence logic."""
     pid = tl.program_id(0)
     bh = pid // NUM_M
     b = bh // H
@@ -435,8 +433,6 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC, CNT,
                 + rows[:, None] * sqam + offs_d[None, :] * sqad)
         tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
                  mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    if ZERO_CNT:
-        tl.store(CNT + pid.to(tl.int64) * 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
 
 
 @triton.jit(do_not_specialize=["NUM_N", "HK", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
@@ -1003,27 +999,23 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     launches = []
 
     # 1. preprocess: D, lambda (and zero the dQ accumulator)
-    pm = gluon_bwd.BLOCK_M          # also the Gluon kernel's query tile (its counters)
+    pm = 64
     num_pm = -(-NQ // pm)
-    # the Gluon kernel's fused conversion: a counter per (row tile, half of the head dim)
-    fuse_dq = use_gluon and gluon_bwd.FUSE_DQ
-    counters = torch.empty((B, HQ, num_pm, 2), dtype=torch.int32, device=dev) if fuse_dq else None
     launches.append((_bwd_preprocess, (num_pm * B * HQ,), [
-        o, do, lse, dlse, dd, lam, dq_acc, counters,
+        o, do, lse, dlse, dd, lam, dq_acc,
         *o.stride(), *do.stride(), lse.stride(0), lse.stride(1),
         dlse.stride(0) if dlse is not None else 0, dlse.stride(1) if dlse is not None else 0,
         *dq_acc.stride(), NQ, stat_stride, HQ, num_pm,
     ], dict(HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=pm,
-            HAS_DLSE=dlse is not None, ZERO_DQ=atomic, ZERO_CNT=fuse_dq, num_warps=4)))
+            HAS_DLSE=dlse is not None, ZERO_DQ=atomic, num_warps=4)))
     lam_strides = [zb if varlen else lam.stride(0), lam.stride(1)]
 
     # 2. dK, dV (and the atomic dQ)
     if use_gluon:
-        launches.append(gluon_bwd.gluon_attention_bwd(
-            q, k, v, do, lam, dd, dq_acc, dk, dv, causal=right == 0, scale=scale,
-            dq=dq if fuse_dq else None, counters=counters, launch=False))
-        if not fuse_dq:
-            launches.append(_convert_launch(dq_acc, dq, scale))
+        launches.append(gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv,
+                                                      causal=right == 0, scale=scale,
+                                                      launch=False))
+        launches.append(_convert_launch(dq_acc, dq, scale))
         return dq, dk, dv, launches
     bm, bn = cfg.block_m, cfg.block_n
     if use_tma:

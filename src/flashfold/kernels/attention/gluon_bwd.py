@@ -97,11 +97,6 @@ BLOCK_N = 128
 STAGES = 2
 #: columns of one warpgroup's dQ reduce-add (half the head dim)
 DQ_COLS = 64
-#: whether :mod:`.bwd` asks the kernel to write dQ itself (``FUSE_DQ``: the last program
-#: to add into a query tile converts it) instead of running the conversion pass after it
-FUSE_DQ = True
-#: query tiles whose loads a converter warpgroup keeps in flight (``_convert_dq``)
-CONVERT_UNROLL = 4
 
 __all__ = ["supported", "eligible", "gluon_attention_bwd", "BLOCK_M", "BLOCK_N"]
 
@@ -113,7 +108,7 @@ if gluon is not None:
         """This program's key tile ``n`` of ``(b, hk)`` (key tiles of a head adjacent, the
         heaviest causal tile first), the first query tile that sees it (``m_lo``) and
         where its walk over the query tiles starts (``m_0``, see :func:`_query_tile`)."""
-        q_len, kv_len, heads_k, group, n_n, n_main = shape
+        q_len, kv_len, heads_k, group, n_n = shape
         pid = gl.program_id(0)
         n = pid % n_n
         bh = pid // n_n
@@ -142,17 +137,7 @@ if gluon is not None:
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
-        q_len, kv_len, heads_k, group, n_n, n_main = shape
-        if gl.program_id(0) < n_main:       # the converter programs (FUSE_DQ) load nothing
-            _produce(descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)
-
-    @gluon.jit
-    def _produce(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
-        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
-        q_len, kv_len, heads_k, group, n_n, n_main = shape
+        q_len, kv_len, heads_k, group, n_n = shape
         b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
@@ -181,34 +166,15 @@ if gluon is not None:
     @gluon.jit
     def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, FUSE_DQ: gl.constexpr, WG: gl.constexpr):
-        """Warpgroup ``WG`` of a key-tile program (:func:`_consume`; with ``FUSE_DQ``
-        then :func:`_count_adds`), or of a converter program (``pid >= n_main``, only with
-        ``FUSE_DQ``: :func:`_convert_dq`)."""
-        q_len, kv_len, heads_k, group, n_n, n_main = shape
-        if FUSE_DQ:
-            if gl.program_id(0) < n_main:
-                _consume(descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                         CAUSAL, FUSE_DQ, WG)
-                _count_adds(ptrs, shape, BLOCK_M, BLOCK_N, CAUSAL, WG)
-            else:
-                _convert_dq(ptrs, shape, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, WG)
-        else:
-            _consume(descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                     CAUSAL, FUSE_DQ, WG)
-
-    @gluon.jit
-    def _consume(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, FUSE_DQ: gl.constexpr, WG: gl.constexpr):
+                      CAUSAL: gl.constexpr, WG: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
         ``dV`` over every step and add the step's dQ columns ``64 WG ..`` (see the
         module docstring), then write ``dK``, ``dV``."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
-        q_len, kv_len, heads_k, group, n_n, n_main = shape
-        DK, DV, qk_scale, scale, DQ, DQA, CNT = ptrs
+        q_len, kv_len, heads_k, group, n_n = shape
+        DK, DV, qk_scale, scale = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_COLS: gl.constexpr = HEAD_DIM // 2     # the module's DQ_COLS at head_dim 128
         dtype: gl.constexpr = q_desc.dtype
@@ -296,135 +262,12 @@ if gluon is not None:
         ok = (out_rows < kv_len)[:, None]
         gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
         gl.store(DV + offs, dv.to(dtype), mask=ok)
-        if FUSE_DQ:
-            _bulk_wait_all()        # the adds written, not only read (:func:`_count_adds`)
-
-    @gluon.jit
-    def _bulk_wait_all():
-        """Wait until this thread's bulk copies (the TMA reduce-adds) have *written*
-        global memory (``tma.store_wait`` only waits until they have read shared memory:
-        ``cp.async.bulk.wait_group.read``), and order those writes before the thread's
-        later generic-proxy accesses (the counters' release)."""
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;"
-                                  "\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _tile_count(m, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr):
-        """How many key-tile programs add into query tile ``m``: all ``n_n``, or under
-        causal those with ``n BLOCK_N - (Nk - Nq) < (m + 1) BLOCK_M`` (``m_lo <= m``)."""
-        q_len, kv_len, heads_k, group, n_n, n_main = shape
-        if CAUSAL:
-            count = gl.minimum(((m + 1) * BLOCK_M - 1 + kv_len - q_len) // BLOCK_N + 1, n_n)
-        else:
-            count = m * 0 + n_n
-        return count
-
-    @gluon.jit
-    def _count_adds(ptrs, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr, WG: gl.constexpr):
-        """After a key-tile program's last add has been *written* (:func:`_bulk_wait_all`
-        in :func:`_consume`): add 1, with release semantics at GPU scope, to the counter
-        ``CNT[b, hq, m, WG]`` of every query tile it added into (128 tiles per
-        instruction, one per thread; nothing waits for these)."""
-        DK, DV, qk_scale, scale, DQ, DQA, CNT = ptrs
-        q_len, kv_len, heads_k, group, n_n, n_main = shape
-        CHUNK: gl.constexpr = 128
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        gl.thread_barrier()     # every thread's wait has returned (the issuing thread's too)
-        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
-        n_m = gl.cdiv(q_len, BLOCK_M)
-        per_head = n_m - m_lo
-        total = group * per_head
-        ones = gl.full([CHUNK], 1, gl.int32, layout)
-        for c in range(0, total, CHUNK):
-            t = c + gl.arange(0, CHUNK, layout=layout)
-            tile = ((b * heads_k + hk) * group + t // per_head) * n_m + m_lo + t % per_head
-            gl.atomic_add(CNT + tile * 2 + WG, ones, mask=t < total, sem="release", scope="gpu")
-
-    @gluon.jit(noinline=True)
-    def _convert_dq(ptrs, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
-        """A converter program (``pid >= n_main``; the grid's last, so dispatched after
-        every key-tile program: the SMs that the last wave leaves idle). Its tiles
-        ``t = UNROLL (c + C k) + u`` of the ``(B Hq n_m)`` query tiles, in the order the key
-        tiles' programs finish: wait until ``CNT[t, WG]`` reaches :func:`_tile_count`
-        (acquire), then ``dQ = scale * acc`` for columns ``64 WG ..`` in the input dtype,
-        ``UNROLL`` tiles' loads in flight at once."""
-        DK, DV, qk_scale, scale, DQ, DQA, CNT = ptrs
-        q_len, kv_len, heads_k, group, n_n, n_main = shape
-        UNROLL: gl.constexpr = 4
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-        n_m = gl.cdiv(q_len, BLOCK_M)
-        tiles = n_main // n_n * group * n_m
-        c = gl.program_id(0) - n_main
-        n_conv = gl.num_programs(0) - n_main
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        cols = WG * DQ_COLS + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, layout))
-        for first in range(c * UNROLL, tiles, n_conv * UNROLL):
-            for u in gl.static_range(UNROLL):
-                t = first + u
-                # past the last tile: wait for nothing (an unconditional wait; under an
-                # `if` the compiler dropped the asm)
-                live = gl.minimum(t, tiles - 1)
-                _wait_count(CNT + live * 2 + WG, _tile_count(t % n_m, shape, BLOCK_M, BLOCK_N,
-                                                             CAUSAL) * (t < tiles).to(gl.int32))
-            a0 = _load_acc(DQA, first, tiles, n_m, q_len, rows, cols, BLOCK_M, HEAD_DIM)
-            a1 = _load_acc(DQA, first + 1, tiles, n_m, q_len, rows, cols, BLOCK_M, HEAD_DIM)
-            a2 = _load_acc(DQA, first + 2, tiles, n_m, q_len, rows, cols, BLOCK_M, HEAD_DIM)
-            a3 = _load_acc(DQA, first + 3, tiles, n_m, q_len, rows, cols, BLOCK_M, HEAD_DIM)
-            _store_dq(DQ, a0 * scale, first, tiles, n_m, q_len, rows, cols, BLOCK_M, HEAD_DIM)
-            _store_dq(DQ, a1 * scale, first + 1, tiles, n_m, q_len, rows, cols, BLOCK_M,
-                      HEAD_DIM)
-            _store_dq(DQ, a2 * scale, first + 2, tiles, n_m, q_len, rows, cols, BLOCK_M,
-                      HEAD_DIM)
-            _store_dq(DQ, a3 * scale, first + 3, tiles, n_m, q_len, rows, cols, BLOCK_M,
-                      HEAD_DIM)
-
-    @gluon.jit
-    def _wait_count(ptr, want):
-        """Spin, in every thread, until ``*ptr >= want`` (``ld.acquire.gpu``). Written in
-        PTX: a loop on a scalar load would broadcast it through shared memory with
-        barriers, and inside :func:`_convert_dq` (not inlined, so that its registers do
-        not press on the key-tile loop's) a barrier is CTA-wide (``bar.sync 0``) and
-        would wait for the other partitions forever."""
-        gl.inline_asm_elementwise(
-            "{\n\t.reg .pred %spin_p;\n\t.reg .b32 %spin_c;\n"
-            "SPIN${:uid}:\n\tld.acquire.gpu.global.b32 %spin_c, [$1];\n"
-            "\tsetp.lt.s32 %spin_p, %spin_c, $2;\n\t@%spin_p nanosleep.u32 256;\n"
-            "\t@%spin_p bra SPIN${:uid};\n"
-            "\tmov.b32 $0, %spin_c;\n}", "=r,l,r", [ptr.to(gl.int64, bitcast=True), want],
-            dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _tile_offsets(t, tiles, n_m, q_len, rows, cols, BLOCK_M: gl.constexpr,
-                      HEAD_DIM: gl.constexpr):
-        """Offsets and mask of query tile ``t = (b Hq + hq) n_m + m``'s columns ``cols`` in
-        a contiguous ``(B, Hq, Nq, HEAD_DIM)`` tensor (rows past ``Nq`` and ``t`` past the
-        last tile masked)."""
-        row = (t % n_m) * BLOCK_M + rows
-        offs = ((t // n_m).to(gl.int64) * q_len + row)[:, None] * HEAD_DIM + cols[None, :]
-        return offs, ((row < q_len) & (t < tiles))[:, None]
-
-    @gluon.jit
-    def _load_acc(DQA, t, tiles, n_m, q_len, rows, cols, BLOCK_M: gl.constexpr,
-                  HEAD_DIM: gl.constexpr):
-        offs, ok = _tile_offsets(t, tiles, n_m, q_len, rows, cols, BLOCK_M, HEAD_DIM)
-        return gl.load(DQA + offs, mask=ok, other=0.0)
-
-    @gluon.jit
-    def _store_dq(DQ, dq, t, tiles, n_m, q_len, rows, cols, BLOCK_M: gl.constexpr,
-                  HEAD_DIM: gl.constexpr):
-        offs, ok = _tile_offsets(t, tiles, n_m, q_len, rows, cols, BLOCK_M, HEAD_DIM)
-        gl.store(DQ + offs, dq.to(DQ.dtype.element_ty), mask=ok)
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
-                     DQ, DQA, CNT, q_len, kv_len, heads_k, group, n_n, n_main, qk_scale, scale,
+                     q_len, kv_len, heads_k, group, n_n, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, FUSE_DQ: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
@@ -461,13 +304,13 @@ if gluon is not None:
         descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc)
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
         bars = (kv_ready, q_ready, q_empty, ds_ready, ds_empty)
-        shape = (q_len, kv_len, heads_k, group, n_n, n_main)
-        ptrs = (DK, DV, qk_scale, scale, DQ, DQA, CNT)
+        shape = (q_len, kv_len, heads_k, group, n_n)
+        ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, FUSE_DQ, 0)),
+                             STAGES, CAUSAL, 0)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, FUSE_DQ, 1)),
+                             STAGES, CAUSAL, 1)),
             (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
@@ -495,46 +338,26 @@ def eligible(q, k, v, do, *, causal: bool = False) -> bool:
     return HAS_TMA_REDUCE and gluon_fwd.on_hopper(q) and supported(q, k, v, do, causal=causal)
 
 
-def converters(n_main: int, sms: int) -> int:
-    """How many converter programs follow ``n_main`` key-tile programs on ``sms`` SMs
-    (one program per SM): as many as the key tiles' last wave leaves SMs idle, so that
-    all of them start together while that wave runs (converters dispatched after the
-    key tiles' end would hold tiles that the early ones could have converted); one per
-    SM when that is under a quarter of the SMs (the conversion then runs mostly after
-    the key tiles, as the separate pass did)."""
-    idle = -n_main % sms
-    return idle if idle >= sms // 4 else sms
-
-
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
-                        dq=None, counters=None, launch: bool = True):
+                        launch: bool = True):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
     ``k, v (B, Hk, Nk, D)``, ``do`` like ``q``, from the preprocess's ``lam`` and ``dd
     (B, Hq, Nq)`` (fp32, unit last stride, 16-byte aligned head strides: TMA tiles). The
     caller checks :func:`eligible`.
-    With ``dq`` (like ``q``, contiguous) and ``counters`` (int32, ``(B, Hq, ceil(Nq / 64),
-    2)``, zeroed), the kernel also writes ``dq = scale * dq_acc``: the program whose add
-    completes a query tile's columns converts them (``FUSE_DQ``; no conversion pass).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     n_n = -(-Nk // BLOCK_N)
-    n_main = n_n * B * Hk
-    n_conv = 0
-    if dq is not None:
-        sms = launcher.sm_count(q.device) if q.is_cuda else 132
-        n_conv = min(converters(n_main, sms), -(-B * Hq * -(-Nq // BLOCK_M) // CONVERT_UNROLL))
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, DQ_COLS), _desc(lam.unsqueeze(2), 1, BLOCK_M),
-            _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv, dq,
-            dq_acc if dq is not None else None, counters, Nq, Nk, Hk, Hq // Hk, n_n, n_main,
+            _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv, Nq, Nk, Hk, Hq // Hk, n_n,
             float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
-                  CAUSAL=bool(causal), FUSE_DQ=dq is not None, CONSUMER_REGS=CONSUMER_REGS,
+                  CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
-    grid = (n_main + n_conv,)
+    grid = (n_n * B * Hk,)
     if not launch:
         return _attn_bwd_ws, grid, args, kwargs
     launcher.launch(_attn_bwd_ws, grid, args, kwargs)
