@@ -442,6 +442,28 @@ def _legend_below(fig, axes, ncol=4):
     return leg
 
 
+def _finish(fig, axes, path: str, *, ncol: int, bottom: float) -> dict:
+    """A figure's last steps: one legend below the panels (``bottom`` of the height kept
+    for it), saved to ``path`` and closed; returns :func:`_describe` of it."""
+    _legend_below(fig, axes, ncol=ncol)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    desc = _describe(fig)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return desc
+
+
+def _line_panel(ax, run: Run, xs, unit: str, title: str, xlabel: str, ylabel: str):
+    """Axes of a line panel over power-of-two ``xs``: the run's ceiling, labels, a grid."""
+    if xs:
+        _pow2_axis(ax, xs)
+    _ceiling(ax, run, unit)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+
+
 def plot_attention(run: Run, path: str) -> dict:
     """TFLOP/s vs N: one panel per (head dim, no mask / causal), lines per implementation;
     a bar panel for the masked rows (sliding window, documents). Returns :func:`_describe`."""
@@ -468,13 +490,8 @@ def plot_attention(run: Run, path: str) -> dict:
                         lw=2.6 if impl == "flashfold" else 1.3, ms=5,
                         label=ATTENTION_IMPLS[impl], zorder=3 if impl == "flashfold" else 2)
                 allv += [p[1] for p in pts]
-            if rows:
-                _pow2_axis(ax, [r["N"] for r in rows])
-            _ceiling(ax, run, "TFLOP/s")
-            ax.set_title(f"head dim {D}, {names[col]}")
-            ax.set_xlabel("sequence length N (tokens; batch = 16K / N)")
-            ax.set_ylabel("TFLOP/s")
-            ax.grid(True, alpha=0.3)
+            _line_panel(ax, run, [r["N"] for r in rows], "TFLOP/s", f"head dim {D}, {names[col]}",
+                        "sequence length N (tokens; batch = 16K / N)", "TFLOP/s")
     for ax in axes:
         _top(ax, run, allv)
     if masked:
@@ -500,12 +517,7 @@ def plot_attention(run: Run, path: str) -> dict:
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("Exact attention forward, bf16, 16 heads, B·N = 16K tokens: TFLOP/s = "
                  f"4·B·H·D·(visible query-key pairs) / time\n{run.subtitle()}", fontsize=11)
-    _legend_below(fig, axes, ncol=6)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    desc = _describe(fig)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return desc
+    return _finish(fig, axes, path, ncol=6, bottom=0.05)
 
 
 def plot_attention_backward(run: Run, path: str) -> dict:
@@ -540,24 +552,15 @@ def plot_attention_backward(run: Run, path: str) -> dict:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], ":", color=color, lw=1.2,
                             label=f"{BACKWARD_IMPLS[impl]}: forward + backward")
                     allv += [p[1] for p in pts]
-            if rows:
-                _pow2_axis(ax, [r["N"] for r in rows])
-            _ceiling(ax, run, "TFLOP/s")
-            ax.set_title(f"head dim {D}, {names.get(mask, mask)}")
-            ax.set_xlabel("sequence length N (tokens; batch = 16K / N)")
-            ax.set_ylabel("TFLOP/s")
-            ax.grid(True, alpha=0.3)
+            _line_panel(ax, run, [r["N"] for r in rows], "TFLOP/s",
+                        f"head dim {D}, {names.get(mask, mask)}",
+                        "sequence length N (tokens; batch = 16K / N)", "TFLOP/s")
     for ax in axes:
         _top(ax, run, allv)
     roof = "" if run.ceiling else " (no matmul ceiling measured in this run)"
     fig.suptitle("Exact attention backward, bf16, 16 heads, B·N = 16K tokens: TFLOP/s = "
                  f"2.5·4·B·H·D·(visible pairs) / time{roof}\n{run.subtitle()}", fontsize=11)
-    _legend_below(fig, axes, ncol=3)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    desc = _describe(fig)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return desc
+    return _finish(fig, axes, path, ncol=3, bottom=0.1)
 
 
 _DECODE_IMPLS = ("flashfold", "flashfold p64", "flashfold p16", "flashfold inv", "sdpa flash",
@@ -597,13 +600,8 @@ def plot_decode(run: Run, path: str) -> dict:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], ":", color="tab:blue", lw=1.2,
                         label="flashfold, contiguous, launched eagerly (no graph)")
-        if rows:
-            _pow2_axis(ax, [r["length"] for r in rows])
-        _ceiling(ax, run, "GB/s")
-        ax.set_title(f"batch {b}")
-        ax.set_xlabel("cached tokens per sequence")
-        ax.set_ylabel("GB/s of K and V read")
-        ax.grid(True, alpha=0.3)
+        _line_panel(ax, run, [r["length"] for r in rows], "GB/s", f"batch {b}",
+                    "cached tokens per sequence", "GB/s of K and V read")
     for ax in axes[len(batches):]:
         ax.axis("off")
     for ax in axes[:len(batches)]:
@@ -611,12 +609,7 @@ def plot_decode(run: Run, path: str) -> dict:
     mode = "CUDA-graph replays" if graph else "eager launches"
     fig.suptitle("Decoding against a KV cache (q_len 1, bf16, 32 query / 8 KV heads of 128): "
                  f"GB/s = bytes of K and V / time, {mode}\n{run.subtitle()}", fontsize=11)
-    _legend_below(fig, axes[:len(batches)], ncol=3)
-    fig.tight_layout(rect=(0, 0.09, 1, 1))
-    desc = _describe(fig)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return desc
+    return _finish(fig, axes[:len(batches)], path, ncol=3, bottom=0.09)
 
 
 def _short_dtype(d: str) -> str:
@@ -654,12 +647,7 @@ def plot_reductions(run: Run, path: str) -> dict:
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"Reductions and scans from generated Triton kernels vs torch\n{run.subtitle()}",
                  fontsize=11)
-    _legend_below(fig, axes, ncol=3)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    desc = _describe(fig)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return desc
+    return _finish(fig, axes, path, ncol=3, bottom=0.04)
 
 
 PLOTS = {"attention": (plot_attention, "attention_fwd.png"),

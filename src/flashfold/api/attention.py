@@ -61,8 +61,8 @@ import numbers
 
 import torch
 
-from ..kernels.attention.mods import (BlockMask, TracedMod, cached_block_mask,
-                                      create_block_mask, trace_mask_mod, trace_score_mod)
+from ..kernels.attention.mods import (BlockMask, TracedMod, create_block_mask, trace_mask_mod,
+                                      trace_score_mod)
 
 #: head dims the kernels support (q/k and v independently)
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -266,13 +266,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
                                 cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, lens_q=lens_q,
                                 lens_k=lens_k, return_lse=return_lse)
     else:
-        from ..kernels.attention.reference import attention_reference
-        dev = q.device
-        o, lse = attention_reference(
-            q, k, v, causal=False, window=(left, right), scale=scale, softcap=softcap,
-            score_mod=smod.torch_fn(dev) if smod is not None else None,
-            mask_mod=mmod.torch_fn(dev) if mmod is not None else None,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        from ..kernels.attention.autograd import reference_forward
+        o, lse = reference_forward(q, k, v, scale=scale, softcap=softcap, left=left,
+                                   right=right, score=smod, mask=mmod, cu_q=cu_seqlens_q,
+                                   cu_k=cu_seqlens_k)
         if q.dtype == torch.float64:
             lse = lse.to(torch.float32)
     return (o, lse) if return_lse else o

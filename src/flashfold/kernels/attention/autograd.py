@@ -49,6 +49,7 @@ import torch
 
 from .. import launcher
 from .mods import BlockMask, TracedMod, cached_block_mask, trace_mask_mod, trace_score_mod
+from .reference import key_tiles
 
 
 # --- the registry of non-tensor configuration -----------------------------------------------
@@ -317,12 +318,7 @@ def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, l
             live = torch.isfinite(lb)
             db = dd[:, :, rows, None]
             qi = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
-            for j0 in range(0, nk, block_n):
-                j1 = min(nk, j0 + block_n)
-                if right is not None and j0 > (i1 - 1) + delta + right:
-                    continue
-                if left is not None and j1 - 1 < i0 + delta - left:
-                    continue
+            for j0, j1 in key_tiles(i0, i1, nk, block_n, delta, left, right):
                 cols = slice(k0 + j0, k0 + j1)
                 kb = k[:, kv_head, cols].to(cd)
                 vb = v[:, kv_head, cols].to(cd)
@@ -362,6 +358,20 @@ def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, l
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
+def reference_forward(q, k, v, *, scale, softcap, left, right, score=None, mask=None,
+                      cu_q=None, cu_k=None):
+    """The CPU path's forward: :func:`.reference.attention_reference` (blocked, float32 or
+    float64) with the traced ``score`` / ``mask`` mods as torch functions; ``(o, lse)``
+    as it returns them. The arguments as :func:`kernel_forward`'s."""
+    from .reference import attention_reference
+    dev = q.device
+    return attention_reference(
+        q, k, v, causal=False, window=(left, right), scale=scale, softcap=softcap,
+        score_mod=score.torch_fn(dev) if score is not None else None,
+        mask_mod=mask.torch_fn(dev) if mask is not None else None,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
 def _stat_dtype(q):
     """LSE dtype the ops return: float64 for float64 inputs (CPU), else float32."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -382,13 +392,9 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, key, scale, softcap, left,
                                 score=score, mask=mask, block_mask=block_mask,
                                 cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
     else:
-        from .reference import attention_reference
-        dev = q.device
-        o, lse = attention_reference(
-            q, k, v, causal=False, window=(left, right), scale=scale, softcap=softcap,
-            score_mod=score.torch_fn(dev) if score is not None else None,
-            mask_mod=mask.torch_fn(dev) if mask is not None else None,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        o, lse = reference_forward(q, k, v, scale=scale, softcap=softcap, left=left,
+                                   right=right, score=score, mask=mask, cu_q=cu_seqlens_q,
+                                   cu_k=cu_seqlens_k)
     return o.contiguous(), lse.to(_stat_dtype(q)).contiguous()
 
 

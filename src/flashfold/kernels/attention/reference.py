@@ -79,6 +79,22 @@ def _segments(q, k, cu_seqlens_q, cu_seqlens_k):
     return [(i, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
 
+def key_tiles(i0, i1, nk, block_n, delta, left, right):
+    """The key tiles ``[j0, j1)`` of ``block_n`` keys (of ``nk``) that query rows
+    ``i0 .. i1 - 1`` can see under a window ``[left, right]`` around the bottom-right
+    diagonal (key ``c`` visible to row ``r`` iff ``r + delta - left <= c <= r + delta +
+    right``, ``delta = Nk - Nq``; ``None`` = unbounded): tiles entirely outside the window
+    hold no visible key and are skipped. Shared by the blocked forward reference and the
+    blocked backward."""
+    for j0 in range(0, nk, block_n):
+        j1 = min(nk, j0 + block_n)
+        if right is not None and j0 > (i1 - 1) + delta + right:
+            continue
+        if left is not None and j1 - 1 < i0 + delta - left:
+            continue
+        yield j0, j1
+
+
 def attention_reference(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
                         score_mod=None, mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None,
                         compute_dtype=None, block_m: int = 64, block_n: int = 64):
@@ -118,13 +134,7 @@ def attention_reference(q, k, v, *, causal=False, window=None, scale=None, softc
             d = torch.zeros(shape + (1,), dtype=cd, device=dev)
             acc = torch.zeros(shape + (Dv,), dtype=cd, device=dev)
             qi = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
-            for j0 in range(0, nk, block_n):
-                j1 = min(nk, j0 + block_n)
-                # tiles entirely outside the window hold no visible key: skip them
-                if right is not None and j0 > (i1 - 1) + delta + right:
-                    continue
-                if left is not None and j1 - 1 < i0 + delta - left:
-                    continue
+            for j0, j1 in key_tiles(i0, i1, nk, block_n, delta, left, right):
                 kb = k[:, kv_head, ks.start + j0: ks.start + j1].to(cd)       # [B, Hq, bn, D]
                 vb = v[:, kv_head, ks.start + j0: ks.start + j1].to(cd)       # [B, Hq, bn, Dv]
                 kj = torch.arange(j0, j1, device=dev).view(1, 1, 1, -1)
