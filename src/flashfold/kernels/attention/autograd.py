@@ -49,7 +49,7 @@ import torch
 
 from .. import launcher
 from .mods import BlockMask, TracedMod, cached_block_mask, trace_mask_mod, trace_score_mod
-from .reference import key_tiles
+from .reference import attention_reference, key_tiles
 
 
 # --- the registry of non-tensor configuration -----------------------------------------------
@@ -363,7 +363,6 @@ def reference_forward(q, k, v, *, scale, softcap, left, right, score=None, mask=
     """The CPU path's forward: :func:`.reference.attention_reference` (blocked, float32 or
     float64) with the traced ``score`` / ``mask`` mods as torch functions; ``(o, lse)``
     as it returns them. The arguments as :func:`kernel_forward`'s."""
-    from .reference import attention_reference
     dev = q.device
     return attention_reference(
         q, k, v, causal=False, window=(left, right), scale=scale, softcap=softcap,
