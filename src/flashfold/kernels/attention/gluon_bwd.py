@@ -39,7 +39,7 @@ Finally ``dK = scale * sum dS^T Q`` and ``dV`` are written (input dtype). Causal
 bottom-right aligned (key ``c`` visible to row ``r`` iff ``c <= r + Nk - Nq``): a key
 tile starts at the first query tile that sees it and masks the tiles that cross the
 diagonal. Dense programs start their walk over the query tiles at different tiles
-(:func:`_next_query_tile`). Rows past ``Nq`` read as zeros (``Q``, ``dO``, and ``lambda``, ``D``
+(:func:`_query_tile`). Rows past ``Nq`` read as zeros (``Q``, ``dO``, and ``lambda``, ``D``
 by the TMA's fill): ``S = 0``, ``P = 1``, ``dP = dS = 0``, so they add nothing to
 ``dK``, ``dV``, and the reduce-add clips their dQ rows. Keys past ``Nk`` read as zeros
 and get ``P = 0`` (``2^{-lambda}`` could overflow); their ``dK``, ``dV`` rows are not
@@ -67,7 +67,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-    from .gluon_fwd import _item, _rounds, _wgmma_layout
+    from .gluon_fwd import _wgmma_layout
 
     try:  # private API (see _tma_reduce_add): another Triton may move it; then no Gluon path
         from triton._C.libtriton import gluon_ir as _gluon_ir
@@ -104,16 +104,14 @@ __all__ = ["supported", "eligible", "gluon_attention_bwd", "BLOCK_M", "BLOCK_N"]
 if gluon is not None:
 
     @gluon.jit
-    def _program(r, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """This program's work item in round ``r`` (:func:`.gluon_fwd._rounds`): key tile
-        ``n`` of ``(b, hk)`` (items numbered ``bh * n_n + n``: the key tiles of a head
-        adjacent, the heaviest causal tile first), the first query tile that sees it
-        (``m_lo``) and where its walk over the query tiles starts (``m_lo + m_0``, see
-        :func:`_next_query_tile`)."""
+    def _program(shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """This program's key tile ``n`` of ``(b, hk)`` (key tiles of a head adjacent, the
+        heaviest causal tile first), the first query tile that sees it (``m_lo``) and
+        where its walk over the query tiles starts (``m_0``, see :func:`_query_tile`)."""
         q_len, kv_len, heads_k, group, n_n = shape
-        t = _item(r)
-        n = t % n_n
-        bh = t // n_n
+        pid = gl.program_id(0)
+        n = pid % n_n
+        bh = pid // n_n
         m_lo = 0
         m_0 = 0
         if CAUSAL:
@@ -123,68 +121,58 @@ if gluon is not None:
         return bh // heads_k, bh % heads_k, n, m_lo, m_0
 
     @gluon.jit
-    def _next_query_tile(m, m_lo, n_m):
-        """The query tile after ``m`` in a walk over the tiles ``m_lo .. n_m - 1`` that
-        starts at ``m_lo + m_0`` and wraps around. Dense programs of one head would
-        otherwise all start at tile 0 and walk in lockstep, adding into the same dQ rows at
-        the same time; causal ones start at their diagonal (``m_0 = 0``), already spread.
-        (H200, seventh session, two runs: dense rows +1-3% at N = 1K-16K, in the noise of
-        some.) A step and a select, not a remainder: with the round loop around the walk
-        the compiler put the remainder's division, and a spill reload, at the top of the
-        step (H200, ninth session: -7% at every size)."""
-        m = m + 1
-        return gl.where(m == n_m, m_lo, m)
+    def _query_tile(i, m_lo, m_0, n_m):
+        """Query tile of step ``i`` (``m_lo <= i < n_m``): the tiles ``m_lo .. n_m - 1``
+        rotated to start at ``m_lo + m_0``. Dense programs of one head would otherwise all
+        start at tile 0 and walk in lockstep, adding into the same dQ rows at the same
+        time; causal ones start at their diagonal (``m_0 = 0``), already spread. (H200,
+        seventh session, two runs: dense rows +1-3% at N = 1K-16K, in the noise of some.)"""
+        return m_lo + (i - m_lo + m_0) % (n_m - m_lo)
 
     @gluon.jit
-    def _bwd_producer(descs, bufs, bars, shape, bh_total, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """TMA loads, work item after work item: the key and value tile (once both
-        consumers have finished the previous item's last step: ``kv_empty``), then ``Q``,
-        ``dO``, ``lambda`` and ``D`` of every step (query head ``g`` of the group, query
-        tile ``m``) into the ring, whose slot and phase count on across items."""
+    def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """TMA loads: the key and value tile once, then ``Q``, ``dO``, ``lambda`` and ``D``
+        of every step (query head ``g`` of the group, query tile ``m``) into the ring."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty = bars
+        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
         q_len, kv_len, heads_k, group, n_n = shape
+        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
         n_m = gl.cdiv(q_len, BLOCK_M)
         j = 0
-        for r in range(_rounds(shape, bh_total)):
-            b, hk, n, m_lo, m_0 = _program(r, shape, BLOCK_M, BLOCK_N, CAUSAL)
-            mbarrier.wait(kv_empty, (r & 1) ^ 1)
-            mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
-            for g in range(group):
-                hq = hk * group + g
-                m = m_lo + m_0
-                for i in range(m_lo, n_m):
-                    slot = j % STAGES
-                    mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(slot), nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [b, hq, m * BLOCK_M, 0],
-                                                    q_ready.index(slot), q_bufs.index(slot))
-                    tma.async_copy_global_to_shared(do_desc, [b, hq, m * BLOCK_M, 0],
-                                                    q_ready.index(slot), do_bufs.index(slot))
-                    tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, m * BLOCK_M],
-                                                    q_ready.index(slot), lam_bufs.index(slot))
-                    tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, m * BLOCK_M],
-                                                    q_ready.index(slot), dd_bufs.index(slot))
-                    m = _next_query_tile(m, m_lo, n_m)
-                    j += 1
+        for g in range(group):
+            hq = hk * group + g
+            for i in range(m_lo, n_m):
+                m = _query_tile(i, m_lo, m_0, n_m)
+                slot = j % STAGES
+                mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(slot), nbytes)
+                tma.async_copy_global_to_shared(q_desc, [b, hq, m * BLOCK_M, 0],
+                                                q_ready.index(slot), q_bufs.index(slot))
+                tma.async_copy_global_to_shared(do_desc, [b, hq, m * BLOCK_M, 0],
+                                                q_ready.index(slot), do_bufs.index(slot))
+                tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, m * BLOCK_M],
+                                                q_ready.index(slot), lam_bufs.index(slot))
+                tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, m * BLOCK_M],
+                                                q_ready.index(slot), dd_bufs.index(slot))
+                j += 1
 
     @gluon.jit
-    def _bwd_consumer(descs, bufs, bars, shape, bh_total, ptrs, BLOCK_M: gl.constexpr,
+    def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr):
-        """Keys ``64 WG .. 64 WG + 63`` of each of the program's key tiles: accumulate their
-        ``dK``, ``dV`` over every step and add the step's dQ columns ``64 WG ..`` (see the
-        module docstring), release the key tile (``kv_empty``: the producer loads the next
-        item's while this one's ``dK``, ``dV`` are written), then write ``dK``, ``dV``."""
+        """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
+        ``dV`` over every step and add the step's dQ columns ``64 WG ..`` (see the
+        module docstring), then write ``dK``, ``dV``."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty = bars
+        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
         q_len, kv_len, heads_k, group, n_n = shape
         DK, DV, qk_scale, scale = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
@@ -195,100 +183,95 @@ if gluon is not None:
         dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
+        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
         k_w = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
         v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
         k_cols = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+        keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+        first_key = keys - (kv_len - q_len)        # causal: row r sees key c iff c - off <= r
+        key_ok = keys < kv_len
         qcols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         dq_smem = dq_bufs.index(WG)
         dq_tile = dq_smem.reshape([BLOCK_M, DQ_COLS])
         s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
         n_m = gl.cdiv(q_len, BLOCK_M)
+        mbarrier.wait(kv_ready, 0)
         j = 0
-        for r in range(_rounds(shape, bh_total)):
-            b, hk, n, m_lo, m_0 = _program(r, shape, BLOCK_M, BLOCK_N, CAUSAL)
-            keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF,
-                                                        layout=gl.SliceLayout(1, s_layout))
-            first_key = keys - (kv_len - q_len)    # causal: row x sees key c iff c - off <= x
-            key_ok = keys < kv_len
-            dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
-            dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
-            mbarrier.wait(kv_ready, r & 1)
-            for g in range(group):
-                hq = hk * group + g
-                m = m_lo + m_0
-                for i in range(m_lo, n_m):
-                    slot = j % STAGES
-                    mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
-                    q_s = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-                    do_s = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-                    st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False,
-                                        is_async=True)
-                    # lambda and D of the tile's rows: loaded with Q (global loads here were
-                    # on the critical path: +4-10% per row, and spills 376 -> 156 bytes)
-                    lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
-                    st = warpgroup_mma_wait(1, deps=[st])
-                    p = gl.exp2(st * qk_scale - lam[None, :])
-                    if CAUSAL:      # branch-free: a branch here doubled the live registers
-                        p = gl.where(first_key[:, None] <= m * BLOCK_M + qcols[None, :], p, 0.0)
-                    else:           # keys past Nk: P could overflow (a row's lse far below 0)
-                        p = gl.where(key_ok[:, None], p, 0.0)
-                    pa = gl.convert_layout(p.to(dtype), a_layout)
-                    dv = warpgroup_mma(pa, do_s, dv, is_async=True)
-                    dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
-                    dpt = warpgroup_mma_wait(1, deps=[dpt])
-                    ds = p * (dpt - dd[None, :])
-                    dsa = gl.convert_layout(ds.to(dtype), a_layout)
-                    # dS^T halves of both warpgroups into shared memory, then dQ columns
-                    dsb = j % 2
-                    mbarrier.wait(ds_empty.index(dsb), ((j // 2) & 1) ^ 1)
-                    ds_bufs.index(dsb).slice(WG * HALF, HALF, dim=0).store(ds.to(dtype))
-                    fence_async_shared()
-                    mbarrier.arrive(ds_ready.index(dsb), count=1)
-                    mbarrier.wait(ds_ready.index(dsb), (j // 2) & 1)
-                    dq = warpgroup_mma(ds_bufs.index(dsb).permute((1, 0)), k_cols, dq_zero,
-                                       use_acc=False, is_async=True)
-                    # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
-                    # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
-                    # +3%, and the causal variant's spill stores 952 -> 488 bytes)
-                    dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
-                    dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
-                    mbarrier.arrive(ds_empty.index(dsb), count=1)
-                    # dQ_acc[rows, 64 WG ..] += dq by a TMA reduce-add (rows past Nq clipped);
-                    # the previous step's reduce must have read the buffer first
-                    tma.store_wait(0)
-                    dq_tile.store(dq)
-                    fence_async_shared()
-                    _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, WG * DQ_COLS], dq_smem)
-                    dk = warpgroup_mma_wait(0, deps=[dk])
-                    mbarrier.arrive(q_empty.index(slot), count=1)
-                    m = _next_query_tile(m, m_lo, n_m)
-                    j += 1
-            # the key tile's last products are done: the producer may load the next one
-            mbarrier.arrive(kv_empty, count=1)
-            # dK = scale * sum dS^T Q, dV = sum P^T dO, rows past Nk not written
-            out_rows = n * BLOCK_N + WG * HALF + gl.arange(0, HALF,
-                                                            layout=gl.SliceLayout(1, acc_layout))
-            dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-            kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
-            offs = (kv_base + out_rows)[:, None] * HEAD_DIM + dcols[None, :]
-            ok = (out_rows < kv_len)[:, None]
-            gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
-            gl.store(DV + offs, dv.to(dtype), mask=ok)
+        for g in range(group):
+            hq = hk * group + g
+            for i in range(m_lo, n_m):
+                m = _query_tile(i, m_lo, m_0, n_m)
+                slot = j % STAGES
+                mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
+                q_s = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                do_s = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
+                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                    is_async=True)
+                # lambda and D of the tile's rows: loaded with Q (global loads here were
+                # on the critical path: +4-10% per row, and spills 376 -> 156 bytes)
+                lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+                st = warpgroup_mma_wait(1, deps=[st])
+                p = gl.exp2(st * qk_scale - lam[None, :])
+                if CAUSAL:      # branch-free: a branch here doubled the live registers
+                    p = gl.where(first_key[:, None] <= m * BLOCK_M + qcols[None, :], p, 0.0)
+                else:           # keys past Nk: P could overflow (a row's lse far below 0)
+                    p = gl.where(key_ok[:, None], p, 0.0)
+                pa = gl.convert_layout(p.to(dtype), a_layout)
+                dv = warpgroup_mma(pa, do_s, dv, is_async=True)
+                dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+                dpt = warpgroup_mma_wait(1, deps=[dpt])
+                ds = p * (dpt - dd[None, :])
+                dsa = gl.convert_layout(ds.to(dtype), a_layout)
+                # dS^T halves of both warpgroups into shared memory, then dQ columns
+                dsb = j % 2
+                mbarrier.wait(ds_empty.index(dsb), ((j // 2) & 1) ^ 1)
+                ds_bufs.index(dsb).slice(WG * HALF, HALF, dim=0).store(ds.to(dtype))
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(dsb), count=1)
+                mbarrier.wait(ds_ready.index(dsb), (j // 2) & 1)
+                dq = warpgroup_mma(ds_bufs.index(dsb).permute((1, 0)), k_cols, dq_zero,
+                                   use_acc=False, is_async=True)
+                # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
+                # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
+                # +3%, and the causal variant's spill stores 952 -> 488 bytes)
+                dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
+                dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
+                mbarrier.arrive(ds_empty.index(dsb), count=1)
+                # dQ_acc[rows, 64 WG ..] += dq by a TMA reduce-add (rows past Nq clipped);
+                # the previous step's reduce must have read the buffer first
+                tma.store_wait(0)
+                dq_tile.store(dq)
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, WG * DQ_COLS], dq_smem)
+                dk = warpgroup_mma_wait(0, deps=[dk])
+                mbarrier.arrive(q_empty.index(slot), count=1)
+                j += 1
+
         tma.store_wait(0)
+        # dK = scale * sum dS^T Q, dV = sum P^T dO, rows past Nk not written
+        out_rows = n * BLOCK_N + WG * HALF + gl.arange(0, HALF,
+                                                        layout=gl.SliceLayout(1, acc_layout))
+        dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
+        offs = (kv_base + out_rows)[:, None] * HEAD_DIM + dcols[None, :]
+        ok = (out_rows < kv_len)[:, None]
+        gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
+        gl.store(DV + offs, dv.to(dtype), mask=ok)
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
-                     q_len, kv_len, heads_k, group, n_n, bh_total, qk_scale, scale,
+                     q_len, kv_len, heads_k, group, n_n, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        """Work items are the ``n_n * B * Hk`` key tiles ``n`` of ``(b, hk)``: one per
-        program when the grid has that many, else rounds of them (persistent,
-        :func:`.gluon_fwd._rounds`). ``num_warps=4`` (the first consumer warpgroup), the
-        second consumer and the producer warp."""
+        """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
+        ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
+        producer warp."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -306,13 +289,11 @@ if gluon is not None:
         dd_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dd_desc.block_type.shape,
                                             dd_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
-        mbarrier.init(kv_empty, count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)
@@ -322,19 +303,17 @@ if gluon is not None:
 
         descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc)
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
-        bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty)
+        bars = (kv_ready, q_ready, q_empty, ds_ready, ds_empty)
         shape = (q_len, kv_len, heads_k, group, n_n)
         ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
-            (_bwd_consumer, (descs, bufs, bars, shape, bh_total, ptrs, BLOCK_M, BLOCK_N,
-                             HEAD_DIM, STAGES, CAUSAL, 0)),
-            (_bwd_consumer, (descs, bufs, bars, shape, bh_total, ptrs, BLOCK_M, BLOCK_N,
-                             HEAD_DIM, STAGES, CAUSAL, 1)),
-            (_bwd_producer, (descs, bufs, bars, shape, bh_total, BLOCK_M, BLOCK_N, STAGES,
-                             CAUSAL)),
+            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, CAUSAL, 0)),
+            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, CAUSAL, 1)),
+            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
-        mbarrier.invalidate(kv_empty)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(q_ready.index(i))
             mbarrier.invalidate(q_empty.index(i))
@@ -360,31 +339,25 @@ def eligible(q, k, v, do, *, causal: bool = False) -> bool:
 
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
-                        launch: bool = True, persistent: bool | None = None):
+                        launch: bool = True):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
     ``k, v (B, Hk, Nk, D)``, ``do`` like ``q``, from the preprocess's ``lam`` and ``dd
     (B, Hq, Nq)`` (fp32, unit last stride, 16-byte aligned head strides: TMA tiles). The
-    caller checks :func:`eligible`. ``persistent``: one program per SM taking the key
-    tiles in rounds, or one program per key tile (default:
-    :func:`.gluon_fwd.persistent_default` over the key tiles of a head).
+    caller checks :func:`eligible`.
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     n_n = -(-Nk // BLOCK_N)
-    sms = launcher.sm_count(q.device) if q.is_cuda else 132
-    if persistent is None:
-        persistent = gluon_fwd.persistent_default(causal, n_n, sms)
-    items = n_n * B * Hk
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, DQ_COLS), _desc(lam.unsqueeze(2), 1, BLOCK_M),
-            _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv, Nq, Nk, Hk, Hq // Hk, n_n, B * Hk,
+            _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv, Nq, Nk, Hk, Hq // Hk, n_n,
             float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
                   CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
-    grid = (min(items, sms) if persistent else items,)
+    grid = (n_n * B * Hk,)
     if not launch:
         return _attn_bwd_ws, grid, args, kwargs
     launcher.launch(_attn_bwd_ws, grid, args, kwargs)

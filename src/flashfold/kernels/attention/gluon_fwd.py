@@ -104,8 +104,7 @@ if gluon is not None:
 
     @gluon.jit
     def _rounds(shape, bh_total):
-        """How many work items (``shape[4]`` per head, ``bh_total`` heads: query tiles in
-        the forward, key tiles in :mod:`.gluon_bwd`) this program takes.
+        """How many work items (``n_m x BH`` in all) this program takes.
         Program ``p`` of ``G`` takes one item per round ``i``: item ``i G + p`` in even
         rounds and ``i G + G - 1 - p`` in odd ones (a snake: with items ordered heaviest
         first, each program's sum of work evens out), while the item exists."""
@@ -118,13 +117,6 @@ if gluon is not None:
         return gl.where(last * G + slot < count, rounds, last)
 
     @gluon.jit
-    def _item(i):
-        """The work item this program takes in round ``i`` (see :func:`_rounds`)."""
-        G = gl.num_programs(0)
-        p = gl.program_id(0)
-        return i * G + gl.where(i % 2 == 0, p, G - 1 - p)
-
-    @gluon.jit
     def _tile(i, shape, bh_total, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               CAUSAL: gl.constexpr):
         """This program's item of round ``i`` (see :func:`_rounds`): query tile ``m`` of head
@@ -134,7 +126,9 @@ if gluon is not None:
         share its keys and values in L2, with ``m' = m`` or, causal, ``n_m - 1 - m``
         (heaviest first)."""
         q_len, kv_len, heads_q, group, n_m = shape
-        t = _item(i)
+        G = gl.num_programs(0)
+        p = gl.program_id(0)
+        t = i * G + gl.where(i % 2 == 0, p, G - 1 - p)
         m = t % n_m
         if CAUSAL:
             m = n_m - 1 - m
