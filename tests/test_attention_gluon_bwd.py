@@ -20,9 +20,10 @@ import torch
 from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
 from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
 
-#: (id, causal, dtype) of the variants compiled on the CPU
-VARIANTS = [("dense", False, "bfloat16"), ("causal", True, "bfloat16"),
-            ("dense-fp16", False, "float16"), ("causal-fp16", True, "float16")]
+#: (id, causal, dtype, dK/dV by TMA stores) of the variants compiled on the CPU
+VARIANTS = [("dense", False, "bfloat16", True), ("causal", True, "bfloat16", True),
+            ("dense-fp16", False, "float16", True), ("causal-fp16", True, "float16", True),
+            ("dense-register-stores", False, "bfloat16", False)]
 
 
 def _compile_all():
@@ -30,16 +31,17 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_bwd as G
 
-    def facts(causal, dtype):
+    def facts(causal, dtype, tma_store):
         q = torch.empty(2, 4, 1000, 128, dtype=getattr(torch, dtype))
         k = torch.empty(2, 2, 1000, 128, dtype=q.dtype)
         lam = torch.empty(2, 4, 1000)
         acc = torch.empty(2, 4, 1000, 128)
         kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k,
-                                                        causal=causal, scale=0.1, launch=False)
+                                                        causal=causal, scale=0.1, launch=False,
+                                                        tma_store=tma_store)
         c = compile_launch(kernel, args, kwargs)
         sass = _run_on_cubin(c.cubin, "-sass")
-        return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass,
+        return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass, tma_store="UTMASTG" in sass,
                     red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))))
 
     emit_rows(VARIANTS, facts)
@@ -57,6 +59,14 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     # dQ is added by TMA reduce-adds of whole tiles, not by per-thread atomics (those
     # cost 45% of the kernel's time in the first version: 363 against 641 TFLOP/s)
     assert r["tma_reduce"] and not r["red"], r["red"]
+    # dK, dV leave by TMA stores exactly in the variants that ask for them
+    assert r["tma_store"] == next(v[3] for v in VARIANTS if v[0] == vid)
+
+
+def test_dk_dv_by_tma_stores_for_causal_and_short_dense_programs():
+    from flashfold.kernels.attention.gluon_bwd import STORE_TMA_MAX_STEPS, store_tma
+    assert store_tma(True, 10_000) and store_tma(False, STORE_TMA_MAX_STEPS)
+    assert not store_tma(False, STORE_TMA_MAX_STEPS + 1)
 
 
 def test_scope():
@@ -181,6 +191,44 @@ def test_gpu_agrees_with_the_triton_kernels_and_strided_layouts():
         for a, b, n, r in zip(got, det, low, ref):
             naive = (n.grad.double() - r.grad).abs().max().item()
             assert (a.double() - b.double()).abs().max().item() <= 2 * naive + 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.gpu
+def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal):
+    """The two ways out of dK, dV (TMA stores from the ring, stores from registers)
+    write the same values, ragged last key tile included; dQ is the same sum in another
+    order of atomic adds."""
+    _needs_sm90()
+    from flashfold.kernels import launcher
+    from flashfold.kernels.attention import bwd, fwd, gluon_bwd
+    from flashfold.testing import compare
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, do = (torch.randn(2, 4, 700, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+             for _ in range(2))
+    k, v = (torch.randn(2, 2, 900, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    scale = 1 / math.sqrt(128)
+    right = 0 if causal else None
+    o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
+    dq, dk, dv, (pre, _, conv) = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
+                                                      right=right)
+    dd, lam, acc = pre[2][4], pre[2][5], pre[2][6]
+    got = []
+    for tma_store in (True, False):
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
+        launcher.launch(*pre)
+        launcher.launch(*gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, acc, dk, dv,
+                                                       causal=causal, scale=scale,
+                                                       launch=False, tma_store=tma_store))
+        launcher.launch(*conv)
+        got.append((dq.clone(), dk.clone(), dv.clone()))
+    (dq1, dk1, dv1), (dq2, dk2, dv2) = got
+    assert torch.isfinite(dk1).all() and torch.isfinite(dv1).all()
+    assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
+    report = compare(dq1, dq2, "bfloat16")
+    assert report["ok"], report
 
 
 @pytest.mark.gpu

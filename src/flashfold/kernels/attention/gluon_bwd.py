@@ -35,7 +35,9 @@ the GQA group stream past. Three partitions (``gl.warp_specialize``):
   (``red.global.add``, paired) took 45% of the kernel's time (H200, head_dim 128, 4K
   dense: 363 TFLOP/s with them, 641 without; ``benchmarks/RESULTS.md``).
 
-Finally ``dK = scale * sum dS^T Q`` and ``dV`` are written (input dtype). Causal is
+Finally ``dK = scale * sum dS^T Q`` and ``dV`` are written (input dtype): by TMA stores
+from the warpgroup's slot of the (then idle) ``Q`` / ``dO`` ring, or, for long dense
+programs, from registers (:func:`store_tma`). Causal is
 bottom-right aligned (key ``c`` visible to row ``r`` iff ``c <= r + Nk - Nq``): a key
 tile starts at the first query tile that sees it and masks the tiles that cross the
 diagonal. Dense programs start their walk over the query tiles at different tiles
@@ -43,7 +45,7 @@ diagonal. Dense programs start their walk over the query tiles at different tile
 by the TMA's fill): ``S = 0``, ``P = 1``, ``dP = dS = 0``, so they add nothing to
 ``dK``, ``dV``, and the reduce-add clips their dQ rows. Keys past ``Nk`` read as zeros
 and get ``P = 0`` (``2^{-lambda}`` could overflow); their ``dK``, ``dV`` rows are not
-written.
+written (clipped by the TMA stores, masked otherwise).
 
 Scope (:func:`supported`): fp16/bf16, head_dim 128, dense or causal with ``Nq <= Nk``,
 GQA, unit last stride and TMA-compatible strides; the default (non-deterministic) mode:
@@ -97,8 +99,11 @@ BLOCK_N = 128
 STAGES = 2
 #: columns of one warpgroup's dQ reduce-add (half the head dim)
 DQ_COLS = 64
+#: dense calls store dK, dV by TMA while a program has at most this many steps
+#: (see :func:`store_tma`)
+STORE_TMA_MAX_STEPS = 32
 
-__all__ = ["supported", "eligible", "gluon_attention_bwd", "BLOCK_M", "BLOCK_N"]
+__all__ = ["supported", "eligible", "gluon_attention_bwd", "store_tma", "BLOCK_M", "BLOCK_N"]
 
 
 if gluon is not None:
@@ -166,7 +171,7 @@ if gluon is not None:
     @gluon.jit
     def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, WG: gl.constexpr):
+                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
         ``dV`` over every step and add the step's dQ columns ``64 WG ..`` (see the
         module docstring), then write ``dK``, ``dV``."""
@@ -252,26 +257,43 @@ if gluon is not None:
                 mbarrier.arrive(q_empty.index(slot), count=1)
                 j += 1
 
-        tma.store_wait(0)
-        # dK = scale * sum dS^T Q, dV = sum P^T dO, rows past Nk not written
-        out_rows = n * BLOCK_N + WG * HALF + gl.arange(0, HALF,
-                                                        layout=gl.SliceLayout(1, acc_layout))
-        dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
-        offs = (kv_base + out_rows)[:, None] * HEAD_DIM + dcols[None, :]
-        ok = (out_rows < kv_len)[:, None]
-        gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
-        gl.store(DV + offs, dv.to(dtype), mask=ok)
+        # dK = scale * sum dS^T Q, dV = sum P^T dO (see STORE_TMA in _attn_bwd_ws)
+        row0 = n * BLOCK_N + WG * HALF
+        if STORE_TMA:
+            # staged in this warpgroup's slot of the Q and dO ring (free once both
+            # warpgroups have released every slot's last use); the stores clip rows past Nk
+            for s in gl.static_range(STAGES):
+                uses = (j + STAGES - 1 - s) // STAGES
+                mbarrier.wait(q_empty.index(s), (uses - 1) & 1)    # unused: parity 1 passes
+            dk_smem = q_bufs.index(WG)
+            dv_smem = do_bufs.index(WG)
+            dk_smem.reshape([HALF, HEAD_DIM]).store((dk * scale).to(dtype))
+            dv_smem.reshape([HALF, HEAD_DIM]).store(dv.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(DK, [b, hk, row0, 0], dk_smem)
+            tma.async_copy_shared_to_global(DV, [b, hk, row0, 0], dv_smem)
+            tma.store_wait(0)
+        else:
+            tma.store_wait(0)
+            out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+            dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+            kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
+            offs = (kv_base + out_rows)[:, None] * HEAD_DIM + dcols[None, :]
+            ok = (out_rows < kv_len)[:, None]
+            gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
+            gl.store(DV + offs, dv.to(dtype), mask=ok)
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
                      q_len, kv_len, heads_k, group, n_n, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
-        producer warp."""
+        producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
+        in the idle ring and stored by TMA), else pointers (stored from registers; see
+        :func:`store_tma`)."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -308,9 +330,9 @@ if gluon is not None:
         ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, 0)),
+                             STAGES, CAUSAL, STORE_TMA, 0)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, 1)),
+                             STAGES, CAUSAL, STORE_TMA, 1)),
             (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
@@ -338,24 +360,45 @@ def eligible(q, k, v, do, *, causal: bool = False) -> bool:
     return HAS_TMA_REDUCE and gluon_fwd.on_hopper(q) and supported(q, k, v, do, causal=causal)
 
 
+def store_tma(causal: bool, steps: int) -> bool:
+    """Whether the programs write ``dK``, ``dV`` by TMA stores (staged in the idle Q / dO
+    ring) rather than from registers, for programs of ``steps`` query tiles.
+
+    From registers, a program's end costs ~6.8 us: the epilogue's 64 scattered 4-byte
+    stores per thread take ~2.9 us, and the next program on the SM starts ~3.9 us later
+    (H200, head_dim 128, %globaltimer stamps per program, ninth session; a step takes
+    ~2.5 us). The TMA stores gain where programs are short (H200, whole call against the
+    register stores, same process, 4-6 repetitions): 1K dense +2-7%, 1K causal +7-10%,
+    4K causal +1-3%, 16K causal 0. But the dense variant's step loop compiled ~3% slower
+    with them (4K and 16K dense -2 to -6% in every repetition; same spill counts, other
+    scheduling), so dense calls keep the register stores once a program has more than
+    :data:`STORE_TMA_MAX_STEPS` steps (there the two variants compile to the same code
+    as before the flag)."""
+    return causal or steps <= STORE_TMA_MAX_STEPS
+
+
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
-                        launch: bool = True):
+                        launch: bool = True, tma_store: bool | None = None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
     ``k, v (B, Hk, Nk, D)``, ``do`` like ``q``, from the preprocess's ``lam`` and ``dd
     (B, Hq, Nq)`` (fp32, unit last stride, 16-byte aligned head strides: TMA tiles). The
-    caller checks :func:`eligible`.
+    caller checks :func:`eligible`. ``tma_store``: how ``dK``, ``dV`` are written (default
+    :func:`store_tma`).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     n_n = -(-Nk // BLOCK_N)
+    if tma_store is None:
+        tma_store = store_tma(causal, (Hq // Hk) * -(-Nq // BLOCK_M))
+    out = ((_desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2)) if tma_store else (dk, dv))
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, DQ_COLS), _desc(lam.unsqueeze(2), 1, BLOCK_M),
-            _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv, Nq, Nk, Hk, Hq // Hk, n_n,
+            _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
             float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
-                  CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
+                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
     if not launch:
