@@ -59,8 +59,9 @@ def ws_facts(compiled) -> dict:
     (:func:`flashfold.kernels.aot.compile_launch`): registers, spill stores, shared memory,
     TMA and wgmma use, the ``setmaxnreg`` values and the thread counts of named barriers."""
     import re
+    res = compiled.resources()
     return dict(
-        regs=compiled.registers, spill=compiled.resources()["spill_stores"],
+        regs=compiled.registers, spill=res["spill_stores"], serialized=res["wgmma_serialized"],
         smem=compiled.shared, tma=compiled.uses_tma, wgmma=compiled.uses_wgmma,
         setmaxnreg=sorted({int(n) for n in re.findall(
             r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.ptx)}),
@@ -72,13 +73,16 @@ def assert_warp_specialized(r: dict, vid: str) -> None:
     """A worker row (:func:`ws_facts` and ``ok``) of a producer / two-consumer Gluon kernel:
     compiled, TMA and wgmma, the producer warp down to 24 registers and the consumers up to
     240, shared memory within the limit, and no named barrier spanning both consumer
-    warpgroups (one that did held them in lockstep: see ``tests/test_attention_gluon.py``)."""
+    warpgroups (one that did held them in lockstep: see ``tests/test_attention_gluon.py``),
+    and wgmma that ptxas did not serialize."""
     assert r is not None, f"{vid} was not compiled"
     assert r["ok"], r.get("error")
     assert r["tma"] and r["wgmma"], f"{vid}: TMA {r['tma']}, wgmma {r['wgmma']}"
     assert 24 in r["setmaxnreg"] and 240 in r["setmaxnreg"], r["setmaxnreg"]
     assert r["smem"] <= SMEM_LIMIT, f"{vid}: {r['smem']} bytes of shared memory"
     assert r["bar_threads"] and all(t <= 128 for t in r["bar_threads"]), r["bar_threads"]
+    # ptxas's warning C7515: the wgmma were serialized (each waits for the previous one)
+    assert not r["serialized"], f"{vid}: ptxas serialized the wgmma"
 
 
 def emit_rows(variants, facts) -> None:

@@ -78,7 +78,10 @@ class Compiled:
         return "wgmma.mma_async" in self.ptx
 
     def resources(self) -> dict:
-        """Registers and spill-store bytes as ``ptxas -v`` reports them for the PTX."""
+        """Registers and spill-store bytes as ``ptxas -v`` reports them for the PTX, and
+        whether ptxas serialized the kernel's wgmma (its performance warning C7515: every
+        wgmma then waits for the previous one, e.g. when a wgmma stays in flight across a
+        loop's back edge while other instructions write accumulator registers)."""
         with tempfile.TemporaryDirectory() as d:
             src = os.path.join(d, "k.ptx")
             with open(src, "w") as f:
@@ -89,7 +92,8 @@ class Compiled:
         regs = re.search(r"Used (\d+) registers", text)
         spill = re.search(r"(\d+) bytes spill stores", text)
         return {"registers": int(regs.group(1)) if regs else None,
-                "spill_stores": int(spill.group(1)) if spill else None}
+                "spill_stores": int(spill.group(1)) if spill else None,
+                "wgmma_serialized": "C7515" in text}
 
     def loads(self) -> dict:
         """``{'ld.global.v4.b32': count, ...}`` over the PTX."""

@@ -21,19 +21,25 @@ the GQA group stream past. Three partitions (``gl.warp_specialize``):
       P^T  = 2^(S^T scale log2e - lambda)            (0 where causal hides the pair)
       dV_w += P^T dO                                 (async; registers A)
       dS^T = P^T (dP^T - D)
-      dS^T -> shared memory (both halves: 128 keys x 64 queries), then
-      dQ[:, 64 w : 64 w + 64] = dS K[:, 64 w : 64 w + 64]   (async; shared A and B)
+      dS^T -> shared memory (this warpgroup's half of 128 keys x 64 queries), then
+      dQ_{j-1}[:, 64 w ..] = dS_{j-1} K[:, 64 w : 64 w + 64]   (async; shared A and B)
       dK_w += dS^T Q                                 (async; registers A), while
-      dQ_acc[rows, 64 w ..] += dQ[...]               (TMA reduce-add from shared memory)
+      dQ_acc[rows_{j-1}, 64 w ..] += dQ_{j-1}[...]   (TMA reduce-add from shared memory)
 
   The dQ product is split across the warpgroups by head-dim columns, so each query
   tile's dQ is summed over the 128 keys on chip and added to global memory once per
-  step (32 KB per 64 x 128 tile pair, FlashAttention-3's scheme). Both warpgroups' dS
-  halves must be in shared memory first (``ds_ready``, count 2), and a buffer is
-  rewritten only after both have read it (``ds_empty``, two buffers). The add is one
+  step (32 KB per 64 x 128 tile pair, FlashAttention-3's scheme). It needs both
+  warpgroups' dS halves, so step ``j`` computes the dQ of step ``j - 1``, whose halves
+  were stored a step ago (``ds_ready``, count 2; two buffers, each rewritten only after
+  both warpgroups have read it: ``ds_empty``). Computing step ``j``'s own dQ made the
+  warpgroups meet at every step, with the tensor cores idle while both stored dS and
+  then dQ (H200, kernel alone: +2-7% at 4K and 16K a step late, ``benchmarks/RESULTS.md``,
+  tenth session). Step 0 adds the product of a zeroed buffer (zero) to its own rows; the
+  last step's dQ is computed while ``dK`` and ``dV`` are written. The add is one
   ``cp.reduce.async.bulk.tensor`` per warpgroup and step: per-thread fp32 atomics
   (``red.global.add``, paired) took 45% of the kernel's time (H200, head_dim 128, 4K
-  dense: 363 TFLOP/s with them, 641 without; ``benchmarks/RESULTS.md``).
+  dense: 363 TFLOP/s with them, 641 without; ``benchmarks/RESULTS.md``). Storing dQ and
+  adding it still costs ~22% of a step (without them: +27% at 4K dense; tenth session).
 
 Finally ``dK = scale * sum dS^T Q`` and ``dV`` are written (input dtype): by TMA stores
 from the warpgroup's slot of the (then idle) ``Q`` / ``dO`` ring, or, for long dense
@@ -169,12 +175,35 @@ if gluon is not None:
                 j += 1
 
     @gluon.jit
+    def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j):
+        """Issue the dQ columns of step ``j - 1``: ``dS_{j-1} K[:, cols]`` (async wgmma)
+        from dS buffer ``(j - 1) % 2`` once both warpgroups have stored their halves
+        (at ``j = 0``: the zeroed buffer 1, whose barrier phase 1 passes at once)."""
+        pb = (j + 1) % 2
+        # phase ((j - 1) // 2) & 1, written for j >= 0: Triton's // truncates toward zero
+        mbarrier.wait(ds_ready.index(pb), ((j + 1) // 2 + 1) & 1)
+        return warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_cols, dq_zero,
+                             use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _dq_add(dq_desc, dq_bufs, dq, b, hq, m, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr,
+                WG: gl.constexpr):
+        """``dQ_acc[b, hq, 64 m .., 64 WG ..] += dq`` by a TMA reduce-add from the
+        warpgroup's staging buffer (rows past Nq clipped), once the previous add has read
+        the buffer."""
+        dq_smem = dq_bufs.index(WG)
+        tma.store_wait(0)
+        dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, WG * DQ_COLS], dq_smem)
+
+    @gluon.jit
     def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
-        ``dV`` over every step and add the step's dQ columns ``64 WG ..`` (see the
-        module docstring), then write ``dK``, ``dV``."""
+        ``dV`` over every step and add the previous step's dQ columns ``64 WG ..`` (see
+        the module docstring), then write ``dK``, ``dV`` and add the last step's dQ."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
@@ -196,14 +225,18 @@ if gluon is not None:
         first_key = keys - (kv_len - q_len)        # causal: row r sees key c iff c - off <= r
         key_ok = keys < kv_len
         qcols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        dq_smem = dq_bufs.index(WG)
-        dq_tile = dq_smem.reshape([BLOCK_M, DQ_COLS])
         s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
         dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
         n_m = gl.cdiv(q_len, BLOCK_M)
         mbarrier.wait(kv_ready, 0)
+        # dQ runs a step late (see the module docstring): step 0 adds the product of a
+        # zeroed dS buffer 1 ("step -1") to its own rows, which adds nothing
+        m_prev = _query_tile(m_lo, m_lo, m_0, n_m)
+        hq_prev = hk * group
+        ds_bufs.index(1).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
+        fence_async_shared()
         j = 0
         for g in range(group):
             hq = hk * group + g
@@ -232,30 +265,28 @@ if gluon is not None:
                 dpt = warpgroup_mma_wait(1, deps=[dpt])
                 ds = p * (dpt - dd[None, :])
                 dsa = gl.convert_layout(ds.to(dtype), a_layout)
-                # dS^T halves of both warpgroups into shared memory, then dQ columns
+                # this warpgroup's dS^T half into buffer j % 2 once both warpgroups' dQ
+                # of step j - 2 has read it (buffer 1 is read once more: by step -1)
                 dsb = j % 2
-                mbarrier.wait(ds_empty.index(dsb), ((j // 2) & 1) ^ 1)
+                mbarrier.wait(ds_empty.index(dsb), (((j + dsb) // 2) & 1) ^ 1)
                 ds_bufs.index(dsb).slice(WG * HALF, HALF, dim=0).store(ds.to(dtype))
                 fence_async_shared()
                 mbarrier.arrive(ds_ready.index(dsb), count=1)
-                mbarrier.wait(ds_ready.index(dsb), (j // 2) & 1)
-                dq = warpgroup_mma(ds_bufs.index(dsb).permute((1, 0)), k_cols, dq_zero,
-                                   use_acc=False, is_async=True)
+                dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
                 # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
                 # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
                 # +3%, and the causal variant's spill stores 952 -> 488 bytes)
                 dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
                 dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
-                mbarrier.arrive(ds_empty.index(dsb), count=1)
-                # dQ_acc[rows, 64 WG ..] += dq by a TMA reduce-add (rows past Nq clipped);
-                # the previous step's reduce must have read the buffer first
-                tma.store_wait(0)
-                dq_tile.store(dq)
-                fence_async_shared()
-                _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, WG * DQ_COLS], dq_smem)
+                mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
+                _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
                 dk = warpgroup_mma_wait(0, deps=[dk])
                 mbarrier.arrive(q_empty.index(slot), count=1)
+                m_prev = m
+                hq_prev = hq
                 j += 1
+        # the last step's dQ, issued now and added once dK and dV are on their way
+        dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
 
         # dK = scale * sum dS^T Q, dV = sum P^T dO (see STORE_TMA in _attn_bwd_ws)
         row0 = n * BLOCK_N + WG * HALF
@@ -272,9 +303,7 @@ if gluon is not None:
             fence_async_shared()
             tma.async_copy_shared_to_global(DK, [b, hk, row0, 0], dk_smem)
             tma.async_copy_shared_to_global(DV, [b, hk, row0, 0], dv_smem)
-            tma.store_wait(0)
         else:
-            tma.store_wait(0)
             out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
             dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
             kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
@@ -282,6 +311,10 @@ if gluon is not None:
             ok = (out_rows < kv_len)[:, None]
             gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
             gl.store(DV + offs, dv.to(dtype), mask=ok)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+        mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
+        _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
+        tma.store_wait(0)
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
@@ -372,8 +405,8 @@ def store_tma(causal: bool, steps: int) -> bool:
     4K causal +1-3%, 16K causal 0. But the dense variant's step loop compiled ~3% slower
     with them (4K and 16K dense -2 to -6% in every repetition; same spill counts, other
     scheduling), so dense calls keep the register stores once a program has more than
-    :data:`STORE_TMA_MAX_STEPS` steps (there the two variants compile to the same code
-    as before the flag)."""
+    :data:`STORE_TMA_MAX_STEPS` steps. (Measured on the ninth session's step loop; the
+    tenth session's one-step-late dQ changed the loop and kept the rule unmeasured.)"""
     return causal or steps <= STORE_TMA_MAX_STEPS
 
 
