@@ -33,7 +33,7 @@ the GQA group stream past. Three partitions (``gl.warp_specialize``):
   were stored a step ago (``ds_ready``, count 2; two buffers, each rewritten only after
   both warpgroups have read it: ``ds_empty``). Computing step ``j``'s own dQ made the
   warpgroups meet at every step, with the tensor cores idle while both stored dS and
-  then dQ (H200, kernel alone: +2-7% at 4K and 16K a step late, ``benchmarks/RESULTS.md``,
+  then dQ (H200, whole call: +2-7% at 4K and 16K a step late, ``benchmarks/RESULTS.md``,
   tenth session). Step 0 adds the product of a zeroed buffer (zero) to its own rows; the
   last step's dQ is computed while ``dK`` and ``dV`` are written. The add is one
   ``cp.reduce.async.bulk.tensor`` per warpgroup and step: per-thread fp32 atomics
@@ -232,7 +232,9 @@ if gluon is not None:
         n_m = gl.cdiv(q_len, BLOCK_M)
         mbarrier.wait(kv_ready, 0)
         # dQ runs a step late (see the module docstring): step 0 adds the product of a
-        # zeroed dS buffer 1 ("step -1") to its own rows, which adds nothing
+        # zeroed dS buffer 1 ("step -1") to its own rows, which adds nothing. Each
+        # warpgroup zeroes the whole buffer, so neither waits for the other's zeros; a
+        # dS(1) store into it waits (ds_empty) until both have read it at step 0.
         m_prev = _query_tile(m_lo, m_lo, m_0, n_m)
         hq_prev = hk * group
         ds_bufs.index(1).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
