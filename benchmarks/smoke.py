@@ -2,9 +2,7 @@
 
 Run: PYTHONPATH=src python benchmarks/smoke.py
 """
-import os
 import sys
-import time
 
 import torch
 import triton

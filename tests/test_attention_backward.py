@@ -6,7 +6,6 @@ flashfold attention against SDPA from the same seed."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -127,7 +127,6 @@ def test_all_equal_scores_average_the_values():
 
 
 def test_huge_scores_and_fp16_overflowing_products_stay_finite():
-    shape = Shape(1, 2, 2, 17, 33, 32)
     g = torch.Generator().manual_seed(3)
     sign = lambda *s: torch.randint(0, 2, s, generator=g).double() * 2 - 1  # noqa: E731
     c = math.sqrt(1e4 / 32)                                     # q.k ~ +-1e4 before scaling

@@ -1,6 +1,5 @@
 """check_laws on every built-in and on user monoids; non-associative combines are caught."""
 
-import numpy as np
 import pytest
 
 import flashfold as ff

@@ -1,6 +1,5 @@
 """The specification's 1,000-key order experiment (seed 000), and `flashfold demo`."""
 
-import numpy as np
 import pytest
 
 from flashfold.cli import main, order_experiment
