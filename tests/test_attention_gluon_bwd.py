@@ -231,46 +231,6 @@ def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal):
     assert report["ok"], report
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-@pytest.mark.parametrize("nk", [900, 1100], ids=["8-key-tiles", "9-key-tiles"])
-@pytest.mark.gpu
-def test_gpu_one_or_two_key_tiles_per_program_agree_bitwise(causal, nk):
-    """A program that takes two key tiles one after the other (the default, with fresh
-    barriers per tile) writes the same dK, dV as one program per tile, an odd number of
-    key tiles (the middle one alone) included; dQ is the same sum in another order."""
-    _needs_sm90()
-    from flashfold.kernels import launcher
-    from flashfold.kernels.attention import bwd, fwd, gluon_bwd
-    from flashfold.testing import compare
-    assert gluon_bwd.TILES_PER_PROGRAM == 2
-    g = torch.Generator(device="cuda").manual_seed(7)
-    q, do = (torch.randn(2, 4, 700, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-             for _ in range(2))
-    k, v = (torch.randn(2, 2, nk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-            for _ in range(2))
-    scale = 1 / math.sqrt(128)
-    right = 0 if causal else None
-    o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
-    dq, dk, dv, (pre, _, conv) = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
-                                                      right=right)
-    dd, lam, acc = pre[2][4], pre[2][5], pre[2][6]
-    got = []
-    for tiles in (2, 1):
-        dk.fill_(float("nan"))
-        dv.fill_(float("nan"))
-        launcher.launch(*pre)
-        launcher.launch(*gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, acc, dk, dv,
-                                                       causal=causal, scale=scale,
-                                                       launch=False, tiles=tiles))
-        launcher.launch(*conv)
-        got.append((dq.clone(), dk.clone(), dv.clone()))
-    (dq2, dk2, dv2), (dq1, dk1, dv1) = got
-    assert torch.isfinite(dk2).all() and torch.isfinite(dv2).all()
-    assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
-    report = compare(dq2, dq1, "bfloat16")
-    assert report["ok"], report
-
-
 @pytest.mark.gpu
 def test_gpu_fully_masked_and_empty_rows_give_zero_gradients():
     """A query row with no visible key (lse = -inf; here: dO given for rows that the

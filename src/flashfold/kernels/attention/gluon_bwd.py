@@ -105,8 +105,6 @@ BLOCK_N = 128
 STAGES = 2
 #: columns of one warpgroup's dQ reduce-add (half the head dim)
 DQ_COLS = 64
-#: key tiles per program, taken one after the other (see _program)
-TILES_PER_PROGRAM = 2
 #: dense calls store dK, dV by TMA while a program has at most this many steps
 #: (see :func:`store_tma`)
 STORE_TMA_MAX_STEPS = 32
@@ -117,31 +115,21 @@ __all__ = ["supported", "eligible", "gluon_attention_bwd", "store_tma", "BLOCK_M
 if gluon is not None:
 
     @gluon.jit
-    def _program(shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                 TILES: gl.constexpr, t: gl.constexpr):
-        """This program's ``t``-th key tile ``n`` of ``(b, hk)``, whether it has one
-        (``live``), the first query tile that sees it (``m_lo``) and where its walk over
-        the query tiles starts (``m_0``, see :func:`_query_tile`). With ``TILES = 2`` a
-        program takes tiles ``r`` and ``n_n - 1 - r`` of a head (the heaviest causal tile
-        with the lightest: equal work; the middle tile of an odd ``n_n`` alone); with 1,
-        tile ``r`` (the heaviest causal tile first)."""
+    def _program(shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """This program's key tile ``n`` of ``(b, hk)`` (key tiles of a head adjacent, the
+        heaviest causal tile first), the first query tile that sees it (``m_lo``) and
+        where its walk over the query tiles starts (``m_0``, see :func:`_query_tile`)."""
         q_len, kv_len, heads_k, group, n_n = shape
         pid = gl.program_id(0)
-        n_p = (n_n + TILES - 1) // TILES
-        r = pid % n_p
-        bh = pid // n_p
-        n = r
-        live = r < n_n
-        if t == 1:
-            n = n_n - 1 - r
-            live = n > r
+        n = pid % n_n
+        bh = pid // n_n
         m_lo = 0
         m_0 = 0
         if CAUSAL:
             m_lo = gl.maximum(n * BLOCK_N - (kv_len - q_len), 0) // BLOCK_M
         else:
             m_0 = (n * (BLOCK_N // BLOCK_M)) % gl.cdiv(q_len, BLOCK_M)
-        return bh // heads_k, bh % heads_k, n, m_lo, m_0, live
+        return bh // heads_k, bh % heads_k, n, m_lo, m_0
 
     @gluon.jit
     def _query_tile(i, m_lo, m_0, n_m):
@@ -154,54 +142,46 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, TILES: gl.constexpr):
-        """TMA loads, per key tile of the program: the key and value tile once (the second
-        tile's once both consumers are done with the first: ``tile_done``), then ``Q``,
-        ``dO``, ``lambda`` and ``D`` of every step (query head ``g`` of the group, query
-        tile ``m``) into the ring."""
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """TMA loads: the key and value tile once, then ``Q``, ``dO``, ``lambda`` and ``D``
+        of every step (query head ``g`` of the group, query tile ``m``) into the ring."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
+        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
         q_len, kv_len, heads_k, group, n_n = shape
+        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
         n_m = gl.cdiv(q_len, BLOCK_M)
-        for t in gl.static_range(TILES):
-            b, hk, n, m_lo, m_0, live = _program(shape, BLOCK_M, BLOCK_N, CAUSAL, TILES, t)
-            if live:
-                if t > 0:   # K, V, the ring and the epilogue's staging are free
-                    mbarrier.wait(_tile_bars(bars, t - 1, STAGES)[5], 0)
-                kv, q_ready, q_empty, _, _, _, qo, _ = _tile_bars(bars, t, STAGES)
-                mbarrier.expect(kv, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv, k_smem)
-                tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv, v_smem)
-                j = 0
-                for g in range(group):
-                    hq = hk * group + g
-                    for i in range(m_lo, n_m):
-                        m = _query_tile(i, m_lo, m_0, n_m)
-                        slot = j % STAGES
-                        mbarrier.wait(q_empty.index(qo + slot), ((j // STAGES) & 1) ^ 1)
-                        ready = q_ready.index(qo + slot)
-                        mbarrier.expect(ready, nbytes)
-                        tma.async_copy_global_to_shared(q_desc, [b, hq, m * BLOCK_M, 0], ready,
-                                                        q_bufs.index(slot))
-                        tma.async_copy_global_to_shared(do_desc, [b, hq, m * BLOCK_M, 0], ready,
-                                                        do_bufs.index(slot))
-                        tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, m * BLOCK_M],
-                                                        ready, lam_bufs.index(slot))
-                        tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, m * BLOCK_M],
-                                                        ready, dd_bufs.index(slot))
-                        j += 1
+        j = 0
+        for g in range(group):
+            hq = hk * group + g
+            for i in range(m_lo, n_m):
+                m = _query_tile(i, m_lo, m_0, n_m)
+                slot = j % STAGES
+                mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(slot), nbytes)
+                tma.async_copy_global_to_shared(q_desc, [b, hq, m * BLOCK_M, 0],
+                                                q_ready.index(slot), q_bufs.index(slot))
+                tma.async_copy_global_to_shared(do_desc, [b, hq, m * BLOCK_M, 0],
+                                                q_ready.index(slot), do_bufs.index(slot))
+                tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, m * BLOCK_M],
+                                                q_ready.index(slot), lam_bufs.index(slot))
+                tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, m * BLOCK_M],
+                                                q_ready.index(slot), dd_bufs.index(slot))
+                j += 1
 
     @gluon.jit
-    def _dq_product(ds_bufs, ds_ready, so, k_cols, dq_zero, j):
+    def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j):
         """Issue the dQ columns of step ``j - 1``: ``dS_{j-1} K[:, cols]`` (async wgmma)
         from dS buffer ``(j - 1) % 2`` once both warpgroups have stored their halves
-        (at ``j = 0``: the zeroed buffer 1, whose barrier phase 1 passes at once; the
-        tile's barrier of buffer ``pb`` is ``ds_ready.index(so + pb)``)."""
+        (at ``j = 0``: the zeroed buffer 1, whose barrier phase 1 passes at once)."""
         pb = (j + 1) % 2
         # phase ((j - 1) // 2) & 1, written for j >= 0: Triton's // truncates toward zero
-        mbarrier.wait(ds_ready.index(so + pb), ((j + 1) // 2 + 1) & 1)
+        mbarrier.wait(ds_ready.index(pb), ((j + 1) // 2 + 1) & 1)
         return warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_cols, dq_zero,
                              use_acc=False, is_async=True)
 
@@ -218,45 +198,15 @@ if gluon is not None:
         _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, WG * DQ_COLS], dq_smem)
 
     @gluon.jit
-    def _tile_bars(bars, t: gl.constexpr, STAGES: gl.constexpr):
-        """The barriers of the program's ``t``-th key tile: its own ``kv_ready`` and
-        ``tile_done`` (the consumers' arrival once the tile is finished; unused after the
-        last tile), and the ring and dS barrier arrays with the offsets of the tile's own
-        (``q_ready.index(qo + slot)``, ``ds_ready.index(so + buffer)``), so that every
-        phase counts from the tile's first step. (Offsets, not ``slice``: a slice of a
-        barrier array crashes Triton 3.6's compiler.)"""
-        kv_ready, q_ready, q_empty, ds_ready, ds_empty, tile_done = bars
-        return (kv_ready.index(t), q_ready, q_empty, ds_ready, ds_empty, tile_done.index(t),
-                t * STAGES, 2 * t)
-
-    @gluon.jit
     def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, TILES: gl.constexpr,
-                      WG: gl.constexpr):
-        """Keys ``64 WG .. 64 WG + 63`` of each of the program's key tiles, one after the
-        other (:func:`_consumer_tile`)."""
-        for t in gl.static_range(TILES):
-            b, hk, n, m_lo, m_0, live = _program(shape, BLOCK_M, BLOCK_N, CAUSAL, TILES, t)
-            if live:
-                _consumer_tile(descs, bufs, _tile_bars(bars, t, STAGES), shape, ptrs,
-                               b, hk, n, m_lo, m_0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                               CAUSAL, STORE_TMA, t == TILES - 1, WG)
-
-    @gluon.jit
-    def _consumer_tile(descs, bufs, bars, shape, ptrs, b, hk, n, m_lo, m_0,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
-                       LAST: gl.constexpr, WG: gl.constexpr):
-        """Keys ``64 WG .. 64 WG + 63`` of key tile ``n`` of ``(b, hk)``: accumulate their
-        ``dK``, ``dV`` over every step and add the previous step's dQ columns ``64 WG ..``
-        (see the module docstring), then write ``dK``, ``dV`` and add the last step's dQ.
-        Unless it is the program's last tile, finish with both warpgroups' reads of the
-        dS buffers and this warpgroup's stores from shared memory, and say so
-        (``tile_done``): the next tile's loads and dS stores may then begin."""
+                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr):
+        """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
+        ``dV`` over every step and add the previous step's dQ columns ``64 WG ..`` (see
+        the module docstring), then write ``dK``, ``dV`` and add the last step's dQ."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, q_ready, q_empty, ds_ready, ds_empty, tile_done, qo, so = bars
+        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
         q_len, kv_len, heads_k, group, n_n = shape
         DK, DV, qk_scale, scale = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
@@ -267,6 +217,7 @@ if gluon is not None:
         dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
+        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
         k_w = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
         v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
         k_cols = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
@@ -294,7 +245,7 @@ if gluon is not None:
             for i in range(m_lo, n_m):
                 m = _query_tile(i, m_lo, m_0, n_m)
                 slot = j % STAGES
-                mbarrier.wait(q_ready.index(qo + slot), (j // STAGES) & 1)
+                mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
                 q_s = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
                 do_s = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
                 st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False,
@@ -319,25 +270,25 @@ if gluon is not None:
                 # this warpgroup's dS^T half into buffer j % 2 once both warpgroups' dQ
                 # of step j - 2 has read it (buffer 1 is read once more: by step -1)
                 dsb = j % 2
-                mbarrier.wait(ds_empty.index(so + dsb), (((j + dsb) // 2) & 1) ^ 1)
+                mbarrier.wait(ds_empty.index(dsb), (((j + dsb) // 2) & 1) ^ 1)
                 ds_bufs.index(dsb).slice(WG * HALF, HALF, dim=0).store(ds.to(dtype))
                 fence_async_shared()
-                mbarrier.arrive(ds_ready.index(so + dsb), count=1)
-                dq = _dq_product(ds_bufs, ds_ready, so, k_cols, dq_zero, j)
+                mbarrier.arrive(ds_ready.index(dsb), count=1)
+                dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
                 # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
                 # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
                 # +3%, and the causal variant's spill stores 952 -> 488 bytes)
                 dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
                 dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
-                mbarrier.arrive(ds_empty.index(so + (j + 1) % 2), count=1)
+                mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
                 _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
                 dk = warpgroup_mma_wait(0, deps=[dk])
-                mbarrier.arrive(q_empty.index(qo + slot), count=1)
+                mbarrier.arrive(q_empty.index(slot), count=1)
                 m_prev = m
                 hq_prev = hq
                 j += 1
         # the last step's dQ, issued now and added once dK and dV are on their way
-        dq = _dq_product(ds_bufs, ds_ready, so, k_cols, dq_zero, j)
+        dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
 
         # dK = scale * sum dS^T Q, dV = sum P^T dO (see STORE_TMA in _attn_bwd_ws)
         row0 = n * BLOCK_N + WG * HALF
@@ -346,7 +297,7 @@ if gluon is not None:
             # warpgroups have released every slot's last use); the stores clip rows past Nk
             for s in gl.static_range(STAGES):
                 uses = (j + STAGES - 1 - s) // STAGES
-                mbarrier.wait(q_empty.index(qo + s), (uses - 1) & 1)   # unused: parity 1 passes
+                mbarrier.wait(q_empty.index(s), (uses - 1) & 1)    # unused: parity 1 passes
             dk_smem = q_bufs.index(WG)
             dv_smem = do_bufs.index(WG)
             dk_smem.reshape([HALF, HEAD_DIM]).store((dk * scale).to(dtype))
@@ -363,26 +314,17 @@ if gluon is not None:
             gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
             gl.store(DV + offs, dv.to(dtype), mask=ok)
         dq = warpgroup_mma_wait(0, deps=[dq])
-        mbarrier.arrive(ds_empty.index(so + (j + 1) % 2), count=1)
+        mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
         _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
-        if not LAST:
-            # both warpgroups' last dQ products have read the dS buffers (what a dS store
-            # at step j + 1 would wait for) before the next tile zeroes and rewrites them
-            dsb = (j + 1) % 2
-            mbarrier.wait(ds_empty.index(so + dsb), (((j + 1 + dsb) // 2) & 1) ^ 1)
         tma.store_wait(0)
-        if not LAST:
-            mbarrier.arrive(tile_done, count=1)
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
                      q_len, kv_len, heads_k, group, n_n, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
-                     TILES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
-        """One program per ``TILES`` key tiles of ``(b, hk)`` (grid
-        ``ceil(n_n / TILES) * B * Hk``, see :func:`_program`):
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
         in the idle ring and stored by TMA), else pointers (stored from registers; see
@@ -403,46 +345,38 @@ if gluon is not None:
                                              lam_desc.layout)
         dd_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dd_desc.block_type.shape,
                                             dd_desc.layout)
-        # one set of barriers per key tile (see _tile_bars)
-        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        kv_ready = gl.allocate_shared_memory(gl.int64, [TILES, 1], bar_layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [TILES * STAGES, 1], bar_layout)
-        q_empty = gl.allocate_shared_memory(gl.int64, [TILES * STAGES, 1], bar_layout)
-        ds_ready = gl.allocate_shared_memory(gl.int64, [TILES * 2, 1], bar_layout)
-        ds_empty = gl.allocate_shared_memory(gl.int64, [TILES * 2, 1], bar_layout)
-        tile_done = gl.allocate_shared_memory(gl.int64, [TILES, 1], bar_layout)
-        for t in gl.static_range(TILES):
-            mbarrier.init(kv_ready.index(t), count=1)
-            mbarrier.init(tile_done.index(t), count=2)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(q_ready.index(t * STAGES + i), count=1)
-                mbarrier.init(q_empty.index(t * STAGES + i), count=2)
-            for i in gl.static_range(2):
-                mbarrier.init(ds_ready.index(2 * t + i), count=2)
-                mbarrier.init(ds_empty.index(2 * t + i), count=2)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)
+            mbarrier.init(ds_empty.index(i), count=2)
 
         descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc)
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
-        bars = (kv_ready, q_ready, q_empty, ds_ready, ds_empty, tile_done)
+        bars = (kv_ready, q_ready, q_empty, ds_ready, ds_empty)
         shape = (q_len, kv_len, heads_k, group, n_n)
         ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, TILES, 0)),
+                             STAGES, CAUSAL, STORE_TMA, 0)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, TILES, 1)),
-            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                             TILES)),
+                             STAGES, CAUSAL, STORE_TMA, 1)),
+            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        for t in gl.static_range(TILES):
-            mbarrier.invalidate(kv_ready.index(t))
-            mbarrier.invalidate(tile_done.index(t))
-            for i in gl.static_range(STAGES):
-                mbarrier.invalidate(q_ready.index(t * STAGES + i))
-                mbarrier.invalidate(q_empty.index(t * STAGES + i))
-            for i in gl.static_range(2):
-                mbarrier.invalidate(ds_ready.index(2 * t + i))
-                mbarrier.invalidate(ds_empty.index(2 * t + i))
+        mbarrier.invalidate(kv_ready)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(q_ready.index(i))
+            mbarrier.invalidate(q_empty.index(i))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ds_ready.index(i))
+            mbarrier.invalidate(ds_empty.index(i))
 
 
 def supported(q, k, v, do, *, causal: bool = False) -> bool:
@@ -479,8 +413,7 @@ def store_tma(causal: bool, steps: int) -> bool:
 
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
-                        launch: bool = True, tma_store: bool | None = None,
-                        tiles: int = TILES_PER_PROGRAM):
+                        launch: bool = True, tma_store: bool | None = None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -500,10 +433,9 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
             float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
-                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), TILES=int(tiles),
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-                  maxnreg=MAXNREG)
-    grid = (-(-n_n // tiles) * B * Hk,)
+                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+    grid = (n_n * B * Hk,)
     if not launch:
         return _attn_bwd_ws, grid, args, kwargs
     launcher.launch(_attn_bwd_ws, grid, args, kwargs)
