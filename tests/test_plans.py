@@ -135,3 +135,27 @@ def test_unreplayable_plans_are_built_every_time():
     b = cache.planned(("k",), None, (x,), copying, x)
     assert a[0][0].args[0] is not b[0][0].args[0]
     assert cache.info() == {"hits": 0, "misses": 2, "size": 1}
+
+
+def test_globals_of_other_modules_read_by_a_planner_are_watched(monkeypatch):
+    """``PlanCache(..., modules=...)``: a planner that reads ``module.name`` of a sibling
+    module (here the backward's, which reads ``gluon_bwd.eligible``) bypasses the cache
+    while that name, or a global of the sibling's functions it reads, is patched."""
+    import types
+
+    sibling = types.ModuleType("sibling")
+    exec("LIMIT = 4\n\ndef rule(n):\n    return n <= LIMIT\n", vars(sibling))
+
+    def plan_with(x):
+        return sibling.rule(x.numel())
+
+    namespace = {"__name__": __name__, "sibling": sibling, "plan_with": plan_with,
+                 "PLAN_CACHE_SIZE": 4}
+    cache = plans.PlanCache("sibling test", namespace, (plan_with,), modules=(sibling,))
+    assert cache.caching()
+    monkeypatch.setattr(sibling, "rule", lambda n: False)
+    assert not cache.caching()
+    monkeypatch.undo()
+    assert cache.caching()
+    monkeypatch.setattr(sibling, "LIMIT", 1)          # read by the sibling's own function
+    assert not cache.caching()

@@ -92,22 +92,27 @@ def constant(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def read_by(functions, namespace: dict) -> tuple:
+def read_by(functions, namespace: dict, *others: dict) -> tuple:
     """Names of the globals in ``namespace`` (a module's) that ``functions`` read, directly
     or through the functions of that module that they read (nested code objects and
-    ``lru_cache``'d helpers included)."""
-    module = namespace["__name__"]
-    names, todo = {}, [f.__code__ for f in functions]
+    ``lru_cache``'d helpers included). With ``others`` (more modules' namespaces, e.g. a
+    sibling module the planner reads as ``sibling.name``), one tuple of names per
+    namespace, each found the same way: a name the code reads that the namespace holds
+    (``co_names`` lists attribute names too), and the functions of that module read so."""
+    spaces = (namespace, *others)
+    names = [{} for _ in spaces]
+    todo = [f.__code__ for f in functions]
     while todo:
         code = todo.pop()
         todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
         for n in code.co_names:
-            if n in namespace and n not in names:
-                names[n] = None
-                f = getattr(namespace[n], "__wrapped__", namespace[n])
-                if isinstance(f, types.FunctionType) and f.__module__ == module:
-                    todo.append(f.__code__)
-    return tuple(names)
+            for space, seen in zip(spaces, names):
+                if n in space and n not in seen:
+                    seen[n] = None
+                    f = getattr(space[n], "__wrapped__", space[n])
+                    if isinstance(f, types.FunctionType) and f.__module__ == space["__name__"]:
+                        todo.append(f.__code__)
+    return tuple(names[0]) if not others else tuple(tuple(seen) for seen in names)
 
 
 class PlanCache:
@@ -115,21 +120,29 @@ class PlanCache:
 
     ``namespace``: the family's module globals, holding its ``PLAN_CACHE_SIZE`` (read
     when an entry is stored, so it can be changed at run time) and the globals that
-    ``planners`` read, which are watched. ``entries``: key -> :class:`_Entry`, or
+    ``planners`` read, which are watched; ``modules``: other modules whose globals the
+    planners read (as ``module.name``), watched the same way (:func:`read_by`).
+    ``entries``: key -> :class:`_Entry`, or
     ``False`` for a plan that cannot be replayed (built on every call; such an entry does
     not keep its owner, so a later owner with the same id may find it: it then only goes
     uncached). ``stats``: ``[hits, misses]`` of the calls that consulted the cache."""
 
     __slots__ = ("name", "entries", "stats", "_namespace", "_watched", "_pristine")
 
-    def __init__(self, name: str, namespace: dict, planners):
+    def __init__(self, name: str, namespace: dict, planners, modules=()):
         self.name = name
         self.entries: dict = {}
         self.stats = [0, 0]
         self._namespace = namespace
-        watched = read_by(planners, namespace) + tuple(f.__name__ for f in planners)
-        self._watched = itemgetter(*watched)
-        self._pristine = self._watched(namespace)
+        spaces = (namespace, *(vars(m) for m in modules))
+        found = read_by(planners, *spaces) if modules else (read_by(planners, namespace),)
+        found = (found[0] + tuple(f.__name__ for f in planners), *found[1:])
+        getters = [(space, itemgetter(*names)) for space, names in zip(spaces, found) if names]
+        if len(getters) == 1:            # (one itemgetter call: checked on every call)
+            self._watched = partial(getters[0][1], getters[0][0])
+        else:
+            self._watched = lambda: tuple(get(space) for space, get in getters)
+        self._pristine = self._watched()
 
     def __repr__(self) -> str:
         return f"PlanCache({self.name!r}, {self.info()})"
@@ -148,7 +161,7 @@ class PlanCache:
         watched global still equals what it was when the cache was made (a function: is
         the same object)."""
         return (launcher.env("FLASHFOLD_PLAN_CACHE") != "0"
-                and self._watched(self._namespace) == self._pristine)
+                and self._watched() == self._pristine)
 
     def planned(self, key, owner, inputs, build, *args, **kwargs):
         """``build(*args, **kwargs)``, replayed from the cache when ``key`` was planned
