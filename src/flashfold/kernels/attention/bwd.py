@@ -99,8 +99,8 @@ import triton
 import triton.language as tl
 
 from ...algebra.autodiff import derivative
-from .. import launcher
-from . import gluon_bwd
+from .. import launcher, plans
+from . import gluon_bwd, gluon_fwd
 from .fwd import (LOG2E, TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
                   _visible_2d, block_dims, tma_ok)
 from .mods import MAX_BUFFERS, BlockMask, TracedMod, _lists
@@ -862,9 +862,11 @@ def column_lists(bm: BlockMask):
     return hit
 
 
-#: allocator of the outputs (``torch.empty``); the GPU check in ``benchmarks/attention.py``
-#: swaps in a NaN-filling one so that any element the kernels fail to write is caught
-_alloc = torch.empty
+#: allocator of the outputs (:func:`flashfold.kernels.plans.new`: ``torch.empty``, noted
+#: while a plan is recorded); the GPU check in ``benchmarks/attention.py`` swaps in a
+#: NaN-filling one so that any element the kernels fail to write is caught (the plan cache
+#: is bypassed while it is swapped)
+_alloc = plans.new
 
 
 def _none_args(n):
@@ -887,16 +889,41 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
     if :data:`ATOMIC_DQ_DEFAULT`).
     ``block_mask`` must have block sizes that the tiles divide (the launcher shrinks the
     tiles to fit).
+
+    A call without ``score_mod`` and ``block_mask`` replays the launches planned for the
+    same signature (:data:`_CACHE`, see :mod:`flashfold.kernels.plans`): its host code
+    (checks, dispatch, configuration, allocation, TMA descriptors) cost more than the
+    kernels at N = 1K causal (H200: ~0.5-0.85 ms of host time per eager backward against
+    0.54 ms on the GPU; ``benchmarks/RESULTS.md``, eleventh session).
     """
-    dq, dk, dv, launches = prepare_backward(
-        do, q, k, v, o, lse, scale=scale, dlse=dlse, softcap=softcap, left=left, right=right,
-        score_mod=score_mod, block_mask=block_mask, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        full_needs_mask=full_needs_mask, deterministic=deterministic, atomic_dq=atomic_dq,
-        config=config)
-    for kernel, grid, args, kwargs in launches:
-        launcher.launch(kernel, grid, args, kwargs)
+    options = dict(scale=scale, dlse=dlse, softcap=softcap, left=left, right=right,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   full_needs_mask=full_needs_mask, deterministic=deterministic,
+                   atomic_dq=atomic_dq, config=config)
+    if score_mod is not None or block_mask is not None:    # (their tables: not replayable)
+        dq, dk, dv, launches = prepare_backward(do, q, k, v, o, lse, score_mod=score_mod,
+                                                block_mask=block_mask, **options)
+        memos = (None,) * len(launches)
+    else:
+        sig = plans.signature
+        inputs = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k)
+        # what _plan reads: the tensors' signatures, the options, the Gluon switch
+        key = (tuple(None if t is None else sig(t) for t in inputs), scale, softcap, left,
+               right, max_seqlen_q, max_seqlen_k, full_needs_mask, deterministic, atomic_dq,
+               config, launcher.env("FLASHFOLD_GLUON"))
+        dq, dk, dv, launches, memos = _CACHE.planned(key, None, inputs, _plan, *inputs[:6],
+                                                     **options)
+    for (kernel, grid, args, kwargs), memo in zip(launches, memos):
+        launcher.launch(kernel, grid, args, kwargs, memo)
     return dq, dk, dv
+
+
+def _plan(do, q, k, v, o, lse, **options):
+    """:func:`prepare_backward`, and a launcher memo per launch (shared by the replays of
+    the plan: :func:`flashfold.kernels.launcher.launch`)."""
+    dq, dk, dv, launches = prepare_backward(do, q, k, v, o, lse, **options)
+    return dq, dk, dv, launches, tuple([None] for _ in launches)
 
 
 def _convert_launch(dq_acc, dq, scale):
@@ -951,11 +978,11 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                  and not interp and gluon_bwd.eligible(q, k, v, do, causal=right == 0))
     atomic = atomic or use_gluon
     dq = _alloc((B, HQ, NQ, D), dtype=q.dtype, device=dev)
-    dq_acc = torch.empty((B, HQ, NQ, D), dtype=torch.float32, device=dev) if atomic else dq
+    dq_acc = plans.new((B, HQ, NQ, D), dtype=torch.float32, device=dev) if atomic else dq
     # rows of D and lambda 16-byte aligned (TMA tiles in gluon_bwd), read through views
     stat_stride = -(-NQ // 4) * 4
-    dd = torch.empty((B, HQ, stat_stride), dtype=torch.float32, device=dev)[..., :NQ]
-    lam = torch.empty((B, HQ, stat_stride), dtype=torch.float32, device=dev)[..., :NQ]
+    dd = plans.new((B, HQ, stat_stride), dtype=torch.float32, device=dev)[..., :NQ]
+    lam = plans.new((B, HQ, stat_stride), dtype=torch.float32, device=dev)[..., :NQ]
     dq_tma = atomic and use_tma and not interp
 
     # scale folding as in the forward
@@ -1064,3 +1091,25 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
 
 __all__ = ["attention_backward", "prepare_backward", "BwdConfig", "default_config",
            "HOPPER_BWD_CONFIGS", "POINTER_BWD_CONFIGS", "ATOMIC_DQ_DEFAULT", "score_grad_fn", "column_lists"]
+
+
+# --- plan cache -------------------------------------------------------------------------
+
+#: entries the plan cache holds; when full it is dropped wholesale
+PLAN_CACHE_SIZE = 256
+#: :func:`attention_backward`'s plans, bypassed while any global that :func:`_plan` reads
+#: here or in the Gluon modules (heuristics, the allocator, the Gluon dispatch, which
+#: tests and benchmarks monkeypatch) differs from what it was at import
+_CACHE = plans.PlanCache("attention backward", globals(), (_plan,),
+                         modules=(gluon_bwd, gluon_fwd))
+
+
+def plan_cache_info() -> dict:
+    """Hits and misses of the backward's plan cache since it was last cleared, and its
+    entries."""
+    return _CACHE.info()
+
+
+def plan_cache_clear():
+    """Drop every cached backward plan and zero the counters."""
+    _CACHE.clear()

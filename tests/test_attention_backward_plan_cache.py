@@ -1,0 +1,88 @@
+"""The attention backward's plan cache (``bwd._CACHE``, :mod:`flashfold.kernels.plans`).
+
+A repeated backward signature replays the launches recorded for it instead of running
+its host code again. The replayed plan must compute what a fresh one computes with the
+new call's tensors (bitwise: same kernels, same arguments), allocate new gradients on
+every call, and be bypassed while a global its planner reads (here, or in the Gluon
+modules it consults) is patched, and for score_mod / block-mask calls (their tables are
+not replayable). Runs the kernels under the interpreter on CPU machines.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashfold
+from flashfold import mods
+from flashfold.api import attention as api
+from flashfold.kernels.attention import bwd, gluon_bwd, gluon_fwd
+
+if torch.cuda.is_available():  # pragma: no cover - interpreter tests run on CPU machines
+    pytest.skip("interpreter tests run on CPU machines", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def kernels(monkeypatch):
+    """Route flashfold.attention to the kernels; an empty cache before and after."""
+    monkeypatch.setattr(api, "_use_kernel", lambda t: True)
+    monkeypatch.delenv("FLASHFOLD_PLAN_CACHE", raising=False)
+    bwd.plan_cache_clear()
+    yield
+    bwd.plan_cache_clear()
+
+
+def _inputs(seed, N=40, D=32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, N, D, generator=g)
+    k, v = (torch.randn(1, 1, N, D, generator=g) for _ in range(2))
+    return q, k, v, torch.randn(1, 2, N, D, generator=g)
+
+
+def _grads(q, k, v, do, **kw):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    return torch.autograd.grad(flashfold.attention(*leaves, **kw), leaves, do)
+
+
+def test_a_repeated_signature_replays_what_a_fresh_plan_computes(monkeypatch):
+    first = _grads(*_inputs(0), causal=True)
+    assert bwd.plan_cache_info() == {"hits": 0, "misses": 1, "size": 1}
+    inputs = _inputs(1)                                  # same signature, other values
+    replayed = _grads(*inputs, causal=True)
+    assert bwd.plan_cache_info()["hits"] == 1
+    monkeypatch.setenv("FLASHFOLD_PLAN_CACHE", "0")
+    fresh = _grads(*inputs, causal=True)
+    for a, b, c in zip(replayed, fresh, first):
+        assert torch.equal(a, b)
+        assert a.data_ptr() != c.data_ptr()              # new gradients on every call
+    assert bwd.plan_cache_info()["hits"] == 1            # (the cache was off)
+
+
+def test_other_signatures_and_options_are_other_plans():
+    q, k, v, do = _inputs(0)
+    _grads(q, k, v, do, causal=True)
+    _grads(q, k, v, do)                                  # dense: another plan
+    _grads(q[:, :, :33], k[:, :, :33], v[:, :, :33], do[:, :, :33], causal=True)
+    _grads(q, k, v, do, causal=True, deterministic=True)
+    assert bwd.plan_cache_info() == {"hits": 0, "misses": 4, "size": 4}
+
+
+@pytest.mark.parametrize("module, name, value", [
+    (bwd, "_alloc", lambda *a, **kw: torch.empty(*a, **kw)),
+    (bwd, "ATOMIC_DQ_DEFAULT", False),
+    (gluon_bwd, "eligible", lambda *a, **kw: False),
+    (gluon_bwd, "STORE_TMA_MAX_STEPS", 0),
+    (gluon_fwd, "on_hopper", lambda q: False),
+], ids=["allocator", "atomic-default", "gluon-dispatch", "store-rule", "on-hopper"])
+def test_a_patched_planner_global_bypasses_the_cache(monkeypatch, module, name, value):
+    assert bwd._CACHE.caching()
+    monkeypatch.setattr(module, name, value)
+    assert not bwd._CACHE.caching()
+    _grads(*_inputs(0), causal=True)
+    assert bwd.plan_cache_info() == {"hits": 0, "misses": 0, "size": 0}
+
+
+def test_score_mods_are_planned_on_every_call():
+    for _ in range(2):
+        _grads(*_inputs(0), causal=True, score_mod=mods.alibi(2))
+    assert bwd.plan_cache_info() == {"hits": 0, "misses": 0, "size": 0}
