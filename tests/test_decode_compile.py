@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent(r'''
         if not kw.get("batch_invariant"):
             kw["num_splits"] = splits
         kw.setdefault("pdl", True)            # the defaults on sm_90 (off on the CPU)
-        kw.setdefault("tma", False)           # the default (TMA is opt-in)
+        kw.setdefault("tma", False)           # the pointer path (TMA: the _tma variants)
         launch = splitkv.prepare(q, k, k, lens, table, scale=0.1, **kw)
         out = {}
         for kind, kernel, spec in (("split", splitkv._splitkv_kernel, launch.split),
@@ -119,8 +119,9 @@ TMA = {"contiguous_tma", "paged64_tma", "invariant_tma", "paged64_start_tma"}
 
 
 def test_split_kernel_pipelines_kv(compiled):
-    """K/V tiles multi-buffered: through cp.async (with an L2 evict_first hint), or, when
-    asked, through TMA boxes (contiguous caches, pages a multiple of the key tile)."""
+    """K/V tiles multi-buffered: through TMA boxes (contiguous caches, pages a multiple of
+    the key tile), or through cp.async (the masked edge tiles' plain loads with an L2
+    evict_first hint: Triton 3.6 drops it from the pipelined cp.async)."""
     for name, kernels in compiled.items():
         split = kernels["split"]
         assert split["tma"] == (name in TMA), (name, split)

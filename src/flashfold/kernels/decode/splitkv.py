@@ -15,10 +15,12 @@ by its own program, and the states are folded:
 1. **split kernel**, grid ``(batch * heads_kv * m_blocks, splits)``: a program loads the
    query rows of *all* query heads of its GQA group (``group * q_len`` rows, padded to
    ``BLOCK_M >= 16`` for ``tl.dot``) once, then streams its split of K and V in tiles of
-   ``BLOCK_N`` keys, software-pipelined: ``cp.async`` with int64 pointer offsets and an L2
-   ``evict_first`` hint (K/V are read once; pages gathered through ``block_table``, whose
-   reads the pipeliner issues a stage ahead of the K/V loads they address), or, opt-in,
-   TMA boxes (contiguous caches, or pages a multiple of ``BLOCK_N`` tokens). Tiles every
+   ``BLOCK_N`` keys, software-pipelined: on Hopper, TMA boxes where the cache allows
+   (contiguous caches, or pages a multiple of ``BLOCK_N`` tokens; :func:`_tma_default`),
+   else ``cp.async`` with int64 pointer offsets (pages gathered through ``block_table``,
+   whose reads the pipeliner issues a stage ahead of the K/V loads they address; the
+   masked edge tiles' loads carry an L2 ``evict_first`` hint, which Triton 3.6 drops from
+   the pipelined ``cp.async``). Tiles every
    row sees entirely run without masks; only the tiles at the first key / the window's
    left edge and at the sequence end / causal diagonal are masked (and there, with TMA,
    rows outside the sequence are zeroed: a cache slot may hold anything). Per tile, ``S = Q K^T`` on the
@@ -720,11 +722,13 @@ def _pdl_default(device: torch.device) -> bool:
 
 
 def _tma_default(device: torch.device) -> bool:
-    """K/V through TMA descriptors: opt-in (``FLASHFOLD_DECODE_TMA=1``) on Hopper or newer.
-    The cp.async pointer path is the default: it streamed 4.54 TB/s on the H200 (at the
-    DRAM limit) and carries an L2 ``evict_first`` hint that the TMA load cannot."""
+    """K/V through TMA descriptors by default on Hopper or newer (``FLASHFOLD_DECODE_TMA=0``:
+    the cp.async pointers). Same values bit for bit; on the H200 TMA read 0.99-1.03x the
+    pointers' GB/s on every row of a 40-row sample of the grid (contiguous and paged 64,
+    default and batch-invariant), +0.4-0.7% on the target rows and +2-3% at 64 x 8K-32K
+    (``benchmarks/RESULTS.md``, decode, eleventh session)."""
     return (device.type == "cuda" and TensorDescriptor is not None
-            and launcher.env("FLASHFOLD_DECODE_TMA") == "1" and _hopper(device))
+            and launcher.env("FLASHFOLD_DECODE_TMA") != "0" and _hopper(device))
 
 
 def _tma_eligible(k: torch.Tensor, v: torch.Tensor, page_size: int | None, block_n: int) -> bool:
@@ -962,8 +966,8 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     override the tiles and the batch-invariant split size, ``pdl`` the programmatic
     dependent launch of the merge (default: on for CUDA sm_90+ unless
     ``FLASHFOLD_DECODE_PDL=0``), ``tma`` the K/V loads through TMA descriptors (default:
-    off, on with ``FLASHFOLD_DECODE_TMA=1`` for caches TMA can address; both paths give
-    the same values) -- benchmarks and tests. ``check``: the caller's checks of the
+    on Hopper for caches TMA can address, unless ``FLASHFOLD_DECODE_TMA=0``; both paths
+    give the same values) -- benchmarks and tests. ``check``: the caller's checks of the
     tensors (the public API's), called as ``check(q, k_cache, v_cache, cache_seqlens,
     block_table, cache_start)`` before a plan is built; a call that replays a cached plan
     does not call it again, so it may read no more of them than their signatures (see
