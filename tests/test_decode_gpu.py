@@ -172,8 +172,10 @@ def test_one_split_and_merged_paths_agree_bitwise(page):
 
 @pytest.mark.parametrize("page", [None, 64], ids=["contiguous", "paged64"])
 def test_tma_and_pointer_loads_agree(page):
-    """K/V through TMA boxes or through cp.async pointers: the same values (and, printed,
-    whether the same bits)."""
+    """K/V through TMA boxes or through cp.async pointers: the same values, and in
+    batch-invariant mode the same bits (the default picks TMA from the cache's size, so
+    a sequence in a small batch may run the pointer path: H200, eleventh session, 40 of 40
+    rows bitwise equal in both modes)."""
     case = make_case([8192, 5000, 1, 0, 777], heads_q=HQ, heads_kv=HKV, head_dim=D,
                      capacity=8192, page_size=page or 64, dtype=torch.bfloat16, device="cuda")
     k, v, table = case.cache(page is not None)
@@ -182,8 +184,9 @@ def test_tma_and_pointer_loads_agree(page):
                                        batch_invariant=inv, tma=tma) for tma in (True, False)]
         assert_close(runs[0][0], runs[1][0].double(), "bfloat16", name="o")
         assert_close(runs[0][1], runs[1][1].double(), "float32", name="lse")
-        print(f"page {page} invariant {inv}: TMA and pointer outputs bitwise equal:",
-              torch.equal(runs[0][0], runs[1][0]))
+        same = torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+        print(f"page {page} invariant {inv}: TMA and pointer outputs bitwise equal:", same)
+        assert same or not inv
 
 
 # --- a first key per sequence (cache_start, left padding) ----------------------------------

@@ -505,3 +505,23 @@ def test_invariant_split_doubles_for_long_sequences_halves_for_short():
     o2, l2, _ = run(both, False, batch_invariant=True, invariant_split=16)
     assert torch.equal(o1[0], o2[1]) and torch.equal(l1[0], l2[1])
     check(both, o2, l2, torch.float32)
+
+
+def test_the_default_reads_caches_through_tma_from_a_size_on(monkeypatch):
+    """Where TMA is on by default (Hopper), a cache smaller than ``TMA_MIN_BYTES`` (K and V)
+    is still read through pointers: a TMA launch costs more host time, which small eager
+    calls cannot hide. ``tma=True`` / ``False`` override it both ways."""
+    monkeypatch.setattr(splitkv, "_tma_default", lambda device: True)
+    q = torch.zeros(2, 32, 1, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 8, 1024, 128, dtype=torch.bfloat16)       # 2 x 4 MiB
+    lens = torch.full((2,), 1000, dtype=torch.int32)
+
+    def uses_tma(**kw):
+        launch = splitkv.prepare(q, k, k, lens, None, scale=0.1, num_splits=2, **kw)
+        return launch.split[2]["USE_TMA"]
+    assert not uses_tma()
+    assert uses_tma(tma=True)
+    monkeypatch.setattr(splitkv, "TMA_MIN_BYTES", 8 << 20)
+    assert uses_tma() and not uses_tma(tma=False)
+    monkeypatch.setattr(splitkv, "TMA_MIN_BYTES", (8 << 20) + 1)
+    assert not uses_tma()

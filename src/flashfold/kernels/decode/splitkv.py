@@ -223,6 +223,13 @@ MIN_SPLIT = 256
 MAX_SPLITS = 128
 CTAS_PER_SM = 3
 SATURATING_PER_SM = 2.0
+#: K + V bytes of a cache (its capacity: what a plan can see) from which the default reads
+#: it through TMA: a TMA launch costs ~17 us more host time (its descriptors), which made
+#: eager 1 x 8K calls host-bound (H200 run 15: 866 GB/s against 1,402 through pointers in
+#: the same run). From 256 MiB on, the kernel's >= ~60 us at the DRAM rate hide it (8 x 8K
+#: eagerly: 3,406 GB/s, graph 3,399). TMA and pointers give the same bits, so the switch
+#: keeps outputs independent of the batch
+TMA_MIN_BYTES = 1 << 28
 #: "unbounded" window side, as an int32 the kernels can subtract from positions
 NO_WINDOW = 1 << 30
 
@@ -723,9 +730,10 @@ def _pdl_default(device: torch.device) -> bool:
 
 def _tma_default(device: torch.device) -> bool:
     """K/V through TMA descriptors by default on Hopper or newer (``FLASHFOLD_DECODE_TMA=0``:
-    the cp.async pointers). Same values bit for bit; on the H200 TMA read 0.99-1.03x the
-    pointers' GB/s on every row of a 40-row sample of the grid (contiguous and paged 64,
-    default and batch-invariant), +0.4-0.7% on the target rows and +2-3% at 64 x 8K-32K
+    the cp.async pointers) for caches of at least :data:`TMA_MIN_BYTES`. Same values bit
+    for bit; on the H200 TMA read 0.99-1.03x the pointers' GB/s on every row of a 40-row
+    sample of the grid (CUDA graphs; contiguous and paged 64, default and
+    batch-invariant), +0.4-0.7% on the target rows and +2-3% at 64 x 8K-32K
     (``benchmarks/RESULTS.md``, decode, eleventh session)."""
     return (device.type == "cuda" and TensorDescriptor is not None
             and launcher.env("FLASHFOLD_DECODE_TMA") != "0" and _hopper(device))
@@ -895,6 +903,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_arg = page_size if paged else None
     if tma is None:             # 16-bit caches (an fp32 tile through TMA spills registers)
         use_tma = (_tma_default(q.device) and q.dtype != torch.float32
+                   and 2 * k_cache.numel() * k_cache.element_size() >= TMA_MIN_BYTES
                    and _tma_eligible(k_cache, v_cache, page_arg, config.block_n))
     elif tma:
         if not _tma_eligible(k_cache, v_cache, page_arg, config.block_n):
