@@ -159,3 +159,32 @@ def test_globals_of_other_modules_read_by_a_planner_are_watched(monkeypatch):
     assert cache.caching()
     monkeypatch.setattr(sibling, "LIMIT", 1)          # read by the sibling's own function
     assert not cache.caching()
+
+
+def test_dataclasses_are_rebuilt_without_running_their_checks_again():
+    """A replay sets the fields of a new instance (``_rebuild``): the class's
+    ``__post_init__`` (a Triton descriptor's validation) ran when the plan was recorded,
+    on a call of the same signature, and does not run again."""
+    runs = []
+
+    @dataclass
+    class Checked:
+        base: object
+        n: int
+
+        def __post_init__(self):
+            runs.append(self.n)
+
+    def build_checked(x):
+        out = plans.new(x.shape, x.dtype, x.device)
+        return Checked(x, 3), out
+
+    cache = plans.PlanCache("checked", {"__name__": __name__, "build_checked": build_checked,
+                                        "plans": plans, "Checked": Checked,
+                                        "PLAN_CACHE_SIZE": 4}, (build_checked,))
+    x, y = torch.zeros(4), torch.ones(4)
+    key = plans.signature(x)
+    first = cache.planned(key, None, (x,), build_checked, x)
+    again = cache.planned(key, None, (y,), build_checked, y)
+    assert runs == [3] and type(again[0]) is Checked
+    assert again[0].base is y and again[0].n == 3 and again[1] is not first[1]
