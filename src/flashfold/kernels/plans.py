@@ -12,8 +12,8 @@ launches with them and the call's tensors put back in their places. No tensor of
 earlier call is returned or kept, and each call allocates its own buffers, so threads
 may share a cache.
 
-Each family (``kernels/reduce/launch.py``, ``kernels/decode/splitkv.py``) owns one cache
-and supplies:
+Each family (``kernels/reduce/launch.py``, ``kernels/decode/splitkv.py``,
+``kernels/attention/bwd.py``) owns one cache and supplies:
 
 * the *key* of each call: every property of the call that its planner reads (tensors by
   :func:`signature`; host values by value; an object held by identity is passed as the
