@@ -33,9 +33,10 @@ end of a flags buffer); tuples and lists holding tensors are rebuilt around them
 are dataclass instances (a launch record, a Triton ``TensorDescriptor`` around a new base
 tensor: :func:`_rebuild`, which sets the fields of a new instance without running
 ``__init__``; the class's checks, such as a descriptor's alignment and stride checks,
-read only what the key holds and ran when the plan was recorded); any value holding no tensor (ints,
-configs, constexpr dicts, a launcher memo) is kept as it is, shared between replays (no
-plan is mutated, except the launcher memos, see :func:`flashfold.kernels.launcher.launch`).
+read only what the key holds and ran when the plan was recorded); any value holding no
+tensor (ints, configs, constexpr dicts, a launcher memo) is kept as it is, shared between
+replays (no plan is mutated, except the launcher memos, see
+:func:`flashfold.kernels.launcher.launch`).
 A plan that holds any other tensor (a contiguous copy of an input, a dict or an object
 holding a tensor) is not replayable: its signature is built on every call. Placeholder
 tensors that kernels never touch may be shared by every plan once marked with
@@ -94,14 +95,12 @@ def constant(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def read_by(functions, namespace: dict, *others: dict) -> tuple:
-    """Names of the globals in ``namespace`` (a module's) that ``functions`` read, directly
-    or through the functions of that module that they read (nested code objects and
-    ``lru_cache``'d helpers included). With ``others`` (more modules' namespaces, e.g. a
-    sibling module the planner reads as ``sibling.name``), one tuple of names per
-    namespace, each found the same way: a name the code reads that the namespace holds
-    (``co_names`` lists attribute names too), and the functions of that module read so."""
-    spaces = (namespace, *others)
+def read_by(functions, *spaces: dict) -> tuple:
+    """For each namespace of ``spaces`` (a module's globals), the names in it that
+    ``functions`` read, directly or through the functions of that module that they read
+    (nested code objects and ``lru_cache``'d helpers included): one tuple of names per
+    namespace. ``co_names`` lists attribute names too, so a sibling module's ``name`` that
+    the code reads as ``sibling.name`` is found in the sibling's namespace."""
     names = [{} for _ in spaces]
     todo = [f.__code__ for f in functions]
     while todo:
@@ -114,7 +113,7 @@ def read_by(functions, namespace: dict, *others: dict) -> tuple:
                     f = getattr(space[n], "__wrapped__", space[n])
                     if isinstance(f, types.FunctionType) and f.__module__ == space["__name__"]:
                         todo.append(f.__code__)
-    return tuple(names[0]) if not others else tuple(tuple(seen) for seen in names)
+    return tuple(tuple(seen) for seen in names)
 
 
 class PlanCache:
@@ -137,7 +136,7 @@ class PlanCache:
         self.stats = [0, 0]
         self._namespace = namespace
         spaces = (namespace, *(vars(m) for m in modules))
-        found = read_by(planners, *spaces) if modules else (read_by(planners, namespace),)
+        found = read_by(planners, *spaces)
         found = (found[0] + tuple(f.__name__ for f in planners), *found[1:])
         getters = [(space, itemgetter(*names)) for space, names in zip(spaces, found) if names]
         if len(getters) == 1:            # (one itemgetter call: checked on every call)
