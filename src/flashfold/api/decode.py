@@ -34,7 +34,8 @@ combine; nothing synchronises with the host, so a decode step can be captured in
 graph); on the CPU the pure-torch reference of :mod:`flashfold.kernels.decode.reference`
 runs (float32 accumulation; float64 inputs in float64), with the same semantics.
 Environment: ``FLASHFOLD_DECODE_TMA=0`` reads K/V through ``cp.async`` pointers instead of
-TMA boxes (the default on Hopper where the cache allows), ``FLASHFOLD_DECODE_PDL=0`` launches the merge without
+TMA boxes (the default on Hopper for caches of >= 256 MiB of K and V that TMA can
+address), ``FLASHFOLD_DECODE_PDL=0`` launches the merge without
 programmatic dependent launch (both for measurement; the values do not change),
 ``FLASHFOLD_PLAN_CACHE=0`` plans every call anew (by default a repeated call signature
 replays its launches, its tensor checks included: see the "Plan cache" notes of
