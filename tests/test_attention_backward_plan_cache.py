@@ -18,6 +18,8 @@ from flashfold import mods
 from flashfold.api import attention as api
 from flashfold.kernels.attention import bwd, gluon_bwd, gluon_fwd
 
+from test_attention_cases import Shape, make_qkv
+
 if torch.cuda.is_available():  # pragma: no cover - interpreter tests run on CPU machines
     pytest.skip("interpreter tests run on CPU machines", allow_module_level=True)
 
@@ -33,10 +35,9 @@ def kernels(monkeypatch):
 
 
 def _inputs(seed, N=40, D=32):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 2, N, D, generator=g)
-    k, v = (torch.randn(1, 1, N, D, generator=g) for _ in range(2))
-    return q, k, v, torch.randn(1, 2, N, D, generator=g)
+    """q, k, v of 2 query heads on 1 KV head, and dO."""
+    q, k, v = make_qkv(Shape(1, 2, 1, N, N, D), torch.float32, seed=seed)
+    return q, k, v, torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 100))
 
 
 def _grads(q, k, v, do, **kw):
