@@ -1,0 +1,415 @@
+r"""TEMPORARY probe (removed in the next commit): gluon_bwd.py with %globaltimer stamps per
+program into ts (programs, 12) int64: smid, kernel entry, producer start, producer end,
+WG0 start, WG0 K/V arrived, WG0 loop done, WG0 end, WG1 start, WG1 end, exit, -."""
+
+
+from __future__ import annotations
+
+from .. import launcher
+from ..tma import addressable
+from . import gluon_fwd
+from .gluon_fwd import CONSUMER_REGS, LOG2E, MAXNREG, PRODUCER_REGS, _desc, gluon
+
+#: whether this Triton has what :func:`_tma_reduce_add` uses (3.6 does)
+HAS_TMA_REDUCE = False
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+    from .gluon_fwd import _wgmma_layout
+
+    try:  # private API (see _tma_reduce_add): another Triton may move it; then no Gluon path
+        from triton._C.libtriton import gluon_ir as _gluon_ir
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+        HAS_TMA_REDUCE = hasattr(_gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+    except (ImportError, AttributeError):
+        pass
+
+if HAS_TMA_REDUCE:
+
+    @_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """``global[coord] += src`` for a shared-memory tile through TMA
+        (``cp.reduce.async.bulk.tensor ... .add``; completes like a TMA store:
+        ``tma.store_wait``). Gluon 3.6's builder has the op (``create_async_tma_reduce``)
+        but its Python API does not wrap it yet."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                                  tensor_desc.handle, coord, src.handle)
+
+#: query rows per step (one wgmma N of the transposed tiles)
+BLOCK_M = 64
+#: keys per program (two consumer warpgroups of 64)
+BLOCK_N = 128
+#: depth of the Q / dO ring
+STAGES = 2
+#: columns of one warpgroup's dQ reduce-add (half the head dim)
+DQ_COLS = 64
+#: dense calls store dK, dV by TMA while a program has at most this many steps
+#: (see :func:`store_tma`)
+STORE_TMA_MAX_STEPS = 32
+
+__all__ = ["supported", "eligible", "gluon_attention_bwd", "store_tma", "BLOCK_M", "BLOCK_N"]
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _now(x):
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x],
+                                         dtype=gl.int64, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _smid(x):
+        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [x],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _program(shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """This program's key tile ``n`` of ``(b, hk)`` (key tiles of a head adjacent, the
+        heaviest causal tile first), the first query tile that sees it (``m_lo``) and
+        where its walk over the query tiles starts (``m_0``, see :func:`_query_tile`)."""
+        q_len, kv_len, heads_k, group, n_n = shape
+        pid = gl.program_id(0)
+        n = pid % n_n
+        bh = pid // n_n
+        m_lo = 0
+        m_0 = 0
+        if CAUSAL:
+            m_lo = gl.maximum(n * BLOCK_N - (kv_len - q_len), 0) // BLOCK_M
+        else:
+            m_0 = (n * (BLOCK_N // BLOCK_M)) % gl.cdiv(q_len, BLOCK_M)
+        return bh // heads_k, bh % heads_k, n, m_lo, m_0
+
+    @gluon.jit
+    def _query_tile(i, m_lo, m_0, n_m):
+        """Query tile of step ``i`` (``m_lo <= i < n_m``): the tiles ``m_lo .. n_m - 1``
+        rotated to start at ``m_lo + m_0``. Dense programs of one head would otherwise all
+        start at tile 0 and walk in lockstep, adding into the same dQ rows at the same
+        time; causal ones start at their diagonal (``m_0 = 0``), already spread. (H200,
+        seventh session, two runs: dense rows +1-3% at N = 1K-16K, in the noise of some.)"""
+        return m_lo + (i - m_lo + m_0) % (n_m - m_lo)
+
+    @gluon.jit
+    def _bwd_producer(descs, bufs, bars, shape, TS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """TMA loads: the key and value tile once, then ``Q``, ``dO``, ``lambda`` and ``D``
+        of every step (query head ``g`` of the group, query tile ``m``) into the ring."""
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
+        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
+        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
+        q_len, kv_len, heads_k, group, n_n = shape
+        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
+        pid = gl.program_id(0)
+        gl.store(TS + pid * 12 + 2, _now(pid))
+        nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
+        n_m = gl.cdiv(q_len, BLOCK_M)
+        j = 0
+        for g in range(group):
+            hq = hk * group + g
+            for i in range(m_lo, n_m):
+                m = _query_tile(i, m_lo, m_0, n_m)
+                slot = j % STAGES
+                mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(slot), nbytes)
+                tma.async_copy_global_to_shared(q_desc, [b, hq, m * BLOCK_M, 0],
+                                                q_ready.index(slot), q_bufs.index(slot))
+                tma.async_copy_global_to_shared(do_desc, [b, hq, m * BLOCK_M, 0],
+                                                q_ready.index(slot), do_bufs.index(slot))
+                tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, m * BLOCK_M],
+                                                q_ready.index(slot), lam_bufs.index(slot))
+                tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, m * BLOCK_M],
+                                                q_ready.index(slot), dd_bufs.index(slot))
+                j += 1
+        gl.store(TS + pid * 12 + 3, _now(pid))
+
+    @gluon.jit
+    def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j):
+        """Issue the dQ columns of step ``j - 1``: ``dS_{j-1} K[:, cols]`` (async wgmma)
+        from dS buffer ``(j - 1) % 2`` once both warpgroups have stored their halves
+        (at ``j = 0``: the zeroed buffer 1, whose barrier phase 1 passes at once)."""
+        pb = (j + 1) % 2
+        # phase ((j - 1) // 2) & 1, written for j >= 0: Triton's // truncates toward zero
+        mbarrier.wait(ds_ready.index(pb), ((j + 1) // 2 + 1) & 1)
+        return warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_cols, dq_zero,
+                             use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _dq_add(dq_desc, dq_bufs, dq, b, hq, m, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr,
+                WG: gl.constexpr):
+        """``dQ_acc[b, hq, 64 m .., 64 WG ..] += dq`` by a TMA reduce-add from the
+        warpgroup's staging buffer (rows past Nq clipped), once the previous add has read
+        the buffer."""
+        dq_smem = dq_bufs.index(WG)
+        tma.store_wait(0)
+        dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, WG * DQ_COLS], dq_smem)
+
+    @gluon.jit
+    def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr):
+        """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
+        ``dV`` over every step and add the previous step's dQ columns ``64 WG ..`` (see
+        the module docstring), then write ``dK``, ``dV`` and add the last step's dQ."""
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
+        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
+        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
+        q_len, kv_len, heads_k, group, n_n = shape
+        DK, DV, qk_scale, scale, TS = ptrs
+        pid = gl.program_id(0)
+        t_start = _now(pid)
+        HALF: gl.constexpr = BLOCK_N // 2
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2     # the module's DQ_COLS at head_dim 128
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
+        acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+        dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                     k_width=2)
+        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
+        k_w = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
+        v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
+        k_cols = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+        keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+        first_key = keys - (kv_len - q_len)        # causal: row r sees key c iff c - off <= r
+        key_ok = keys < kv_len
+        qcols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+        n_m = gl.cdiv(q_len, BLOCK_M)
+        mbarrier.wait(kv_ready, 0)
+        t_kv = _now(pid)
+        # dQ runs a step late (see the module docstring): step 0 adds the product of a
+        # zeroed dS buffer 1 ("step -1") to its own rows, which adds nothing. Each
+        # warpgroup zeroes the whole buffer, so neither waits for the other's zeros; a
+        # dS(1) store into it waits (ds_empty) until both have read it at step 0.
+        m_prev = _query_tile(m_lo, m_lo, m_0, n_m)
+        hq_prev = hk * group
+        ds_bufs.index(1).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
+        fence_async_shared()
+        j = 0
+        for g in range(group):
+            hq = hk * group + g
+            for i in range(m_lo, n_m):
+                m = _query_tile(i, m_lo, m_0, n_m)
+                slot = j % STAGES
+                mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
+                q_s = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                do_s = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
+                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False,
+                                    is_async=True)
+                # lambda and D of the tile's rows: loaded with Q (global loads here were
+                # on the critical path: +4-10% per row, and spills 376 -> 156 bytes)
+                lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+                st = warpgroup_mma_wait(1, deps=[st])
+                p = gl.exp2(st * qk_scale - lam[None, :])
+                if CAUSAL:      # branch-free: a branch here doubled the live registers
+                    p = gl.where(first_key[:, None] <= m * BLOCK_M + qcols[None, :], p, 0.0)
+                else:           # keys past Nk: P could overflow (a row's lse far below 0)
+                    p = gl.where(key_ok[:, None], p, 0.0)
+                pa = gl.convert_layout(p.to(dtype), a_layout)
+                dv = warpgroup_mma(pa, do_s, dv, is_async=True)
+                dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+                dpt = warpgroup_mma_wait(1, deps=[dpt])
+                ds = p * (dpt - dd[None, :])
+                dsa = gl.convert_layout(ds.to(dtype), a_layout)
+                # this warpgroup's dS^T half into buffer j % 2 once both warpgroups' dQ
+                # of step j - 2 has read it (buffer 1 is read once more: by step -1)
+                dsb = j % 2
+                mbarrier.wait(ds_empty.index(dsb), (((j + dsb) // 2) & 1) ^ 1)
+                ds_bufs.index(dsb).slice(WG * HALF, HALF, dim=0).store(ds.to(dtype))
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(dsb), count=1)
+                dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
+                # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
+                # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
+                # +3%, and the causal variant's spill stores 952 -> 488 bytes)
+                dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
+                dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
+                mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
+                _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
+                dk = warpgroup_mma_wait(0, deps=[dk])
+                mbarrier.arrive(q_empty.index(slot), count=1)
+                m_prev = m
+                hq_prev = hq
+                j += 1
+        t_loop = _now(pid)
+        # the last step's dQ, issued now and added once dK and dV are on their way
+        dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
+
+        # dK = scale * sum dS^T Q, dV = sum P^T dO (see STORE_TMA in _attn_bwd_ws)
+        row0 = n * BLOCK_N + WG * HALF
+        if STORE_TMA:
+            # staged in this warpgroup's slot of the Q and dO ring (free once both
+            # warpgroups have released every slot's last use); the stores clip rows past Nk
+            for s in gl.static_range(STAGES):
+                uses = (j + STAGES - 1 - s) // STAGES
+                mbarrier.wait(q_empty.index(s), (uses - 1) & 1)    # unused: parity 1 passes
+            dk_smem = q_bufs.index(WG)
+            dv_smem = do_bufs.index(WG)
+            dk_smem.reshape([HALF, HEAD_DIM]).store((dk * scale).to(dtype))
+            dv_smem.reshape([HALF, HEAD_DIM]).store(dv.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(DK, [b, hk, row0, 0], dk_smem)
+            tma.async_copy_shared_to_global(DV, [b, hk, row0, 0], dv_smem)
+        else:
+            out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+            dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+            kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
+            offs = (kv_base + out_rows)[:, None] * HEAD_DIM + dcols[None, :]
+            ok = (out_rows < kv_len)[:, None]
+            gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
+            gl.store(DV + offs, dv.to(dtype), mask=ok)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+        mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
+        _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
+        tma.store_wait(0)
+        t_end = _now(pid)
+        if WG == 0:
+            gl.store(TS + pid * 12 + 0, _smid(pid).to(gl.int64))
+            gl.store(TS + pid * 12 + 4, t_start)
+            gl.store(TS + pid * 12 + 5, t_kv)
+            gl.store(TS + pid * 12 + 6, t_loop)
+            gl.store(TS + pid * 12 + 7, t_end)
+        else:
+            gl.store(TS + pid * 12 + 8, t_start)
+            gl.store(TS + pid * 12 + 9, t_end)
+
+    @gluon.jit
+    def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV, TS,
+                     q_len, kv_len, heads_k, group, n_n, qk_scale, scale,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
+        ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
+        producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
+        in the idle ring and stored by TMA), else pointers (stored from registers; see
+        :func:`store_tma`)."""
+        pid0 = gl.program_id(0)
+        gl.store(TS + pid0 * 12 + 1, _now(pid0))
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape,
+                                           q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
+                                            do_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                        dtype)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
+                                            dq_desc.layout)
+        lam_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lam_desc.block_type.shape,
+                                             lam_desc.layout)
+        dd_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dd_desc.block_type.shape,
+                                            dd_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)
+            mbarrier.init(ds_empty.index(i), count=2)
+
+        descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc)
+        bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
+        bars = (kv_ready, q_ready, q_empty, ds_ready, ds_empty)
+        shape = (q_len, kv_len, heads_k, group, n_n)
+        ptrs = (DK, DV, qk_scale, scale, TS)
+        gl.warp_specialize([
+            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, CAUSAL, STORE_TMA, 0)),
+            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, CAUSAL, STORE_TMA, 1)),
+            (_bwd_producer, (descs, bufs, bars, shape, TS, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        mbarrier.invalidate(kv_ready)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(q_ready.index(i))
+            mbarrier.invalidate(q_empty.index(i))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ds_ready.index(i))
+            mbarrier.invalidate(ds_empty.index(i))
+        gl.store(TS + pid0 * 12 + 10, _now(pid0))
+
+
+def supported(q, k, v, do, *, causal: bool = False) -> bool:
+    """Whether the kernel's scope covers these tensors, whatever their device: the
+    forward's scope (:func:`.gluon_fwd.supported`) at head_dim 128, with ``dO`` of
+    ``q``'s shape and dtype, TMA-compatible."""
+    return (q.dim() == 4 and q.shape[-1] == 128 and do.shape == q.shape
+            and do.dtype == q.dtype and gluon_fwd.supported(q, k, v, causal=causal)
+            and addressable(do))
+
+
+def eligible(q, k, v, do, *, causal: bool = False) -> bool:
+    """:func:`supported`, :func:`.gluon_fwd.on_hopper`, and the TMA reduce op present in
+    this Triton (3.6 has it; the caller rules out windows, softcap, mods, varlen and the
+    deterministic mode)."""
+    return HAS_TMA_REDUCE and gluon_fwd.on_hopper(q) and supported(q, k, v, do, causal=causal)
+
+
+def store_tma(causal: bool, steps: int) -> bool:
+    """Whether the programs write ``dK``, ``dV`` by TMA stores (staged in the idle Q / dO
+    ring) rather than from registers, for programs of ``steps`` query tiles.
+
+    From registers, a program's end costs ~6.8 us: the epilogue's 64 scattered 4-byte
+    stores per thread take ~2.9 us, and the next program on the SM starts ~3.9 us later
+    (H200, head_dim 128, %globaltimer stamps per program, ninth session; a step takes
+    ~2.5 us). The TMA stores gain where programs are short (H200, whole call against the
+    register stores, same process, 4-6 repetitions): 1K dense +2-7%, 1K causal +7-10%,
+    4K causal +1-3%, 16K causal 0. But the dense variant's step loop compiled ~3% slower
+    with them (4K and 16K dense -2 to -6% in every repetition; same spill counts, other
+    scheduling), so dense calls keep the register stores once a program has more than
+    :data:`STORE_TMA_MAX_STEPS` steps. Re-measured on the tenth session's loop (dQ one
+    step late; eleventh session, whole call, TMA / register stores, 3 repetitions): 4K
+    dense 0.994 / 0.994 / 1.118, 16K dense 0.982 / 0.966 / 0.981."""
+    return causal or steps <= STORE_TMA_MAX_STEPS
+
+
+def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, ts, *, causal: bool, scale: float,
+                        launch: bool = True, tma_store: bool | None = None):
+    """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
+    ``scale * dq_acc``) and write
+    ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
+    ``k, v (B, Hk, Nk, D)``, ``do`` like ``q``, from the preprocess's ``lam`` and ``dd
+    (B, Hq, Nq)`` (fp32, unit last stride, 16-byte aligned head strides: TMA tiles). The
+    caller checks :func:`eligible`. ``tma_store``: how ``dK``, ``dV`` are written (default
+    :func:`store_tma`).
+    ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    n_n = -(-Nk // BLOCK_N)
+    if tma_store is None:
+        tma_store = store_tma(causal, (Hq // Hk) * -(-Nq // BLOCK_M))
+    out = ((_desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2)) if tma_store else (dk, dv))
+    args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
+            _desc(dq_acc, BLOCK_M, DQ_COLS), _desc(lam.unsqueeze(2), 1, BLOCK_M),
+            _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, ts, Nq, Nk, Hk, Hq // Hk, n_n,
+            float(scale) * LOG2E, float(scale))
+    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
+                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+    grid = (n_n * B * Hk,)
+    if not launch:
+        return _attn_bwd_ws, grid, args, kwargs
+    launcher.launch(_attn_bwd_ws, grid, args, kwargs)
+    return dq_acc, dk, dv
