@@ -70,14 +70,14 @@ for batch, length in TARGETS:
     c = Cache(batch, length)
     nbytes = c.kv_bytes()
     ref = sdpa(SDPBackend.CUDNN_ATTENTION, c.q, c.k, c.v)
-    o_ref = splitkv.splitkv_decode(c.q, c.k, c.v, c.lens, None, scale=DD ** -0.5)
+    o_ref = splitkv.splitkv_decode(c.q, c.k, c.v, c.lens, None, scale=DD ** -0.5)[0]
     fns = {"cuDNN": ref}
     for bn, w, st in ((64, 4, 3), (32, 4, 4)):
         for tma in (True, False):
             cfg = splitkv.DecodeConfig(block_n=bn, num_warps=w, num_stages=st)
             fn = (lambda c=c, cfg=cfg, tma=tma: splitkv.splitkv_decode(
                 c.q, c.k, c.v, c.lens, None, scale=DD ** -0.5, config=cfg, tma=tma))
-            o = fn()
+            o = fn()[0]
             assert torch.equal(o, o_ref), (bn, w, st, tma)
             fns[f"{bn}/{w}w/{st}s{' tma' if tma else ''}"] = fn
     for mode in ("graph", "clean"):
