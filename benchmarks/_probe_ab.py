@@ -78,7 +78,11 @@ for batch, length in TARGETS:
             fn = (lambda c=c, cfg=cfg, tma=tma: splitkv.splitkv_decode(
                 c.q, c.k, c.v, c.lens, None, scale=DD ** -0.5, config=cfg, tma=tma))
             o = fn()[0]
-            assert torch.equal(o, o_ref), (bn, w, st, tma)
+            if tma:
+                o_tma = o
+            else:      # same tiles: the same bits; other tiles: another fold order
+                assert torch.equal(o, o_tma), (bn, w, st)
+            assert (o.float() - o_ref.float()).abs().max().item() < 2e-2, (bn, w, st, tma)
             fns[f"{bn}/{w}w/{st}s{' tma' if tma else ''}"] = fn
     for mode in ("graph", "clean"):
         res = {name: [] for name in fns}
