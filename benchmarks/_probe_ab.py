@@ -66,7 +66,7 @@ from decode import D as DD, Cache, TARGETS, sdpa, timed  # noqa: E402
 from flashfold.kernels.decode import splitkv  # noqa: E402
 from torch.nn.attention import SDPBackend  # noqa: E402
 
-for batch, length in TARGETS:
+for batch, length in (TARGETS if "--splits" not in sys.argv else ()):
     c = Cache(batch, length)
     nbytes = c.kv_bytes()
     ref = sdpa(SDPBackend.CUDNN_ATTENTION, c.q, c.k, c.v)
@@ -96,3 +96,21 @@ for batch, length in TARGETS:
             flush=True)
     del c
     torch.cuda.empty_cache()
+
+# 3. split counts at the target rows (default tiles and load path), graph and clean
+if "--splits" in sys.argv:
+    for batch, length in TARGETS:
+        c = Cache(batch, length)
+        nbytes = c.kv_bytes()
+        ref = sdpa(SDPBackend.CUDNN_ATTENTION, c.q, c.k, c.v)
+        for mode in ("graph", "clean"):
+            cud = nbytes / timed(ref, True, clean=mode == "clean") / 1e6
+            out = []
+            for s in (4, 6, 11, 12, 16, 22, 24, 33, 48, 64, 66, 99, 128):
+                fn = (lambda c=c, s=s: splitkv.splitkv_decode(c.q, c.k, c.v, c.lens, None,
+                                                              scale=DD ** -0.5, num_splits=s))
+                gb = nbytes / timed(fn, True, clean=mode == "clean") / 1e6
+                out.append(f"{s}:{gb:.0f} ({gb / cud:.3f})")
+            print(f"splits {batch} x {length} {mode}: cuDNN {cud:.0f}; " + " ".join(out), flush=True)
+        del c
+        torch.cuda.empty_cache()
