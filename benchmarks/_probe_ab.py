@@ -1,11 +1,11 @@
 """TEMPORARY probe (removed in the next commit; twelfth session).
 
 1. Gluon backward, kernel alone (do_bench, L2 flushed), variants of the committed kernel in
-   one process, 3 interleaved repetitions: ``early`` (K, V and the first step's loads
-   issued by the kernel's prologue, before the partitions start: the producer warp starts
-   ~0.3 us after the consumers) and ``wide`` (register-store epilogue through a layout
-   with 16-byte stores instead of the wgmma layout's 4-byte ones). dK, dV must be
-   bitwise equal to the committed variant's.
+   one process, 3 interleaved repetitions: ``prefetch`` (the producer asks L2 for the K, V
+   tiles of program ``pid + SMs``, which likely follows this one on some SM: a program
+   waits ~1.7 us for its K, V from DRAM). dK, dV must be bitwise equal to the committed
+   variant's. (The first version of this probe measured EARLY and WIDE variants: both
+   lost, see RESULTS.md.)
 2. Decode at the target rows: split-kernel tiles 64/4w/3s (default) against 32/4w/4s,
    through TMA and pointers, against cuDNN, graph and clean L2, 3 repetitions.
 Run: ``PYTHONPATH=src python benchmarks/_probe_ab.py`` (H200, ~3 min)."""
@@ -34,9 +34,7 @@ if "--decode-only" not in sys.argv:
         dq, dk, dv, launches = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale, right=right)
         dd, lam, acc = launches[0][2][4:7]
         fl = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
-        variants = {"base": {}, "early": dict(early=True)}
-        if not gluon_bwd.store_tma(causal, N // 64):
-            variants.update(wide=dict(wide=True), early_wide=dict(early=True, wide=True))
+        variants = {"base": {}, "prefetch": dict(prefetch=True)}
         outs, res = {}, {name: [] for name in variants}
         for name, kw in variants.items():
             acc.zero_()

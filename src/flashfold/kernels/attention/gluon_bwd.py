@@ -119,8 +119,13 @@ if gluon is not None:
         """This program's key tile ``n`` of ``(b, hk)`` (key tiles of a head adjacent, the
         heaviest causal tile first), the first query tile that sees it (``m_lo``) and
         where its walk over the query tiles starts (``m_0``, see :func:`_query_tile`)."""
+        return _program_at(gl.program_id(0), shape, BLOCK_M, BLOCK_N, CAUSAL)
+
+    @gluon.jit
+    def _program_at(pid, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr):
+        """:func:`_program` of program ``pid``."""
         q_len, kv_len, heads_k, group, n_n = shape
-        pid = gl.program_id(0)
         n = pid % n_n
         bh = pid // n_n
         m_lo = 0
@@ -141,53 +146,58 @@ if gluon is not None:
         return m_lo + (i - m_lo + m_0) % (n_m - m_lo)
 
     @gluon.jit
-    def _load_step(descs, bufs, bars, b, hq, m, j, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """Step ``j``'s ``Q``, ``dO``, ``lambda`` and ``D`` (query head ``hq``, query tile
-        ``m``) into ring slot ``j % STAGES`` once both consumers have released it."""
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
-        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
-        nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
-        slot = j % STAGES
-        mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(slot), nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, hq, m * BLOCK_M, 0],
-                                        q_ready.index(slot), q_bufs.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [b, hq, m * BLOCK_M, 0],
-                                        q_ready.index(slot), do_bufs.index(slot))
-        tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, m * BLOCK_M],
-                                        q_ready.index(slot), lam_bufs.index(slot))
-        tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, m * BLOCK_M],
-                                        q_ready.index(slot), dd_bufs.index(slot))
+    def _prefetch_rows(ptr, strides, b, hk, row0, kv_len, BLOCK_N: gl.constexpr):
+        """Ask L2 for rows ``row0 .. row0 + BLOCK_N - 1`` of head ``(b, hk)`` of ``ptr``
+        (one ``cp.async.bulk.prefetch.L2`` of a row's 256 bytes, head_dim 128 of a 2-byte
+        dtype, per element; rows past ``kv_len`` clamped)."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        rows = gl.minimum(row0 + gl.arange(0, BLOCK_N, layout=layout), kv_len - 1)
+        offs = (b.to(gl.int64) * strides[0] + hk.to(gl.int64) * strides[1]
+                + rows.to(gl.int64) * strides[2])
+        gl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], 256; mov.u32 $0, 0;",
+            "=r,l", [ptr + offs], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _load_kv(descs, bufs, bars, b, hk, n, BLOCK_N: gl.constexpr):
-        """The program's key and value tile, once."""
+    def _bwd_producer(descs, bufs, bars, shape, pf, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH: gl.constexpr):
+        """TMA loads: the key and value tile once, then ``Q``, ``dO``, ``lambda`` and ``D``
+        of every step (query head ``g`` of the group, query tile ``m``) into the ring."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
+        q_len, kv_len, heads_k, group, n_n = shape
+        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
+        nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
-
-    @gluon.jit
-    def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, EARLY: gl.constexpr):
-        """TMA loads: the key and value tile once, then ``Q``, ``dO``, ``lambda`` and ``D``
-        of every step (query head ``g`` of the group, query tile ``m``) into the ring."""
-        q_len, kv_len, heads_k, group, n_n = shape
-        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
-        if not EARLY:
-            _load_kv(descs, bufs, bars, b, hk, n, BLOCK_N)
+        if PREFETCH:
+            # the K, V tiles of the program that will likely follow this one on some SM
+            K, V, k_strides, v_strides, ahead, n_prog = pf
+            nxt = gl.program_id(0) + ahead
+            if nxt < n_prog:
+                b2, hk2, n2, m_lo2, m_02 = _program_at(nxt, shape, BLOCK_M, BLOCK_N, CAUSAL)
+                _prefetch_rows(K, k_strides, b2, hk2, n2 * BLOCK_N, kv_len, BLOCK_N)
+                _prefetch_rows(V, v_strides, b2, hk2, n2 * BLOCK_N, kv_len, BLOCK_N)
         n_m = gl.cdiv(q_len, BLOCK_M)
         j = 0
         for g in range(group):
             hq = hk * group + g
             for i in range(m_lo, n_m):
-                if (not EARLY) or j > 0:
-                    _load_step(descs, bufs, bars, b, hq, _query_tile(i, m_lo, m_0, n_m), j,
-                               BLOCK_M, STAGES)
+                m = _query_tile(i, m_lo, m_0, n_m)
+                slot = j % STAGES
+                mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(slot), nbytes)
+                tma.async_copy_global_to_shared(q_desc, [b, hq, m * BLOCK_M, 0],
+                                                q_ready.index(slot), q_bufs.index(slot))
+                tma.async_copy_global_to_shared(do_desc, [b, hq, m * BLOCK_M, 0],
+                                                q_ready.index(slot), do_bufs.index(slot))
+                tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, m * BLOCK_M],
+                                                q_ready.index(slot), lam_bufs.index(slot))
+                tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, m * BLOCK_M],
+                                                q_ready.index(slot), dd_bufs.index(slot))
                 j += 1
 
     @gluon.jit
@@ -216,8 +226,7 @@ if gluon is not None:
     @gluon.jit
     def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WIDE: gl.constexpr,
-                      WG: gl.constexpr):
+                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
         ``dV`` over every step and add the previous step's dQ columns ``64 WG ..`` (see
         the module docstring), then write ``dK``, ``dV`` and add the last step's dQ."""
@@ -322,15 +331,6 @@ if gluon is not None:
             fence_async_shared()
             tma.async_copy_shared_to_global(DK, [b, hk, row0, 0], dk_smem)
             tma.async_copy_shared_to_global(DV, [b, hk, row0, 0], dv_smem)
-        elif WIDE:
-            out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-            out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
-            dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
-            kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
-            offs = (kv_base + out_rows)[:, None] * HEAD_DIM + dcols[None, :]
-            ok = (out_rows < kv_len)[:, None]
-            gl.store(DK + offs, gl.convert_layout((dk * scale).to(dtype), out_layout), mask=ok)
-            gl.store(DV + offs, gl.convert_layout(dv.to(dtype), out_layout), mask=ok)
         else:
             out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
             dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -346,11 +346,12 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
+                     K, V, skb, skh, skn, svb, svh, svn, ahead, n_prog,
                      q_len, kv_len, heads_k, group, n_n, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                     EARLY: gl.constexpr = False, WIDE: gl.constexpr = False):
+                     PREFETCH: gl.constexpr = False):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -389,19 +390,15 @@ if gluon is not None:
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
         bars = (kv_ready, q_ready, q_empty, ds_ready, ds_empty)
         shape = (q_len, kv_len, heads_k, group, n_n)
-        if EARLY:
-            fence_async_shared()
-            b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
-            _load_kv(descs, bufs, bars, b, hk, n, BLOCK_N)
-            _load_step(descs, bufs, bars, b, hk * group, _query_tile(m_lo, m_lo, m_0, gl.cdiv(q_len, BLOCK_M)), 0, BLOCK_M, STAGES)
         ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, WIDE, 0)),
+                             STAGES, CAUSAL, STORE_TMA, 0)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, WIDE, 1)),
-            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                             EARLY)),
+                             STAGES, CAUSAL, STORE_TMA, 1)),
+            (_bwd_producer, (descs, bufs, bars, shape,
+                             (K, V, (skb, skh, skn), (svb, svh, svn), ahead, n_prog),
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
         for i in gl.static_range(STAGES):
@@ -448,7 +445,7 @@ def store_tma(causal: bool, steps: int) -> bool:
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         launch: bool = True, tma_store: bool | None = None,
-                        early: bool = False, wide: bool = False):
+                        prefetch: bool = False):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -465,11 +462,12 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     out = ((_desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2)) if tma_store else (dk, dv))
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, DQ_COLS), _desc(lam.unsqueeze(2), 1, BLOCK_M),
-            _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
+            _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, k, v, *k.stride()[:3], *v.stride()[:3],
+            launcher.sm_count(q.device) if q.is_cuda else 132, n_n * B * Hk, Nq, Nk, Hk, Hq // Hk, n_n,
             float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, EARLY=early, WIDE=wide, num_warps=4,
+                  PRODUCER_REGS=PRODUCER_REGS, PREFETCH=bool(prefetch), num_warps=4,
                   maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
     if not launch:
