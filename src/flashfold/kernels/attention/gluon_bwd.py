@@ -146,17 +146,18 @@ if gluon is not None:
         return m_lo + (i - m_lo + m_0) % (n_m - m_lo)
 
     @gluon.jit
-    def _prefetch_rows(ptr, strides, b, hk, row0, kv_len, BLOCK_N: gl.constexpr):
-        """Ask L2 for rows ``row0 .. row0 + BLOCK_N - 1`` of head ``(b, hk)`` of ``ptr``
-        (one ``cp.async.bulk.prefetch.L2`` of a row's 256 bytes, head_dim 128 of a 2-byte
-        dtype, per element; rows past ``kv_len`` clamped)."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        rows = gl.minimum(row0 + gl.arange(0, BLOCK_N, layout=layout), kv_len - 1)
-        offs = (b.to(gl.int64) * strides[0] + hk.to(gl.int64) * strides[1]
-                + rows.to(gl.int64) * strides[2])
+    def _prefetch_tile(ptr, strides, b, hk, row0, kv_len, BLOCK_N: gl.constexpr):
+        """Ask L2 for rows ``row0 .. row0 + BLOCK_N - 1`` (clipped at ``kv_len``) of head
+        ``(b, hk)`` of ``ptr``, rows contiguous (row stride = head_dim 128, 2-byte dtype:
+        256 bytes a row): one ``cp.async.bulk.prefetch.L2`` from lane 0."""
+        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        nbytes = (gl.minimum(kv_len - row0, BLOCK_N) * 256 + lanes * 0).to(gl.int32)
+        addr = ptr + (b.to(gl.int64) * strides[0] + hk.to(gl.int64) * strides[1]
+                      + row0.to(gl.int64) * strides[2] + lanes * 0)
         gl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], 256; mov.u32 $0, 0;",
-            "=r,l", [ptr + offs], dtype=gl.int32, is_pure=False, pack=1)
+            "{ .reg .pred p; setp.eq.u32 p, $3, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [addr, nbytes, lanes], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _bwd_producer(descs, bufs, bars, shape, pf, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -179,8 +180,8 @@ if gluon is not None:
             nxt = gl.program_id(0) + ahead
             if nxt < n_prog:
                 b2, hk2, n2, m_lo2, m_02 = _program_at(nxt, shape, BLOCK_M, BLOCK_N, CAUSAL)
-                _prefetch_rows(K, k_strides, b2, hk2, n2 * BLOCK_N, kv_len, BLOCK_N)
-                _prefetch_rows(V, v_strides, b2, hk2, n2 * BLOCK_N, kv_len, BLOCK_N)
+                _prefetch_tile(K, k_strides, b2, hk2, n2 * BLOCK_N, kv_len, BLOCK_N)
+                _prefetch_tile(V, v_strides, b2, hk2, n2 * BLOCK_N, kv_len, BLOCK_N)
         n_m = gl.cdiv(q_len, BLOCK_M)
         j = 0
         for g in range(group):
