@@ -119,13 +119,8 @@ if gluon is not None:
         """This program's key tile ``n`` of ``(b, hk)`` (key tiles of a head adjacent, the
         heaviest causal tile first), the first query tile that sees it (``m_lo``) and
         where its walk over the query tiles starts (``m_0``, see :func:`_query_tile`)."""
-        return _program_at(gl.program_id(0), shape, BLOCK_M, BLOCK_N, CAUSAL)
-
-    @gluon.jit
-    def _program_at(pid, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr):
-        """:func:`_program` of program ``pid``."""
         q_len, kv_len, heads_k, group, n_n = shape
+        pid = gl.program_id(0)
         n = pid % n_n
         bh = pid // n_n
         m_lo = 0
@@ -146,22 +141,8 @@ if gluon is not None:
         return m_lo + (i - m_lo + m_0) % (n_m - m_lo)
 
     @gluon.jit
-    def _prefetch_tile(ptr, strides, b, hk, row0, kv_len, BLOCK_N: gl.constexpr):
-        """Ask L2 for rows ``row0 .. row0 + BLOCK_N - 1`` (clipped at ``kv_len``) of head
-        ``(b, hk)`` of ``ptr``, rows contiguous (row stride = head_dim 128, 2-byte dtype:
-        256 bytes a row): one ``cp.async.bulk.prefetch.L2`` from lane 0."""
-        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        nbytes = (gl.minimum(kv_len - row0, BLOCK_N) * 256 + lanes * 0).to(gl.int32)
-        addr = ptr + (b.to(gl.int64) * strides[0] + hk.to(gl.int64) * strides[1]
-                      + row0.to(gl.int64) * strides[2] + lanes * 0)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.eq.u32 p, $3, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r,r", [addr, nbytes, lanes], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _bwd_producer(descs, bufs, bars, shape, pf, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH: gl.constexpr):
+    def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr):
         """TMA loads: the key and value tile once, then ``Q``, ``dO``, ``lambda`` and ``D``
         of every step (query head ``g`` of the group, query tile ``m``) into the ring."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
@@ -174,14 +155,6 @@ if gluon is not None:
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
-        if PREFETCH:
-            # the K, V tiles of the program that will likely follow this one on some SM
-            K, V, k_strides, v_strides, ahead, n_prog = pf
-            nxt = gl.program_id(0) + ahead
-            if nxt < n_prog:
-                b2, hk2, n2, m_lo2, m_02 = _program_at(nxt, shape, BLOCK_M, BLOCK_N, CAUSAL)
-                _prefetch_tile(K, k_strides, b2, hk2, n2 * BLOCK_N, kv_len, BLOCK_N)
-                _prefetch_tile(V, v_strides, b2, hk2, n2 * BLOCK_N, kv_len, BLOCK_N)
         n_m = gl.cdiv(q_len, BLOCK_M)
         j = 0
         for g in range(group):
@@ -347,12 +320,10 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
-                     K, V, skb, skh, skn, svb, svh, svn, ahead, n_prog,
                      q_len, kv_len, heads_k, group, n_n, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                     PREFETCH: gl.constexpr = False):
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -397,9 +368,7 @@ if gluon is not None:
                              STAGES, CAUSAL, STORE_TMA, 0)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, CAUSAL, STORE_TMA, 1)),
-            (_bwd_producer, (descs, bufs, bars, shape,
-                             (K, V, (skb, skh, skn), (svb, svh, svn), ahead, n_prog),
-                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, PREFETCH)),
+            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
         for i in gl.static_range(STAGES):
@@ -445,8 +414,7 @@ def store_tma(causal: bool, steps: int) -> bool:
 
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
-                        launch: bool = True, tma_store: bool | None = None,
-                        prefetch: bool = False):
+                        launch: bool = True, tma_store: bool | None = None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -463,13 +431,11 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     out = ((_desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2)) if tma_store else (dk, dv))
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, DQ_COLS), _desc(lam.unsqueeze(2), 1, BLOCK_M),
-            _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, k, v, *k.stride()[:3], *v.stride()[:3],
-            launcher.sm_count(q.device) if q.is_cuda else 132, n_n * B * Hk, Nq, Nk, Hk, Hq // Hk, n_n,
+            _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
             float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, PREFETCH=bool(prefetch), num_warps=4,
-                  maxnreg=MAXNREG)
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
     if not launch:
         return _attn_bwd_ws, grid, args, kwargs
