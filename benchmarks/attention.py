@@ -1026,14 +1026,15 @@ def gluon_variants(tokens=16384, H=16):
                       flush=True)
 
 
-def gluon_bwd_compare(tokens=16384, H=16):
+def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
     """The Gluon backward (``gluon_bwd``) next to the Triton kernels it replaces (default
     and deterministic configurations, forced by passing their config) and SDPA cuDNN's
-    backward, head_dim 128, on the targets grid: TFLOP/s of the backward alone (2.5 x
+    backward, head_dim 128 and 64, on the targets grid: TFLOP/s of the backward alone (2.5 x
     4 B H N^2 D, halved when causal), after checking that dQ, dK, dV of the Gluon kernel
     and of the deterministic Triton kernels agree (max |diff| relative to max |grad|).
     Last column: the Gluon kernel alone, without the preprocess and dQ conversion around
-    it (same FLOP count), which separates the kernel's time from theirs."""
+    it (same FLOP count), which separates the kernel's time from theirs, then the same with
+    dK, dV written the other way (:func:`.gluon_bwd.store_tma`)."""
     from flashfold.kernels import launcher
     from flashfold.kernels.attention import gluon_bwd
     probe = torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16)
@@ -1041,42 +1042,50 @@ def gluon_bwd_compare(tokens=16384, H=16):
         print("the Gluon backward needs an sm_90 GPU")
         return
     cudnn = _sdpa_train("CUDNN_ATTENTION")
-    print("== Gluon backward vs Triton backward vs cuDNN (TFLOP/s, bf16, head_dim 128)")
-    print("| N | mask | Gluon | Triton default | Triton det | cuDNN | Gluon/cuDNN | Gluon/Triton "
-          "| max rel diff | Gluon kernel alone |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    D = 128
-    for N in (1024, 4096, 16384):
-        for causal in (False, True):
-            B = max(1, tokens // N)
-            g = torch.Generator(device=DEV).manual_seed(0)
-            q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(torch.bfloat16)
-                           for _ in range(4))
-            scale = 1 / math.sqrt(D)
-            right = 0 if causal else None
-            o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
-            cfg = bwd.default_config(q, D, D, causal=causal)
-            runs = [lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right),
-                    lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right,
-                                                   config=cfg),
-                    lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right,
-                                                   config=cfg, deterministic=True)]
-            got, ref = runs[0](), runs[2]()
-            diff = max((a.float() - b.float()).abs().max().item()
-                       / max(1e-6, b.float().abs().max().item()) for a, b in zip(got, ref))
-            fl = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
-            tf = [fl / _bench(f) / 1e9 for f in runs]
-            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-            oc = cudnn(qg, kg, vg, causal)
-            tf.append(fl / _bench(lambda: torch.autograd.grad(oc, (qg, kg, vg), do,
-                                                              retain_graph=True)) / 1e9)
-            # the dK/dV/dQ kernel without the preprocess and the dQ conversion (its
-            # repeated reduce-adds pile up in the accumulator: timing only)
-            launch = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale, right=right)[3][1]
-            alone = fl / _bench(lambda: launcher.launch(*launch)) / 1e9
-            print(f"| {N} | {'causal' if causal else 'full'} | " + " | ".join(f"{t:.0f}" for t in tf)
-                  + f" | {tf[0] / tf[3]:.2f} | {tf[0] / max(tf[1], tf[2]):.2f} | {diff:.1e}"
-                  + (" WRONG" if diff > 2e-2 else "") + f" | {alone:.0f} |", flush=True)
+    print("== Gluon backward vs Triton backward vs cuDNN (TFLOP/s, bf16)")
+    print("| D | N | mask | Gluon | Triton default | Triton det | cuDNN | Gluon/cuDNN | Gluon/Triton "
+          "| max rel diff | Gluon kernel alone | alone, other dK/dV stores |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for D, N, causal in ((D, N, c) for D in dims for N in (1024, 4096, 16384)
+                         for c in (False, True)):
+        B = max(1, tokens // N)
+        g = torch.Generator(device=DEV).manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(torch.bfloat16)
+                       for _ in range(4))
+        scale = 1 / math.sqrt(D)
+        right = 0 if causal else None
+        o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
+        cfg = bwd.default_config(q, D, D, causal=causal)
+        runs = [lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right),
+                lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right,
+                                               config=cfg),
+                lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right,
+                                               config=cfg, deterministic=True)]
+        got, ref = runs[0](), runs[2]()
+        diff = max((a.float() - b.float()).abs().max().item()
+                   / max(1e-6, b.float().abs().max().item()) for a, b in zip(got, ref))
+        fl = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
+        tf = [fl / _bench(f) / 1e9 for f in runs]
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        oc = cudnn(qg, kg, vg, causal)
+        tf.append(fl / _bench(lambda: torch.autograd.grad(oc, (qg, kg, vg), do,
+                                                          retain_graph=True)) / 1e9)
+        # the dK/dV/dQ kernel without the preprocess and the dQ conversion (its
+        # repeated reduce-adds pile up in the accumulator: timing only)
+        launches = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale, right=right)[3]
+        alone = fl / _bench(lambda: launcher.launch(*launches[1])) / 1e9
+        # and with the other way out of dK, dV (gluon_bwd.store_tma chooses)
+        dd, lam, acc = launches[0][2][4:7]
+        tma = gluon_bwd.store_tma(causal, N // gluon_bwd.BLOCK_M)
+        other = gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, acc, got[1].clone(),
+                                              got[2].clone(), causal=causal, scale=scale,
+                                              launch=False, tma_store=not tma)
+        alone_other = fl / _bench(lambda: launcher.launch(*other)) / 1e9
+        print(f"| {D} | {N} | {'causal' if causal else 'full'} | "
+              + " | ".join(f"{t:.0f}" for t in tf)
+              + f" | {tf[0] / tf[3]:.2f} | {tf[0] / max(tf[1], tf[2]):.2f} | {diff:.1e}"
+              + (" WRONG" if diff > 2e-2 else "") + f" | {alone:.0f} | "
+              + f"{'register' if tma else 'TMA'} stores {alone_other:.0f} |", flush=True)
 
 
 def main(argv=None):

@@ -20,10 +20,13 @@ import torch
 from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
 from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
 
-#: (id, causal, dtype, dK/dV by TMA stores) of the variants compiled on the CPU
-VARIANTS = [("dense", False, "bfloat16", True), ("causal", True, "bfloat16", True),
-            ("dense-fp16", False, "float16", True), ("causal-fp16", True, "float16", True),
-            ("dense-register-stores", False, "bfloat16", False)]
+#: (id, causal, dtype, dK/dV by TMA stores, head_dim) of the variants compiled on the CPU
+VARIANTS = [("dense", False, "bfloat16", True, 128), ("causal", True, "bfloat16", True, 128),
+            ("dense-fp16", False, "float16", True, 128),
+            ("causal-fp16", True, "float16", True, 128),
+            ("dense-register-stores", False, "bfloat16", False, 128),
+            ("dense-d64", False, "bfloat16", True, 64), ("causal-d64", True, "bfloat16", True, 64),
+            ("dense-d64-register-stores", False, "bfloat16", False, 64)]
 
 
 def _compile_all():
@@ -31,11 +34,11 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_bwd as G
 
-    def facts(causal, dtype, tma_store):
-        q = torch.empty(2, 4, 1000, 128, dtype=getattr(torch, dtype))
-        k = torch.empty(2, 2, 1000, 128, dtype=q.dtype)
+    def facts(causal, dtype, tma_store, D):
+        q = torch.empty(2, 4, 1000, D, dtype=getattr(torch, dtype))
+        k = torch.empty(2, 2, 1000, D, dtype=q.dtype)
         lam = torch.empty(2, 4, 1000)
-        acc = torch.empty(2, 4, 1000, 128)
+        acc = torch.empty(2, 4, 1000, D)
         kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k,
                                                         causal=causal, scale=0.1, launch=False,
                                                         tma_store=tma_store)
@@ -73,7 +76,8 @@ def test_scope():
     from flashfold.kernels.attention.gluon_bwd import supported
     q, k, v = _qkv()
     assert supported(q, k, v, q) and supported(q, k, v, q, causal=True)
-    assert not supported(*_qkv(D=64), _qkv(D=64)[0])           # head_dim 128 only
+    assert supported(*_qkv(D=64), _qkv(D=64)[0], causal=True)   # head_dim 64 or 128
+    assert not supported(*_qkv(D=96), _qkv(D=96)[0])
     assert not supported(*_qkv(dtype=torch.float32), _qkv(dtype=torch.float32)[0])
     q2, k2, v2 = _qkv(NQ=300, NK=200)
     assert supported(q2, k2, v2, q2) and not supported(q2, k2, v2, q2, causal=True)
@@ -133,25 +137,30 @@ CASES = [(1, 1, 1, 1, 1), (2, 4, 4, 17, 17), (1, 2, 1, 113, 113), (2, 4, 2, 1000
          (1, 2, 2, 2049, 2049), (1, 2, 1, 100, 1000), (1, 1, 1, 128, 4096), (1, 3, 3, 256, 300),
          (3, 8, 2, 700, 1500)]
 MORE_ROWS = (1, 2, 2, 300, 200)
+#: the head_dim 64 cases (a subset: the kernel is the same template)
+CASES_D64 = [(1, 1, 1, 1, 1), (1, 2, 1, 113, 113), (2, 4, 2, 1000, 1000), (1, 2, 1, 100, 1000),
+             (3, 8, 2, 700, 1500)]
 
 
-@pytest.mark.parametrize("case, causal",
-                         [(c, m) for c in CASES for m in (False, True)] + [(MORE_ROWS, False)],
+@pytest.mark.parametrize("case, causal, D",
+                         [(c, m, 128) for c in CASES for m in (False, True)]
+                         + [(MORE_ROWS, False, 128)]
+                         + [(c, m, 64) for c in CASES_D64 for m in (False, True)],
                          ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
-                         else ("causal" if x else "dense"))
+                         else ("causal" if x else "dense") if isinstance(x, bool) else f"d{x}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.gpu
-def test_gpu_gradients_flash_criterion(case, causal, dtype):
+def test_gpu_gradients_flash_criterion(case, causal, D, dtype):
     _needs_sm90()
     import flashfold as ff
     from flashfold.kernels.attention import gluon_bwd
     B, HQ, HK, NQ, NK = case
     g = torch.Generator(device="cuda").manual_seed(hash(case) % 1000)
-    q = torch.randn(B, HQ, NQ, 128, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(B, HK, NK, 128, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(B, HK, NK, 128, device="cuda", dtype=dtype, generator=g)
-    do = torch.randn(B, HQ, NQ, 128, device="cuda", dtype=dtype, generator=g)
-    scale = 1 / math.sqrt(128)
+    q = torch.randn(B, HQ, NQ, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    do = torch.randn(B, HQ, NQ, D, device="cuda", dtype=dtype, generator=g)
+    scale = 1 / math.sqrt(D)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with mock.patch.object(gluon_bwd, "gluon_attention_bwd",
                            wraps=gluon_bwd.gluon_attention_bwd) as spy:
@@ -193,9 +202,10 @@ def test_gpu_agrees_with_the_triton_kernels_and_strided_layouts():
             assert (a.double() - b.double()).abs().max().item() <= 2 * naive + 1e-5
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("causal, D", [(False, 128), (True, 128), (False, 64)],
+                         ids=["dense", "causal", "dense-d64"])
 @pytest.mark.gpu
-def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal):
+def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal, D):
     """The two ways out of dK, dV (TMA stores from the ring, stores from registers)
     write the same values, ragged last key tile included; dQ is the same sum in another
     order of atomic adds."""
@@ -204,15 +214,16 @@ def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal):
     from flashfold.kernels.attention import bwd, fwd, gluon_bwd
     from flashfold.testing import compare
     g = torch.Generator(device="cuda").manual_seed(5)
-    q, do = (torch.randn(2, 4, 700, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, do = (torch.randn(2, 4, 700, D, device="cuda", dtype=torch.bfloat16, generator=g)
              for _ in range(2))
-    k, v = (torch.randn(2, 2, 900, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 2, 900, D, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
-    scale = 1 / math.sqrt(128)
+    scale = 1 / math.sqrt(D)
     right = 0 if causal else None
     o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
-    dq, dk, dv, (pre, _, conv) = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
-                                                      right=right)
+    dq, dk, dv, (pre, main, conv) = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
+                                                         right=right)
+    assert main[0] is gluon_bwd._attn_bwd_ws
     dd, lam, acc = pre[2][4], pre[2][5], pre[2][6]
     got = []
     for tma_store in (True, False):
