@@ -161,9 +161,10 @@ def test_dispatch_sends_only_dense_and_causal_calls():
     from flashfold.kernels.attention import fwd, gluon_fwd
     calls = []
 
-    def fake(q, k, v, *, causal, scale, return_lse, out, lse):
+    def fake(q, k, v, *, causal, scale, return_lse, out, lse, launch):
+        assert not launch                     # (the forward's plan launches it)
         calls.append(causal)
-        return out, lse
+        return ("gluon", (1,), (), {})
     q, k, v = _qkv(NQ=64, NK=64, D=64, dtype=torch.float32)
     with mock.patch.object(gluon_fwd, "eligible", return_value=True), \
             mock.patch.object(gluon_fwd, "gluon_attention_fwd", side_effect=fake), \

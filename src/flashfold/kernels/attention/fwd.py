@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import launcher, tma
+from .. import launcher, plans, tma
 from . import gluon_fwd
 from .mods import MAX_BUFFERS, BlockMask, TracedMod
 
@@ -533,9 +533,10 @@ def _none_args(n):
     return [None] * n
 
 
-#: allocator of the outputs (``torch.empty``); the GPU check in ``benchmarks/attention.py``
-#: swaps in a NaN-filling one so that any element the kernel fails to write is caught
-_alloc = torch.empty
+#: allocator of the outputs (:func:`flashfold.kernels.plans.new`: ``torch.empty``, noted
+#: while a plan is recorded); the GPU check in ``benchmarks/attention.py`` swaps in a
+#: NaN-filling one so that any element the kernel fails to write is caught
+_alloc = plans.new
 
 
 def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
@@ -554,24 +555,56 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     ``full_needs_mask=False`` promises that its FULL tiles need no masking at all (the
     table was computed for these lengths and this window), else the kernel also applies
     bounds and window masks inside FULL tiles. ``config`` overrides the heuristic.
+
+    A call without ``score_mod`` and ``block_mask`` replays the launch planned for the
+    same signature (:data:`_CACHE`, see :mod:`flashfold.kernels.plans`), as the backward
+    does: the checks, dispatch, allocation and TMA descriptors cost ~135 us of host time
+    per call on the dev machine, and an eager forward + backward at N = 1K causal was
+    host-bound on the H200 (0.85x cuDNN at head_dim 128, 0.51x at 64, against 1.01x and
+    0.96x from CUDA graphs; ``benchmarks/RESULTS.md``, twelfth session).
     """
+    options = dict(scale=scale, softcap=softcap, left=left, right=right,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
+                   full_needs_mask=full_needs_mask, config=config)
+    if score_mod is not None or block_mask is not None:    # (their tables: not replayable)
+        o, lse, launch, memo = _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, score_mod=score_mod,
+                                     block_mask=block_mask, **options)
+    else:
+        sig = plans.signature
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+        # what _plan reads: the tensors' signatures, the options, the Gluon switch
+        key = (tuple(None if t is None else sig(t) for t in inputs), scale, softcap, left,
+               right, max_seqlen_q, max_seqlen_k, return_lse, full_needs_mask, config,
+               launcher.env("FLASHFOLD_GLUON"))
+        o, lse, launch, memo = _CACHE.planned(key, None, inputs, _plan, *inputs, **options)
+    if launch is not None:
+        launcher.launch(*launch, memo)
+    return o, lse
+
+
+def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None, right=None,
+          score_mod=None, block_mask=None, max_seqlen_q=None, max_seqlen_k=None,
+          return_lse=True, full_needs_mask=True, config=None):
+    """The forward's outputs and its launch: ``(o, lse, (kernel, grid, args, kwargs) |
+    None, memo)``, through the Gluon kernel for dense and causal calls on Hopper, else the
+    Triton template (:func:`prepare_forward`); ``memo``: the launcher memo shared by the
+    replays of the plan (:func:`flashfold.kernels.launcher.launch`)."""
     dense = (softcap is None and score_mod is None and block_mask is None and left is None
              and right in (None, 0) and cu_seqlens_q is None and config is None)
     if dense and gluon_fwd.eligible(q, k, v, causal=right == 0, scale=scale):
         B, HQ, NQ = q.shape[:3]
         o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
-        return gluon_fwd.gluon_attention_fwd(q, k, v, causal=right == 0, scale=scale,
-                                             return_lse=return_lse, out=o, lse=lse)
+        launch = gluon_fwd.gluon_attention_fwd(q, k, v, causal=right == 0, scale=scale,
+                                               return_lse=return_lse, out=o, lse=lse,
+                                               launch=False)
+        return o, lse, launch, [None]
     o, lse, launch = prepare_forward(
         q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
         block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
         full_needs_mask=full_needs_mask, config=config)
-    if launch is not None:
-        grid, args, kwargs = launch
-        launcher.launch(_attn_fwd, grid, args, kwargs)
-    return o, lse
+    return o, lse, None if launch is None else (_attn_fwd, *launch), [None]
 
 
 def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
@@ -670,4 +703,25 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
 
 
 __all__ = ["attention_forward", "prepare_forward", "FwdConfig", "default_config", "tma_ok", "HOPPER_CONFIGS",
-           "USE_TMA_DEFAULT", "LOG2E", "LN2"]
+           "USE_TMA_DEFAULT", "LOG2E", "LN2", "plan_cache_info", "plan_cache_clear"]
+
+
+# --- plan cache -------------------------------------------------------------------------
+
+#: entries the plan cache holds; when full it is dropped wholesale
+PLAN_CACHE_SIZE = 256
+#: :func:`attention_forward`'s plans, bypassed while any global that :func:`_plan` reads
+#: here or in :mod:`.gluon_fwd` (heuristics, the allocator, the Gluon dispatch, which
+#: tests and benchmarks monkeypatch) differs from what it was at import
+_CACHE = plans.PlanCache("attention forward", globals(), (_plan,), modules=(gluon_fwd,))
+
+
+def plan_cache_info() -> dict:
+    """Hits and misses of the forward's plan cache since it was last cleared, and its
+    entries."""
+    return _CACHE.info()
+
+
+def plan_cache_clear():
+    """Drop every cached forward plan and zero the counters."""
+    _CACHE.clear()

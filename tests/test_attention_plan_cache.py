@@ -1,11 +1,12 @@
-"""The attention backward's plan cache (``bwd._CACHE``, :mod:`flashfold.kernels.plans`).
+"""The attention forward's and backward's plan caches (``fwd._CACHE``, ``bwd._CACHE``,
+:mod:`flashfold.kernels.plans`).
 
-A repeated backward signature replays the launches recorded for it instead of running
-its host code again. The replayed plan must compute what a fresh one computes with the
-new call's tensors (bitwise: same kernels, same arguments), allocate new gradients on
-every call, and be bypassed while a global its planner reads (here, or in the Gluon
-modules it consults) is patched, and for score_mod / block-mask calls (their tables are
-not replayable). Runs the kernels under the interpreter on CPU machines.
+A repeated signature replays the launches recorded for it instead of running its host
+code again. The replayed plan must compute what a fresh one computes with the new call's
+tensors (bitwise: same kernels, same arguments), allocate new outputs and gradients on
+every call, and be bypassed while a global its planner reads (in its module, or in the
+Gluon modules it consults) is patched, and for score_mod / block-mask calls (their tables
+are not replayable). Runs the kernels under the interpreter on CPU machines.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import flashfold
 from flashfold import mods
 from flashfold.api import attention as api
-from flashfold.kernels.attention import bwd, gluon_bwd, gluon_fwd
+from flashfold.kernels.attention import bwd, fwd, gluon_bwd, gluon_fwd
 
 from test_attention_cases import Shape, make_qkv
 
@@ -29,8 +30,10 @@ def kernels(monkeypatch):
     """Route flashfold.attention to the kernels; an empty cache before and after."""
     monkeypatch.setattr(api, "_use_kernel", lambda t: True)
     monkeypatch.delenv("FLASHFOLD_PLAN_CACHE", raising=False)
+    fwd.plan_cache_clear()
     bwd.plan_cache_clear()
     yield
+    fwd.plan_cache_clear()
     bwd.plan_cache_clear()
 
 
@@ -47,16 +50,28 @@ def _grads(q, k, v, do, **kw):
 
 def test_a_repeated_signature_replays_what_a_fresh_plan_computes(monkeypatch):
     first = _grads(*_inputs(0), causal=True)
-    assert bwd.plan_cache_info() == {"hits": 0, "misses": 1, "size": 1}
+    assert fwd.plan_cache_info() == bwd.plan_cache_info() == {"hits": 0, "misses": 1, "size": 1}
     inputs = _inputs(1)                                  # same signature, other values
     replayed = _grads(*inputs, causal=True)
-    assert bwd.plan_cache_info()["hits"] == 1
+    assert fwd.plan_cache_info()["hits"] == bwd.plan_cache_info()["hits"] == 1
     monkeypatch.setenv("FLASHFOLD_PLAN_CACHE", "0")
     fresh = _grads(*inputs, causal=True)
     for a, b, c in zip(replayed, fresh, first):
         assert torch.equal(a, b)
         assert a.data_ptr() != c.data_ptr()              # new gradients on every call
     assert bwd.plan_cache_info()["hits"] == 1            # (the cache was off)
+
+
+def test_a_replayed_forward_returns_new_outputs_equal_to_a_fresh_plans(monkeypatch):
+    q, k, v, _ = _inputs(2)
+    first = flashfold.attention(q, k, v, causal=True, return_lse=True)
+    replayed = flashfold.attention(q, k, v, causal=True, return_lse=True)
+    assert fwd.plan_cache_info() == {"hits": 1, "misses": 1, "size": 1}
+    monkeypatch.setenv("FLASHFOLD_PLAN_CACHE", "0")
+    fresh = flashfold.attention(q, k, v, causal=True, return_lse=True)
+    for a, b, c in zip(replayed, fresh, first):
+        assert torch.equal(a, b) and torch.equal(a, c)
+        assert a.data_ptr() != c.data_ptr()              # new outputs on every call
 
 
 def test_other_signatures_and_options_are_other_plans():
@@ -66,6 +81,10 @@ def test_other_signatures_and_options_are_other_plans():
     _grads(q[:, :, :33], k[:, :, :33], v[:, :, :33], do[:, :, :33], causal=True)
     _grads(q, k, v, do, causal=True, deterministic=True)
     assert bwd.plan_cache_info() == {"hits": 0, "misses": 4, "size": 4}
+    # the forward of the deterministic call is the causal call's
+    assert fwd.plan_cache_info() == {"hits": 1, "misses": 3, "size": 3}
+    flashfold.attention(q.half(), k.half(), v.half(), causal=True)        # another dtype
+    assert fwd.plan_cache_info() == {"hits": 1, "misses": 4, "size": 4}
 
 
 @pytest.mark.parametrize("module, name, value", [
@@ -83,7 +102,23 @@ def test_a_patched_planner_global_bypasses_the_cache(monkeypatch, module, name, 
     assert bwd.plan_cache_info() == {"hits": 0, "misses": 0, "size": 0}
 
 
+@pytest.mark.parametrize("module, name, value", [
+    (fwd, "_alloc", lambda *a, **kw: torch.empty(*a, **kw)),
+    (fwd, "default_config", lambda *a, **kw: None),
+    (gluon_fwd, "eligible", lambda *a, **kw: False),
+    (gluon_fwd, "PINGPONG_MAX_TILES", 0),
+    (gluon_fwd, "on_hopper", lambda q: False),
+], ids=["allocator", "config", "gluon-dispatch", "pingpong-rule", "on-hopper"])
+def test_a_patched_forward_planner_global_bypasses_its_cache(monkeypatch, module, name, value):
+    assert fwd._CACHE.caching()
+    monkeypatch.setattr(module, name, value)
+    assert not fwd._CACHE.caching()
+    if name != "default_config":                          # (that one would break the call)
+        flashfold.attention(*_inputs(0)[:3], causal=True)
+    assert fwd.plan_cache_info() == {"hits": 0, "misses": 0, "size": 0}
+
+
 def test_score_mods_are_planned_on_every_call():
     for _ in range(2):
         _grads(*_inputs(0), causal=True, score_mod=mods.alibi(2))
-    assert bwd.plan_cache_info() == {"hits": 0, "misses": 0, "size": 0}
+    assert fwd.plan_cache_info() == bwd.plan_cache_info() == {"hits": 0, "misses": 0, "size": 0}
