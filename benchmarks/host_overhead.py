@@ -16,6 +16,8 @@ the host. This script separates the two for flashfold and its torch peers:
 3. ``eager ms``: ``do_bench`` of the eager call (what the benchmarks report);
 4. for attention rows, ``flashfold.kernels.attention.fwd.attention_forward`` called
    directly (no API checks) as a third column, to split the API's share from Triton's;
+   the last rows are eager training steps (forward + backward at N = 1K causal,
+   :func:`training_rows`), whose third column is the backward alone;
 5. with ``--profile``: the top functions by cumulative time over 2,000 calls.
 
 Before timing, each flashfold row is checked: its output with the cached launch path
@@ -169,6 +171,33 @@ def rows():
     return out
 
 
+def training_rows():
+    """Eager training steps at N = 1K causal (16 x 16 heads, bf16): forward + backward
+    through ``torch.autograd.grad`` (flashfold's default mode against SDPA's default
+    backend), and in the ``direct`` column flashfold's backward alone (``autograd.grad``
+    of a retained graph). Each returns ``(dK, dV)``: dQ is added in an order that varies
+    between runs, so the launch-path check compares the deterministic gradients (the
+    timed work is the whole step either way)."""
+    import flashfold as ff
+    F = torch.nn.functional
+    out = []
+    for D in (64, 128):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(16, 16, 1024, D, device="cuda", generator=g)
+                       .to(torch.bfloat16) for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o = ff.attention(q, k, v, causal=True)
+        out.append((f"attention d{D} N1K causal fwd+bwd",
+                    lambda q=q, k=k, v=v, do=do: torch.autograd.grad(
+                        ff.attention(q, k, v, causal=True), (q, k, v), do)[1:],
+                    lambda q=q, k=k, v=v, do=do: torch.autograd.grad(
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v),
+                        do)[1:],
+                    lambda q=q, k=k, v=v, do=do, o=o: torch.autograd.grad(
+                        o, (q, k, v), do, retain_graph=True)[1:]))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", action="store_true")
@@ -184,23 +213,29 @@ def main(argv=None):
     profiles, failed = [], []
     for name, f in triton_launch_rows():
         print(f"| {name} | {host_us(f):.1f} | | | | | | | |", flush=True)
-    with torch.no_grad():
-        for name, f, t, d in rows():
-            if not same_as_slow_path(f):
-                failed.append(name)
-                print(f"| {name} | CACHED LAUNCH DIFFERS FROM TRITON'S PATH | | | | | | | |")
-            hf, ht = host_us(f), host_us(t)
-            hd = host_us(d) if d else float("nan")
-            ef, gf, et, gt = eager_ms(f), graph_ms(f), eager_ms(t), graph_ms(t)
-            ed = eager_ms(d) if d else float("nan")
-            print(f"| {name} | {hf:.1f} | {ht:.1f} | {hd:.1f} | {ef:.3f} | {gf:.3f} | {et:.3f} "
-                  f"| {gt:.3f} | {ed:.3f} |", flush=True)
-            if args.profile:
-                profiles.append((name, profile(f)))
+    for name, f, t, d in [*_no_grad(rows), *training_rows()]:
+        if not same_as_slow_path(f):
+            failed.append(name)
+            print(f"| {name} | CACHED LAUNCH DIFFERS FROM TRITON'S PATH | | | | | | | |")
+        hf, ht = host_us(f), host_us(t)
+        hd = host_us(d) if d else float("nan")
+        ef, gf, et, gt = eager_ms(f), graph_ms(f), eager_ms(t), graph_ms(t)
+        ed = eager_ms(d) if d else float("nan")
+        print(f"| {name} | {hf:.1f} | {ht:.1f} | {hd:.1f} | {ef:.3f} | {gf:.3f} | {et:.3f} "
+              f"| {gt:.3f} | {ed:.3f} |", flush=True)
+        if args.profile:
+            profiles.append((name, profile(f)))
     for name, text in profiles:
         print(f"\n== profile: {name} (2000 calls)\n{text}")
     print(f"cached launch vs Triton's path: {'all equal' if not failed else 'DIFFERS: ' + str(failed)}")
     return 1 if failed else 0
+
+
+def _no_grad(make):
+    """The rows of ``make()``, each call of which runs without autograd."""
+    def wrap(fn):
+        return None if fn is None else torch.no_grad()(fn)
+    return [(name, wrap(f), wrap(t), wrap(d)) for name, f, t, d in make()]
 
 
 if __name__ == "__main__":
