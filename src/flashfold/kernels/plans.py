@@ -13,7 +13,7 @@ earlier call is returned or kept, and each call allocates its own buffers, so th
 may share a cache.
 
 Each family (``kernels/reduce/launch.py``, ``kernels/decode/splitkv.py``,
-``kernels/attention/bwd.py``) owns one cache and supplies:
+``kernels/attention/fwd.py``, ``kernels/attention/bwd.py``) owns one cache and supplies:
 
 * the *key* of each call: every property of the call that its planner reads (tensors by
   :func:`signature`; host values by value; an object held by identity is passed as the
