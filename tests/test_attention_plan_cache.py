@@ -21,6 +21,9 @@ from flashfold.kernels.attention import bwd, fwd, gluon_bwd, gluon_fwd
 
 from test_attention_cases import Shape, make_qkv
 
+# These tests run the kernels under TRITON_INTERPRET on CPU tensors (as
+# test_attention_backward_kernel.py does); on a CUDA machine the same cached paths are
+# exercised by the GPU tests (test_attention_gluon.py, test_attention_gluon_bwd.py).
 if torch.cuda.is_available():  # pragma: no cover - interpreter tests run on CPU machines
     pytest.skip("interpreter tests run on CPU machines", allow_module_level=True)
 

@@ -62,7 +62,7 @@ import torch
 
 from . import launcher
 
-__all__ = ["PlanCache", "signature", "new", "constant", "read_by"]
+__all__ = ["PlanCache", "signature", "signatures", "new", "constant", "read_by"]
 
 #: ``fresh``: the buffers that the plan being built on this thread allocated (:func:`new`)
 _RECORDING = threading.local()
@@ -75,6 +75,12 @@ def signature(t: torch.Tensor) -> tuple:
     """What a plan reads off a tensor: shape, strides, dtype, device, and whether its
     address is a multiple of 16 bytes (Triton specializes pointers on the same)."""
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def signatures(tensors) -> tuple:
+    """:func:`signature` of each of ``tensors`` (``None`` items kept as ``None``): the
+    tensor part of a family's key."""
+    return tuple(None if t is None else signature(t) for t in tensors)
 
 
 def new(shape, dtype, device, zero=False) -> torch.Tensor:

@@ -906,10 +906,9 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
                                                 block_mask=block_mask, **options)
         memos = (None,) * len(launches)
     else:
-        sig = plans.signature
         inputs = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k)
         # what _plan reads: the tensors' signatures, the options, the Gluon switch
-        key = (tuple(None if t is None else sig(t) for t in inputs), scale, softcap, left,
+        key = (plans.signatures(inputs), scale, softcap, left,
                right, max_seqlen_q, max_seqlen_k, full_needs_mask, deterministic, atomic_dq,
                config, launcher.env("FLASHFOLD_GLUON"))
         dq, dk, dv, launches, memos = _CACHE.planned(key, None, inputs, _plan, *inputs[:6],

@@ -570,10 +570,9 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
         o, lse, launch, memo = _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, score_mod=score_mod,
                                      block_mask=block_mask, **options)
     else:
-        sig = plans.signature
         inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
         # what _plan reads: the tensors' signatures, the options, the Gluon switch
-        key = (tuple(None if t is None else sig(t) for t in inputs), scale, softcap, left,
+        key = (plans.signatures(inputs), scale, softcap, left,
                right, max_seqlen_q, max_seqlen_k, return_lse, full_needs_mask, config,
                launcher.env("FLASHFOLD_GLUON"))
         o, lse, launch, memo = _CACHE.planned(key, None, inputs, _plan, *inputs, **options)
