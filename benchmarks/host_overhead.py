@@ -4,6 +4,7 @@ Run on the GPU machine from the repository root::
 
     PYTHONPATH=src python benchmarks/host_overhead.py            # ~1 min
     PYTHONPATH=src python benchmarks/host_overhead.py --profile  # + cProfile of each op
+    PYTHONPATH=src python benchmarks/host_overhead.py --only fwd+bwd --profile  # some rows
 
 Eager ``do_bench`` times count a call's host time as kernel time whenever the host time
 exceeds the GPU work queued ahead of the call (its L2 flush, ~0.07 ms on the H200), so
@@ -201,6 +202,7 @@ def training_rows():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--only", default="", help="the rows whose name contains this")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -212,8 +214,12 @@ def main(argv=None):
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     profiles, failed = [], []
     for name, f in triton_launch_rows():
+        if args.only not in name:
+            continue
         print(f"| {name} | {host_us(f):.1f} | | | | | | | |", flush=True)
     for name, f, t, d in [*_no_grad(rows), *training_rows()]:
+        if args.only not in name:
+            continue
         if not same_as_slow_path(f):
             failed.append(name)
             print(f"| {name} | CACHED LAUNCH DIFFERS FROM TRITON'S PATH | | | | | | | |")

@@ -202,17 +202,13 @@ def test_gpu_agrees_with_the_triton_kernels_and_strided_layouts():
             assert (a.double() - b.double()).abs().max().item() <= 2 * naive + 1e-5
 
 
-@pytest.mark.parametrize("causal, D", [(False, 128), (True, 128), (False, 64)],
-                         ids=["dense", "causal", "dense-d64"])
-@pytest.mark.gpu
-def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal, D):
-    """The two ways out of dK, dV (TMA stores from the ring, stores from registers)
-    write the same values, ragged last key tile included; dQ is the same sum in another
-    order of atomic adds."""
+def _gluon_variants(causal, D, variants):
+    """dQ, dK, dV of the Gluon backward launched with each keyword set of ``variants``
+    (2 x 4 query heads of 700 rows against 2 x 2 KV heads of 900 keys: a ragged last key
+    tile, GQA; dK, dV preset to NaN so that an unwritten row shows)."""
     _needs_sm90()
     from flashfold.kernels import launcher
     from flashfold.kernels.attention import bwd, fwd, gluon_bwd
-    from flashfold.testing import compare
     g = torch.Generator(device="cuda").manual_seed(5)
     q, do = (torch.randn(2, 4, 700, D, device="cuda", dtype=torch.bfloat16, generator=g)
              for _ in range(2))
@@ -226,20 +222,46 @@ def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal, D):
     assert main[0] is gluon_bwd._attn_bwd_ws
     dd, lam, acc = pre[2][4], pre[2][5], pre[2][6]
     got = []
-    for tma_store in (True, False):
+    for kw in variants:
         dk.fill_(float("nan"))
         dv.fill_(float("nan"))
         launcher.launch(*pre)
         launcher.launch(*gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, acc, dk, dv,
                                                        causal=causal, scale=scale,
-                                                       launch=False, tma_store=tma_store))
+                                                       launch=False, **kw))
         launcher.launch(*conv)
         got.append((dq.clone(), dk.clone(), dv.clone()))
-    (dq1, dk1, dv1), (dq2, dk2, dv2) = got
+    return got
+
+
+def _same_gradients(got):
+    """dK, dV bitwise equal and finite across variants; dQ the same sum in another order
+    of atomic adds."""
+    from flashfold.testing import compare
+    dq1, dk1, dv1 = got[0]
     assert torch.isfinite(dk1).all() and torch.isfinite(dv1).all()
-    assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
-    report = compare(dq1, dq2, "bfloat16")
-    assert report["ok"], report
+    for dq2, dk2, dv2 in got[1:]:
+        assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
+        report = compare(dq1, dq2, "bfloat16")
+        assert report["ok"], report
+
+
+@pytest.mark.parametrize("causal, D", [(False, 128), (True, 128), (False, 64)],
+                         ids=["dense", "causal", "dense-d64"])
+@pytest.mark.gpu
+def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal, D):
+    """The two ways out of dK, dV (TMA stores from the ring, stores from registers)
+    write the same values."""
+    _same_gradients(_gluon_variants(causal, D, [dict(tma_store=True), dict(tma_store=False)]))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.gpu
+def test_gpu_program_order_covers_every_key_tile_once(causal):
+    """Any number of heads per group of programs (``heads_per_wave``; 3 leaves a partial
+    last group of 1 of the 4 heads) gives every key tile exactly one program: dK, dV
+    bitwise those of head-major order, no row unwritten."""
+    _same_gradients(_gluon_variants(causal, 128, [dict(heads_per_wave=g) for g in (1, 3, 4)]))
 
 
 @pytest.mark.gpu
@@ -260,3 +282,15 @@ def test_gpu_fully_masked_and_empty_rows_give_zero_gradients():
 
 if __name__ == "__main__":
     _compile_all()
+
+
+def test_wave_heads_groups_causal_heads_to_fill_a_wave():
+    """Causal programs run tile-major in groups of heads whose tiles fill the GPU (the
+    heaviest tiles of every head of a group first); dense ones head-major (equal work)."""
+    from flashfold.kernels.attention.gluon_bwd import wave_heads
+    assert wave_heads(False, 8, 256, 132) == 1
+    assert wave_heads(True, 8, 256, 132) == 32       # the targets' 1K causal: 256 programs
+    assert wave_heads(True, 32, 64, 132) == 8        # 4K: 4 heads x 32 tiles = 128 < 132
+    assert wave_heads(True, 128, 16, 132) == 2       # 16K
+    assert wave_heads(True, 12, 6, 132) == 6         # fewer programs than SMs: one group
+    assert wave_heads(True, 8, 7, 16) == 7           # no divisor of 7 reaches 16 but 7
