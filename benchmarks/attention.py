@@ -9,6 +9,7 @@ Run (H200, from the repository root)::
     PYTHONPATH=src python benchmarks/attention.py --bwd      # backward: checks + timings (~5 min)
     PYTHONPATH=src python benchmarks/attention.py --bwd --quick
     PYTHONPATH=src python benchmarks/attention.py --tune-bwd [--tune-n 1024]  # backward configs
+    PYTHONPATH=src python benchmarks/attention.py --bwd-kernels  # GPU time per kernel (~1 min)
 
 1. Correctness (FlashAttention's own criterion): on a grid of batch, heads, GQA/MQA ratios,
    head dims, awkward lengths, causal, windows, softcap, varlen, score/mask mods and edge
@@ -35,6 +36,12 @@ Run (H200, from the repository root)::
    module calling flashfold.attention against eager; then backward alone and forward +
    backward TFLOP/s against SDPA flash and cuDNN (bf16, H=16, 16K tokens, d64/d128,
    N 1K/4K/16K, causal and not), with a final table of ratios.
+4. ``--bwd-kernels``: the GPU time of each kernel of one eager backward (torch.profiler,
+   10 calls), flashfold against cuDNN, on the same grid: kernel times do not move with
+   the host or with ``do_bench``'s L2 flush and its clock, so they compare the two
+   backwards' kernels more steadily than whole-call medians (which moved up to 9% between
+   runs on the H200). Gradients first: flashfold's within 5e-2 (relative to the max) of
+   cuDNN's.
 """
 
 from __future__ import annotations
@@ -1088,6 +1095,69 @@ def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
               + f"{'register' if tma else 'TMA'} stores {alone_other:.0f} |", flush=True)
 
 
+def bwd_kernels(tokens=16384, H=16, dims=(128, 64), calls=10):
+    """``--bwd-kernels``: GPU microseconds per backward by kernel, flashfold (default mode)
+    against SDPA cuDNN, and the ratios of the totals and of the main kernels."""
+    from torch.autograd import DeviceType
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_us(o, q, k, v, do):
+        for _ in range(3):
+            torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        _sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            _sync()
+        us = {}
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                us[e.name] = us.get(e.name, 0.0) + e.device_time_total / calls
+        return us
+
+    print(f"== backward GPU time by kernel (torch.profiler, {calls} calls; us per backward)")
+    print("| D | N | mask | ff total | cuDNN total | ff main | cuDNN main | ff other | cuDNN other "
+          "| total ff/cuDNN | main ff/cuDNN | ff TFLOP/s (GPU time) | cuDNN TFLOP/s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ok, names = True, {}
+    for D in dims:
+        for N in (1024, 4096, 16384):
+            for causal in (False, True):
+                B = max(1, tokens // N)
+                g = torch.Generator(device=DEV).manual_seed(0)
+                q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(torch.bfloat16)
+                               for _ in range(4))
+                q, k, v = (t.requires_grad_() for t in (q, k, v))
+                fl = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
+                o_ff = flashfold.attention(q, k, v, causal=causal)
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    o_cu = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                g_ff = torch.autograd.grad(o_ff, (q, k, v), do, retain_graph=True)
+                g_cu = torch.autograd.grad(o_cu, (q, k, v), do, retain_graph=True)
+                diff = max((a.float() - b.float()).abs().max().item()
+                           / max(1e-6, b.float().abs().max().item()) for a, b in zip(g_ff, g_cu))
+                if diff > 5e-2:
+                    ok = False
+                    print(f"   d{D} N{N} causal={causal}: gradients differ from cuDNN's by {diff:.3g}")
+                ff, cu = kernel_us(o_ff, q, k, v, do), kernel_us(o_cu, q, k, v, do)
+                row = []
+                for name, us in (("flashfold", ff), ("cuDNN", cu)):
+                    main = max(us, key=us.get)
+                    names.setdefault(name, {}).update({n: None for n in us})
+                    row.append((sum(us.values()), us[main]))
+                (tf, mf), (tc, mc) = row
+                print(f"| {D} | {N} | {'causal' if causal else 'full'} | {tf:.1f} | {tc:.1f} "
+                      f"| {mf:.1f} | {mc:.1f} | {tf - mf:.1f} | {tc - mc:.1f} | {tf / tc:.3f} "
+                      f"| {mf / mc:.3f} | {fl / tf / 1e6:.0f} | {fl / tc / 1e6:.0f} |", flush=True)
+                del q, k, v, do, o_ff, o_cu, g_ff, g_cu
+                torch.cuda.empty_cache()
+    for name, ks in names.items():
+        print(f"   {name} kernels: " + "; ".join(n[:90] for n in ks))
+    print(f"gradients {'agree' if ok else 'DIFFER'} (flashfold against cuDNN, 5e-2 of the max)")
+    return 0 if ok else 1
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small check grid, 3 timing rows")
@@ -1100,6 +1170,8 @@ def main(argv=None):
                     help="the Gluon forward's grids and ping-pong on/off vs cuDNN only")
     ap.add_argument("--gluon-bwd", action="store_true",
                     help="the Gluon backward vs the Triton backward kernels vs cuDNN only")
+    ap.add_argument("--bwd-kernels", action="store_true",
+                    help="GPU time per backward kernel, flashfold vs cuDNN only (torch.profiler)")
     ap.add_argument("--tune-n", type=int, default=4096,
                     help="--tune / --tune-bwd sequence length (batch = 16K tokens / N; default 4096)")
     args = ap.parse_args(argv)
@@ -1122,6 +1194,8 @@ def main(argv=None):
     if args.gluon_bwd:
         gluon_bwd_compare()
         return 0
+    if args.bwd_kernels:
+        return bwd_kernels()
     if args.bwd:
         return main_bwd(args.quick)
     ok = correctness(args.quick)
