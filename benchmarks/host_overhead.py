@@ -60,7 +60,7 @@ def eager_ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def profile(fn, n=2000, top=18):
+def profile(fn, n=2000, top=18, sort="cumulative"):
     fn()
     pr = cProfile.Profile()
     pr.enable()
@@ -69,7 +69,7 @@ def profile(fn, n=2000, top=18):
     pr.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(top)
     return buf.getvalue()
 
 
@@ -203,6 +203,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--only", default="", help="the rows whose name contains this")
+    ap.add_argument("--top", type=int, default=18, help="--profile: functions listed")
+    ap.add_argument("--sort", default="cumulative", help="--profile: pstats sort key")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -234,7 +236,7 @@ def main(argv=None):
         print(f"| {name} | {hf:.1f} | {ht:.1f} | {hd:.1f} | {ef:.3f} | {gf:.3f} | {et:.3f} "
               f"| {gt:.3f} | {ed:.3f} |", flush=True)
         if args.profile:
-            profiles.append((name, profile(f)))
+            profiles.append((name, profile(f, top=args.top, sort=args.sort)))
     for name, text in profiles:
         print(f"\n== profile: {name} (2000 calls)\n{text}")
     print(f"cached launch vs Triton's path: {'all equal' if not failed else 'DIFFERS: ' + str(failed)}")
