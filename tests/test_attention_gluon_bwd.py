@@ -280,10 +280,6 @@ def test_gpu_fully_masked_and_empty_rows_give_zero_gradients():
         assert torch.isfinite(t).all() and t.abs().max().item() == 0.0
 
 
-if __name__ == "__main__":
-    _compile_all()
-
-
 def test_wave_heads_groups_causal_heads_to_fill_a_wave():
     """Causal programs run tile-major in groups of heads whose tiles fill the GPU (the
     heaviest tiles of every head of a group first); dense ones head-major (equal work)."""
@@ -294,3 +290,7 @@ def test_wave_heads_groups_causal_heads_to_fill_a_wave():
     assert wave_heads(True, 128, 16, 132) == 2       # 16K
     assert wave_heads(True, 12, 6, 132) == 6         # fewer programs than SMs: one group
     assert wave_heads(True, 8, 7, 16) == 7           # no divisor of 7 reaches 16 but 7
+
+
+if __name__ == "__main__":
+    _compile_all()

@@ -424,8 +424,8 @@ def store_tma(causal: bool, steps: int) -> bool:
 
 def wave_heads(causal: bool, n_n: int, n_bh: int, num_sms: int) -> int:
     """Heads per group of programs (see ``_program``): 1 for dense calls (every program
-    has the same work), else the fewest heads, dividing ``n_bh``, whose ``n_n`` key tiles
-    each fill the GPU (``wave_heads * n_n >= num_sms``).
+    has the same work), else the fewest heads, dividing ``n_bh``, whose key tiles together
+    fill the GPU (``wave_heads * n_n >= num_sms``).
 
     Why: a causal key tile ``n`` of ``N`` keys has ``N / 64 - 2 n`` steps, so heavy tiles
     are the first of each head. Head-major order (one group per head) leaves the last
@@ -473,8 +473,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     out = ((_desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2)) if tma_store else (dk, dv))
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, D // 2), _desc(lam.unsqueeze(2), 1, BLOCK_M),
-            _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
-            float(scale) * LOG2E, float(scale))
+            _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
+            heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
