@@ -55,7 +55,8 @@ and get ``P = 0`` (``2^{-lambda}`` could overflow); their ``dK``, ``dV`` rows ar
 written (clipped by the TMA stores, masked otherwise).
 
 Scope (:func:`supported`): fp16/bf16, head_dim 64 or 128 (the same template: at 64 the
-warpgroups own 32 dQ columns each, with no spills and 116 KB of shared memory; H200,
+warpgroups own 32 dQ columns each, with no spills, a ring one stage deeper (:data:`STAGES`)
+and 133 KB of shared memory; H200,
 twelfth session: 0.85-0.94x cuDNN's backward, 1.21-1.27x the Triton kernels it
 replaced), dense or causal with ``Nq <= Nk``, GQA, unit last stride and TMA-compatible strides; the default (non-deterministic) mode:
 the order of the dQ adds varies between runs, as with the Triton kernels' atomic dQ.
@@ -104,8 +105,12 @@ if HAS_TMA_REDUCE:
 BLOCK_M = 64
 #: keys per program (two consumer warpgroups of 64)
 BLOCK_N = 128
-#: depth of the Q / dO ring
-STAGES = 2
+#: depth of the Q / dO ring by head_dim. A third stage fits both (d128: 226 of 227 KB of
+#: shared memory) but helps only d64, whose steps are half as long: H200, kernel alone,
+#: 3 / 2 stages, 3 interleaved repetitions (thirteenth session): d64 1K full 1.00, 1K
+#: causal 1.03, 4K full 1.01, 4K causal 1.04, 16K full 1.01-1.02, 16K causal 1.03-1.04;
+#: d128 1K full 0.97-1.03, 4K full 0.96-0.98 (ptxas spills more: 136 bytes against 112)
+STAGES = {64: 3, 128: 2}
 #: dense calls store dK, dV by TMA while a program has at most this many steps
 #: (see :func:`store_tma`)
 STORE_TMA_MAX_STEPS = 32
@@ -475,7 +480,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             _desc(dq_acc, BLOCK_M, D // 2), _desc(lam.unsqueeze(2), 1, BLOCK_M),
             _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
             heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
-    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
+    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
