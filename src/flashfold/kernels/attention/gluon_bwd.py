@@ -56,9 +56,8 @@ written (clipped by the TMA stores, masked otherwise).
 
 Scope (:func:`supported`): fp16/bf16, head_dim 64 or 128 (the same template: at 64 the
 warpgroups own 32 dQ columns each, with no spills, a ring one stage deeper (:data:`STAGES`)
-and 133 KB of shared memory; H200,
-twelfth session: 0.85-0.94x cuDNN's backward, 1.21-1.27x the Triton kernels it
-replaced), dense or causal with ``Nq <= Nk``, GQA, unit last stride and TMA-compatible strides; the default (non-deterministic) mode:
+and 133 KB of shared memory; H200, thirteenth session: 0.84-1.00x cuDNN's backward,
+1.23-1.33x the Triton kernels it replaced), dense or causal with ``Nq <= Nk``, GQA, unit last stride and TMA-compatible strides; the default (non-deterministic) mode:
 the order of the dQ adds varies between runs, as with the Triton kernels' atomic dQ.
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
 ``FLASHFOLD_GLUON=0`` turns this path off with the forward's. GPU only (no interpreter
