@@ -219,12 +219,12 @@ def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
     # backward has no use for it (H200 host, cProfile of an eager training step at 1K
     # causal: 62 of the ~120 us that this function spent outside attention_backward)
     cfg = None
-    features = softcap is not None or score is not None or mask is not None
+    if block_mask is not None or (mask is not None and B and HQ and NQ and k.shape[2]):
+        features = softcap is not None or score is not None or mask is not None
+        cfg = bwd.default_config(q, D, v.shape[3], features=features, causal=right is not None)
     if block_mask is not None:
         full_needs_mask = varlen or left is not None or right is not None
-        cfg = bwd.default_config(q, D, v.shape[3], features=features, causal=right is not None)
-    elif mask is not None and B and HQ and NQ and k.shape[2]:
-        cfg = bwd.default_config(q, D, v.shape[3], features=features, causal=right is not None)
+    elif cfg is not None:               # a mask_mod: its table for these lengths and window
         block_mask = cached_block_mask(
             mask, batch=n_seq, heads=HQ, q_len=max(seq_q, 1), kv_len=max(seq_k, 1),
             block_m=max(cfg.block_m, cfg.dq_block_m), block_n=max(cfg.block_n, cfg.dq_block_n),

@@ -57,8 +57,9 @@ written (clipped by the TMA stores, masked otherwise).
 Scope (:func:`supported`): fp16/bf16, head_dim 64 or 128 (the same template: at 64 the
 warpgroups own 32 dQ columns each, with no spills, a ring one stage deeper (:data:`STAGES`)
 and 133 KB of shared memory; H200, thirteenth session: 0.84-1.00x cuDNN's backward,
-1.23-1.33x the Triton kernels it replaced), dense or causal with ``Nq <= Nk``, GQA, unit last stride and TMA-compatible strides; the default (non-deterministic) mode:
-the order of the dQ adds varies between runs, as with the Triton kernels' atomic dQ.
+1.23-1.33x the Triton kernels it replaced), dense or causal with ``Nq <= Nk``, GQA, unit last stride and TMA-compatible
+strides; the default (non-deterministic) mode: the order of the dQ adds varies between
+runs, as with the Triton kernels' atomic dQ.
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
 ``FLASHFOLD_GLUON=0`` turns this path off with the forward's. GPU only (no interpreter
 mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
@@ -472,8 +473,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     if tma_store is None:
         tma_store = store_tma(causal, (Hq // Hk) * -(-Nq // BLOCK_M))
     if heads_per_wave is None:
-        sms = launcher.sm_count(q.device) if q.is_cuda else 132
-        heads_per_wave = wave_heads(causal, n_n, B * Hk, sms)
+        heads_per_wave = wave_heads(causal, n_n, B * Hk, gluon_fwd.num_sms(q))
     out = ((_desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2)) if tma_store else (dk, dv))
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, D // 2), _desc(lam.unsqueeze(2), 1, BLOCK_M),

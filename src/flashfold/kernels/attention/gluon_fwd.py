@@ -91,7 +91,7 @@ PRODUCER_REGS = 24
 MAXNREG = 168
 
 __all__ = ["supported", "eligible", "on_hopper", "gluon_attention_fwd", "persistent_default",
-           "pingpong_default", "BLOCK_M", "BLOCK_N"]
+           "pingpong_default", "num_sms", "BLOCK_M", "BLOCK_N"]
 
 
 if gluon is not None:
@@ -458,6 +458,11 @@ def _layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, name))
 
 
+def num_sms(q: torch.Tensor) -> int:
+    """SMs of ``q``'s GPU (132, an H100/H200's, for CPU tensors: compile checks)."""
+    return launcher.sm_count(q.device) if q.is_cuda else 132
+
+
 def _desc(t: torch.Tensor, rows: int, cols: int | None = None):
     """A 4-D TMA descriptor over ``t (B, H, N, D)`` with ``[1, 1, rows, cols]`` blocks
     (``cols``: all of ``D`` by default)."""
@@ -498,7 +503,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                   maxnreg=MAXNREG)
     n_m = -(-Nq // BLOCK_M)
-    sms = launcher.sm_count(q.device) if q.is_cuda else 132
+    sms = num_sms(q)
     if persistent is None:
         persistent = persistent_default(causal, n_m, sms)
     grid = (min(n_m * B * Hq, sms) if persistent else n_m * B * Hq,)
