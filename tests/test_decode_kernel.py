@@ -336,52 +336,6 @@ def test_default_mode_rounding_depends_on_the_split():
     assert splitkv.choose_num_splits(1 * 8, 8192, 132) != splitkv.choose_num_splits(64 * 8, 8192, 132)
 
 
-@pytest.mark.parametrize("dtype, layout, splits, pool, q_len, mods", [
-    (torch.float16, "contiguous", 2, 2, 1, {}),
-    (torch.float16, "paged64", 3, 1, 2, {}),
-    (torch.float16, "contiguous", 2, 3, 3, {"window": (200, None)}),
-    (torch.float32, "paged8", 3, 4, 1, {"softcap": 2.0}),
-    (torch.float32, "contiguous", 2, 8, 2, {}),             # chunks cover every split
-], ids=["f16", "f16-paged64-q2", "f16-q3-window", "f32-paged8-softcap", "f32-pool-only"])
-def test_pool_matches_reference(monkeypatch, dtype, layout, splits, pool, q_len, mods):
-    """The default mode's pool: each split's last ``pool`` chunks are claimed by whichever
-    program is free first. Every key is still folded exactly once (lengths 0 and 1, a
-    split shorter than its pool, ragged ends), whatever program claimed it: two runs give
-    the same bits (the chunks' partials have fixed slots and the merge a fixed order)."""
-    page = LAYOUTS[layout]
-    block_n = splitkv.default_config(32, dtype, page).block_n
-    monkeypatch.setattr(splitkv, "POOL_CHUNK_N", block_n)
-    case = make_case([0, 1, 77, 150, 513, 700], heads_q=4, heads_kv=2, q_len=q_len,
-                     head_dim=32, capacity=700, page_size=page or 8, dtype=dtype,
-                     device=DEVICE, seed=17)
-    o, lse, launch = run(case, page is not None, num_splits=splits, pool=pool, **mods)
-    assert launch.plan.pool == pool and launch.plan.ws_splits == splits * (pool + 1)
-    assert launch.split[2]["POOL"] and launch.split[2]["CHUNK_N"] == block_n
-    check(case, o, lse, dtype, **mods)
-    o2, lse2, _ = run(case, page is not None, num_splits=splits, pool=pool, **mods)
-    assert torch.equal(o, o2) and torch.equal(lse, lse2)
-
-
-def test_pool_rule():
-    """A pool only where splits are long (its counter is zeroed by every call), never in
-    batch-invariant mode (chunks would change with the batch) or with one split."""
-    cfg = splitkv.DecodeConfig()
-    dev = torch.device("cpu")
-    shape = (8, 32, 1, 128)
-    long = splitkv.plan(shape, 8, 65536, 65536, None, dev, cfg)
-    assert long.n_splits > 1 and long.pool == splitkv.POOL_CHUNKS
-    assert long.ws_splits == long.n_splits * (splitkv.POOL_CHUNKS + 1)
-    assert -(-65536 // long.n_splits) >= splitkv.POOL_MIN_SPLIT
-    short = splitkv.plan(shape, 8, 8192, 8192, None, dev, cfg)
-    assert short.pool == 0 and short.ws_splits == short.n_splits
-    assert splitkv.plan(shape, 8, 65536, 65536, None, dev, cfg, num_splits=1).pool == 0
-    assert splitkv.plan(shape, 8, 65536, 65536, None, dev, cfg, pool=3).pool == 3
-    inv = splitkv.plan(shape, 8, 65536, 65536, None, dev, cfg, batch_invariant=True)
-    assert inv.pool == 0
-    # a window bounds what any split reads: no pool for a short window
-    assert splitkv.plan(shape, 8, 65536, 65536, 1024, dev, cfg).pool == 0
-
-
 @pytest.mark.parametrize("forced", [1, 3])
 def test_heuristic_dispatch(monkeypatch, forced):
     """The public path through the heuristic: one split writes the output directly, more

@@ -223,13 +223,6 @@ MIN_SPLIT = 256
 MAX_SPLITS = 128
 CTAS_PER_SM = 3
 SATURATING_PER_SM = 2.0
-#: the default mode's pool (see "Pool" in the module docstring): chunks per split, keys per
-#: chunk, and the shortest split (the host's estimate) that gets a pool. H200, 8 x 64K
-#: (splits of 16K keys): program times 421-469 us by SM, in groups that match the GPCs
-#: (%globaltimer / %smid stamps, the same SMs slow in every repetition)
-POOL_CHUNKS = 2
-POOL_CHUNK_N = 256
-POOL_MIN_SPLIT = 4096
 #: K + V bytes of a cache (its capacity: what a plan can see) from which the default reads
 #: it through TMA: a TMA launch costs ~17 us more host time (its descriptors), which made
 #: eager 1 x 8K calls host-bound (H200 run 15: 866 GB/s against 1,402 through pointers in
@@ -491,29 +484,29 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_r
 # --- kernels ----------------------------------------------------------------------------
 
 @triton.jit
-def _split_part(p0, s, part, Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP, LSEP, DP,
-                stride_qb, stride_qh, stride_qm, stride_qd,
-                stride_kb, stride_kh, stride_kn, stride_kd,
-                stride_vb, stride_vh, stride_vn, stride_vd,
-                stride_btb, stride_btp,
-                stride_ob, stride_oh, stride_om, stride_od,
-                heads_kv, capacity, n_splits, ws_splits, split_size, win_left, pool,
-                qk_scale, cap_in, cap_out,
-                FINALIZE: tl.constexpr, COMBINE: tl.constexpr,
-                Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
-                FIXED_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                HAS_START: tl.constexpr, WRITE_FINAL: tl.constexpr, NUM_STAGES: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, POOL: tl.constexpr, CHUNK_N: tl.constexpr):
-    """One work item of the split kernel: part ``part`` of split ``s`` of the rows
-    ``p0 = (b * heads_kv + h) * M_BLOCKS + m_blk``. Part 0 is the split's head (the whole
-    split without ``POOL``), parts ``1 .. pool`` its pool chunks of ``CHUNK_N`` keys (see
-    the module docstring); each writes its own partial (slot ``s (pool + 1) + part``)."""
+def _splitkv_kernel(
+        Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP, LSEP, DP,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_btb, stride_btp,
+        stride_ob, stride_oh, stride_om, stride_od,
+        heads_kv, capacity, n_splits, ws_splits, split_size, win_left,
+        qk_scale, cap_in, cap_out,
+        FINALIZE: tl.constexpr, COMBINE: tl.constexpr,
+        Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
+        FIXED_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+        HAS_START: tl.constexpr, WRITE_FINAL: tl.constexpr, NUM_STAGES: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:       # the merge kernel may be scheduled once every split program has begun
+        gdc_launch_dependents()
     ROWS: tl.constexpr = GROUP * Q_LEN
     M_BLOCKS: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
-    m_blk = p0 % M_BLOCKS
-    bh = p0 // M_BLOCKS
+    pid = tl.program_id(0)
+    m_blk = pid % M_BLOCKS
+    bh = pid // M_BLOCKS
     b = (bh // heads_kv).to(tl.int64)
     h = (bh % heads_kv).to(tl.int64)
     seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b).to(tl.int32), 0), capacity)
@@ -548,17 +541,11 @@ def _split_part(p0, s, part, Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP
         # this program's run of whole fixed splits; each is flushed as it ends, so how the
         # runs are cut (from the batch, through the grid) never changes a split's bits
         per = tl.cdiv(n_used, n_splits)
-        start = base + s * per * size
+        start = base + tl.program_id(1) * per * size
         end = tl.minimum(start + per * size, seqlen)
     else:
-        start = base + s * size
+        start = base + tl.program_id(1) * size
         end = tl.minimum(start + size, seqlen)
-        if POOL:        # keys [start, start + head) are part 0, then the pool's chunks
-            head = tl.maximum(size - pool * CHUNK_N, 0)
-            lo = tl.where(part == 0, 0, tl.minimum(head + (part - 1) * CHUNK_N, size))
-            hi = tl.where(part == 0, head, tl.minimum(head + part * CHUNK_N, size))
-            end = tl.minimum(start + hi, end)
-            start = start + lo
     if FIXED_SPLIT:
         # split 0 starts at a multiple of the split size: its tiles before the first one
         # with a visible key would fold to the identity; they are skipped (never read)
@@ -583,75 +570,18 @@ def _split_part(p0, s, part, Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP
             tl.store(LSE + (b * (heads_kv * GROUP) + hq[:, None]) * Q_LEN + qi[:, None], lse,
                      mask=row_ok[:, None])
         else:
-            work = s < n_used
-            ws = ws_row + s * (pool + 1) + part
+            work = tl.program_id(1) < n_used
+            ws = ws_row + tl.program_id(1)
             tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], out,
                      mask=row_ok[:, None] & d_ok[None, :] & work)
             tl.store(LSEP + ws[:, None], lse, mask=row_ok[:, None] & work)
 
 
 @triton.jit
-def _splitkv_kernel(
-        Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP, LSEP, DP, CLAIMS,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_btb, stride_btp,
-        stride_ob, stride_oh, stride_om, stride_od,
-        heads_kv, capacity, n_splits, ws_splits, split_size, win_left, pool,
-        qk_scale, cap_in, cap_out,
-        FINALIZE: tl.constexpr, COMBINE: tl.constexpr,
-        Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
-        FIXED_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-        HAS_START: tl.constexpr, WRITE_FINAL: tl.constexpr, NUM_STAGES: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, POOL: tl.constexpr,
-        CHUNK_N: tl.constexpr):
-    if USE_PDL:       # the merge kernel may be scheduled once every split program has begun
-        gdc_launch_dependents()
-    p0 = tl.program_id(0)
-    s = tl.program_id(1)
-    if POOL:
-        # the program's split head, then pool chunks claimed in order from the shared
-        # counter (chunk g: rows g % G0, split (g // G0) % n_splits, part 1 + the rest),
-        # until none is left: programs that stream faster take more chunks
-        g0 = tl.num_programs(0)
-        n_chunks = g0 * n_splits * pool
-        part = s * 0
-        g = part - 1
-        while g < n_chunks:
-            _split_part(p0, s, part, Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP,
-                        LSEP, DP,
-                        stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh,
-                        stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                        stride_btb, stride_btp, stride_ob, stride_oh, stride_om, stride_od,
-                        heads_kv, capacity, n_splits, ws_splits, split_size, win_left, pool,
-                        qk_scale, cap_in, cap_out, FINALIZE, COMBINE, Q_LEN, GROUP, HEAD_DIM,
-                        BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, FIXED_SPLIT,
-                        SOFTCAP, WINDOW, HAS_START, WRITE_FINAL, NUM_STAGES, DOT_PRECISION,
-                        POOL, CHUNK_N)
-            g = tl.atomic_add(CLAIMS, 1, sem="relaxed")
-            p0 = g % g0
-            s = (g // g0) % n_splits
-            part = 1 + g // (g0 * n_splits)
-    else:
-        _split_part(p0, s, 0, Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP, LSEP, DP,
-                    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh,
-                    stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                    stride_btb, stride_btp, stride_ob, stride_oh, stride_om, stride_od,
-                    heads_kv, capacity, n_splits, ws_splits, split_size, win_left, pool,
-                    qk_scale, cap_in, cap_out, FINALIZE, COMBINE, Q_LEN, GROUP, HEAD_DIM,
-                    BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA, FIXED_SPLIT,
-                    SOFTCAP, WINDOW, HAS_START, WRITE_FINAL, NUM_STAGES, DOT_PRECISION,
-                    POOL, CHUNK_N)
-
-
-@triton.jit
 def _merge_kernel(
         OP, LSEP, DP, SEQ, START, O, LSE,
         stride_ob, stride_oh, stride_om, stride_od,
-        heads_q, capacity, n_splits, ws_splits, split_size, win_left, pool,
+        heads_q, capacity, n_splits, ws_splits, split_size, win_left,
         BLOCK_LIFT: tl.constexpr, COMBINE: tl.constexpr,
         FINALIZE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, FIXED_SPLIT: tl.constexpr,
@@ -689,10 +619,9 @@ def _merge_kernel(
             for j in tl.static_range(INVARIANT_MERGE_GROUP):        # then the combines
                 m, d, o = _fold(m, d, o, parts[j][0], parts[j][1], parts[j][2], COMBINE)
     else:
-        n_parts = n_used * (pool + 1)               # each split's head and pool chunks
-        for s0 in tl.range(0, n_parts, BLOCK_S, num_stages=2):
+        for s0 in tl.range(0, n_used, BLOCK_S, num_stages=2):
             offs_s = s0 + tl.arange(0, BLOCK_S)
-            s_ok = offs_s < n_parts
+            s_ok = offs_s < n_used
             ws = row * ws_splits + offs_s                                # [BS]
             lse_s = tl.load(LSEP + ws, mask=s_ok, other=float("-inf"))
             o_s = tl.load(OP + ws[:, None] * HEAD_DIM + offs_d[None, :],
@@ -845,17 +774,13 @@ class SplitPlan:
     write_final: bool
     block_m: int
     m_blocks: int
-    pool: int = 0
 
 
 def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int | None,
          device: torch.device, config: DecodeConfig, *, num_splits: int | None = None,
-         batch_invariant: bool = False, invariant_split: int = INVARIANT_SPLIT,
-         pool: int | None = None) -> SplitPlan:
+         batch_invariant: bool = False, invariant_split: int = INVARIANT_SPLIT) -> SplitPlan:
     """Host-side split plan from shapes, the cache capacity and a host bound on the lengths
-    (``kv_bound``, a performance hint only); reads nothing on the device. ``pool``: chunks
-    of :data:`POOL_CHUNK_N` keys per split in the default mode's pool (``None``: the rule,
-    :data:`POOL_CHUNKS` where splits hold at least :data:`POOL_MIN_SPLIT` keys)."""
+    (``kv_bound``, a performance hint only); reads nothing on the device."""
     batch, heads_q, q_len, _ = q_shape
     rows = (heads_q // heads_kv) * q_len
     block_m = min(_pow2(rows), _pow2(config.block_m_max))
@@ -879,12 +804,7 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
     if num_splits is None:
         num_splits = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device))
     n = int(num_splits)
-    if n == 1:
-        pool = 0
-    elif pool is None:
-        pool = POOL_CHUNKS if -(-span // n) >= POOL_MIN_SPLIT else 0
-    pool = max(0, int(pool))
-    return SplitPlan(n, n * (pool + 1), 0, n == 1, block_m, m_blocks, pool)
+    return SplitPlan(n, n, 0, n == 1, block_m, m_blocks)
 
 
 def invariant_size(keys: int, invariant_split: int = INVARIANT_SPLIT, block_n: int = 16) -> int:
@@ -944,7 +864,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             num_splits: int | None = None, batch_invariant: bool = False,
             max_seqlen: int | None = None, cache_start: torch.Tensor | None = None,
             config: DecodeConfig | None = None, invariant_split: int = INVARIANT_SPLIT,
-            pdl: bool | None = None, tma: bool | None = None, pool: int | None = None) -> Launch:
+            pdl: bool | None = None, tma: bool | None = None) -> Launch:
     """Plan the splits, allocate the outputs and workspace, and bind the kernel arguments
     (arguments as :func:`splitkv_decode`)."""
     batch, heads_q, q_len, head_dim = q.shape
@@ -964,8 +884,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     left = None if window is None else window[0]      # the right side is causal: 0
     bound = capacity if max_seqlen is None else max(0, min(int(max_seqlen), capacity))
     p = plan(q.shape, heads_kv, capacity, bound, left, q.device, config, num_splits=num_splits,
-             batch_invariant=batch_invariant, invariant_split=invariant_split,
-             pool=None if batch_invariant else pool)
+             batch_invariant=batch_invariant, invariant_split=invariant_split)
     tm = _attention_fns()
     block_d = _pow2(head_dim)
     # outputs and workspace through plans.new: noted while splitkv_decode records a plan
@@ -979,8 +898,6 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         lsep = plans.new(rows, torch.float32, q.device)
         if batch_invariant:
             dp = plans.new(rows, torch.float32, q.device)
-    # the pool's claim counter, zeroed for every call (a replay included)
-    claims = plans.new((1,), torch.int32, q.device, zero=True) if p.pool else lse
     win_left = NO_WINDOW if left is None else int(left)
     pdl = _pdl_default(q.device) if pdl is None else bool(pdl)
     page_arg = page_size if paged else None
@@ -1008,9 +925,9 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     split = ((batch * heads_kv * p.m_blocks, p.n_splits),
              (q, k_cache, v_cache, k_desc, v_desc, block_table if paged else cache_seqlens,
               cache_seqlens, cache_seqlens if cache_start is None else cache_start,
-              out, lse, op, lsep, dp, claims,
+              out, lse, op, lsep, dp,
               *q.stride(), *sk, *sv, *sbt, *out.stride(),
-              heads_kv, capacity, p.n_splits, p.ws_splits, p.split_size, win_left, p.pool,
+              heads_kv, capacity, p.n_splits, p.ws_splits, p.split_size, win_left,
               qk_scale, cap_in, cap_out),
              dict(FINALIZE=tm.finalize, COMBINE=tm.combine,
                   Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim,
@@ -1021,7 +938,6 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   HAS_START=cache_start is not None, WRITE_FINAL=p.write_final,
                   NUM_STAGES=config.num_stages,
                   USE_PDL=pdl and not p.write_final,
-                  POOL=p.pool > 0, CHUNK_N=POOL_CHUNK_N,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   **_exact_ops(batch_invariant),
                   num_warps=config.num_warps * (2 if p.block_m >= 64 else 1),
@@ -1031,8 +947,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         merge = ((batch * heads_q * q_len,),
                  (op, lsep, dp, cache_seqlens,
                   cache_seqlens if cache_start is None else cache_start, out, lse, *out.stride(),
-                  heads_q, capacity, p.n_splits, p.ws_splits, p.split_size, win_left,
-                  p.pool),
+                  heads_q, capacity, p.n_splits, p.ws_splits, p.split_size, win_left),
                  dict(BLOCK_LIFT=tm.block_lift, COMBINE=tm.combine,
                       FINALIZE=tm.finalize,
                       Q_LEN=q_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK,
@@ -1050,7 +965,7 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    num_splits: int | None = None, batch_invariant: bool = False,
                    max_seqlen: int | None = None, cache_start: torch.Tensor | None = None,
                    config: DecodeConfig | None = None, invariant_split: int = INVARIANT_SPLIT,
-                   pdl: bool | None = None, tma: bool | None = None, pool: int | None = None,
+                   pdl: bool | None = None, tma: bool | None = None,
                    check=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``).
 
@@ -1073,14 +988,14 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     key = (sig(q), sig(k_cache), sig(v_cache), sig(cache_seqlens),
            None if block_table is None else sig(block_table),
            None if cache_start is None else sig(cache_start), scale, softcap, window,
-           num_splits, batch_invariant, max_seqlen, config, invariant_split, pdl, tma, pool,
+           num_splits, batch_invariant, max_seqlen, config, invariant_split, pdl, tma,
            launcher.env("FLASHFOLD_DECODE_PDL"), launcher.env("FLASHFOLD_DECODE_TMA"), check)
     inputs = (q, k_cache, v_cache, cache_seqlens, block_table, cache_start)
     return _CACHE.planned(key, None, inputs, _checked_prepare, check, *inputs, scale=scale,
                           softcap=softcap, window=window, num_splits=num_splits,
                           batch_invariant=batch_invariant, max_seqlen=max_seqlen,
                           config=config, invariant_split=invariant_split, pdl=pdl,
-                          tma=tma, pool=pool).run()
+                          tma=tma).run()
 
 
 def _checked_prepare(check, q, k_cache, v_cache, cache_seqlens, block_table, cache_start,
