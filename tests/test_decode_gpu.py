@@ -170,6 +170,27 @@ def test_one_split_and_merged_paths_agree_bitwise(page):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+def test_long_plan_matches_the_heuristics_plan():
+    """A long row (one program per SM, a 4-deep ring: ``splitkv._one_per_sm``) against the
+    occupancy heuristic's split count with the default ring, on the same tokens: the same
+    values; the ring depth alone never changes the bits."""
+    case = make_case([65536, 40001, 1, 0], heads_q=HQ, heads_kv=HKV, head_dim=D,
+                     capacity=65536, dtype=torch.bfloat16, device="cuda")
+    launch = splitkv.prepare(case.q, case.k, case.v, case.seqlens, scale=D ** -0.5)
+    assert launch.plan.num_stages == splitkv.LONG_STAGES
+    assert launch.split[2]["NUM_STAGES"] == splitkv.LONG_STAGES
+    long = launch.run()
+    assert launch.plan.n_splits * 4 * HKV <= splitkv._num_sms(case.q.device)
+    splits = splitkv.choose_num_splits(4 * HKV, 65536, splitkv._num_sms(case.q.device))
+    short = splitkv.splitkv_decode(case.q, case.k, case.v, case.seqlens, scale=D ** -0.5,
+                                   num_splits=splits)
+    assert_close(long[0], short[0].double(), "bfloat16", name="o")
+    assert_close(long[1], short[1].double(), "float32", name="lse")
+    deep = splitkv.splitkv_decode(case.q, case.k, case.v, case.seqlens, scale=D ** -0.5,
+                                  num_splits=splits, config=splitkv.DecodeConfig(num_stages=4))
+    assert torch.equal(deep[0], short[0]) and torch.equal(deep[1], short[1])
+
+
 @pytest.mark.parametrize("page", [None, 64], ids=["contiguous", "paged64"])
 def test_tma_and_pointer_loads_agree(page):
     """K/V through TMA boxes or through cp.async pointers: the same values, and in

@@ -372,6 +372,34 @@ def test_choose_num_splits():
     assert splitkv.choose_num_splits(8, 0, sms) == 1
 
 
+def test_long_sequences_one_program_per_sm():
+    """The default mode's plan for long contiguous head_dim-128 rows: splits making one
+    program per SM and a deeper ring; the occupancy heuristic elsewhere (short rows, paged
+    caches, other head dims or tiles, batch-invariant mode, rows that cannot fill 90% of
+    the SMs one program each, an explicit split count)."""
+    cfg, dev, sms = splitkv.DecodeConfig(), torch.device("cpu"), 132
+    long = splitkv.plan((8, 32, 1, 128), 8, 65536, 65536, None, dev, cfg)
+    assert (long.n_splits, long.num_stages) == (2, splitkv.LONG_STAGES)      # 128 programs
+    one = splitkv.plan((1, 32, 1, 128), 8, 1 << 17, 1 << 17, None, dev, cfg)
+    assert (one.n_splits, one.num_stages) == (16, splitkv.LONG_STAGES)
+    whole = splitkv.plan((16, 32, 1, 128), 8, 65536, 65536, None, dev, cfg)
+    assert whole.n_splits == 1 and whole.write_final and whole.num_stages == splitkv.LONG_STAGES
+    assert splitkv._one_per_sm(64, splitkv.LONG_KV, sms, 128, cfg, False) == 2
+    default = [
+        splitkv.plan((8, 32, 1, 128), 8, 65536, 16384, None, dev, cfg),          # short bound
+        splitkv.plan((8, 32, 1, 128), 8, 65536, 65536, 1024, dev, cfg),          # window
+        splitkv.plan((8, 32, 1, 128), 8, 65536, 65536, None, dev, cfg, paged=True),
+        splitkv.plan((8, 32, 1, 64), 8, 65536, 65536, None, dev, cfg),
+        splitkv.plan((8, 32, 1, 128), 8, 65536, 65536, None, dev,
+                     splitkv.DecodeConfig(block_n=32)),
+        splitkv.plan((8, 32, 1, 128), 8, 65536, 65536, None, dev, cfg, num_splits=3),
+        splitkv.plan((12, 32, 1, 128), 8, 65536, 65536, None, dev, cfg),         # 96 programs
+        splitkv.plan((8, 32, 1, 128), 8, 65536, 65536, None, dev, cfg, batch_invariant=True),
+    ]
+    assert all(p.num_stages == 0 for p in default)
+    assert default[-2].n_splits == splitkv.choose_num_splits(96, 65536, sms)
+
+
 def test_plan_invariant_split_ignores_the_batch(monkeypatch):
     cfg = splitkv.DecodeConfig()
     plans = [splitkv.plan((b, 32, 1, 128), 8, cap, cap, None, torch.device("cpu"), cfg,

@@ -64,6 +64,11 @@ the sequence's first key (``cache_start``, clamped to ``[0, n_b]``; 0 without it
   ``base = floor(lo / BLOCK_N) * BLOCK_N``, computed on the device from its own length,
   so every length is covered whatever the host assumed, and where the boundaries fall
   depends on ``S``, i.e. on the batch: the default mode's rounding is batch-dependent.
+  Long rows of a contiguous head_dim-128 cache (a host bound of at least
+  :data:`LONG_KV` keys) instead take ``S = floor(SMs / programs)``, one program per SM,
+  with a deeper ring (:data:`LONG_STAGES`; :func:`_one_per_sm`): fewer, longer streams
+  read DRAM faster there (H200: 8 x 64K +0.8%, 1 x 131K +2%, and -0.5% at 8K and 16K,
+  where the rule does not apply). The ring depth changes no bit.
 * ``batch_invariant``: split ``s`` of a sequence covers keys
   ``[c (floor(lo / c) + s), c (floor(lo / c) + s + 1))`` with ``c = INVARIANT_SPLIT``,
   doubled until the sequence's ``n_b - lo`` keys fit in ``INVARIANT_MAX_SPLITS`` splits,
@@ -223,6 +228,16 @@ MIN_SPLIT = 256
 MAX_SPLITS = 128
 CTAS_PER_SM = 3
 SATURATING_PER_SM = 2.0
+#: long sequences: from a host bound of LONG_KV keys on, a contiguous head_dim-128 cache is
+#: read by one split program per SM with a LONG_STAGES-deep ring instead of ~2 per SM with
+#: 3 stages (:func:`_one_per_sm`). H200, graph replays / after a read flush, against cuDNN
+#: in the same run, 3 repetitions (``benchmarks/RESULTS.md``, fourteenth session): 8 x 64K
+#: 1.001 / 1.000-1.001 (was 0.993 / 0.992), 1 x 131K 1.000 / 1.003-1.009 (was 0.98 /
+#: 0.99), 8 x 32K 0.997 / 0.998-1.000 (was 0.996 / 0.997); shorter rows lose with it (8 x
+#: 16K 1.000 against 1.006, 8 x 8K 0.995 against 1.003). 5 stages read 2% slower, 128-key
+#: tiles (2 stages) or 8 warps 11-13%
+LONG_KV = 32768
+LONG_STAGES = 4
 #: K + V bytes of a cache (its capacity: what a plan can see) from which the default reads
 #: it through TMA: a TMA launch costs ~17 us more host time (its descriptors), which made
 #: eager 1 x 8K calls host-bound (H200 run 15: 866 GB/s against 1,402 through pointers in
@@ -640,7 +655,8 @@ def _merge_kernel(
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tile configuration of the split kernel (never chosen from the batch: bitwise
-    invariance needs the same tiles, warps and reductions whatever the batch)."""
+    invariance needs the same tiles, warps and reductions whatever the batch; the default
+    mode deepens the ring of long rows, :data:`LONG_STAGES`, which changes no bit)."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
@@ -774,13 +790,17 @@ class SplitPlan:
     write_final: bool
     block_m: int
     m_blocks: int
+    num_stages: int = 0                 # the split kernel's ring depth (0: the config's)
 
 
 def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int | None,
          device: torch.device, config: DecodeConfig, *, num_splits: int | None = None,
-         batch_invariant: bool = False, invariant_split: int = INVARIANT_SPLIT) -> SplitPlan:
+         batch_invariant: bool = False, invariant_split: int = INVARIANT_SPLIT,
+         paged: bool = False) -> SplitPlan:
     """Host-side split plan from shapes, the cache capacity and a host bound on the lengths
-    (``kv_bound``, a performance hint only); reads nothing on the device."""
+    (``kv_bound``, a performance hint only); reads nothing on the device. Default mode:
+    one program per SM for long sequences (:func:`_one_per_sm`), else the occupancy
+    heuristic :func:`choose_num_splits`; ``paged``: the cache is paged."""
     batch, heads_q, q_len, _ = q_shape
     rows = (heads_q // heads_kv) * q_len
     block_m = min(_pow2(rows), _pow2(config.block_m_max))
@@ -801,10 +821,28 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
         n = min(used, -(-used // max(1, used // target)))
         # one program per sequence: it folds its splits itself (FOLD), no partials, no merge
         return SplitPlan(n, ws, invariant_split, n == 1, block_m, m_blocks)
+    stages = 0
     if num_splits is None:
-        num_splits = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device))
+        programs, sms = batch * heads_kv * m_blocks, _num_sms(device)
+        num_splits = _one_per_sm(programs, span, sms, q_shape[3], config, paged)
+        if num_splits:
+            stages = LONG_STAGES
+        else:
+            num_splits = choose_num_splits(programs, span, sms)
     n = int(num_splits)
-    return SplitPlan(n, n, 0, n == 1, block_m, m_blocks)
+    return SplitPlan(n, n, 0, n == 1, block_m, m_blocks, stages)
+
+
+def _one_per_sm(programs: int, span: int, num_sms: int, head_dim: int, config: DecodeConfig,
+                paged: bool) -> int:
+    """Splits that make one split program per SM for a long sequence (see :data:`LONG_KV`),
+    or 0 where that does not apply: a paged cache or another configuration than the one
+    measured (contiguous, head_dim 128, the 16-bit default tiles), a bound under LONG_KV,
+    or rows whose programs cannot fill 90% of the SMs one each."""
+    if paged or head_dim != 128 or config != DecodeConfig() or span < LONG_KV:
+        return 0
+    n = num_sms // max(1, programs)
+    return n if n >= 1 and n * programs >= 0.9 * num_sms else 0
 
 
 def invariant_size(keys: int, invariant_split: int = INVARIANT_SPLIT, block_n: int = 16) -> int:
@@ -884,7 +922,8 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     left = None if window is None else window[0]      # the right side is causal: 0
     bound = capacity if max_seqlen is None else max(0, min(int(max_seqlen), capacity))
     p = plan(q.shape, heads_kv, capacity, bound, left, q.device, config, num_splits=num_splits,
-             batch_invariant=batch_invariant, invariant_split=invariant_split)
+             batch_invariant=batch_invariant, invariant_split=invariant_split, paged=paged)
+    stages = p.num_stages or config.num_stages
     tm = _attention_fns()
     block_d = _pow2(head_dim)
     # outputs and workspace through plans.new: noted while splitkv_decode records a plan
@@ -936,12 +975,12 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   FIXED_SPLIT=batch_invariant,
                   SOFTCAP=bool(softcap), WINDOW=left is not None,
                   HAS_START=cache_start is not None, WRITE_FINAL=p.write_final,
-                  NUM_STAGES=config.num_stages,
+                  NUM_STAGES=stages,
                   USE_PDL=pdl and not p.write_final,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   **_exact_ops(batch_invariant),
                   num_warps=config.num_warps * (2 if p.block_m >= 64 else 1),
-                  num_stages=config.num_stages))
+                  num_stages=stages))
     merge = None
     if not p.write_final:
         merge = ((batch * heads_q * q_len,),
