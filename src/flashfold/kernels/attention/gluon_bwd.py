@@ -212,8 +212,7 @@ if gluon is not None:
     @gluon.jit
     def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, DQ_FIRST: gl.constexpr,
-                      WG: gl.constexpr):
+                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
         ``dV`` over every step and add the previous step's dQ columns ``64 WG ..`` (see
         the module docstring), then write ``dK``, ``dV`` and add the last step's dQ."""
@@ -302,10 +301,6 @@ if gluon is not None:
                 j += 1
         # the last step's dQ, issued now and added once dK and dV are on their way
         dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
-        if DQ_FIRST:
-            dq = warpgroup_mma_wait(0, deps=[dq])
-            mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
-            _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
 
         # dK = scale * sum dS^T Q, dV = sum P^T dO (see STORE_TMA in _attn_bwd_ws)
         row0 = n * BLOCK_N + WG * HALF
@@ -330,10 +325,9 @@ if gluon is not None:
             ok = (out_rows < kv_len)[:, None]
             gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
             gl.store(DV + offs, dv.to(dtype), mask=ok)
-        if not DQ_FIRST:
-            dq = warpgroup_mma_wait(0, deps=[dq])
-            mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
-            _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+        mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
+        _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
         tma.store_wait(0)
 
     @gluon.jit
@@ -341,8 +335,7 @@ if gluon is not None:
                      q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
-                     DQ_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -384,9 +377,9 @@ if gluon is not None:
         ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, DQ_FIRST, 0)),
+                             STAGES, CAUSAL, STORE_TMA, 0)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, DQ_FIRST, 1)),
+                             STAGES, CAUSAL, STORE_TMA, 1)),
             (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
@@ -465,7 +458,7 @@ def wave_heads(causal: bool, n_n: int, n_bh: int, num_sms: int) -> int:
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         launch: bool = True, tma_store: bool | None = None,
-                        heads_per_wave: int | None = None, dq_first: bool = False):
+                        heads_per_wave: int | None = None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -487,8 +480,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
             heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
-                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), DQ_FIRST=bool(dq_first),
-                  CONSUMER_REGS=CONSUMER_REGS,
+                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
     if not launch:
