@@ -384,7 +384,8 @@ def test_long_sequences_one_program_per_sm():
     assert (one.n_splits, one.num_stages) == (16, splitkv.LONG_STAGES)
     whole = splitkv.plan((16, 32, 1, 128), 8, 65536, 65536, None, dev, cfg)
     assert whole.n_splits == 1 and whole.write_final and whole.num_stages == splitkv.LONG_STAGES
-    assert splitkv._one_per_sm(64, splitkv.LONG_KV, sms, 128, cfg, False) == 2
+    assert splitkv._one_per_sm(64, splitkv.LONG_KV, sms, 128, 16, cfg, False, dev) == 2
+    assert splitkv._one_per_sm(64, splitkv.LONG_KV, sms, 128, 64, cfg, False, dev) == 0
     default = [
         splitkv.plan((8, 32, 1, 128), 8, 65536, 16384, None, dev, cfg),          # short bound
         splitkv.plan((8, 32, 1, 128), 8, 65536, 65536, 1024, dev, cfg),          # window
@@ -395,9 +396,14 @@ def test_long_sequences_one_program_per_sm():
         splitkv.plan((8, 32, 1, 128), 8, 65536, 65536, None, dev, cfg, num_splits=3),
         splitkv.plan((12, 32, 1, 128), 8, 65536, 65536, None, dev, cfg),         # 96 programs
         splitkv.plan((8, 32, 1, 128), 8, 65536, 65536, None, dev, cfg, batch_invariant=True),
+        splitkv.plan((8, 32, 16, 128), 8, 65536, 65536, None, dev, cfg),  # 64 rows: 8 warps
     ]
     assert all(p.num_stages == 0 for p in default)
-    assert default[-2].n_splits == splitkv.choose_num_splits(96, 65536, sms)
+    assert default[-3].n_splits == splitkv.choose_num_splits(96, 65536, sms)
+    # another GPU than an sm_90 H100/H200 (e.g. ~100 KB of shared memory per block)
+    with mock.patch.object(splitkv.launcher, "capability", lambda d: (12, 0)):
+        assert splitkv._one_per_sm(64, splitkv.LONG_KV, sms, 128, 16, cfg, False,
+                                   torch.device("cuda", 0)) == 0
 
 
 def test_plan_invariant_split_ignores_the_batch(monkeypatch):

@@ -824,7 +824,8 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
     stages = 0
     if num_splits is None:
         programs, sms = batch * heads_kv * m_blocks, _num_sms(device)
-        num_splits = _one_per_sm(programs, span, sms, q_shape[3], config, paged)
+        num_splits = _one_per_sm(programs, span, sms, q_shape[3], block_m, config, paged,
+                                 device)
         if num_splits:
             stages = LONG_STAGES
         else:
@@ -833,13 +834,19 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
     return SplitPlan(n, n, 0, n == 1, block_m, m_blocks, stages)
 
 
-def _one_per_sm(programs: int, span: int, num_sms: int, head_dim: int, config: DecodeConfig,
-                paged: bool) -> int:
+def _one_per_sm(programs: int, span: int, num_sms: int, head_dim: int, block_m: int,
+                config: DecodeConfig, paged: bool, device: torch.device) -> int:
     """Splits that make one split program per SM for a long sequence (see :data:`LONG_KV`),
-    or 0 where that does not apply: a paged cache or another configuration than the one
-    measured (contiguous, head_dim 128, the 16-bit default tiles), a bound under LONG_KV,
-    or rows whose programs cannot fill 90% of the SMs one each."""
-    if paged or head_dim != 128 or config != DecodeConfig() or span < LONG_KV:
+    or 0 where that does not apply: another GPU than the one measured (an sm_90 H100/H200;
+    the interpreter plans as for one), a paged cache or another configuration than the
+    measured one (contiguous, head_dim 128, the 16-bit default tiles, fewer than 64 query
+    rows per program: 4 warps), a bound under LONG_KV, or rows whose programs cannot fill
+    90% of the SMs one each. (The deeper ring needs 128 KB of shared memory: more than
+    GPUs with ~100 KB per block have.)"""
+    if device.type == "cuda" and launcher.capability(device) != (9, 0):
+        return 0
+    if (paged or head_dim != 128 or block_m >= 64 or config != DecodeConfig()
+            or span < LONG_KV):
         return 0
     n = num_sms // max(1, programs)
     return n if n >= 1 and n * programs >= 0.9 * num_sms else 0
