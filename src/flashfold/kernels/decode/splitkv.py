@@ -239,11 +239,14 @@ SATURATING_PER_SM = 2.0
 LONG_KV = 32768
 LONG_STAGES = 4
 #: K + V bytes of a cache (its capacity: what a plan can see) from which the default reads
-#: it through TMA: a TMA launch costs ~17 us more host time (its descriptors), which made
-#: eager 1 x 8K calls host-bound (H200 run 15: 866 GB/s against 1,402 through pointers in
-#: the same run). From 256 MiB on, the kernel's >= ~60 us at the DRAM rate hide it (8 x 8K
-#: eagerly: 3,406 GB/s, graph 3,399). TMA and pointers give the same bits, so the switch
-#: keeps outputs independent of the batch
+#: it through TMA: a TMA launch costs ~17-30 us more host time on the H200 host (Triton
+#: walks all ~57 launch arguments in Python to expand the two descriptors, ~23 us under
+#: cProfile; encoding them ~2 us), which made eager 1 x 8K calls host-bound (H200 run 15:
+#: 866 GB/s against 1,402 through pointers in the same run). From 256 MiB on, the kernel's
+#: >= ~60 us at the DRAM rate hide it when the host is quick (8 x 8K eagerly: 3,406 GB/s,
+#: graph 3,399; on a slower host in runs 17 and 19 eager 8 x 8K calls were host-bound
+#: either way). TMA and pointers give the same bits, so the switch keeps outputs
+#: independent of the batch
 TMA_MIN_BYTES = 1 << 28
 #: "unbounded" window side, as an int32 the kernels can subtract from positions
 NO_WINDOW = 1 << 30
