@@ -15,11 +15,13 @@ from flashfold.kernels import launcher  # noqa: E402
 from flashfold.kernels.attention import _probe_bwd64 as P  # noqa: E402
 from flashfold.kernels.attention import bwd, fwd, gluon_bwd, gluon_fwd  # noqa: E402
 
-VARIANTS = {"A (dK after dQ0)": dict(dk_first=False), "B (dK first)": dict(dk_first=True)}
+VARIANTS = {"A 1 stage": dict(),
+            "A, dQ not added": dict(add_dq=False),
+            "2 stages, dQ/8": dict(stages=2, dq_split=8, dq_bufs=1),
+            "2 st, dQ/4 1CTA": dict(stages=2, dq_split=4, dq_bufs=1)}
 only = sys.argv[1:]
 H, tokens = 16, 16384
-ROWS = [(128, 1024, False), (128, 1024, True), (128, 4096, False), (128, 4096, True),
-        (128, 16384, False), (128, 16384, True)]
+ROWS = [(128, 1024, False), (128, 4096, False), (128, 4096, True)]
 sms = gluon_fwd.num_sms(torch.empty(1, device="cuda"))
 for D, N, causal in ROWS:
     tag = f"D {D} N {N} {'causal' if causal else 'full'}"
@@ -51,7 +53,7 @@ for D, N, causal in ROWS:
         torch.cuda.synchronize()
         errs = [((a.float() - r.float()).abs().max() / r.float().abs().max()).item()
                 for a, r in zip((dk2, dv2, acc), ref)]
-        ok = max(errs) < 2e-2
+        ok = max(errs[:2] if kw.get('add_dq') is False else errs) < 2e-2
         print(f"{tag} {name}: rel. max diff vs committed dK {errs[0]:.1e} dV {errs[1]:.1e} "
               f"dQacc {errs[2]:.1e} {'OK' if ok else 'WRONG'}", flush=True)
         if ok:
@@ -69,5 +71,20 @@ for D, N, causal in ROWS:
     for n in runs:
         print(f"    {n:18s} " + " ".join(f"{x:.0f}" for x in res[n]) + "   ratio to committed "
               + " ".join(f"{x / c:.3f}" for x, c in zip(res[n], res["committed"])), flush=True)
+    if N == 4096 and not causal:   # launch attributes of cuDNN's and our kernels (kineto)
+        import json
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.autograd.grad(oc, (qg, kg, vg), do, retain_graph=True)
+            for m in runs.values():
+                launcher.launch(*m)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace("/tmp/trace.json")
+        for e in json.load(open("/tmp/trace.json"))["traceEvents"]:
+            if e.get("cat") == "kernel":
+                a = e.get("args", {})
+                print("   ", e["name"][:70], {x: a.get(x) for x in ("grid", "block",
+                      "registers per thread", "shared memory", "blocks per SM",
+                      "est. achieved occupancy %")}, f"{e.get('dur')} us", flush=True)
     del q, k, v, do, o, lse, dq, dk, dv, launches, runs, qg, kg, vg, oc
     torch.cuda.empty_cache()

@@ -53,7 +53,7 @@ if gluon is not None:
     def _consumer64(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_BUFS: gl.constexpr,
-                    DK_FIRST: gl.constexpr):
+                    DK_FIRST: gl.constexpr, ADD_DQ: gl.constexpr):
         """All 64 keys of the tile; per step S^T, dP^T, dV, dS^T -> smem, dQ = dS K (all
         HEAD_DIM columns, DQ_SPLIT products of HEAD_DIM / DQ_SPLIT), dK; dQ added by TMA
         reduce-adds in the same step (no second warpgroup to wait for)."""
@@ -127,11 +127,12 @@ if gluon is not None:
                         dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
                     else:        # in-order completion: this waits for dK too
                         dq = warpgroup_mma_wait(0, deps=[dq])
-                    dq_smem = dq_bufs.index(c % DQ_BUFS)
-                    tma.store_wait(DQ_BUFS - 1)
-                    dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
-                    fence_async_shared()
-                    _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, c * DQ_COLS], dq_smem)
+                    if ADD_DQ:     # (off: timing only, dQ left out)
+                        dq_smem = dq_bufs.index(c % DQ_BUFS)
+                        tma.store_wait(DQ_BUFS - 1)
+                        dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
+                        fence_async_shared()
+                        _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, c * DQ_COLS], dq_smem)
                 dk = warpgroup_mma_wait(0, deps=[dk])
                 mbarrier.arrive(q_empty.index(slot), count=1)
                 j += 1
@@ -150,7 +151,8 @@ if gluon is not None:
                     q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, qk_scale, scale,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                    DQ_BUFS: gl.constexpr, DK_FIRST: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                    DQ_BUFS: gl.constexpr, DK_FIRST: gl.constexpr, ADD_DQ: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -183,7 +185,7 @@ if gluon is not None:
         ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
             (_consumer64, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                           STAGES, CAUSAL, DQ_SPLIT, DQ_BUFS, DK_FIRST)),
+                           STAGES, CAUSAL, DQ_SPLIT, DQ_BUFS, DK_FIRST, ADD_DQ)),
             (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [1], [PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
@@ -193,7 +195,7 @@ if gluon is not None:
 
 
 def bwd64(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, scale, stages=1, dq_split=2,
-          dq_bufs=2, dk_first=False, num_sms=132):
+          dq_bufs=2, dk_first=False, add_dq=True, num_sms=132):
     """(kernel, grid, args, kwargs) of the probe kernel (launch=False only)."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -204,7 +206,7 @@ def bwd64(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, scale, stages=1, dq_s
             gluon_bwd.wave_heads(causal, n_n, B * Hk, 2 * num_sms), B * Hk,
             float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=stages,
-                  CAUSAL=bool(causal), DQ_SPLIT=dq_split, DQ_BUFS=dq_bufs, DK_FIRST=dk_first,
+                  CAUSAL=bool(causal), DQ_SPLIT=dq_split, DQ_BUFS=dq_bufs, DK_FIRST=dk_first, ADD_DQ=add_dq,
                   PRODUCER_REGS=PRODUCER_REGS,
                   num_warps=4, maxnreg=MAXNREG64)
     return _attn_bwd64, (n_n * B * Hk,), args, kwargs
