@@ -79,7 +79,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-    from .gluon_fwd import _wgmma_layout
+    from .gluon_fwd import _pass_turn, _take_turn, _wgmma_layout
 
     try:  # private API (see _tma_reduce_add): another Triton may move it; then no Gluon path
         from triton._C.libtriton import gluon_ir as _gluon_ir
@@ -159,7 +159,7 @@ if gluon is not None:
         of every step (query head ``g`` of the group, query tile ``m``) into the ring."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
+        kv_ready, q_ready, q_empty, ds_ready, ds_empty, turn = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
         b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -212,13 +212,14 @@ if gluon is not None:
     @gluon.jit
     def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr):
+                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
+                      PINGPONG: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
         ``dV`` over every step and add the previous step's dQ columns ``64 WG ..`` (see
         the module docstring), then write ``dK``, ``dV`` and add the last step's dQ."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, q_ready, q_empty, ds_ready, ds_empty = bars
+        kv_ready, q_ready, q_empty, ds_ready, ds_empty, turn = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
         DK, DV, qk_scale, scale = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
@@ -260,10 +261,12 @@ if gluon is not None:
                 mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
                 q_s = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
                 do_s = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                _take_turn(turn, PINGPONG * j, WG, PINGPONG > 0)
                 st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)
                 dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False,
                                     is_async=True)
+                _pass_turn(turn, WG, PINGPONG > 0)
                 # lambda and D of the tile's rows: loaded with Q (global loads here were
                 # on the critical path: +4-10% per row, and spills 376 -> 156 bytes)
                 lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
@@ -274,7 +277,9 @@ if gluon is not None:
                 else:           # keys past Nk: P could overflow (a row's lse far below 0)
                     p = gl.where(key_ok[:, None], p, 0.0)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
+                _take_turn(turn, PINGPONG * j + 1, WG, PINGPONG > 1)
                 dv = warpgroup_mma(pa, do_s, dv, is_async=True)
+                _pass_turn(turn, WG, PINGPONG > 1)
                 dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
                 dpt = warpgroup_mma_wait(1, deps=[dpt])
                 ds = p * (dpt - dd[None, :])
@@ -286,11 +291,13 @@ if gluon is not None:
                 ds_bufs.index(dsb).slice(WG * HALF, HALF, dim=0).store(ds.to(dtype))
                 fence_async_shared()
                 mbarrier.arrive(ds_ready.index(dsb), count=1)
+                _take_turn(turn, PINGPONG * j + 2, WG, PINGPONG > 1)
                 dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
                 # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
                 # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
                 # +3%, and the causal variant's spill stores 952 -> 488 bytes)
                 dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
+                _pass_turn(turn, WG, PINGPONG > 1)
                 dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
                 mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
                 _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
@@ -335,7 +342,8 @@ if gluon is not None:
                      q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -362,6 +370,7 @@ if gluon is not None:
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
@@ -369,17 +378,21 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
             mbarrier.init(ds_empty.index(i), count=2)
+        if PINGPONG > 0:
+            for i in gl.static_range(2):
+                mbarrier.init(turn.index(i), count=1)
+            mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 issues first
 
         descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc)
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
-        bars = (kv_ready, q_ready, q_empty, ds_ready, ds_empty)
+        bars = (kv_ready, q_ready, q_empty, ds_ready, ds_empty, turn)
         shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh)
         ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, 0)),
+                             STAGES, CAUSAL, STORE_TMA, 0, PINGPONG)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, 1)),
+                             STAGES, CAUSAL, STORE_TMA, 1, PINGPONG)),
             (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
@@ -389,6 +402,9 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.invalidate(ds_ready.index(i))
             mbarrier.invalidate(ds_empty.index(i))
+        if PINGPONG > 0:
+            for i in gl.static_range(2):
+                mbarrier.invalidate(turn.index(i))
 
 
 def supported(q, k, v, do, *, causal: bool = False) -> bool:
@@ -458,7 +474,7 @@ def wave_heads(causal: bool, n_n: int, n_bh: int, num_sms: int) -> int:
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         launch: bool = True, tma_store: bool | None = None,
-                        heads_per_wave: int | None = None):
+                        heads_per_wave: int | None = None, pingpong: int = 0):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -480,7 +496,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
             heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
-                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), CONSUMER_REGS=CONSUMER_REGS,
+                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=int(pingpong),
+                  CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
     if not launch:
