@@ -20,13 +20,18 @@ import torch
 from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
 from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
 
-#: (id, causal, dtype, dK/dV by TMA stores, head_dim) of the variants compiled on the CPU
-VARIANTS = [("dense", False, "bfloat16", True, 128), ("causal", True, "bfloat16", True, 128),
-            ("dense-fp16", False, "float16", True, 128),
-            ("causal-fp16", True, "float16", True, 128),
-            ("dense-register-stores", False, "bfloat16", False, 128),
-            ("dense-d64", False, "bfloat16", True, 64), ("causal-d64", True, "bfloat16", True, 64),
-            ("dense-d64-register-stores", False, "bfloat16", False, 64)]
+#: (id, causal, dtype, dK/dV by TMA stores, head_dim, warpgroups take turns) of the
+#: variants compiled on the CPU (turns: :func:`pingpong_default`, else forced)
+VARIANTS = [("dense", False, "bfloat16", True, 128, None),
+            ("causal", True, "bfloat16", True, 128, None),
+            ("causal-no-turns", True, "bfloat16", True, 128, False),
+            ("dense-turns", False, "bfloat16", True, 128, True),
+            ("dense-fp16", False, "float16", True, 128, None),
+            ("causal-fp16", True, "float16", True, 128, None),
+            ("dense-register-stores", False, "bfloat16", False, 128, None),
+            ("dense-d64", False, "bfloat16", True, 64, None),
+            ("causal-d64", True, "bfloat16", True, 64, None),
+            ("dense-d64-register-stores", False, "bfloat16", False, 64, None)]
 
 
 def _compile_all():
@@ -34,14 +39,14 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_bwd as G
 
-    def facts(causal, dtype, tma_store, D):
+    def facts(causal, dtype, tma_store, D, pingpong):
         q = torch.empty(2, 4, 1000, D, dtype=getattr(torch, dtype))
         k = torch.empty(2, 2, 1000, D, dtype=q.dtype)
         lam = torch.empty(2, 4, 1000)
         acc = torch.empty(2, 4, 1000, D)
         kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k,
                                                         causal=causal, scale=0.1, launch=False,
-                                                        tma_store=tma_store)
+                                                        tma_store=tma_store, pingpong=pingpong)
         c = compile_launch(kernel, args, kwargs)
         sass = _run_on_cubin(c.cubin, "-sass")
         return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass, tma_store="UTMASTG" in sass,
@@ -64,6 +69,13 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert r["tma_reduce"] and not r["red"], r["red"]
     # dK, dV leave by TMA stores exactly in the variants that ask for them
     assert r["tma_store"] == next(v[3] for v in VARIANTS if v[0] == vid)
+
+
+def test_warpgroups_take_turns_in_head_dim_128_causal_calls():
+    from flashfold.kernels.attention.gluon_bwd import pingpong_default
+    assert pingpong_default(True, 128)
+    assert not pingpong_default(False, 128)
+    assert not pingpong_default(True, 64) and not pingpong_default(False, 64)
 
 
 def test_dk_dv_by_tma_stores_for_causal_and_short_dense_programs():
@@ -253,6 +265,15 @@ def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal, D):
     """The two ways out of dK, dV (TMA stores from the ring, stores from registers)
     write the same values."""
     _same_gradients(_gluon_variants(causal, D, [dict(tma_store=True), dict(tma_store=False)]))
+
+
+@pytest.mark.parametrize("causal, D", [(False, 128), (True, 128), (True, 64)],
+                         ids=["dense", "causal", "causal-d64"])
+@pytest.mark.gpu
+def test_gpu_turns_change_no_bit_of_dk_dv(causal, D):
+    """Taking turns only delays when each warpgroup issues its products: dK, dV are
+    bitwise those without turns."""
+    _same_gradients(_gluon_variants(causal, D, [dict(pingpong=True), dict(pingpong=False)]))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])

@@ -41,6 +41,8 @@ head of the GQA group stream past. Three partitions (``gl.warp_specialize``):
   (``red.global.add``, paired) took 45% of the kernel's time (H200, head_dim 128, 4K
   dense: 363 TFLOP/s with them, 641 without; ``benchmarks/RESULTS.md``). Storing dQ and
   adding it still costs ~22% of a step (without them: +27% at 4K dense; tenth session).
+  Head_dim-128 causal programs also make the warpgroups take turns issuing each step's
+  first products (:func:`pingpong_default`).
 
 Finally ``dK = scale * sum dS^T Q`` and ``dV`` are written (input dtype): by TMA stores
 from the warpgroup's slot of the (then idle) ``Q`` / ``dO`` ring, or, for long dense
@@ -115,8 +117,8 @@ STAGES = {64: 3, 128: 2}
 #: (see :func:`store_tma`)
 STORE_TMA_MAX_STEPS = 32
 
-__all__ = ["supported", "eligible", "gluon_attention_bwd", "store_tma", "wave_heads", "BLOCK_M",
-           "BLOCK_N"]
+__all__ = ["supported", "eligible", "gluon_attention_bwd", "store_tma", "wave_heads",
+           "pingpong_default", "BLOCK_M", "BLOCK_N"]
 
 
 if gluon is not None:
@@ -261,12 +263,12 @@ if gluon is not None:
                 mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
                 q_s = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
                 do_s = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-                _take_turn(turn, PINGPONG * j, WG, PINGPONG > 0)
+                _take_turn(turn, j, WG, PINGPONG)     # (see pingpong_default)
                 st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)
                 dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False,
                                     is_async=True)
-                _pass_turn(turn, WG, PINGPONG > 0)
+                _pass_turn(turn, WG, PINGPONG)
                 # lambda and D of the tile's rows: loaded with Q (global loads here were
                 # on the critical path: +4-10% per row, and spills 376 -> 156 bytes)
                 lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
@@ -277,9 +279,7 @@ if gluon is not None:
                 else:           # keys past Nk: P could overflow (a row's lse far below 0)
                     p = gl.where(key_ok[:, None], p, 0.0)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
-                _take_turn(turn, PINGPONG * j + 1, WG, PINGPONG > 1)
                 dv = warpgroup_mma(pa, do_s, dv, is_async=True)
-                _pass_turn(turn, WG, PINGPONG > 1)
                 dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
                 dpt = warpgroup_mma_wait(1, deps=[dpt])
                 ds = p * (dpt - dd[None, :])
@@ -291,13 +291,11 @@ if gluon is not None:
                 ds_bufs.index(dsb).slice(WG * HALF, HALF, dim=0).store(ds.to(dtype))
                 fence_async_shared()
                 mbarrier.arrive(ds_ready.index(dsb), count=1)
-                _take_turn(turn, PINGPONG * j + 2, WG, PINGPONG > 1)
                 dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
                 # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
                 # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
                 # +3%, and the causal variant's spill stores 952 -> 488 bytes)
                 dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
-                _pass_turn(turn, WG, PINGPONG > 1)
                 dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
                 mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
                 _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
@@ -378,7 +376,7 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
             mbarrier.init(ds_empty.index(i), count=2)
-        if PINGPONG > 0:
+        if PINGPONG:
             for i in gl.static_range(2):
                 mbarrier.init(turn.index(i), count=1)
             mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 issues first
@@ -402,7 +400,7 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.invalidate(ds_ready.index(i))
             mbarrier.invalidate(ds_empty.index(i))
-        if PINGPONG > 0:
+        if PINGPONG:
             for i in gl.static_range(2):
                 mbarrier.invalidate(turn.index(i))
 
@@ -472,16 +470,32 @@ def wave_heads(causal: bool, n_n: int, n_bh: int, num_sms: int) -> int:
     return n_bh
 
 
+def pingpong_default(causal: bool, head_dim: int) -> bool:
+    """Whether the consumer warpgroups take turns issuing each step's first products
+    (``S^T``, ``dP^T``): each waits until the other has issued its own for the step before
+    (two mbarriers, the forward's ``_take_turn``), so that they stay half a step apart
+    rather than computing their exponentials at the same time.
+
+    Measured (H200, kernel alone against no turns, fifteenth session, 5 interleaved
+    repetitions; ``benchmarks/RESULTS.md``): head_dim 128 causal 1K 0.89-1.02 (median
+    1.007), 4K 1.019-1.046, 16K 0.995-1.040; head_dim 128 dense 0.94-1.06 (3
+    repetitions, 7 of 9 below 1); head_dim 64 0.95-1.06 (medians 0.99-1.01). Turns at
+    every product of the step (three per step) lost 1-4% in most rows. So head_dim 128
+    causal calls take turns."""
+    return causal and head_dim == 128
+
+
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         launch: bool = True, tma_store: bool | None = None,
-                        heads_per_wave: int | None = None, pingpong: int = 0):
+                        heads_per_wave: int | None = None, pingpong: bool | None = None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
     ``k, v (B, Hk, Nk, D)``, ``do`` like ``q``, from the preprocess's ``lam`` and ``dd
     (B, Hq, Nq)`` (fp32, unit last stride, 16-byte aligned head strides: TMA tiles). The
     caller checks :func:`eligible`. ``tma_store``: how ``dK``, ``dV`` are written (default
-    :func:`store_tma`); ``heads_per_wave``: the program order (default :func:`wave_heads`).
+    :func:`store_tma`); ``heads_per_wave``: the program order (default :func:`wave_heads`);
+    ``pingpong``: whether the consumers take turns (default :func:`pingpong_default`).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -490,13 +504,15 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         tma_store = store_tma(causal, (Hq // Hk) * -(-Nq // BLOCK_M))
     if heads_per_wave is None:
         heads_per_wave = wave_heads(causal, n_n, B * Hk, gluon_fwd.num_sms(q))
+    if pingpong is None:
+        pingpong = pingpong_default(causal, D)
     out = ((_desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2)) if tma_store else (dk, dv))
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, D // 2), _desc(lam.unsqueeze(2), 1, BLOCK_M),
             _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
             heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
-                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=int(pingpong),
+                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=bool(pingpong),
                   CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
