@@ -124,14 +124,14 @@ __all__ = ["supported", "eligible", "gluon_attention_bwd", "store_tma", "wave_he
 if gluon is not None:
 
     @gluon.jit
-    def _program(shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def _program(pid, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):
         """This program's key tile ``n`` of ``(b, hk)``, the first query tile that sees it
         (``m_lo``) and where its walk over the query tiles starts (``m_0``, see
         :func:`_query_tile`). Programs run in groups of ``wave_heads`` heads (the last
         group may have fewer), tile-major inside a group: tile 0 of each of its heads,
         then tile 1, ... (:func:`wave_heads`)."""
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
-        pid = gl.program_id(0)
         first = (pid // (wave_heads * n_n)) * wave_heads
         heads = gl.minimum(wave_heads, n_bh - first)
         r = pid - first * n_n
@@ -155,22 +155,23 @@ if gluon is not None:
         return m_lo + (i - m_lo + m_0) % (n_m - m_lo)
 
     @gluon.jit
-    def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """TMA loads: the key and value tile once, then ``Q``, ``dO``, ``lambda`` and ``D``
-        of every step (query head ``g`` of the group, query tile ``m``) into the ring."""
+    def _producer_tile(t, j, descs, bufs, bars, shape, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """Key tile ``t``'s loads: ``K`` and ``V`` once, then ``Q``, ``dO``, ``lambda`` and
+        ``D`` of every step (query head ``g`` of the group, query tile ``m``) into the
+        ring, whose position ``j`` counts on across tiles; returns it."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, q_ready, q_empty, ds_ready, ds_empty, turn = bars
+        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
-        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
+        b, hk, n, m_lo, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, CAUSAL)
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
         n_m = gl.cdiv(q_len, BLOCK_M)
-        j = 0
+        j = gl.to_tensor(j)      # (a one-tile program passes the literal 0)
         for g in range(group):
             hq = hk * group + g
             for i in range(m_lo, n_m):
@@ -187,16 +188,39 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, m * BLOCK_M],
                                                 q_ready.index(slot), dd_bufs.index(slot))
                 j += 1
+        return j
 
     @gluon.jit
-    def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j):
+    def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+        """TMA loads of the program's key tile, or (``PERSISTENT``) of key tiles ``pid,
+        pid + grid, ...``, each tile's ``K``, ``V`` once both consumers have released the
+        previous one (``kv_empty``)."""
+        if PERSISTENT:
+            q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
+            kv_empty = bars[1]
+            j = 0
+            r = 0
+            for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
+                mbarrier.wait(kv_empty, (r & 1) ^ 1)
+                j = _producer_tile(t, j, descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
+                                   CAUSAL)
+                r += 1
+        else:
+            _producer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, BLOCK_M, BLOCK_N,
+                           STAGES, CAUSAL)
+
+    @gluon.jit
+    def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, buf):
         """Issue the dQ columns of step ``j - 1``: ``dS_{j-1} K[:, cols]`` (async wgmma)
         from dS buffer ``(j - 1) % 2`` once both warpgroups have stored their halves
-        (at ``j = 0``: the zeroed buffer 1, whose barrier phase 1 passes at once)."""
+        (at ``j = 0``: the zeroed buffer 1, whose barrier phase 1 passes at once), or from
+        dS buffer ``buf`` (persistent programs' first step of a tile: the zeroed buffer 2;
+        the wait then passes at once too, the previous tile's last dS being ready)."""
         pb = (j + 1) % 2
         # phase ((j - 1) // 2) & 1, written for j >= 0: Triton's // truncates toward zero
         mbarrier.wait(ds_ready.index(pb), ((j + 1) // 2 + 1) & 1)
-        return warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_cols, dq_zero,
+        return warpgroup_mma(ds_bufs.index(buf).permute((1, 0)), k_cols, dq_zero,
                              use_acc=False, is_async=True)
 
     @gluon.jit
@@ -212,16 +236,17 @@ if gluon is not None:
         _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, WG * DQ_COLS], dq_smem)
 
     @gluon.jit
-    def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
-                      PINGPONG: gl.constexpr):
-        """Keys ``64 WG .. 64 WG + 63`` of the program's tile: accumulate their ``dK``,
-        ``dV`` over every step and add the previous step's dQ columns ``64 WG ..`` (see
-        the module docstring), then write ``dK``, ``dV`` and add the last step's dQ."""
+    def _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
+                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
+        position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
+        over every step and add the previous step's dQ columns ``64 WG ..`` (see the
+        module docstring), then write ``dK``, ``dV`` and add the last step's dQ."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, q_ready, q_empty, ds_ready, ds_empty, turn = bars
+        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
         DK, DV, qk_scale, scale = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
@@ -232,7 +257,7 @@ if gluon is not None:
         dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
-        b, hk, n, m_lo, m_0 = _program(shape, BLOCK_M, BLOCK_N, CAUSAL)
+        b, hk, n, m_lo, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, CAUSAL)
         k_w = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
         v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
         k_cols = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
@@ -245,16 +270,17 @@ if gluon is not None:
         dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
         n_m = gl.cdiv(q_len, BLOCK_M)
-        mbarrier.wait(kv_ready, 0)
-        # dQ runs a step late (see the module docstring): step 0 adds the product of a
-        # zeroed dS buffer 1 ("step -1") to its own rows, which adds nothing. Each
-        # warpgroup zeroes the whole buffer, so neither waits for the other's zeros; a
-        # dS(1) store into it waits (ds_empty) until both have read it at step 0.
+        mbarrier.wait(kv_ready, r & 1)
+        # dQ runs a step late (see the module docstring): a tile's first step adds the
+        # product of a zeroed dS buffer ("step -1", see _bwd_consumer) to its own rows,
+        # which adds nothing
         m_prev = _query_tile(m_lo, m_lo, m_0, n_m)
         hq_prev = hk * group
-        ds_bufs.index(1).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
-        fence_async_shared()
-        j = 0
+        if not PERSISTENT:
+            ds_bufs.index(1).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
+            fence_async_shared()
+        j = gl.to_tensor(j)      # (a one-tile program passes the literal 0)
+        j0 = j
         for g in range(group):
             hq = hk * group + g
             for i in range(m_lo, n_m):
@@ -291,7 +317,11 @@ if gluon is not None:
                 ds_bufs.index(dsb).slice(WG * HALF, HALF, dim=0).store(ds.to(dtype))
                 fence_async_shared()
                 mbarrier.arrive(ds_ready.index(dsb), count=1)
-                dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
+                if PERSISTENT:
+                    dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j,
+                                     gl.where(j == j0, 2, (j + 1) % 2))
+                else:
+                    dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, (j + 1) % 2)
                 # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
                 # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
                 # +3%, and the causal variant's spill stores 952 -> 488 bytes)
@@ -305,7 +335,13 @@ if gluon is not None:
                 hq_prev = hq
                 j += 1
         # the last step's dQ, issued now and added once dK and dV are on their way
-        dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j)
+        dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, (j + 1) % 2)
+        if PERSISTENT:
+            # K and V read for the last time: the producer loads the next tile's while
+            # dK, dV are written. (The next tile's first step makes the ds_empty arrival
+            # for this read: its product reads the zeroed buffer instead.)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            mbarrier.arrive(kv_empty, count=1)
 
         # dK = scale * sum dS^T Q, dV = sum P^T dO (see STORE_TMA in _attn_bwd_ws)
         row0 = n * BLOCK_N + WG * HALF
@@ -330,9 +366,40 @@ if gluon is not None:
             ok = (out_rows < kv_len)[:, None]
             gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
             gl.store(DV + offs, dv.to(dtype), mask=ok)
-        dq = warpgroup_mma_wait(0, deps=[dq])
-        mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
+        if not PERSISTENT:
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
         _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
+        return j
+
+    @gluon.jit
+    def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
+                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
+        key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
+        counting on across tiles. The first step of a tile adds the product of a zeroed
+        dS buffer: buffer 1 of a one-tile program (a dS(1) store into it waits, through
+        ds_empty, until both warpgroups have read it at step 0), or the extra buffer 2 of
+        a persistent one, read at every tile's first step and never written again. Each
+        warpgroup zeroes the whole buffer, so neither waits for the other's zeros."""
+        if PERSISTENT:
+            q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
+            bufs[4].index(2).store(gl.zeros([BLOCK_N, BLOCK_M], descs[0].dtype,
+                                            _wgmma_layout(BLOCK_M)))
+            fence_async_shared()
+            j = 0
+            r = 0
+            for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
+                j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                   HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
+                                   PERSISTENT)
+                r += 1
+        else:
+            _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, BLOCK_M,
+                           BLOCK_N, HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
+                           PERSISTENT)
         tma.store_wait(0)
 
     @gluon.jit
@@ -340,8 +407,8 @@ if gluon is not None:
                      q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
-                     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
+                     PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -356,7 +423,8 @@ if gluon is not None:
                                             do_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                         dtype)
-        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        DS_BUFS: gl.constexpr = 3 if PERSISTENT else 2      # (see _bwd_consumer)
+        ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
                                             dq_desc.layout)
         lam_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lam_desc.block_type.shape,
@@ -364,12 +432,15 @@ if gluon is not None:
         dd_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dd_desc.block_type.shape,
                                             dd_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
+        if PERSISTENT:
+            mbarrier.init(kv_empty, count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)
@@ -383,17 +454,20 @@ if gluon is not None:
 
         descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc)
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
-        bars = (kv_ready, q_ready, q_empty, ds_ready, ds_empty, turn)
+        bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn)
         shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh)
         ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, 0, PINGPONG)),
+                             STAGES, CAUSAL, STORE_TMA, 0, PINGPONG, PERSISTENT)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, 1, PINGPONG)),
-            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                             STAGES, CAUSAL, STORE_TMA, 1, PINGPONG, PERSISTENT)),
+            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                             PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
+        if PERSISTENT:
+            mbarrier.invalidate(kv_empty)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(q_ready.index(i))
             mbarrier.invalidate(q_empty.index(i))
@@ -487,7 +561,8 @@ def pingpong_default(causal: bool, head_dim: int) -> bool:
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         launch: bool = True, tma_store: bool | None = None,
-                        heads_per_wave: int | None = None, pingpong: bool | None = None):
+                        heads_per_wave: int | None = None, pingpong: bool | None = None,
+                        persistent: bool = False):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -506,6 +581,9 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         heads_per_wave = wave_heads(causal, n_n, B * Hk, gluon_fwd.num_sms(q))
     if pingpong is None:
         pingpong = pingpong_default(causal, D)
+    if persistent and (causal or tma_store):
+        raise ValueError("persistent programs are dense and store dK, dV from registers "
+                         f"(got causal={causal}, tma_store={tma_store})")
     out = ((_desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2)) if tma_store else (dk, dv))
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, D // 2), _desc(lam.unsqueeze(2), 1, BLOCK_M),
@@ -513,9 +591,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=bool(pingpong),
+                  PERSISTENT=bool(persistent),
                   CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
-    grid = (n_n * B * Hk,)
+    grid = (min(n_n * B * Hk, gluon_fwd.num_sms(q)) if persistent else n_n * B * Hk,)
     if not launch:
         return _attn_bwd_ws, grid, args, kwargs
     launcher.launch(_attn_bwd_ws, grid, args, kwargs)
