@@ -1081,12 +1081,13 @@ def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
         # repeated reduce-adds pile up in the accumulator: timing only)
         launches = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale, right=right)[3]
         alone = fl / _bench(lambda: launcher.launch(*launches[1])) / 1e9
-        # and with the other way out of dK, dV (gluon_bwd.store_tma chooses)
+        # and with the other way out of dK, dV (gluon_bwd.store_tma chooses) in one
+        # program per key tile (head_dim-64 dense calls are persistent by default)
         dd, lam, acc = launches[0][2][4:7]
         tma = gluon_bwd.store_tma(causal, N // gluon_bwd.BLOCK_M)
         other = gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, acc, got[1].clone(),
                                               got[2].clone(), causal=causal, scale=scale,
-                                              launch=False, tma_store=not tma)
+                                              launch=False, tma_store=not tma, persistent=False)
         alone_other = fl / _bench(lambda: launcher.launch(*other)) / 1e9
         print(f"| {D} | {N} | {'causal' if causal else 'full'} | "
               + " | ".join(f"{t:.0f}" for t in tf)

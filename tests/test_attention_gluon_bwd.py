@@ -20,18 +20,21 @@ import torch
 from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
 from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
 
-#: (id, causal, dtype, dK/dV by TMA stores, head_dim, warpgroups take turns) of the
-#: variants compiled on the CPU (turns: :func:`pingpong_default`, else forced)
-VARIANTS = [("dense", False, "bfloat16", True, 128, None),
-            ("causal", True, "bfloat16", True, 128, None),
-            ("causal-no-turns", True, "bfloat16", True, 128, False),
-            ("dense-turns", False, "bfloat16", True, 128, True),
-            ("dense-fp16", False, "float16", True, 128, None),
-            ("causal-fp16", True, "float16", True, 128, None),
-            ("dense-register-stores", False, "bfloat16", False, 128, None),
-            ("dense-d64", False, "bfloat16", True, 64, None),
-            ("causal-d64", True, "bfloat16", True, 64, None),
-            ("dense-d64-register-stores", False, "bfloat16", False, 64, None)]
+#: (id, causal, dtype, dK/dV by TMA stores, head_dim, warpgroups take turns, persistent)
+#: of the variants compiled on the CPU (None: the default rule, :func:`pingpong_default`
+#: and :func:`persistent_default`)
+VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
+            ("causal", True, "bfloat16", True, 128, None, None),
+            ("causal-no-turns", True, "bfloat16", True, 128, False, None),
+            ("dense-turns", False, "bfloat16", True, 128, True, None),
+            ("dense-persistent", False, "bfloat16", False, 128, None, True),
+            ("dense-fp16", False, "float16", True, 128, None, None),
+            ("causal-fp16", True, "float16", True, 128, None, None),
+            ("dense-register-stores", False, "bfloat16", False, 128, None, None),
+            ("dense-d64", False, "bfloat16", False, 64, None, None),
+            ("dense-d64-one-tile", False, "bfloat16", True, 64, None, False),
+            ("causal-d64", True, "bfloat16", True, 64, None, None),
+            ("dense-d64-one-tile-register-stores", False, "bfloat16", False, 64, None, False)]
 
 
 def _compile_all():
@@ -39,14 +42,15 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_bwd as G
 
-    def facts(causal, dtype, tma_store, D, pingpong):
+    def facts(causal, dtype, tma_store, D, pingpong, persistent):
         q = torch.empty(2, 4, 1000, D, dtype=getattr(torch, dtype))
         k = torch.empty(2, 2, 1000, D, dtype=q.dtype)
         lam = torch.empty(2, 4, 1000)
         acc = torch.empty(2, 4, 1000, D)
         kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k,
                                                         causal=causal, scale=0.1, launch=False,
-                                                        tma_store=tma_store, pingpong=pingpong)
+                                                        tma_store=tma_store, pingpong=pingpong,
+                                                        persistent=persistent)
         c = compile_launch(kernel, args, kwargs)
         sass = _run_on_cubin(c.cubin, "-sass")
         return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass, tma_store="UTMASTG" in sass,
@@ -69,6 +73,35 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert r["tma_reduce"] and not r["red"], r["red"]
     # dK, dV leave by TMA stores exactly in the variants that ask for them
     assert r["tma_store"] == next(v[3] for v in VARIANTS if v[0] == vid)
+
+
+def test_persistent_programs_for_head_dim_64_dense_calls():
+    from flashfold.kernels.attention.gluon_bwd import persistent_default
+    assert persistent_default(False, 64)
+    assert not persistent_default(True, 64)
+    assert not persistent_default(False, 128) and not persistent_default(True, 128)
+
+
+def test_persistent_grid_and_its_scope():
+    """One program per SM, never more than key tiles; dense calls with register stores of
+    dK, dV only (the ring is reused at once)."""
+    from flashfold.kernels.attention import gluon_bwd as G
+    q = torch.empty(2, 4, 1000, 64, dtype=torch.bfloat16)    # 8 key tiles x 2 x 4 heads
+    lam = torch.empty(2, 4, 1000)
+    acc = torch.empty(2, 4, 1000, 64)
+    with mock.patch.object(G.gluon_fwd, "num_sms", lambda t: 20):
+        _, grid, _, kw = G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, causal=False,
+                                               scale=0.1, launch=False)
+        assert grid == (20,) and kw["PERSISTENT"] and not kw["STORE_TMA"]
+        assert G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, causal=False, scale=0.1,
+                                     launch=False, persistent=100)[1] == (64,)
+        assert G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, causal=False, scale=0.1,
+                                     launch=False, persistent=False)[1] == (64,)
+        for bad in (dict(causal=True, persistent=True),
+                    dict(causal=False, persistent=True, tma_store=True)):
+            with pytest.raises(ValueError, match="persistent"):
+                G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, scale=0.1, launch=False,
+                                      **bad)
 
 
 def test_warpgroups_take_turns_in_head_dim_128_causal_calls():
@@ -264,7 +297,8 @@ def _same_gradients(got):
 def test_gpu_tma_and_register_stores_of_dk_dv_agree_bitwise(causal, D):
     """The two ways out of dK, dV (TMA stores from the ring, stores from registers)
     write the same values."""
-    _same_gradients(_gluon_variants(causal, D, [dict(tma_store=True), dict(tma_store=False)]))
+    _same_gradients(_gluon_variants(causal, D, [dict(tma_store=True, persistent=False),
+                                                dict(tma_store=False, persistent=False)]))
 
 
 @pytest.mark.parametrize("causal, D", [(False, 128), (True, 128), (True, 64)],
@@ -274,6 +308,16 @@ def test_gpu_turns_change_no_bit_of_dk_dv(causal, D):
     """Taking turns only delays when each warpgroup issues its products: dK, dV are
     bitwise those without turns."""
     _same_gradients(_gluon_variants(causal, D, [dict(pingpong=True), dict(pingpong=False)]))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.gpu
+def test_gpu_persistent_programs_cover_every_key_tile_once(D):
+    """Persistent programs (as many as SMs, and 5 or 7: tiles per program unequal, the
+    ragged last tile in the middle of a program's list) write dK, dV bitwise those of one
+    program per tile; the dS buffers and the ring count on correctly across tiles."""
+    _same_gradients(_gluon_variants(False, D, [dict(persistent=False, tma_store=False)]
+                                    + [dict(persistent=p) for p in (True, 5, 7)]))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
