@@ -60,9 +60,10 @@ written (clipped by the TMA stores, masked otherwise).
 
 Scope (:func:`supported`): fp16/bf16, head_dim 64 or 128 (the same template: at 64 the
 warpgroups own 32 dQ columns each, with no spills, a ring one stage deeper (:data:`STAGES`)
-and 133 KB of shared memory; H200, thirteenth session: 0.84-1.00x cuDNN's backward,
-1.23-1.33x the Triton kernels it replaced), dense or causal with ``Nq <= Nk``, GQA, unit last stride and TMA-compatible
-strides; the default (non-deterministic) mode: the order of the dQ adds varies between
+and 133 KB of shared memory, 149 KB in persistent programs; H200, eager backward against
+cuDNN's: 0.84-1.00x in the thirteenth session, 0.94-1.00x with persistent dense programs
+in the fifteenth), dense or causal with ``Nq <= Nk``, GQA, unit last stride and
+TMA-compatible strides; the default (non-deterministic) mode: the order of the dQ adds varies between
 runs, as with the Triton kernels' atomic dQ.
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
 ``FLASHFOLD_GLUON=0`` turns this path off with the forward's. GPU only (no interpreter
