@@ -63,8 +63,8 @@ warpgroups own 32 dQ columns each, with no spills, a ring one stage deeper (:dat
 and 133 KB of shared memory, 149 KB in persistent programs; H200, eager backward against
 cuDNN's: 0.84-1.00x in the thirteenth session, 0.94-1.00x with persistent dense programs
 in the fifteenth), dense or causal with ``Nq <= Nk``, GQA, unit last stride and
-TMA-compatible strides; the default (non-deterministic) mode: the order of the dQ adds varies between
-runs, as with the Triton kernels' atomic dQ.
+TMA-compatible strides; the default (non-deterministic) mode: the order of the dQ adds
+varies between runs, as with the Triton kernels' atomic dQ.
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
 ``FLASHFOLD_GLUON=0`` turns this path off with the forward's. GPU only (no interpreter
 mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
