@@ -10,6 +10,7 @@ Run (H200, from the repository root)::
     PYTHONPATH=src python benchmarks/attention.py --bwd --quick
     PYTHONPATH=src python benchmarks/attention.py --tune-bwd [--tune-n 1024]  # backward configs
     PYTHONPATH=src python benchmarks/attention.py --bwd-kernels  # GPU time per kernel (~1 min)
+    PYTHONPATH=src python benchmarks/attention.py --gluon-bwd-variants  # undecided variants
 
 1. Correctness (FlashAttention's own criterion): on a grid of batch, heads, GQA/MQA ratios,
    head dims, awkward lengths, causal, windows, softcap, varlen, score/mask mods and edge
@@ -1096,6 +1097,71 @@ def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
               + f"{'register' if tma else 'TMA'} stores {alone_other:.0f} |", flush=True)
 
 
+def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
+    """``--gluon-bwd-variants``: the Gluon backward kernel alone (no preprocess, no dQ
+    conversion) in the variants whose defaults are not yet decided, on the head_dim-128
+    targets grid: one program per key tile with ``lambda``, ``D`` read before or after the
+    waits (``late_stats``), and (dense) persistent programs with either. Checked first:
+    dK, dV bitwise those of the default kernel, the dQ accumulator within 1e-5 of it
+    (atomic adds in another order). Timed ``reps`` times in turn (the H200's run-to-run
+    noise is a few percent); prints the median TFLOP/s and each variant's ratio to the
+    default."""
+    from flashfold.kernels import launcher
+    from flashfold.kernels.attention import gluon_bwd
+    probe = torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16)
+    if not gluon_bwd.eligible(probe, probe, probe, probe):
+        print("the Gluon backward needs an sm_90 GPU")
+        return 2
+    print(f"== Gluon backward kernel alone by variant (TFLOP/s, bf16, D={D}, median of {reps})")
+    ok = True
+    for N in (1024, 4096, 16384):
+        for causal in (False, True):
+            variants = {"default": {}, "late stats": dict(late_stats=True)}
+            if not causal:
+                variants.update({"persistent": dict(persistent=True),
+                                 "persistent + late": dict(persistent=True, late_stats=True)})
+            B = max(1, tokens // N)
+            g = torch.Generator(device=DEV).manual_seed(0)
+            q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(torch.bfloat16)
+                           for _ in range(4))
+            scale, right = 1 / math.sqrt(D), (0 if causal else None)
+            o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
+            _, dk, dv, (pre, _, _) = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
+                                                          right=right)
+            dd, lam, acc = pre[2][4:7]
+            runs, outs = {}, {}
+            for name, kw in variants.items():
+                runs[name] = gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, acc, dk, dv,
+                                                           causal=causal, scale=scale,
+                                                           launch=False, **kw)
+                dk.fill_(float("nan"))
+                dv.fill_(float("nan"))
+                launcher.launch(*pre)
+                launcher.launch(*runs[name])
+                outs[name] = (acc.clone(), dk.clone(), dv.clone())
+            a0, k0, v0 = outs["default"]
+            for name, (a, k1, v1) in outs.items():
+                rel = (a - a0).abs().max().item() / max(1e-6, a0.abs().max().item())
+                if not (torch.equal(k0, k1) and torch.equal(v0, v1)) or rel > 1e-5:
+                    ok = False
+                    print(f"   N={N} causal={causal} {name}: dK/dV equal "
+                          f"{torch.equal(k0, k1) and torch.equal(v0, v1)}, dQ acc rel {rel:.1e}"
+                          " WRONG")
+            fl = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
+            ms = {name: [] for name in runs}
+            for _ in range(reps):
+                for name, m in runs.items():
+                    ms[name].append(_bench(lambda m=m: launcher.launch(*m)))
+            med = {name: sorted(t)[len(t) // 2] for name, t in ms.items()}
+            print(f"| {N} | {'causal' if causal else 'full'} | " + " | ".join(
+                f"{name} {fl / t / 1e9:.0f} ({med['default'] / t:.3f})"
+                for name, t in med.items()) + " |", flush=True)
+            del q, k, v, do, o, lse, dk, dv, acc, runs, outs
+            torch.cuda.empty_cache()
+    print(f"variants {'agree' if ok else 'DIFFER'} (dK, dV bitwise; dQ accumulator 1e-5)")
+    return 0 if ok else 1
+
+
 def bwd_kernels(tokens=16384, H=16, dims=(128, 64), calls=10):
     """``--bwd-kernels``: GPU microseconds per backward by kernel, flashfold (default mode)
     against SDPA cuDNN, and the ratios of the totals and of the main kernels."""
@@ -1171,6 +1237,8 @@ def main(argv=None):
                     help="the Gluon forward's grids and ping-pong on/off vs cuDNN only")
     ap.add_argument("--gluon-bwd", action="store_true",
                     help="the Gluon backward vs the Triton backward kernels vs cuDNN only")
+    ap.add_argument("--gluon-bwd-variants", action="store_true",
+                    help="the Gluon backward kernel alone in its undecided variants only")
     ap.add_argument("--bwd-kernels", action="store_true",
                     help="GPU time per backward kernel, flashfold vs cuDNN only (torch.profiler)")
     ap.add_argument("--tune-n", type=int, default=4096,
@@ -1195,6 +1263,8 @@ def main(argv=None):
     if args.gluon_bwd:
         gluon_bwd_compare()
         return 0
+    if args.gluon_bwd_variants:
+        return gluon_bwd_variants()
     if args.bwd_kernels:
         return bwd_kernels()
     if args.bwd:

@@ -242,7 +242,8 @@ if gluon is not None:
     def _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
-                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                       LATE_STATS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
         position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
         over every step and add the previous step's dQ columns ``64 WG ..`` (see the
@@ -299,9 +300,16 @@ if gluon is not None:
                                     is_async=True)
                 _pass_turn(turn, WG, PINGPONG)
                 # lambda and D of the tile's rows: loaded with Q (global loads here were
-                # on the critical path: +4-10% per row, and spills 376 -> 156 bytes)
-                lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+                # on the critical path: +4-10% per row, and spills 376 -> 156 bytes), read
+                # from shared memory before the waits of S^T and dP^T, or after them
+                # (LATE_STATS: see gluon_attention_bwd)
+                if not LATE_STATS:
+                    lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(
+                        gl.SliceLayout(0, s_layout))
                 st = warpgroup_mma_wait(1, deps=[st])
+                if LATE_STATS:
+                    lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(
+                        gl.SliceLayout(0, s_layout))
                 p = gl.exp2(st * qk_scale - lam[None, :])
                 if CAUSAL:      # branch-free: a branch here doubled the live registers
                     p = gl.where(first_key[:, None] <= m * BLOCK_M + qcols[None, :], p, 0.0)
@@ -309,8 +317,13 @@ if gluon is not None:
                     p = gl.where(key_ok[:, None], p, 0.0)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_s, dv, is_async=True)
-                dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+                if not LATE_STATS:
+                    dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(
+                        gl.SliceLayout(0, s_layout))
                 dpt = warpgroup_mma_wait(1, deps=[dpt])
+                if LATE_STATS:
+                    dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(
+                        gl.SliceLayout(0, s_layout))
                 ds = p * (dpt - dd[None, :])
                 dsa = gl.convert_layout(ds.to(dtype), a_layout)
                 # this warpgroup's dS^T half into buffer j % 2 once both warpgroups' dQ
@@ -379,7 +392,8 @@ if gluon is not None:
     def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
-                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                      LATE_STATS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
         key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
         counting on across tiles. The first step of a tile adds the product of a zeroed
@@ -397,12 +411,12 @@ if gluon is not None:
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
                 j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
                                    HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
-                                   PERSISTENT)
+                                   PERSISTENT, LATE_STATS)
                 r += 1
         else:
             _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, BLOCK_M,
                            BLOCK_N, HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
-                           PERSISTENT)
+                           PERSISTENT, LATE_STATS)
         tma.store_wait(0)
 
     @gluon.jit
@@ -411,7 +425,8 @@ if gluon is not None:
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                     LATE_STATS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -462,9 +477,11 @@ if gluon is not None:
         ptrs = (DK, DV, qk_scale, scale)
         gl.warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, 0, PINGPONG, PERSISTENT)),
+                             STAGES, CAUSAL, STORE_TMA, 0, PINGPONG, PERSISTENT,
+                             LATE_STATS)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, 1, PINGPONG, PERSISTENT)),
+                             STAGES, CAUSAL, STORE_TMA, 1, PINGPONG, PERSISTENT,
+                             LATE_STATS)),
             (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                              PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -579,7 +596,7 @@ def persistent_default(causal: bool, head_dim: int) -> bool:
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         launch: bool = True, tma_store: bool | None = None,
                         heads_per_wave: int | None = None, pingpong: bool | None = None,
-                        persistent: bool | int | None = None):
+                        persistent: bool | int | None = None, late_stats: bool = False):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -589,7 +606,13 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     :func:`store_tma`); ``heads_per_wave``: the program order (default :func:`wave_heads`);
     ``pingpong``: whether the consumers take turns (default :func:`pingpong_default`);
     ``persistent``: whether the programs are persistent (default
-    :func:`persistent_default`; an int: that many programs, at most one per key tile).
+    :func:`persistent_default`; an int: that many programs, at most one per key tile);
+    ``late_stats``: read each step's ``lambda`` and ``D`` from shared memory after the waits
+    of ``S^T`` and ``dP^T`` instead of before them (16 registers each per thread that are
+    then not live while the four wgmma accumulators are: at head_dim 128, dense, sm_90
+    compile, spill stores 112 -> 28 bytes in one-tile programs and 400 -> 148 in persistent
+    ones, whose step loop then spills nothing; the load latency moves onto the step's
+    path. Off until timed on the GPU).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -612,7 +635,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=bool(pingpong),
-                  PERSISTENT=bool(persistent),
+                  PERSISTENT=bool(persistent), LATE_STATS=bool(late_stats),
                   CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     programs = n_n * B * Hk
