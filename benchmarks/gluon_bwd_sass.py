@@ -32,18 +32,25 @@ SHAPES = {"MHA N=4096": (4, 16, 16, 4096), "GQA N=1000": (2, 4, 2, 1000)}
 
 
 def step_loops(sass: str, wgmma_per_step: int):
-    """``(instructions, LDL, STL)`` of each loop whose body holds ``wgmma_per_step`` wgmma
-    (``HGMMA``, K = 16 each) instructions: the consumers' step loops. (A branch back from
-    a barrier's retry stub spans more of them.)"""
+    """``(instructions, LDL, STL)`` of each innermost loop whose body holds
+    ``wgmma_per_step`` wgmma (``HGMMA``, K = 16 each) instructions: the consumers' step
+    loops. (A loop around one, such as the query heads' loop of a GQA group, holds the
+    same wgmma; a branch back from a barrier's retry stub spans more of them.)"""
     code = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    loops = []
+    spans = []
     for addr, text in code:
         m = re.search(r"\bBRA\s+.*?(0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
-            if sum("HGMMA" in t for t in body) == wgmma_per_step:
-                loops.append((len(body), sum(bool(re.match(r"(@\S+\s+)?LDL", t)) for t in body),
-                              sum(bool(re.match(r"(@\S+\s+)?STL", t)) for t in body)))
+            lo = int(m.group(1), 16)
+            if sum("HGMMA" in t for a, t in code if lo <= a <= addr) == wgmma_per_step:
+                spans.append((lo, addr))
+    loops = []
+    for lo, hi in spans:
+        if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans):
+            continue                      # an inner one is the step loop
+        body = [t for a, t in code if lo <= a <= hi]
+        loops.append((len(body), sum(bool(re.match(r"(@\S+\s+)?LDL", t)) for t in body),
+                      sum(bool(re.match(r"(@\S+\s+)?STL", t)) for t in body)))
     return loops
 
 
