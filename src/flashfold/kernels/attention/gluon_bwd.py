@@ -613,10 +613,11 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     :func:`persistent_default`; an int: that many programs, at most one per key tile);
     ``late_stats``: read each step's ``lambda`` and ``D`` from shared memory after the waits
     of ``S^T`` and ``dP^T`` instead of before them (16 registers each per thread that are
-    then not live while the four wgmma accumulators are: at head_dim 128, dense, sm_90
-    compile, spill stores 112 -> 28 bytes in one-tile programs and 400 -> 148 in persistent
-    ones, whose step loop then spills nothing; the load latency moves onto the step's
-    path. Off until timed on the GPU).
+    then not live while the four wgmma accumulators are: at head_dim 128, 16 heads,
+    N = 4096, sm_90 compile, spill stores 96 -> 20 bytes (dense), 64 -> 0 (causal) and
+    384 -> 152 (dense, persistent programs, whose step loops then spill nothing; see
+    ``benchmarks/gluon_bwd_sass.py``); the load latency moves onto the step's path. Off
+    until timed on the GPU).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
