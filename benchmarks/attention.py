@@ -1100,8 +1100,10 @@ def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
 def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
     """``--gluon-bwd-variants``: the Gluon backward kernel alone (no preprocess, no dQ
     conversion) in the variants whose defaults are not yet decided, on the head_dim-128
-    targets grid: one program per key tile with ``lambda``, ``D`` read before or after the
-    waits (``late_stats``), and (dense) persistent programs with either. Checked first:
+    targets grid plus two GQA rows (4 query heads per key head, N = 4096): one program per
+    key tile with ``lambda``, ``D`` read before or after the waits (``late_stats``), (dense)
+    persistent programs with either, and (GQA) the group's steps walked in one loop
+    (``flat_walk``). Checked first:
     dK, dV bitwise those of the default kernel, the dQ accumulator within 1e-5 of it
     (atomic adds in another order). Timed ``reps`` times in turn (the H200's run-to-run
     noise is a few percent); prints the median TFLOP/s and each variant's ratio to the
@@ -1114,50 +1116,58 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
         return 2
     print(f"== Gluon backward kernel alone by variant (TFLOP/s, bf16, D={D}, median of {reps})")
     ok = True
-    for N in (1024, 4096, 16384):
-        for causal in (False, True):
-            variants = {"default": {}, "late stats": dict(late_stats=True)}
-            if not causal:
-                variants.update({"persistent": dict(persistent=True),
-                                 "persistent + late": dict(persistent=True, late_stats=True)})
-            B = max(1, tokens // N)
-            g = torch.Generator(device=DEV).manual_seed(0)
-            q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(torch.bfloat16)
-                           for _ in range(4))
-            scale, right = 1 / math.sqrt(D), (0 if causal else None)
-            o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
-            _, dk, dv, (pre, _, _) = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
-                                                          right=right)
-            dd, lam, acc = pre[2][4:7]
-            runs, outs = {}, {}
-            for name, kw in variants.items():
-                runs[name] = gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, acc, dk, dv,
-                                                           causal=causal, scale=scale,
-                                                           launch=False, **kw)
-                dk.fill_(float("nan"))
-                dv.fill_(float("nan"))
-                launcher.launch(*pre)
-                launcher.launch(*runs[name])
-                outs[name] = (acc.clone(), dk.clone(), dv.clone())
-            a0, k0, v0 = outs["default"]
-            for name, (a, k1, v1) in outs.items():
-                rel = (a - a0).abs().max().item() / max(1e-6, a0.abs().max().item())
-                if not (torch.equal(k0, k1) and torch.equal(v0, v1)) or rel > 1e-5:
-                    ok = False
-                    print(f"   N={N} causal={causal} {name}: dK/dV equal "
-                          f"{torch.equal(k0, k1) and torch.equal(v0, v1)}, dQ acc rel {rel:.1e}"
-                          " WRONG")
-            fl = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
-            ms = {name: [] for name in runs}
-            for _ in range(reps):
-                for name, m in runs.items():
-                    ms[name].append(_bench(lambda m=m: launcher.launch(*m)))
-            med = {name: sorted(t)[len(t) // 2] for name, t in ms.items()}
-            print(f"| {N} | {'causal' if causal else 'full'} | " + " | ".join(
-                f"{name} {fl / t / 1e9:.0f} ({med['default'] / t:.3f})"
-                for name, t in med.items()) + " |", flush=True)
-            del q, k, v, do, o, lse, dk, dv, acc, runs, outs
-            torch.cuda.empty_cache()
+    rows = [(N, c, H) for N in (1024, 4096, 16384) for c in (False, True)]
+    for N, causal, Hk in rows + [(4096, False, H // 4), (4096, True, H // 4)]:
+        variants = {"default": {}, "late stats": dict(late_stats=True)}
+        if Hk < H:
+            variants.update({"flat": dict(flat_walk=True),
+                             "flat + late": dict(flat_walk=True, late_stats=True)})
+        if not causal:
+            variants.update({"persistent": dict(persistent=True),
+                             "persistent + late": dict(persistent=True, late_stats=True)})
+            if Hk < H:
+                variants["persistent + late + flat"] = dict(persistent=True,
+                                                            late_stats=True, flat_walk=True)
+        B = max(1, tokens // N)
+        g = torch.Generator(device=DEV).manual_seed(0)
+        q, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(torch.bfloat16)
+                 for _ in range(2))
+        k, v = (torch.randn(B, Hk, N, D, device=DEV, generator=g).to(torch.bfloat16)
+                for _ in range(2))
+        scale, right = 1 / math.sqrt(D), (0 if causal else None)
+        o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
+        _, dk, dv, (pre, _, _) = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
+                                                      right=right)
+        dd, lam, acc = pre[2][4:7]
+        runs, outs = {}, {}
+        for name, kw in variants.items():
+            runs[name] = gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, acc, dk, dv,
+                                                       causal=causal, scale=scale,
+                                                       launch=False, **kw)
+            dk.fill_(float("nan"))
+            dv.fill_(float("nan"))
+            launcher.launch(*pre)
+            launcher.launch(*runs[name])
+            outs[name] = (acc.clone(), dk.clone(), dv.clone())
+        a0, k0, v0 = outs["default"]
+        for name, (a, k1, v1) in outs.items():
+            rel = (a - a0).abs().max().item() / max(1e-6, a0.abs().max().item())
+            if not (torch.equal(k0, k1) and torch.equal(v0, v1)) or rel > 1e-5:
+                ok = False
+                print(f"   N={N} causal={causal} {name}: dK/dV equal "
+                      f"{torch.equal(k0, k1) and torch.equal(v0, v1)}, dQ acc rel {rel:.1e}"
+                      " WRONG")
+        fl = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
+        ms = {name: [] for name in runs}
+        for _ in range(reps):
+            for name, m in runs.items():
+                ms[name].append(_bench(lambda m=m: launcher.launch(*m)))
+        med = {name: sorted(t)[len(t) // 2] for name, t in ms.items()}
+        print(f"| {N} | {'causal' if causal else 'full'} | {H}/{Hk} heads | " + " | ".join(
+            f"{name} {fl / t / 1e9:.0f} ({med['default'] / t:.3f})"
+            for name, t in med.items()) + " |", flush=True)
+        del q, k, v, do, o, lse, dk, dv, acc, runs, outs
+        torch.cuda.empty_cache()
     print(f"variants {'agree' if ok else 'DIFFER'} (dK, dV bitwise; dQ accumulator 1e-5)")
     return 0 if ok else 1
 
