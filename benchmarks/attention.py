@@ -1102,8 +1102,9 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
     conversion) in the variants whose defaults are not yet decided, on the head_dim-128
     targets grid plus two GQA rows (4 query heads per key head, N = 4096): one program per
     key tile with ``lambda``, ``D`` read before or after the waits (``late_stats``), (dense)
-    persistent programs with either, and (GQA) the group's steps walked in one loop
-    (``flat_walk``). Checked first:
+    persistent programs with either, (GQA) the group's steps walked in one loop
+    (``flat_walk``), and (dense) the key mask the default now skips (``mask_tail_keys``,
+    the kernel before the sixteenth session). Checked first:
     dK, dV bitwise those of the default kernel, the dQ accumulator within 1e-5 of it
     (atomic adds in another order). Timed ``reps`` times in turn (the H200's run-to-run
     noise is a few percent); prints the median TFLOP/s and each variant's ratio to the
@@ -1122,8 +1123,9 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
         if Hk < H:
             variants.update({"flat": dict(flat_walk=True),
                              "flat + late": dict(flat_walk=True, late_stats=True)})
-        if not causal:
-            variants.update({"persistent": dict(persistent=True),
+        if not causal:      # (the default skips the key mask: N fills the key tiles)
+            variants.update({"key mask": dict(mask_tail_keys=True),
+                             "persistent": dict(persistent=True),
                              "persistent + late": dict(persistent=True, late_stats=True)})
             if Hk < H:
                 variants["persistent + late + flat"] = dict(persistent=True,

@@ -119,6 +119,23 @@ def test_persistent_programs_for_head_dim_64_dense_calls():
     assert not persistent_default(False, 128) and not persistent_default(True, 128)
 
 
+def test_keys_past_nk_masked_only_when_there_are_some():
+    """Dense programs zero P of keys past Nk only when Nk is not a multiple of BLOCK_N
+    (the mask was 32 of a head_dim-64 step's instructions); forcing it off where such keys
+    exist is refused."""
+    from flashfold.kernels.attention import gluon_bwd as G
+    q = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16)
+    lam, acc = torch.empty(1, 2, 256), torch.empty(1, 2, 256, 64)
+
+    def mask(nk, **kw):
+        k = torch.empty(1, 2, nk, 64, dtype=torch.bfloat16)
+        return G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k, causal=False, scale=0.1,
+                                     launch=False, **kw)[3]["MASK_TAIL_KEYS"]
+    assert mask(1000) and not mask(1024) and mask(1024, mask_tail_keys=True)
+    with pytest.raises(ValueError, match="mask_tail_keys"):
+        mask(1000, mask_tail_keys=False)
+
+
 def test_persistent_grid_and_its_scope():
     """One program per SM, never more than key tiles; dense calls with register stores of
     dK, dV only (the ring is reused at once)."""
@@ -284,17 +301,17 @@ def test_gpu_agrees_with_the_triton_kernels_and_strided_layouts():
             assert (a.double() - b.double()).abs().max().item() <= 2 * naive + 1e-5
 
 
-def _gluon_variants(causal, D, variants):
+def _gluon_variants(causal, D, variants, nk=900):
     """dQ, dK, dV of the Gluon backward launched with each keyword set of ``variants``
-    (2 x 4 query heads of 700 rows against 2 x 2 KV heads of 900 keys: a ragged last key
-    tile, GQA; dK, dV preset to NaN so that an unwritten row shows)."""
+    (2 x 4 query heads of 700 rows against 2 x 2 KV heads of ``nk`` keys: by default a
+    ragged last key tile, GQA; dK, dV preset to NaN so that an unwritten row shows)."""
     _needs_sm90()
     from flashfold.kernels import launcher
     from flashfold.kernels.attention import bwd, fwd, gluon_bwd
     g = torch.Generator(device="cuda").manual_seed(5)
     q, do = (torch.randn(2, 4, 700, D, device="cuda", dtype=torch.bfloat16, generator=g)
              for _ in range(2))
-    k, v = (torch.randn(2, 2, 900, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 2, nk, D, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
     scale = 1 / math.sqrt(D)
     right = 0 if causal else None
@@ -357,6 +374,16 @@ def test_gpu_late_stats_change_no_bit_of_dk_dv(causal, D):
     if not causal:
         variants += [dict(persistent=p, late_stats=True, tma_store=False) for p in (True, 7)]
     _same_gradients(_gluon_variants(causal, D, variants))
+
+
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.gpu
+def test_gpu_unmasked_keys_change_no_bit_when_nk_fills_the_tiles(D):
+    """With Nk a multiple of 128 (here 1024) the key mask selects nothing: dK, dV bitwise
+    those with the mask, one-tile and persistent."""
+    _same_gradients(_gluon_variants(False, D, [
+        dict(persistent=False, mask_tail_keys=True), dict(persistent=False),
+        dict(persistent=True, mask_tail_keys=True), dict(persistent=True)], nk=1024))
 
 
 @pytest.mark.parametrize("causal, D", [(False, 128), (True, 128), (False, 64)],

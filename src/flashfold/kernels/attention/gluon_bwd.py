@@ -247,7 +247,8 @@ if gluon is not None:
                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                       LATE_STATS: gl.constexpr, FLAT_WALK: gl.constexpr):
+                       LATE_STATS: gl.constexpr, FLAT_WALK: gl.constexpr,
+                       MASK_TAIL_KEYS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
         position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
         over every step and add the previous step's dQ columns ``64 WG ..`` (see the
@@ -322,7 +323,7 @@ if gluon is not None:
                 p = gl.exp2(st * qk_scale - lam[None, :])
                 if CAUSAL:      # branch-free: a branch here doubled the live registers
                     p = gl.where(first_key[:, None] <= m * BLOCK_M + qcols[None, :], p, 0.0)
-                else:           # keys past Nk: P could overflow (a row's lse far below 0)
+                elif MASK_TAIL_KEYS:    # keys past Nk: P could overflow (lse far below 0)
                     p = gl.where(key_ok[:, None], p, 0.0)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_s, dv, is_async=True)
@@ -407,7 +408,8 @@ if gluon is not None:
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                      LATE_STATS: gl.constexpr, FLAT_WALK: gl.constexpr):
+                      LATE_STATS: gl.constexpr, FLAT_WALK: gl.constexpr,
+                      MASK_TAIL_KEYS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
         key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
         counting on across tiles. The first step of a tile adds the product of a zeroed
@@ -425,12 +427,12 @@ if gluon is not None:
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
                 j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
                                    HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
-                                   PERSISTENT, LATE_STATS, FLAT_WALK)
+                                   PERSISTENT, LATE_STATS, FLAT_WALK, MASK_TAIL_KEYS)
                 r += 1
         else:
             _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, BLOCK_M,
                            BLOCK_N, HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
-                           PERSISTENT, LATE_STATS, FLAT_WALK)
+                           PERSISTENT, LATE_STATS, FLAT_WALK, MASK_TAIL_KEYS)
         tma.store_wait(0)
 
     @gluon.jit
@@ -440,7 +442,7 @@ if gluon is not None:
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                      LATE_STATS: gl.constexpr, FLAT_WALK: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr,
+                     MASK_TAIL_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
@@ -493,10 +495,10 @@ if gluon is not None:
         gl.warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, CAUSAL, STORE_TMA, 0, PINGPONG, PERSISTENT,
-                             LATE_STATS, FLAT_WALK)),
+                             LATE_STATS, FLAT_WALK, MASK_TAIL_KEYS)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, CAUSAL, STORE_TMA, 1, PINGPONG, PERSISTENT,
-                             LATE_STATS, FLAT_WALK)),
+                             LATE_STATS, FLAT_WALK, MASK_TAIL_KEYS)),
             (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                              PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -612,7 +614,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                         launch: bool = True, tma_store: bool | None = None,
                         heads_per_wave: int | None = None, pingpong: bool | None = None,
                         persistent: bool | int | None = None, late_stats: bool = False,
-                        flat_walk: bool = False):
+                        flat_walk: bool = False, mask_tail_keys: bool | None = None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -633,7 +635,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     query heads in one loop instead of a loop over the heads around a loop over the
     query tiles (at head_dim 128, 4 query heads on 2, N = 1000, with ``late_stats``: spill
     stores 264 -> 8 bytes dense, 256 -> 84 causal; a group of 1 has no head loop to
-    flatten. Off until timed on the GPU).
+    flatten. Off until timed on the GPU); ``mask_tail_keys``: whether dense programs
+    zero ``P`` of keys past ``Nk`` (default: only when ``Nk`` is not a multiple of
+    ``BLOCK_N``, the only case that has such keys; the select was 32 of a head_dim-64
+    step's 403 instructions).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -646,6 +651,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         heads_per_wave = wave_heads(causal, n_n, B * Hk, gluon_fwd.num_sms(q))
     if pingpong is None:
         pingpong = pingpong_default(causal, D)
+    if mask_tail_keys is None:
+        mask_tail_keys = Nk % BLOCK_N != 0
+    if not mask_tail_keys and Nk % BLOCK_N:
+        raise ValueError(f"mask_tail_keys=False needs Nk a multiple of {BLOCK_N} (got {Nk})")
     if persistent and (causal or tma_store):
         raise ValueError("persistent programs are dense and store dK, dV from registers "
                          f"(got causal={causal}, tma_store={tma_store})")
@@ -657,7 +666,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=bool(pingpong),
                   PERSISTENT=bool(persistent), LATE_STATS=bool(late_stats),
-                  FLAT_WALK=bool(flat_walk),
+                  FLAT_WALK=bool(flat_walk), MASK_TAIL_KEYS=bool(mask_tail_keys),
                   CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     programs = n_n * B * Hk
