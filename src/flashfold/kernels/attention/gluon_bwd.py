@@ -343,11 +343,10 @@ if gluon is not None:
                 ds_bufs.index(dsb).slice(WG * HALF, HALF, dim=0).store(ds.to(dtype))
                 fence_async_shared()
                 mbarrier.arrive(ds_ready.index(dsb), count=1)
-                if PERSISTENT:
-                    dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j,
-                                     gl.where(j == j0, 2, (j + 1) % 2))
-                else:
-                    dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, (j + 1) % 2)
+                buf = (j + 1) % 2
+                if PERSISTENT:      # a tile's first step: the zeroed buffer 2
+                    buf = gl.where(j == j0, 2, buf)
+                dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, buf)
                 # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
                 # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
                 # +3%, and the causal variant's spill stores 952 -> 488 bytes)
