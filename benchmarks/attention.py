@@ -1099,10 +1099,10 @@ def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
 
 def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
     """``--gluon-bwd-variants``: the Gluon backward kernel alone (no preprocess, no dQ
-    conversion) in the variants whose defaults are not yet decided, on the head_dim-128
-    targets grid plus two GQA rows (4 query heads per key head, N = 4096): one program per
-    key tile with ``lambda``, ``D`` read before or after the waits (``late_stats``), (dense)
-    persistent programs with either, (GQA) the group's steps walked in one loop
+    conversion) in the variants whose defaults were decided by it, on the targets grid
+    (``--head-dim``, default 128) plus two GQA rows (4 query heads per key head,
+    N = 4096): one program per key tile with ``lambda``, ``D`` read before or after the
+    waits (``late_stats``), (dense) persistent programs with either, (GQA) the group's steps walked in one loop
     (``flat_walk``), and (dense) the key mask the default now skips (``mask_tail_keys``,
     the kernel before the sixteenth session). Checked first:
     dK, dV bitwise those of the default kernel, the dQ accumulator within 1e-5 of it
@@ -1119,13 +1119,15 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
     ok = True
     rows = [(N, c, H) for N in (1024, 4096, 16384) for c in (False, True)]
     for N, causal, Hk in rows + [(4096, False, H // 4), (4096, True, H // 4)]:
-        variants = {"default": {}, "late stats": dict(late_stats=True)}
+        variants = {"default": {}, "early stats": dict(late_stats=False),
+                    "late stats": dict(late_stats=True)}
         if Hk < H:
-            variants.update({"flat": dict(flat_walk=True),
+            variants.update({"flat": dict(flat_walk=True, late_stats=False),
                              "flat + late": dict(flat_walk=True, late_stats=True)})
         if not causal:      # (the default skips the key mask: N fills the key tiles)
             variants.update({"key mask": dict(mask_tail_keys=True),
-                             "persistent": dict(persistent=True),
+                             "one tile": dict(persistent=False),
+                             "persistent": dict(persistent=True, late_stats=False),
                              "persistent + late": dict(persistent=True, late_stats=True)})
             if Hk < H:
                 variants["persistent + late + flat"] = dict(persistent=True,
@@ -1249,6 +1251,8 @@ def main(argv=None):
                     help="the Gluon forward's grids and ping-pong on/off vs cuDNN only")
     ap.add_argument("--gluon-bwd", action="store_true",
                     help="the Gluon backward vs the Triton backward kernels vs cuDNN only")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128),
+                    help="head_dim of --gluon-bwd-variants")
     ap.add_argument("--gluon-bwd-variants", action="store_true",
                     help="the Gluon backward kernel alone in its undecided variants only")
     ap.add_argument("--bwd-kernels", action="store_true",
@@ -1276,7 +1280,7 @@ def main(argv=None):
         gluon_bwd_compare()
         return 0
     if args.gluon_bwd_variants:
-        return gluon_bwd_variants()
+        return gluon_bwd_variants(D=args.head_dim)
     if args.bwd_kernels:
         return bwd_kernels()
     if args.bwd:

@@ -119,6 +119,21 @@ def test_persistent_programs_for_head_dim_64_dense_calls():
     assert not persistent_default(False, 128) and not persistent_default(True, 128)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_stats_read_after_the_waits_at_head_dim_128(D):
+    """The default reads lambda and D after the waits where reading them before spills
+    (head_dim 128), and an explicit ``late_stats`` reaches the kernel either way."""
+    from flashfold.kernels.attention import gluon_bwd as G
+    q = torch.empty(1, 2, 256, D, dtype=torch.bfloat16)
+    lam, acc = torch.empty(1, 2, 256), torch.empty(1, 2, 256, D)
+
+    def late(**kw):
+        return G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, causal=False,
+                                     scale=0.1, launch=False, **kw)[3]["LATE_STATS"]
+    assert late() == (D == 128) == G.late_stats_default(D)
+    assert late(late_stats=True) and not late(late_stats=False)
+
+
 def test_keys_past_nk_masked_only_when_there_are_some():
     """Dense programs zero P of keys past Nk only when Nk is not a multiple of BLOCK_N
     (the mask was 32 of a head_dim-64 step's instructions); forcing it off where such keys
@@ -369,8 +384,9 @@ def test_gpu_turns_change_no_bit_of_dk_dv(causal, D):
 @pytest.mark.gpu
 def test_gpu_late_stats_change_no_bit_of_dk_dv(causal, D):
     """Reading lambda and D after the waits only moves two shared-memory loads: dK, dV
-    bitwise those of the default, in one-tile and (dense) persistent programs."""
-    variants = [dict(persistent=False), dict(persistent=False, late_stats=True)]
+    bitwise those with the loads before the waits, in one-tile and (dense) persistent programs."""
+    variants = [dict(persistent=False, late_stats=False),
+                dict(persistent=False, late_stats=True)]
     if not causal:
         variants += [dict(persistent=p, late_stats=True, tma_store=False) for p in (True, 7)]
     _same_gradients(_gluon_variants(causal, D, variants))
@@ -393,7 +409,8 @@ def test_gpu_flat_walk_changes_no_bit_of_dk_dv(causal, D):
     """Walking a GQA group's steps (2 query heads per key head here) in one loop visits
     the same (head, query tile) pairs in the same order: dK, dV bitwise those of the
     nested walk, in one-tile and (dense) persistent programs, with either stats order."""
-    variants = [dict(persistent=False), dict(persistent=False, flat_walk=True),
+    variants = [dict(persistent=False, late_stats=False),
+                dict(persistent=False, flat_walk=True, late_stats=False),
                 dict(persistent=False, flat_walk=True, late_stats=True)]
     if not causal:
         variants += [dict(persistent=p, flat_walk=True, late_stats=True, tma_store=False)
