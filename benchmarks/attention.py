@@ -1102,9 +1102,9 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
     conversion) in the variants whose defaults were decided by it, on the targets grid
     (``--head-dim``, default 128) plus two GQA rows (4 query heads per key head,
     N = 4096): one program per key tile with ``lambda``, ``D`` read before or after the
-    waits (``late_stats``), (dense) persistent programs with either, (GQA) the group's steps walked in one loop
-    (``flat_walk``), and (dense) the key mask the default now skips (``mask_tail_keys``,
-    the kernel before the sixteenth session). Checked first:
+    waits (``late_stats``), (dense) persistent programs with either, (GQA) the group's
+    steps walked in one loop (``flat_walk``), and (dense) the key mask the default now
+    skips (``mask_tail_keys``, the kernel before the sixteenth session). Checked first:
     dK, dV bitwise those of the default kernel, the dQ accumulator within 1e-5 of it
     (atomic adds in another order). Timed ``reps`` times in turn (the H200's run-to-run
     noise is a few percent); prints the median TFLOP/s and each variant's ratio to the
@@ -1254,7 +1254,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128),
                     help="head_dim of --gluon-bwd-variants")
     ap.add_argument("--gluon-bwd-variants", action="store_true",
-                    help="the Gluon backward kernel alone in its undecided variants only")
+                    help="the Gluon backward kernel alone in its variants only")
     ap.add_argument("--bwd-kernels", action="store_true",
                     help="GPU time per backward kernel, flashfold vs cuDNN only (torch.profiler)")
     ap.add_argument("--tune-n", type=int, default=4096,
