@@ -10,6 +10,7 @@ Triton kernels.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from unittest import mock
@@ -112,6 +113,20 @@ def test_flat_walk_spills_less_in_gqa_programs(compiled, nested, flat):
     assert b["spill"] < a["spill"], (nested, a["spill"], flat, b["spill"])
 
 
+def _host_launch(D, nq, nk=None, *, batch=1, heads=2, causal=False, **kw):
+    """``(grid, constexprs)`` that :func:`gluon_attention_bwd` chooses on the host for
+    bf16 ``q (batch, heads, nq, D)`` and ``k, v (batch, heads, nk, D)`` (``nk``: ``nq``
+    by default); nothing is compiled or launched."""
+    from flashfold.kernels.attention import gluon_bwd as G
+    q = torch.empty(batch, heads, nq, D, dtype=torch.bfloat16)
+    k = torch.empty(batch, heads, nq if nk is None else nk, D, dtype=torch.bfloat16)
+    lam, acc = torch.empty(batch, heads, nq), torch.empty(batch, heads, nq, D)
+    _, grid, _, constexprs = G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k,
+                                                   causal=causal, scale=0.1, launch=False,
+                                                   **kw)
+    return grid, constexprs
+
+
 def test_persistent_programs_for_head_dim_64_dense_calls():
     from flashfold.kernels.attention.gluon_bwd import persistent_default
     assert persistent_default(False, 64)
@@ -124,12 +139,9 @@ def test_stats_read_after_the_waits_at_head_dim_128(D):
     """The default reads lambda and D after the waits where reading them before spills
     (head_dim 128), and an explicit ``late_stats`` reaches the kernel either way."""
     from flashfold.kernels.attention import gluon_bwd as G
-    q = torch.empty(1, 2, 256, D, dtype=torch.bfloat16)
-    lam, acc = torch.empty(1, 2, 256), torch.empty(1, 2, 256, D)
 
     def late(**kw):
-        return G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, causal=False,
-                                     scale=0.1, launch=False, **kw)[3]["LATE_STATS"]
+        return _host_launch(D, 256, **kw)[1]["LATE_STATS"]
     assert late() == (D == 128) == G.late_stats_default(D)
     assert late(late_stats=True) and not late(late_stats=False)
 
@@ -138,14 +150,8 @@ def test_keys_past_nk_masked_only_when_there_are_some():
     """Dense programs zero P of keys past Nk only when Nk is not a multiple of BLOCK_N
     (the mask was 32 of a head_dim-64 step's instructions); forcing it off where such keys
     exist is refused."""
-    from flashfold.kernels.attention import gluon_bwd as G
-    q = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16)
-    lam, acc = torch.empty(1, 2, 256), torch.empty(1, 2, 256, 64)
-
     def mask(nk, **kw):
-        k = torch.empty(1, 2, nk, 64, dtype=torch.bfloat16)
-        return G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k, causal=False, scale=0.1,
-                                     launch=False, **kw)[3]["MASK_TAIL_KEYS"]
+        return _host_launch(64, 256, nk, **kw)[1]["MASK_TAIL_KEYS"]
     assert mask(1000) and not mask(1024) and mask(1024, mask_tail_keys=True)
     with pytest.raises(ValueError, match="mask_tail_keys"):
         mask(1000, mask_tail_keys=False)
@@ -155,22 +161,16 @@ def test_persistent_grid_and_its_scope():
     """One program per SM, never more than key tiles; dense calls with register stores of
     dK, dV only (the ring is reused at once)."""
     from flashfold.kernels.attention import gluon_bwd as G
-    q = torch.empty(2, 4, 1000, 64, dtype=torch.bfloat16)    # 8 key tiles x 2 x 4 heads
-    lam = torch.empty(2, 4, 1000)
-    acc = torch.empty(2, 4, 1000, 64)
+    launch = functools.partial(_host_launch, 64, 1000, batch=2, heads=4)  # 8 tiles x 2 x 4
     with mock.patch.object(G.gluon_fwd, "num_sms", lambda t: 20):
-        _, grid, _, kw = G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, causal=False,
-                                               scale=0.1, launch=False)
+        grid, kw = launch()
         assert grid == (20,) and kw["PERSISTENT"] and not kw["STORE_TMA"]
-        assert G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, causal=False, scale=0.1,
-                                     launch=False, persistent=100)[1] == (64,)
-        assert G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, causal=False, scale=0.1,
-                                     launch=False, persistent=False)[1] == (64,)
+        assert launch(persistent=100)[0] == (64,)
+        assert launch(persistent=False)[0] == (64,)
         for bad in (dict(causal=True, persistent=True),
                     dict(causal=False, persistent=True, tma_store=True)):
             with pytest.raises(ValueError, match="persistent"):
-                G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, scale=0.1, launch=False,
-                                      **bad)
+                launch(**bad)
 
 
 def test_warpgroups_take_turns_in_head_dim_128_causal_calls():

@@ -1020,16 +1020,17 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     Inputs as :func:`flashfold.decode`, already validated; ``window`` normalized to
     ``(left, right)`` with ``None`` for unbounded; ``cache_start`` ``None`` or ``(batch,)``
-    int32 on the device (each sequence's first key, clamped there to ``[0, n_b]``). ``config`` and ``invariant_split``
-    override the tiles and the batch-invariant split size, ``pdl`` the programmatic
-    dependent launch of the merge (default: on for CUDA sm_90+ unless
-    ``FLASHFOLD_DECODE_PDL=0``), ``tma`` the K/V loads through TMA descriptors (default:
-    on Hopper for caches TMA can address of at least :data:`TMA_MIN_BYTES`, unless
-    ``FLASHFOLD_DECODE_TMA=0``; both paths give the same values) -- benchmarks and tests.
-    ``check``: the caller's checks of the tensors (the public API's), called as ``check(q, k_cache, v_cache, cache_seqlens,
-    block_table, cache_start)`` before a plan is built; a call that replays a cached plan
-    does not call it again, so it may read no more of them than their signatures (see
-    "Plan cache"). Returns ``(o, lse)``: ``o`` (batch, heads_q, q_len, head_dim) in
+    int32 on the device (each sequence's first key, clamped there to ``[0, n_b]``).
+    ``config`` and ``invariant_split`` override the tiles and the batch-invariant split
+    size, ``pdl`` the programmatic dependent launch of the merge (default: on for CUDA
+    sm_90+ unless ``FLASHFOLD_DECODE_PDL=0``), ``tma`` the K/V loads through TMA
+    descriptors (default: on Hopper for caches TMA can address of at least
+    :data:`TMA_MIN_BYTES`, unless ``FLASHFOLD_DECODE_TMA=0``; both paths give the same
+    values) -- benchmarks and tests. ``check``: the caller's checks of the tensors (the
+    public API's), called as ``check(q, k_cache, v_cache, cache_seqlens, block_table,
+    cache_start)`` before a plan is built; a call that replays a cached plan does not
+    call it again, so it may read no more of them than their signatures (see "Plan
+    cache"). Returns ``(o, lse)``: ``o`` (batch, heads_q, q_len, head_dim) in
     ``q.dtype``, ``lse`` (batch, heads_q, q_len) float32; new tensors on every call.
     """
     sig = plans.signature
