@@ -79,3 +79,86 @@ def test_tolerance_comes_from_the_error_bound_not_a_fixed_epsilon():
     assert ok.worst_error > 0 and ok.worst_ratio <= 1
     bad = ff.check_laws(U.AVERAGE, trials=3000)
     assert bad.worst_ratio > 1e6
+
+
+# --- states that do not come from the claimed identity --------------------------------
+
+#: max with the identity 0: a monoid only on the non-negative reals. A sample folded from
+#: the identity is max(0, ...) >= 0, on which 0 does act as the identity.
+BADMAX = ff.Monoid("badmax", fields=("m",), identity=(0.0,), lift=lambda x: (x,),
+                   combine=lambda a, b: (ff.ops.maximum(a.m, b.m),), commutative=True)
+
+#: keeps its left operand: associative, neither commutative nor with a two-sided identity.
+#: Folded from the identity, every sample is the identity itself.
+KEEP_LEFT = ff.Monoid("keep_left", fields=("a",), identity=(0.0,), lift=lambda x: (x,),
+                      combine=lambda a, b: (a.a,), commutative=True)
+
+
+def test_identity_is_tested_on_states_not_built_from_it():
+    report = ff.check_laws(BADMAX)
+    assert report.associative and not report.identity and not report.ok, str(report)
+    cex = report.counterexample
+    assert cex["law"] == "identity"
+    a = float(cex["a"].split("=")[1].rstrip(")"))
+    assert a < 0                                       # max(0, a) != a exactly there
+
+
+def test_commutativity_is_tested_on_distinct_states():
+    report = ff.check_laws(KEEP_LEFT)
+    assert report.associative and report.commutative is False and not report.ok, str(report)
+    assert not report.identity                        # e * a = e
+    assert report.counterexample["law"] == "identity"
+
+
+def test_commutativity_alone_is_reported_with_two_distinct_states():
+    keep_left_no_identity_claim = ff.Monoid(
+        "keep_left_max", fields=("a", "m"), identity=(0.0, -ff.ops.inf),
+        lift=lambda x: (x, x),
+        # a.a where a is a real state, b.a where a is the identity: a two-sided identity
+        combine=lambda a, b: (ff.ops.where(a.m > -ff.ops.inf, a.a, b.a), ff.ops.maximum(a.m, b.m)),
+        commutative=True, inputs=(ff.Input("x", domain="finite"),))
+    report = ff.check_laws(keep_left_no_identity_claim)
+    assert report.associative and report.identity and report.commutative is False, str(report)
+    cex = report.counterexample
+    assert cex["law"] == "commutativity" and cex["a"] != cex["b"]
+
+
+def test_identity_combined_with_itself_is_checked():
+    """e * e == e: the samples are never the identity, so it is checked on its own."""
+    wrong_at_ee = ff.Monoid(
+        "wrong_at_ee", fields=("m",), identity=(-ff.ops.inf,), lift=lambda x: (x,),
+        inputs=(ff.Input("x", domain="finite"),),
+        combine=lambda a, b: (ff.ops.where((a.m == -ff.ops.inf) & (b.m == -ff.ops.inf), 0.0,
+                                           ff.ops.maximum(a.m, b.m)),),
+        commutative=True)
+    report = ff.check_laws(wrong_at_ee)
+    assert report.associative and not report.identity and not report.ok, str(report)
+    assert report.counterexample["law"] == "identity"
+    assert report.counterexample["a"] == report.counterexample["e"]
+
+
+def test_states_are_folds_of_lifted_inputs_only():
+    import numpy as np
+    from flashfold.algebra.laws import random_states
+    s, counts, _ = random_states(BADMAX, np.random.default_rng(0), 400)
+    assert counts.min() >= 1
+    assert (s[0] < 0).mean() > 0.2                    # negative states exist: not max(0, ...)
+
+
+@pytest.mark.parametrize("kwargs,exc,name", [
+    ({"width": 0}, ValueError, "width"), ({"width": -1}, ValueError, "width"),
+    ({"width": 2.5}, TypeError, "width"), ({"width": True}, TypeError, "width"),
+    ({"seed": "x"}, TypeError, "seed"), ({"seed": -1}, ValueError, "seed"),
+    ({"seed": 1.5}, TypeError, "seed"), ({"trials": "3"}, TypeError, "trials"),
+])
+def test_check_laws_names_the_bad_argument(kwargs, exc, name):
+    with pytest.raises(exc, match=f"^{name}: "):
+        ff.check_laws(ff.monoids.SUM, **kwargs)
+
+
+def test_prove_agrees_on_the_monoids_that_were_accepted():
+    """ff.prove (symbolic) and check_laws (random) reject the same two monoids."""
+    pytest.importorskip("sympy")
+    for m in (BADMAX, KEEP_LEFT):
+        assert not ff.prove(m), m.name
+        assert not ff.check_laws(m), m.name

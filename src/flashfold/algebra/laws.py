@@ -1,11 +1,18 @@
 """Randomized law checking with tolerances derived from a floating-point error bound.
 
-:func:`check_laws` draws reachable states (each the fold of 0-4 lifted random inputs,
+:func:`check_laws` draws reachable states (each the fold of 1-4 lifted random inputs,
 including ``-inf`` scores, ties and magnitudes from 1e-3 to 1e4) and checks
 
 * associativity: ``(a ⊕ b) ⊕ c == a ⊕ (b ⊕ c)``,
-* the identity law: ``e ⊕ a == a == a ⊕ e`` (also reported separately as *exact*),
+* the identity law: ``e ⊕ a == a == a ⊕ e`` and ``e ⊕ e == e`` (also reported
+  separately as *exact*),
 * commutativity, when the monoid declares it: ``a ⊕ b == b ⊕ a``.
+
+The states never come from the claimed identity: a fold starts from its first lifted
+element, so a wrong identity cannot shape the states it is tested on (a max with
+``e = 0`` folded from ``e`` only ever sees ``max(0, ...)``, on which 0 is an identity).
+``a``, ``b`` and ``c`` are drawn independently, so commutativity is tested on distinct
+states (a combine that keeps its left operand fails it).
 
 Equality is judged against a *running error bound*, not a guessed epsilon: the combine
 is lowered a second time to an error-propagating backend that carries, next to each
@@ -176,15 +183,23 @@ def sample_inputs(domain: str, rng: np.random.Generator, shape: tuple) -> np.nda
 
 def random_states(monoid: Monoid, rng: np.random.Generator, trials: int, max_elems: int = 4,
                   width: int = 3, start_positions=None):
-    """``trials`` reachable states, each the sequential fold of 0..max_elems lifted inputs.
+    """``trials`` reachable states, each the sequential fold of 1..max_elems lifted inputs.
 
-    Returns (states, counts, next_positions): positions (for ``position`` inputs) continue
-    from ``start_positions`` so that consecutive states cover consecutive elements.
+    A state is ``lift(x_1) ⊕ ... ⊕ lift(x_k)``, ``k`` uniform in ``1..max_elems``: the
+    fold starts from the first lifted element, never from the claimed identity, so that
+    the identity law is tested on states the identity did not shape (folding from a wrong
+    identity ``e`` gives states on which ``e`` may act as one: ``max(0, ...)`` for a max
+    with ``e = 0``). Returns (states, counts, next_positions): positions (for
+    ``position`` inputs) continue from ``start_positions`` so that consecutive states
+    cover consecutive elements.
     """
+    if max_elems < 1:
+        raise ValueError(f"max_elems: expected a positive int, got {max_elems!r}")
     ex = numpy_monoid(monoid)
-    counts = rng.integers(0, max_elems + 1, size=trials)
+    counts = rng.integers(1, max_elems + 1, size=trials)
     pos = np.zeros(trials, dtype=np.int64) if start_positions is None else start_positions.copy()
-    state = ex.identity((trials,), width)
+    template = ex.identity((trials,), width)           # shapes only
+    state = None
     for k in range(max_elems):
         ins = []
         for inp in monoid.inputs:
@@ -194,11 +209,15 @@ def random_states(monoid: Monoid, rng: np.random.Generator, trials: int, max_ele
                 shape = (trials, width) if inp.vector else (trials,)
                 ins.append(sample_inputs(inp.domain, rng, shape))
         lifted = ex.lift(ins, width)
-        stepped = ex.combine(state, lifted)
-        use = k < counts
-        state = tuple(np.where(use.reshape((-1,) + (1,) * (s.ndim - 1)), n, s)
-                      for s, n in zip(state, stepped))
-        pos = pos + use
+        if state is None:
+            state = tuple(np.where(np.ones(t.shape, dtype=bool), v, t)
+                          for v, t in zip(lifted, template))
+        else:
+            stepped = ex.combine(state, lifted)
+            use = k < counts
+            state = tuple(np.where(use.reshape((-1,) + (1,) * (s.ndim - 1)), n, s)
+                          for s, n in zip(state, stepped))
+        pos = pos + (k < counts)
     return state, counts, pos
 
 
@@ -250,23 +269,35 @@ def _fmt(x) -> str:
     return "[" + ", ".join(f"{v:.6g}" for v in x.tolist()) + "]"
 
 
+def _check_count(value, name: str, lo: int):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {value!r}")
+    return int(value)
+
+
 def check_laws(monoid: Monoid, trials: int = 500, seed: int = 0, width: int = 3) -> LawReport:
     """Check associativity, identity and (if declared) commutativity on random states.
 
     Parameters
     ----------
     monoid: the monoid to check.
-    trials: number of random triples (a, b, c); states are reachable states, i.e. folds
-        of 0 to 4 lifted random inputs drawn from each input's domain.
-    seed: seed of the random generator (the check is deterministic given it).
-    width: feature width for vector fields.
+    trials: number of random triples (a, b, c) (an int >= 1); each state is a fold of 1
+        to 4 lifted random inputs drawn from each input's domain, started from the first
+        lifted element (never from the identity), and a, b, c are drawn independently.
+    seed: seed of the random generator, an int >= 0 (the check is deterministic given it).
+    width: feature width of vector fields, an int >= 1.
 
+    The laws checked are, for every triple, ``(a ⊕ b) ⊕ c = a ⊕ (b ⊕ c)``,
+    ``e ⊕ a = a = a ⊕ e``, ``e ⊕ e = e`` and, when declared, ``a ⊕ b = b ⊕ a``.
     Returns a :class:`LawReport`; ``bool(report)`` is True when every law holds.
     """
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
-    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
-        raise ValueError(f"trials: expected a positive int, got {trials!r}")
+    trials = _check_count(trials, "trials", 1)
+    seed = _check_count(seed, "seed", 0)
+    width = _check_count(width, "width", 1)
     rng = np.random.default_rng(seed)
     ex = numpy_monoid(monoid)
     a, _, pos = random_states(monoid, rng, trials, width=width)
@@ -288,7 +319,7 @@ def check_laws(monoid: Monoid, trials: int = 500, seed: int = 0, width: int = 3)
         A, B, C, E = to_approx(a), to_approx(b), to_approx(c), to_approx(e)
         lhs, rhs = op(op(A, B), C), op(A, op(B, C))
         ab, ba = op(A, B), op(B, A)
-        ea, ae = op(E, A), op(A, E)
+        ea, ae, ee = op(E, A), op(A, E), op(E, E)
 
     def compare(x, y):
         """Per trial: (all fields within K x the error bound, worst |diff|, worst ratio)."""
@@ -315,12 +346,14 @@ def check_laws(monoid: Monoid, trials: int = 500, seed: int = 0, width: int = 3)
 
     with np.errstate(all="ignore"):
         assoc_ok, assoc_d, assoc_r = compare(lhs, rhs)
-        ident_ok = compare(ea, A)[0] & compare(ae, A)[0]      # within one combine's rounding
+        # within one combine's rounding; e * e = e on its own (no sample is the identity)
+        ident_ok = compare(ea, A)[0] & compare(ae, A)[0]
+        ee_ok = compare(ee, E)[0]
         comm_ok = compare(ab, ba)[0]
     identity_exact = all(np.array_equal(np.asarray(x.v), np.asarray(y.v))
-                         for x, y in zip(ea + ae, A + A))
+                         for x, y in zip(ea + ae + ee, A + A + E))
     nan_free = not any(np.isnan(np.asarray(x.v, dtype=np.float64)).any()
-                       for x in lhs + rhs + ea + ae)
+                       for x in lhs + rhs + ea + ae + ee)
     comm = bool(comm_ok.all()) if monoid.commutative else None
 
     cex = None
@@ -332,14 +365,17 @@ def check_laws(monoid: Monoid, trials: int = 500, seed: int = 0, width: int = 3)
         i = int(np.argmin(ident_ok))
         cex = {"law": "identity", "a": show(A, i), "e": show(E, i),
                "e*a": show(ea, i), "a*e": show(ae, i)}
+    elif not ee_ok.all():
+        cex = {"law": "identity", "a": show(E, 0), "e": show(E, 0),
+               "e*a": show(ee, 0), "a*e": show(ee, 0)}
     elif comm is False:
         i = int(np.argmin(comm_ok))
         cex = {"law": "commutativity", "a": show(A, i), "b": show(B, i),
                "a*b": show(ab, i), "b*a": show(ba, i)}
     notes = [] if monoid.commutative else [
         "commutativity not declared: kernels will preserve element order"]
-    return LawReport(monoid.name, trials, bool(assoc_ok.all()), bool(ident_ok.all()),
-                     identity_exact, comm, nan_free, float(assoc_d.max()), float(assoc_r.max()),
+    return LawReport(monoid.name, trials, bool(assoc_ok.all()),
+                     bool(ident_ok.all() and ee_ok.all()), identity_exact, comm, nan_free, float(assoc_d.max()), float(assoc_r.max()),
                      cex, notes)
 
 
