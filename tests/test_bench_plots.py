@@ -27,7 +27,7 @@ LOGS = ROOT / "benchmarks" / "logs"
 
 
 def _log(kind: str) -> Path:
-    names = {"attention": "attention_fwd_run1", "decode": "decode", "reductions": "reductions"}
+    names = {"attention": "attention_fwd", "decode": "decode", "reductions": "reductions"}
     hits = sorted(p for p in LOGS.glob("*.log") if names[kind] in p.name)
     assert hits, f"no {kind} log in {LOGS}"
     return hits[0]
@@ -44,10 +44,10 @@ def _is_png(path) -> tuple[int, int]:
     return img.shape[1], img.shape[0]
 
 
-def _readable(desc: dict, unit: str, ceiling: str, peers: list[str]):
+def _readable(desc: dict, unit: str, ceiling: str, peers: list[str], date: str = "2026-11-30"):
     """Title with device and date; every panel's axes labelled (the unit on y); a legend
     with flashfold, the peers and the ceiling's value."""
-    assert "NVIDIA H200" in desc["suptitle"] and "2026-11-29" in desc["suptitle"], desc["suptitle"]
+    assert "NVIDIA H200" in desc["suptitle"] and date in desc["suptitle"], desc["suptitle"]
     panels = [a for a in desc["axes"] if a["lines"] or a["bars"]]
     assert panels
     for a in panels:
@@ -66,28 +66,30 @@ def test_parse_the_attention_log():
     runs = bench.parse_file(str(_log("attention")))
     assert [r.kind for r in runs] == ["attention"]
     run = runs[0]
-    assert run.ceiling == 687 and run.device == "NVIDIA H200" and run.date == "2026-11-29"
+    assert run.ceiling == 678 and run.device == "NVIDIA H200" and run.date == "2026-11-30"
     assert "torch 2.11.0+cu130" in run.software and len(run.rows) == 18
     row = next(r for r in run.rows if (r["D"], r["N"], r["mask"]) == (128, 16384, "full"))
-    assert row["values"] == {"flashfold": 492, "cudnn": 618, "flash": 353, "efficient": 174,
+    assert row["values"] == {"flashfold": 635, "cudnn": 606, "flash": 355, "efficient": 175,
                              "flex": 487}
     doc = next(r for r in run.rows if (r["D"], r["N"], r["mask"]) == (64, 16384, "document"))
-    assert doc["values"] == {"flashfold": 146, "flex": 166}
+    assert doc["values"] == {"flashfold": 171, "flex": 167}
 
 
 def test_parse_the_decode_and_reductions_logs():
     dec = bench.parse_file(str(_log("decode")))[0]
-    assert dec.kind == "decode" and dec.ceiling == 4226 and dec.device == "NVIDIA H200"
+    assert dec.kind == "decode" and dec.ceiling == 4244 and dec.device == "NVIDIA H200"
     assert len(dec.rows) == 14
     row = next(r for r in dec.rows if (r["batch"], r["length"]) == (8, 8192))
-    assert row["values"]["flashfold"] == 702 and row["values"]["flashfold [graph]"] == 3276
-    assert row["values"]["sdpa cudnn [graph]"] == 3404
+    assert row["values"]["flashfold"] == 2119 and row["values"]["flashfold [graph]"] == 3380
+    assert row["values"]["sdpa cudnn [graph]"] == 3370
     red = bench.parse_file(str(_log("reductions")))[0]
-    assert red.kind == "reductions" and red.ceiling == 4227 and len(red.rows) == 34
+    assert red.kind == "reductions" and red.ceiling == 4248 and len(red.rows) == 34
     lse = red.rows[0]
     assert (lse["op"], lse["shape"], lse["dtype"]) == ("logsumexp", "16384x16384", "float32")
-    assert lse["values"]["flashfold"] == 4321
-    assert abs(lse["values"]["torch"] - 4321 * 0.248 / 1.833) < 1e-6
+    assert lse["values"]["flashfold"] == 4247
+    assert abs(lse["values"]["torch"] - 4247 * 0.253 / 1.825) < 1e-6
+    assert lse["ms"] == {"flashfold": 0.253, "torch": 1.825, "flashfold graph": 0.253,
+                         "torch graph": 1.816}
     assert any(r["op"] == "segment_reduce sum" for r in red.rows)
 
 
@@ -103,7 +105,7 @@ def test_markdown_tables_give_the_same_numbers():
     red_tables = "\n".join(line for line in red_text.splitlines() if line.startswith("|"))
     red = bench.parse(red_tables)[0]
     assert red.kind == "reductions" and len(red.rows) == 34
-    assert red.rows[0]["values"] == {"flashfold": 4321, "torch": 586}
+    assert red.rows[0]["values"] == {"flashfold": 4247, "torch": 588}
 
 
 def test_unrelated_text_gives_nothing():
@@ -116,7 +118,7 @@ def test_attention_plot_is_readable(tmp_path):
     run = bench.parse_file(str(_log("attention")))[0]
     desc = bench.plot_attention(run, str(tmp_path / "a.png"))
     _is_png(tmp_path / "a.png")
-    _readable(desc, "TFLOP/s", "687", ["cuDNN", "FlashAttention 2", "FlexAttention"])
+    _readable(desc, "TFLOP/s", "678", ["cuDNN", "FlashAttention 2", "FlexAttention"])
     titles = [a["title"] for a in desc["axes"]]
     assert "head dim 128, causal" in titles and "head dim 64, no mask" in titles
     assert all("sequence length" in a["xlabel"] for a in desc["axes"][:4])
@@ -126,7 +128,7 @@ def test_decode_plot_is_readable(tmp_path):
     run = bench.parse_file(str(_log("decode")))[0]
     desc = bench.plot_decode(run, str(tmp_path / "d.png"))
     _is_png(tmp_path / "d.png")
-    _readable(desc, "GB/s", "4,226", ["SDPA cuDNN", "SDPA flash", "pages of 16"])
+    _readable(desc, "GB/s", "4,244", ["SDPA cuDNN", "SDPA flash", "pages of 16"])
     assert [a["title"] for a in desc["axes"]] == ["batch 1", "batch 8", "batch 64", "batch 256"]
     assert "CUDA-graph" in desc["suptitle"]
 
@@ -135,17 +137,22 @@ def test_reductions_plot_is_readable(tmp_path):
     run = bench.parse_file(str(_log("reductions")))[0]
     desc = bench.plot_reductions(run, str(tmp_path / "r.png"))
     _is_png(tmp_path / "r.png")
-    _readable(desc, "GB/s", "4,227", ["torch"])
+    _readable(desc, "GB/s", "4,248", ["torch"])
     assert sum(a["bars"] for a in desc["axes"]) == 2 * 34
 
 
 def test_bench_command_writes_the_pngs(tmp_path, capsys):
-    logs = [str(p) for p in sorted(LOGS.glob("*.log"))]
-    assert main(["bench", "--from-log", *logs, "--out", str(tmp_path)]) == 0
+    junk = tmp_path / "tune.log"
+    junk.write_text("candidate tiles, no timing rows\n")
+    logs = [str(p) for p in sorted(LOGS.glob("*.log"))] + [str(junk)]
+    out_dir = tmp_path / "out"
+    assert main(["bench", "--from-log", *logs, "--out", str(out_dir)]) == 0
     out = capsys.readouterr()
-    for name in ("attention_fwd.png", "decode.png", "reductions.png"):
-        assert (tmp_path / name).is_file() and f"wrote {tmp_path / name}" in out.out
-        _is_png(tmp_path / name)
+    for name in ("attention_fwd.png", "attention_bwd.png", "decode.png", "reductions.png"):
+        assert (out_dir / name).is_file() and f"wrote {out_dir / name}" in out.out
+        _is_png(out_dir / name)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["attention_bwd.png", "attention_fwd.png",
+                                                        "decode.png", "reductions.png"]
     assert "tune.log" in out.err and "skipped" in out.err        # no timing rows in it
     assert main(["bench", "--out", str(tmp_path)]) == 2
 
@@ -174,7 +181,7 @@ def test_numerics_command_plot_is_readable(tmp_path, capsys, monkeypatch):
 
 # --- running the scripts (a stand-in script, no GPU) -------------------------------------------
 
-def test_run_script_tees_the_log_and_plots(tmp_path):
+def test_run_script_tees_the_log_and_plots(tmp_path, monkeypatch):
     """``--run``: the script's output goes to a log (tee), the progress bar counts its
     timing rows, and the log is plotted."""
     fake = tmp_path / "repo" / "benchmarks"
@@ -187,6 +194,7 @@ def test_run_script_tees_the_log_and_plots(tmp_path):
     assert Path(log).read_text() == _log("attention").read_text()
     lines = err.getvalue().splitlines()
     assert any("18/18 100%" in line for line in lines), lines[-3:]
+    monkeypatch.setattr(bench, "_gpu_available", lambda: True)     # the stand-in needs none
     assert main(["bench", "--run", "attention", "--bench-dir", str(fake),
                  "--out", str(tmp_path / "out2")]) == 0
     _is_png(tmp_path / "out2" / "attention_fwd.png")
@@ -239,7 +247,7 @@ def test_backward_log_and_plot(tmp_path):
     out = bench.render(runs, str(tmp_path))
     path = str(tmp_path / "attention_bwd.png")
     _is_png(path)
-    _readable(out[path], "TFLOP/s", "687", ["cuDNN", "FlashAttention 2", "deterministic"])
+    _readable(out[path], "TFLOP/s", "678", ["cuDNN", "FlashAttention 2", "deterministic"])
 
 
 def test_graph_replay_warms_up_off_the_capture_then_captures_once(monkeypatch):

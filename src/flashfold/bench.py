@@ -1,4 +1,5 @@
-r"""``flashfold bench``: run the GPU benchmarks, or plot their saved results, as PNG files.
+r"""``flashfold bench``: run the GPU benchmarks, plot their saved results as PNG files, or
+write the results page (``benchmarks/RESULTS.md``) from them.
 
 Three benchmark scripts live in ``benchmarks/`` of a source checkout
 (``attention.py``, ``decode.py``, ``reductions.py``); each prints its results as text
@@ -18,12 +19,23 @@ Three benchmark scripts live in ``benchmarks/`` of a source checkout
 
 Titles carry the device, the software versions and the date of the run; axes carry units.
 
+The results page has one table per family (attention forward and backward, decode,
+reductions and scans, ring attention, transformers), each drawn from the family's latest
+full log (:func:`latest`) with its date, device, versions, the command that printed it
+(:func:`command_of`), every peer the run measured with flashfold's ratio to it, and the
+run's own check lines; ``benchmarks/ring.py`` and ``benchmarks/transformers_gpu.py`` logs
+feed tables only.
+
 Usage::
 
-    flashfold bench --from-log benchmarks/logs/2026-11-29_h200_attention_fwd_run1.log
+    flashfold bench --from-log benchmarks/logs/2026-11-30_h200_attention_fwd.log
     flashfold bench --from-log benchmarks/logs/*.log --out docs
     flashfold bench --from-table benchmarks/RESULTS.md     # the markdown tables in a file
     flashfold bench --run attention decode [--quick]       # on a GPU, from the checkout
+    flashfold bench --results                              # benchmarks/logs/*.log -> RESULTS.md
+
+A missing file, ``--run`` without a CUDA device, or a benchmark that fails prints one line
+on stderr and exits non-zero.
 
 ``--run`` starts each script (``python benchmarks/NAME.py``) with ``src`` on the path,
 saves its output to ``OUT/<date>_<name>.log``, shows a progress bar on stderr (timing rows
@@ -129,11 +141,19 @@ def progress_bar(name: str, total: int | None = None) -> ProgressBar:
 class Run:
     """One benchmark's results, parsed from its printed output.
 
-    ``kind``: ``"attention"``, ``"decode"`` or ``"reductions"``. ``rows``: dicts, per kind:
-    attention ``{D, N, mask, values: {impl: TFLOP/s}}``; decode ``{batch, length, values:
+    ``kind``: ``"attention"``, ``"attention_bwd"``, ``"decode"``, ``"reductions"``,
+    ``"ring"`` or ``"transformers"``. ``rows``: dicts, per kind: attention ``{D, N, mask,
+    values: {impl: TFLOP/s}}``; attention_bwd the same plus ``fwd+bwd`` and ``graph``
+    (forward + backward, eager and from a CUDA graph); decode ``{batch, length, values:
     {impl: GB/s}}`` (impl names as printed, e.g. ``"flashfold p16 [graph]"``); reductions
-    ``{op, shape, dtype, values: {"flashfold": GB/s, "torch": GB/s}}``. ``ceiling``: the
-    measured roof (TFLOP/s of a bf16 matmul, or GB/s of a device copy) and its label.
+    ``{op, shape, dtype, values: {"flashfold": GB/s, "torch": GB/s}, ms: {...}}``; ring
+    ``{layout, N, fwd: {...}, fwd+bwd: {...}}`` (ms single / ring / compute-only, eff and
+    overlap in %); transformers ``{case, values: {"flashfold": ms, "sdpa": ms}}``.
+    ``ceiling``: the measured roof (TFLOP/s of a bf16 matmul, or GB/s of a device copy) and
+    its label. ``setup``: the run's own description of its grid (its ``== ...`` header
+    line); ``command``: the command that printed it (:func:`command_of`); ``quick``: a
+    ``--quick`` grid; ``verdicts``: the run's own summary lines (checks passed, targets,
+    rows slower than the peer), as printed.
     """
 
     kind: str
@@ -144,6 +164,10 @@ class Run:
     software: str = ""
     date: str = ""
     source: str = ""
+    setup: str = ""
+    command: str = ""
+    quick: bool = False
+    verdicts: list = field(default_factory=list)
 
     def subtitle(self) -> str:
         parts = [p for p in (self.device, self.software, self.date) if p]
@@ -157,6 +181,7 @@ _DEC_COPY = re.compile(r"== device copy:\s*([\d.]+)\s*GB/s")
 _RED_COPY = re.compile(r"copy of 1 GiB:.*?=\s*([\d.]+)\s*GB/s")
 _RED_ROW = re.compile(r"^\s*(\S.*?)\s{2,}(\S+(?: dim \d+| /\d+)?)\s+(float32|bfloat16|float16)\s+"
                       r"([\d.]+) ms\s+([\d.]+) GB/s\s*\|\s*torch\s+([\d.]+|nan) ms")
+_RED_GRAPH = re.compile(r"\|\s*graph\s+([\d.]+) ms\s+torch\s+([\d.]+) ms")
 _VERSIONS = re.compile(r"torch\s+([\w.+]+),\s*triton\s+([\w.]+),\s*(NVIDIA [^,]+)")
 _DATE = re.compile(r"(20\d\d-\d\d-\d\d)")
 
@@ -217,7 +242,8 @@ def parse_attention(text: str) -> Run:
 
 
 _BWD_ROW = re.compile(r"^\s*d(\d+)\s+N(\d+)\s+(\S+)\s+bwd\s+((?:[\w-]+=[\d.]+\s*)+)"
-                      r"(?:fwd\+bwd\s+((?:[\w-]+=[\d.]+\s*)+))?")
+                      r"(?:fwd\+bwd\s+((?:[\w-]+=[\d.]+\s*)+))?"
+                      r"(?:fwd\+bwd CUDA graph\s+((?:[\w-]+=[\d.]+\s*)+))?")
 #: backward impl keys in the logs -> legend names
 BACKWARD_IMPLS = {"flashfold": "flashfold", "ff-det": "flashfold, deterministic=True",
                   "cudnn": "cuDNN (SDPA)", "flash": "FlashAttention 2 (SDPA)"}
@@ -225,7 +251,8 @@ BACKWARD_IMPLS = {"flashfold": "flashfold", "ff-det": "flashfold, deterministic=
 
 def parse_attention_backward(text: str) -> Run:
     """The ``== backward speed`` lines of ``benchmarks/attention.py --bwd``: ``values``
-    holds the backward TFLOP/s per impl, ``fwd+bwd`` (a dict) forward + backward."""
+    holds the backward TFLOP/s per impl, ``fwd+bwd`` (a dict) forward + backward, ``graph``
+    forward + backward replayed from a CUDA graph (flashfold and cuDNN)."""
     run = Run("attention_bwd", ceiling_label="bf16 matmul 8192³ (same run)")
     m = _ATT_CEIL.search(text)
     if m:
@@ -238,9 +265,11 @@ def parse_attention_backward(text: str) -> Run:
                 if k in BACKWARD_IMPLS}
         both = {k: float(v) for k, v in re.findall(r"([\w-]+)=([\d.]+)", r.group(5) or "")
                 if k in BACKWARD_IMPLS}
+        graph = {k: float(v) for k, v in re.findall(r"([\w-]+)=([\d.]+)", r.group(6) or "")
+                 if k in BACKWARD_IMPLS}
         if vals:
             run.rows.append({"D": int(r.group(1)), "N": int(r.group(2)), "mask": r.group(3),
-                             "values": vals, "fwd+bwd": both})
+                             "values": vals, "fwd+bwd": both, "graph": graph})
     _device_info(text, run)
     return run
 
@@ -326,12 +355,18 @@ def parse_reductions(text: str) -> Run:
         op, shape, dtype = r.group(1).strip(), r.group(2), r.group(3)
         ms, gbs, tms = float(r.group(4)), float(r.group(5)), r.group(6)
         vals = {"flashfold": gbs}
+        times = {"flashfold": ms}
         if tms != "nan" and float(tms) > 0:
             vals["torch"] = gbs * ms / float(tms)          # the same bytes in torch's time
+            times["torch"] = float(tms)
+        g = _RED_GRAPH.search(line)
+        if g:
+            times["flashfold graph"], times["torch graph"] = float(g.group(1)), float(g.group(2))
         key = (op, shape, dtype)
         if key not in seen:
             seen.add(key)
-            run.rows.append({"op": op, "shape": shape, "dtype": dtype, "values": vals})
+            run.rows.append({"op": op, "shape": shape, "dtype": dtype, "values": vals,
+                             "ms": times})
     if not run.rows:
         for head, rows in _md_tables(text):
             if head[:3] != ["op", "shape", "dtype"] or "GB/s" not in head:
@@ -348,18 +383,190 @@ def parse_reductions(text: str) -> Run:
     return run
 
 
+_RING_HEAD = re.compile(r"ring attention benchmark:\s*(\d+) rank\(s\), backend (\w+), device "
+                        r"(NVIDIA [^,]+), torch ([\w.+]+)")
+_RING_ROW = re.compile(
+    r"^\s*(zigzag|contiguous)\s+causal=(True|False)\s+N=\s*(\d+)\s+"
+    r"fwd single\s+([\d.]+) ms.*?ring\s+([\d.]+) ms.*?compute-only\s+([\d.]+) ms\s+"
+    r"eff ([\d.]+)% overlap ([\d.]+)%\s*\|\s*fwd\+bwd single\s+([\d.]+) ms.*?ring\s+([\d.]+) ms"
+    r"\s+compute-only\s+([\d.]+) ms\s+eff ([\d.]+)% overlap ([\d.]+)%")
+
+
+def parse_ring(text: str) -> Run:
+    """The ``== timing`` lines of ``benchmarks/ring.py`` run on several GPUs (``torchrun``):
+    per layout and total length, forward and forward + backward times of single-GPU
+    ``flashfold.attention`` on the whole sequence, of ``ring_attention`` (slowest rank) and
+    of the ring's schedule with every block local (compute-only), the scaling efficiency
+    ``t_single / (W t_ring)`` and the overlap ``t_compute / t_ring``. A simulated ring (one
+    GPU, no communication) prints estimates only and gives no rows."""
+    run = Run("ring")
+    m = _RING_HEAD.search(text)
+    if m:
+        n = int(m.group(1))
+        run.device = f"{n} x {m.group(3).strip()}" if n > 1 else m.group(3).strip()
+        run.software = f"torch {m.group(4)}, {m.group(2).upper()} (Triton's version not printed)"
+    for line in text.splitlines():
+        r = _RING_ROW.match(line)
+        if not r:
+            continue
+        f = [float(x) for x in r.groups()[3:]]
+        layout = f"{r.group(1)} {'causal' if r.group(2) == 'True' else 'non-causal'}"
+        run.rows.append({"layout": layout, "N": int(r.group(3)),
+                         "fwd": dict(zip(("single", "ring", "compute", "eff", "overlap"), f[:5])),
+                         "fwd+bwd": dict(zip(("single", "ring", "compute", "eff", "overlap"),
+                                             f[5:]))})
+    if run.rows:
+        run.setup = next((l.strip("= ").strip() for l in text.splitlines()
+                          if l.startswith("== timing")), "")
+    return run
+
+
+_TF_HEAD = re.compile(r"torch ([\w.+]+), transformers ([\w.]+), (NVIDIA .+?)\s*$", re.M)
+_TF_ROW = re.compile(r"^\s{2}(\S.*?)\s{2,}([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
+
+
+def parse_transformers(text: str) -> Run:
+    """The ``== timing`` table of ``benchmarks/transformers_gpu.py``: ms per case for a model
+    with ``attn_implementation`` = flashfold and = SDPA."""
+    run = Run("transformers")
+    m = _TF_HEAD.search(text)
+    if m:
+        run.device = m.group(3).strip()
+        run.software = f"torch {m.group(1)}, transformers {m.group(2)} (Triton's version not printed)"
+    in_table = False
+    for line in text.splitlines():
+        if line.startswith("== timing"):
+            run.setup = line.strip("= ").strip()
+        elif "flashfold ms" in line and "sdpa ms" in line:
+            in_table = True
+        elif in_table:
+            r = _TF_ROW.match(line)
+            if not r:
+                in_table = False
+                continue
+            run.rows.append({"case": r.group(1).strip(),
+                             "values": {"flashfold": float(r.group(2)), "sdpa": float(r.group(3))}})
+    return run
+
+
 PARSERS = {"attention": parse_attention, "attention_bwd": parse_attention_backward,
-           "decode": parse_decode, "reductions": parse_reductions}
+           "decode": parse_decode, "reductions": parse_reductions, "ring": parse_ring,
+           "transformers": parse_transformers}
+
+#: the line of a log that describes each benchmark's grid (kept as ``Run.setup``)
+_SETUP = {"attention": "== speed", "attention_bwd": "== backward speed", "decode": "== timing",
+          "reductions": "== timings"}
+
+
+def _is_quick(run: Run) -> bool:
+    if run.kind in ("attention", "attention_bwd"):
+        return len(run.rows) <= 3
+    if run.kind == "decode":
+        return all(r["batch"] == 8 and r["length"] in (8192, 65536) for r in run.rows)
+    if run.kind == "reductions":
+        return all(r["shape"] == "16384x16384" and r["dtype"] == "float32" for r in run.rows)
+    if run.kind == "ring":
+        return max(r["N"] for r in run.rows) <= 32768
+    return False
+
+
+def command_of(run: Run, text: str) -> str:
+    """The command that printed ``run`` (from a checkout's root), read off the output:
+    its kind, a ``--quick`` grid (fewer rows), and the sections it printed (the
+    reductions' variants after its timings, or none; transformers' checks, or none)."""
+    base = "PYTHONPATH=src python benchmarks/"
+    quick = " --quick" if run.quick else ""
+    if run.kind == "attention":
+        return f"{base}attention.py{quick}"
+    if run.kind == "attention_bwd":
+        return f"{base}attention.py --bwd{quick}"
+    if run.kind == "decode":
+        return f"{base}decode.py{quick}"
+    if run.kind == "reductions":
+        if quick:
+            return f"{base}reductions.py --quick"
+        var, tim = text.find("== heuristic variants"), text.find("== timings")
+        return f"{base}reductions.py" + ("" if var > tim >= 0 else " --no-variants")
+    if run.kind == "ring":
+        n = re.search(r"benchmark:\s*(\d+) rank", text)
+        ranks = int(n.group(1)) if n else 1
+        if ranks > 1:
+            return (f"PYTHONPATH=src python -m torch.distributed.run --nproc_per_node={ranks} "
+                    f"benchmarks/ring.py{quick}")
+        return f"{base}ring.py{quick}"
+    if run.kind == "transformers":
+        return f"{base}transformers_gpu.py" + ("" if "== correctness" in text else " --timing-only")
+    return ""
+
+
+#: the ratio columns the scripts print in their markdown tables, per kind: (the columns
+#: that name a row, the ratio columns); the table of an attention run holds no "ff bwd"
+_PRINTED = {"attention": (("D", "N", "mask"), ("ff/cuDNN", "ff/FA2", "ff/Flex")),
+            "attention_bwd": (("D", "N", "mask"), ("ff/cuDNN", "det/cuDNN", "ff/FA2",
+                                                   "f+b ff/cuDNN", "graph ratio")),
+            "reductions": (("op", "shape", "dtype"), ("speedup", "graph speedup"))}
+
+
+#: the summary lines each script prints about its own checks and targets
+_VERDICTS = {"attention": (r"^== correctness: \d+/\d+", r"^total .*correctness"),
+             "attention_bwd": (r"^== backward correctness: \d+/\d+", r"^total .*PASSED|^total .*FAIL"),
+             "decode": (r"^== checks:", r"^\s+target \(", r"^\s+batch_invariant cost over"),
+             "reductions": (r"^rows slower than torch", r"^correctness failures"),
+             "ring": (r"^\s+ok\s|^\s+BAD\s|^\s+FAIL",),
+             "transformers": (r"^all checks passed|^\s*FAIL",)}
+
+
+def _verdicts(kind: str, text: str) -> list[str]:
+    pats = [re.compile(p) for p in _VERDICTS.get(kind, ())]
+    out = []
+    for line in text.splitlines():
+        if any(p.search(line) for p in pats):
+            line = line.strip()
+            if kind == "ring":                   # the check's verdict and layout, not its errors
+                line = " ".join(line.split()[:3])
+            out.append(line)
+    return out
+
+
+def _attach_printed(run: Run, text: str):
+    """``row["printed"]``: the ratios the script printed for the row (computed from its
+    unrounded times), so that a table shows the run's own ratios, not ratios of rounded
+    rates."""
+    if run.kind not in _PRINTED:
+        return
+    keys, cols = _PRINTED[run.kind]
+    found = {}
+    for head, rows in _md_tables(text):
+        if tuple(head[:3]) != keys or (run.kind == "attention_bwd") != ("ff bwd" in head):
+            continue
+        for cells in rows:
+            key = tuple(cells[:3])
+            found[key] = {c: _num(cells[head.index(c)]) for c in cols
+                          if c in head and _num(cells[head.index(c)]) is not None}
+    for r in run.rows:
+        if run.kind == "reductions":
+            key = (r["op"], r["shape"], r["dtype"])
+        else:
+            key = (str(r["D"]), str(r["N"]), r["mask"])
+        if key in found:
+            r["printed"] = found[key]
 
 
 def parse(text: str, source: str = "") -> list[Run]:
     """Every benchmark found in ``text`` (a log or a file with markdown tables)."""
     runs = []
-    for parser in PARSERS.values():
+    for kind, parser in PARSERS.items():
         run = parser(text)
         if run.rows:
             run.source = source
             run.date = _date_of(source) if source else ""
+            run.quick = _is_quick(run)
+            run.verdicts = _verdicts(kind, text)
+            _attach_printed(run, text)
+            run.command = command_of(run, text)
+            if not run.setup and kind in _SETUP:
+                run.setup = next((l.strip("= ").strip() for l in text.splitlines()
+                                  if l.startswith(_SETUP[kind])), "")
             runs.append(run)
     return runs
 
@@ -667,6 +874,8 @@ def render(runs: list[Run], out: str, prefix: str = "") -> dict[str, dict]:
                 run.ceiling = fwd[0].ceiling
                 run.ceiling_label = "bf16 matmul 8192³ (the forward run, same day)"
     for run in runs:
+        if run.kind not in PLOTS:                  # ring, transformers: tables only
+            continue
         fn, name = PLOTS[run.kind]
         path = os.path.join(out, prefix + name)
         if path in done:                           # two runs of one kind: keep both
@@ -674,6 +883,252 @@ def render(runs: list[Run], out: str, prefix: str = "") -> dict[str, dict]:
             path = os.path.join(out, f"{prefix}{stem}_{name}")
         done[path] = fn(run, path)
     return done
+
+
+# =====================================================================================
+# result tables (benchmarks/RESULTS.md)
+# =====================================================================================
+
+#: the families of RESULTS.md, in its order, with their section titles
+FAMILIES = {"attention": "Attention forward", "attention_bwd": "Attention backward",
+            "decode": "Decoding against a KV cache", "reductions": "Reductions and scans",
+            "ring": "Ring attention across GPUs", "transformers": "Hugging Face transformers"}
+
+
+def latest(runs: list[Run]) -> dict[str, Run]:
+    """The run each family's table is drawn from: the latest full run (a ``--quick`` run
+    only where a family has no full one); among runs of one date, the one with more rows,
+    then the later file name."""
+    best: dict[str, tuple] = {}
+    for run in runs:
+        key = (not run.quick, run.date, len(run.rows), os.path.basename(run.source))
+        if run.kind not in best or key > best[run.kind][0]:
+            best[run.kind] = (key, run)
+    return {k: best[k][1] for k in FAMILIES if k in best}
+
+
+def _f(v, digits: int = 0) -> str:
+    if v is None or v != v:
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def _ratio(a, b, printed: float | None = None) -> str:
+    """``a / b`` to two decimals, or the ratio the run printed for it."""
+    if printed is not None:
+        return f"{printed:.2f}"
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def _table(head: list[str], rows: list[list[str]], keys: int = 3) -> list[str]:
+    """A markdown table; the first ``keys`` columns name the row, the rest are numbers."""
+    out = ["| " + " | ".join(head) + " |",
+           "|" + "|".join("---" if i < keys else "---:" for i in range(len(head))) + "|"]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _below(rows, label: str) -> list[str]:
+    """``(name, ratio)`` pairs under 1.00 (two decimals) as one sentence."""
+    low = [f"{name} {q:.2f}" for name, q in rows if q is not None and round(q, 2) < 1.0]
+    if not low:
+        return [f"Below {label} in this run: none."]
+    return [f"Below {label} in this run (ratio < 1.00): " + "; ".join(low) + "."]
+
+
+def _att_table(run: Run) -> list[str]:
+    peers = [("cudnn", "cuDNN"), ("flash", "FA2 (flash)"), ("efficient", "efficient"),
+             ("flex", "Flex")]
+    head = ["D", "N", "mask", "flashfold"] + [n for _, n in peers] + \
+        [f"ff/{n.split()[0]}" for _, n in peers]
+    printed = {"cudnn": "ff/cuDNN", "flash": "ff/FA2", "flex": "ff/Flex"}
+    rows, low = [], []
+    for r in run.rows:
+        v, pr = r["values"], r.get("printed", {})
+        ff = v.get("flashfold")
+        ratios = {k: _ratio(ff, v.get(k), pr.get(printed.get(k, ""))) for k, _ in peers}
+        rows.append([str(r["D"]), str(r["N"]), r["mask"], _f(ff)] +
+                    [_f(v.get(k)) for k, _ in peers] + [ratios[k] for k, _ in peers])
+        if ratios["cudnn"] != "-":
+            low.append((f"d{r['D']} {r['N'] // 1024}K {r['mask']}", float(ratios["cudnn"])))
+    return _table(head, rows) + ["", *_below(low, "cuDNN")]
+
+
+def _bwd_table(run: Run) -> list[str]:
+    head = ["D", "N", "mask", "ff bwd", "ff det bwd", "cuDNN bwd", "FA2 bwd", "ff/cuDNN",
+            "det/cuDNN", "ff/FA2", "ff f+b", "cuDNN f+b", "FA2 f+b", "f+b ff/cuDNN",
+            "graph ff f+b", "graph cuDNN f+b", "graph ratio"]
+    rows, low = [], []
+    for r in run.rows:
+        v, fb, g = r["values"], r.get("fwd+bwd", {}), r.get("graph", {})
+        pr = r.get("printed", {})
+        ff = v.get("flashfold")
+        main = _ratio(ff, v.get("cudnn"), pr.get("ff/cuDNN"))
+        rows.append([str(r["D"]), str(r["N"]), r["mask"], _f(ff), _f(v.get("ff-det")),
+                     _f(v.get("cudnn")), _f(v.get("flash")), main,
+                     _ratio(v.get("ff-det"), v.get("cudnn"), pr.get("det/cuDNN")),
+                     _ratio(ff, v.get("flash"), pr.get("ff/FA2")),
+                     _f(fb.get("flashfold")), _f(fb.get("cudnn")), _f(fb.get("flash")),
+                     _ratio(fb.get("flashfold"), fb.get("cudnn"), pr.get("f+b ff/cuDNN")),
+                     _f(g.get("flashfold")), _f(g.get("cudnn")),
+                     _ratio(g.get("flashfold"), g.get("cudnn"), pr.get("graph ratio"))])
+        if main != "-":
+            low.append((f"d{r['D']} {r['N'] // 1024}K {r['mask']}", float(main)))
+    return _table(head, rows) + ["", *_below(low, "cuDNN (backward alone)")]
+
+
+_DEC_COLS = [("flashfold", "flashfold"), ("flashfold inv", "ff invariant"),
+             ("flashfold p16", "ff pages 16"), ("flashfold p64", "ff pages 64"),
+             ("sdpa flash", "SDPA flash"), ("sdpa cudnn", "SDPA cuDNN"),
+             ("sdpa paged p16", "SDPA on gathered pages 16")]
+
+
+def _dec_table(run: Run) -> list[str]:
+    head = ["batch", "length", "timing"] + [n for _, n in _DEC_COLS] + \
+        ["ff/cuDNN", "ff/flash", "invariant cost"]
+    rows, low = [], []
+    for r in run.rows:
+        for mode, suffix in (("eager", ""), ("graph", " [graph]"), ("clean L2", " [clean]")):
+            v = {k: r["values"].get(k + suffix) for k, _ in _DEC_COLS}
+            ff = v["flashfold"]
+            if ff is None:
+                continue
+            inv = v["flashfold inv"]
+            cost = f"{100 * (1 - inv / ff):.1f}%" if inv and ff else "-"
+            rows.append([str(r["batch"]), str(r["length"]), mode] + [_f(v[k]) for k, _ in _DEC_COLS]
+                        + [_ratio(ff, v["sdpa cudnn"]), _ratio(ff, v["sdpa flash"]), cost])
+            if mode != "eager" and v["sdpa cudnn"]:
+                low.append((f"{r['batch']} x {r['length']} {mode}", ff / v["sdpa cudnn"]))
+    return _table(head, rows) + ["", *_below(low, "cuDNN (graph and clean-L2 timings)")]
+
+
+def _red_table(run: Run) -> list[str]:
+    head = ["op", "shape", "dtype", "flashfold ms", "GB/s", "% copy", "torch ms", "torch GB/s",
+            "speedup", "graph ms", "torch graph ms", "graph speedup"]
+    rows, low = [], []
+    for r in run.rows:
+        v, t, pr = r["values"], r.get("ms", {}), r.get("printed", {})
+        copy = f"{100 * v['flashfold'] / run.ceiling:.1f}%" if run.ceiling else "-"
+        sp = t["torch"] / t["flashfold"] if t.get("torch") and t.get("flashfold") else None
+        gsp = t["torch graph"] / t["flashfold graph"] if t.get("flashfold graph") else None
+        sp, gsp = pr.get("speedup", sp), pr.get("graph speedup", gsp)
+        rows.append([r["op"], r["shape"], r["dtype"], _f(t.get("flashfold"), 3),
+                     _f(v["flashfold"]), copy, _f(t.get("torch"), 3), _f(v.get("torch")),
+                     f"{sp:.2f}x" if sp else "-", _f(t.get("flashfold graph"), 3),
+                     _f(t.get("torch graph"), 3), f"{gsp:.2f}x" if gsp else "-"])
+        name = f"{r['op']} {r['shape']} {r['dtype']}"
+        low.append((name + " (eager)", sp))
+        low.append((name + " (graph)", gsp))
+    return _table(head, rows) + ["", *_below(low, "torch")]
+
+
+def _ring_table(run: Run) -> list[str]:
+    head = ["layout", "N", "passes", "single-GPU ms", "ring ms", "compute-only ms",
+            "efficiency", "overlap"]
+    rows = []
+    for r in run.rows:
+        for passes in ("fwd", "fwd+bwd"):
+            d = r[passes]
+            rows.append([r["layout"], str(r["N"]), passes, _f(d["single"], 2), _f(d["ring"], 2),
+                         _f(d["compute"], 2), f"{d['eff']:.1f}%", f"{d['overlap']:.1f}%"])
+    longest = max(r["N"] for r in run.rows)
+    summary = "; ".join(f"{r['layout']} {r['fwd']['eff']:.1f}% forward, "
+                        f"{r['fwd+bwd']['eff']:.1f}% forward + backward"
+                        for r in run.rows if r["N"] == longest)
+    return _table(head, rows) + ["", f"Scaling efficiency at N = {longest:,}: {summary}."]
+
+
+def _tf_table(run: Run) -> list[str]:
+    head = ["case", "flashfold ms", "SDPA ms", "ff vs SDPA"]
+    rows, low = [], []
+    for r in run.rows:
+        ff, sd = r["values"]["flashfold"], r["values"]["sdpa"]
+        rows.append([r["case"], _f(ff, 2), _f(sd, 2), _ratio(sd, ff)])
+        low.append((r["case"], sd / ff))
+    return _table(head, rows, keys=1) + ["", *_below(low, "SDPA")]
+
+
+_FAMILY_TEXT = {
+    "attention": ("TFLOP/s = 4·B·H·D·(visible query-key pairs) / time (dense causal counts "
+                  "N²/2); bf16, 16 heads, B·N = 16K tokens, eager calls. Peers: SDPA's cuDNN, "
+                  "FlashAttention 2 (flash) and memory-efficient backends, FlexAttention. "
+                  "Ratios: flashfold's TFLOP/s / the peer's (above 1: flashfold faster).",
+                  _att_table),
+    "attention_bwd": ("TFLOP/s: backward = 2.5·4·B·H·N²·D (halved when causal), forward + "
+                      "backward = 3.5·4·B·H·N²·D; backward alone is `torch.autograd.grad` of "
+                      "a retained graph. ff = the default mode, det = `deterministic=True`; "
+                      "graph = forward + backward replayed from a CUDA graph (no eager host "
+                      "time). Ratios: flashfold / peer (above 1: flashfold faster).", _bwd_table),
+    "decode": ("GB/s = bytes of K and V read / time; bf16, 32 query / 8 KV heads of 128, "
+               "q_len 1. eager = do_bench of the call; graph = CUDA-graph replays; clean L2 = "
+               "graph replays after a read flush of L2 (target rows only). invariant cost = "
+               "1 - batch_invariant / default. Ratios: flashfold default / peer.", _dec_table),
+    "reductions": ("GB/s counts input bytes (+ output bytes for softmax and scans); ms are "
+                   "do_bench medians, eager and from CUDA graphs. speedup = torch time / "
+                   "flashfold time (above 1: flashfold faster).", _red_table),
+    "ring": ("bf16, B = 1, 16 heads of 128; times of the slowest rank. efficiency = "
+             "t_single / (W·t_ring) against single-GPU `flashfold.attention` on the whole "
+             "sequence (no other ring implementation was measured); overlap = compute-only / "
+             "ring (the ring's kernels with every block local, against the real ring).",
+             _ring_table),
+    "transformers": ("ms per case, the same model with `attn_implementation` = flashfold "
+                     "and = SDPA. ff vs SDPA = SDPA time / flashfold time (above 1: "
+                     "flashfold faster).", _tf_table),
+}
+
+
+def results_markdown(runs: list[Run], logs_dir: str = "logs") -> str:
+    """RESULTS.md: one table per family (:data:`FAMILIES`) from its latest run
+    (:func:`latest`), each with its date, device, software versions, command and log, the
+    ratios against every peer the run measured, and the rows where flashfold is below its
+    main peer."""
+    chosen = latest(runs)
+    for run in chosen.values():         # the backward's roof: the forward's matmul, same day
+        if run.kind == "attention_bwd" and not run.ceiling:
+            fwd = [r for r in runs if r.kind == "attention" and r.ceiling and
+                   (r.device, r.date) == (run.device, run.date)]
+            if fwd:
+                run.ceiling = fwd[0].ceiling
+                run.ceiling_label = "bf16 matmul 8192³ (the forward run, same day)"
+    out = ["# Benchmark results", "",
+           "Current numbers, one table per family, each from the latest full run in "
+           "`benchmarks/logs/`.",
+           "Generated by `flashfold bench --results` (do not edit by hand); what was tried "
+           "and why the kernels are built as they are is in `docs/notes/`.", ""]
+    out += [f"- [{FAMILIES[k]}](#{FAMILIES[k].lower().replace(' ', '-')})" for k in chosen]
+    missing = [FAMILIES[k] for k in FAMILIES if k not in chosen]
+    if missing:
+        out += ["", "No log for: " + ", ".join(missing) + "."]
+    for kind, run in chosen.items():
+        text, table = _FAMILY_TEXT[kind]
+        log = os.path.basename(run.source)
+        out += ["", f"## {FAMILIES[kind]}", "",
+                f"{run.date or 'date not recorded'} · {run.device or 'device not recorded'} · "
+                f"{run.software or 'versions not recorded'} · log `{logs_dir}/{log}`", "",
+                "```", run.command, "```", ""]
+        if run.setup:
+            setup = run.setup.split(": ", 1)[-1].rstrip(".")
+            out += [f"As the run describes its grid: {setup}.", ""]
+        out += [text]
+        if run.ceiling:
+            unit = "TFLOP/s" if kind.startswith("attention") else "GB/s"
+            out += ["", f"Ceiling measured in the same run: {run.ceiling_label}, "
+                        f"{run.ceiling:,.0f} {unit}."]
+        out += ["", *table(run)]
+        if run.verdicts:
+            out += ["", "The run's own checks, as printed:", "", "```", *run.verdicts, "```"]
+    return "\n".join(out) + "\n"
+
+
+def write_results(paths: list[str], out: str) -> dict[str, Run]:
+    """Parse the logs ``paths`` and write :func:`results_markdown` of them to ``out``;
+    returns the run behind each family's table."""
+    runs = [r for p in paths for r in parse_file(p)]
+    rel = os.path.relpath(os.path.dirname(os.path.abspath(paths[0])) if paths else "logs",
+                          os.path.dirname(os.path.abspath(out)))
+    text = results_markdown(runs, rel.replace(os.sep, "/"))
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    return latest(runs)
 
 
 # =====================================================================================
@@ -747,17 +1202,49 @@ def run_script(name: str, bench_dir: Path, out: str, quick: bool = False, extra=
 # `flashfold bench`
 # =====================================================================================
 
+def _fail(msg: str, status: int = 2) -> int:
+    """A user mistake or a missing resource: one line on stderr, an exit status, no
+    traceback."""
+    print(f"flashfold bench: {msg}", file=sys.stderr)
+    return status
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _gpu_available() -> bool:
+    """Whether torch sees a CUDA device (the benchmark scripts time GPU kernels)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def _cli(args) -> int:
+    for path in (args.from_log or []) + (args.from_table or []):
+        if not os.path.isfile(path):
+            return _fail(f"no such file: {path}" if not os.path.exists(path)
+                         else f"not a file: {path}")
+    if args.results is not None:
+        return _cli_results(args)
     runs: list[Run] = []
     for path in args.from_log or []:
-        found = parse_file(path)
+        try:
+            found = parse(_read(path), path)
+        except OSError as e:
+            return _fail(f"cannot read {path}: {e.strerror or e}")
         if not found:
             print(f"flashfold bench: no timing results recognized in {path} (skipped)",
                   file=sys.stderr)
         runs += found
     for path in args.from_table or []:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            text = _read(path)
+        except OSError as e:
+            return _fail(f"cannot read {path}: {e.strerror or e}")
         tables = "\n".join(l for l in text.splitlines() if l.strip().startswith("|"))
         found = parse(tables, path)
         for r in found:
@@ -769,21 +1256,53 @@ def _cli(args) -> int:
     if args.run:
         bench_dir = Path(args.bench_dir) if args.bench_dir else find_benchmarks()
         if bench_dir is None or not (bench_dir / "attention.py").is_file():
-            print("flashfold bench --run: benchmarks/ not found (run from a source checkout or "
-                  "pass --bench-dir)", file=sys.stderr)
-            return 2
+            return _fail("--run: benchmarks/ not found (run from a source checkout or pass "
+                         "--bench-dir)")
+        if not _gpu_available():
+            return _fail("--run: no CUDA GPU visible here (torch.cuda.is_available() is "
+                         "False); the benchmarks time GPU kernels. Plot saved logs with "
+                         "--from-log FILE")
         names = SCRIPTS if "all" in args.run else args.run
         for name in names:
-            log = run_script(name, bench_dir, args.out, quick=args.quick)
+            try:
+                log = run_script(name, bench_dir, args.out, quick=args.quick)
+            except (RuntimeError, OSError) as e:
+                return _fail(f"--run: {e}", 1)
             print(f"wrote {log}")
             runs += parse_file(log)
-    if not runs:
-        print("flashfold bench: nothing to plot; pass --from-log FILE, --from-table FILE or "
-              "--run NAME (see flashfold bench --help)", file=sys.stderr)
-        return 2
+    if not any(r.kind in PLOTS for r in runs):
+        return _fail("nothing to plot; pass --from-log FILE, --from-table FILE or --run NAME "
+                     "(see flashfold bench --help)")
     for path, desc in render(runs, args.out, args.prefix).items():
         n = sum(a["lines"] + a["bars"] for a in desc["axes"])
         print(f"wrote {path} ({len(desc['axes'])} panels, {n} lines/bars)")
+    return 0
+
+
+def _cli_results(args) -> int:
+    """``--results [FILE]``: the tables of RESULTS.md from ``--from-log`` files, or from
+    every log in the checkout's ``benchmarks/logs/``."""
+    logs = list(args.from_log or [])
+    bench_dir = Path(args.bench_dir) if args.bench_dir else find_benchmarks()
+    if not logs:
+        if bench_dir is None or not (bench_dir / "logs").is_dir():
+            return _fail("--results: benchmarks/logs/ not found (run from a source checkout, "
+                         "pass --bench-dir or --from-log FILE ...)")
+        logs = sorted(str(p) for p in (bench_dir / "logs").glob("*.log"))
+    out = args.results or (str(bench_dir / "RESULTS.md") if bench_dir else "")
+    if not out:
+        return _fail("--results: no output file given and no benchmarks/ folder found")
+    if os.path.isdir(out):
+        return _fail(f"--results: {out} is a folder; name the markdown file to write")
+    try:
+        chosen = write_results(logs, out)
+    except OSError as e:
+        return _fail(f"--results: cannot write {out}: {e.strerror or e}")
+    if not chosen:
+        return _fail(f"--results: no benchmark results recognized in {len(logs)} log(s)")
+    for kind, run in chosen.items():
+        print(f"{FAMILIES[kind]}: {os.path.basename(run.source)}")
+    print(f"wrote {out}")
     return 0
 
 
@@ -799,6 +1318,10 @@ def _configure(p):
     p.add_argument("--bench-dir", help="the benchmarks/ folder (default: found above the cwd)")
     p.add_argument("--out", default="flashfold-bench", help="output folder (default ./flashfold-bench)")
     p.add_argument("--prefix", default="", help="prefix of the PNG file names")
+    p.add_argument("--results", nargs="?", const="", metavar="FILE",
+                   help="write the results page (one table per family, from the latest log of "
+                        "each) to FILE (default benchmarks/RESULTS.md), from --from-log files or "
+                        "every benchmarks/logs/*.log; no plots")
 
 
 def _register_cli():
@@ -830,4 +1353,5 @@ def graph_replay(fn, warmup: int = 2):
 __all__ = ["ProgressBar", "progress_bar", "Run", "parse", "parse_file", "parse_attention",
            "parse_attention_backward", "parse_decode", "parse_reductions", "render",
            "plot_attention", "plot_attention_backward", "plot_decode", "plot_reductions",
-           "run_script", "find_benchmarks", "graph_replay"]
+           "run_script", "find_benchmarks", "graph_replay", "parse_ring", "parse_transformers",
+           "command_of", "latest", "results_markdown", "write_results", "FAMILIES"]

@@ -1,0 +1,241 @@
+"""``flashfold bench --results``: the results page (``benchmarks/RESULTS.md``) written from
+benchmark logs, on small synthetic logs in the scripts' output format.
+
+Each family's table comes from its latest full log and carries the run's date (from the
+file name), device, torch/Triton versions, the command that printed it, every peer with
+flashfold's ratio to it (the ratio the run printed where it printed one), and the run's
+own check lines. The command's user mistakes (a missing log, ``--run`` without a GPU)
+print one line and exit non-zero, without a traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashfold import bench
+from flashfold.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ATTENTION = """torch 2.11.0+cu130, triton 3.6.0, NVIDIA H200, python 3.12.3
+== correctness: 2/2 cases passed
+
+== speed: bfloat16, H=16, B*N = 16384 tokens, do_bench median
+   bf16 matmul 8192^3 in this run: 680 TFLOP/s (the ceiling column)
+   d128 N4096  full       0.891 ms  flashfold=617 cudnn=629 flash=345 efficient=173 flex=476 (91% of matmul)
+   d128 N4096  causal     0.477 ms  flashfold=576 cudnn=533 flash=302 efficient=160 flex=369 (85% of matmul)
+   d128 N16384 full       3.465 ms  flashfold=635 cudnn=606 flash=355 efficient=175 flex=487 (94% of matmul)
+   d128 N16384 document   0.667 ms  flashfold=310 flex=304 (46% of matmul)
+
+| D | N | mask | flashfold | cuDNN | FA2 (flash) | efficient | Flex | ff/cuDNN | ff/FA2 | ff/Flex | ff/matmul |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+| 128 | 4096 | full | 617 | 629 | 345 | 173 | 476 | 0.97 | 1.79 | 1.30 | 91% |
+| 128 | 4096 | causal | 576 | 533 | 302 | 160 | 369 | 1.08 | 1.91 | 1.56 | 85% |
+| 128 | 16384 | full | 635 | 606 | 355 | 175 | 487 | 1.05 | 1.79 | 1.30 | 94% |
+| 128 | 16384 | document | 310 | - | - | - | 304 | - | - | 1.02 | 46% |
+total 142s; correctness PASSED
+"""
+
+QUICK_ATTENTION = """torch 2.11.0+cu130, triton 3.6.0, NVIDIA H200, python 3.12.3
+== speed: bfloat16, H=16, B*N = 16384 tokens, do_bench median
+   bf16 matmul 8192^3 in this run: 690 TFLOP/s (the ceiling column)
+   d128 N4096  full       0.891 ms  flashfold=700 cudnn=600 flash=345 efficient=173 flex=476 (91% of matmul)
+"""
+
+BACKWARD = """torch 2.11.0+cu130, triton 3.6.0, NVIDIA H200, python 3.12.3
+== backward correctness: 4/4 cases passed
+== backward speed: bfloat16, H=16, B*N = 16384 tokens, do_bench median; backward = autograd.grad of a retained graph, fwd+bwd = both
+   d128 N1024  full   bwd flashfold=438 ff-det=284 cudnn=435 flash=227  fwd+bwd flashfold=450 ff-det=335 cudnn=446 flash=249  fwd+bwd CUDA graph flashfold=450 cudnn=453
+   d128 N4096  full   bwd flashfold=512 ff-det=368 cudnn=505 flash=287  fwd+bwd flashfold=531 ff-det=413 cudnn=535 flash=305  fwd+bwd CUDA graph flashfold=529 cudnn=526
+   d64 N4096  full   bwd flashfold=414 ff-det=295 cudnn=440 flash=266  fwd+bwd flashfold=424 ff-det=330 cudnn=435 flash=275  fwd+bwd CUDA graph flashfold=419 cudnn=432
+   d64 N4096  causal bwd flashfold=360 ff-det=265 cudnn=369 flash=223  fwd+bwd flashfold=377 ff-det=296 cudnn=375 flash=233  fwd+bwd CUDA graph flashfold=377 cudnn=377
+total 265s; backward correctness PASSED, determinism PASSED, torch.compile PASSED
+"""
+
+DECODE = """2.11.0+cu130 3.6.0 NVIDIA H200 132 SMs
+== checks: all passed (46s)
+== device copy: 4244 GB/s (read + write bytes)
+== timing: GB/s of K and V read (bf16, 32/8 heads, head_dim 128, q_len 1)
+  batch   8 len   8192 ( 4 splits,  3.6s): flashfold 2119, flashfold inv 1986, flashfold p16 2788, flashfold p64 2062, sdpa flash 3231, sdpa cudnn 3366, sdpa paged p16 1123, flashfold [graph] 3380, flashfold inv [graph] 3219, sdpa flash [graph] 3231, sdpa cudnn [graph] 3370, flashfold [clean] 3844, flashfold inv [clean] 3606, sdpa cudnn [clean] 3830
+  batch   1 len    512 ( 2 splits,  8.7s): flashfold 33, flashfold inv 23, sdpa flash 34, sdpa cudnn 38, flashfold [graph] 174, flashfold inv [graph] 168, sdpa cudnn [graph] 177
+  target (graph): batch 8 len 8192 >= SDPA cuDNN: PASS (ratio 1.00)
+"""
+
+REDUCTIONS = """flashfold reductions: NVIDIA H200, 132 SMs, torch 2.11.0+cu130, triton 3.6.0, python 3.12.3
+device-to-device copy of 1 GiB: 0.506 ms = 4248 GB/s (read + write)
+== timings (median of triton.testing.do_bench) ==
+  logsumexp            16384x16384        float32      0.253 ms    4247 GB/s | torch    1.825 ms | graph    0.253 ms torch    1.816 ms
+  sum                  16384x16384 dim 0  float32      0.259 ms    4145 GB/s | torch    0.259 ms | graph    0.258 ms torch    0.258 ms
+  argmax               1048576x7          float32      0.024 ms    1223 GB/s | torch    0.025 ms | graph    0.024 ms torch    0.026 ms
+== summary (copy 4250 GB/s in this run) ==
+| op | shape | dtype | flashfold ms | GB/s | % copy | torch ms | torch GB/s | speedup | graph ms | torch graph ms | graph speedup |
+|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| logsumexp | 16384x16384 | float32 | 0.253 | 4247 | 99.9% | 1.825 | 588 | 7.22x | 0.253 | 1.816 | 7.17x |
+| sum | 16384x16384 dim 0 | float32 | 0.259 | 4145 | 97.5% | 0.259 | 4149 | 0.99x | 0.258 | 0.258 | 1.00x |
+| argmax | 1048576x7 | float32 | 0.024 | 1223 | 28.8% | 0.025 | 1161 | 1.05x | 0.024 | 0.026 | 1.08x |
+
+rows slower than torch: ['sum 16384x16384 dim 0 float32']
+correctness failures: none
+"""
+
+RING = """flashfold ring attention benchmark: 2 rank(s), backend nccl, device NVIDIA H200, torch 2.11.0+cu130
+== correctness (ring): max err <= 2 * naive torch.bfloat16 err + fp32 rounding, reference float64; B=2 Hq=8 Hk=4 D=128 N=3007
+  ok  zigzag     causal=True  o 7.5e-03 (naive 1.6e-02, single 7.5e-03)
+== timing (ring over 2 ranks, nccl on cuda): torch.bfloat16, B=1, Hq=16, Hk=16, D=128; mean ms per call, slowest rank
+  zigzag     causal=True  N= 65536  fwd single    35.24 ms (  499 TF/s)  ring    19.71 ms (  893 TF/s aggregate)  compute-only    18.58 ms  eff 89.4% overlap 94.3%  | fwd+bwd single   151.18 ms (  407 TF/s) ring    81.17 ms  compute-only    78.15 ms eff 93.1% overlap 96.3%
+  zigzag     causal=True  N=131072  fwd single   143.53 ms (  490 TF/s)  ring    74.36 ms (  946 TF/s aggregate)  compute-only    72.89 ms  eff 96.5% overlap 98.0%  | fwd+bwd single   600.27 ms (  410 TF/s) ring   322.46 ms  compute-only   312.01 ms eff 93.1% overlap 96.8%
+"""
+
+TRANSFORMERS = """torch 2.11.0+cu130, transformers 5.17.0, NVIDIA H200
+
+== timing: Llama-shaped (hidden 2048, 16/8 heads of 128, 4 layers), bfloat16, batch 8 x 2048 tokens, do_bench median
+  case                                      flashfold ms     sdpa ms  ff / sdpa
+  prefill                                          19.57       19.09       1.02
+  prefill + 64 decode steps                       332.88      405.74       0.82
+
+all checks passed (31 s)
+"""
+
+
+@pytest.fixture
+def logs(tmp_path):
+    d = tmp_path / "benchmarks" / "logs"
+    d.mkdir(parents=True)
+    files = {"2026-11-30_h200_attention_fwd.log": ATTENTION,
+             "2026-12-01_h200_attention_fwd_quick.log": QUICK_ATTENTION,
+             "2026-11-29_h200_attention_fwd_old.log": ATTENTION.replace("617", "500"),
+             "2026-11-30_h200_attention_bwd.log": BACKWARD,
+             "2026-11-30_h200_decode.log": DECODE,
+             "2026-11-30_h200_reductions.log": REDUCTIONS,
+             "2026-11-29_h200x2_ring.log": RING,
+             "2026-11-29_h200_transformers_timing.log": TRANSFORMERS,
+             "2026-11-30_h200_notes.log": "nothing a parser knows\n"}
+    for name, text in files.items():
+        (d / name).write_text(text)
+    return d
+
+
+def _section(text: str, title: str) -> str:
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_the_page_has_one_table_per_family_with_its_provenance(logs):
+    out = logs.parent / "RESULTS.md"                  # benchmarks/RESULTS.md beside logs/
+    chosen = bench.write_results(sorted(str(p) for p in logs.glob("*.log")), str(out))
+    assert list(chosen) == list(bench.FAMILIES)
+    text = out.read_text()
+    assert len(text.splitlines()) < 400
+    for kind, title in bench.FAMILIES.items():
+        sec = _section(text, title)
+        assert "NVIDIA H200" in sec and "torch 2.11.0+cu130" in sec, title
+        assert sec.count("```") >= 2 and "benchmarks/" in sec, title        # the command
+        assert sec.count("\n| ") >= 3, title                                # a table
+    fwd = _section(text, "Attention forward")
+    assert "2026-11-30" in fwd and "triton 3.6.0" in fwd
+    assert "\nPYTHONPATH=src python benchmarks/attention.py\n" in fwd
+    assert "log `logs/2026-11-30_h200_attention_fwd.log`" in fwd
+    assert "680 TFLOP/s" in fwd                                   # the run's own ceiling
+    for peer in ("cuDNN", "FA2", "efficient", "Flex"):
+        assert f"ff/{peer.split()[0]}" in fwd, peer
+    # the run's printed ratio (0.97), not the ratio of the rounded rates (617 / 629 = 0.98)
+    assert "| 128 | 4096 | full | 617 | 629 | 345 | 173 | 476 | 0.97 | 1.79 | 3.57 | 1.30 |" in fwd
+    assert "| 128 | 16384 | document | 310 | - | - | - | 304 | - | - | - | 1.02 |" in fwd
+    assert "Below cuDNN in this run (ratio < 1.00): d128 4K full 0.97." in fwd
+    assert "== correctness: 2/2 cases passed" in fwd
+    bwd = _section(text, "Attention backward")
+    assert "attention.py --bwd\n" in bwd and "680 TFLOP/s" in bwd      # the forward's roof
+    assert "| 128 | 1024 | full | 438 | 284 | 435 | 227 | 1.01 | 0.65 | 1.93 | 450 | 446 | 249 " \
+           "| 1.01 | 450 | 453 | 0.99 |" in bwd
+    dec = _section(text, "Decoding against a KV cache")
+    assert "decode.py\n" in dec and "4,244 GB/s" in dec
+    assert "| 8 | 8192 | clean L2 | 3,844 | 3,606 |" in dec and "| 1 | 512 | graph | 174 |" in dec
+    assert "1 x 512 graph 0.98" in dec and "PASS (ratio 1.00)" in dec
+    red = _section(text, "Reductions and scans")
+    assert "reductions.py --no-variants" in red and "4,248 GB/s" in red
+    assert "| sum | 16384x16384 dim 0 | float32 | 0.259 | 4,145 | 97.6% | 0.259 |" in red
+    assert "sum 16384x16384 dim 0 float32 (eager) 0.99" in red
+    ring = _section(text, "Ring attention across GPUs")
+    assert "2 x NVIDIA H200" in ring and "--nproc_per_node=2 benchmarks/ring.py" in ring
+    assert "| zigzag causal | 131072 | fwd | 143.53 | 74.36 | 72.89 | 96.5% | 98.0% |" in ring
+    assert "N = 131,072: zigzag causal 96.5% forward, 93.1% forward + backward" in ring
+    tf = _section(text, "Hugging Face transformers")
+    assert "transformers_gpu.py --timing-only" in tf and "transformers 5.17.0" in tf
+    assert "| prefill + 64 decode steps | 332.88 | 405.74 | 1.22 |" in tf
+    assert "Below SDPA in this run (ratio < 1.00): prefill 0.98." in tf
+
+
+def test_latest_full_run_wins_over_a_later_quick_one_and_an_older_full_one(logs):
+    runs = [r for p in sorted(logs.glob("*attention_fwd*.log")) for r in bench.parse_file(str(p))]
+    assert sorted((r.date, r.quick) for r in runs) == [("2026-11-29", False), ("2026-11-30", False),
+                                                       ("2026-12-01", True)]
+    chosen = bench.latest(runs)["attention"]
+    assert chosen.date == "2026-11-30" and chosen.command.endswith("attention.py")
+    quick = [r for r in runs if r.quick][0]
+    assert quick.command.endswith("attention.py --quick")
+    assert bench.latest([quick])["attention"] is quick          # no full run: the quick one
+
+
+def test_commands_read_off_the_output():
+    red = bench.parse(REDUCTIONS, "x.log")[0]
+    assert red.command == "PYTHONPATH=src python benchmarks/reductions.py --no-variants"
+    variants_after = REDUCTIONS.replace("== summary", "== heuristic variants ==\n== summary")
+    assert bench.parse(variants_after, "x.log")[0].command.endswith("reductions.py")
+    tf = bench.parse(TRANSFORMERS.replace("\n\n==", "\n== correctness\n=="), "x.log")[0]
+    assert tf.command.endswith("transformers_gpu.py")
+    simulated = RING.replace("2 rank(s)", "1 rank(s)").replace("compute-only", "est.")
+    assert bench.parse(simulated, "x.log") == []                 # estimates make no table
+
+
+def test_the_command_writes_the_page(logs, tmp_path, capsys):
+    bench_dir = logs.parent
+    (bench_dir / "attention.py").write_text("")
+    assert main(["bench", "--results", "--bench-dir", str(bench_dir)]) == 0
+    out = capsys.readouterr().out
+    assert (bench_dir / "RESULTS.md").is_file() and "wrote" in out
+    assert "Attention forward: 2026-11-30_h200_attention_fwd.log" in out
+    other = tmp_path / "page.md"
+    assert main(["bench", "--results", str(other), "--from-log",
+                 str(logs / "2026-11-29_h200x2_ring.log")]) == 0
+    text = other.read_text()
+    assert "## Ring attention across GPUs" in text and "No log for: Attention forward" in text
+
+
+def test_the_checked_in_page_is_what_the_logs_give():
+    """benchmarks/RESULTS.md is regenerated from benchmarks/logs/ (no hand edits)."""
+    logs = sorted((ROOT / "benchmarks" / "logs").glob("*.log"))
+    page = bench.results_markdown([r for p in logs for r in bench.parse_file(str(p))], "logs")
+    assert page == (ROOT / "benchmarks" / "RESULTS.md").read_text()
+
+
+# --- user mistakes: one line, non-zero exit, no traceback --------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "flashfold.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=str(ROOT))
+
+
+def test_a_missing_log_is_one_line():
+    res = _cli("bench", "--from-log", "/missing.log")
+    assert res.returncode == 2, res
+    assert "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == ["flashfold bench: no such file: /missing.log"]
+
+
+def test_run_without_a_gpu_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "_gpu_available", lambda: False)
+    assert main(["bench", "--run", "attention", "--quick"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA GPU" in err[0], err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_run_without_a_gpu_is_one_line_from_the_shell():
+    res = _cli("bench", "--run", "attention", "--quick")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert len(res.stderr.strip().splitlines()) == 1 and "no CUDA GPU" in res.stderr
