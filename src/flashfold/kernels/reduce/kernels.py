@@ -52,23 +52,46 @@ import triton.language as tl
 
 
 @triton.jit
-def _program_rows(n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS: tl.constexpr):
-    """Decompose the program id: (split j, rows [ROWS], row mask, input/output row bases
-    (int64), flat row index [ROWS] of ``(b0, b1, b2)`` in ``B0·B1·B2``)."""
-    pid = tl.program_id(0)
+def _program_rows(pid, n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS: tl.constexpr):
+    """Decompose the program id ``pid``: (split j, row mask [ROWS], input/output row bases
+    (int64), flat row index [ROWS] of ``(b0, b1, b2)`` in ``B0·B1·B2``). The row index
+    ``b2`` is int64: ``B2`` itself may pass 2^31 (a ``(2^31, 2)`` input reduced over dim 1)."""
     split = pid % n_split
     rest = pid // n_split
     ib = rest % n_inner
     outer = rest // n_inner
     b1 = outer % B1
     b0 = outer // B1
-    rows = ib * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < B2
-    r64 = rows.to(tl.int64)
+    r64 = ib.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = r64 < B2
     row_in = b0.to(tl.int64) * s0 + b1.to(tl.int64) * s1 + r64 * s2
     row_out = b0.to(tl.int64) * o0 + b1.to(tl.int64) * o1 + r64 * o2
     flat = outer.to(tl.int64) * B2 + r64
     return split, row_ok, row_in, row_out, flat
+
+
+@triton.jit
+def _chunk_bounds(split, chunk, N, N64: tl.constexpr):
+    """``[lo, hi) = [j·chunk, min((j+1)·chunk, N))`` of chunk ``j = split`` (an int32
+    program or ticket index). ``hi`` is formed as ``lo + min(chunk, N - lo)``, never as
+    ``lo + chunk``: the last chunk's end ``n_split·chunk`` can pass 2^31 when ``N`` does
+    not, and an int32 ``lo + chunk`` would wrap. With N64 ``lo`` is int64 (``j·chunk``
+    itself can pass 2^31)."""
+    if N64:
+        lo = split.to(tl.int64) * chunk
+    else:
+        lo = split * chunk
+    hi = lo + tl.minimum(chunk, N - lo)
+    return lo, hi
+
+
+@triton.jit
+def _row_mask(row_ok, n, hi):
+    """``row_ok & (n < hi)`` for a scalar position ``n``, compared as a [ROWS] block.
+    (A scalar bool broadcast against a block holds int32 data under the interpreter,
+    which Triton 3.9's interpreter refuses as a load or store mask; a block comparison
+    is a bool block on every version, and compiles to the same splat and compare.)"""
+    return row_ok & ((n + tl.zeros(row_ok.shape, tl.int32)) < hi)
 
 
 @triton.jit
@@ -216,7 +239,7 @@ def _small_fold(src, lo, hi, pos0, sn, row_in, row_ok,
     for k in tl.static_range(KMAX):
         n = lo + k
         ok = n < hi
-        x = tl.load(src + n * sn + row_in, mask=row_ok & ok, other=0.0).to(tl.float32)
+        x = tl.load(src + n * sn + row_in, mask=_row_mask(row_ok, n, hi), other=0.0).to(tl.float32)
         s = LIFT_XP(x, tl.broadcast_to((n - pos0).to(tl.int32), [ROWS]))
         acc = COMBINE(*acc, *SELECT(ok, *s, *IDENTITY(x)))
     return acc
@@ -244,13 +267,12 @@ def reduce_kernel(src, outs, fin_args, seg_ptr,
     split-K) instead of input elements.
     """
     split, row_ok, row_in, row_out, flat = _program_rows(
-        n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
+        tl.program_id(0), n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
     if SEGMENTED:
         lo = tl.load(seg_ptr + split)
         hi = tl.load(seg_ptr + split + 1)
     else:
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, N)
+        lo, hi = _chunk_bounds(split, chunk, N, N64)
     if N64:
         lo = lo.to(tl.int64)
         hi = hi.to(tl.int64)
@@ -530,7 +552,8 @@ def lookback_scan_kernel(x_ptr, outs, fin_args, aggs, incls, flags, ticket,
                          LOAD_STATE: tl.constexpr, STORE_STATE: tl.constexpr,
                          SELECT: tl.constexpr, K: tl.constexpr, LANES: tl.constexpr,
                          BLOCK: tl.constexpr, VEC: tl.constexpr, W: tl.constexpr,
-                         ORDERED: tl.constexpr, INCLUSIVE: tl.constexpr):
+                         ORDERED: tl.constexpr, INCLUSIVE: tl.constexpr,
+                         N64: tl.constexpr = False):
     """Single-pass forward scan of few long rows (decoupled look-back, Merrill & Garland).
 
     Each program takes a ticket (so chunks start in order), folds its chunk
@@ -552,8 +575,7 @@ def lookback_scan_kernel(x_ptr, outs, fin_args, aggs, incls, flags, ticket,
     one = tl.zeros([1], tl.int64)
     row_in = one + b0.to(tl.int64) * s0 + b1.to(tl.int64) * s1 + b2.to(tl.int64) * s2
     row_out = one + b0.to(tl.int64) * o0 + b1.to(tl.int64) * o1 + b2.to(tl.int64) * o2
-    lo = c * chunk
-    hi = tl.minimum(lo + chunk, N)
+    lo, hi = _chunk_bounds(c, chunk, N, N64)
     total = _row_state(x_ptr, lo, hi, lo * 0, sn, row_in, one == 0,
                        TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE, IDENTITY,
                        K, LANES, 1, False, ORDERED, False)            # [1] per field
@@ -605,11 +627,9 @@ def scan_kernel(x_ptr, outs, fin_args, parts,
     STATE_OUT pass of :func:`reduce_kernel` wrote.
     """
     split, row_ok, row_in, row_out, flat = _program_rows(
-        n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, N)
+        tl.program_id(0), n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
+    lo, hi = _chunk_bounds(split, chunk, N, N64)
     if N64:
-        lo = lo.to(tl.int64)
         hi = hi.to(tl.int64)
     carry = IDENTITY(tl.zeros([ROWS], tl.float32))
     if SPLIT:
@@ -626,8 +646,7 @@ def scan_kernel(x_ptr, outs, fin_args, parts,
                 n = hi - 1 - kk
             else:
                 n = lo + kk
-            ok = kk < hi - lo
-            m = row_ok & ok
+            m = _row_mask(row_ok, kk, hi - lo)
             x = tl.load(x_ptr + n * sn + row_in, mask=m, other=0.0).to(tl.float32)
             s = LIFT_XP(x, tl.broadcast_to(n.to(tl.int32), [ROWS]))
             if REVERSE:
@@ -748,7 +767,7 @@ def normalize_kernel(x_ptr, y_ptr, parts, N, sn, osn, B1, B2, s0, s1, s2, o0, o1
     that a STATE_OUT pass of :func:`reduce_kernel` wrote.
     """
     split, row_ok, row_in, row_out, flat = _program_rows(
-        n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
+        tl.program_id(0), n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
     if N64:
         lo = (split * 0).to(tl.int64)
     else:
@@ -759,15 +778,15 @@ def normalize_kernel(x_ptr, y_ptr, parts, N, sn, osn, B1, B2, s0, s1, s2, o0, o1
                                    LIFT_XP, COMBINE, SELECT, IDENTITY, K, ROWS))
         for k in tl.static_range(K):
             n = lo + k
-            m = row_ok & (n < N)
+            m = _row_mask(row_ok, n, N)
             x = tl.load(x_ptr + n * sn + row_in, mask=m, other=0.0).to(tl.float32)
             y = FMAP(x, *consts)
             tl.store(y_ptr + n * osn + row_out, y[0], mask=m)
     elif SPLIT:
         st = _fold_states(IDENTITY(tl.zeros([ROWS], tl.float32)), parts, flat, n_split,
                           split * 0, n_split, row_ok, COMBINE, SCAN_TILE, TAKE, LOAD_STATE, PBLOCK)
-        lo = lo + split * chunk
-        _map_range(x_ptr, y_ptr, lo, tl.minimum(lo + chunk, N), sn, osn, row_in, row_out, row_ok,
+        lo, hi = _chunk_bounds(split, chunk, N, N64)
+        _map_range(x_ptr, y_ptr, lo, hi, sn, osn, row_in, row_out, row_ok,
                    PREP(*st), FMAP, K, LANES, ROWS, MASK_ROWS)
     elif FUSED:
         idx = tl.arange(0, K)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]

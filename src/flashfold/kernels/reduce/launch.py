@@ -506,9 +506,31 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: elements a tile may reach past the end of its range along the dim: a masked tail tile
+#: (at most 16K elements in any plan here; a fused softmax row of ``N <= 32K`` elements
+#: is one ``next_pow2(N) < N + 32K`` tile) or a realigned head (fewer than 16)
+_N64_SLACK = 2**15
+
+
 def _n64(g: Geometry, *extra) -> bool:
-    span = max(g.N, 1) * max(abs(g.sn), abs(g.osn), 1)
+    """Whether element indices or offsets along the dim need int64: the last index a
+    tile forms, ``N - 1 + slack`` (masked lanes included: an index that wrapped to a
+    negative value would pass the ``n < hi`` mask), times the larger stride can reach
+    2^31. Row bases, row indices and chunk starts of ``N64`` plans are int64 in the
+    kernels; everything else is int32."""
+    span = (max(g.N, 1) + _N64_SLACK) * max(abs(g.sn), abs(g.osn), 1)
     return span >= _I31 or any(e >= _I31 for e in extra)
+
+
+def _check_positions(fns: ReduceFunctions, g: Geometry, what: str = "the reduced or scanned dim"):
+    """Monoids that read positions (ARGMAX, ARGMIN...) carry them in int32 state fields,
+    so their dim (a segment, for segmented reductions, whose positions count from the
+    segment's start) may have at most 2^31 elements (positions ``0 .. 2^31 - 1``): a
+    longer one raises rather than returning wrapped indices."""
+    if fns.has_position and g.N > _I31:
+        raise ValueError(f"x: {fns.monoid.name} reads element positions, which kernels hold "
+                         f"in int32: {what} has {g.N} elements, at most 2^31 = {_I31} are "
+                         f"supported")
 
 
 def _common(fns: ReduceFunctions):
@@ -632,6 +654,7 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None):
     outs = tuple(_new(out_shape, _out_dtype(k, x), x.device) for k in output_kinds(monoid))
     if g.rows == 0:
         return [], outs
+    _check_positions(fns, g)
     cfg = reduce_config(g, x.element_size(), _is_ordered(monoid), _costly_block(monoid),
                         len(monoid.fields))
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS)
@@ -694,6 +717,7 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     x, g = _prepare(x, dim, lambda t: ost)
     if g.rows == 0 or g.N == 0:
         return [], outs
+    _check_positions(fns, g)
     block_scan = fns.block_scan is not None and (not reverse or monoid.commutative)
     cfg = scan_config(g, x.element_size(), bool(reverse), costly_combine(monoid), block_scan)
     block, rows = cfg.K, cfg.ROWS
@@ -702,7 +726,7 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     n_split, chunk = split_plan(g, max(block, rcfg.K * rcfg.LANES), n_prog, num_sms(x.device))
     plan = []
     parts = ()
-    if n_split > 1 and g.sn == 1 and not reverse and not _n64(g) and LOOKBACK:
+    if n_split > 1 and g.sn == 1 and not reverse and LOOKBACK:
         return _plan_lookback(fns, x, outs, fargs, g, LOOKBACK_CONFIG, rcfg), outs
     if n_split > 1:
         parts = _state_buffers(monoid, g.rows, n_split, x.device)
@@ -765,7 +789,8 @@ def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
                   FINALIZE=fns.finalize_fast, IDENTITY=fns.identity, LOAD_STATE=fns.load_state,
                   STORE_STATE=fns.store_state, SELECT=fns.select, K=rcfg.K, LANES=rcfg.LANES,
                   BLOCK=block, VEC=cfg.vec, W=LOOKBACK_WINDOW, ORDERED=_is_ordered(fns.monoid),
-                  INCLUSIVE=True, **_opts(Config(cfg.K, 1, 1, cfg.num_warps, maxnreg=cap)))
+                  INCLUSIVE=True, N64=_n64(g),
+                  **_opts(Config(cfg.K, 1, 1, cfg.num_warps, maxnreg=cap)))
     return [Launch(K_.lookback_scan_kernel, (slots,), args, kwargs)]
 
 
@@ -782,6 +807,7 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
     x, g = _prepare(x, dim, lambda t: ost)
     if g.rows == 0 or g.N == 0:
         return [], y
+    _check_positions(fns, g)
     ordered = _is_ordered(rowmap.monoid)
     cfg, fused = normalize_config(g, x.element_size(), ordered)
     n_inner = -(-g.B[2] // cfg.ROWS)
@@ -858,7 +884,14 @@ def launch_reduce(monoid, x, dim, params=None):
 
 
 def launch_segment_reduce(monoid, x, offsets, dim, params=None):
-    """Outputs per segment (a tuple; ``dim`` replaced by the segments)."""
+    """Outputs per segment (a tuple; ``dim`` replaced by the segments). Segments of more
+    than 2^31 elements raise for monoids that read positions (:func:`_check_positions`;
+    the segment lengths are read, a device sync, only when the dim itself is that long)."""
+    n = x.shape[dim] if x.dim() else 1
+    if n > _I31 and offsets.numel() > 1 and _fns(monoid).has_position:
+        longest = int((offsets[1:] - offsets[:-1]).max())
+        _check_positions(_fns(monoid), Geometry(longest, 1, 1, (1, 1, 1), (0, 0, 0), (0, 0, 0)),
+                         "a segment")
     plan, outs = _planned(("segment", id(monoid), _sig(x), _sig(offsets), dim, _items(params)),
                           monoid, (x, offsets), plan_segment_reduce, monoid, x, offsets, dim,
                           params)
