@@ -279,6 +279,24 @@ def _segments(B, NQ, NK, cu_q, cu_k):
     return [(i, cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
 
 
+def _strict_matmul(a, vis, x):
+    r"""``a @ x`` in which the pairs hidden by ``vis`` add exactly 0, whatever ``x`` holds.
+
+    ``a [..., M, K]`` is 0 where ``vis [..., M, K]`` (bool) is False; ``x [..., K, N]``.
+    When ``x`` is finite, or every pair is visible, this is the plain product (IEEE: a
+    visible non-finite ``x`` reaches what it multiplies). Otherwise the non-finite
+    entries of ``x`` are replaced by 0 in the product, and ``(m, n)`` is NaN when a visible
+    ``k`` has a non-finite ``x[k, n]`` (:math:`\sum_k a_{mk} x_{kn}` over visible ``k``
+    is then non-finite in IEEE arithmetic, ``0 \cdot \infty`` included).
+    """
+    fin = torch.isfinite(x)
+    if bool(fin.all()) or bool(vis.all()):
+        return torch.matmul(a, x)
+    out = torch.matmul(a, torch.where(fin, x, 0.0))
+    seen = torch.matmul(vis.to(a.dtype), (~fin).to(a.dtype))
+    return torch.where(seen > 0, math.nan, out)
+
+
 def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, left=None,
                        right=None, score_mod: TracedMod | None = None,
                        mask_mod: TracedMod | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -293,6 +311,13 @@ def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, l
     ``dK = scale dS~^T Q``, ``dV = P^T dO``, summed over the query heads of a GQA group.
     Mods are *traced* mods here (``TracedMod``), windows already folded (``right = 0`` for
     causal).
+
+    Non-finite inputs (rule 4 of the attention API's docstring): hidden pairs add exactly
+    0 whatever their values. ``P`` and ``dS`` are *selected* to 0 there (not multiplied),
+    and on a tile with hidden pairs whose operand tile (``K`` of ``dS K``, ``Q`` of
+    ``dS^T Q``, ``dO`` of ``P^T dO``) holds a non-finite entry the product is strict
+    (:func:`_strict_matmul`). A row is empty (no gradient) only when ``lse = -inf``; a NaN
+    ``lse`` (a visible NaN score) makes NaN what depends on the row.
     """
     B, HQ, NQ, D = q.shape
     HK, NK = k.shape[1], k.shape[2]
@@ -320,7 +345,7 @@ def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, l
             rows = slice(q0 + i0, q0 + i1)
             qb, dob = q[:, :, rows].to(cd), do[:, :, rows].to(cd)
             lb = lse[:, :, rows, None]
-            live = torch.isfinite(lb)
+            live = lb != -math.inf                  # (NaN is not empty: rule 2)
             db = dd[:, :, rows, None]
             qi = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
             for j0, j1 in key_tiles(i0, i1, nk, block_n, delta, left, right):
@@ -353,11 +378,12 @@ def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, l
                 p = torch.where(vis, torch.exp(torch.where(vis, s - lb, 0.0)), 0.0)
                 dp = torch.matmul(dob, vb.transpose(-1, -2))
                 ds = p * (dp - db)
-                if dfac is not None:
-                    ds = torch.where(vis, ds * dfac, 0.0)
-                dq[:, :, rows] += torch.matmul(ds, kb) * scale
-                dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), qb) * scale
-                dv[:, :, cols] += torch.matmul(p.transpose(-1, -2), dob)
+                ds = torch.where(vis, ds if dfac is None else ds * dfac, 0.0)
+                vis = vis.expand(x.shape)
+                visT = vis.transpose(-1, -2)
+                dq[:, :, rows] += _strict_matmul(ds, vis, kb) * scale
+                dk[:, :, cols] += _strict_matmul(ds.transpose(-1, -2), visT, qb) * scale
+                dv[:, :, cols] += _strict_matmul(p.transpose(-1, -2), visT, dob)
     dk = dk.view(B, HK, g, NK, D).sum(2)
     dv = dv.view(B, HK, g, NK, v.shape[3]).sum(2)
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
