@@ -109,6 +109,52 @@ def test_var_mean_edges(path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_var_of_infinite_input_is_nan_as_torch(path, dtype):
+    """An infinite or NaN input gives a NaN variance whatever its position (torch's rule);
+    an infinite mean stays infinite. Welford's M2 of [1, inf, 3] is inf, not NaN."""
+    inf, nan = float("inf"), float("nan")
+    rows = [[1.0, inf, 3.0], [inf, 1.0, 3.0], [1.0, 3.0, -inf], [inf, inf, 2.0],
+            [1.0, nan, 3.0], [1.0, 2.0, 4.0]]
+    x = torch.tensor(rows).to(dtype)
+    for corr in (0, 1):
+        var, mean = ff.var_mean(x, 1, correction=corr)
+        wv, wm = torch.var_mean(x.float(), 1, correction=corr)
+        assert torch.equal(torch.isnan(var), torch.isnan(wv)), (corr, var, wv)
+        assert torch.isnan(var[:5]).all() and torch.isfinite(var[5])
+        res = ff.reduce(WELFORD, x, 1, correction=corr)
+        assert torch.isnan(res.var[:5]).all()
+    var, mean = ff.var_mean(torch.tensor([inf]).to(dtype), 0, correction=0)
+    assert torch.isnan(var) and mean.item() == inf              # torch: (nan, inf)
+
+
+def test_argmax_keepdim_over_all_dims_as_torch(path):
+    x = data((3, 4, 5), torch.float32)
+    for f, t in ((ff.argmax, torch.argmax), (ff.argmin, torch.argmin)):
+        got, want = f(x, None, keepdim=True), t(x, None, keepdim=True)
+        assert got.shape == want.shape == (1, 1, 1) and torch.equal(got, want), f.__name__
+        assert f(x, keepdim=True).shape == (1, 1, 1)
+        assert torch.equal(f(x, None), t(x, None))
+        s = torch.tensor(2.5)
+        assert f(s, None, keepdim=True).shape == t(s, None, keepdim=True).shape == ()
+
+
+def test_argmax_of_an_empty_tensor_over_a_nonempty_dim_as_torch(path):
+    """torch returns an empty result when the reduced dim is not empty; it raises only
+    when the reduced dim (or the flattened tensor) is empty."""
+    for f, t in ((ff.argmax, torch.argmax), (ff.argmin, torch.argmin)):
+        for shape, dim, keep in (((0, 5), 1, False), ((0, 5), 1, True), ((3, 0, 2), 2, False),
+                                 ((3, 0, 2), -1, True)):
+            x = torch.zeros(shape)
+            got, want = f(x, dim, keepdim=keep), t(x, dim, keepdim=keep)
+            assert got.shape == want.shape and got.dtype == torch.int64, (f.__name__, shape)
+        for shape, dim in (((0, 5), 0), ((3, 0), 1), ((0, 5), None), ((0,), 0)):
+            with pytest.raises(IndexError, match="^x: "):
+                f(torch.zeros(shape), dim)
+            with pytest.raises(IndexError):
+                t(torch.zeros(shape), dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_argmax_argmin(path, dtype):
     x = torch.round(data((6, 31), dtype) * 2) / 2   # ties: lowest index, as torch
     x = with_edges(x)
@@ -271,3 +317,71 @@ def test_one_exp2_scan_monoid_is_lawful():
     x, = a.finalize(a.combine(s1, s2))
     y, = b.finalize(b.combine(s1, s2))
     assert_close(x, y, "float64", name="one-exp2 combine, finalized")
+
+
+# --- finalize parameters and meta tensors ----------------------------------------------
+
+@pytest.mark.parametrize("value", ["a", None, True, [1], "1"], ids=repr)
+def test_finalize_parameters_are_numbers_named_in_the_error(path, value):
+    x = torch.randn(3, 4)
+    with pytest.raises(TypeError, match="^correction: expected a number"):
+        ff.reduce(WELFORD, x, 1, correction=value)
+    with pytest.raises(TypeError, match="^correction: expected a number"):
+        ff.scan(WELFORD, x, 1, correction=value)
+    with pytest.raises(TypeError, match="^correction: expected a number"):
+        ff.segment_reduce(WELFORD, x, torch.tensor([0, 3]), correction=value)
+    with pytest.raises(TypeError, match="unknown parameters"):
+        ff.scan(WELFORD, x, 1, ddof=1)
+    assert ff.reduce(WELFORD, x, 1, correction=1).var.shape == (3,)   # ints are numbers
+
+
+def _meta(t, shape, dtype):
+    assert t.is_meta and tuple(t.shape) == tuple(shape) and t.dtype == dtype, (t, shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_meta_tensors_give_meta_outputs_of_the_right_shape_and_dtype(path, dtype):
+    """Every reduction and scan can compute its output's shape and dtype, so a meta input
+    gives meta outputs (nothing computed, nothing copied), as torch's own functions do."""
+    x = torch.empty(3, 4, 5, device="meta", dtype=dtype)
+    _meta(ff.logsumexp(x, 1), (3, 5), dtype)
+    _meta(ff.logsumexp(x, (0, 2), keepdim=True), (1, 4, 1), dtype)
+    _meta(ff.reduce(SUM, x, None), (), dtype)
+    res = ff.reduce(WELFORD, x, -1, correction=0)
+    assert res._fields == ("mean", "var")
+    _meta(res.mean, (3, 4), dtype)
+    _meta(res.var, (3, 4), dtype)
+    value, index = ff.reduce(ff.monoids.ARGMAX, x, 2, keepdim=True)
+    _meta(value, (3, 4, 1), dtype)
+    _meta(index, (3, 4, 1), torch.int64)
+    _meta(ff.scan(SUM, x, 1), (3, 4, 5), dtype)
+    _meta(ff.scan(U.MAX_PREFIX_SUM, x, 0, reverse=True), (3, 4, 5), dtype)
+    _meta(ff.cumsum(x, 2, dtype=torch.float32), (3, 4, 5), torch.float32)
+    _meta(ff.logcumsumexp(x, 0), (3, 4, 5), dtype)
+    _meta(ff.softmax(x, 1), (3, 4, 5), dtype)
+    _meta(ff.softmax(x, 1, dtype=torch.float32), (3, 4, 5), torch.float32)
+    var, mean = ff.var_mean(x, 1, correction=0, keepdim=True)
+    _meta(var, (3, 1, 5), dtype)
+    _meta(mean, (3, 1, 5), dtype)
+    _meta(ff.argmax(x, 1), (3, 5), torch.int64)
+    _meta(ff.argmin(x, None, keepdim=True), (1, 1, 1), torch.int64)
+    _meta(ff.logsumexp(torch.empty((), device="meta", dtype=dtype), 0), (), dtype)
+    off = torch.tensor([0, 1, 1, 3], device="meta")
+    _meta(ff.segment_reduce(LOGSUMEXP2, x, off, dim=0), (3, 4, 5), dtype)
+    _meta(ff.segment_reduce(SUM, x, off[:2], dim=1), (3, 1, 5), dtype)
+
+
+def test_meta_tensors_are_validated_like_real_ones():
+    x = torch.empty(3, 4, device="meta")
+    with pytest.raises(IndexError, match="^dim"):
+        ff.logsumexp(x, 2)
+    with pytest.raises(TypeError, match="^x: .*float64"):
+        ff.reduce(SUM, x.double())
+    with pytest.raises(TypeError, match="^correction"):
+        ff.reduce(WELFORD, x, 1, correction="a")
+    with pytest.raises(TypeError, match="unknown parameters"):
+        ff.reduce(WELFORD, x, 1, ddof=1)
+    with pytest.raises(IndexError, match="^x: "):
+        ff.argmax(torch.empty(3, 0, device="meta"), 1)
+    with pytest.raises(ValueError, match="^offsets: on cpu"):
+        ff.segment_reduce(SUM, x, torch.tensor([0, 3]))

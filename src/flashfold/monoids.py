@@ -138,6 +138,20 @@ LOGSUMEXP2 = transport(
 
 
 # --- attention: (m, d, o) over (score, value) pairs -----------------------------------
+#
+# The non-finite rule (stated for users in :mod:`flashfold.api.attention`): a NaN or +inf
+# score makes the state NaN (m = NaN, or d = NaN from the +inf - +inf of the rescale), a
+# -inf score is weight 0, and finalize reads "empty" from m = -inf alone, so a NaN never
+# finalizes to the empty row (0, -inf). Values enter only through d-weighted sums, and
+# never where the score is -inf (lift and block lift select them away): an invisible
+# value contributes nothing, whatever it holds.
+
+def _attn_pivot(m):
+    """The rescale reference point: ``m`` itself, 0 for an empty state. Unlike
+    :func:`_pivot`, ``+inf`` stays ``+inf``: ``exp(+inf - +inf)`` is NaN, so a ``+inf``
+    score makes the state NaN instead of an infinite ``d``."""
+    return ops.where(m == -ops.inf, 0.0, m)
+
 
 def _attn_lift(s, v):
     live = s > -ops.inf
@@ -146,21 +160,25 @@ def _attn_lift(s, v):
 
 def _attn_combine(a, b):
     m = ops.maximum(a.m, b.m)
-    p = _pivot(m)
+    p = _attn_pivot(m)
     sa, sb = ops.exp(a.m - p), ops.exp(b.m - p)     # exp(-inf) = 0 for an empty side
     return m, a.d * sa + b.d * sb, a.o * sa + b.o * sb
 
 
 def _attn_finalize(s):
-    live = s.d > 0.0
-    return ops.where(live, s.o / ops.where(live, s.d, 1.0), 0.0), s.m + ops.log(s.d)
+    empty = s.m == -ops.inf
+    return ops.where(empty, 0.0, s.o / ops.where(empty, 1.0, s.d)), s.m + ops.log(s.d)
 
 
 def _attn_block(s, v, valid):
     sm = ops.where(valid, s, -ops.inf)
     m = ops.reduce_max(sm)
-    p = ops.exp(sm - _pivot(m))
-    return m, ops.reduce_sum(p), ops.reduce_sum(p * v)
+    p = ops.exp(sm - _attn_pivot(m))
+    d = ops.reduce_sum(p)
+    # a NaN score is a NaN d even where the max ignores NaN (tl.max on the GPU): carry it
+    # into m, which finalize reads
+    return (ops.where(ops.isnan(d), d, m), d,
+            ops.reduce_sum(ops.where(sm > -ops.inf, p * v, 0.0)))
 
 
 ATTENTION = Monoid(
@@ -173,7 +191,8 @@ ATTENTION = Monoid(
     commutative=True, outputs=("out", "lse"),
     doc="FlashAttention's state over (score, value) pairs: m = max s, d = sum e^(s-m), "
         "o = sum e^(s-m) v; finalize to (o / d, m + log d). A row with no visible key "
-        "finalizes to (0, -inf).")
+        "(m = -inf) finalizes to (0, -inf); a NaN or +inf score to (NaN, NaN); a value "
+        "with score -inf contributes nothing, whatever it holds.")
 
 
 # --- Welford: (n, mean, M2) ----------------------------------------------------------
@@ -197,12 +216,17 @@ WELFORD = Monoid(
     inputs=(Input("x", domain="finite"),),
     lift=lambda x: (1.0, x, 0.0),
     combine=_welford_combine,
-    finalize=lambda s, correction: (s.mean, s.m2 / ops.maximum(s.n - correction, 0.0)),
+    # a non-finite mean (an infinite or NaN input) makes the variance NaN, as torch:
+    # M2 alone can be inf there ([1, inf, 3]); mean - mean is NaN exactly then
+    finalize=lambda s, correction: (
+        s.mean, ops.where(ops.isinf(s.mean) | ops.isnan(s.mean), s.mean - s.mean,
+                          s.m2 / ops.maximum(s.n - correction, 0.0))),
     params={"correction": 0.0},
     block_lift=_welford_block,
     commutative=True, outputs=("mean", "var"),
     doc="Welford / Chan-Golub-LeVeque: n, mean, M2 = sum (x - mean)^2; finalize to mean "
-        "and M2 / (n - correction) (NaN when n <= correction, as in torch and NumPy). "
+        "and M2 / (n - correction) (NaN when n <= correction, as in torch and NumPy, and "
+        "when an input is infinite or NaN, as in torch). "
         "(n, mean, M2) is (sum 1, sum x, sum x^2) twisted by (n, T/n, W - T^2/n).")
 
 

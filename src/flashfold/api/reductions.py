@@ -34,6 +34,10 @@ A row that is all ``-inf`` gives ``logsumexp = -inf``, ``softmax = nan`` (``0/0`
 torch), ``argmax = 0``. ``var_mean`` matches torch on finite input; an infinite input
 (outside WELFORD's domain) gives a NaN variance, as torch, and an infinite or NaN mean.
 
+A meta tensor (``device="meta"``) gives meta outputs of the shapes and dtypes above and
+computes nothing (``segment_reduce`` reads no offsets then); arguments are validated as
+for any other tensor.
+
 Several dims (``dim`` a tuple, or ``None`` for all) are reduced as one: the reduced dims
 are moved last and flattened, which is a view for a contiguous tensor and reduced dims
 that are adjacent, and a copy otherwise (torch's ``flatten`` rule).
@@ -42,6 +46,7 @@ that are adjacent, and a copy otherwise (torch's ``flatten`` rule).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections import namedtuple
 
 import torch
@@ -228,13 +233,51 @@ def _launchers():
     return _LAUNCH
 
 
+def _check_params(monoid: Monoid, params: dict):
+    """Finalize parameters: names the monoid declares, values real numbers (not bools)."""
+    names = [p for p, _ in monoid.params]
+    unknown = set(params) - set(names)
+    if unknown:
+        raise TypeError(f"{monoid.name}.finalize got unknown parameters {sorted(unknown)}; "
+                        f"it takes {names}")
+    for k, v in params.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{k}: expected a number, got {type(v).__name__}")
+
+
+#: id -> (monoid, dtype kinds of its outputs), for meta tensors (see _meta_outs)
+_KINDS: dict = {}
+
+
+def _meta_outs(monoid: Monoid, shape, x: torch.Tensor, params, dtype=None) -> tuple:
+    """Outputs of ``monoid`` for a meta tensor ``x``: meta tensors of ``shape``, float
+    outputs in ``dtype or x.dtype``, the others int64 / bool as on the other paths.
+
+    The rule for meta tensors: a function that can compute its outputs' shapes and dtypes
+    returns meta outputs and computes nothing. The dtypes are read once per monoid off
+    the reference's outputs for one element."""
+    hit = _KINDS.get(id(monoid))
+    if hit is None or hit[0] is not monoid:
+        probe = _ref.reduce_reference(monoid, torch.zeros(1), 0, **params)
+        hit = _KINDS[id(monoid)] = (monoid, tuple(o.dtype for o in probe))
+        if len(_KINDS) >= _CHECKED_SIZE:
+            _KINDS.clear()
+    return tuple(torch.empty(shape, dtype=(dtype or x.dtype) if k == torch.float64 else
+                             (torch.bool if k == torch.bool else torch.int64), device="meta")
+                 for k in hit[1])
+
+
 # --- generic entry points ---------------------------------------------------------------
 
 def _reduce_outs(monoid, x, dim, params):
     _check_monoid(monoid)
     _check_x(x)
+    if params:
+        _check_params(monoid, params)
     x2, d, kept, keep = _reduced_view(x, dim)
-    if _use_kernels(x2):
+    if x2.is_meta:
+        outs = _meta_outs(monoid, kept, x2, params)
+    elif _use_kernels(x2):
         outs = _launchers().launch_reduce(monoid, x2, d, params)
     else:
         outs = _cast(_ref.reduce_reference(monoid, x2, d, **params), x2)
@@ -292,6 +335,11 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
         raise ValueError("offsets: needs at least one entry (S + 1 offsets for S segments)")
     if offsets.device != x.device:
         raise ValueError(f"offsets: on {offsets.device}, but x is on {x.device}")
+    if params:
+        _check_params(monoid, params)
+    if x.is_meta:                                  # shapes only: no offsets to read
+        shape = x.shape[:d] + (offsets.numel() - 1,) + x.shape[d + 1:]
+        return _pack(monoid, _meta_outs(monoid, shape, x, params))
     if not unsafe:
         o = offsets.to("cpu", torch.int64)
         N = x.shape[d]
@@ -321,9 +369,13 @@ def _scan(monoid, x, dim, reverse, dtype, params):
     _check_x(x)
     if not isinstance(reverse, bool):
         raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
+    if params:
+        _check_params(monoid, params)
     x1 = x.reshape(1) if x.dim() == 0 else x
     d = _norm_dim(dim, x.dim())
-    if _use_kernels(x1):
+    if x1.is_meta:
+        outs = _meta_outs(monoid, x1.shape, x1, params, dtype)
+    elif _use_kernels(x1):
         outs = _launchers().launch_scan(monoid, x1, d, reverse, params, dtype)
     else:
         outs = _cast(_ref.scan_reference(monoid, x1, d, reverse, **params), x1, dtype)
@@ -367,6 +419,8 @@ def _normalize(rowmap, x, dim, dtype):
     if x.dim() == 0:
         return _normalize(rowmap, x.reshape(1), 0, dtype).reshape(())
     d = _norm_dim(dim, x.dim())
+    if x.is_meta:
+        return torch.empty(x.shape, dtype=dtype or x.dtype, device="meta")
     if _use_kernels(x):
         return _launchers().launch_normalize(rowmap, x, d, out_dtype=dtype)
     y = _ref.normalize_reference(rowmap, x, d)
@@ -398,7 +452,8 @@ def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torc
 def var_mean(x: torch.Tensor, dim=None, *, correction=1, keepdim: bool = False):
     """``(var, mean)`` along ``dim`` (as ``torch.var_mean``) from one pass of Welford's
     state ``(n, mean, M2)``: ``var = M2 / max(n - correction, 0)`` (NaN when
-    ``n <= correction``, as torch). An empty dim gives ``(nan, nan)``."""
+    ``n <= correction``, as torch). An infinite or NaN element makes ``var`` NaN and
+    ``mean`` infinite or NaN, as torch. An empty dim gives ``(nan, nan)``."""
     if isinstance(correction, bool) or not isinstance(correction, (int, float)):
         raise TypeError(f"correction: expected a number, got {type(correction).__name__}")
     outs, kept, keep = _reduce_outs(WELFORD, x, dim, {"correction": float(correction)})
@@ -418,23 +473,34 @@ def _numel(shape) -> int:
 
 
 def _arg(monoid, x, dim, keepdim, name):
+    """torch's rules: ``dim=None`` reduces the flattened tensor (``keepdim`` keeps every
+    dim with size 1); an empty reduced dim (or an empty tensor with ``dim=None``) is an
+    IndexError; an empty tensor whose reduced dim is not empty gives an empty result."""
     _check_x(x)
+    if not isinstance(keepdim, bool):
+        raise TypeError(f"keepdim: expected a bool, got {type(keepdim).__name__}")
     if dim is None:
-        x, dim, keepdim = x.reshape(-1), 0, False
-    else:
-        ndim = x.dim()
-        if ndim > 0:
-            d = _norm_dim(dim, ndim)
-            if x.shape[d] == 0:
-                raise IndexError(f"x: {name}() over dim {d}, which has size 0")
-    if x.numel() == 0:
-        raise IndexError(f"x: {name}() of an empty tensor")
+        if x.numel() == 0:
+            raise IndexError(f"x: {name}() of an empty tensor with dim=None (the flattened "
+                             f"tensor has size 0)")
+        out = reduce(monoid, x.reshape(-1), 0)
+        return out.reshape((1,) * x.dim()) if keepdim else out
+    ndim = x.dim()
+    if ndim > 0:
+        d = _norm_dim(dim, ndim)
+        if x.shape[d] == 0:
+            raise IndexError(f"x: {name}() over dim {d}, which has size 0")
+        if x.numel() == 0:                        # an empty batch: an empty result
+            shape = x.shape[:d] + ((1,) if keepdim else ()) + x.shape[d + 1:]
+            return torch.empty(shape, dtype=torch.int64, device=x.device)
     return reduce(monoid, x, dim, keepdim=keepdim)
 
 
 def argmax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """Index of the largest value along ``dim`` (``None``: of the flattened tensor), int64;
-    ties give the lowest index and NaN counts as the largest, as ``torch.argmax``."""
+    ties give the lowest index and NaN counts as the largest, as ``torch.argmax``.
+    ``keepdim`` with ``dim=None`` keeps every dim with size 1. An empty ``dim`` raises
+    IndexError; an empty tensor reduced over a non-empty dim gives an empty result."""
     return _arg(ARGMAX_INDEX, x, dim, keepdim, "argmax")
 
 
