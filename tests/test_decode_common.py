@@ -3,6 +3,7 @@ the same tokens, and the decode semantics restated through `flashfold.attention`
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -89,3 +90,33 @@ def repage(case: Case, page_size: int) -> Case:
         kp[perm[b]] = kb.reshape(per_seq, page_size, heads_kv, d)
         vp[perm[b]] = vb.reshape(per_seq, page_size, heads_kv, d)
     return Case(case.q, case.k, case.v, case.seqlens, kp, vp, perm.to(torch.int32).to(case.k.device))
+
+
+@contextmanager
+def strict_interpreter_masks():
+    """Under ``TRITON_INTERPRET=1``: every load and store mask must hold booleans (int1).
+
+    Triton's interpreter labels a scalar comparison with its operands' type, so a scalar
+    condition splatted into a block mask becomes int32 data; Triton 3.6 loads and stores
+    through such masks, 3.9 rejects them ("mask has unsupported dtype"). Checking it on
+    every version keeps the kernels free of the older interpreter's leniency. A no-op
+    without the interpreter."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    saved = builder.create_masked_load, builder.create_masked_store
+
+    def checked(original, what, at):          # mask: the at-th argument after the pointers
+        def wrapper(self, ptrs, *args, **kwargs):
+            mask = args[at] if len(args) > at else kwargs["mask"]
+            assert mask.data.dtype == np.bool_, f"{what} mask holds {mask.data.dtype}, not bool"
+            return original(self, ptrs, *args, **kwargs)
+        return wrapper
+
+    builder.create_masked_load = checked(saved[0], "load", 0)
+    builder.create_masked_store = checked(saved[1], "store", 1)
+    try:
+        yield
+    finally:
+        builder.create_masked_load, builder.create_masked_store = saved

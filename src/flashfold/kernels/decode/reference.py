@@ -26,6 +26,22 @@ and a row with no visible key (empty sequence, ``a_b >= n_b``, or ``p_i < a_b``)
 ``o_i = 0`` and ``lse_i = -inf``: the identity state of the ATTENTION monoid, so it merges
 correctly.
 
+Non-finite inputs reach exactly the outputs that depend on them:
+
+1. a key that is not visible to row ``i`` (outside ``[a_b, n_b)``, after ``p_i``, left of
+   the window) contributes nothing to it, whatever its key and value hold (NaN, inf,
+   garbage);
+2. a visible key with a NaN or ``+inf`` score gives ``o_i = NaN`` (every channel) and
+   ``lse_i = NaN``; a ``-inf`` score is weight 0, and the empty-row result ``(0, -inf)``
+   holds only when every visible score is ``-inf`` or no key is visible (a NaN in ``q_i``
+   makes its row NaN unless it sees no key);
+3. a non-finite entry ``v_j[c]`` of a visible key makes ``o_i[c]`` non-finite (NaN here)
+   and leaves the other channels and ``lse_i`` as they are.
+
+(``p @ v`` alone would carry ``0 x NaN = NaN`` from a hidden key's value into every row;
+the reference zeroes non-finite values in the product and marks the ``(row, channel)``
+pairs that see one.)
+
 Cache layouts:
 
 * contiguous: ``k_cache``, ``v_cache`` of shape ``(batch, heads_kv, max_len, head_dim)``;
@@ -134,10 +150,19 @@ def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         pos = torch.arange(q_len, device=q.device, dtype=torch.float64)[:, None] + (n - q_len)
         j = torch.arange(a, n, device=q.device, dtype=torch.float64)[None, :]
         visible = (j <= pos) & (j >= pos - left) & (j <= pos + right)  # (q_len, n - a)
-        s = s.masked_fill(~visible, -math.inf)
+        s = s.masked_fill(~visible, -math.inf)                        # hidden: any value
+        nan_row = (torch.isnan(s) | (s == math.inf)).any(-1)          # (heads_q, q_len)
+        s = s.masked_fill(nan_row[..., None], -math.inf)              # NaN again below
         row_lse = torch.logsumexp(s, dim=-1)                          # -inf for empty rows
         pivot = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
         p = torch.exp(s - pivot[..., None])                           # 0 where masked
-        o[b] = p @ v
-        lse[b] = row_lse
+        finite = torch.isfinite(v)
+        if finite.all():
+            o[b] = p @ v
+        else:   # p @ v would carry 0 * NaN from hidden keys: only visible ones may reach o
+            seen = visible.to(compute_dtype) @ (~finite).to(compute_dtype)  # (heads_q, q_len, D)
+            live = (row_lse > -math.inf)[..., None]
+            o[b] = (p @ torch.where(finite, v, 0.0)).masked_fill((seen > 0) & live, math.nan)
+        o[b] = o[b].masked_fill(nan_row[..., None], math.nan)
+        lse[b] = row_lse.masked_fill(nan_row, math.nan)
     return o, lse
