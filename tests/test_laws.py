@@ -162,3 +162,29 @@ def test_prove_agrees_on_the_monoids_that_were_accepted():
     for m in (BADMAX, KEEP_LEFT):
         assert not ff.prove(m), m.name
         assert not ff.check_laws(m), m.name
+
+
+# --- Monoid arguments -----------------------------------------------------------------
+
+def _welford_like(**kw):
+    base = dict(fields=("n", "s"), identity=(0.0, 0.0), lift=lambda x: (1.0, x),
+                combine=lambda a, b: (a.n + b.n, a.s + b.s),
+                finalize=lambda st, correction: st.s / (st.n - correction))
+    return ff.Monoid("mean_like", **{**base, **kw})
+
+
+@pytest.mark.parametrize("params,exc", [
+    (3, TypeError), ("correction", TypeError), ((("correction",),), TypeError),
+    ({"correction": "a"}, TypeError), ({"correction": True}, TypeError),
+    ({3: 1.0}, TypeError), ({"not an identifier": 1.0}, ValueError),
+    ((("correction", 0.0), ("correction", 1.0)), ValueError),
+], ids=repr)
+def test_monoid_params_are_validated_and_named(params, exc):
+    with pytest.raises(exc, match="^monoid 'mean_like': params"):
+        _welford_like(params=params)
+
+
+def test_monoid_params_accept_a_mapping_or_pairs():
+    a = _welford_like(params={"correction": 0})
+    b = _welford_like(params=[("correction", 0.0)])
+    assert a.param_defaults == b.param_defaults == {"correction": 0}

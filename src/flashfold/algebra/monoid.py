@@ -110,7 +110,8 @@ class Monoid:
         one attribute per field (``a.m``); ``a`` holds the earlier elements.
     inputs: the names (or :class:`Input` objects) ``lift`` takes; default ``("x",)``.
     finalize: optional ``finalize(state, **params) -> value or tuple``.
-    params: default values of ``finalize``'s keyword parameters (e.g. ``correction``).
+    params: default values of ``finalize``'s keyword parameters, a mapping of names to
+        numbers or ``(name, default)`` pairs (e.g. ``{"correction": 0.0}``).
     outputs: optional names of ``finalize``'s results.
     block_lift: optional ``block_lift(*inputs, valid) -> state`` computing the state of a
         whole block at once with ``ops.reduce_*`` (e.g. max then sum of exp); ``valid``
@@ -169,10 +170,7 @@ class Monoid:
                 raise TypeError(f"monoid {self.name!r}: identity of field {f.name!r} must be "
                                 f"a number (not NaN), got {v!r}")
         set_("identity", identity)
-        params = self.params
-        if isinstance(params, Mapping):
-            params = tuple(params.items())
-        set_("params", tuple(params))
+        set_("params", _as_params(self.name, self.params))
         for k in ("lift", "combine"):
             if not callable(getattr(self, k)):
                 raise TypeError(f"monoid {self.name!r}: {k} must be callable")
@@ -304,6 +302,34 @@ class Monoid:
             if out.vector and not f.vector:
                 raise ValueError(f"monoid {self.name!r}: {what} gives a vector value for the "
                                  f"scalar field {f.name!r}")
+
+
+def _as_params(name: str, params) -> tuple:
+    """``params`` as a tuple of ``(name, default)`` pairs: from a mapping or pairs, names
+    unique identifiers, defaults real numbers."""
+    where = f"monoid {name!r}: params"
+    if isinstance(params, Mapping):
+        pairs = list(params.items())
+    elif isinstance(params, (tuple, list)):
+        pairs = list(params)
+        for p in pairs:
+            if not isinstance(p, (tuple, list)) or len(p) != 2:
+                raise TypeError(f"{where} must be a mapping of names to default values or "
+                                f"(name, default) pairs, got the entry {p!r}")
+    else:
+        raise TypeError(f"{where} must be a mapping of names to default values, e.g. "
+                        f"{{'correction': 0.0}}, got {type(params).__name__}")
+    for k, v in pairs:
+        if not isinstance(k, str):
+            raise TypeError(f"{where}: names must be strings, got {k!r}")
+        if not k.isidentifier():
+            raise ValueError(f"{where}: {k!r} is not a Python identifier")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{where}: the default of {k!r} must be a number, got {v!r}")
+    names = [k for k, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: a name appears twice in {names}")
+    return tuple((k, v) for k, v in pairs)
 
 
 def _camel(name: str) -> str:
