@@ -73,38 +73,16 @@ mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
 from __future__ import annotations
 
 from .. import launcher
+from ..compat import HAS_TMA_REDUCE
 from ..tma import addressable
 from . import gluon_fwd
 from .gluon_fwd import CONSUMER_REGS, LOG2E, MAXNREG, PRODUCER_REGS, _desc, gluon
 
-#: whether this Triton has what :func:`_tma_reduce_add` uses (3.6 does)
-HAS_TMA_REDUCE = False
 if gluon is not None:
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-
+    from ..compat import (fence_async_shared, gl, mbarrier, tma, warp_specialize,
+                          warpgroup_mma, warpgroup_mma_wait)
+    from ..compat import tma_reduce_add as _tma_reduce_add
     from .gluon_fwd import _pass_turn, _take_turn, _wgmma_layout
-
-    try:  # private API (see _tma_reduce_add): another Triton may move it; then no Gluon path
-        from triton._C.libtriton import gluon_ir as _gluon_ir
-        from triton._C.libtriton import ir as _ir
-        from triton.experimental.gluon.language._core import builtin as _builtin
-        HAS_TMA_REDUCE = hasattr(_gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
-    except (ImportError, AttributeError):
-        pass
-
-if HAS_TMA_REDUCE:
-
-    @_builtin
-    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-        """``global[coord] += src`` for a shared-memory tile through TMA
-        (``cp.reduce.async.bulk.tensor ... .add``; completes like a TMA store:
-        ``tma.store_wait``). Gluon 3.6's builder has the op (``create_async_tma_reduce``)
-        but its Python API does not wrap it yet."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD,
-                                                  tensor_desc.handle, coord, src.handle)
 
 #: query rows per step (one wgmma N of the transposed tiles)
 BLOCK_M = 64
@@ -257,7 +235,7 @@ if gluon is not None:
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
-        DK, DV, qk_scale, scale = ptrs
+        DK, DV, qk_scale, scale, FLAG = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_COLS: gl.constexpr = HEAD_DIM // 2     # columns of this warpgroup's dQ add
         dtype: gl.constexpr = q_desc.dtype
@@ -375,6 +353,13 @@ if gluon is not None:
 
         # dK = scale * sum dS^T Q, dV = sum P^T dO (see STORE_TMA in _attn_bwd_ws)
         row0 = n * BLOCK_N + WG * HALF
+        if FLAG is not None:
+            # a non-finite dK or dV raises the flag (x - x is 0 exactly when x is finite):
+            # the caller's strict kernels then recompute, so that a NaN of a key, query or
+            # dO that causal hides inside a tile reaches no gradient (rule 4)
+            fin = ((dk - dk) + (dv - dv)) == 0.0
+            gl.store(FLAG + gl.zeros([HALF, HEAD_DIM], gl.int32, acc_layout),
+                     gl.full([HALF, HEAD_DIM], 1, gl.int32, acc_layout), mask=~fin)
         if STORE_TMA:
             # staged in this warpgroup's slot of the Q and dO ring (free once both
             # warpgroups have released every slot's last use); the stores clip rows past Nk
@@ -436,7 +421,7 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
-                     q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, qk_scale, scale,
+                     q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, qk_scale, scale, FLAG,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -447,7 +432,8 @@ if gluon is not None:
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
         in the idle ring and stored by TMA), else pointers (stored from registers; see
-        :func:`store_tma`)."""
+        :func:`store_tma`). ``FLAG``: an int32 set to 1 when a program's ``dK`` or ``dV``
+        is not finite (its epilogue), or None."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -490,8 +476,8 @@ if gluon is not None:
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
         bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn)
         shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh)
-        ptrs = (DK, DV, qk_scale, scale)
-        gl.warp_specialize([
+        ptrs = (DK, DV, qk_scale, scale, FLAG)
+        warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, CAUSAL, STORE_TMA, 0, PINGPONG, PERSISTENT,
                              LATE_STATS, FLAT_WALK, MASK_TAIL_KEYS)),
@@ -626,7 +612,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                         launch: bool = True, tma_store: bool | None = None,
                         heads_per_wave: int | None = None, pingpong: bool | None = None,
                         persistent: bool | int | None = None, late_stats: bool | None = None,
-                        flat_walk: bool = False, mask_tail_keys: bool | None = None):
+                        flat_walk: bool = False, mask_tail_keys: bool | None = None,
+                        flag=None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -651,7 +638,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     alone, it gained nothing over ``late_stats`` alone, 0.998 dense and 0.963 causal);
     ``mask_tail_keys``: whether dense programs zero ``P`` of keys past ``Nk`` (default:
     only when ``Nk`` is not a multiple of ``BLOCK_N``, the only case that has such keys;
-    the select was 32 of a head_dim-64 step's 403 instructions).
+    the select was 32 of a head_dim-64 step's 403 instructions);
+    ``flag``: an int32 tensor ``(1,)`` (zeroed by the caller) that a program whose ``dK``
+    or ``dV`` is not finite sets to 1, in its epilogue (the step loop is unchanged); the
+    dQ accumulator is checked where it is converted (:mod:`.bwd`).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -677,7 +667,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, D // 2), _desc(lam.unsqueeze(2), 1, BLOCK_M),
             _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
-            heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
+            heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale), flag)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=bool(pingpong),
                   PERSISTENT=bool(persistent), LATE_STATS=bool(late_stats),

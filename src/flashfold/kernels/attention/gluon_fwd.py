@@ -55,17 +55,10 @@ import math
 
 import torch
 
-from .. import launcher
+from .. import compat, launcher
+from ..compat import (GluonDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
+                      warp_specialize, warpgroup_mma, warpgroup_mma_wait)
 from ..tma import addressable, box_strides
-
-try:  # Triton >= 3.5 ships Gluon
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-except ImportError:  # pragma: no cover
-    gluon = None
 
 LOG2E = 1.4426950408889634
 
@@ -354,7 +347,7 @@ if gluon is not None:
         bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
         shape = (q_len, kv_len, heads_q, group, gl.cdiv(q_len, BLOCK_M))
         out = (LSE, stride_lb, stride_lh, qk_scale, bh_total)
-        gl.warp_specialize([
+        warp_specialize([
             (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                          CAUSAL, RETURN_LSE, 0, PINGPONG)),
             (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
@@ -404,10 +397,10 @@ def supported(q, k, v, *, causal: bool = False, scale: float | None = None) -> b
 def on_hopper(q: torch.Tensor) -> bool:
     """Whether Gluon kernels may run on ``q``'s device: Gluon present, an sm_90 GPU, and
     ``FLASHFOLD_GLUON`` not ``0`` (which turns every Gluon path off)."""
-    if gluon is None or not q.is_cuda or launcher.env("FLASHFOLD_GLUON") == "0":
+    if not q.is_cuda or launcher.env("FLASHFOLD_GLUON") == "0":
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _is_sm90(index)
+    return _is_sm90(index) and compat.gluon_usable()
 
 
 def eligible(q, k, v, *, causal: bool = False, scale: float | None = None) -> bool:
