@@ -24,6 +24,12 @@ where causal is the window ``R = 0`` (bottom-right aligned, as FlashAttention 2)
 
 and a row with no visible key gives ``o_i = 0``, ``lse_i = -inf``.
 
+Non-finite inputs (the rule of :mod:`flashfold.api.attention`): a hidden key contributes
+nothing to the row, whatever its ``k`` and ``v`` hold, also inside a partially visible
+tile (the tile's ``P V`` is strict: :func:`_strict_pv`); a NaN or ``+inf`` score of a
+visible key makes ``o_i`` and ``lse_i`` NaN (a ``-inf`` score is weight 0); a non-finite
+``v_{jc}`` of a visible key makes ``o_{ic}`` non-finite and nothing else.
+
 :func:`attention_reference` computes this *blocked*: one ``(block_m x block_n)`` tile of
 scores at a time (never more), folding tile states with the ATTENTION monoid's combine and
 finalizing with its finalize, both lowered to torch from the same traced IR the kernels
@@ -95,6 +101,20 @@ def key_tiles(i0, i1, nk, block_n, delta, left, right):
         yield j0, j1
 
 
+def _strict_pv(p, v, vis):
+    """``sum_j p_ij v_j`` over the visible keys only (``vis [.., M, N]`` bool, ``p [.., M,
+    N]`` 0 where hidden, ``v [.., N, Dv]``): a plain ``p @ v`` when ``v`` is finite; else
+    ``p @ v`` with ``v``'s non-finite entries zeroed, and NaN in the ``(i, c)`` that see
+    a non-finite ``v[j, c]`` of a visible key (a 0/1 product: visibility times the
+    indicator of non-finite entries). A hidden key's ``v`` never meets its ``0``."""
+    bad = ~torch.isfinite(v)
+    if not bad.any():
+        return torch.matmul(p, v)
+    out = torch.matmul(p, torch.where(bad, 0.0, v))
+    seen = torch.matmul(vis.to(v.dtype), bad.to(v.dtype))
+    return torch.where(seen > 0, math.nan, out)
+
+
 def attention_reference(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
                         score_mod=None, mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None,
                         compute_dtype=None, block_m: int = 64, block_n: int = 64):
@@ -152,10 +172,11 @@ def attention_reference(q, k, v, *, causal=False, window=None, scale=None, softc
                     mm = torch.as_tensor(mask_mod(bidx, hidx, qi, kj))
                     vis = vis & (mm if mm.dtype == torch.bool else mm != 0)
                 s = torch.where(vis, s, -math.inf)
-                # the tile's state (m, d, o): its max, sum e^(s - m), sum e^(s - m) v
+                # the tile's state (m, d, o): its max, sum e^(s - m), sum e^(s - m) v; the
+                # pivot stays +inf for a +inf max (exp(inf - inf) = NaN: rule 2)
                 mb = s.amax(-1, keepdim=True)
-                p = torch.exp(s - torch.where(torch.isinf(mb), 0.0, mb))
-                state = (mb, p.sum(-1, keepdim=True), torch.matmul(p, vb))
+                p = torch.exp(s - torch.where(mb == -math.inf, 0.0, mb))
+                state = (mb, p.sum(-1, keepdim=True), _strict_pv(p, vb, vis))
                 m, d, acc = combine(m, d, acc, *state)
             ob, lb = finalize(m, d, acc)
             o[:, :, qs.start + i0: qs.start + i1] = ob
@@ -164,13 +185,33 @@ def attention_reference(q, k, v, *, causal=False, window=None, scale=None, softc
     return o.to(q.dtype), lse.to(lse_dtype)
 
 
+def _masked_sum(p, v, keep, chunk=1 << 24):
+    """``o[.., i, c] = sum_{j: keep[.., i, j]} p[.., i, j] v[.., j, c]``, elementwise: a
+    key that is not kept never enters the sum, whatever ``v`` holds (the oracle's own
+    way, unlike :func:`_strict_pv`). One matmul when ``v`` is finite (then the hidden
+    terms are exact zeros); else products formed per block of rows (at most ``chunk``
+    elements at a time)."""
+    if torch.isfinite(v).all():
+        return torch.where(keep, p, 0.0) @ v
+    nq = p.shape[-2]
+    step = max(1, chunk // max(1, p.shape[0] * p.shape[1] * p.shape[-1] * v.shape[-1]))
+    out = []
+    for i0 in range(0, nq, step):
+        pp, kk = p[..., i0:i0 + step, :], keep[..., i0:i0 + step, :]
+        terms = pp[..., :, :, None] * v[..., None, :, :]                     # [.., i, j, c]
+        out.append(torch.where(kk[..., None], terms, 0.0).sum(-2))
+    return torch.cat(out, dim=-2)
+
+
 def naive_attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None,
                     score_mod=None, mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None,
                     dtype=torch.float64):
     """The whole score matrix at once, in ``dtype`` (the test oracle): ``(o, lse)``.
 
-    Same arguments and semantics as :func:`attention_reference`; ``o`` and ``lse`` are
-    returned in ``dtype``. Written without the monoid on purpose (an independent check).
+    Same arguments and semantics as :func:`attention_reference` (the non-finite rule
+    too); ``o`` and ``lse`` are returned in ``dtype``. Written without the monoid on
+    purpose (an independent check): rows with a NaN or ``+inf`` visible score are NaN, and
+    ``o`` sums ``p_ij v_j`` over the visible keys only (:func:`_masked_sum`).
     """
     B, Hq, Nq, D = q.shape
     Hk = k.shape[1]
@@ -204,11 +245,14 @@ def naive_attention(q, k, v, *, causal=False, window=None, scale=None, softcap=N
         if mask_mod is not None:
             mm = torch.as_tensor(mask_mod(bb, hh, i, j))
             keep = keep & (mm.bool() if mm.dtype != torch.bool else mm)
+        # rule 2: a NaN or +inf score of a visible key makes the row NaN
+        poisoned = ((torch.isnan(s) | (s == math.inf)) & keep).any(-1)
         s = s.masked_fill(~keep, -math.inf)
         row_lse = torch.logsumexp(s, dim=-1)                                   # -inf if empty
-        live = torch.isfinite(row_lse)
-        p = torch.where(live[..., None], torch.exp(s - torch.where(live, row_lse, 0.0)[..., None]), 0.0)
-        o[:, :, qs] = p @ vv
+        row_lse = torch.where(poisoned, math.nan, row_lse)
+        empty = row_lse == -math.inf
+        p = torch.exp(s - torch.where(empty, 0.0, row_lse)[..., None])
+        o[:, :, qs] = _masked_sum(p, vv, keep)
         lse[:, :, qs] = row_lse
     return o, lse
 
@@ -218,8 +262,10 @@ def merge_states_reference(outs, lses, compute_dtype=None):
 
     ``outs``: ``(S, ..., D)``, ``lses``: ``(S, ...)``. Each part ``(o_s, lse_s)`` is the
     state ``lift(score=lse_s, value=o_s) = (lse_s, 1, o_s)`` of the ATTENTION monoid (an
-    empty part, ``lse = -inf``, lifts to the identity); the parts are folded with its
-    combine and finalized: ``lse = log sum_s e^{lse_s}``, ``o = sum_s e^{lse_s - lse} o_s``.
+    empty part, ``lse = -inf``, lifts to the identity whatever its ``o``, NaN too); the
+    parts are folded with its combine and finalized: ``lse = log sum_s e^{lse_s}``, ``o =
+    sum_s e^{lse_s - lse} o_s``. A NaN ``lse_s`` makes ``o`` and ``lse`` NaN; a non-finite
+    ``o_s[c]`` of a part with a finite ``lse_s`` makes ``o[c]`` non-finite.
     """
     lift, combine, finalize = _monoid_fns()
     cd = _compute_dtype(outs.dtype, compute_dtype)
