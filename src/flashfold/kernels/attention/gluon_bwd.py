@@ -235,7 +235,7 @@ if gluon is not None:
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
-        DK, DV, qk_scale, scale, FLAG = ptrs
+        DK, DV, qk_scale, scale = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_COLS: gl.constexpr = HEAD_DIM // 2     # columns of this warpgroup's dQ add
         dtype: gl.constexpr = q_desc.dtype
@@ -353,13 +353,6 @@ if gluon is not None:
 
         # dK = scale * sum dS^T Q, dV = sum P^T dO (see STORE_TMA in _attn_bwd_ws)
         row0 = n * BLOCK_N + WG * HALF
-        if FLAG is not None:
-            # a non-finite dK or dV raises the flag (x - x is 0 exactly when x is finite):
-            # the caller's strict kernels then recompute, so that a NaN of a key, query or
-            # dO that causal hides inside a tile reaches no gradient (rule 4)
-            fin = ((dk - dk) + (dv - dv)) == 0.0
-            gl.store(FLAG + gl.zeros([HALF, HEAD_DIM], gl.int32, acc_layout),
-                     gl.full([HALF, HEAD_DIM], 1, gl.int32, acc_layout), mask=~fin)
         if STORE_TMA:
             # staged in this warpgroup's slot of the Q and dO ring (free once both
             # warpgroups have released every slot's last use); the stores clip rows past Nk
@@ -421,7 +414,7 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
-                     q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, qk_scale, scale, FLAG,
+                     q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, qk_scale, scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -432,8 +425,7 @@ if gluon is not None:
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
         in the idle ring and stored by TMA), else pointers (stored from registers; see
-        :func:`store_tma`). ``FLAG``: an int32 set to 1 when a program's ``dK`` or ``dV``
-        is not finite (its epilogue), or None."""
+        :func:`store_tma`)."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -476,7 +468,7 @@ if gluon is not None:
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
         bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn)
         shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh)
-        ptrs = (DK, DV, qk_scale, scale, FLAG)
+        ptrs = (DK, DV, qk_scale, scale)
         warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, CAUSAL, STORE_TMA, 0, PINGPONG, PERSISTENT,
@@ -612,8 +604,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                         launch: bool = True, tma_store: bool | None = None,
                         heads_per_wave: int | None = None, pingpong: bool | None = None,
                         persistent: bool | int | None = None, late_stats: bool | None = None,
-                        flat_walk: bool = False, mask_tail_keys: bool | None = None,
-                        flag=None):
+                        flat_walk: bool = False, mask_tail_keys: bool | None = None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -638,10 +629,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     alone, it gained nothing over ``late_stats`` alone, 0.998 dense and 0.963 causal);
     ``mask_tail_keys``: whether dense programs zero ``P`` of keys past ``Nk`` (default:
     only when ``Nk`` is not a multiple of ``BLOCK_N``, the only case that has such keys;
-    the select was 32 of a head_dim-64 step's 403 instructions);
-    ``flag``: an int32 tensor ``(1,)`` (zeroed by the caller) that a program whose ``dK``
-    or ``dV`` is not finite sets to 1, in its epilogue (the step loop is unchanged); the
-    dQ accumulator is checked where it is converted (:mod:`.bwd`).
+    the select was 32 of a head_dim-64 step's 403 instructions).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -667,7 +655,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
             _desc(dq_acc, BLOCK_M, D // 2), _desc(lam.unsqueeze(2), 1, BLOCK_M),
             _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
-            heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale), flag)
+            heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=bool(pingpong),
                   PERSISTENT=bool(persistent), LATE_STATS=bool(late_stats),
