@@ -156,15 +156,15 @@ if gluon is not None:
             pass
     HAS_TMA_REDUCE = tma_reduce_add is not None
 
-    missing = [n for n, v in (("tma.async_load", _load), ("tma.async_store", _store),
+    _missing = [n for n, v in (("tma.async_load", _load), ("tma.async_store", _store),
                               ("tma.store_wait", getattr(_tma, "store_wait", None)),
                               ("a TMA reduce (tma.async_atomic_add)", tma_reduce_add))
                if v is None]
     if _ws_call is None:
-        missing.append("gl.warp_specialize(functions_and_args, worker_num_warps, "
+        _missing.append("gl.warp_specialize(functions_and_args, worker_num_warps, "
                        "worker_num_regs)")
-    if missing:
-        _MISSING = "Gluon lacks " + ", ".join(missing)
+    if _missing:
+        _MISSING = "Gluon lacks " + ", ".join(_missing)
 
     @_builtin
     def warp_specialize(partitions, worker_num_warps, worker_num_regs, _semantic=None,
