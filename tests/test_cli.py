@@ -63,3 +63,125 @@ def test_console_script_runs_demo():
 
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
+
+
+# --- a user's mistake: one line on stderr, a non-zero exit, no traceback ----------------
+
+USAGE_ERRORS = [
+    (["check", "user_monoids:AVERAGE", "--trials", "0"], "--trials: expected an int >= 1"),
+    (["check", "user_monoids:AVERAGE", "--trials", "x"], "--trials: expected an int"),
+    (["check", "user_monoids:AVERAGE", "--seed", "-1"], "--seed: expected an int >= 0"),
+    (["trace", "2", "4", "--block", "2", "--precision", "-1"], "--precision: expected an int"),
+    (["numerics", "--max-n", "5"], "--max-n: expected a whole number >= 10"),
+    (["numerics", "--max-n", "abc"], "--max-n: expected a number"),
+    (["numerics", "--max-n", "1e400"], "--max-n: expected a whole number"),
+    (["numerics", "--max-n", "10.5"], "--max-n: expected a whole number"),
+    (["numerics", "--block", "0"], "--block: expected an int >= 1"),
+    (["numerics", "--width", "0"], "--width: expected an int >= 1"),
+    (["numerics", "--seed", "-3"], "--seed: expected an int >= 0"),
+    (["no_such_command"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", USAGE_ERRORS,
+                         ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_bad_options_are_one_line_and_exit_2(argv, msg, capsys, monkeypatch):
+    monkeypatch.chdir(HERE)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and msg in err and "Traceback" not in err, err
+    assert err.startswith("flashfold")
+
+
+@pytest.mark.parametrize("target", [":AVERAGE", "user_monoids:", ".user_monoids:AVERAGE",
+                                    "user monoids:AVERAGE", "user_monoids:AVERAGE:x"])
+def test_malformed_targets_are_one_line(target, monkeypatch):
+    monkeypatch.chdir(HERE)
+    with pytest.raises(SystemExit, match="^flashfold check: expected MODULE:NAME") as e:
+        main(["check", target])
+    assert "\n" not in str(e.value)
+
+
+def test_an_output_directory_that_cannot_be_made_is_refused_before_computing(tmp_path, capsys):
+    f = tmp_path / "a_file"
+    f.write_text("")
+    for out, msg in ((f / "sub", "is not a directory"), (f, "exists and is not a directory")):
+        with pytest.raises(SystemExit) as e:
+            main(["numerics", "--max-n", "10", "--quiet", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "--out" in err and msg in err, err
+
+
+def test_numerics_library_checks_out_and_seed_before_computing(tmp_path):
+    from flashfold.error_analysis import numerics
+    f = tmp_path / "a_file"
+    f.write_text("")
+    said = []
+    with pytest.raises(ValueError, match="^out: cannot make the directory"):
+        numerics(10, out=str(f / "sub"), progress=said.append)
+    with pytest.raises(ValueError, match="^seed: expected an int >= 0"):
+        numerics(10, seed=-1, progress=said.append)
+    with pytest.raises(TypeError, match="^seed"):
+        numerics(10, seed="x", progress=said.append)
+    assert said == []                                   # nothing was computed
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    for name in list(sys.modules):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import raises ImportError
+
+
+def test_numerics_without_matplotlib_writes_the_table_and_says_so_first(tmp_path, capsys,
+                                                                        no_matplotlib):
+    out = tmp_path / "n"
+    assert main(["numerics", "--max-n", "10", "--quiet", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "pip install 'flashfold[plot]'" in cap.err and "Traceback" not in cap.err
+    assert (out / "numerics.md").exists() and not (out / "numerics.png").exists()
+    assert "figure skipped" in cap.out and "numerics.md" in cap.out
+
+
+def test_numerics_plot_true_without_matplotlib_fails_before_computing(tmp_path, no_matplotlib):
+    from flashfold.error_analysis import numerics
+    said = []
+    with pytest.raises(ImportError, match=r"flashfold\[plot\]"):
+        numerics(10, out=str(tmp_path), plot=True, progress=said.append)
+    assert said == []
+    r = numerics(10, out=str(tmp_path / "t"), plot=None, progress=False)
+    assert r.png is None and os.path.exists(r.markdown)
+
+
+WRONG_CLAIMS = '''
+import flashfold as ff
+from flashfold import ops
+BADMAX = ff.Monoid("badmax", fields=("m",), identity=(0.0,), lift=lambda x: (x,),
+                   combine=lambda a, b: (ops.maximum(a.m, b.m),), commutative=True)
+KEEP_LEFT = ff.Monoid("keep_left", fields=("a",), identity=(0.0,), lift=lambda x: (x,),
+                      combine=lambda a, b: (a.a,), commutative=True)
+'''
+
+
+@pytest.mark.parametrize("name,law", [("BADMAX", "identity      : FAILED"),
+                                      ("KEEP_LEFT", "commutativity : FAILED")])
+def test_check_fails_a_wrong_identity_and_a_wrong_commutativity(name, law, tmp_path, capsys,
+                                                                monkeypatch):
+    (tmp_path / "wrong_claims_cli.py").write_text(WRONG_CLAIMS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", f"wrong_claims_cli:{name}", "--trials", "300"]) == 1
+    assert law in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["check", ":AVERAGE"], ["numerics", "--max-n", "1e400"],
+                                  ["bench", "--from-log", "/no/such/file.log"]],
+                         ids=lambda a: " ".join(a))
+def test_console_prints_no_traceback(argv):
+    r = subprocess.run([sys.executable, "-m", "flashfold.cli", *argv], capture_output=True,
+                       text=True, timeout=120, cwd=HERE)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -5,13 +5,17 @@
 * ``flashfold trace SCORES... --block K [--values ...]``: the (m, l, O) state after each block.
 
 Subcommands are registered in :data:`COMMANDS`; each is a function taking the parsed
-arguments and returning an exit status.
+arguments and returning an exit status. A mistake on the command line (a malformed
+option, a target that does not name a monoid) prints one line to stderr and exits
+non-zero (2 for options, argparse's status), without a traceback: options are checked
+by the argument types below as they are parsed.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 from typing import Callable
@@ -24,6 +28,66 @@ COMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
 def register_command(name: str, fn: Callable, configure: Callable | None, help: str):
     """Register ``fn(args) -> exit status`` as ``flashfold NAME``; ``configure(parser)`` adds options."""
     COMMANDS[name] = (fn, configure or (lambda p: None), help)
+
+
+# --- argument types -----------------------------------------------------------------
+# A user's mistake on the command line is one line on stderr and exit status 2 (argparse's
+# convention), never a traceback: options are checked by these types as they are parsed,
+# so the functions behind the commands never see an invalid value.
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with its errors on one line: ``flashfold CMD: error: ...``."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def int_at_least(lo: int, hi: int | None = None):
+    """An argparse type: an int in ``[lo, hi]``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            want = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise argparse.ArgumentTypeError(f"expected an int {want}, got {text!r}")
+        return v
+    parse.__name__ = "int"
+    return parse
+
+
+def size_at_least(lo: int):
+    """An argparse type: a whole number >= ``lo``, also written as ``1e7``."""
+    def parse(text: str) -> int:
+        try:
+            v = float(text)
+        except ValueError:
+            msg = f"expected a number such as 1e6, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from None
+        if not math.isfinite(v) or not v.is_integer() or v < lo:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {lo:g} such as 1e6, "
+                                             f"got {text!r}")
+        return int(v)
+    parse.__name__ = "size"
+    return parse
+
+
+def writable_dir(text: str) -> str:
+    """An argparse type: a directory that exists or can be made (checked, not made)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a directory, got ''")
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot make {text!r}: {parent!r} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot make {text!r}: {parent!r} is not writable")
+    return text
 
 
 # --- demo ------------------------------------------------------------------------------
@@ -120,9 +184,11 @@ register_command("demo", demo, None, "the specification's order experiment (no a
 
 def _load_monoid(spec: str):
     from .algebra.monoid import Monoid
-    if ":" not in spec:
-        raise SystemExit(f"flashfold check: expected MODULE:NAME, got {spec!r}")
-    mod_name, _, attr = spec.partition(":")
+    mod_name, colon, attr = spec.partition(":")
+    dotted = lambda t: bool(t) and all(p.isidentifier() for p in t.split("."))  # noqa: E731
+    if not (colon and dotted(mod_name) and dotted(attr)):
+        raise SystemExit(f"flashfold check: expected MODULE:NAME (e.g. mymonoids:AVG), "
+                         f"got {spec!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -157,8 +223,9 @@ CHECK_OPTIONS: list[Callable] = []
 
 def _configure_check(p):
     p.add_argument("target", help="MODULE:NAME of a flashfold Monoid (MODULE importable from here)")
-    p.add_argument("--trials", type=int, default=1000, help="random triples to check (default 1000)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trials", type=int_at_least(1), default=1000,
+                   help="random triples to check (default 1000)")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     for add in CHECK_OPTIONS:
         add(p)
 
@@ -226,7 +293,8 @@ def _configure_trace(p):
     p.add_argument("scores", nargs="+", type=float, help="the scores of one row")
     p.add_argument("--block", type=int, required=True, help="block size")
     p.add_argument("--values", nargs="+", metavar="V", help="one comma-separated vector per score")
-    p.add_argument("--precision", type=int, default=4)
+    p.add_argument("--precision", type=int_at_least(0, 50), default=4,
+                   help="decimals printed (default 4)")
 
 
 register_command("trace", trace, _configure_trace, "print the (m, l, O) state after each block")
@@ -250,7 +318,7 @@ def _load_plugins():
 
 def main(argv=None) -> int:
     _load_plugins()
-    parser = argparse.ArgumentParser(prog="flashfold", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="flashfold", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
     for name, (fn, configure, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_)

@@ -40,7 +40,9 @@ point: ``d`` is a long sum of terms in (0, 1], and once ``d`` exceeds ``2^8`` ti
 term, adding the term changes nothing: the statistics must stay in fp32.
 
 ``flashfold numerics [--max-n 1e7] [--out DIR]`` writes the table (Markdown) and a
-log-log plot (PNG); matplotlib is imported only to draw it.
+log-log plot (PNG); matplotlib (``pip install 'flashfold[plot]'``) is imported only to
+draw it, and without it the table is written and the figure skipped, as the command
+says before it starts.
 """
 
 from __future__ import annotations
@@ -446,9 +448,22 @@ def _default_ns(max_n: int) -> list[int]:
     return ns
 
 
+def have_matplotlib() -> bool:
+    """Whether matplotlib (the ``plot`` extra, needed for the figure only) can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+PLOT_HINT = "pip install 'flashfold[plot]'"
+
+
 def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
              dtypes: Sequence[str] = DTYPES, orders: Sequence[str] = ORDERS, block: int = 128,
              width: int = 2, std: float = 1.0, seed: int = 0, out: str | None = None,
+             plot: bool | None = None,
              progress: bool | Callable[[str], None] | None = None) -> NumericsReport:
     """Measure the error of the online-softmax / attention state against float64.
 
@@ -463,8 +478,11 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
     width: width of the value vectors (the attention accumulator ``o``).
     std: standard deviation of the scores.
     seed: seed of the data (the same data for every format and order of one ``N``).
-    out: a directory; when given, ``numerics.md`` (the table) and ``numerics.png`` (the
-        plot) are written there.
+    out: a directory (made if needed, before anything is computed); when given,
+        ``numerics.md`` (the table) and ``numerics.png`` (the plot) are written there.
+    plot: whether to draw ``numerics.png`` into ``out``: ``None`` (default) when
+        matplotlib is installed (``report.png`` is None otherwise), ``True`` requires it
+        (ImportError before anything is computed), ``False`` writes the table only.
     progress: print one line per configuration (to stderr, or to a callable); default:
         on when ``max(N) >= 10^6``.
 
@@ -492,6 +510,24 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
         raise ValueError(f"width: expected a positive int, got {width!r}")
     if not std > 0:
         raise ValueError(f"std: expected a positive number, got {std!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed: expected an int >= 0, got {seed!r}")
+    if plot not in (None, True, False):
+        raise TypeError(f"plot: expected None, True or False, got {plot!r}")
+    draw = False
+    if out is not None:
+        if not isinstance(out, (str, os.PathLike)):
+            raise TypeError(f"out: expected a directory path, got {type(out).__name__}")
+        try:                                        # before computing: fail fast
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"out: cannot make the directory {os.fspath(out)!r}: "
+                             f"{e.strerror or e}") from None
+        draw = plot is not False and (plot is True or have_matplotlib())
+        if plot is True and not have_matplotlib():
+            raise ImportError(f"plot: drawing numerics.png needs matplotlib ({PLOT_HINT})")
     if progress is None:
         progress = max(ns) >= 10**6
     say = progress if callable(progress) else (
@@ -523,14 +559,13 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
                     f"{time.perf_counter() - t_all:.0f} s)")
     report = NumericsReport(tuple(rows), block, width, std, seed)
     if out is not None:
-        os.makedirs(out, exist_ok=True)
         md = os.path.join(out, "numerics.md")
         with open(md, "w") as f:
             f.write("# Online-softmax / attention statistics vs float64\n\n")
             f.write(f"Scores ~ N(0, {std}^2) on a 1/16 grid, values bf16, width {width}, "
                     f"tiles of {block}, seed {seed}. u = 2^-24 (fp32), 2^-8 (bf16).\n\n")
             f.write(report.table() + "\n")
-        png = report.plot(os.path.join(out, "numerics.png"))
+        png = report.plot(os.path.join(out, "numerics.png")) if draw else None
         report = NumericsReport(report.rows, block, width, std, seed, png, md)
     return report
 
@@ -541,24 +576,34 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
 
 def _cli(args) -> int:
     from .bench import progress_bar                # a text bar on stderr
+    draw = have_matplotlib()
+    if not draw:                                   # said before the (long) computation
+        print(f"flashfold numerics: matplotlib is not installed: writing the table only, "
+              f"no figure ({PLOT_HINT} for it)", file=sys.stderr)
     bar = None if args.quiet else progress_bar("numerics")
-    report = numerics(int(float(args.max_n)), block=args.block, width=args.width, seed=args.seed,
-                      out=args.out, progress=bar or False)
+    report = numerics(args.max_n, block=args.block, width=args.width, seed=args.seed,
+                      out=args.out, plot=draw, progress=bar or False)
     if bar is not None:
         bar.close()
     print(report.table())
-    print(f"\nwrote {report.markdown} and {report.png}")
+    if report.png:
+        print(f"\nwrote {report.markdown} and {report.png}")
+    else:
+        print(f"\nwrote {report.markdown} (figure skipped: matplotlib is not installed; "
+              f"{PLOT_HINT})")
     return 0 if report.ok else 1
 
 
 def _configure(p):
-    p.add_argument("--max-n", default="1e7",
-                   help="largest row length (default 1e7; sizes 10, 100, ... up to it)")
-    p.add_argument("--out", default="flashfold-numerics",
+    from .cli import int_at_least, size_at_least, writable_dir
+    p.add_argument("--max-n", default=10**7, type=size_at_least(10),
+                   help="largest row length, >= 10 (default 1e7; sizes 10, 100, ... up to it)")
+    p.add_argument("--out", default="flashfold-numerics", type=writable_dir,
                    help="directory for numerics.md and numerics.png (default ./flashfold-numerics)")
-    p.add_argument("--block", type=int, default=128, help="tile size of the blocked order")
-    p.add_argument("--width", type=int, default=2, help="width of the value vectors")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block", type=int_at_least(1), default=128,
+                   help="tile size of the blocked order")
+    p.add_argument("--width", type=int_at_least(1), default=2, help="width of the value vectors")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
