@@ -385,3 +385,20 @@ def test_meta_tensors_are_validated_like_real_ones():
         ff.argmax(torch.empty(3, 0, device="meta"), 1)
     with pytest.raises(ValueError, match="^offsets: on cpu"):
         ff.segment_reduce(SUM, x, torch.tensor([0, 3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_torch_rules_on_the_gpu():
+    """The rules above on CUDA tensors (the generated kernels compiled for the device)."""
+    inf = float("inf")
+    x = torch.tensor([[1.0, inf, 3.0], [inf, 1.0, 3.0], [1.0, 2.0, 4.0]], device="cuda")
+    var, mean = ff.var_mean(x, 1)
+    wv, wm = torch.var_mean(x, 1)
+    assert torch.equal(torch.isnan(var), torch.isnan(wv)) and torch.isnan(var[:2]).all()
+    y = torch.randn(64, 300, device="cuda")
+    long = torch.randn(1, 1 << 20, device="cuda")
+    long[0, 12345] = inf
+    assert torch.isnan(ff.var_mean(long, 1)[0]).all()            # across tiles too
+    assert torch.equal(ff.argmax(y, None, keepdim=True), torch.argmax(y, None, keepdim=True))
+    assert ff.argmax(torch.zeros(0, 5, device="cuda"), 1).shape == (0,)
