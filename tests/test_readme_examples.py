@@ -144,4 +144,5 @@ def test_a_failing_claim_is_caught():
            "ff.check_laws(AVG)\n")
     with pytest.raises(AssertionError, match="associativity : FAILED"):
         run_block(src, 1)
-    run_block(src.replace("ff.check_laws(AVG)\n", "ff.check_laws(AVG)   # fails: not associative\n"), 1)
+    claimed_failure = "ff.check_laws(AVG)   # fails: not associative\n"
+    run_block(src.replace("ff.check_laws(AVG)\n", claimed_failure), 1)
