@@ -11,7 +11,14 @@ A *score_mod* and a *mask_mod* are small Python functions over :mod:`flashfold.o
 ``b`` is the batch index (the sequence index with ``cu_seqlens``), ``h`` the *query* head,
 ``q_idx`` / ``kv_idx`` the positions inside the sequence (0-based, before any bottom-right
 alignment), ``score`` the scaled (and soft-capped) score in natural-log units. Tables a
-function reads are captured with ``ops.Buffer(tensor)``.
+function reads are captured with ``ops.Buffer(tensor)``. A table must cover every index
+the function forms for ``b < B`` (batch, or sequences with ``cu_seqlens``), ``h < H``
+(query heads), ``q_idx < N_q``, ``kv_idx < N_k`` (per sequence): ``attention`` and
+:func:`create_block_mask` raise ``ValueError`` naming the mod, the table and the sizes
+before computing anything (:meth:`TracedMod.check_tables`; e.g. ``document_mask`` with 10
+ids for 16 positions, ``alibi(2)`` on 4 heads). To read a shorter table on purpose, clamp
+the index in the function (``tab[ops.minimum(q_idx, n - 1)]``); an index computed from a
+value (the score, another table's entry) is not checked.
 
 Each function is traced once (per function object) into the same IR the monoids use
 (:func:`trace_score_mod`, :func:`trace_mask_mod` -> :class:`TracedMod`) and lowered
@@ -60,7 +67,7 @@ from collections import OrderedDict
 import torch
 
 from ...algebra import ops
-from ...algebra.ir import Buffer, Graph, Var, trace
+from ...algebra.ir import BOOLEAN, Buffer, Graph, Var, trace
 from ...algebra.lower import function_source
 from ..torch_lower import TORCH
 
@@ -96,6 +103,9 @@ class TracedMod:
         if len(graph.buffers) > MAX_BUFFERS:
             raise ValueError(f"{kind}_mod {self.name!r} captures {len(graph.buffers)} tables; "
                              f"at most {MAX_BUFFERS} ops.Buffer tables are supported")
+        self.reads = _table_reads(graph)
+        self._shapes = tuple(tuple(b.shape) for b in graph.buffers)
+        self._in_range: set = set()               # sizes already checked (eager calls)
 
     def __repr__(self):
         return f"TracedMod({self.kind}, {self.name!r}, key={self.key})"
@@ -115,6 +125,36 @@ class TracedMod:
             data = b.data
             out.append((id(data), _data_ptr(data), getattr(data, "_version", 0), b.shape))
         return tuple(out)
+
+    def check_tables(self, B, H, Nq, Nk):
+        """Raise ``ValueError`` unless every captured table covers every index the
+        expression forms for ``b < B``, ``h < H``, ``q_idx < Nq``, ``kv_idx < Nk``
+        (:func:`table_bounds`). A cheap host check, memoized per sizes; plain Python over
+        :attr:`reads`, so ``torch.compile`` traces it (it then guards on the sizes)."""
+        if not self.reads:
+            return
+        compiling = torch.compiler.is_compiling()
+        sizes = (B, H, Nq, Nk)
+        if 0 in (B, H, Nq, Nk):
+            return                                # nothing is evaluated
+        if not compiling and sizes in self._in_range:
+            return
+        for table, dim, extent, uses, (lo, hi) in table_bounds(self.reads, sizes):
+            if (hi is not None and hi >= extent) or (lo is not None and lo < 0):
+                bad = hi if hi is not None and hi >= extent else lo
+                given = ", ".join(f"{_SIZE_NAMES[i]}={sizes[i]}" for i in range(4))
+                raise ValueError(
+                    f"{self.kind}_mod {self.name!r} reads its table {table} of shape "
+                    f"{self._shapes[table]} at index {bad} along dim {dim} (from "
+                    f"{'/'.join(uses) or 'constants'}), past its {extent} entries: with {given} "
+                    f"the mod forms indices {'?' if lo is None else lo}.."
+                    f"{'?' if hi is None else hi} there (b < B, h < H, q_idx < Nq, "
+                    f"kv_idx < Nk); pass a table that covers them, or clamp the index in the "
+                    f"mod to read a shorter table on purpose")
+        if not compiling:
+            if len(self._in_range) >= 64:
+                self._in_range.clear()
+            self._in_range.add(sizes)
 
     # torch ------------------------------------------------------------------------
     def torch_fn(self, device):
@@ -189,6 +229,191 @@ def _used_vars(graph: Graph) -> set:
             out.add(n.attr)
         stack.extend(n.args)
     return out
+
+
+# --- table bounds ---------------------------------------------------------------------
+#
+# A captured table is indexed by expressions of the positions, which range over the call's
+# sizes: ``0 <= b < B``, ``0 <= h < H``, ``0 <= q_idx < Nq``, ``0 <= kv_idx < Nk``. The
+# lowerings clamp every index into the table (masked-off lanes of a kernel must not read
+# out of bounds), so a table shorter than what the expression reaches would silently
+# repeat its last entry. Each TracedMod therefore carries, from its trace, the index
+# expressions of its table reads as a small interval program (:func:`_table_reads`); the
+# callers evaluate it for their sizes (:meth:`TracedMod.check_tables`) before anything is
+# computed. Intervals are exact for what indices are made of (sums, differences, products
+# with constants, clamps, min / max, where, floordiv / mod by a constant: each position
+# ranges independently), so a reported read really happens; an index that depends on a
+# value (a score, another table's entry) is unbounded and not checked.
+
+_SIZE_OF = {"b": 0, "h": 1, "q_idx": 2, "kv_idx": 3}
+_SIZE_NAMES = ("B", "H", "Nq", "Nk")
+_BOUNDED = ("var", "const", "add", "sub", "neg", "mul", "div", "floordiv", "mod", "maximum",
+            "minimum", "abs", "where", "to_int", "to_float", "floor")
+
+
+def _table_reads(graph: Graph):
+    """``(steps, reads)``: the index expressions of ``graph``'s table reads as a flat
+    interval program (``steps[i] = (op, argument slots, attr)``, one slot per node, in
+    topological order) and, per read and dim of the table, ``(table, dim, extent, uses,
+    slot)``. A 2-D table's read ``t[i, j]`` is the flat index ``i * cols + j``
+    (:class:`~flashfold.algebra.ir.Buffer`): each of ``i``, ``j`` is checked against its
+    dim; a flat index that is not of that form is checked against the table's size."""
+    loads = [n for n in graph.nodes() if n.op == "load"]
+    if not loads:
+        return ()
+    buffers = graph.buffers
+    slot: dict = {}
+    steps: list = []
+
+    def emit(n):
+        if id(n) in slot:
+            return slot[id(n)]
+        if n.op in _BOUNDED and n.op not in ("var", "const"):
+            args = tuple(emit(a) for a in n.args)
+        else:
+            args = ()
+        if n.op == "const":
+            attr = n.attr
+        elif n.op == "var":
+            attr = _SIZE_OF.get(n.attr)           # None: score (any value)
+        else:
+            attr = None
+        op = n.op if n.op in _BOUNDED else ("bool" if n.op in BOOLEAN else "any")
+        steps.append((op, args, attr))
+        slot[id(n)] = len(steps) - 1
+        return slot[id(n)]
+
+    reads = []
+    for n in loads:
+        buf, flat = n.attr, n.args[0]
+        table = [i for i, b in enumerate(buffers) if b is buf][0]
+        dims = [(0, flat, buf.numel)]
+        if len(buf.shape) == 2:
+            rows, cols = buf.shape
+            if (flat.op == "add" and flat.args[0].op == "mul"
+                    and _const_is(flat.args[0].args[1], cols)):
+                dims = [(0, flat.args[0].args[0], rows), (1, flat.args[1], cols)]
+            elif flat.op == "mul" and _const_is(flat.args[1], cols):
+                dims = [(0, flat.args[0], rows)]              # t[i, 0]
+        for dim, index, extent in dims:
+            uses = tuple(v for v in _SIZE_OF if v in _used_vars_of(index))
+            reads.append((table, dim, extent, uses, emit(index)))
+    return tuple(steps), tuple(reads)
+
+
+def _const_is(n, value) -> bool:
+    return n.op == "const" and not isinstance(n.attr, bool) and n.attr == value
+
+
+def _used_vars_of(node) -> set:
+    out, seen, stack = set(), set(), [node]
+    while stack:
+        n = stack.pop()
+        if id(n) not in seen:
+            seen.add(id(n))
+            if n.op == "var":
+                out.add(n.attr)
+            stack.extend(n.args)
+    return out
+
+
+def _lo_add(a, b):
+    return None if a is None or b is None else a + b
+
+
+def _scale(iv, c):
+    """``iv * c`` for a constant ``c``."""
+    lo, hi = iv
+    if c == 0:
+        return (0, 0)
+    lo2 = None if lo is None else lo * c
+    hi2 = None if hi is None else hi * c
+    return (lo2, hi2) if c > 0 else (hi2, lo2)
+
+
+def _step(op, a, attr, sizes):
+    """The interval ``(lo, hi)`` (``None``: unbounded side) of one node from its
+    arguments' intervals ``a``."""
+    if op == "var":
+        if attr is None:
+            return (None, None)                   # the score
+        return (0, None if sizes[attr] is None else sizes[attr] - 1)
+    if op == "const":
+        v = int(attr) if isinstance(attr, bool) else attr
+        return (None, None) if isinstance(v, float) and math.isinf(v) else (v, v)
+    if op == "add":
+        return (_lo_add(a[0][0], a[1][0]), _lo_add(a[0][1], a[1][1]))
+    if op == "sub":
+        return (_lo_add(a[0][0], None if a[1][1] is None else -a[1][1]),
+                _lo_add(a[0][1], None if a[1][0] is None else -a[1][0]))
+    if op == "neg":
+        lo, hi = a[0]
+        return (None if hi is None else -hi, None if lo is None else -lo)
+    if op == "mul":
+        (l0, h0), (l1, h1) = a
+        if l1 is not None and l1 == h1:
+            return _scale(a[0], l1)
+        if l0 is not None and l0 == h0:
+            return _scale(a[1], l0)
+        if None in (l0, h0, l1, h1):
+            return (None, None)
+        corners = (l0 * l1, l0 * h1, h0 * l1, h0 * h1)
+        return (min(corners), max(corners))
+    if op == "div":
+        lo, hi = a[1]
+        if lo is None or lo != hi or lo <= 0:
+            return (None, None)
+        return _scale(a[0], 1.0 / lo)
+    if op in ("floordiv", "mod"):
+        (l0, h0), (d, d1) = a
+        if d is None or d != d1 or not isinstance(d, int) or d <= 0:
+            return (None, None)
+        if op == "floordiv":             # floor or truncation: both lie in these bounds
+            lo = None if l0 is None else l0 // d
+            hi = None if h0 is None else (h0 // d if h0 >= 0 else -((-h0) // d))
+            return (lo, hi)
+        if l0 is not None and l0 >= 0:
+            return (l0, h0) if h0 is not None and h0 < d else (0, d - 1)
+        return (-(d - 1), d - 1)         # C's remainder (Triton) takes the dividend's sign
+    if op == "maximum":
+        (l0, h0), (l1, h1) = a
+        lo = l1 if l0 is None else (l0 if l1 is None else max(l0, l1))
+        return (lo, None if h0 is None or h1 is None else max(h0, h1))
+    if op == "minimum":
+        (l0, h0), (l1, h1) = a
+        hi = h1 if h0 is None else (h0 if h1 is None else min(h0, h1))
+        return (None if l0 is None or l1 is None else min(l0, l1), hi)
+    if op == "abs":
+        lo, hi = a[0]
+        if lo is not None and lo >= 0:
+            return (lo, hi)
+        if hi is not None and hi <= 0:
+            return (-hi, None if lo is None else -lo)
+        return (0, None if lo is None or hi is None else max(-lo, hi))
+    if op == "where":
+        (l1, h1), (l2, h2) = a[1], a[2]
+        return (None if l1 is None or l2 is None else min(l1, l2),
+                None if h1 is None or h2 is None else max(h1, h2))
+    if op in ("to_int", "floor"):         # monotone: the ends map to the ends
+        f = math.floor if op == "floor" else math.trunc
+        return tuple(v if v is None or not isinstance(v, float) else f(v) for v in a[0])
+    if op == "to_float":
+        return a[0]
+    if op == "bool":
+        return (0, 1)
+    return (None, None)
+
+
+def table_bounds(reads, sizes):
+    """Evaluate a TracedMod's :attr:`~TracedMod.reads` for ``sizes = (B, H, Nq, Nk)``
+    (``None``: a size not known): a list of ``(table, dim, extent, uses, (lo, hi))``, one
+    per read (``None``: an unbounded side)."""
+    steps, table_reads = reads
+    vals: list = []
+    for op, args, attr in steps:
+        vals.append(_step(op, [vals[i] for i in args], attr, sizes))
+    return [(table, dim, extent, uses, vals[slot])
+            for table, dim, extent, uses, slot in table_reads]
 
 
 _TRACES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -348,6 +573,7 @@ def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, 
         if val is None and mod.uses(name.lower()):
             raise ValueError(f"mask_mod {mod.name!r} depends on {name.lower()}; pass {name} "
                              f"(not None) to create_block_mask")
+    mod.check_tables(batch or 1, heads or 1, q_len, kv_len)
     per_seq = lens_q is not None or lens_k is not None
     Bm = batch if (batch is not None and (mod.uses("b") or per_seq)) else 1
     Hm = heads if (heads is not None and mod.uses("h")) else 1
