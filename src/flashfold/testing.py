@@ -1,5 +1,8 @@
 """Tolerances and comparison helpers shared by the tests, the fuzz suite and the benchmarks.
 
+The table and the NumPy comparison live in :mod:`flashfold.algebra.tolerances` (the
+algebra's numeric checks use them); this module takes tensors too and raises.
+
 One table, :data:`TOLERANCES`, keyed by dtype name: a result in that dtype passes when
 ``|actual - expected| <= atol * scale + rtol * |expected|`` elementwise, where
 ``expected`` is a float64 reference and ``scale`` the magnitude of the terms that were
@@ -11,19 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-#: dtype name -> (atol, rtol). Stats are fp32 in every kernel, so fp16/bf16 rows bound the
-#: rounding of the *inputs and outputs*, not of the accumulation.
-TOLERANCES: dict[str, tuple[float, float]] = {
-    "float64": (1e-12, 1e-12),
-    "float32": (2e-5, 2e-5),
-    "float16": (2e-3, 2e-3),
-    "bfloat16": (1.6e-2, 1.6e-2),
-}
+from .algebra.tolerances import TOLERANCES, dtype_name
+from .algebra.tolerances import compare as _compare
 
-
-def dtype_name(dtype) -> str:
-    name = str(dtype)
-    return name.replace("torch.", "")
+__all__ = ["TOLERANCES", "dtype_name", "compare", "assert_close"]
 
 
 def _to_numpy(x) -> np.ndarray:
@@ -36,30 +30,9 @@ def _to_numpy(x) -> np.ndarray:
 
 
 def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) -> dict:
-    """Compare ``actual`` to a float64 ``expected``; returns a report dict with ``ok``."""
-    a = _to_numpy(actual).astype(np.float64)
-    e = _to_numpy(expected).astype(np.float64)
-    if a.shape != e.shape:
-        return {"ok": False, "why": f"shape {a.shape} != expected {e.shape}"}
-    t_atol, t_rtol = TOLERANCES[dtype_name(dtype)]
-    atol = t_atol if atol is None else atol
-    rtol = t_rtol if rtol is None else rtol
-    nan_a, nan_e = np.isnan(a), np.isnan(e)
-    inf_a, inf_e = np.isinf(a), np.isinf(e)
-    parity = bool(np.array_equal(nan_a, nan_e) and np.array_equal(inf_a, inf_e)
-                  and np.array_equal(np.sign(a[inf_a]), np.sign(e[inf_e])))
-    finite = ~(nan_e | inf_e) & ~(nan_a | inf_a)
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.where(finite, np.abs(a - e), 0.0)
-    bound = atol * np.asarray(scale, dtype=np.float64) + rtol * np.abs(e)
-    bad = (diff > bound) | (nan_a != nan_e) | (inf_a != inf_e) | (inf_a & inf_e & (np.sign(a) != np.sign(e)))
-    denom = np.sqrt(np.mean(e[finite] ** 2)) if finite.any() else 0.0
-    rel_rms = float(np.sqrt(np.mean(diff[finite] ** 2)) / denom) if denom > 0 else float(diff.max(initial=0.0))
-    first = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.any() else None
-    return {"ok": bool(not bad.any() and parity), "max_abs": float(diff.max(initial=0.0)),
-            "rel_rms": rel_rms, "first_bad": first, "nan_inf_parity": parity,
-            "n_bad": int(bad.sum()), "atol": atol, "rtol": rtol,
-            "at_first": None if first is None else (float(a[first]), float(e[first]))}
+    """Compare ``actual`` to a float64 ``expected`` (arrays or tensors of any dtype and
+    device); returns a report dict with ``ok`` (:func:`flashfold.algebra.tolerances.compare`)."""
+    return _compare(_to_numpy(actual), _to_numpy(expected), dtype, scale, atol, rtol)
 
 
 def assert_close(actual, expected, dtype="float64", scale=1.0, name="result", **kw):

@@ -5,7 +5,9 @@
 * :mod:`~flashfold.algebra.ir` and :mod:`~flashfold.algebra.lower`: the traced IR and its
   per-backend lowerings (the NumPy one is here; Triton and SymPy register theirs);
 * :mod:`~flashfold.algebra.evaluate`: a monoid's graphs run on NumPy arrays;
-* :func:`check_laws`: randomized law checking with a tolerance from the error bound.
+* :func:`check_laws`: randomized law checking with a tolerance from the error bound;
+* :mod:`~flashfold.algebra.tolerances`: the tolerance of each dtype and the elementwise
+  comparison the numeric checks use (:mod:`flashfold.testing` builds on it).
 """
 
 from . import ops

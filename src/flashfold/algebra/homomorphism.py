@@ -63,6 +63,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .tolerances import TOLERANCES
+
 
 def derive_combine(h: Callable, weak_inverse: Callable) -> Callable:
     """The combine ``a ⊙ b = h(weak_inverse(a) ++ weak_inverse(b))`` of the 3HT.
@@ -147,7 +149,6 @@ def _as_tuple(s) -> tuple:
 
 def _same_state(x, y) -> tuple[bool, float]:
     """States equal within ``TOLERANCES["float64"]`` (relative to ``1 + |y|``), inf-exact."""
-    from ..testing import TOLERANCES
     atol, rtol = TOLERANCES["float64"]
     x, y = _as_tuple(x), _as_tuple(y)
     if len(x) != len(y):
@@ -188,8 +189,8 @@ def check_folds(h: Callable, left_step: Callable, right_step: Callable, *,
     * ``h(xs + [x]) == left_step(h(xs), x)``   (``h`` is a foldl),
     * ``h([x] + xs) == right_step(x, h(xs))``  (``h`` is a foldr),
 
-    compared with ``flashfold.testing.TOLERANCES["float64"]`` relative to ``1 + |rhs|``
-    (infinities exactly). Both holding is the hypothesis of the Third Homomorphism
+    compared with ``TOLERANCES["float64"]`` (:mod:`flashfold.algebra.tolerances`) relative
+    to ``1 + |rhs|`` (infinities exactly). Both holding is the hypothesis of the Third Homomorphism
     Theorem: ``h`` is then a list homomorphism and :func:`derive_combine` gives its combine.
 
     ``elements(rng, n) -> list`` draws list elements (default: scores ~ N(0, 3²) with

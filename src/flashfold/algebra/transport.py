@@ -67,6 +67,7 @@ from . import ops
 from .ir import Var, trace
 from .lower import compile_graph
 from .monoid import Field, Input, Monoid, _as_field
+from .tolerances import TOLERANCES, compare
 
 # =====================================================================================
 # The maps of the specification
@@ -453,7 +454,7 @@ def check_transport(twisted: Monoid, base: Monoid, psi: Callable, psi_inv: Calla
 
     and numerically the homomorphism on ``trials`` random pairs of reachable base states
     (folds of 1-4 lifted inputs ~ N(0, scale²); moderate so that the base's ``e^x``
-    stays finite), compared with ``flashfold.testing.TOLERANCES["float64"]``.
+    stays finite), compared with ``flashfold.algebra.tolerances.TOLERANCES["float64"]``.
 
     Since ``psi`` is a bijection, ``twisted.combine(a, b) = psi(base.combine(psi_inv(a),
     psi_inv(b)))``: a hand-written stable combine proven here *is* the transported one,
@@ -461,7 +462,6 @@ def check_transport(twisted: Monoid, base: Monoid, psi: Callable, psi_inv: Calla
 
     Returns a :class:`TransportReport`.
     """
-    from ..testing import TOLERANCES, compare
     from .evaluate import numpy_monoid
     from .proofs import (Case, LawProof, StateSymbols, check_equal_on_paths, equal, explore,
                          reachable_domains, sympy_function, _fmt, _sp_value)

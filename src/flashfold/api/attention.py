@@ -57,12 +57,18 @@ case is deterministic by default as well.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
 from ..kernels.attention.mods import (BlockMask, TracedMod, create_block_mask, trace_mask_mod,
                                       trace_score_mod)
+# the checks shared with decode (one rule per argument); _check_qkv / _check_positive are
+# imported from here by flashfold.distributed.ring
+from ._validate import check_bool as _check_bool
+from ._validate import check_positive as _check_positive
+from ._validate import check_tensor as _check_tensor
+from ._validate import check_window as _check_window
+from ._validate import unbounded_beyond
 
 #: head dims the kernels support (q/k and v independently)
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -71,11 +77,6 @@ CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # --- validation ---------------------------------------------------------------------------
-
-def _check_tensor(name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
 
 def _check_qkv(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -106,37 +107,6 @@ def _check_qkv(q, k, v):
     for name, d in (("q/k", q.shape[3]), ("v", v.shape[3])):
         if d not in HEAD_DIMS:
             raise ValueError(f"{name} head_dim {d} is not supported; expected one of {HEAD_DIMS}")
-
-
-def _check_window(window):
-    """``(left, right)`` -> ints or None (unbounded)."""
-    if window is None:
-        return None, None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(f"window must be a pair (left, right), got {window!r}")
-    out = []
-    for side, w in zip(("left", "right"), window):
-        if w is None:
-            out.append(None)
-            continue
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
-            raise ValueError(f"window {side} must be an int >= 0, -1 or None, got {w!r}")
-        w = int(w)
-        if w < -1:
-            raise ValueError(f"window {side} must be >= 0 (or -1 / None for unbounded), got {w}")
-        out.append(None if w == -1 else w)
-    return tuple(out)
-
-
-def _check_positive(name, x):
-    if x is None:
-        return None
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
-    x = float(x)
-    if not math.isfinite(x) or x <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {x}")
-    return x
 
 
 def _check_cu(name, cu, total, device, values=True):
@@ -187,7 +157,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         fp32/fp64 on CPU. With ``cu_seqlens_*``: ``B == 1``, sequences packed along seq.
     causal: bottom-right aligned causal mask (``j <= i + Nk - Nq``).
     window: ``(left, right)`` sliding window around the aligned diagonal; ``None``/``-1``
-        leaves a side unbounded.
+        leaves a side unbounded, and so does a side at least as long as the sequence
+        (``left >= Nk``, ``right >= Nq``: it hides no key; ``window=(2**70, 0)`` is
+        ``causal=True``).
     scale: score scale (> 0), default ``1 / sqrt(D)``.
     softcap: ``c > 0``: scores become ``c tanh(s / c)`` (before score_mod and masks).
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` over :mod:`flashfold.ops`.
@@ -203,61 +175,88 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         default may accumulate dQ with atomic adds (see the module docstring).
 
     Returns ``o`` ``(B, Hq, Nq, Dv)`` in the input dtype (contiguous), and ``lse`` when
-    ``return_lse``. Differentiable with respect to ``q``, ``k``, ``v``.
+    ``return_lse``. Differentiable with respect to ``q``, ``k``, ``v``. On meta tensors:
+    meta outputs (and meta gradients) of those shapes, nothing computed; the checks of
+    ``cu_seqlens`` values are skipped (shapes are checked as always).
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument, before anything runs; also
+    when a table captured by ``score_mod`` / ``mask_mod`` is shorter than the indices the
+    mod forms for these sizes (:meth:`~flashfold.kernels.attention.mods.TracedMod.check_tables`).
     """
     compiling = torch.compiler.is_compiling()
     _check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    _check_bool("deterministic", deterministic)
     left, right = _bounds(*_check_window(window), causal)
+    # a side as long as the sequence hides nothing: unbounded (no huge int reaches a kernel)
+    left, right = unbounded_beyond(left, k.shape[2]), unbounded_beyond(right, q.shape[2])
     scale = _check_positive("scale", scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
     softcap = _check_positive("softcap", softcap)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    # meta tensors: shapes propagate, nothing is computed, checks that read values are skipped
+    meta = q.device.type == "meta"
+    values = not compiling and not meta
     varlen = cu_seqlens_q is not None
     lens_q = lens_k = None
     if varlen:
         if q.shape[0] != 1:
             raise ValueError(f"with cu_seqlens, q/k/v must have batch 1 (packed), got {q.shape[0]}")
-        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, not compiling)
-        lens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, not compiling)
-        if not compiling and len(lens_q) != len(lens_k):
+        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, values)
+        lens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, values)
+        if values and len(lens_q) != len(lens_k):
             raise ValueError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_k has "
                              f"{len(lens_k)}")
-    if compiling and varlen:
-        if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        if not values and cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
             raise ValueError("cu_seqlens_q and cu_seqlens_k hold different numbers of sequences")
-    elif isinstance(mask_mod, BlockMask):
-        n_seq = len(lens_q) if varlen else q.shape[0]
-        seq_q = max(lens_q) if varlen else q.shape[2]
-        seq_k = max(lens_k) if varlen else k.shape[2]
-        _check_block_mask(mask_mod, q, n_seq, seq_q, seq_k, varlen)
+    # the sizes the mods' positions range over (None: known only from values)
+    if not varlen:
+        sizes = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    elif values:
+        sizes = (len(lens_q), q.shape[1], max(lens_q), max(lens_k))
+    else:
+        sizes = (cu_seqlens_q.shape[0] - 1, q.shape[1], None, None)
+    if isinstance(mask_mod, BlockMask) and not (varlen and not values):
+        _check_block_mask(mask_mod, q, *sizes[:1], *sizes[2:], varlen)
 
+    if meta:
+        # the custom op's fake implementation: meta outputs (and meta gradients)
+        from ..kernels.attention.autograd import attn_fwd
+        for mod in _traced(score_mod, mask_mod):
+            mod.check_tables(*sizes)
+        o, lse = attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, [], "", scale, softcap, left,
+                          right, False, deterministic)
+        return (o, lse.to(torch.float32)) if return_lse else o
     if compiling or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         # differentiable / compilable: the custom op (mods go through the registry)
-        from ..kernels.attention.autograd import attention_op, register_mods
+        from ..kernels.attention.autograd import _entry, attention_op, register_mods
         if mask_mod is not None and not isinstance(mask_mod, BlockMask) and not callable(mask_mod):
             raise TypeError(f"mask_mod must be a callable or a BlockMask, got {type(mask_mod).__name__}")
         if score_mod is not None and not callable(score_mod) and not isinstance(score_mod, TracedMod):
             raise TypeError(f"score_mod must be a callable, got {type(score_mod).__name__}")
-        key = register_mods(score_mod, mask_mod, id(score_mod), id(mask_mod))
+        # Dynamo guards on the ids so that a new mod object recompiles; an absent mod passes
+        # 0, never id(None): Dynamo cannot trace id() of None on every torch (2.11 raises
+        # inside fullgraph compile of a call without mods), and None needs no guard anyway
+        key = register_mods(score_mod, mask_mod, 0 if score_mod is None else id(score_mod),
+                            0 if mask_mod is None else id(mask_mod))
+        entry = _entry(key)
+        if entry is not None:
+            for mod in (entry.score, entry.mask):
+                if mod is not None:
+                    mod.check_tables(*sizes)
         o, lse = attention_op(q, k, v, key=key, scale=scale, softcap=softcap, left=left,
                               right=right, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               use_kernel=_use_kernel(q), deterministic=deterministic)
         if return_lse:
             return o, (lse if lse.dtype == torch.float32 else lse.to(torch.float32))
         return o
-    smod = trace_score_mod(score_mod) if score_mod is not None else None
-    if mask_mod is None or isinstance(mask_mod, BlockMask):
-        mmod = mask_mod.mod if isinstance(mask_mod, BlockMask) else None
-    else:
-        mmod = trace_mask_mod(mask_mod)
+    smod, mmod = _traced(score_mod, mask_mod, pad=True)
+    for mod in (smod, mmod):
+        if mod is not None:
+            mod.check_tables(*sizes)
     if _use_kernel(q):
         from ..kernels.attention.autograd import kernel_forward
         o, lse = kernel_forward(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
@@ -273,6 +272,17 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         if q.dtype == torch.float64:
             lse = lse.to(torch.float32)
     return (o, lse) if return_lse else o
+
+
+def _traced(score_mod, mask_mod, pad=False):
+    """The TracedMods of ``score_mod`` and ``mask_mod`` (a BlockMask's own mod); with
+    ``pad`` always the pair ``(score or None, mask or None)``, else only those given."""
+    smod = trace_score_mod(score_mod) if score_mod is not None else None
+    if mask_mod is None or isinstance(mask_mod, BlockMask):
+        mmod = mask_mod.mod if isinstance(mask_mod, BlockMask) else None
+    else:
+        mmod = trace_mask_mod(mask_mod)
+    return (smod, mmod) if pad else tuple(m for m in (smod, mmod) if m is not None)
 
 
 def _check_block_mask(bm: BlockMask, q, n_seq, seq_q, seq_k, varlen):

@@ -49,6 +49,8 @@ import math
 import torch
 
 from ..kernels.decode.reference import decode_reference
+from ._validate import (check_bool, check_positive, check_window, is_meta, no_values,
+                        unbounded_beyond)
 
 #: the most query tokens per sequence :func:`decode` takes
 MAX_Q_LEN = 16
@@ -67,89 +69,88 @@ def _tensor(x, name):
     return x
 
 
-def _window(window):
-    """``(left, right)`` with ``None`` for an unbounded side (``-1`` also means unbounded)."""
-    if window is None:
-        return None
-    if isinstance(window, bool) or not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window: expected None or a (left, right) pair of ints (None or -1: "
-                        f"unbounded), got {window!r}")
-    out = []
-    for side in window:
-        if side is None:
-            out.append(None)
-            continue
-        if isinstance(side, bool) or not isinstance(side, int):
-            raise TypeError(f"window: sides must be ints or None, got {window!r}")
-        if side < -1:
-            raise ValueError(f"window: sides must be >= 0 (or -1 / None: unbounded), got {window!r}")
-        out.append(None if side == -1 else side)
-    return None if out[0] is None and out[1] is None else (out[0], out[1])
+def _window(window, capacity=None):
+    """``(left, right)`` with ``None`` for an unbounded side (``-1`` also means unbounded;
+    a left side of at least ``capacity`` reaches past every key: unbounded too), or
+    ``None`` when both are."""
+    left, right = check_window(window)
+    if capacity is not None:
+        left = unbounded_beyond(left, capacity)
+    return None if left is None and right is None else (left, right)
 
 
-def _layout(q, k_cache, v_cache, cache_seqlens, block_table, dtypes=None):
-    """Validate shapes/dtypes/devices; returns (heads_kv, page_size or None, capacity)."""
+def _layout(q, k_cache, v_cache, cache_seqlens, block_table, dtypes=None, names=None):
+    """Validate shapes/dtypes/devices; returns (heads_kv, page_size or None, capacity).
+    ``names`` renames arguments in the messages (``{"q": "k_new"}``: a stand-in query
+    built from another argument)."""
+    n = {"q": "q", "k_cache": "k_cache", "v_cache": "v_cache", "cache_seqlens": "cache_seqlens",
+         "block_table": "block_table", **(names or {})}
+    qn = n["q"]
     for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"),
                     (cache_seqlens, "cache_seqlens")):
-        _tensor(x, name)
+        _tensor(x, n[name])
     dev = q.device
     ok = dtypes or (_GPU_DTYPES if dev.type == "cuda" else _CPU_DTYPES)
     if q.dtype not in ok:
-        raise TypeError(f"q: dtype must be one of {[str(d) for d in ok]} on {dev.type}, "
+        raise TypeError(f"{qn}: dtype must be one of {[str(d) for d in ok]} on {dev.type}, "
                         f"got {q.dtype}")
-    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+    for x, name in ((k_cache, n["k_cache"]), (v_cache, n["v_cache"])):
         if x.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {x.dtype} differs from q's {q.dtype}")
+            raise TypeError(f"{name}: dtype {x.dtype} differs from {qn}'s {q.dtype}")
         if x.device != dev:
-            raise ValueError(f"{name}: on {x.device}, q on {dev}")
+            raise ValueError(f"{name}: on {x.device}, {qn} on {dev}")
     if q.ndim != 4:
-        raise ValueError(f"q: expected (batch, heads_q, q_len, head_dim), got shape "
+        raise ValueError(f"{qn}: expected (batch, heads_q, q_len, head_dim), got shape "
                          f"{tuple(q.shape)}")
     batch, heads_q, q_len, head_dim = q.shape
     if not 1 <= q_len <= MAX_Q_LEN:
-        raise ValueError(f"q: q_len (dim 2) must be in 1..{MAX_Q_LEN}, got {q_len}")
+        raise ValueError(f"{qn}: q_len (dim 2) must be in 1..{MAX_Q_LEN}, got {q_len}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"q: head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+        raise ValueError(f"{qn}: head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
     if batch < 1 or heads_q < 1:
-        raise ValueError(f"q: batch and heads must be >= 1, got shape {tuple(q.shape)}")
+        raise ValueError(f"{qn}: batch and heads must be >= 1, got shape {tuple(q.shape)}")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's "
-                         f"{tuple(k_cache.shape)}")
+        raise ValueError(f"{n['v_cache']}: shape {tuple(v_cache.shape)} differs from "
+                         f"{n['k_cache']}'s {tuple(k_cache.shape)}")
     if k_cache.ndim != 4:
-        raise ValueError(f"k_cache: expected 4 dims, got shape {tuple(k_cache.shape)}")
+        raise ValueError(f"{n['k_cache']}: expected 4 dims, got shape {tuple(k_cache.shape)}")
     if block_table is None:
         kb, heads_kv, capacity, kd = k_cache.shape
         page_size = None
         if kb != batch:
-            raise ValueError(f"k_cache: contiguous cache (batch, heads_kv, max_len, head_dim) "
-                             f"has batch {kb}, q has {batch} (pass block_table for a paged cache)")
+            raise ValueError(f"{n['k_cache']}: contiguous cache (batch, heads_kv, max_len, "
+                             f"head_dim) has batch {kb}, {qn} has {batch} (pass block_table for "
+                             f"a paged cache)")
     else:
-        _tensor(block_table, "block_table")
+        bn = n["block_table"]
+        _tensor(block_table, bn)
         if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table: dtype must be torch.int32, got {block_table.dtype}")
+            raise TypeError(f"{bn}: dtype must be torch.int32, got {block_table.dtype}")
         if block_table.device != dev:
-            raise ValueError(f"block_table: on {block_table.device}, q on {dev}")
+            raise ValueError(f"{bn}: on {block_table.device}, {qn} on {dev}")
         if block_table.ndim != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table: expected shape (batch={batch}, max_pages), got "
+            raise ValueError(f"{bn}: expected shape (batch={batch}, max_pages), got "
                              f"{tuple(block_table.shape)}")
         _, page_size, heads_kv, kd = k_cache.shape
         if page_size < 1:
-            raise ValueError(f"k_cache: paged cache (num_pages, page_size, heads_kv, head_dim) "
-                             f"has page_size {page_size}")
+            raise ValueError(f"{n['k_cache']}: paged cache (num_pages, page_size, heads_kv, "
+                             f"head_dim) has page_size {page_size}")
         capacity = block_table.shape[1] * page_size
     if kd != head_dim:
-        raise ValueError(f"k_cache: head_dim {kd} differs from q's {head_dim}")
+        raise ValueError(f"{n['k_cache']}: head_dim {kd} differs from {qn}'s {head_dim}")
     if heads_kv < 1 or heads_q % heads_kv:
+        if qn != "q":
+            raise ValueError(f"{qn}: {heads_q} heads differ from the cache's heads_kv={heads_kv}")
         raise ValueError(f"q: heads_q={heads_q} must be a multiple of the cache's heads_kv="
                          f"{heads_kv}")
+    sn = n["cache_seqlens"]
     if cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cache_seqlens: dtype must be torch.int32 or torch.int64, got "
+        raise TypeError(f"{sn}: dtype must be torch.int32 or torch.int64, got "
                         f"{cache_seqlens.dtype}")
     if cache_seqlens.device != dev:
-        raise ValueError(f"cache_seqlens: on {cache_seqlens.device}, q on {dev}")
+        raise ValueError(f"{sn}: on {cache_seqlens.device}, {qn} on {dev}")
     if cache_seqlens.shape != (batch,):
-        raise ValueError(f"cache_seqlens: expected shape ({batch},), got "
-                         f"{tuple(cache_seqlens.shape)}")
+        raise ValueError(f"{sn}: expected shape ({batch},), got {tuple(cache_seqlens.shape)}")
     return heads_kv, page_size, capacity
 
 
@@ -177,7 +178,7 @@ def _check_lengths(cache_seqlens, capacity, block_table, num_pages, extra=0, nam
         what = f" + {extra} new tokens" if extra else ""
         raise ValueError(f"{name}: lengths{what} must lie in [0, {capacity}] (the cache "
                          f"capacity), got min {int(lens.min())}, max {int(lens.max())}")
-    if block_table is not None and lens.numel():
+    if block_table is not None and lens.numel() and block_table.shape[1]:
         page = capacity // block_table.shape[1]
         used = (lens + extra + page - 1) // page
         first = torch.zeros_like(lens)
@@ -191,23 +192,18 @@ def _check_lengths(cache_seqlens, capacity, block_table, num_pages, extra=0, nam
                              f"min {int(live.min())}, max {int(live.max())}")
 
 
-def _number(x, name, positive=True):
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name}: expected a number, got {type(x).__name__}")
-    if not math.isfinite(x) or (positive and x <= 0):
-        raise ValueError(f"{name}: expected a finite{' positive' if positive else ''} number, "
-                         f"got {x}")
-    return float(x)
-
-
-def _options(head_dim, scale, softcap, window, num_splits, batch_invariant, max_seqlen):
-    """Validate the scalar options; returns ``(scale, softcap, window)`` normalized (the
-    scale's default ``1 / sqrt(head_dim)``)."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else _number(scale, "scale", False)
-    if scale == 0.0:
-        raise ValueError("scale: must be non-zero")
-    softcap = None if softcap is None else _number(softcap, "softcap")
-    win = _window(window)
+def _options(head_dim, scale, softcap, window, num_splits, batch_invariant, max_seqlen,
+             return_lse, capacity=None):
+    """Validate the scalar options (the checks of :func:`flashfold.attention` where the two
+    share an option: :mod:`._validate`); returns ``(scale, softcap, window)`` normalized
+    (the scale's default ``1 / sqrt(head_dim)``; a window side of at least ``capacity``:
+    unbounded)."""
+    scale = check_positive("scale", scale)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    softcap = check_positive("softcap", softcap)
+    win = _window(window, capacity)
+    check_bool("return_lse", return_lse)
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
     if num_splits is not None:
@@ -224,6 +220,16 @@ def _options(head_dim, scale, softcap, window, num_splits, batch_invariant, max_
         if max_seqlen < 0:
             raise ValueError(f"max_seqlen: must be >= 0, got {max_seqlen}")
     return scale, softcap, win
+
+
+def _capacity(k_cache, block_table):
+    """The cache's capacity read from the shapes, or None where they are malformed (the
+    tensors' checks, which may run later, then say what is wrong)."""
+    if k_cache.dim() != 4:
+        return None
+    if block_table is None:
+        return k_cache.shape[2]
+    return block_table.shape[1] * k_cache.shape[1] if block_table.dim() == 2 else None
 
 
 def _check_tensors(q, k_cache, v_cache, cache_seqlens, block_table, cache_start):
@@ -289,10 +295,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_table: ``(batch, max_pages)`` int32 (paged cache only): token ``t`` of
             sequence ``b`` lives at ``k_cache[block_table[b, t // page_size],
             t % page_size]``.
-        scale: score scale, default ``1 / sqrt(head_dim)``.
+        scale: score scale (finite, ``> 0``), default ``1 / sqrt(head_dim)``.
         softcap: if given (``> 0``), scores become ``softcap * tanh(score / softcap)``.
         window: ``(left, right)``: query ``i`` sees keys ``p_i - left .. p_i`` (``None`` or
-            ``-1``: unbounded; the right side is bounded by causality at 0).
+            ``-1``: unbounded, and so is a left side ``>=`` the capacity; the right side is
+            bounded by causality at 0). scale, softcap and window are checked as by
+            :func:`flashfold.attention` (the same errors).
         cache_start: optional ``(batch,)`` int32, same device: sequence ``b``'s first key
             ``a_b`` (left padding: its keys are the cache positions ``[a_b, n_b)``).
             Clamped to ``[0, n_b]`` (any value is allowed; ``a_b >= n_b`` leaves no key:
@@ -321,18 +329,22 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         max_seqlen: optional host-side upper bound of ``cache_seqlens`` (default: the
             capacity), used only to plan the splits; lengths above it stay correct.
         check_lengths: range-check ``cache_seqlens`` (and the block table's pages in use)
-            on the host. Default: when ``cache_seqlens`` is on the CPU; on CUDA the check
-            needs a device synchronisation (and cannot run inside a CUDA graph), so it is
-            off unless requested, and the kernels clamp lengths to ``[0, capacity]``.
+            on the host (a bool, or None for the default). Default: when ``cache_seqlens``
+            is on the CPU; on CUDA the check needs a device synchronisation (and cannot run
+            inside a CUDA graph), so it is off unless requested, and the kernels clamp
+            lengths to ``[0, capacity]``.
 
     Returns:
         ``o`` of shape ``(batch, heads_q, q_len, head_dim)`` in ``q.dtype`` (contiguous),
         and with ``return_lse`` also ``lse`` ``(batch, heads_q, q_len)`` float32, natural
-        log.
+        log. On meta tensors: meta outputs of those shapes, nothing read or computed (the
+        lengths are values: ``check_lengths=True`` raises ``ValueError``).
 
     Raises:
         TypeError / ValueError naming the offending argument.
     """
+    check_bool("check_lengths", check_lengths, none=True)
+    asked = check_lengths
     kernels = _kernel_call(q, k_cache, v_cache, cache_seqlens, block_table, cache_start)
     if check_lengths is None:       # (on the reference's path, cache_seqlens is on the CPU)
         check_lengths = not kernels or cache_seqlens.device.type == "cpu"
@@ -340,8 +352,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # the tensors' checks read only their signatures: the decode plan cache runs them
         # once per signature, before the plan is built (splitkv_decode's ``check``); the
         # scalar options are checked first here, on every call
+        cap = _capacity(k_cache, block_table) if window is not None else None
         scale, softcap, win = _options(q.shape[-1], scale, softcap, window, num_splits,
-                                       batch_invariant, max_seqlen)
+                                       batch_invariant, max_seqlen, return_lse, cap)
         o, lse = _splitkv().splitkv_decode(q, k_cache, v_cache, cache_seqlens, block_table,
                                            scale=scale, softcap=softcap, window=win,
                                            num_splits=num_splits,
@@ -352,7 +365,14 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     heads_kv, page_size, capacity = _layout(q, k_cache, v_cache, cache_seqlens, block_table)
     cache_start = _cache_start(cache_start, q.shape[0], q.device)
     scale, softcap, win = _options(q.shape[-1], scale, softcap, window, num_splits,
-                                   batch_invariant, max_seqlen)
+                                   batch_invariant, max_seqlen, return_lse, capacity)
+    if is_meta(q):
+        # shape propagation: meta outputs, nothing read or computed (the lengths are values)
+        if asked:
+            raise no_values("cache_seqlens", "check_lengths=True")
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        return (o, lse) if return_lse else o
     if check_lengths:
         _check_lengths(cache_seqlens, capacity, block_table, k_cache.shape[0],
                        cache_start=cache_start)
@@ -393,6 +413,7 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
         _tensor(x, name)
     _tensor(k_cache, "k_cache")
     _tensor(v_cache, "v_cache")
+    check_bool("check_lengths", check_lengths, none=True)
     if k_new.ndim != 4:
         raise ValueError(f"k_new: expected (batch, heads_kv, n_new, head_dim), got shape "
                          f"{tuple(k_new.shape)}")
@@ -406,7 +427,7 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     probe = torch.empty((batch, heads_kv, 1, head_dim), dtype=k_cache.dtype,
                         device=k_cache.device)
     got_heads, page_size, capacity = _layout(probe, k_cache, v_cache, cache_seqlens, block_table,
-                                             dtypes=_CPU_DTYPES)
+                                             dtypes=_CPU_DTYPES, names={"q": "k_new"})
     if got_heads != heads_kv:
         raise ValueError(f"k_new: heads_kv {heads_kv} differs from the cache's {got_heads}")
     for x, name in ((k_new, "k_new"), (v_new, "v_new")):
@@ -414,6 +435,8 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
             raise TypeError(f"{name}: dtype {x.dtype} differs from the cache's {k_cache.dtype}")
         if x.device != k_cache.device:
             raise ValueError(f"{name}: on {x.device}, the cache on {k_cache.device}")
+    if check_lengths and is_meta(cache_seqlens):
+        raise no_values("cache_seqlens", "check_lengths=True")
     if check_lengths is None:
         check_lengths = cache_seqlens.device.type == "cpu"
     if check_lengths:
@@ -446,9 +469,25 @@ class PagedKVCache:
 
     def __init__(self, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                  seqlens: torch.Tensor):
+        for x, name in ((k_pages, "k_pages"), (v_pages, "v_pages"), (block_table, "block_table"),
+                        (seqlens, "seqlens")):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if k_pages.ndim != 4:
+            raise ValueError(f"k_pages: expected 4 dims (num_pages, page_size, heads_kv, "
+                             f"head_dim), got shape {tuple(k_pages.shape)}")
+        if block_table.ndim != 2:
+            raise ValueError(f"block_table: expected shape (batch, max_pages), got "
+                             f"{tuple(block_table.shape)}")
+        if block_table.shape[0] < 1:
+            raise ValueError(f"block_table: batch must be >= 1, got shape "
+                             f"{tuple(block_table.shape)}")
+        # the cache against a stand-in query of its batch, heads and head dim
         probe = torch.empty((block_table.shape[0], k_pages.shape[2], 1, k_pages.shape[3]),
                             dtype=k_pages.dtype, device=k_pages.device)
-        _layout(probe, k_pages, v_pages, seqlens, block_table)
+        _layout(probe, k_pages, v_pages, seqlens, block_table,
+                names={"q": "k_pages", "k_cache": "k_pages", "v_cache": "v_pages",
+                       "cache_seqlens": "seqlens"})
         self.k_pages, self.v_pages, self.block_table, self.seqlens = (k_pages, v_pages,
                                                                       block_table, seqlens)
 
@@ -456,7 +495,21 @@ class PagedKVCache:
     def allocate(cls, batch: int, max_len: int, heads_kv: int, head_dim: int, *,
                  page_size: int = 16, dtype: torch.dtype = torch.bfloat16, device=None,
                  shuffle: bool = False, seed: int = 0) -> "PagedKVCache":
-        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (``batch``,
+        ``max_len``, ``heads_kv``, ``page_size`` ints >= 1, ``1 <= head_dim <= 256``)."""
+        for name, x in (("batch", batch), ("max_len", max_len), ("heads_kv", heads_kv),
+                        ("head_dim", head_dim), ("page_size", page_size), ("seed", seed)):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+            if x < 1 and name != "seed":
+                raise ValueError(f"{name} must be an int >= 1, got {x}")
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+        if dtype not in _CPU_DTYPES:
+            raise TypeError(f"dtype must be one of {[str(d) for d in _CPU_DTYPES]}, got {dtype}")
+        check_bool("shuffle", shuffle)
         per_seq = -(-max_len // page_size)
         n_pages = batch * per_seq
         order = (torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed))

@@ -1,0 +1,100 @@
+"""Argument checks shared by the entry points of :mod:`flashfold.api` (:func:`~flashfold.attention`,
+:func:`~flashfold.decode`, ...): one check and one message per kind of argument, so that the
+functions accept and reject the same values.
+
+Rules:
+
+* a value of the wrong type raises ``TypeError``, a value out of range ``ValueError``; the
+  message starts with the argument's name as the caller spelled it;
+* ``window=(left, right)``: each side an int ``>= 0``, or ``None`` / ``-1`` for unbounded. A
+  side at least as long as the sequence it bounds hides no key and is unbounded
+  (:func:`unbounded_beyond`): ``window=(2**70, 0)`` is causal attention, and no huge side
+  reaches a kernel's int32 position arithmetic. A malformed window raises
+  :class:`WindowTypeError`, both a ``TypeError`` and a ``ValueError``, so code written
+  against either class catches it;
+* meta tensors (shape propagation, as torch's own functions do): a function whose output
+  shapes follow from its inputs' shapes returns meta outputs of the right shape and dtype
+  and computes nothing, skipping the checks that read values; a check the caller asked for
+  explicitly that needs values, or an output shape that depends on values, raises
+  ``ValueError`` naming the argument (:func:`no_values`: ``"q is a meta tensor: ..."``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+
+class WindowTypeError(TypeError, ValueError):
+    """A ``window`` that is not a pair of ints / None (both a TypeError and a ValueError)."""
+
+
+def check_tensor(name: str, t) -> None:
+    """``TypeError`` unless ``t`` is a tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_bool(name: str, x, none: bool = False) -> None:
+    """``TypeError`` unless ``x`` is a bool (or, with ``none``, None)."""
+    if not (isinstance(x, bool) or (none and x is None)):
+        raise TypeError(f"{name} must be a bool{' or None' if none else ''}, got "
+                        f"{type(x).__name__} {x!r}")
+
+
+def check_positive(name: str, x):
+    """``None`` or a finite real ``> 0`` -> ``None`` or a float."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {x}")
+    return x
+
+
+def check_window(window):
+    """``None`` or ``(left, right)`` -> ``(left, right)``, each an int ``>= 0`` or None
+    (unbounded; ``-1`` also means unbounded). Any int size is accepted: see
+    :func:`unbounded_beyond` for the sides that reach past every key."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise WindowTypeError(f"window must be a pair (left, right) of ints >= 0 (None or -1: "
+                              f"unbounded), got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise WindowTypeError(f"window {side} must be an int >= 0, -1 or None, got {w!r}")
+        w = int(w)
+        if w < -1:
+            raise ValueError(f"window {side} must be >= 0 (or -1 / None for unbounded), got {w}")
+        out.append(None if w == -1 else w)
+    return tuple(out)
+
+
+def unbounded_beyond(side, n):
+    """``None`` (unbounded) for a window side ``>= n``, where ``n`` is a length no query can
+    reach past (a side that long hides no key), else ``side``."""
+    return None if side is not None and side >= n else side
+
+
+def is_meta(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+
+
+def no_values(name: str, what: str) -> ValueError:
+    """The error for a meta tensor whose values a call needs (raise it)."""
+    return ValueError(f"{name} is a meta tensor: {what} needs its values, and a meta tensor "
+                      f"has none (meta inputs give meta outputs of the right shape only where "
+                      f"the shapes do not depend on values)")
+
+
+__all__ = ["WindowTypeError", "check_tensor", "check_bool", "check_positive", "check_window",
+           "unbounded_beyond", "is_meta", "no_values"]

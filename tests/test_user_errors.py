@@ -1,0 +1,336 @@
+"""A user's mistake gets a ValueError / TypeError naming what the user passed, before
+anything is computed; never a silently wrong result or a crash deep inside.
+
+Covers: captured tables of score_mod / mask_mod shorter than what the call indexes,
+PagedKVCache's arguments, meta tensors (one rule for attention, merge_states and decode),
+windows wider than any sequence, and decode's scalar options (the same checks as
+attention's)."""
+
+import math
+
+import pytest
+import torch
+
+import flashfold as ff
+from flashfold import mods, ops
+from flashfold.testing import assert_close
+
+
+def _qkv(B=2, H=4, N=16, D=32, dtype=torch.float64, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, N, D, generator=g, dtype=dtype, **kw) for _ in range(3)]
+
+
+# --- captured tables shorter than what they are indexed by -----------------------------------
+
+SHORT_TABLES = [
+    ("document_mask", dict(mask_mod=mods.document_mask(torch.zeros(10, dtype=torch.int64))),
+     r"mask_mod 'document_mask' reads its table 0 of shape \(10,\) at index 15 along dim 0 "
+     r"\(from q_idx\), past its 10 entries: with B=2, H=4, Nq=16, Nk=16"),
+    ("kv_doc_ids", dict(mask_mod=mods.document_mask(torch.zeros(16, dtype=torch.int64),
+                                                    torch.zeros(12, dtype=torch.int64))),
+     r"table 1 of shape \(12,\) at index 15 along dim 0 \(from kv_idx\)"),
+    ("document_mask_rows", dict(mask_mod=mods.document_mask(torch.zeros(1, 16, dtype=torch.int64))),
+     r"table 0 of shape \(1, 16\) at index 1 along dim 0 \(from b\), past its 1 entries"),
+    ("alibi", dict(score_mod=mods.alibi(2)),
+     r"score_mod 'alibi' reads its table 0 of shape \(2,\) at index 3 along dim 0 \(from h\).*H=4"),
+    ("key_padding_mask", dict(mask_mod=mods.key_padding_mask(torch.tensor([5]))),
+     r"mask_mod 'key_padding_mask' .* index 1 along dim 0 \(from b\), past its 1 entries.*B=2"),
+    ("prefix_lm", dict(mask_mod=mods.prefix_lm_mask(torch.tensor([3]))), r"prefix_lm_mask.*B=2"),
+    ("relative_bias_heads", dict(score_mod=mods.relative_bias(torch.zeros(3, 9))),
+     r"relative_bias.*shape \(3, 9\) at index 3 along dim 0 \(from h\)"),
+]
+
+
+@pytest.mark.parametrize("kw, match", [c[1:] for c in SHORT_TABLES], ids=[c[0] for c in SHORT_TABLES])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "differentiable"])
+def test_a_short_table_is_a_value_error_naming_the_mod_and_sizes(kw, match, grad):
+    q, k, v = _qkv(requires_grad=grad)
+    with pytest.raises(ValueError, match=match):
+        ff.attention(q, k, v, **kw)
+
+
+def test_a_short_table_raises_in_create_block_mask():
+    short = mods.document_mask(torch.zeros(10, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"document_mask.*index 15.*Nq=16, Nk=16"):
+        ff.create_block_mask(short, None, None, 16, 16, device="cpu", BLOCK_SIZE=16)
+    ff.create_block_mask(short, None, None, 10, 10, device="cpu", BLOCK_SIZE=16)   # covers 10
+    with pytest.raises(ValueError, match=r"mask_mod '<lambda>' .* \(from h\).*H=4"):
+        ff.create_block_mask(lambda b, h, q, kv: mods.alibi(2)(0.0, b, h, q, kv) > 0, 1, 4, 16,
+                             16, device="cpu", BLOCK_SIZE=16)
+
+
+def test_a_short_table_raises_on_the_kernel_path(monkeypatch):
+    """The check runs before dispatch, so the Triton path (here under the interpreter)
+    refuses the same call without launching."""
+    from flashfold.api import attention as api
+    monkeypatch.setattr(api, "_use_kernel", lambda q: True)
+    q, k, v = _qkv(dtype=torch.float16)
+    with pytest.raises(ValueError, match="alibi"):
+        ff.attention(q, k, v, score_mod=mods.alibi(2))
+
+
+def test_tables_that_cover_the_indices_pass():
+    """No false alarm: clamped indices (relative_bias), a table longer than needed, an
+    index clamped on purpose, per-sequence positions with cu_seqlens."""
+    q, k, v = _qkv()
+    ff.attention(q, k, v, score_mod=mods.relative_bias(torch.zeros(4, 7)))    # clamp(+-3)
+    ff.attention(q, k, v, mask_mod=mods.document_mask(torch.zeros(40, dtype=torch.int64)))
+    ff.attention(q, k, v, score_mod=mods.alibi(8), causal=True)
+    short = ops.Buffer(torch.zeros(10))
+
+    def clamped(score, b, h, q_idx, kv_idx):
+        return score + short[ops.minimum(kv_idx, 9)]
+    ff.attention(q, k, v, score_mod=clamped)
+    # cu_seqlens: q_idx/kv_idx are positions inside a sequence (longest: 9), b the sequence
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    qp, kp, vp = _qkv(B=1, N=14)
+    ff.attention(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                 mask_mod=mods.document_mask(torch.zeros(9, dtype=torch.int64)))
+    ff.attention(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                 mask_mod=mods.key_padding_mask(torch.tensor([5, 9])))
+    with pytest.raises(ValueError, match=r"index 8 along dim 0 \(from q_idx\).*B=2, H=4, Nq=9"):
+        ff.attention(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                     mask_mod=mods.document_mask(torch.zeros(8, dtype=torch.int64)))
+
+
+def test_a_precomputed_block_mask_is_checked_with_the_call_sizes():
+    bm = ff.create_block_mask(mods.key_padding_mask(torch.tensor([5])), 1, None, 16, 16,
+                              device="cpu", BLOCK_SIZE=16)
+    q, k, v = _qkv(B=1)
+    ff.attention(q, k, v, mask_mod=bm)
+    with pytest.raises(ValueError, match="alibi"):
+        ff.attention(q, k, v, mask_mod=bm, score_mod=mods.alibi(2))
+
+
+def test_the_interval_of_an_index_is_exact():
+    """What a table read reaches, for the expressions indices are made of."""
+    from flashfold.kernels.attention.mods import table_bounds, trace_score_mod
+    t = ops.Buffer(torch.zeros(100))
+
+    def fn(score, b, h, q_idx, kv_idx):
+        return (score + t[ops.clamp(kv_idx - q_idx, -3, 3) + 3] + t[(q_idx * 2 + 1) // 3]
+                + t[kv_idx % 5] + t[ops.where(q_idx < kv_idx, h, b + 10)] + t[ops.abs(q_idx - 7)]
+                + t[ops.to_int(ops.to_float(q_idx) * 0.5)] + t[ops.to_int(score)])
+    got = [iv for *_, iv in table_bounds(trace_score_mod(fn).reads, (2, 4, 16, 16))]
+    assert got == [(0, 6), (0, 10), (0, 4), (0, 11), (0, 8), (0, 7), (None, None)]
+
+
+# --- PagedKVCache ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(page_size=0), ValueError, r"page_size must be an int >= 1, got 0"),
+    (dict(page_size=2.5), TypeError, r"page_size must be an int, got float"),
+    (dict(max_len=-5), ValueError, r"max_len must be an int >= 1, got -5"),
+    (dict(max_len=0), ValueError, r"max_len must be an int >= 1, got 0"),
+    (dict(batch=0), ValueError, r"batch must be an int >= 1"),
+    (dict(heads_kv=True), TypeError, r"heads_kv must be an int, got bool"),
+    (dict(head_dim=300), ValueError, r"head_dim must be in 1..256, got 300"),
+    (dict(dtype="bf16"), TypeError, r"dtype must be a torch.dtype"),
+    (dict(dtype=torch.int32), TypeError, r"dtype must be one of"),
+    (dict(shuffle=1), TypeError, r"shuffle must be a bool"),
+])
+def test_paged_kv_cache_allocate_checks_its_arguments(kw, exc, match):
+    args = dict(batch=2, max_len=32, heads_kv=2, head_dim=16, dtype=torch.float32)
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        ff.PagedKVCache.allocate(args.pop("batch"), args.pop("max_len"), args.pop("heads_kv"),
+                                 args.pop("head_dim"), **args)
+
+
+def _cache():
+    return ff.PagedKVCache.allocate(2, 32, 2, 16, page_size=8, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda a: a.update(k_pages=a["k_pages"].tolist()), TypeError, r"^k_pages must be a torch.Tensor"),
+    (lambda a: a.update(v_pages=None), TypeError, r"^v_pages must be a torch.Tensor"),
+    (lambda a: a.update(block_table=[[0]]), TypeError, r"^block_table must be a torch.Tensor"),
+    (lambda a: a.update(seqlens=3), TypeError, r"^seqlens must be a torch.Tensor"),
+    (lambda a: a.update(k_pages=a["k_pages"][0], v_pages=a["v_pages"][0]), ValueError,
+     r"^k_pages: expected 4 dims \(num_pages, page_size, heads_kv, head_dim\), got shape \(8, 2, 16\)"),
+    (lambda a: a.update(k_pages=torch.zeros(8, 8, 2, 300), v_pages=torch.zeros(8, 8, 2, 300)),
+     ValueError, r"^k_pages: head_dim must be in 1..256"),
+    (lambda a: a.update(k_pages=a["k_pages"].int(), v_pages=a["v_pages"].int()), TypeError,
+     r"^k_pages: dtype must be one of"),
+    (lambda a: a.update(v_pages=a["v_pages"][:4]), ValueError, r"^v_pages: shape"),
+    (lambda a: a.update(seqlens=a["seqlens"][:1]), ValueError, r"^seqlens: expected shape \(2,\)"),
+    (lambda a: a.update(seqlens=a["seqlens"].float()), TypeError, r"^seqlens: dtype"),
+    (lambda a: a.update(block_table=a["block_table"][0]), ValueError, r"^block_table: expected shape"),
+    (lambda a: a.update(block_table=a["block_table"][:0], seqlens=a["seqlens"][:0]), ValueError,
+     r"^block_table: batch must be >= 1"),
+])
+def test_paged_kv_cache_errors_name_what_the_user_passed(mutate, exc, match):
+    c = _cache()
+    a = dict(k_pages=c.k_pages, v_pages=c.v_pages, block_table=c.block_table, seqlens=c.seqlens)
+    mutate(a)
+    with pytest.raises(exc, match=match) as info:
+        ff.PagedKVCache(**a)
+    assert not str(info.value).startswith(("q:", "q ", "cache_seqlens", "k_cache", "v_cache"))
+
+
+def test_append_kv_errors_name_k_new_not_q():
+    c = _cache()
+    with pytest.raises(ValueError, match=r"^k_new: head_dim must be in 1..256"):
+        ff.append_kv(torch.zeros(8, 8, 2, 300), torch.zeros(8, 8, 2, 300),
+                     torch.zeros(2, 2, 1, 300), torch.zeros(2, 2, 1, 300), c.seqlens, c.block_table)
+    with pytest.raises(ValueError, match=r"^k_new: 3 heads.*heads_kv=2"):
+        c.append(torch.zeros(2, 3, 1, 16), torch.zeros(2, 3, 1, 16))
+    with pytest.raises(ValueError, match=r"^k_new: batch and heads must be >= 1"):
+        c.append(torch.zeros(2, 0, 1, 16), torch.zeros(2, 0, 1, 16))
+
+
+def test_a_block_table_without_pages_decodes_to_empty_rows():
+    """A zero-capacity cache built by hand: lengths must be 0, and every row sees no key
+    (o = 0, lse = -inf): no division by the page count."""
+    k = torch.zeros(1, 8, 2, 16)
+    cache = ff.PagedKVCache(k, k.clone(), torch.zeros(2, 0, dtype=torch.int32),
+                            torch.zeros(2, dtype=torch.int32))
+    o, lse = cache.decode(torch.randn(2, 2, 1, 16), return_lse=True)
+    assert (o == 0).all() and (lse == -math.inf).all()
+    with pytest.raises(ValueError, match=r"cache_seqlens: lengths must lie in \[0, 0\]"):
+        ff.decode(torch.randn(2, 2, 1, 16), k, k, torch.ones(2, dtype=torch.int32),
+                  block_table=torch.zeros(2, 0, dtype=torch.int32))
+
+
+# --- meta tensors: shape propagation -----------------------------------------------------------
+
+def _meta(*shape, dtype=torch.bfloat16, **kw):
+    return torch.empty(*shape, dtype=dtype, device="meta", **kw)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(causal=True, window=(4, 0)), dict(score_mod=mods.alibi(4)),
+                                dict(mask_mod=mods.document_mask(torch.zeros(16, dtype=torch.int64)))],
+                         ids=["plain", "window", "score_mod", "mask_mod"])
+def test_attention_on_meta_tensors_gives_meta_outputs(kw):
+    q, k, v = _meta(2, 4, 16, 32), _meta(2, 2, 16, 32), _meta(2, 2, 16, 64)
+    o, lse = ff.attention(q, k, v, return_lse=True, **kw)
+    assert (o.device.type, o.shape, o.dtype) == ("meta", (2, 4, 16, 64), torch.bfloat16)
+    assert (lse.device.type, lse.shape, lse.dtype) == ("meta", (2, 4, 16), torch.float32)
+    with pytest.raises(ValueError, match="alibi"):              # shapes are still checked
+        ff.attention(q, k, v, score_mod=mods.alibi(2))
+
+
+def test_attention_on_meta_tensors_propagates_gradients_and_packed_shapes():
+    q, k, v = (_meta(1, 4, 16, 32, requires_grad=True) for _ in range(3))
+    cu = torch.empty(3, dtype=torch.int32, device="meta")        # values unknown: shapes are not
+    o, lse = ff.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=True)
+    assert o.device.type == "meta" and o.shape == (1, 4, 16, 32) and lse.shape == (1, 4, 16)
+    (o.float().sum() + lse.sum()).backward()
+    assert all(t.grad.device.type == "meta" and t.grad.shape == t.shape for t in (q, k, v))
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k hold different"):
+        ff.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu[:2])
+
+
+def test_merge_states_on_meta_tensors_gives_meta_outputs():
+    o_a, l_a = _meta(2, 4, 16, 64), _meta(2, 4, 16, dtype=torch.float32)
+    o, lse = ff.merge_states(o_a, l_a, o_a, l_a)
+    assert (o.device.type, o.shape, o.dtype, lse.shape, lse.dtype) == (
+        "meta", (2, 4, 16, 64), torch.bfloat16, (2, 4, 16), torch.float32)
+    o, lse = ff.merge_states(_meta(3, 4, 16, 64), _meta(3, 4, 16, dtype=torch.float32))
+    assert o.device.type == "meta" and o.shape == (4, 16, 64) and lse.shape == (4, 16)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_on_meta_tensors_gives_meta_outputs(paged):
+    q = _meta(2, 4, 3, 64)
+    lens = torch.empty(2, dtype=torch.int32, device="meta")
+    if paged:
+        k = _meta(8, 16, 2, 64)
+        extra = dict(block_table=torch.empty(2, 4, dtype=torch.int32, device="meta"))
+    else:
+        k, extra = _meta(2, 2, 64, 64), {}
+    o, lse = ff.decode(q, k, k, lens, return_lse=True, window=(8, 0), **extra)
+    assert (o.device.type, o.shape, o.dtype) == ("meta", (2, 4, 3, 64), torch.bfloat16)
+    assert (lse.device.type, lse.shape, lse.dtype) == ("meta", (2, 4, 3), torch.float32)
+    with pytest.raises(ValueError, match="^cache_seqlens is a meta tensor: check_lengths=True"):
+        ff.decode(q, k, k, lens, check_lengths=True, **extra)
+    with pytest.raises(ValueError, match="heads_q=4 must be a multiple"):     # shapes: checked
+        ff.decode(q, _meta(2, 3, 64, 64), _meta(2, 3, 64, 64), lens)
+
+
+def test_a_meta_paged_cache_decodes_to_meta_outputs():
+    cache = ff.PagedKVCache.allocate(2, 32, 2, 16, page_size=8, device="meta")
+    o = cache.decode(_meta(2, 4, 1, 16))
+    assert o.device.type == "meta" and o.shape == (2, 4, 1, 16)
+
+
+# --- windows wider than any sequence -------------------------------------------------------------
+
+@pytest.mark.parametrize("window, causal, same_as", [
+    ((2**70, 0), False, dict(causal=True)),
+    ((2**70, 2**70), False, {}),
+    ((None, 2**63), True, dict(causal=True)),
+    ((2**31 - 1, 2**31 - 2), False, {}),
+    ((16, 16), False, {}),
+    ((15, 3), False, dict(window=(15, 3))),
+], ids=["left-2^70", "both-2^70", "right-2^63-causal", "int32-max", "sequence-long", "inside"])
+def test_a_window_wider_than_the_sequence_is_unbounded(window, causal, same_as):
+    q, k, v = _qkv(N=16)
+    got = ff.attention(q, k, v, window=window, causal=causal)
+    assert torch.equal(got, ff.attention(q, k, v, **same_as))
+
+
+def test_a_huge_window_on_the_kernel_path_and_in_decode(monkeypatch):
+    from flashfold.api import attention as api
+    q, k, v = _qkv(B=1, H=2, N=16, dtype=torch.float16)
+    monkeypatch.setattr(api, "_use_kernel", lambda q: True)
+    want = ff.attention(q, k, v, causal=True)
+    assert torch.equal(ff.attention(q, k, v, window=(2**70, 0)), want)
+    monkeypatch.undo()
+    kc = torch.randn(2, 2, 24, 32, dtype=torch.float64)
+    lens = torch.tensor([5, 24], dtype=torch.int32)
+    qd = torch.randn(2, 4, 2, 32, dtype=torch.float64)
+    assert torch.equal(ff.decode(qd, kc, kc, lens, window=(2**70, 0)), ff.decode(qd, kc, kc, lens))
+
+
+# --- decode's options: the checks of attention ----------------------------------------------------
+
+BAD_OPTIONS = [
+    dict(scale=-1.0), dict(scale=0.0), dict(scale=math.inf), dict(scale="x"), dict(scale=True),
+    dict(softcap=-1.0), dict(softcap=math.nan), dict(softcap="x"),
+    dict(window=3), dict(window=(1, 2.5)), dict(window=(-2, 0)), dict(window=(1, 2, 3)),
+    dict(return_lse="no"), dict(return_lse=1),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_OPTIONS, ids=lambda d: "-".join(f"{k}={v!r}" for k, v in d.items()))
+def test_decode_rejects_what_attention_rejects_with_the_same_error(bad):
+    q, k, v = _qkv(B=2, H=4, N=8, dtype=torch.float32)
+    with pytest.raises((TypeError, ValueError)) as want:
+        ff.attention(q, k, v, **bad)
+    with pytest.raises((TypeError, ValueError)) as got:
+        ff.decode(q[:, :, :1], k, v, torch.tensor([3, 8], dtype=torch.int32), **bad)
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_decode_check_lengths_must_be_a_bool_or_none(value):
+    q, k, v = _qkv(B=2, H=4, N=8, dtype=torch.float32)
+    with pytest.raises(TypeError, match="check_lengths must be a bool or None"):
+        ff.decode(q[:, :, :1], k, v, torch.tensor([3, 8], dtype=torch.int32), check_lengths=value)
+    with pytest.raises(TypeError, match="check_lengths must be a bool or None"):
+        ff.append_kv(k, v, k[:, :, :1], v[:, :, :1], torch.tensor([3, 6], dtype=torch.int32),
+                     check_lengths=value)
+
+
+def test_a_malformed_window_is_both_a_type_and_a_value_error():
+    q, k, v = _qkv(N=8, dtype=torch.float32)
+    for call in (lambda: ff.attention(q, k, v, window=3),
+                 lambda: ff.decode(q[:, :, :1], k, v, torch.tensor([3, 8], dtype=torch.int32),
+                                   window=(None, "x"))):
+        with pytest.raises(TypeError, match="window"):
+            call()
+        with pytest.raises(ValueError, match="window"):
+            call()
+
+
+def test_valid_decode_options_still_work():
+    q, k, v = _qkv(B=2, H=4, N=8, dtype=torch.float64)
+    lens = torch.tensor([3, 8], dtype=torch.int32)
+    o, lse = ff.decode(q[:, :, :1], k, v, lens, scale=0.3, softcap=5.0, window=(2, -1),
+                       return_lse=True, check_lengths=False)
+    ro, rl = ff.attention(q[:1, :, :1], k[:1, :, :3], v[:1, :, :3], scale=0.3, softcap=5.0,
+                          window=(2, 0), causal=True, return_lse=True)
+    assert_close(o[:1], ro, "float64", name="o")
+    assert_close(lse[:1], rl, "float32", name="lse")
