@@ -271,17 +271,29 @@ def test_a_window_wider_than_the_sequence_is_unbounded(window, causal, same_as):
     assert torch.equal(got, ff.attention(q, k, v, **same_as))
 
 
-def test_a_huge_window_on_the_kernel_path_and_in_decode(monkeypatch):
+CUDA = torch.cuda.is_available()
+
+
+def test_a_huge_window_on_the_kernel_paths(monkeypatch):
+    """The Triton attention and split-KV decode kernels (on CUDA, else under the
+    interpreter) get an unbounded side, never the huge int; decode's plan-cache path
+    (``check_lengths=False``) too."""
     from flashfold.api import attention as api
-    q, k, v = _qkv(B=1, H=2, N=16, dtype=torch.float16)
-    monkeypatch.setattr(api, "_use_kernel", lambda q: True)
-    want = ff.attention(q, k, v, causal=True)
-    assert torch.equal(ff.attention(q, k, v, window=(2**70, 0)), want)
-    monkeypatch.undo()
-    kc = torch.randn(2, 2, 24, 32, dtype=torch.float64)
-    lens = torch.tensor([5, 24], dtype=torch.int32)
-    qd = torch.randn(2, 4, 2, 32, dtype=torch.float64)
-    assert torch.equal(ff.decode(qd, kc, kc, lens, window=(2**70, 0)), ff.decode(qd, kc, kc, lens))
+    from flashfold.api import decode as dapi
+    dev = "cuda" if CUDA else "cpu"
+    if not CUDA:
+        monkeypatch.setattr(api, "_use_kernel", lambda q: True)
+        monkeypatch.setattr(dapi, "_use_kernels", lambda q: True)
+    q, k, v = (t.to(dev) for t in _qkv(B=1, H=2, N=16, dtype=torch.float16))
+    assert torch.equal(ff.attention(q, k, v, window=(2**70, 0)), ff.attention(q, k, v, causal=True))
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randn(2, 2, 24, 32, generator=g).to(dev)
+    qd = torch.randn(2, 4, 2, 32, generator=g).to(dev)
+    lens = torch.tensor([5, 24], dtype=torch.int32, device=dev)
+    want = ff.decode(qd, kc, kc, lens)
+    for check in (None, False):
+        got = ff.decode(qd, kc, kc, lens, window=(2**70, 0), check_lengths=check)
+        assert torch.equal(got, want)
 
 
 # --- decode's options: the checks of attention ----------------------------------------------------
