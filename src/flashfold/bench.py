@@ -1223,13 +1223,14 @@ def _gpu_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _cli(args) -> int:
+def command(args) -> int:
+    """``flashfold bench``: the options :mod:`flashfold.cli` parsed -> the exit status."""
     for path in (args.from_log or []) + (args.from_table or []):
         if not os.path.isfile(path):
             return _fail(f"no such file: {path}" if not os.path.exists(path)
                          else f"not a file: {path}")
     if args.results is not None:
-        return _cli_results(args)
+        return _results_command(args)
     runs: list[Run] = []
     for path in args.from_log or []:
         try:
@@ -1279,7 +1280,7 @@ def _cli(args) -> int:
     return 0
 
 
-def _cli_results(args) -> int:
+def _results_command(args) -> int:
     """``--results [FILE]``: the tables of RESULTS.md from ``--from-log`` files, or from
     every log in the checkout's ``benchmarks/logs/``."""
     logs = list(args.from_log or [])
@@ -1306,32 +1307,6 @@ def _cli_results(args) -> int:
     return 0
 
 
-def _configure(p):
-    p.add_argument("--from-log", nargs="+", metavar="FILE",
-                   help="plot the printed output of benchmarks/*.py (e.g. benchmarks/logs/*.log)")
-    p.add_argument("--from-table", nargs="+", metavar="FILE",
-                   help="plot the markdown result tables found in FILE (e.g. benchmarks/RESULTS.md)")
-    p.add_argument("--run", nargs="+", choices=SCRIPTS + ("all",), metavar="NAME",
-                   help="run benchmarks/NAME.py on this machine's GPU first (attention, decode, "
-                        "reductions, all)")
-    p.add_argument("--quick", action="store_true", help="with --run: the scripts' --quick grids")
-    p.add_argument("--bench-dir", help="the benchmarks/ folder (default: found above the cwd)")
-    p.add_argument("--out", default="flashfold-bench", help="output folder (default ./flashfold-bench)")
-    p.add_argument("--prefix", default="", help="prefix of the PNG file names")
-    p.add_argument("--results", nargs="?", const="", metavar="FILE",
-                   help="write the results page (one table per family, from the latest log of "
-                        "each) to FILE (default benchmarks/RESULTS.md), from --from-log files or "
-                        "every benchmarks/logs/*.log; no plots")
-
-
-def _register_cli():
-    from . import cli
-    cli.register_command("bench", _cli, _configure,
-                         "run the GPU benchmarks or plot saved results (PNG: TFLOP/s, GB/s)")
-
-
-_register_cli()
-
 def graph_replay(fn, warmup: int = 2):
     """``fn`` captured once in a CUDA graph; returns the graph's ``replay`` (kernel time
     without host time when timed). ``warmup`` calls run first on a side stream, so kernels
@@ -1354,4 +1329,4 @@ __all__ = ["ProgressBar", "progress_bar", "Run", "parse", "parse_file", "parse_a
            "parse_attention_backward", "parse_decode", "parse_reductions", "render",
            "plot_attention", "plot_attention_backward", "plot_decode", "plot_reductions",
            "run_script", "find_benchmarks", "graph_replay", "parse_ring", "parse_transformers",
-           "command_of", "latest", "results_markdown", "write_results", "FAMILIES"]
+           "command_of", "latest", "results_markdown", "write_results", "FAMILIES", "command"]

@@ -1,14 +1,21 @@
 """The ``flashfold`` command.
 
 * ``flashfold demo``: the specification's order experiment and what the state saves.
-* ``flashfold check MODULE:NAME``: law checking of a user's monoid (exit 1 on failure).
+* ``flashfold check MODULE:NAME [--prove]``: law checking of a user's monoid, and its
+  symbolic proof (:mod:`flashfold.algebra.proofs`); exit 1 on failure.
 * ``flashfold trace SCORES... --block K [--values ...]``: the (m, l, O) state after each block.
+* ``flashfold numerics``: measured error of the state against the bound
+  (:mod:`flashfold.error_analysis`).
+* ``flashfold bench``: the GPU benchmarks, their plots and results page (:mod:`flashfold.bench`).
 
-Subcommands are registered in :data:`COMMANDS`; each is a function taking the parsed
-arguments and returning an exit status. A mistake on the command line (a malformed
-option, a target that does not name a monoid) prints one line to stderr and exits
-non-zero (2 for options, argparse's status), without a traceback: options are checked
-by the argument types below as they are parsed.
+This module owns the command line: :data:`COMMANDS` lists every subcommand with the
+function that adds its options and the function that runs it (the parsed arguments ->
+an exit status). The features behind the commands are imported when a command runs (the
+parser itself imports :mod:`flashfold.bench` for the names of its scripts); no module
+registers anything at import. A mistake on the command line (a malformed option, a
+target that does not name a monoid) prints one line to stderr and exits non-zero (2 for
+options, argparse's status), without a traceback: options are checked by the argument
+types below as they are parsed.
 """
 
 from __future__ import annotations
@@ -21,14 +28,6 @@ import sys
 from typing import Callable
 
 import numpy as np
-
-COMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
-
-
-def register_command(name: str, fn: Callable, configure: Callable | None, help: str):
-    """Register ``fn(args) -> exit status`` as ``flashfold NAME``; ``configure(parser)`` adds options."""
-    COMMANDS[name] = (fn, configure or (lambda p: None), help)
-
 
 # --- argument types -----------------------------------------------------------------
 # A user's mistake on the command line is one line on stderr and exit status 2 (argparse's
@@ -100,8 +99,8 @@ def order_experiment(n: int = 1000, d: int = 64, std: float = 30.0, seed: int = 
     ``(rows, sizes)`` where each row is ``(order, rel. dev. of output, rel. dev. of l,
     |lse - lse_ref|)`` against a direct float64 softmax.
     """
-    from . import fold, finalize
     from .monoids import ATTENTION
+    from .schedules import finalize, fold
 
     rng = np.random.default_rng(seed)
     scores = rng.normal(0.0, std, size=n)
@@ -177,9 +176,6 @@ def demo(args) -> int:
     return 0 if worst <= 1e-14 else 1
 
 
-register_command("demo", demo, None, "the specification's order experiment (no arguments)")
-
-
 # --- check ------------------------------------------------------------------------------
 
 def _load_monoid(spec: str):
@@ -211,14 +207,21 @@ def check(args) -> int:
     report = check_laws(monoid, trials=args.trials, seed=args.seed)
     print(report)
     status = 0 if report.ok else 1
-    for hook in CHECK_HOOKS:
-        status = max(status, hook(monoid, args))
+    if args.prove:
+        status = max(status, _prove(monoid))
     return status
 
 
-#: extra checks run by ``flashfold check`` (e.g. ``--prove``); each returns an exit status
-CHECK_HOOKS: list[Callable] = []
-CHECK_OPTIONS: list[Callable] = []
+def _prove(monoid) -> int:
+    """``--prove``: print the symbolic proof (SymPy); 1 unless every law is proved."""
+    from .algebra.proofs import ProofError, prove
+    try:
+        proof = prove(monoid)
+    except ProofError as e:
+        print(f"symbolic proof of {monoid.name!r}: not carried out ({e})")
+        return 1
+    print(proof)
+    return 0 if proof.ok else 1
 
 
 def _configure_check(p):
@@ -226,11 +229,8 @@ def _configure_check(p):
     p.add_argument("--trials", type=int_at_least(1), default=1000,
                    help="random triples to check (default 1000)")
     p.add_argument("--seed", type=int_at_least(0), default=0)
-    for add in CHECK_OPTIONS:
-        add(p)
-
-
-register_command("check", check, _configure_check, "check a monoid's laws: flashfold check MODULE:NAME")
+    p.add_argument("--prove", action="store_true",
+                   help="also prove associativity and the identity law symbolically (SymPy)")
 
 
 # --- trace ------------------------------------------------------------------------------
@@ -297,27 +297,94 @@ def _configure_trace(p):
                    help="decimals printed (default 4)")
 
 
-register_command("trace", trace, _configure_trace, "print the (m, l, O) state after each block")
+# --- numerics ---------------------------------------------------------------------------
+
+def numerics(args) -> int:
+    from .bench import progress_bar                # a text bar on stderr
+    from .error_analysis import PLOT_HINT, have_matplotlib
+    from .error_analysis import numerics as measure
+    draw = have_matplotlib()
+    if not draw:                                   # said before the (long) computation
+        print(f"flashfold numerics: matplotlib is not installed: writing the table only, "
+              f"no figure ({PLOT_HINT} for it)", file=sys.stderr)
+    bar = None if args.quiet else progress_bar("numerics")
+    report = measure(args.max_n, block=args.block, width=args.width, seed=args.seed,
+                     out=args.out, plot=draw, progress=bar or False)
+    if bar is not None:
+        bar.close()
+    print(report.table())
+    if report.png:
+        print(f"\nwrote {report.markdown} and {report.png}")
+    else:
+        print(f"\nwrote {report.markdown} (figure skipped: matplotlib is not installed; "
+              f"{PLOT_HINT})")
+    return 0 if report.ok else 1
+
+
+def _configure_numerics(p):
+    p.add_argument("--max-n", default=10**7, type=size_at_least(10),
+                   help="largest row length, >= 10 (default 1e7; sizes 10, 100, ... up to it)")
+    p.add_argument("--out", default="flashfold-numerics", type=writable_dir,
+                   help="directory for numerics.md and numerics.png (default ./flashfold-numerics)")
+    p.add_argument("--block", type=int_at_least(1), default=128,
+                   help="tile size of the blocked order")
+    p.add_argument("--width", type=int_at_least(1), default=2, help="width of the value vectors")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+# --- bench ------------------------------------------------------------------------------
+
+def bench(args) -> int:
+    from . import bench as feature
+    return feature.command(args)
+
+
+def _configure_bench(p):
+    from .bench import SCRIPTS
+    p.add_argument("--from-log", nargs="+", metavar="FILE",
+                   help="plot the printed output of benchmarks/*.py (e.g. benchmarks/logs/*.log)")
+    p.add_argument("--from-table", nargs="+", metavar="FILE",
+                   help="plot the markdown result tables found in FILE (e.g. benchmarks/RESULTS.md)")
+    p.add_argument("--run", nargs="+", choices=SCRIPTS + ("all",), metavar="NAME",
+                   help="run benchmarks/NAME.py on this machine's GPU first (attention, decode, "
+                        "reductions, all)")
+    p.add_argument("--quick", action="store_true", help="with --run: the scripts' --quick grids")
+    p.add_argument("--bench-dir", help="the benchmarks/ folder (default: found above the cwd)")
+    p.add_argument("--out", default="flashfold-bench", help="output folder (default ./flashfold-bench)")
+    p.add_argument("--prefix", default="", help="prefix of the PNG file names")
+    p.add_argument("--results", nargs="?", const="", metavar="FILE",
+                   help="write the results page (one table per family, from the latest log of "
+                        "each) to FILE (default benchmarks/RESULTS.md), from --from-log files or "
+                        "every benchmarks/logs/*.log; no plots")
 
 
 # --- entry point ------------------------------------------------------------------------
 
-#: modules that register subcommands or ``check`` options when imported (absent ones are skipped)
-PLUGINS = ("flashfold.error_analysis", "flashfold.algebra.proofs", "flashfold.bench")
+#: ``flashfold NAME``: (run, add options, help); ``run(args)`` returns the exit status
+COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
+    "demo": (demo, lambda p: None, "the specification's order experiment (no arguments)"),
+    "check": (check, _configure_check, "check a monoid's laws: flashfold check MODULE:NAME"),
+    "trace": (trace, _configure_trace, "print the (m, l, O) state after each block"),
+    "numerics": (numerics, _configure_numerics,
+                 "measured error of the softmax/attention state vs the bound (table + PNG)"),
+    "bench": (bench, _configure_bench,
+              "run the GPU benchmarks or plot saved results (PNG: TFLOP/s, GB/s)"),
+}
+
+#: the modules behind the commands, imported when a command runs
+FEATURES = ("flashfold.algebra.laws", "flashfold.algebra.proofs", "flashfold.error_analysis",
+            "flashfold.bench")
 
 
 def _load_plugins():
-    """Subcommands that live with their feature register themselves on import."""
-    for mod in PLUGINS:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    """Import every module behind a command at once (:data:`FEATURES`; the commands import
+    theirs when they run): none of them may import matplotlib, SymPy or torch at import."""
+    for mod in FEATURES:
+        importlib.import_module(mod)
 
 
 def main(argv=None) -> int:
-    _load_plugins()
     parser = ArgumentParser(prog="flashfold", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
     for name, (fn, configure, help_) in COMMANDS.items():
@@ -332,6 +399,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    # run as `python -m flashfold.cli`: use the package's module, where plugins register
-    from flashfold.cli import main as _main
-    sys.exit(_main())
+    sys.exit(main())

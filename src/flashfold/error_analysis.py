@@ -570,51 +570,5 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
     return report
 
 
-# =====================================================================================
-# `flashfold numerics`
-# =====================================================================================
-
-def _cli(args) -> int:
-    from .bench import progress_bar                # a text bar on stderr
-    draw = have_matplotlib()
-    if not draw:                                   # said before the (long) computation
-        print(f"flashfold numerics: matplotlib is not installed: writing the table only, "
-              f"no figure ({PLOT_HINT} for it)", file=sys.stderr)
-    bar = None if args.quiet else progress_bar("numerics")
-    report = numerics(args.max_n, block=args.block, width=args.width, seed=args.seed,
-                      out=args.out, plot=draw, progress=bar or False)
-    if bar is not None:
-        bar.close()
-    print(report.table())
-    if report.png:
-        print(f"\nwrote {report.markdown} and {report.png}")
-    else:
-        print(f"\nwrote {report.markdown} (figure skipped: matplotlib is not installed; "
-              f"{PLOT_HINT})")
-    return 0 if report.ok else 1
-
-
-def _configure(p):
-    from .cli import int_at_least, size_at_least, writable_dir
-    p.add_argument("--max-n", default=10**7, type=size_at_least(10),
-                   help="largest row length, >= 10 (default 1e7; sizes 10, 100, ... up to it)")
-    p.add_argument("--out", default="flashfold-numerics", type=writable_dir,
-                   help="directory for numerics.md and numerics.png (default ./flashfold-numerics)")
-    p.add_argument("--block", type=int_at_least(1), default=128,
-                   help="tile size of the blocked order")
-    p.add_argument("--width", type=int_at_least(1), default=2, help="width of the value vectors")
-    p.add_argument("--seed", type=int_at_least(0), default=0)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _register_cli():
-    from . import cli
-    cli.register_command("numerics", _cli, _configure,
-                         "measured error of the softmax/attention state vs the bound (table + PNG)")
-
-
-_register_cli()
-
-
 __all__ = ["numerics", "NumericsReport", "NumericsRow", "gamma", "round_to_bits",
            "UNIT_ROUNDOFF", "ORDERS", "DTYPES"]

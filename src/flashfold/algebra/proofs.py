@@ -1405,37 +1405,6 @@ def prove(monoid: Monoid, *, commutativity: bool | None = None, max_paths: int =
     return Proof(monoid.name, names, tuple(laws), domains, tuple(notes))
 
 
-# =====================================================================================
-# `flashfold check --prove`
-# =====================================================================================
-
-def _add_prove_option(parser):
-    parser.add_argument("--prove", action="store_true",
-                        help="also prove associativity and the identity law symbolically (SymPy)")
-
-
-def _prove_hook(monoid, args) -> int:
-    if not getattr(args, "prove", False):
-        return 0
-    try:
-        proof = prove(monoid)
-    except ProofError as e:
-        print(f"symbolic proof of {monoid.name!r}: not carried out ({e})")
-        return 1
-    print(proof)
-    return 0 if proof.ok else 1
-
-
-def _register_cli():
-    from .. import cli
-    if _add_prove_option not in cli.CHECK_OPTIONS:
-        cli.CHECK_OPTIONS.append(_add_prove_option)
-    if _prove_hook not in cli.CHECK_HOOKS:
-        cli.CHECK_HOOKS.append(_prove_hook)
-
-
-_register_cli()
-
 __all__ = ["prove", "Proof", "LawProof", "Case", "Counterexample", "ProofError",
            "FieldDomain", "reachable_domains", "sympy_backend", "sympy_function", "explore",
            "equal", "StateSymbols", "POSITION_BOUND"]
