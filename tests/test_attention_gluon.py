@@ -161,8 +161,9 @@ def test_dispatch_sends_only_dense_and_causal_calls():
     from flashfold.kernels.attention import fwd, gluon_fwd
     calls = []
 
-    def fake(q, k, v, *, causal, scale, return_lse, out, lse, launch):
+    def fake(q, k, v, *, causal, scale, return_lse, out, lse, launch, flags=None):
         assert not launch                     # (the forward's plan launches it)
+        assert (flags is not None) == causal  # causal calls flag rows for the strict guard
         calls.append(causal)
         return ("gluon", (1,), (), {})
     q, k, v = _qkv(NQ=64, NK=64, D=64, dtype=torch.float32)

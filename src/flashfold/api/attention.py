@@ -23,7 +23,32 @@ identical on every device):
 Key padding is a mask (``mask_mod=flashfold.mods.key_padding_mask(lengths)``) or, without
 padding at all, packed sequences (``cu_seqlens_*``). A row with no visible key gives
 ``o = 0`` and ``lse = -inf`` (never NaN). ``lse`` is the
-natural log, float32. On CUDA tensors a Triton kernel runs (FlashAttention-2 schedule,
+natural log, float32.
+
+Non-finite inputs (NaN, ``+-inf``) reach exactly the outputs that depend on them, on every
+device and path alike:
+
+1. A key that is not visible to row ``i`` contributes nothing to row ``i``, whatever its
+   ``k`` and ``v`` hold (NaN, inf, garbage): keys past a sequence's end or a
+   key_padding_mask length, and keys hidden by causal, window or mask_mod, also inside a
+   tile that row ``i`` partly sees. (FlashAttention lets a hidden NaN value of such a tile
+   reach the row through a ``0 x NaN`` product; flashfold does not.)
+2. A NaN or ``+inf`` score of a visible key (from ``q``, ``k``, softcap or score_mod) makes
+   ``lse_i`` and every channel of ``o_i`` NaN. A ``-inf`` score is weight 0, as a mask
+   is; ``o_i = 0``, ``lse_i = -inf`` only when every visible score is ``-inf`` or no key
+   is visible (a NaN is never an empty row).
+3. A non-finite ``v[j, c]`` of a visible key makes ``o[i, c]`` non-finite (NaN, or
+   ``+-inf`` where the sum gives it); ``lse_i`` and the other channels are unaffected.
+4. Backward: ``dq_i``, ``dk_j``, ``dv_j`` are non-finite only where they depend, through a
+   visible pair ``(i, j)``, on a non-finite input (``q``, ``k``, ``v``, or the upstream
+   ``do`` / ``dlse`` of a visible row); a hidden pair contributes exactly 0 (also when
+   its ``q``, ``k``, ``v`` or ``do`` hold NaN), and a row with no visible key contributes
+   zero gradients.
+5. :func:`merge_states`: a part with ``lse = -inf`` contributes nothing, whatever its
+   ``o`` (NaN too); a NaN ``lse`` makes the merged ``o`` and ``lse`` NaN; a non-finite
+   ``o[c]`` of a part with a finite ``lse`` makes the merged ``o[c]`` non-finite.
+
+On CUDA tensors a Triton kernel runs (FlashAttention-2 schedule,
 statistics in fp32, ``exp2`` with ``log2 e`` folded into the scale; see
 :mod:`flashfold.kernels.attention.fwd`); on CPU tensors a blocked reference with the same
 semantics (:mod:`flashfold.kernels.attention.reference`; never more than one block of

@@ -18,9 +18,28 @@ the raw ``qk`` (``scale > 0``). With them the score is formed in natural units f
 (``s = scale qk``, ``s = c tanh(s / c)``, ``s = score_mod(s, b, h, i, j)``) and then
 multiplied by ``log2 e``. Masked scores are ``-inf``; the rescale pivot is kept finite
 (``m = -inf -> 0``) so a row with no visible key so far stays ``(-inf, 0, 0)`` without
-``-inf - (-inf) = NaN``, and finalizes to ``o = 0``, ``lse = -inf``. Statistics and the
-accumulator are fp32; ``tl.dot`` accumulates fp32 (fp16 products that overflow fp16
-are fine).
+``-inf - (-inf) = NaN``, and finalizes to ``o = 0``, ``lse = -inf`` (``l = 0``). Statistics
+and the accumulator are fp32; ``tl.dot`` accumulates fp32 (fp16 products that overflow
+fp16 are fine).
+
+Non-finite inputs (the rule of :mod:`flashfold.api.attention`). Hidden scores are
+*selected* to ``-inf``, so a NaN score of a hidden key never enters. A NaN or ``+inf``
+visible score makes ``l`` NaN (``2^NaN``, ``2^(inf - inf)``; the row max may drop a NaN,
+``l`` does not), and finalize reads the empty row from ``l = 0`` only: ``o`` and ``lse``
+are NaN. The one leak is ``P V``: a hidden key's ``p = 0`` times a NaN or inf ``v`` is
+NaN, on masked tiles (the causal diagonal, window edges, partial block-mask tiles,
+cross-sequence ends, whose TMA loads read the next sequence's keys); unmasked tiles have
+no hidden key, and a dense call's ragged end reads zeros past ``N_k``. No kernel adds
+work to its key loop for it. A leak can only make an output non-finite, so the forwards
+that can leak (the Gluon kernel on causal calls; the Triton template with a window,
+mask_mod or varlen) write one int32 flag per output tile from their epilogue (nonzero:
+the tile's ``o`` holds a non-finite entry), and a second launch, :func:`_attn_fwd_guard`
+(:func:`prepare_guard`), reads the flags, returns at once where they are clear (every
+program, with finite inputs) and recomputes the flagged tiles strictly: ``STRICT`` masked
+tiles take :func:`_pv_strict`, which sums the ``v`` tile to a scalar and, only when that
+is not finite, zeroes its non-finite entries and marks NaN the ``(row, channel)`` pairs
+that see one of a visible key. :data:`STRICT_HIDDEN` turns the flags and the guard off
+(to measure them).
 
 Structure (the backward and split-KV decode kernels reuse these pieces):
 
@@ -38,15 +57,18 @@ Structure (the backward and split-KV decode kernels reuse these pieces):
 * ``_tile_ranges``: per query tile, the key tiles that can be visible split into
   ``[masked | unmasked | masked]`` runs (causal: the diagonal; window: both edges;
   ragged end: the last tile);
-* ``_attn_fwd``: one program per (query tile, batch * head), GQA by ``h // GROUP``,
-  varlen through ``cu_seqlens`` (``IS_VARLEN``), block-sparse iteration over PARTIAL then
-  FULL tiles when a mask_mod is given (``HAS_BLOCK_MASK``).
+* ``_fwd_tile``: one query tile, GQA by ``h // GROUP``, varlen through ``cu_seqlens``
+  (``IS_VARLEN``), block-sparse iteration over PARTIAL then FULL tiles when a mask_mod is
+  given (``HAS_BLOCK_MASK``); ``_attn_fwd``: one program per (query tile, batch * head);
+  ``_attn_fwd_guard``: the flagged tiles of a forward, recomputed strictly.
 
 Constexpr flags: ``MASK_LEFT``/``MASK_RIGHT`` (window sides; causal is ``right = 0``),
 ``HAS_SOFTCAP``, ``HAS_SCORE_MOD``, ``HAS_BLOCK_MASK`` (mask_mod), ``FULL_NEEDS_MASK``
 (the block table does not already account for bounds / causal / window),
 ``IS_VARLEN``, ``USE_TMA``, ``RETURN_LSE``, ``REVERSE_M`` (causal: heaviest query tiles
-first), ``WARP_SPEC`` (``tl.range(warp_specialize=...)`` on the unmasked run).
+first), ``WARP_SPEC`` (``tl.range(warp_specialize=...)`` on the unmasked run),
+``STRICT`` (masked tiles' ``P V`` leaves hidden keys out: the guard's), ``FLAGGED``
+(the epilogue writes the tile's non-finite flag).
 
 Layouts: ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``, any strides
 (TMA needs a unit last stride and 16-byte aligned strides/base, else the pointer path);
@@ -174,11 +196,35 @@ def _visible(offs_m, offs_n, k_len, delta, win_left, win_right, b, h, mask_fn,
 
 
 @triton.jit
-def _softmax_update(acc, l_i, m_i, s, v, qk_scale, BASE2: tl.constexpr):
+def _pv_strict(acc, p, v, vis):
+    """``acc + p @ v`` in which a hidden key's ``v`` never meets its ``p = 0`` (rule 1 of
+    the non-finite rule; ``vis [BLOCK_M, BLOCK_N]`` the visibility). One reduction of the
+    tile to a scalar decides: a finite sum means every entry is finite, and the plain
+    product is exact; otherwise (rare: a NaN or inf in the tile, or a sum overflowing)
+    the product takes ``v`` with its non-finite entries zeroed, and the ``(row, channel)``
+    that see a non-finite entry of a visible key become NaN (a 0/1 product of ``vis`` and
+    the indicator of those entries; counts <= BLOCK_N are exact in every dtype)."""
+    vf = v.to(tl.float32)
+    total = tl.sum(tl.sum(vf, 1), 0)
+    if tl.abs(total) < float("inf"):
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    else:
+        bad = ~(tl.abs(vf) < float("inf"))
+        acc = tl.dot(p.to(v.dtype), tl.where(bad, 0.0, vf).to(v.dtype), acc)
+        seen = tl.dot(vis.to(v.dtype), bad.to(v.dtype))
+        acc = tl.where(seen > 0.0, float("nan"), acc)
+    return acc
+
+
+@triton.jit
+def _softmax_update(acc, l_i, m_i, s, v, qk_scale, vis, BASE2: tl.constexpr,
+                    STRICT: tl.constexpr):
     """Fold one tile into ``(acc, l, m)``: scores ``s [BLOCK_M, BLOCK_N]`` (``-inf`` where
     masked; base-2 units if ``BASE2`` else raw ``qk`` to multiply by ``qk_scale``) and the
     value tile ``v [BLOCK_N, BLOCK_DV]``. The pivot is kept finite (``m = -inf -> 0``) so
-    a row with nothing visible yet stays ``(-inf, 0, 0)``: no ``-inf - (-inf)``."""
+    a row with nothing visible yet stays ``(-inf, 0, 0)``: no ``-inf - (-inf)``. A NaN or
+    ``+inf`` score makes ``l`` NaN (``2^NaN``, ``2^(inf - inf)``), which finalize reads.
+    ``STRICT`` (tiles with hidden pairs, ``vis`` their visibility): :func:`_pv_strict`."""
     if BASE2:
         m_new = tl.maximum(m_i, tl.max(s, 1))
         pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -190,7 +236,10 @@ def _softmax_update(acc, l_i, m_i, s, v, qk_scale, BASE2: tl.constexpr):
     alpha = tl.math.exp2(m_i - pivot)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)                  # [BLOCK_M, BLOCK_DV], fp32 accumulate
+    if STRICT:
+        acc = _pv_strict(acc, p, v, vis)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)              # [BLOCK_M, BLOCK_DV], fp32 accumulate
     return acc, l_i, m_new
 
 
@@ -205,13 +254,15 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
              BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
              APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-             HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr):
+             HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
+             STRICT: tl.constexpr):
     """Fold key tile ``i`` of a run into ``(acc, l, m)``.
 
     Dense (``SPARSE=False``): the tile starts at ``lo + i BLOCK_N``. Sparse: it is
     sub-tile ``i % R`` of key block ``idx_ptr[i // R]`` (``R = SPARSE_N / BLOCK_N``).
     ``MASKED`` evaluates :func:`_visible` (else every pair is known visible and in range,
-    and loads skip the row check).
+    and loads skip the row check); with ``STRICT`` a masked tile's ``P V`` leaves hidden
+    keys out whatever their values (:func:`_pv_strict`).
     """
     if SPARSE:
         blk = tl.load(idx_ptr + i // (SPARSE_N // BLOCK_N))
@@ -233,7 +284,12 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
         s = tl.where(vis, s, float("-inf"))
     v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
                    BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
-    return _softmax_update(acc, l_i, m_i, s, v, qk_scale, HAS_SOFTCAP or HAS_SCORE_MOD)
+    if MASKED:
+        return _softmax_update(acc, l_i, m_i, s, v, qk_scale, vis,
+                               HAS_SOFTCAP or HAS_SCORE_MOD, STRICT)
+    else:
+        return _softmax_update(acc, l_i, m_i, s, v, qk_scale, s,
+                               HAS_SOFTCAP or HAS_SCORE_MOD, False)
 
 
 @triton.jit
@@ -248,7 +304,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
              APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
-             WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr):
+             WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr, STRICT: tl.constexpr):
     """Fold ``count`` key tiles (:func:`_kv_step`) into ``(acc, l, m)``.
 
     Compiled: ``tl.range`` (software-pipelined; ``WARP_SPEC`` asks for warp
@@ -265,7 +321,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-                USE_TMA)
+                USE_TMA, STRICT)
             i += 1
     else:
         for i in tl.range(0, count, warp_specialize=WARP_SPEC):
@@ -276,7 +332,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-                USE_TMA)
+                USE_TMA, STRICT)
     return acc, l_i, m_i
 
 
@@ -314,18 +370,16 @@ def _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
 
 # --- the kernel -------------------------------------------------------------------------
 
-# lengths and counts vary per call: not specialized (one compiled variant per feature set,
-# not per sequence length); strides keep their divisibility specialization (vector loads)
-@triton.jit(do_not_specialize=["NUM_M", "HQ", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
-                               "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_m"])
-def _attn_fwd(
+@triton.jit
+def _fwd_tile(
+    b, h, start_m, flag_idx,
     Q, K, V, O, LSE, desc_q, desc_k, desc_v,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, slb, slh,
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
     score_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
@@ -333,18 +387,14 @@ def _attn_fwd(
     HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
     REVERSE_M: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr,
+    STRICT: tl.constexpr, FLAGGED: tl.constexpr,
 ):
-    # program -> (query tile, batch, head); query tiles of one head are adjacent (K/V
-    # stay in L2); causal runs the heaviest (last) query tiles of each head first
-    pid = tl.program_id(0)
-    bh = pid // NUM_M
-    mt = pid % NUM_M
-    if REVERSE_M:
-        mt = NUM_M - 1 - mt
-    b = bh // HQ
-    h = bh % HQ
+    """Query tile ``start_m .. start_m + BLOCK_M`` of (sequence or batch ``b``, head
+    ``h``): fold its key tiles, write ``o`` (and ``lse``) of its rows and, ``FLAGGED``,
+    ``FLAGS[flag_idx]``: 1 if the tile's ``o`` holds a non-finite entry, else 0. The
+    arguments as :func:`_attn_fwd`'s. A varlen tile past its sequence's end must not be
+    passed (the kernels return before)."""
     hk = h // GROUP
-    start_m = mt * BLOCK_M
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
@@ -355,8 +405,6 @@ def _attn_fwd(
         q_len = tl.load(CU_Q + b + 1) - q_row
         k_row = tl.load(CU_K + b)
         k_len = tl.load(CU_K + b + 1) - k_row
-        if start_m >= q_len:
-            return
         q_base += q_row.to(tl.int64) * sqm
         k_base += k_row.to(tl.int64) * skn
         v_base += k_row.to(tl.int64) * svn
@@ -392,7 +440,8 @@ def _attn_fwd(
             score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
-            True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False, INTERPRET)
+            True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False,
+            INTERPRET, STRICT)
         n_full = tl.load(FULL_NUM + n_off)
         acc, l_i, m_i = _kv_loop(
             acc, l_i, m_i, q, 0, n_full * R, FULL_IDX + i_off,
@@ -402,7 +451,7 @@ def _attn_fwd(
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
             FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-            USE_TMA, WARP_SPEC, INTERPRET)
+            USE_TMA, WARP_SPEC, INTERPRET, STRICT)
     else:
         t_lo, t_a, t_c, t_hi = _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -416,7 +465,7 @@ def _attn_fwd(
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
             False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-            WARP_SPEC, INTERPRET)
+            WARP_SPEC, INTERPRET, STRICT)
         if MASK_LEFT:
             acc, l_i, m_i = _kv_loop(
                 acc, l_i, m_i, q, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
@@ -425,7 +474,8 @@ def _attn_fwd(
                 score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
-                True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False, INTERPRET)
+                True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False,
+                INTERPRET, STRICT)
         acc, l_i, m_i = _kv_loop(
             acc, l_i, m_i, q, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
@@ -433,10 +483,12 @@ def _attn_fwd(
             score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
-            True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False, INTERPRET)
+            True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False,
+            INTERPRET, STRICT)
 
-    # -- finalize: o = acc / l (0 for a row with no visible key), lse = (m + log2 l) ln 2
-    live = l_i > 0.0
+    # -- finalize: o = acc / l (0 for a row with no visible key: l = 0), lse = (m + log2 l)
+    # ln 2. A NaN l (a NaN or +inf visible score) is not an empty row: o and lse are NaN
+    live = l_i != 0.0
     o = acc / tl.where(live, l_i, 1.0)[:, None]
     offs_dv = tl.arange(0, BLOCK_DV)
     o_ptrs = (o_base + start_m.to(tl.int64) * som
@@ -450,6 +502,129 @@ def _attn_fwd(
         lse = tl.where(live, lse, float("-inf"))
         lse_ptrs = LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + q_row + offs_m
         tl.store(lse_ptrs, lse, mask=offs_m < q_len)
+    if FLAGGED:
+        # this tile's non-finite flag: a masked tile's P V met hidden keys' values
+        # (0 x NaN), so a non-finite o may be a leak, which the guard recomputes
+        ok = (tl.abs(o) < float("inf")) | ~o_mask
+        tl.store(FLAGS + flag_idx, tl.max(tl.max(tl.where(ok, 0, 1), 1), 0))
+
+
+
+
+# lengths and counts vary per call: not specialized (one compiled variant per feature set,
+# not per sequence length); strides keep their divisibility specialization (vector loads)
+@triton.jit(do_not_specialize=["NUM_M", "HQ", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
+                               "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_m"])
+def _attn_fwd(
+    Q, K, V, O, LSE, desc_q, desc_k, desc_v,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, slb, slh,
+    NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
+    qk_scale, softcap, win_left, win_right,
+    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
+    score_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
+    REVERSE_M: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr,
+    STRICT: tl.constexpr, FLAGGED: tl.constexpr,
+):
+    """One program per (query tile, batch x head) (:func:`_fwd_tile`). ``STRICT``: masked
+    tiles leave hidden keys out of ``P V`` whatever their values (:func:`_pv_strict`).
+    ``FLAGGED``: each tile writes its non-finite flag, ``FLAGS[bh NUM_M + m]`` (tile ``m``
+    of batch x head ``bh``), for the guard (:func:`_attn_fwd_guard`)."""
+    # program -> (query tile, batch, head); query tiles of one head are adjacent (K/V
+    # stay in L2); causal runs the heaviest (last) query tiles of each head first
+    pid = tl.program_id(0)
+    bh = pid // NUM_M
+    mt = pid % NUM_M
+    if REVERSE_M:
+        mt = NUM_M - 1 - mt
+    b = bh // HQ
+    h = bh % HQ
+    start_m = mt * BLOCK_M
+    if IS_VARLEN:
+        if start_m >= tl.load(CU_Q + b + 1) - tl.load(CU_Q + b):
+            return
+    _fwd_tile(b, h, start_m, bh * NUM_M + mt, Q, K, V, O, LSE, desc_q, desc_k, desc_v, sqb,
+              sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+              slb, slh, NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, qk_scale, softcap,
+              win_left, win_right, PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b,
+              bi_h, bi_m, score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, mask_fn, MB0,
+              MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+              BLOCK_DV, BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT, MASK_RIGHT,
+              HAS_SOFTCAP, HAS_SCORE_MOD, HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN,
+              USE_TMA, RETURN_LSE, REVERSE_M, WARP_SPEC, INTERPRET, STRICT, FLAGGED)
+
+
+#: query rows per flag of the guarded Gluon forward (one consumer warpgroup's half tile)
+FLAG_ROWS = 64
+
+
+@triton.jit(do_not_specialize=["N_FLAGS", "FLAG_TILES", "NUM_M", "HQ", "GROUP", "SEQ_Q",
+                               "SEQ_K", "win_left", "win_right", "bn_b", "bn_h", "bi_b",
+                               "bi_h", "bi_m"])
+def _attn_fwd_guard(
+    GFLAGS, N_FLAGS, FLAG_TILES,
+    Q, K, V, O, LSE, desc_q, desc_k, desc_v,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, slb, slh,
+    NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
+    qk_scale, softcap, win_left, win_right,
+    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
+    score_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
+    REVERSE_M: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr,
+    STRICT: tl.constexpr, FLAGGED: tl.constexpr,
+    CHUNK: tl.constexpr, FLAG_ROWS: tl.constexpr,
+):
+    """The strict recomputation behind a forward that may have let a hidden key's value
+    through (``0 x NaN`` in a masked tile's ``P V``): ``GFLAGS`` holds one int32 per
+    ``(batch x head, FLAG_ROWS-row tile)`` (``FLAG_TILES`` per head), nonzero where that
+    tile's output has a non-finite entry (written by the forward's epilogue: the Gluon
+    kernel's, 64 rows, or the Triton template's, ``BLOCK_M`` rows). Program ``p`` reads
+    flags ``p CHUNK .. (p + 1) CHUNK`` (one vector load) and returns when they are all
+    clear (every program, unless the inputs hold a NaN or inf); else it recomputes each
+    flagged tile with :func:`_fwd_tile` (``STRICT``) and overwrites its ``o`` and ``lse``.
+    ``FLAG_ROWS % BLOCK_M == 0``."""
+    f0 = tl.program_id(0) * CHUNK
+    offs = f0 + tl.arange(0, CHUNK)
+    if tl.max(tl.load(GFLAGS + offs, mask=offs < N_FLAGS, other=0), 0) == 0:
+        return
+    for i in range(CHUNK):
+        f = f0 + i
+        if tl.load(GFLAGS + f, mask=f < N_FLAGS, other=0) != 0:
+            bh = f // FLAG_TILES
+            b = bh // HQ
+            h = bh % HQ
+            q_len = SEQ_Q
+            if IS_VARLEN:
+                q_len = tl.load(CU_Q + b + 1) - tl.load(CU_Q + b)
+            for sub in tl.static_range(FLAG_ROWS // BLOCK_M):
+                start_m = (f % FLAG_TILES) * FLAG_ROWS + sub * BLOCK_M
+                if start_m < q_len:
+                    _fwd_tile(b, h, start_m, 0, Q, K, V, O, LSE, desc_q, desc_k,
+                              desc_v, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb,
+                              svh, svn, svd, sob, soh, som, sod, slb, slh, NUM_M,
+                              HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, qk_scale,
+                              softcap, win_left, win_right, PART_NUM, PART_IDX,
+                              FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
+                              score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                              mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                              FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                              BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT,
+                              MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
+                              HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN, USE_TMA,
+                              RETURN_LSE, REVERSE_M, WARP_SPEC, INTERPRET, STRICT,
+                              False)
 
 
 # --- launcher ---------------------------------------------------------------------------
@@ -491,6 +666,12 @@ HOPPER_CONFIGS = {
 }
 #: TMA tensor descriptors for Q/K/V on sm_90+ when strides allow (else plain pointers)
 USE_TMA_DEFAULT = True
+#: the non-finite rule's strict handling of hidden keys (module notes): forwards whose
+#: masked tiles can hold hidden keys write non-finite flags and are followed by the
+#: guard. Off only to measure its cost (``benchmarks/attention_strict.py``): then a NaN
+#: or inf value of a hidden key in a partially visible tile may reach rows that cannot
+#: see it (0 x NaN, FlashAttention's behaviour)
+STRICT_HIDDEN = True
 
 
 def _pow2(n: int) -> int:
@@ -576,44 +757,75 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
                right, max_seqlen_q, max_seqlen_k, return_lse, full_needs_mask, config,
                launcher.env("FLASHFOLD_GLUON"))
         o, lse, launch, memo = _CACHE.planned(key, None, inputs, _plan, *inputs, **options)
-    if launch is not None:
-        launcher.launch(*launch, memo)
+    for one, one_memo in zip(launch, memo):
+        launcher.launch(*one, one_memo)
     return o, lse
 
 
 def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None, right=None,
           score_mod=None, block_mask=None, max_seqlen_q=None, max_seqlen_k=None,
           return_lse=True, full_needs_mask=True, config=None):
-    """The forward's outputs and its launch: ``(o, lse, (kernel, grid, args, kwargs) |
-    None, memo)``, through the Gluon kernel for dense and causal calls on Hopper, else the
-    Triton template (:func:`prepare_forward`); ``memo``: the launcher memo shared by the
-    replays of the plan (:func:`flashfold.kernels.launcher.launch`)."""
+    """The forward's outputs and its launches: ``(o, lse, launches, memos)``, a tuple of
+    ``(kernel, grid, args, kwargs)`` (none, one or two) and one launcher memo for each,
+    shared by the replays of the plan (:func:`flashfold.kernels.launcher.launch`).
+    Through the Gluon kernel for dense and causal calls on Hopper, else the Triton
+    template (:func:`prepare_forward`); while :data:`STRICT_HIDDEN`, calls whose masked
+    tiles can hold hidden keys (Gluon: causal; Triton: a window, mask_mod or varlen) are
+    flagged and followed by the strict guard (:func:`prepare_guard`)."""
     dense = (softcap is None and score_mod is None and block_mask is None and left is None
              and right in (None, 0) and cu_seqlens_q is None and config is None)
     if dense and gluon_fwd.eligible(q, k, v, causal=right == 0, scale=scale):
         B, HQ, NQ = q.shape[:3]
         o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
-        launch = gluon_fwd.gluon_attention_fwd(q, k, v, causal=right == 0, scale=scale,
+        if right != 0 or not STRICT_HIDDEN:
+            launch = gluon_fwd.gluon_attention_fwd(q, k, v, causal=right == 0, scale=scale,
+                                                   return_lse=return_lse, out=o, lse=lse,
+                                                   launch=False)
+            return o, lse, (launch,), ([None],)
+        # causal: diagonal tiles hold hidden keys, whose values the Gluon kernel's P V
+        # meets (0 x NaN); its flags tell the guard which rows to recompute strictly
+        # (scratch, not an output: plans.new, not the swappable output allocator)
+        flags = plans.new((B * HQ * -(-NQ // FLAG_ROWS),), dtype=torch.int32, device=q.device)
+        launch = gluon_fwd.gluon_attention_fwd(q, k, v, causal=True, scale=scale,
                                                return_lse=return_lse, out=o, lse=lse,
-                                               launch=False)
-        return o, lse, launch, [None]
-    o, lse, launch = prepare_forward(
-        q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
-        block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-        full_needs_mask=full_needs_mask, config=config)
-    return o, lse, None if launch is None else (_attn_fwd, *launch), [None]
+                                               launch=False, flags=flags)
+        guard = prepare_guard(q, k, v, o, lse, flags, scale=scale, right=0)
+        return o, lse, (launch, guard), ([None], [None])
+    options = dict(scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
+                   block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   full_needs_mask=full_needs_mask)
+    # masked tiles that can hold hidden keys of the sequence (or the next sequence's, read
+    # through a packed TMA descriptor): flagged, then guarded. A dense call's only masked
+    # tile is the ragged end, whose keys past Nk read as zeros (4-D TMA box, masked loads)
+    guarded = STRICT_HIDDEN and (left is not None or right is not None or block_mask is not None
+                                 or cu_seqlens_q is not None)
+    o, lse, launch = prepare_forward(q, k, v, return_lse=return_lse, config=config,
+                                     flagged=guarded, **options)
+    if launch is None:
+        return o, lse, (), ()
+    if not guarded:
+        return o, lse, ((_attn_fwd, *launch),), ([None],)
+    _, args, kw = launch
+    used = FwdConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"],
+                     use_tma=kw["USE_TMA"], warp_specialize=kw["WARP_SPEC"])
+    guard = prepare_guard(q, k, v, o, lse, args[-1], flag_rows=kw["BLOCK_M"], config=used,
+                          **options)
+    return o, lse, ((_attn_fwd, *launch), guard), ([None], [None])
 
 
 def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
                     block_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                     max_seqlen_k=None, return_lse=True, full_needs_mask=True, config=None,
-                    interpret=None):
+                    interpret=None, out=None, flagged=False):
     """Allocate the outputs and build the launch: ``(o, lse, (grid, args, kwargs) | None)``.
 
     Separate from the launch so that tools can compile the exact specialization ahead of
-    time (``benchmarks/attention.py``, ``tests/test_attention_compile.py``).
+    time (``benchmarks/attention.py``, ``tests/test_attention_compile.py``). ``out``:
+    ``(o, lse)`` to write instead of new buffers (``lse`` None without ``return_lse``).
+    ``flagged``: every program writes its tile's non-finite flag into a new int32 buffer
+    of one entry per program (the last positional argument), for :func:`prepare_guard`.
     """
     B, HQ, NQ, D = q.shape
     HK, NK, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -621,8 +833,11 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     n_seq = cu_seqlens_q.shape[0] - 1 if varlen else B
     seq_q = max_seqlen_q if varlen else NQ
     seq_k = max_seqlen_k if varlen else NK
-    o = _alloc((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
-    lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
+    if out is not None:
+        o, lse = out
+    else:
+        o = _alloc((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
+        lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
     if B == 0 or HQ == 0 or NQ == 0 or n_seq == 0:
         return o, lse, None
     BD, BDV = block_dims(D, DV)
@@ -687,6 +902,9 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         *tables, *strides,
         score_mod.triton_fn() if has_mod else None, *sargs,
         mask_fn, *margs,
+        # one non-finite flag per program, for the guard; a varlen program past its
+        # sequence returns without writing its flag, so those start at zero
+        plans.new((grid[0],), dtype=torch.int32, device=q.device, zero=varlen) if flagged else None,
     ]
     kwargs = dict(
         HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV,
@@ -696,13 +914,53 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         FULL_NEEDS_MASK=full_needs_mask, IS_VARLEN=varlen, USE_TMA=use_tma,
         RETURN_LSE=return_lse, REVERSE_M=right is not None,
         WARP_SPEC=cfg.warp_specialize, INTERPRET=_interpreting() if interpret is None else interpret,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        STRICT=False, FLAGGED=bool(flagged), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return o, lse, (grid, args, kwargs)
 
 
-__all__ = ["attention_forward", "prepare_forward", "FwdConfig", "default_config", "tma_ok", "HOPPER_CONFIGS",
-           "USE_TMA_DEFAULT", "LOG2E", "LN2", "plan_cache_info", "plan_cache_clear"]
+#: most flags one guard program reads (:func:`prepare_guard`)
+GUARD_CHUNK = 16
+
+
+def prepare_guard(q, k, v, o, lse, flags, *, flag_rows=FLAG_ROWS, config=None, interpret=None,
+                  **options):
+    """The strict guard of a forward that may let hidden values through (``0 x NaN`` in a
+    masked tile's ``P V``): ``(_attn_fwd_guard, grid, args, kwargs)``, overwriting ``o``
+    and ``lse`` (None without the LSE) in the ``flag_rows``-row tiles whose ``flags``
+    entry (int32, ``(sequences x Hq x ceil(seq_q / flag_rows),)``, head-major) is nonzero,
+    with the Triton template's strict result. ``options``: the call's, as
+    :func:`prepare_forward` takes them (``scale``, window, mods, varlen...).
+
+    The flags come from the Gluon kernel's epilogue (64 rows) or the Triton template's
+    (``prepare_forward(flagged=True)``, ``flag_rows`` its ``BLOCK_M``). Each program reads
+    ``chunk`` flags (a power of two <= :data:`GUARD_CHUNK`, about two programs per SM)
+    and returns when they are clear: with finite inputs the launch costs its start and
+    one load per program."""
+    HQ = q.shape[1]
+    varlen = options.get("cu_seqlens_q") is not None
+    n_seq = options["cu_seqlens_q"].shape[0] - 1 if varlen else q.shape[0]
+    tiles = -(-(options["max_seqlen_q"] if varlen else q.shape[2]) // flag_rows)
+    n_flags = n_seq * HQ * tiles
+    assert flags.numel() == n_flags and flags.dtype == torch.int32
+    cfg = config or default_config(q, q.shape[3], v.shape[3],
+                                   causal=options.get("right") is not None)
+    if flag_rows % cfg.block_m:
+        cfg = replace(cfg, block_m=flag_rows)
+    _, _, (_, args, kwargs) = prepare_forward(
+        q, k, v, return_lse=lse is not None, config=cfg, interpret=interpret, out=(o, lse),
+        **options)
+    assert flag_rows % kwargs["BLOCK_M"] == 0
+    sms = gluon_fwd.num_sms(q)
+    chunk = 1 << max(0, min(GUARD_CHUNK, max(1, n_flags // (2 * sms))).bit_length() - 1)
+    kwargs = dict(kwargs, STRICT=True, CHUNK=chunk, FLAG_ROWS=flag_rows)
+    return _attn_fwd_guard, (-(-n_flags // chunk),), [flags, n_flags, tiles, *args], kwargs
+
+
+__all__ = ["attention_forward", "prepare_forward", "prepare_guard", "FwdConfig", "default_config",
+           "tma_ok", "HOPPER_CONFIGS", "USE_TMA_DEFAULT", "STRICT_HIDDEN", "FLAG_ROWS", "LOG2E",
+           "LN2", "plan_cache_info", "plan_cache_clear"]
 
 
 # --- plan cache -------------------------------------------------------------------------

@@ -26,7 +26,13 @@ on Hopper"). Three partitions per program (``gl.warp_specialize``):
       m, l, P_j from S_j             (exp2 on the SFU while the PV wgmma runs)
       wait until PV is done; acc *= alpha_j
 
-  then writes ``o = acc / l`` through its own shared-memory buffer and a TMA store.
+  then writes ``o = acc / l`` through its own shared-memory buffer and a TMA store. On
+  causal calls the epilogue also writes one int32 flag per 64 rows, nonzero where ``o``
+  holds a non-finite entry: a diagonal tile's ``P V`` meets hidden keys' values (``0 x
+  NaN``), and the strict Triton guard that follows recomputes the flagged rows (rule 1 of
+  :mod:`flashfold.api.attention`; :func:`.fwd.prepare_guard`). The key loop is unchanged.
+  Finalize reads the empty row from ``l = 0`` only: a NaN ``l`` (a NaN or ``+inf``
+  visible score) gives NaN ``o`` and ``lse``.
 
 Work items are query tiles ``(bh, m)``. A grid of one program per SM takes them in
 rounds (persistent): the producer loads the next item's query tile once both consumers
@@ -219,7 +225,7 @@ if gluon is not None:
         q_bufs, o_bufs, k_bufs, v_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         q_len, kv_len, heads_q, group, n_m = shape
-        LSE, stride_lb, stride_lh, qk_scale, bh_total = out
+        LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups = out
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -304,11 +310,22 @@ if gluon is not None:
                 lse = gl.where(l == 0.0, -float("inf"), (m + gl.log2(l)) * 0.6931471805599453)
                 gl.store(LSE + b.to(gl.int64) * stride_lb + hq * stride_lh + rows, lse,
                          mask=rows < q_len)
+            if CAUSAL:
+                # the non-finite flag of these 64 rows (``flag_groups`` per head; 0: off):
+                # a diagonal tile's P V meets the values of hidden keys (0 x NaN), so a
+                # non-finite o may be a leak, which the strict Triton guard launched
+                # after this kernel recomputes (:func:`.fwd.prepare_guard`)
+                if flag_groups != 0:
+                    if r0 < q_len:
+                        rows_o = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+                        ok = (gl.abs(o) < float("inf")) | (rows_o >= q_len)[:, None]
+                        bad = gl.max(gl.max(gl.where(ok, 0, 1), 1), 0)
+                        gl.store(FLAGS + (b * heads_q + hq) * flag_groups + r0 // HALF, bad)
         tma.store_wait(0)
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
-                     q_len, kv_len, heads_q, group, bh_total, qk_scale,
+                     q_len, kv_len, heads_q, group, bh_total, qk_scale, FLAGS, flag_groups,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
@@ -346,7 +363,7 @@ if gluon is not None:
         bufs = (q_bufs, o_bufs, k_bufs, v_bufs)
         bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
         shape = (q_len, kv_len, heads_q, group, gl.cdiv(q_len, BLOCK_M))
-        out = (LSE, stride_lb, stride_lh, qk_scale, bh_total)
+        out = (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups)
         warp_specialize([
             (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                          CAUSAL, RETURN_LSE, 0, PINGPONG)),
@@ -469,12 +486,22 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         return_lse: bool = False, out: torch.Tensor | None = None,
                         lse: torch.Tensor | None = None, launch: bool = True,
                         stages: int = STAGES, block_n: int = BLOCK_N,
-                        persistent: bool | None = None, pingpong: bool | None = None):
+                        persistent: bool | None = None, pingpong: bool | None = None,
+                        flags: torch.Tensor | None = None):
     """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k, v (B, Hk, Nk, D)``: ``o (B, Hq, Nq, D)``
     in the input dtype, ``lse (B, Hq, Nq)`` float32 natural log (``None`` without
     ``return_lse``). ``out`` / ``lse``: contiguous buffers to write (else allocated).
     The caller checks :func:`eligible`. ``launch=False`` returns the kernel, its grid,
-    positional and keyword arguments instead (compile checks)."""
+    positional and keyword arguments instead (compile checks).
+
+    ``flags`` (causal only): int32 ``(B * Hq * ceil(Nq / 64),)``, every entry written:
+    nonzero where those 64 rows of ``o`` hold a non-finite entry. A causal diagonal tile
+    lets a hidden key's NaN or inf value through its ``P V`` (0 x NaN); the forward's
+    dispatch (:func:`.fwd.attention_forward`) follows this kernel with the strict guard
+    (:func:`.fwd.prepare_guard`) that recomputes the flagged rows. Without ``flags`` the
+    kernel's output is FlashAttention's (a hidden value of a diagonal tile may reach a
+    row). Dense calls need none: every key a tile loads is visible or, past ``Nk``, read
+    as zero by the 4-D descriptors."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     if scale is None:
@@ -490,7 +517,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     args = (_desc(q, BLOCK_M // 2), _desc(k, block_n), _desc(v, block_n),
             _desc(o, BLOCK_M // 2), lse_arg,
             lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
-            Nq, Nk, Hq, Hq // Hk, B * Hq, float(scale) * LOG2E)
+            Nq, Nk, Hq, Hq // Hk, B * Hq, float(scale) * LOG2E,
+            o if flags is None else flags, 0 if flags is None else -(-Nq // (BLOCK_M // 2)))
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
                   CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), PINGPONG=bool(pingpong),
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,

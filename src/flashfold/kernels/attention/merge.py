@@ -16,7 +16,10 @@ parts is folding them with the monoid's combine and finalizing:
     \mathrm{lse} = \log \sum_s e^{\mathrm{lse}_s}, \qquad
     o = \sum_s e^{\mathrm{lse}_s - \mathrm{lse}}\, o_s
 
-(``o = 0``, ``lse = -inf`` when every part is empty; never NaN). Because the combine is
+(``o = 0``, ``lse = -inf`` when every part is empty, whatever their ``o``). Non-finite
+parts follow rule 5 of :mod:`flashfold.api.attention`: ``m = -inf`` is the only empty
+state the finalize knows, so a NaN ``lse_s`` (NaN ``m``) makes ``o`` and ``lse`` NaN, and
+a non-finite ``o_s[c]`` with a finite ``lse_s`` makes ``o[c]`` non-finite. Because the combine is
 associative and commutative, any split of the keys (split-KV decoding, cascade /
 shared-prefix attention, sequence parallelism) merged in any order gives the unsplit
 attention up to rounding.

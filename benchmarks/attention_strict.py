@@ -1,0 +1,146 @@
+"""What the non-finite rule's strict handling of hidden keys costs the attention forward.
+
+Run (H200, from the repository root)::
+
+    PYTHONPATH=src python benchmarks/attention_strict.py            # causal rows, ~2 min
+    PYTHONPATH=src python benchmarks/attention_strict.py --dense    # dense rows too
+    PYTHONPATH=src python benchmarks/attention_strict.py --head-dim 64
+
+The rows are the causal rows of the targets grid (bf16, 16 heads, batch x seq = 16K
+tokens, N = 1K / 4K / 16K, head_dim 128 by default), through both forward paths: the
+Gluon kernel (the default on sm_90) and the Triton template (``FLASHFOLD_GLUON=0``);
+on both, strict = the epilogue's non-finite flags (one reduction of each output tile)
+plus the guard launch that returns at once where they are clear
+(:func:`flashfold.kernels.attention.fwd.prepare_guard`). Each row is timed with
+``fwd.STRICT_HIDDEN`` on and off in the same run, alternating (``--reps`` rounds, median of
+the rounds' ``do_bench`` medians):
+
+* ``graph``: CUDA-graph replays of one forward (GPU time, no host time);
+* ``eager``: plain calls (host time included: the guard is one more launch).
+
+Then, for information, the Gluon path with a NaN in every head's first value row (every
+row sees it: every flag is set and the guard recomputes the whole output), the rare case
+the guard exists for. Prints the ratio strict / plain per row; the plan cache is re-armed
+after each switch so that both settings replay cached plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+import flashfold
+from flashfold.bench import graph_replay
+from flashfold.kernels.attention import fwd, gluon_fwd
+
+
+def _set_strict(on: bool):
+    """Switch the strict handling; the forward's plan cache, which is bypassed while a
+    global it watches differs from its value at import, is re-armed for the new value
+    (its entries dropped) so that both settings are timed with cached plans."""
+    fwd.STRICT_HIDDEN = on
+    fwd.plan_cache_clear()
+    fwd._CACHE._pristine = fwd._CACHE._watched()
+
+
+def _bench(fn):
+    import triton
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _inputs(N, D, tokens, H, dtype, poison=False):
+    B = max(1, tokens // N)
+    g = torch.Generator(device="cuda").manual_seed(N)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g).to(dtype) for _ in range(3))
+    if poison:
+        v[:, :, 0] = float("nan")
+    return q, k, v
+
+
+def _time(q, k, v, causal, mode):
+    call = lambda: flashfold.attention(q, k, v, causal=causal)  # noqa: E731
+    if mode == "graph":
+        return _bench(graph_replay(call))
+    return _bench(call)
+
+
+def row(N, D, causal, path, reps, tokens=16384, H=16, dtype=torch.bfloat16):
+    """``{(mode, strict): ms}`` of one row."""
+    q, k, v = _inputs(N, D, tokens, H, dtype)
+    env = {} if path == "gluon" else {"FLASHFOLD_GLUON": "0"}
+    old = {n: os.environ.get(n) for n in env}
+    os.environ.update(env)
+    try:
+        if path == "gluon" and not gluon_fwd.eligible(q, k, v, causal=causal,
+                                                      scale=D ** -0.5):
+            return None
+        times = {}
+        for mode in ("graph", "eager"):
+            got = {True: [], False: []}
+            for _ in range(reps):
+                for strict in (False, True):
+                    _set_strict(strict)
+                    got[strict].append(_time(q, k, v, causal, mode))
+            for strict in (False, True):
+                times[(mode, strict)] = statistics.median(got[strict])
+        return times
+    finally:
+        _set_strict(True)
+        for n, val in old.items():
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = val
+
+
+def poisoned_row(N, D, tokens=16384, H=16, dtype=torch.bfloat16):
+    """Gluon causal forward with every flag set (a NaN value every row sees): ms, graph."""
+    q, k, v = _inputs(N, D, tokens, H, dtype, poison=True)
+    if not gluon_fwd.eligible(q, k, v, causal=True, scale=D ** -0.5):
+        return None
+    _set_strict(True)
+    return _time(q, k, v, True, "graph")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    ap.add_argument("--dense", action="store_true", help="dense rows too (no guard: ~1.0)")
+    ap.add_argument("--reps", type=int, default=3, help="alternating rounds per setting")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_strict: needs a CUDA GPU")
+        return 1
+    D = args.head_dim
+    kinds = [True, False] if args.dense else [True]
+    print(f"== strict handling of hidden keys, forward: bf16, H=16, 16K tokens, d{D}; "
+          f"do_bench medians (ms), median of {args.reps} alternating rounds")
+    print(f"{'path':>6} {'kind':>6} {'N':>6} | {'graph plain':>11} {'graph strict':>12} "
+          f"{'ratio':>6} | {'eager plain':>11} {'eager strict':>12} {'ratio':>6}")
+    for causal in kinds:
+        for path in ("gluon", "triton"):
+            for N in (1024, 4096, 16384):
+                t = row(N, D, causal, path, args.reps)
+                kind = "causal" if causal else "dense"
+                if t is None:
+                    print(f"{path:>6} {kind:>6} {N:>6} | (not eligible here)")
+                    continue
+                gp, gs, ep, es = (t[("graph", False)], t[("graph", True)],
+                                  t[("eager", False)], t[("eager", True)])
+                print(f"{path:>6} {kind:>6} {N:>6} | {gp:11.4f} {gs:12.4f} {gs / gp:6.3f} | "
+                      f"{ep:11.4f} {es:12.4f} {es / ep:6.3f}", flush=True)
+    print("== the rare case: Gluon causal with a NaN value seen by every row (all flags set)")
+    for N in (1024, 4096, 16384):
+        ms = poisoned_row(N, D)
+        print(f"   N={N:>6}: {'(not eligible here)' if ms is None else f'{ms:.4f} ms (graph)'}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
