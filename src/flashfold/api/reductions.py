@@ -51,44 +51,18 @@ from collections import namedtuple
 
 import torch
 
-from ..algebra import ops
 from ..algebra.monoid import Monoid
 from ..kernels.reduce import reference as _ref
+from ..kernels.reduce.functions import LOGSUMEXP2_SCAN, softmax_map
 from ..monoids import ARGMAX, ARGMIN, LOGSUMEXP2, SUM, WELFORD
 
 __all__ = ["reduce", "segment_reduce", "scan", "logsumexp", "softmax", "var_mean", "argmax",
            "argmin", "cumsum", "logcumsumexp", "LOGSUMEXP2_SCAN"]
-# SOFTMAX_MAP (softmax's traced prep/map, for the kernels and their tests) is built on
+# LOGSUMEXP2_SCAN and SOFTMAX_MAP (softmax's traced prep/map, for the kernels and their
+# tests) are defined beside the kernels (kernels.reduce.functions); SOFTMAX_MAP is built on
 # first access through the module's __getattr__: tracing it generates source.
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _lse2_combine_one_exp2(a, b):
-    """LOGSUMEXP2's combine with one ``exp2`` instead of two: the side with the larger max
-    keeps its ``d``, the other is rescaled by ``2^(lo - m)`` (``lo = min(a.m, b.m)``).
-    Equal maxima (both ``-inf`` or both ``+inf`` included) add without an exponential, so
-    no ``inf - inf`` arises. Same function as LOGSUMEXP2's combine (``check_laws``)."""
-    m = ops.maximum(a.m, b.m)
-    lo = ops.minimum(a.m, b.m)
-    a_top = a.m >= b.m
-    scale = ops.where(lo == m, 1.0, ops.exp2(lo - m))
-    return m, ops.where(a_top, a.d, b.d) + ops.where(a_top, b.d, a.d) * scale
-
-
-#: LOGSUMEXP2 with a one-exp2 combine, for scans. The block scan (LOGSUMEXP2's: one exp2
-#: per element) runs the combine only between tiles and on tiles it cannot take; the
-#: chunked and look-back scans run it ~2.75 times per element, and with two exp2 per
-#: combine logcumsumexp would exceed the SFU budget at memory speed (an H200 issues 16
-#: exp2/clock/SM: ~8 per element at 3.8 TB/s of fp32). Lift, block lift, block scan and
-#: finalize are LOGSUMEXP2's.
-LOGSUMEXP2_SCAN = Monoid(
-    "logsumexp2_scan", fields=("m", "d"), identity=(-ops.inf, 0.0),
-    lift=LOGSUMEXP2.lift, combine=_lse2_combine_one_exp2, finalize=LOGSUMEXP2.finalize,
-    block_lift=LOGSUMEXP2.block_lift, block_scan=LOGSUMEXP2.block_scan,
-    scan_exact=LOGSUMEXP2.scan_exact, commutative=True, outputs=("lse",),
-    doc="Base-2 online softmax state (m, d) with a one-exp2 combine; finalize to the "
-        "natural-log log-sum-exp.")
 
 
 #: ARGMAX / ARGMIN finalized to the index alone: ``argmax`` stores no values (torch's
@@ -384,34 +358,9 @@ def _scan(monoid, x, dim, reverse, dtype, params):
 
 # --- row maps (softmax) -----------------------------------------------------------------
 
-def _softmax_map():
-    from ..kernels.reduce.generated import row_map
-    return row_map(
-        "softmax", LOGSUMEXP2,
-        prep=lambda s: (s.m, 1.0 / s.d),                 # base-2 max, 1 / sum 2^(x log2e - m)
-        fmap=lambda x, m, inv_d: ops.exp2(x * ops.LOG2E - m) * inv_d,
-        n_consts=2)
-
-
-class _Lazy:
-    """A module attribute built on first use (it traces and generates source)."""
-
-    def __init__(self, build):
-        self._build = build
-        self._value = None
-
-    def get(self):
-        if self._value is None:
-            self._value = self._build()
-        return self._value
-
-
-_SOFTMAX = _Lazy(_softmax_map)
-
-
 def __getattr__(name):
     if name == "SOFTMAX_MAP":
-        return _SOFTMAX.get()
+        return softmax_map()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -446,7 +395,7 @@ def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torc
     _check_x(x)
     if dtype is not None and dtype not in _FLOAT:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
-    return _normalize(_SOFTMAX.get(), x, dim, dtype)
+    return _normalize(softmax_map(), x, dim, dtype)
 
 
 def var_mean(x: torch.Tensor, dim=None, *, correction=1, keepdim: bool = False):

@@ -644,8 +644,11 @@ def _parts_strides(g: Geometry, n_split: int):
     return (g.B[1] * g.B[2] * n_split, g.B[2] * n_split, n_split)
 
 
-def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None):
-    """(plan, outputs): reduce ``x`` over ``dim`` (outputs have the batch shape)."""
+def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None, *, sms=None):
+    """(plan, outputs): reduce ``x`` over ``dim`` (outputs have the batch shape).
+
+    ``sms``: the streaming multiprocessors the split decisions assume (every planner takes
+    it; default :func:`num_sms` of ``x.device``; plans for another GPU pass its count)."""
     fns = _fns(monoid)
     fargs = fin_args(monoid, params)
     dim = dim % x.dim()
@@ -658,7 +661,7 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None):
     cfg = reduce_config(g, x.element_size(), _is_ordered(monoid), _costly_block(monoid),
                         len(monoid.fields))
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS)
-    n_split, chunk = split_plan(g, cfg.K * cfg.LANES, n_prog, num_sms(x.device))
+    n_split, chunk = split_plan(g, cfg.K * cfg.LANES, n_prog, sms or num_sms(x.device))
     if n_split == 1:
         return [_reduce_launch(fns, x, outs, fargs, x, g, 0, 1, max(g.N, 1), cfg)], outs
     # split-K: partial states [rows, n_split], then an in-order combine of each row's states
@@ -673,7 +676,7 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None):
 
 
 def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: int,
-                        params=None):
+                        params=None, *, sms=None):
     """(plan, outputs): fold ``x[..., offsets[j]:offsets[j+1], ...]`` along ``dim`` for
     each segment ``j``; outputs have ``x``'s shape with ``dim`` of size ``len(offsets)-1``."""
     fns = _fns(monoid)
@@ -694,7 +697,7 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
         cfg = Config(cfg.K, 1, max(1, min(_p2(g.B[2]), _SHORT_TILE // cfg.K)), 4)
     # few segments x row blocks: narrower row blocks (down to 32) to fill the SMs (at
     # 2·SMs programs, 2^20 x 256 in 256 segments ran at 1.77 TB/s on the H200, 0.82x torch)
-    sms = num_sms(x.device)
+    sms = sms or num_sms(x.device)
     while (cfg.ROWS > 32 and S * g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS) < 4 * sms):
         rows = cfg.ROWS // 2
         k = min(cfg.K * 2, max(cfg.K, 2048 // rows)) if cfg.LANES == 1 else cfg.K
@@ -705,7 +708,7 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
 
 
 def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, params=None,
-              out_dtype=None):
+              out_dtype=None, *, sms=None):
     """(plan, outputs): inclusive scan of ``x`` along ``dim`` (outputs shaped like ``x``)."""
     fns = _fns(monoid)
     fargs = fin_args(monoid, params)
@@ -723,7 +726,8 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     block, rows = cfg.K, cfg.ROWS
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // rows)
     rcfg = reduce_config(g, x.element_size(), _is_ordered(monoid))
-    n_split, chunk = split_plan(g, max(block, rcfg.K * rcfg.LANES), n_prog, num_sms(x.device))
+    n_split, chunk = split_plan(g, max(block, rcfg.K * rcfg.LANES), n_prog,
+                                sms or num_sms(x.device))
     plan = []
     parts = ()
     if n_split > 1 and g.sn == 1 and not reverse and LOOKBACK:
@@ -794,7 +798,7 @@ def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
     return [Launch(K_.lookback_scan_kernel, (slots,), args, kwargs)]
 
 
-def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
+def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None, *, sms=None):
     """(plan, y): ``y = map(x, *prep(state(row)))`` along ``dim`` (softmax and kin).
 
     Few long rows that do not fit a tile are split: chunk states by the reduce kernel,
@@ -814,7 +818,7 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None):
     n_split, chunk, parts, plan = 1, max(g.N, 1), _dummy_parts(rowmap.monoid, x.device), []
     if not fused:
         n_split, chunk = split_plan(g, cfg.K * cfg.LANES, g.B[0] * g.B[1] * n_inner,
-                                    num_sms(x.device))
+                                    sms or num_sms(x.device))
         if n_split > 1:
             parts = _state_buffers(rowmap.monoid, g.rows, n_split, x.device)
             gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split))
