@@ -14,6 +14,8 @@ The layers (each imports only the ones above it):
 Torch-based entry points are imported on first use, so ``import flashfold`` stays light.
 """
 
+import sys as _sys
+
 from . import monoids
 from . import ops
 from .algebra import Field, Input, LawReport, Monoid, check_laws
@@ -41,12 +43,17 @@ _LAZY = {
 def scan(monoid, xs, *args, **kwargs):
     """Inclusive prefix scan of ``xs`` with ``monoid``.
 
-    * NumPy input: the reference scan, :func:`flashfold.schedules.scan` (elements along
-      axis 0; returns the prefix *states*).
-    * torch input: see the tensor scan in :mod:`flashfold.api.reductions` (``dim=-1``;
-      returns the finalized prefix results, computed by a generated kernel on CUDA).
+    * a ``torch.Tensor`` (a subclass included): the tensor scan,
+      :func:`flashfold.api.reductions.scan` (``dim=-1``; returns the finalized prefix
+      results, computed by a generated kernel on CUDA);
+    * anything else (NumPy arrays, lists, array-likes): the reference scan,
+      :func:`flashfold.schedules.scan` (elements along axis 0; returns the prefix *states*).
+
+    The test is ``isinstance(xs, torch.Tensor)`` against the torch already loaded: a tensor
+    cannot exist before torch is imported, so NumPy input never imports torch.
     """
-    if type(xs).__module__.startswith("torch"):
+    torch = _sys.modules.get("torch")
+    if torch is not None and isinstance(xs, torch.Tensor):
         from .api.reductions import scan as tensor_scan
         return tensor_scan(monoid, xs, *args, **kwargs)
     from .schedules import scan as reference_scan
