@@ -264,9 +264,15 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
             raise TypeError(f"score_mod must be a callable, got {type(score_mod).__name__}")
         # Dynamo guards on the ids so that a new mod object recompiles; an absent mod passes
         # 0, never id(None): Dynamo cannot trace id() of None on every torch (2.11 raises
-        # inside fullgraph compile of a call without mods), and None needs no guard anyway
-        key = register_mods(score_mod, mask_mod, 0 if score_mod is None else id(score_mod),
-                            0 if mask_mod is None else id(mask_mod))
+        # inside fullgraph compile of a call without mods), and None needs no guard anyway.
+        # A BlockMask passes its int handle (Dynamo cannot pass the object to a
+        # constant-result function on every torch; it guards the int)
+        if isinstance(mask_mod, BlockMask):
+            mask_arg = mask_id = mask_mod.handle
+        else:
+            mask_arg, mask_id = mask_mod, (0 if mask_mod is None else id(mask_mod))
+        key = register_mods(score_mod, mask_arg, 0 if score_mod is None else id(score_mod),
+                            mask_id)
         entry = _entry(key)
         if entry is not None:
             for mod in (entry.score, entry.mask):

@@ -48,7 +48,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import launcher
-from .mods import BlockMask, TracedMod, cached_block_mask, trace_mask_mod, trace_score_mod
+from .mods import (BlockMask, TracedMod, block_mask_by_handle, cached_block_mask, trace_mask_mod,
+                   trace_score_mod)
 from .reference import attention_reference, key_tiles
 
 
@@ -104,11 +105,15 @@ def _drop(ids, key):
 def register_mods(score_mod, mask_mod, score_id: int = 0, mask_id: int = 0) -> str:
     """The registry key of ``(score_mod, mask_mod)`` (``""`` when both are None).
 
-    ``score_mod``: a callable or TracedMod; ``mask_mod``: a callable, TracedMod or
-    BlockMask. Traces them on first use (cached per object). ``score_id`` / ``mask_id``
-    are ``id(score_mod)`` / ``id(mask_mod)``, computed by the caller so that
-    ``torch.compile`` guards on them (this function itself runs once, at trace time).
+    ``score_mod``: a callable or TracedMod; ``mask_mod``: a callable, TracedMod,
+    BlockMask, or a BlockMask's ``handle`` (an int: what a compiled caller passes, since
+    a BlockMask object is not a constant to Dynamo). Traces them on first use (cached per
+    object). ``score_id`` / ``mask_id`` are ``id(score_mod)`` / ``id(mask_mod)`` (0 for
+    None), computed by the caller so that ``torch.compile`` guards on them (this function
+    itself runs once, at trace time).
     """
+    if isinstance(mask_mod, int) and not isinstance(mask_mod, bool):
+        mask_mod = block_mask_by_handle(mask_mod)
     if score_mod is None and mask_mod is None:
         return ""
     ids = (id(score_mod), id(mask_mod))

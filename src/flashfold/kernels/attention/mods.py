@@ -475,6 +475,17 @@ def _triton_wrapper(mod: TracedMod):
 
 # --- block masks ----------------------------------------------------------------------
 
+#: every live BlockMask by its ``handle`` (weak: the registry never keeps one alive)
+_BLOCK_MASKS: "weakref.WeakValueDictionary[int, BlockMask]" = weakref.WeakValueDictionary()
+_HANDLES = iter(range(1, 1 << 62))
+_HANDLES_LOCK = threading.Lock()
+
+
+def block_mask_by_handle(handle: int) -> "BlockMask":
+    """The live :class:`BlockMask` whose ``handle`` is ``handle`` (``KeyError`` if gone)."""
+    return _BLOCK_MASKS[handle]
+
+
 class BlockMask:
     """Which ``(BLOCK_M x BLOCK_N)`` tiles of the score matrix a mask hides.
 
@@ -503,6 +514,12 @@ class BlockMask:
         self.BLOCK_SIZE = tuple(block_size)
         self.exact = exact
         self.builtins = builtins                  # (left, right) folded into the table
+        # an int that stands for this mask where only constants may pass: torch.compile
+        # (Dynamo) cannot hand a BlockMask object to a constant-result function on every
+        # torch (2.11 refuses it), but reads and guards an int attribute
+        with _HANDLES_LOCK:
+            self.handle = next(_HANDLES)
+        _BLOCK_MASKS[self.handle] = self
 
     @property
     def mask_mod(self):
