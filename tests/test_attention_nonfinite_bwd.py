@@ -258,3 +258,275 @@ def test_reference_backward_nan_lse_is_not_an_empty_row():
     dq, dk, dv = _reference(c, torch.float64)
     assert torch.isnan(dq[0, 1, 17]).all() and torch.isnan(dv[0, 0, :18]).all()
     assert torch.isfinite(dv[0, 0, 18:]).all()
+
+
+# --- the Triton kernels under the interpreter ----------------------------------------------------
+
+interpreter = pytest.mark.skipif(ON_GPU, reason="interpreter tests run on CPU machines")
+#: the interpreter's tiles: 16 x 16 (key tiles meet masked and unmasked query tiles)
+POINTERS = BwdConfig(16, 16, 4, 1, 16, 16, 4, 1, use_tma=False, atomic_dq=True)
+TMA = BwdConfig(16, 16, 4, 1, 16, 16, 4, 1, use_tma=True, atomic_dq=True)
+
+
+def _nan_alloc(*shape, dtype=None, device=None, **kw):
+    return torch.full(*shape, NAN, dtype=dtype, device=device)
+
+
+def _kernels(c: Case, dtype, monkeypatch, *, config=POINTERS, deterministic=False):
+    """``kernel_backward`` (the launcher's dispatch) with ``config``; gradients allocated
+    NaN-filled, so an element a kernel fails to write fails the finiteness check."""
+    monkeypatch.setattr(bwd, "default_config",
+                        lambda q, d, dv, features=False, causal=False: config)
+    monkeypatch.setattr(bwd, "_alloc", _nan_alloc)
+    do, q, k, v, o, lse, dlse = c.args(dtype)
+    return AG.kernel_backward(do, q, k, v, o, lse, dlse, scale=c.scale, softcap=None,
+                              left=c.left, right=c.right, score=None, mask=c.mask,
+                              block_mask=None, cu_q=c.cu_q, cu_k=c.cu_k,
+                              deterministic=deterministic)
+
+
+@interpreter
+@pytest.mark.parametrize("cid", [c[0] for c in CASES])
+def test_kernels_follow_rule_4_atomic_dq(cid, monkeypatch):
+    c = _case(cid)
+    c.check(_kernels(c, torch.float32, monkeypatch), torch.float32, f"kernels {cid}")
+
+
+@interpreter
+@pytest.mark.parametrize("cid", ["causal-v15", "causal-k15", "causal-q-row", "causal-do-row",
+                                 "causal-k-inf-channel", "window-3-2", "key-padding", "varlen",
+                                 "empty-rows"])
+def test_kernels_follow_rule_4_deterministic(cid, monkeypatch):
+    """The dK/dV kernel without atomics and the dQ kernel (``deterministic=True``)."""
+    c = _case(cid)
+    c.check(_kernels(c, torch.float32, monkeypatch, deterministic=True), torch.float32,
+            f"kernels {cid} deterministic")
+
+
+@interpreter
+@pytest.mark.parametrize("cid", ["causal-v15", "document-mask"])
+def test_kernels_follow_rule_4_fp16(cid, monkeypatch):
+    c = _case(cid)
+    c.check(_kernels(c, torch.float16, monkeypatch), torch.float16, f"kernels {cid} fp16")
+
+
+#: varlen calls whose first sequence's last query tile reads (by TMA) rows of the second,
+#: NaN there: with and without a mask_mod (whose exact table makes that tile FULL)
+VARLEN_TAIL = dict(B=1, HQ=2, HK=2, NQ=45, NK=50, cu=([0, 21, 45], [0, 19, 50]),
+                   poison=dict(q=[((0, 0, 26), NAN)], do=[((0, 1, 23), NAN)],
+                               k=[((0, 0, 24), NAN)], v=[((0, 1, 27), NAN)]))
+
+
+@interpreter
+@pytest.mark.parametrize("mode", ["atomic", "deterministic"])
+@pytest.mark.parametrize("extra", [dict(), dict(right=0), dict(mask_mod=lambda b, h, q, kv: kv != 3)],
+                         ids=["dense", "causal", "mask-mod"])
+def test_kernels_varlen_tails_read_by_tma_add_nothing(mode, extra):
+    """Rows and keys past a sequence's end that TMA reads from the next sequence (NaN
+    there) add nothing to the first sequence's gradients."""
+    mp = pytest.MonkeyPatch()
+    try:
+        c = Case(**VARLEN_TAIL, **extra)
+        got = _kernels(c, torch.float32, mp, config=TMA, deterministic=mode == "deterministic")
+        c.check(got, torch.float32, f"varlen tails {mode} {extra}")
+    finally:
+        mp.undo()
+
+
+@interpreter
+def test_kernels_precomputed_block_mask_with_conservative_full_tiles(monkeypatch):
+    """A user's BlockMask (its FULL tiles masked by the kernels' bounds: ``full_needs_mask``)."""
+    from flashfold.kernels.attention.mods import create_block_mask
+    c = _case("key-padding")
+    bm = create_block_mask(mods.key_padding_mask(torch.tensor([29, 13])), 2, 2, 40, 40,
+                           BLOCK_SIZE=16)
+    monkeypatch.setattr(bwd, "default_config",
+                        lambda q, d, dv, features=False, causal=False: POINTERS)
+    do, q, k, v, o, lse, dlse = c.args(torch.float32)
+    for det in (False, True):
+        got = AG.kernel_backward(do, q, k, v, o, lse, dlse, scale=c.scale, softcap=None,
+                                 left=None, right=None, score=None, mask=bm.mod, block_mask=bm,
+                                 deterministic=det)
+        c.check(got, torch.float32, f"block mask deterministic={det}")
+
+
+# --- the guarded strict recompute that follows the Gluon kernel (simulated) ----------------------
+
+def _gluon_path(c: Case, dtype, monkeypatch, fake, lse_edit=None):
+    """``prepare_backward``'s launches for an sm_90 Gluon call (eligibility mocked), run
+    under the interpreter with ``fake(dq_acc, dk, dv)`` in place of the Gluon kernel;
+    ``(dq, dk, dv, launches, flag)`` (the flag: the preprocess's last argument)."""
+    from flashfold.kernels.attention import gluon_bwd
+
+    def gluon(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, scale, launch):
+        return ("gluon", (1,), (dq_acc, dk, dv), {})
+    monkeypatch.setattr(gluon_bwd, "eligible", lambda *a, **kw: True)
+    monkeypatch.setattr(gluon_bwd, "gluon_attention_bwd", gluon)
+    do, q, k, v, o, lse, dlse = c.args(dtype)
+    if lse_edit is not None:
+        lse_edit(lse)
+    dq, dk, dv, launches = bwd.prepare_backward(do, q, k, v, o, lse, dlse=dlse, scale=c.scale,
+                                                left=c.left, right=c.right, interpret=False)
+    flag = launches[0][2][-1]
+    if flag is not None:
+        flag.fill_(1)                   # garbage: the preprocess clears it
+    for kernel, grid, args, kwargs in launches:
+        if kernel == "gluon":
+            fake(*args)
+            continue
+        kwargs = dict(kwargs)
+        if "INTERPRET" in kwargs:
+            kwargs["INTERPRET"] = True
+        kernel[grid](*args, **kwargs)
+    return dq, dk, dv, launches, flag
+
+
+@interpreter
+@pytest.mark.parametrize("cid", ["causal-v15", "causal-k15", "causal-q-row", "causal-dlse"])
+@pytest.mark.parametrize("fault", ["all", "dq"])
+def test_gluon_path_recomputes_when_an_output_is_not_finite(cid, fault, monkeypatch):
+    """The Gluon kernel (unchanged) leaks like FlashAttention's; every such leak in its
+    scope comes with a non-finite dQ accumulator (module comment in ``prepare_backward``),
+    which the conversion flags (simulated: the fake writes NaN everywhere, or one NaN into
+    the accumulator and finite garbage elsewhere); the guarded Triton kernels then
+    recompute dq, dk, dv strictly."""
+    def fake(dq_acc, dk, dv):
+        if fault == "all":
+            dk.fill_(NAN)
+            dv.fill_(NAN)
+            dq_acc.fill_(NAN)
+        else:
+            dk.fill_(7.0)
+            dv.fill_(7.0)
+            dq_acc.fill_(7.0)
+            dq_acc[0, 0, 0, 0] = NAN
+    c = _case(cid)
+    dq, dk, dv, launches, flag = _gluon_path(c, torch.float32, monkeypatch, fake)
+    assert flag is not None and int(flag) == 1
+    names = [k if isinstance(k, str) else k.fn.__name__ for k, *_ in launches]
+    assert names == ["_bwd_preprocess", "gluon", "_dq_convert", "_attn_bwd_dkdv", "_attn_bwd_dq"]
+    assert launches[3][3]["STRICT"] and not launches[3][3]["DQ_ATOMIC"] and launches[4][3]["STRICT"]
+    c.check((dq, dk, dv), torch.float32, f"gluon path {cid} fault {fault}")
+
+
+@interpreter
+def test_gluon_path_guard_returns_at_once_when_every_output_is_finite(monkeypatch):
+    """With finite outputs the flag stays clear (the preprocess cleared the garbage) and the
+    guarded kernels write nothing: the (fake) Gluon kernel's outputs stand."""
+    def fake(dq_acc, dk, dv):
+        dk.fill_(7.0)
+        dv.fill_(7.0)
+        dq_acc.fill_(7.0)
+    c = _case("causal-v15")
+    dq, dk, dv, _, flag = _gluon_path(c, torch.float32, monkeypatch, fake)
+    assert int(flag) == 0
+    assert (dk == 7.0).all() and (dv == 7.0).all()
+    assert torch.equal(dq, torch.full_like(dq, 7.0 * c.scale))
+
+
+@interpreter
+def test_gluon_path_flags_rows_without_a_visible_weight(monkeypatch):
+    """A row with lse = -inf in the Gluon scope (every row sees a key) has only -inf
+    scores, from a non-finite input whose leak need not show in dq: the conversion flags
+    it."""
+    def fake(dq_acc, dk, dv):
+        for t in (dq_acc, dk, dv):
+            t.fill_(1.0)
+    c = Case(right=0, poison=())
+    *_, flag = _gluon_path(c, torch.float32, monkeypatch, fake,
+                           lse_edit=lambda lse: lse[0, 1, 9].fill_(-INF))
+    assert int(flag) == 1
+
+
+@interpreter
+def test_dense_gluon_calls_need_no_guard(monkeypatch):
+    """Every key of a dense call is visible and the tiles past the tensors read zeros: no
+    flag, no guarded kernels."""
+    c = Case(poison=dict(v=[((0, 0, 15), NAN)]))
+
+    def fake(dq_acc, dk, dv):
+        for t in (dq_acc, dk, dv):
+            t.fill_(1.0)
+    *_, launches, flag = _gluon_path(c, torch.float32, monkeypatch, fake)
+    names = [k if isinstance(k, str) else k.fn.__name__ for k, *_ in launches]
+    assert flag is None and names == ["_bwd_preprocess", "gluon", "_dq_convert"]
+
+
+# --- the GPU: the Gluon path (sm_90) and the Triton paths at real sizes ---------------------------
+
+#: (id, Case keywords at real sizes, the backward's keywords): the Gluon path (bf16, d128,
+#: causal, default mode), the deterministic Triton kernels, a window and a mask_mod
+GPU_CASES = [
+    ("causal-v", dict(NQ=1000, NK=1000, HQ=4, HK=2, D=128, right=0,
+                      poison=dict(v=[((0, 1, 700), NAN)])), {}),
+    ("causal-k", dict(NQ=1000, NK=1000, HQ=4, HK=2, D=128, right=0,
+                      poison=dict(k=[((0, 0, 129), NAN)])), {}),
+    ("causal-q-do", dict(NQ=700, NK=1000, HQ=4, HK=2, D=128, right=0,
+                         poison=dict(q=[((0, 2, 300), NAN)], do=[((0, 0, 64, 5), NAN)])), {}),
+    ("causal-v-det", dict(NQ=1000, NK=1000, HQ=4, HK=2, D=128, right=0,
+                          poison=dict(v=[((0, 1, 700), NAN)], q=[((0, 3, 200), NAN)])),
+     dict(deterministic=True)),
+    ("causal-d64", dict(NQ=1000, NK=1000, HQ=2, HK=2, D=64, right=0,
+                        poison=dict(k=[((0, 0, 513), NAN)], do=[((0, 1, 77), NAN)])), {}),
+    ("window", dict(NQ=1000, NK=1000, HQ=2, HK=2, D=128, left=100, right=30,
+                    poison=dict(k=[((0, 0, 500), NAN)], q=[((0, 1, 250), NAN)])), {}),
+    ("key-padding", dict(B=2, NQ=600, NK=600, HQ=2, HK=2, D=128,
+                         mask_mod=mods.key_padding_mask(torch.tensor([555, 300])),
+                         poison=dict(k=[((0, 0, 590), NAN), ((1, 1, 400), NAN)],
+                                     v=[((1, 0, 301), INF)])), {}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("cid, case, kw", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_backward_follows_rule_4(cid, case, kw):
+    """bf16 on the H200: finiteness exactly as the yardstick's; finite gradients equal the
+    same path's gradients of the clean inputs (bf16 tolerances, scale max |clean|)."""
+    from flashfold.kernels.attention import gluon_bwd
+    from unittest import mock
+    c = Case(**case)
+    dt = torch.bfloat16
+
+    def run(inputs):
+        x = {n: (t.cuda() if t is not None else None) for n, t in inputs.items()}
+        o, lse = c.o.cuda().to(dt), c.lse.cuda().float()
+        with mock.patch.object(gluon_bwd, "gluon_attention_bwd",
+                               wraps=gluon_bwd.gluon_attention_bwd) as spy:
+            g = AG.kernel_backward(x["do"].to(dt), x["q"].to(dt), x["k"].to(dt), x["v"].to(dt),
+                                   o, lse, x["dlse"], scale=c.scale, softcap=None, left=c.left,
+                                   right=c.right, score=None, mask=c.mask, block_mask=None,
+                                   **kw)
+        return [t.cpu() for t in g], spy.call_count
+    got, gluon_calls = run(c.inputs)
+    clean, _ = run(c.clean)
+    if c.right == 0 and c.left is None and c.mask is None and not kw and gluon_bwd.eligible(
+            *(c.inputs[n].cuda().to(dt) for n in ("q", "k", "v", "do")), causal=True):
+        assert gluon_calls == 1, "the Gluon path did not run"
+    for n, a, w, cl in zip("qkv", got, c.want, clean):
+        fa, fw = torch.isfinite(a), torch.isfinite(w)
+        assert torch.equal(fa, fw), (f"{cid}: d{n} finite at {int((fa & ~fw).sum())}, "
+                                     f"non-finite at {int((~fa & fw).sum())} against the yardstick")
+        assert_close(torch.where(fw, a.double(), 0.0), torch.where(fw, cl.double(), 0.0), dt,
+                     scale=max(1.0, float(cl.double().abs().max())), name=f"{cid}: d{n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_gpu_end_to_end_causal_nan_value_reaches_no_hidden_row():
+    """The report's case through ``flashfold.attention`` (forward and backward, bf16, d128,
+    causal): ``v[0, 0, 15] = NaN`` leaves o and dq of rows 0-14 finite (needs the
+    forward's rules 1-3 too)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 1024, 128, device="cuda", generator=g).to(torch.bfloat16)
+               for _ in range(3))
+    v[0, 0, 15] = NAN
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = flashfold.attention(*leaves, causal=True)
+    o.backward(torch.ones_like(o))
+    assert torch.isfinite(o[0, 0, :15]).all() and torch.isnan(o[0, 0, 15:]).all()
+    dq, dk, dv = (t.grad for t in leaves)
+    assert torch.isfinite(dq[0, 0, :15]).all() and torch.isnan(dq[0, 0, 15:]).all()
+    # dV does not depend on v; every key is seen by a row that sees key 15: dK is NaN
+    assert torch.isfinite(dv[0, 0]).all() and torch.isnan(dk[0, 0]).all()
+    assert all(torch.isfinite(t[0, 1]).all() for t in (dq, dk, dv))

@@ -81,6 +81,21 @@ In the dK/dV kernel without softcap / score_mod, ``-D`` and ``-lambda / qk_scale
 the initial accumulators of the ``dP^T`` and ``S^T`` matmuls, so no per-column vector is
 held across the tile (it keeps the kernel within 255 registers).
 
+Non-finite inputs (rule 4 of :mod:`flashfold.api.attention`): ``dq_i``, ``dk_j``, ``dv_j``
+are non-finite only through a visible pair; hidden pairs add exactly 0. On masked tiles the
+kernels *select* ``P`` and ``dS`` to 0 at hidden pairs (a NaN score, ``lambda``, ``D`` or
+``dP`` there gives 0), which leaves one leak: the products ``P^T dO``, ``dS^T Q``, ``dS K``
+multiply a hidden pair's 0 by the input tile, NaN there or not. Calls that can hide keys
+inside a loaded tile (causal, window, mask, varlen; varlen TMA loads also read the next
+sequence's rows past a sequence's end) raise a flag (one int32, zeroed by the preprocess)
+where an output is not finite, in the kernels' epilogues (Triton) or in the conversion of
+the dQ accumulator (Gluon: see :func:`prepare_backward`); two more launches, guarded by the
+flag (they return at once when it is clear), then recompute dq, dk, dv with *strict*
+products on the masked tiles: an input tile with a non-finite entry is replaced by 0 there,
+and ``(row, channel)`` outputs that see a non-finite entry through a visible pair are set
+to NaN (a product of the 0/1 visibility and the 0/1 non-finite indicator). Unmasked tiles
+and valid input cost the checks and the two early-exit launches only.
+
 Layouts: ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``, ``o``/``dO (B,
 Hq, Nq, Dv)``, any strides (TMA where :func:`.fwd.tma_ok`; ``dO`` is copied once to a
 contiguous tensor when it cannot feed TMA while q/k/v can, e.g. the expanded gradient of
@@ -136,25 +151,42 @@ def _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
 
 
 @triton.jit
-def _probs(qk, lam, qk_scale, softcap, b, h, qi, kj, k_len, delta, win_left, win_right,
+def _probs(qk, lam, qk_scale, softcap, b, h, qi, kj, vis,
            grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-           mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
-           MASKED: tl.constexpr, APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr,
-           MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
-    """``(P, dfac)`` of a tile: ``P = 2^(sigma - lambda)`` (0 where hidden; ``lam``
-    broadcasts against ``qk``: ``+inf`` for empty or out-of-range rows gives 0)."""
+           MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
+    """``(P, dfac)`` of a tile: ``P = 2^(sigma - lambda)`` (``lam`` broadcasts against
+    ``qk``: ``+inf`` for empty or out-of-range rows gives 0), *selected* to 0 where ``vis``
+    (masked tiles) hides the pair: a NaN score or lambda of a hidden pair gives 0, not
+    NaN."""
     s, dfac = _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
                           SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, HAS_SOFTCAP, HAS_SCORE_MOD)
-    if MASKED:
-        vis = _visible_2d(qi, kj, k_len, delta, win_left, win_right, b, h, mask_fn,
-                          MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
-                          MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
-        s = tl.where(vis, s, float("-inf"))                 # (qk_scale > 0: stays -inf below)
     if HAS_SOFTCAP or HAS_SCORE_MOD:
         p = tl.math.exp2(s - lam)
     else:
         p = tl.math.exp2(s * qk_scale - lam)                # one FMA per score
+    if MASKED:
+        p = tl.where(vis, p, 0.0)
     return p, dfac
+
+
+@triton.jit
+def _strict_dot(a, vis, x, acc):
+    """``acc + a @ x`` in which the pairs hidden by ``vis`` add exactly 0 (the strict
+    recompute's masked tiles).
+
+    ``a [M, K]`` is 0 where ``vis`` (bool, broadcastable to ``[M, K]``) hides the pair;
+    ``x [K, N]`` an input tile. The product uses ``x`` with its non-finite entries replaced
+    by 0, and ``(m, n)`` is NaN where a *visible* ``k`` has a non-finite ``x[k, n]``
+    (counted by a second product, of the 0/1 visibility and the 0/1 non-finite indicator:
+    what IEEE arithmetic gives there, ``0 * inf`` included). ``acc`` may be None."""
+    ok = tl.abs(x.to(tl.float32)) < float("inf")
+    seen = tl.dot(tl.broadcast_to(vis, a.shape).to(tl.float16),
+                  tl.where(ok, 0.0, 1.0).to(tl.float16), out_dtype=tl.float16)
+    if acc is None:
+        out = tl.where(seen > 0.0, float("nan"), tl.dot(a, tl.where(ok, x, 0.0).to(x.dtype)))
+    else:       # (NaN stays NaN through the accumulation: one accumulator live)
+        out = tl.dot(a, tl.where(ok, x, 0.0).to(x.dtype), tl.where(seen > 0.0, float("nan"), acc))
+    return out
 
 
 @triton.jit
@@ -172,14 +204,17 @@ def _dscores(p, dp, dd, dfac, HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.const
 @triton.jit
 def _q_tile_ranges(start_n, q_len, k_len, delta, win_left, win_right,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+                   MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, Q_TAIL: tl.constexpr):
     """Query tiles that can see key tile ``start_n``, as ``[t_lo, t_a)`` masked,
     ``[t_a, t_c)`` unmasked, ``[t_c, t_hi)`` masked (tile indices).
 
     Key ``j`` is visible to rows ``j - delta - R <= i <= j - delta + L`` (the transpose of
     :func:`.fwd._tile_ranges`). A tile needs no mask when every (real row, key) pair of
     it is inside both bounds and the key tile is inside ``k_len`` (a ragged key tile masks
-    every query tile). Rows past ``q_len`` need no mask: their ``lambda = +inf`` zeroes P.
+    every query tile). Rows past ``q_len`` need no mask when they read as zeros: their
+    ``lambda = +inf`` zeroes P; with ``Q_TAIL`` (varlen TMA loads, which read the next
+    sequence's rows there, NaN or not) a ragged last query tile of the unmasked run moves
+    to the last masked run.
     """
     n_last = tl.minimum(start_n + BLOCK_N, k_len) - 1
     lo = 0
@@ -202,11 +237,13 @@ def _q_tile_ranges(start_n, q_len, k_len, delta, win_left, win_right,
     ragged = start_n + BLOCK_N > k_len
     t_a = tl.where(ragged, t_hi, t_a)
     t_c = tl.where(ragged, t_hi, t_c)
+    if Q_TAIL:
+        t_c = tl.where((t_hi * BLOCK_M > q_len) & (t_c == t_hi) & (t_c > t_a), t_hi - 1, t_c)
     return t_lo, t_a, t_c, t_hi
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, i, lo, idx_ptr,
+def _dkdv_step(dk, dv, k, v, STRICT: tl.constexpr, i, lo, idx_ptr,
                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
@@ -242,25 +279,36 @@ def _dkdv_step(dk, dv, k, v, i, lo, idx_ptr,
     do = _load_tile(desc_do, do_base, tma_b, h, q_row, start_m, q_len, sdom, sdod,
                     BLOCK_M, BLOCK_DV, HEAD_DIM_V, True, USE_TMA)
     dpT = tl.dot(v, tl.trans(do), tl.broadcast_to(-dd[None, :], [BLOCK_N, BLOCK_M]))
+    if MASKED:
+        # hidden pairs (causal, window, mask_mod, keys past k_len, and rows past q_len,
+        # which TMA reads from the next sequence in varlen calls) add exactly 0
+        vis = _visible_2d(offs_m[None, :], offs_n[:, None], k_len, delta, win_left, win_right,
+                          b, h, mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD) & row_ok[None, :]
+    else:
+        vis = 0
     # -- P^T: [BLOCK_N, BLOCK_M] fp32
     if HAS_SOFTCAP or HAS_SCORE_MOD:
         qkT = tl.dot(k, tl.trans(q))
         pT, dfac = _probs(qkT, lam[None, :], qk_scale, softcap, b, h, offs_m[None, :],
-                          offs_n[:, None], k_len, delta, win_left, win_right,
-                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
-                          MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD)
+                          offs_n[:, None], vis, grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          MASKED, HAS_SOFTCAP, HAS_SCORE_MOD)
     else:
         # -lambda / qk_scale rides in the accumulator: P = 2^(qk_scale (q.k - lambda / qk_scale))
         # (no per-column lambda held across the tile; +inf rows give -inf, P = 0)
         qkT = tl.dot(k, tl.trans(q), tl.broadcast_to((-lam / qk_scale)[None, :], [BLOCK_N, BLOCK_M]))
         pT, dfac = _probs(qkT, 0.0, qk_scale, softcap, b, h, offs_m[None, :],
-                          offs_n[:, None], k_len, delta, win_left, win_right,
-                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
-                          MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD)
-    dv = tl.dot(pT.to(do.dtype), do, dv)                    # dV += P^T dO   [BLOCK_N, BLOCK_DV]
-    dsT = _dscores(pT, dpT, 0.0, dfac, HAS_SOFTCAP, HAS_SCORE_MOD).to(q.dtype)
+                          offs_n[:, None], vis, grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          MASKED, HAS_SOFTCAP, HAS_SCORE_MOD)
+    dsT = _dscores(pT, dpT, 0.0, dfac, HAS_SOFTCAP, HAS_SCORE_MOD)
+    if MASKED and STRICT:
+        # dV += P^T dO, strict (the recompute)
+        dv = _strict_dot(pT.to(do.dtype), vis, do, dv)
+    else:
+        dv = tl.dot(pT.to(do.dtype), do, dv)                # dV += P^T dO   [BLOCK_N, BLOCK_DV]
+    if MASKED:
+        dsT = tl.where(vis, dsT, 0.0)       # (dP^T of a hidden pair may be NaN)
+    dsT = dsT.to(q.dtype)
     if DQ_ATOMIC:
         dq = tl.dot(tl.trans(dsT), k)                       # dS K           [BLOCK_M, BLOCK_D]
         if DQ_TMA:
@@ -271,12 +319,15 @@ def _dkdv_step(dk, dv, k, v, i, lo, idx_ptr,
                     + (tl.arange(0, BLOCK_M)[:, None] * sdqm + offs_d[None, :] * sdqd))
             tl.atomic_add(ptrs, dq, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
                           sem="relaxed")
-    dk = tl.dot(dsT, q, dk)                                 # dK += dS^T Q   [BLOCK_N, BLOCK_D]
+    if MASKED and STRICT:
+        dk = _strict_dot(dsT, vis, q, dk)
+    else:
+        dk = tl.dot(dsT, q, dk)                             # dK += dS^T Q   [BLOCK_N, BLOCK_D]
     return dk, dv
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, lo, count, idx_ptr,
+def _dkdv_loop(dk, dv, k, v, STRICT: tl.constexpr, lo, count, idx_ptr,
                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
@@ -294,7 +345,7 @@ def _dkdv_loop(dk, dv, k, v, lo, count, idx_ptr,
         i = 0
         while i < count:
             dk, dv = _dkdv_step(
-                dk, dv, k, v, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
+                dk, dv, k, v, STRICT, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
                 lam_base, dd_base, tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
                 grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -306,7 +357,7 @@ def _dkdv_loop(dk, dv, k, v, lo, count, idx_ptr,
     else:
         for i in tl.range(0, count):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
+                dk, dv, k, v, STRICT, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
                 lam_base, dd_base, tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
                 grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -318,7 +369,7 @@ def _dkdv_loop(dk, dv, k, v, lo, count, idx_ptr,
 
 
 @triton.jit
-def _dq_step(dq, q, do, lam, dd, i, lo, idx_ptr,
+def _dq_step(dq, q, do, lam, dd, STRICT: tl.constexpr, i, lo, idx_ptr,
              desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
              offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
              grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -340,20 +391,32 @@ def _dq_step(dq, q, do, lam, dd, i, lo, idx_ptr,
     k = _load_tile(desc_k, k_base, tma_b, hk, k_row, start_n, k_len, skn, skd,
                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k))                             # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        vis = _visible_2d(offs_m[:, None], offs_n[None, :], k_len, delta, win_left, win_right,
+                          b, h, mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
+    else:
+        vis = 0
     p, dfac = _probs(qk, lam[:, None], qk_scale, softcap, b, h, offs_m[:, None], offs_n[None, :],
-                     k_len, delta, win_left, win_right,
-                     grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                     mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
-                     MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD)
+                     vis, grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                     MASKED, HAS_SOFTCAP, HAS_SCORE_MOD)
     v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
                    BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
     dp = tl.dot(do, tl.trans(v))                            # [BLOCK_M, BLOCK_N]
     ds = _dscores(p, dp, dd[:, None], dfac, HAS_SOFTCAP, HAS_SCORE_MOD)
-    return tl.dot(ds.to(k.dtype), k, dq)                    # dQ += dS K  [BLOCK_M, BLOCK_D]
+    if MASKED:
+        ds = tl.where(vis, ds, 0.0)         # (dP of a hidden pair may be NaN)
+    if MASKED and STRICT:
+        # dS K strict where K holds a non-finite entry (keys hidden inside the tile, or
+        # past k_len)
+        dq = _strict_dot(ds.to(k.dtype), vis, k, dq)
+    else:
+        dq = tl.dot(ds.to(k.dtype), k, dq)                  # dQ += dS K  [BLOCK_M, BLOCK_D]
+    return dq
 
 
 @triton.jit
-def _dq_loop(dq, q, do, lam, dd, lo, count, idx_ptr,
+def _dq_loop(dq, q, do, lam, dd, STRICT: tl.constexpr, lo, count, idx_ptr,
              desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
              offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
              grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -368,7 +431,7 @@ def _dq_loop(dq, q, do, lam, dd, lo, count, idx_ptr,
     if INTERPRET:
         i = 0
         while i < count:
-            dq = _dq_step(dq, q, do, lam, dd, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
+            dq = _dq_step(dq, q, do, lam, dd, STRICT, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
                           tma_b, hk, k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left,
                           win_right, b, h, qk_scale, softcap,
                           grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -379,7 +442,7 @@ def _dq_loop(dq, q, do, lam, dd, lo, count, idx_ptr,
             i += 1
     else:
         for i in tl.range(0, count):
-            dq = _dq_step(dq, q, do, lam, dd, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
+            dq = _dq_step(dq, q, do, lam, dd, STRICT, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
                           tma_b, hk, k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left,
                           win_right, b, h, qk_scale, softcap,
                           grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -395,16 +458,20 @@ def _dq_loop(dq, q, do, lam, dd, lo, count, idx_ptr,
 @triton.jit(do_not_specialize=["N_ROWS", "ROW_STRIDE", "NUM_M"])
 def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
                     sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, sdlb, sdlh,
-                    sqab, sqah, sqam, sqad, N_ROWS, ROW_STRIDE, H, NUM_M,
+                    sqab, sqah, sqam, sqad, N_ROWS, ROW_STRIDE, H, NUM_M, FLAG,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
-                    ZERO_DQ: tl.constexpr):
+                    ZERO_DQ: tl.constexpr, HAS_FLAG: tl.constexpr = False):
     """Per row: ``D = sum_d dO O - dlse`` and ``lambda = lse log2 e`` (``+inf`` where
     ``lse = -inf``), stored ``(B, H, N)`` fp32 with unit last stride and ``ROW_STRIDE``
     between heads (``N`` rounded up to 16 bytes, so that the Gluon kernel can load their
     tiles by TMA); with ``ZERO_DQ``, zero the rows of the fp32 dQ accumulator. Row-wise,
-    so packed (varlen) rows need no sequence logic."""
+    so packed (varlen) rows need no sequence logic. With ``HAS_FLAG``, program 0 clears
+    the non-finite flag that the Gluon path's kernels raise."""
     pid = tl.program_id(0)
+    if HAS_FLAG:
+        if pid == 0:
+            tl.store(FLAG, 0)
     bh = pid // NUM_M
     b = bh // H
     h = bh % H
@@ -446,17 +513,21 @@ def _attn_bwd_dkdv(
     qk_scale, softcap, scale, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_n,
     grad_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAG,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    DQ_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    DQ_TMA: tl.constexpr, INTERPRET: tl.constexpr, Q_TAIL: tl.constexpr = False,
+    CHECK: tl.constexpr = False, STRICT: tl.constexpr = False,
 ):
     # program -> (key tile, batch, kv head); key tiles of one head are adjacent (they read
     # the same Q / dO, which stay in L2); causal: the first key tiles are the heaviest
+    if STRICT:      # the strict recompute: only when the first pass raised the flag
+        if tl.load(FLAG) == 0:
+            return
     pid = tl.program_id(0)
     bh = pid // NUM_N
     start_n = (pid % NUM_N) * BLOCK_N
@@ -496,7 +567,7 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     if not HAS_BLOCK_MASK:
         t_lo, t_a, t_c, t_hi = _q_tile_ranges(start_n, q_len, k_len, delta, win_left, win_right,
-                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                                              BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, Q_TAIL)
     g = 0
     while g < GROUP:
         h = hk * GROUP + g
@@ -514,7 +585,7 @@ def _attn_bwd_dkdv(
             R: tl.constexpr = SPARSE_M // BLOCK_M
             n_part = tl.load(PART_NUM + n_off)
             dk, dv = _dkdv_loop(
-                dk, dv, k, v, 0, n_part * R, PART_IDX + i_off,
+                dk, dv, k, v, STRICT, 0, n_part * R, PART_IDX + i_off,
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
@@ -524,8 +595,14 @@ def _attn_bwd_dkdv(
                 True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                 DQ_ATOMIC, DQ_TMA, INTERPRET)
             n_full = tl.load(FULL_NUM + n_off)
+            n_main = n_full
+            if Q_TAIL:
+                # a FULL block holding rows past q_len (the sorted list's last) reads the
+                # next sequence's rows there: masked, below
+                last = tl.load(FULL_IDX + i_off + tl.maximum(n_full - 1, 0))
+                n_main = tl.where((n_full > 0) & ((last + 1) * SPARSE_M > q_len), n_full - 1, n_full)
             dk, dv = _dkdv_loop(
-                dk, dv, k, v, 0, n_full * R, FULL_IDX + i_off,
+                dk, dv, k, v, STRICT, 0, n_main * R, FULL_IDX + i_off,
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
@@ -534,10 +611,21 @@ def _attn_bwd_dkdv(
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
                 FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                 USE_TMA, DQ_ATOMIC, DQ_TMA, INTERPRET)
+            if Q_TAIL:
+                dk, dv = _dkdv_loop(
+                    dk, dv, k, v, STRICT, 0, (n_full - n_main) * R, FULL_IDX + i_off + n_main,
+                    desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
+                    tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
+                    offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
+                    grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                    mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                    BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
+                    True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
+                    USE_TMA, DQ_ATOMIC, DQ_TMA, INTERPRET)
         else:
             # unmasked interior first, then the masked edges (a fixed order: deterministic)
             dk, dv = _dkdv_loop(
-                dk, dv, k, v, t_a * BLOCK_M, t_c - t_a, PART_IDX,
+                dk, dv, k, v, STRICT, t_a * BLOCK_M, t_c - t_a, PART_IDX,
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
@@ -547,7 +635,7 @@ def _attn_bwd_dkdv(
                 False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                 DQ_ATOMIC, DQ_TMA, INTERPRET)
             dk, dv = _dkdv_loop(
-                dk, dv, k, v, t_lo * BLOCK_M, t_a - t_lo, PART_IDX,
+                dk, dv, k, v, STRICT, t_lo * BLOCK_M, t_a - t_lo, PART_IDX,
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
@@ -556,9 +644,9 @@ def _attn_bwd_dkdv(
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
                 True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                 DQ_ATOMIC, DQ_TMA, INTERPRET)
-            if MASK_LEFT:
+            if MASK_LEFT or Q_TAIL:
                 dk, dv = _dkdv_loop(
-                    dk, dv, k, v, t_c * BLOCK_M, t_hi - t_c, PART_IDX,
+                    dk, dv, k, v, STRICT, t_c * BLOCK_M, t_hi - t_c, PART_IDX,
                     desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                     tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                     offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
@@ -577,12 +665,18 @@ def _attn_bwd_dkdv(
         mask = mask & (offs_d[None, :] < HEAD_DIM)
     tl.store(dk_base + start_n.to(tl.int64) * sdkn + (offs_r[:, None] * sdkn + offs_d[None, :] * sdkd),
              (dk * scale).to(DK.dtype.element_ty), mask=mask)
+    if CHECK:       # a non-finite dK raises the flag: the strict recompute follows
+        tl.store(FLAG + tl.zeros([BLOCK_N, BLOCK_D], tl.int32), 1,
+                 mask=mask & ~(tl.abs(dk) < float("inf")))
     offs_dv = tl.arange(0, BLOCK_DV)
     mask = offs_n[:, None] < k_len
     if BLOCK_DV != HEAD_DIM_V:
         mask = mask & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(dv_base + start_n.to(tl.int64) * sdvn + (offs_r[:, None] * sdvn + offs_dv[None, :] * sdvd),
              dv.to(DV.dtype.element_ty), mask=mask)
+    if CHECK:
+        tl.store(FLAG + tl.zeros([BLOCK_N, BLOCK_DV], tl.int32), 1,
+                 mask=mask & ~(tl.abs(dv) < float("inf")))
 
 
 @triton.jit(do_not_specialize=["NUM_M", "HQ", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
@@ -596,16 +690,19 @@ def _attn_bwd_dq(
     qk_scale, softcap, scale, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
     grad_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAG,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, CHECK: tl.constexpr = False, STRICT: tl.constexpr = False,
 ):
     # program -> (query tile, batch, head), as the forward (causal: heaviest tiles first)
+    if STRICT:      # the strict recompute: only when the first pass raised the flag
+        if tl.load(FLAG) == 0:
+            return
     pid = tl.program_id(0)
     bh = pid // NUM_M
     mt = pid % NUM_M
@@ -658,7 +755,7 @@ def _attn_bwd_dq(
         n_off = b.to(tl.int64) * bn_b + h.to(tl.int64) * bn_h + row
         i_off = b.to(tl.int64) * bi_b + h.to(tl.int64) * bi_h + row.to(tl.int64) * bi_m
         n_part = tl.load(PART_NUM + n_off)
-        dq = _dq_loop(dq, q, do, lam, dd, 0, n_part * R, PART_IDX + i_off,
+        dq = _dq_loop(dq, q, do, lam, dd, STRICT, 0, n_part * R, PART_IDX + i_off,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
                       grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -667,7 +764,7 @@ def _attn_bwd_dq(
                       True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                       INTERPRET)
         n_full = tl.load(FULL_NUM + n_off)
-        dq = _dq_loop(dq, q, do, lam, dd, 0, n_full * R, FULL_IDX + i_off,
+        dq = _dq_loop(dq, q, do, lam, dd, STRICT, 0, n_full * R, FULL_IDX + i_off,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
                       grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -678,7 +775,7 @@ def _attn_bwd_dq(
     else:
         t_lo, t_a, t_c, t_hi = _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-        dq = _dq_loop(dq, q, do, lam, dd, t_a * BLOCK_N, t_c - t_a, PART_IDX,
+        dq = _dq_loop(dq, q, do, lam, dd, STRICT, t_a * BLOCK_N, t_c - t_a, PART_IDX,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
                       grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -687,7 +784,7 @@ def _attn_bwd_dq(
                       False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                       INTERPRET)
         if MASK_LEFT:
-            dq = _dq_loop(dq, q, do, lam, dd, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
+            dq = _dq_loop(dq, q, do, lam, dd, STRICT, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
                           desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn,
                           svd, offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
                           grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -695,7 +792,7 @@ def _attn_bwd_dq(
                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False,
                           SPARSE_N, True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
                           HAS_SCORE_MOD, USE_TMA, INTERPRET)
-        dq = _dq_loop(dq, q, do, lam, dd, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
+        dq = _dq_loop(dq, q, do, lam, dd, STRICT, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
                       grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
@@ -711,15 +808,30 @@ def _attn_bwd_dq(
     tl.store(dq_base + start_m.to(tl.int64) * sdqm
              + (tl.arange(0, BLOCK_M)[:, None] * sdqm + offs_d[None, :] * sdqd),
              (dq * scale).to(DQ.dtype.element_ty), mask=mask)
+    if CHECK:       # a non-finite dQ raises the flag: the strict recompute follows
+        tl.store(FLAG + tl.zeros([BLOCK_M, BLOCK_D], tl.int32), 1,
+                 mask=mask & ~(tl.abs(dq) < float("inf")))
 
 
 @triton.jit
-def _dq_convert(ACC, DQ, scale, n_elements, BLOCK: tl.constexpr):
-    """``dq = scale * acc`` in dq's dtype (both contiguous, same shape)."""
+def _dq_convert(ACC, DQ, scale, n_elements, FLAG, LAM, N_ROWS, ROW_STRIDE,
+                BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr = 1, HAS_FLAG: tl.constexpr = False,
+                EMPTY_ROWS: tl.constexpr = False):
+    """``dq = scale * acc`` in dq's dtype (both contiguous, same shape); with ``HAS_FLAG``,
+    ``FLAG[0] = 1`` where ``acc`` is not finite, and with ``EMPTY_ROWS`` also where the
+    row's ``lambda`` (``LAM``: the preprocess's, ``N_ROWS`` rows of ``ROW_STRIDE`` per
+    head) is ``+inf``: a row without a visible weight (plain stores: no reduction)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_elements
     acc = tl.load(ACC + offs, mask=m, other=0.0)
     tl.store(DQ + offs, (acc * scale).to(DQ.dtype.element_ty), mask=m)
+    if HAS_FLAG:
+        bad = ~(tl.abs(acc) < float("inf"))
+        if EMPTY_ROWS:
+            row = offs // HEAD_DIM
+            lam = tl.load(LAM + (row // N_ROWS) * ROW_STRIDE + row % N_ROWS, mask=m, other=0.0)
+            bad = bad | (lam == float("inf"))
+        tl.store(FLAG + offs * 0, 1, mask=m & bad)
 
 
 # --- launcher ---------------------------------------------------------------------------------
@@ -797,6 +909,10 @@ POINTER_BWD_CONFIGS = {
 #: global switch: ``False`` makes the default mode use the dQ kernel everywhere (as
 #: ``deterministic=True``); ``True`` lets the configurations above choose
 ATOMIC_DQ_DEFAULT = True
+#: the flag and the guarded strict recompute of rule 4 (hidden pairs add exactly 0, NaN
+#: or not; :func:`prepare_backward`); ``False`` only to measure their cost
+#: (``benchmarks/nonfinite_bwd_cost.py``)
+STRICT_NONFINITE = True
 
 
 def default_config(q, head_dim: int, head_dim_v: int, features: bool = False,
@@ -873,6 +989,22 @@ def _none_args(n):
     return [None] * n
 
 
+def strict_config(cfg: BwdConfig) -> BwdConfig:
+    """The configuration of the strict recompute (:func:`prepare_backward`), deterministic:
+    the strict products of the masked tiles hold a count accumulator and the sanitized
+    operand next to dK, dV, so smaller tiles than ``cfg``'s: dK/dV 16 x 64, dQ 64 x 16,
+    8 warps each, no pipelining (sm_90 compile, head_dim 128, TMA: spill-free with and
+    without features; 64 x 64 dK/dV tiles spilled 64-432 bytes)."""
+    return replace(cfg, block_m=min(cfg.block_m, 16), block_n=min(cfg.block_n, 64),
+                   num_warps=STRICT_WARPS[0], num_stages=1, dq_block_m=min(cfg.dq_block_m, 64),
+                   dq_block_n=min(cfg.dq_block_n, 16), dq_warps=STRICT_WARPS[1], dq_stages=1,
+                   atomic_dq=False)
+
+
+#: warps of the strict recompute's dK/dV and dQ kernels (:func:`strict_config`)
+STRICT_WARPS = (8, 8)
+
+
 def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
                        softcap: float | None = None, left: int | None = None,
                        right: int | None = None, score_mod: TracedMod | None = None,
@@ -925,11 +1057,16 @@ def _plan(do, q, k, v, o, lse, **options):
     return dq, dk, dv, launches, tuple([None] for _ in launches)
 
 
-def _convert_launch(dq_acc, dq, scale):
-    """The launch of ``_dq_convert``: ``dq = scale * dq_acc`` (the atomic modes' last step)."""
+def _convert_launch(dq_acc, dq, scale, flag=None, lam=None, stat_stride=0):
+    """The launch of ``_dq_convert``: ``dq = scale * dq_acc`` (the atomic modes' last step;
+    ``flag``: raised where ``dq_acc`` is not finite, or with ``lam`` where a row has
+    ``lambda = +inf``)."""
     n = dq.numel()
-    return (_dq_convert, (triton.cdiv(n, 1024),), [dq_acc, dq, float(scale), n],
-            dict(BLOCK=1024, num_warps=4))
+    B, H, NQ, D = dq.shape
+    kw = dict(BLOCK=1024, HEAD_DIM=D, HAS_FLAG=flag is not None, EMPTY_ROWS=lam is not None,
+              num_warps=4)
+    return (_dq_convert, (triton.cdiv(n, 1024),),
+            [dq_acc, dq, float(scale), n, flag, lam, NQ, stat_stride], kw)
 
 
 def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, left=None,
@@ -976,6 +1113,20 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                  and not features and left is None and right in (None, 0) and not varlen
                  and not interp and gluon_bwd.eligible(q, k, v, do, causal=right == 0))
     atomic = atomic or use_gluon
+    # calls that can hide keys inside the tiles they load (causal, window, mask, varlen:
+    # rule 4 of the attention API's docstring) raise a flag when an output is not finite
+    # (a product of a hidden pair's zero and a non-finite input, or a true non-finite
+    # gradient); the strict kernels, guarded by the flag, then recompute dq, dk, dv. The
+    # Triton kernels select P and dS to 0 at hidden pairs and check dq, dk, dv in their
+    # epilogues. The Gluon kernel is unchanged (its step loop and registers are tuned):
+    # in its scope (causal, Nq <= Nk: every row sees a key, every key is seen) a
+    # non-finite q, dO, dlse, lse or o of a row makes that row's dq non-finite, and a
+    # non-finite k or v of a key makes dq non-finite in the rows that see it, except a
+    # row whose visible scores are all -inf (lse = -inf); so the conversion of the dQ
+    # accumulator flags a non-finite dq or a row with lse = -inf.
+    hides = STRICT_NONFINITE and ((right == 0) if use_gluon else (
+        left is not None or right is not None or block_mask is not None or varlen))
+    flag = plans.new((1,), dtype=torch.int32, device=dev) if hides else None
     dq = _alloc((B, HQ, NQ, D), dtype=q.dtype, device=dev)
     dq_acc = plans.new((B, HQ, NQ, D), dtype=torch.float32, device=dev) if atomic else dq
     # rows of D and lambda 16-byte aligned (TMA tiles in gluon_bwd), read through views
@@ -1031,60 +1182,79 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         o, do, lse, dlse, dd, lam, dq_acc,
         *o.stride(), *do.stride(), lse.stride(0), lse.stride(1),
         dlse.stride(0) if dlse is not None else 0, dlse.stride(1) if dlse is not None else 0,
-        *dq_acc.stride(), NQ, stat_stride, HQ, num_pm,
+        *dq_acc.stride(), NQ, stat_stride, HQ, num_pm, flag,
     ], dict(HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=pm,
-            HAS_DLSE=dlse is not None, ZERO_DQ=atomic, num_warps=4)))
+            HAS_DLSE=dlse is not None, ZERO_DQ=atomic, HAS_FLAG=flag is not None,
+            num_warps=4)))
     lam_strides = [zb if varlen else lam.stride(0), lam.stride(1)]
+
+    def triton_pass(cfg, atomic, dq_tma, check, strict):
+        """The Triton kernels' launches: dK/dV (with the atomic dQ, or then the dQ kernel);
+        ``check``: raise ``flag`` where an output is not finite; ``strict``: the guarded
+        strict recompute."""
+        launches = []
+        acc = dq_acc if atomic else dq
+        bm, bn = cfg.block_m, cfg.block_n
+        if use_tma:
+            dq_desc = _desc(acc, bm, BD) if dq_tma else acc
+            descs = [_desc(q, bm, BD), _desc(k, bn, BD), _desc(v, bn, BDV), _desc(do, bm, BDV), dq_desc]
+        else:
+            descs = [q, k, v, do, acc]
+        num_n = -(-seq_k // bn)
+        launches.append((_attn_bwd_dkdv, (num_n * n_seq * HK,), [
+            q, k, v, do, dk, dv, acc, lam, dd, *descs, *strides_in,
+            zb if varlen else dk.stride(0), dk.stride(1), dk.stride(2), dk.stride(3),
+            zb if varlen else dv.stride(0), dv.stride(1), dv.stride(2), dv.stride(3),
+            zb if varlen else acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
+            *lam_strides,
+            num_n, HK, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
+            qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
+            *cols, *col_strides,
+            grad_fn, *sargs, mask_fn, *margs, flag,
+        ], dict(common_kw, BLOCK_M=bm, BLOCK_N=bn,
+                SPARSE_M=sparse[0] if sparse else bm, SPARSE_N=sparse[1] if sparse else bn,
+                DQ_ATOMIC=atomic, DQ_TMA=dq_tma, Q_TAIL=varlen and use_tma,
+                CHECK=check, STRICT=strict, num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+
+        # 3. dQ: the deterministic kernel, or the conversion of the atomic accumulator
+        if atomic:
+            launches.append(_convert_launch(acc, dq, scale, flag if check else None))
+        else:
+            qm, qn = cfg.dq_block_m, cfg.dq_block_n
+            if use_tma:
+                descs = [_desc(q, qm, BD), _desc(k, qn, BD), _desc(v, qn, BDV), _desc(do, qm, BDV)]
+            else:
+                descs = [q, k, v, do]
+            num_m = -(-seq_q // qm)
+            launches.append((_attn_bwd_dq, (num_m * n_seq * HQ,), [
+                q, k, v, do, dq, lam, dd, *descs, *strides_in,
+                zb if varlen else dq.stride(0), dq.stride(1), dq.stride(2), dq.stride(3),
+                *lam_strides,
+                num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
+                qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
+                *rows, *row_strides,
+                grad_fn, *sargs, mask_fn, *margs, flag,
+            ], dict(common_kw, BLOCK_M=qm, BLOCK_N=qn,
+                    SPARSE_M=sparse[0] if sparse else qm, SPARSE_N=sparse[1] if sparse else qn,
+                    REVERSE_M=right is not None, CHECK=check, STRICT=strict,
+                    num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)))
+        return launches
 
     # 2. dK, dV (and the atomic dQ)
     if use_gluon:
         launches.append(gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv,
                                                       causal=right == 0, scale=scale,
                                                       launch=False))
-        launches.append(_convert_launch(dq_acc, dq, scale))
-        return dq, dk, dv, launches
-    bm, bn = cfg.block_m, cfg.block_n
-    if use_tma:
-        dq_desc = _desc(dq_acc, bm, BD) if dq_tma else dq_acc
-        descs = [_desc(q, bm, BD), _desc(k, bn, BD), _desc(v, bn, BDV), _desc(do, bm, BDV), dq_desc]
+        # (the Gluon kernel itself is unchanged: see the flag's rule above)
+        launches.append(_convert_launch(dq_acc, dq, scale, flag,
+                                        lam if flag is not None else None, stat_stride))
     else:
-        descs = [q, k, v, do, dq_acc]
-    num_n = -(-seq_k // bn)
-    launches.append((_attn_bwd_dkdv, (num_n * n_seq * HK,), [
-        q, k, v, do, dk, dv, dq_acc, lam, dd, *descs, *strides_in,
-        zb if varlen else dk.stride(0), dk.stride(1), dk.stride(2), dk.stride(3),
-        zb if varlen else dv.stride(0), dv.stride(1), dv.stride(2), dv.stride(3),
-        zb if varlen else dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), dq_acc.stride(3),
-        *lam_strides,
-        num_n, HK, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
-        qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
-        *cols, *col_strides,
-        grad_fn, *sargs, mask_fn, *margs,
-    ], dict(common_kw, BLOCK_M=bm, BLOCK_N=bn,
-            SPARSE_M=sparse[0] if sparse else bm, SPARSE_N=sparse[1] if sparse else bn,
-            DQ_ATOMIC=atomic, DQ_TMA=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
-
-    # 3. dQ: the deterministic kernel, or the conversion of the atomic accumulator
-    if atomic:
-        launches.append(_convert_launch(dq_acc, dq, scale))
-    else:
-        qm, qn = cfg.dq_block_m, cfg.dq_block_n
-        if use_tma:
-            descs = [_desc(q, qm, BD), _desc(k, qn, BD), _desc(v, qn, BDV), _desc(do, qm, BDV)]
-        else:
-            descs = [q, k, v, do]
-        num_m = -(-seq_q // qm)
-        launches.append((_attn_bwd_dq, (num_m * n_seq * HQ,), [
-            q, k, v, do, dq, lam, dd, *descs, *strides_in,
-            zb if varlen else dq.stride(0), dq.stride(1), dq.stride(2), dq.stride(3),
-            *lam_strides,
-            num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
-            qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
-            *rows, *row_strides,
-            grad_fn, *sargs, mask_fn, *margs,
-        ], dict(common_kw, BLOCK_M=qm, BLOCK_N=qn,
-                SPARSE_M=sparse[0] if sparse else qm, SPARSE_N=sparse[1] if sparse else qn,
-                REVERSE_M=right is not None, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)))
+        launches += triton_pass(cfg, atomic, dq_tma, check=flag is not None, strict=False)
+    if flag is not None:
+        # the strict recompute, guarded by the flag: the deterministic kernels (dQ written,
+        # not added) on tiles small enough for the strict products' registers
+        launches += triton_pass(strict_config(cfg), False, False,
+                                check=False, strict=True)
     return dq, dk, dv, launches
 
 
