@@ -31,8 +31,8 @@ def _to_numpy(x) -> np.ndarray:
 
 def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) -> dict:
     """Compare ``actual`` to a float64 ``expected`` (arrays or tensors of any dtype and
-    device); returns a report dict with ``ok`` (:func:`flashfold.algebra.tolerances.compare`)."""
-    return _compare(_to_numpy(actual), _to_numpy(expected), dtype, scale, atol, rtol)
+    device; ``scale`` too); returns a report dict with ``ok`` (:func:`flashfold.algebra.tolerances.compare`)."""
+    return _compare(_to_numpy(actual), _to_numpy(expected), dtype, _to_numpy(scale), atol, rtol)
 
 
 def assert_close(actual, expected, dtype="float64", scale=1.0, name="result", **kw):

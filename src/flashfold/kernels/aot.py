@@ -25,8 +25,8 @@ __all__ = ["compile_launch", "Compiled"]
 
 
 def _tool(name: str) -> str:
-    import triton
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    from .compat import nvidia_tool          # the ptxas Triton itself assembles sm_90 with
+    return nvidia_tool(name)
 
 
 def _run_on_cubin(cubin: bytes, *args: str) -> str:
