@@ -353,8 +353,10 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
     ``query (B, Hq, S, D)``, ``key (B, Hkv, L, D)``, ``value (B, Hkv, L, Dv)`` -> ``(out
     (B, S, Hq, Dv) contiguous, None)``.
     """
-    import flashfold
-    from ..api import decode as api_decode   # looked up at each call: wrappers set there apply
+    # the entry points are looked up in their modules at each call, so a wrapper set there
+    # (api.attention.attention, api.decode.decode) applies
+    from ..api import attention as api_attention
+    from ..api import decode as api_decode
 
     where = type(module).__name__
     if dropout:
@@ -382,12 +384,12 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
     mask = attention_mask
     if mask is None and cu_q_kw is not None and cu_k_kw is not None:
         # packed batch (batch 1), as transformers' FlashAttention path
-        o = _call(flashfold.attention, where, query, key, value, causal=is_causal,
+        o = _call(api_attention.attention, where, query, key, value, causal=is_causal,
                   window=window, cu_seqlens_q=cu_q_kw.to(torch.int32),
                   cu_seqlens_k=cu_k_kw.to(torch.int32), **kw)
         return o.transpose(1, 2).contiguous(), None
     if mask is None:
-        o = _call(flashfold.attention, where, query, key, value, causal=is_causal,
+        o = _call(api_attention.attention, where, query, key, value, causal=is_causal,
                   window=window, **kw)
         return o.transpose(1, 2).contiguous(), None
     if isinstance(mask, torch.Tensor):
@@ -410,7 +412,7 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
 
     if mask.table is not None:
         mod = _TABLES.get(mask.table.to(query.device))
-        o = _call(flashfold.attention, where, query, key, value, mask_mod=mod, **kw)
+        o = _call(api_attention.attention, where, query, key, value, mask_mod=mod, **kw)
         return o.transpose(1, 2).contiguous(), None
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     step = mask.causal and S < L and S <= _MAX_DECODE_Q and not grad
@@ -422,9 +424,9 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
                   check_lengths=False, max_seqlen=L, **kw)
         return o.transpose(1, 2).contiguous(), None
     if not mask.varlen:
-        o = _call(flashfold.attention, where, query, key, value, causal=mask.causal, **kw)
+        o = _call(api_attention.attention, where, query, key, value, causal=mask.causal, **kw)
         return o.transpose(1, 2).contiguous(), None
-    return _varlen(flashfold.attention, where, query, key, value, mask.plan, mask.causal,
+    return _varlen(api_attention.attention, where, query, key, value, mask.plan, mask.causal,
                    kw), None
 
 
