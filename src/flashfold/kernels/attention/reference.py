@@ -47,15 +47,15 @@ import torch
 
 from ...algebra.lower import compile_graph
 from ...monoids import ATTENTION
-from .. import torch_lower  # noqa: F401  (registers the torch backend)
+from ..torch_lower import TORCH
 
 
 @lru_cache(maxsize=None)
 def _monoid_fns():
     """ATTENTION's lift, combine and finalize, lowered to torch."""
-    return (compile_graph(ATTENTION.lift_graph, "torch"),
-            compile_graph(ATTENTION.combine_graph, "torch"),
-            compile_graph(ATTENTION.finalize_graph, "torch"))
+    return (compile_graph(ATTENTION.lift_graph, TORCH),
+            compile_graph(ATTENTION.combine_graph, TORCH),
+            compile_graph(ATTENTION.finalize_graph, TORCH))
 
 
 def _compute_dtype(dtype, compute_dtype):
