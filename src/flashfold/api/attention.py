@@ -87,52 +87,17 @@ import torch
 
 from ..kernels.attention.mods import (BlockMask, TracedMod, create_block_mask, trace_mask_mod,
                                       trace_score_mod)
-# the checks shared with decode (one rule per argument); _check_qkv / _check_positive are
-# imported from here by flashfold.distributed.ring
-from ._validate import check_bool as _check_bool
-from ._validate import check_positive as _check_positive
-from ._validate import check_tensor as _check_tensor
-from ._validate import check_window as _check_window
-from ._validate import unbounded_beyond
-
-#: head dims the kernels support (q/k and v independently)
-HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-CUDA_DTYPES = (torch.float16, torch.bfloat16)
-CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# the checks shared with decode and ring attention (one rule per argument)
+from .validate import HEAD_DIMS
+from .validate import check_bool as _check_bool
+from .validate import check_positive as _check_positive
+from .validate import check_qkv as _check_qkv
+from .validate import check_tensor as _check_tensor
+from .validate import check_window as _check_window
+from .validate import unbounded_beyond
 
 
 # --- validation ---------------------------------------------------------------------------
-
-def _check_qkv(q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got "
-                             f"shape {tuple(t.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} does not match q dtype {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    allowed = CUDA_DTYPES if q.device.type == "cuda" else CPU_DTYPES
-    if q.dtype not in allowed:
-        raise TypeError(f"q dtype {q.dtype} is not supported on {q.device.type}; expected one "
-                        f"of {[str(d) for d in allowed]}")
-    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    if v.shape[1] != k.shape[1]:
-        raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads "
-                         f"({k.shape[1]}) for GQA/MQA")
-    if v.shape[2] != k.shape[2]:
-        raise ValueError(f"v seq length {v.shape[2]} does not match k seq length {k.shape[2]}")
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"k head_dim {k.shape[3]} does not match q head_dim {q.shape[3]}")
-    for name, d in (("q/k", q.shape[3]), ("v", v.shape[3])):
-        if d not in HEAD_DIMS:
-            raise ValueError(f"{name} head_dim {d} is not supported; expected one of {HEAD_DIMS}")
-
 
 def _check_cu(name, cu, total, device, values=True):
     _check_tensor(name, cu)
@@ -257,7 +222,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         return (o, lse.to(torch.float32)) if return_lse else o
     if compiling or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         # differentiable / compilable: the custom op (mods go through the registry)
-        from ..kernels.attention.autograd import _entry, attention_op, register_mods
+        from ..kernels.attention.autograd import attention_op, mods_entry, register_mods
         if mask_mod is not None and not isinstance(mask_mod, BlockMask) and not callable(mask_mod):
             raise TypeError(f"mask_mod must be a callable or a BlockMask, got {type(mask_mod).__name__}")
         if score_mod is not None and not callable(score_mod) and not isinstance(score_mod, TracedMod):
@@ -273,7 +238,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
             mask_arg, mask_id = mask_mod, (0 if mask_mod is None else id(mask_mod))
         key = register_mods(score_mod, mask_arg, 0 if score_mod is None else id(score_mod),
                             mask_id)
-        entry = _entry(key)
+        entry = mods_entry(key)
         if entry is not None:
             for mod in (entry.score, entry.mask):
                 if mod is not None:

@@ -49,7 +49,7 @@ import math
 import torch
 
 from ..kernels.decode.reference import decode_reference
-from ._validate import (check_bool, check_positive, check_window, is_meta, no_values,
+from .validate import (check_bool, check_positive, check_window, is_meta, no_values,
                         unbounded_beyond)
 
 #: the most query tokens per sequence :func:`decode` takes
@@ -195,7 +195,7 @@ def _check_lengths(cache_seqlens, capacity, block_table, num_pages, extra=0, nam
 def _options(head_dim, scale, softcap, window, num_splits, batch_invariant, max_seqlen,
              return_lse, capacity=None):
     """Validate the scalar options (the checks of :func:`flashfold.attention` where the two
-    share an option: :mod:`._validate`); returns ``(scale, softcap, window)`` normalized
+    share an option: :mod:`.validate`); returns ``(scale, softcap, window)`` normalized
     (the scale's default ``1 / sqrt(head_dim)``; a window side of at least ``capacity``:
     unbounded)."""
     scale = check_positive("scale", scale)

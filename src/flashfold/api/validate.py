@@ -1,6 +1,7 @@
-"""Argument checks shared by the entry points of :mod:`flashfold.api` (:func:`~flashfold.attention`,
-:func:`~flashfold.decode`, ...): one check and one message per kind of argument, so that the
-functions accept and reject the same values.
+"""Argument checks shared by the entry points of :mod:`flashfold.api` and
+:mod:`flashfold.distributed` (:func:`~flashfold.attention`, :func:`~flashfold.decode`,
+:func:`~flashfold.distributed.ring_attention`, ...): one check and one message per kind of
+argument, so that the functions accept and reject the same values.
 
 Rules:
 
@@ -85,6 +86,49 @@ def unbounded_beyond(side, n):
     return None if side is not None and side >= n else side
 
 
+#: head dims the attention kernels support (q/k and v independently)
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+#: attention's dtypes on CUDA and elsewhere
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_qkv(q, k, v) -> None:
+    """Attention's ``q (B, Hq, S, D)``, ``k (B, Hkv, L, D)``, ``v (B, Hkv, L, Dv)``: tensors
+    of 4 dims, one dtype (:data:`CUDA_DTYPES` on CUDA, :data:`CPU_DTYPES` elsewhere) and one
+    device, ``Hq`` a multiple of ``Hkv`` (GQA / MQA), ``D`` and ``Dv`` in :data:`HEAD_DIMS`;
+    ``TypeError`` for a type or dtype, ``ValueError`` for a shape or device, naming the
+    tensor."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got "
+                             f"shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} does not match q dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    allowed = CUDA_DTYPES if q.device.type == "cuda" else CPU_DTYPES
+    if q.dtype not in allowed:
+        raise TypeError(f"q dtype {q.dtype} is not supported on {q.device.type}; expected one "
+                        f"of {[str(d) for d in allowed]}")
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads "
+                         f"({k.shape[1]}) for GQA/MQA")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v seq length {v.shape[2]} does not match k seq length {k.shape[2]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k head_dim {k.shape[3]} does not match q head_dim {q.shape[3]}")
+    for name, d in (("q/k", q.shape[3]), ("v", v.shape[3])):
+        if d not in HEAD_DIMS:
+            raise ValueError(f"{name} head_dim {d} is not supported; expected one of {HEAD_DIMS}")
+
+
 def is_meta(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "meta"
 
@@ -97,4 +141,5 @@ def no_values(name: str, what: str) -> ValueError:
 
 
 __all__ = ["WindowTypeError", "check_tensor", "check_bool", "check_positive", "check_window",
-           "unbounded_beyond", "is_meta", "no_values"]
+           "unbounded_beyond", "HEAD_DIMS", "CUDA_DTYPES", "CPU_DTYPES", "check_qkv", "is_meta",
+           "no_values"]

@@ -105,7 +105,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..api.attention import _check_positive, _check_qkv
+from ..api.validate import check_positive, check_qkv
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -633,7 +633,7 @@ def ring_attention(q, k, v, *, group=None, causal=False, layout="contiguous", sc
     :math:`\mathrm{lse} = \log\sum_t e^{\mathrm{lse}_t}` over the ``W`` key blocks.
     Differentiable (``o`` and ``lse``); every rank must run the forward and the backward.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"q and k/v must hold the same positions of the sequence: q has "
                          f"{q.shape[2]} rows, k/v {k.shape[2]}")
@@ -647,9 +647,9 @@ def ring_attention(q, k, v, *, group=None, causal=False, layout="contiguous", sc
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
                         f"{type(group).__name__}")
-    scale = _check_positive("scale", scale)
+    scale = check_positive("scale", scale)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-    softcap = _check_positive("softcap", softcap)
+    softcap = check_positive("softcap", softcap)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention needs torch.distributed initialized "
                            "(torch.distributed.init_process_group)")

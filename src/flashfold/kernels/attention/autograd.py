@@ -147,7 +147,11 @@ def entry_tables(key: str) -> list:
     return _ENTRIES[key].tables if key else []
 
 
-def _entry(key: str):
+def mods_entry(key: str) -> ModsEntry | None:
+    """The registry entry of ``key`` (from :func:`register_mods`; None for ``""``).
+
+    RuntimeError when the entry is gone (its score_mod / mask_mod was garbage collected).
+    """
     if not key:
         return None
     try:
@@ -418,7 +422,7 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, key, scale, softcap, left,
                  use_kernel):
     """The forward both wrappers run: ``(o, lse)`` contiguous, lse float32 (float64 for
     float64 inputs); the kernels or the blocked reference."""
-    entry = _entry(key)
+    entry = mods_entry(key)
     score = entry.score if entry else None
     mask = entry.mask if entry else None
     block_mask = entry.block_mask if entry else None
@@ -436,7 +440,7 @@ def forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, key, scale, softcap, left,
 def backward_impl(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, key, scale, softcap,
                   left, right, use_kernel, deterministic):
     """The backward both wrappers run: ``(dq, dk, dv)`` contiguous in the input dtype."""
-    entry = _entry(key)
+    entry = mods_entry(key)
     score = entry.score if entry else None
     mask = entry.mask if entry else None
     block_mask = entry.block_mask if entry else None
