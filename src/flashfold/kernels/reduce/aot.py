@@ -37,7 +37,10 @@ SMS = 132
 
 def plans(sms: int = SMS):
     """``(name, plan)`` covering every template variant the public functions launch, with
-    the split decisions of a GPU of ``sms`` streaming multiprocessors."""
+    the split decisions of a GPU of ``sms`` streaming multiprocessors. The variants off
+    the default path (reduce-then-scan, the prefetching chunked scan, scalar loads of
+    misaligned rows) are asked of the planners by keyword (``lookback=``, ``config=``,
+    ``align_rows=``); no global of :mod:`.launch` is changed."""
     from functools import partial
 
     import torch
@@ -52,62 +55,54 @@ def plans(sms: int = SMS):
     segment = partial(L.plan_segment_reduce, sms=sms)
     scan = partial(L.plan_scan, sms=sms)
     normalize = partial(L.plan_normalize, sms=sms)
-    align_rows, scan_config = L.ALIGN_ROWS, L.scan_config
-    try:
-        out = []
-        for dt in (torch.float32, torch.bfloat16):
-            x = torch.empty(64, 16384, dtype=dt)
-            tag = str(dt).replace("torch.", "")
-            for m in (M.SUM, M.MAX, M.LOGSUMEXP2, M.WELFORD, M.ARGMAX):
-                out.append((f"reduce {m.name} 64x16384 {tag}", reduce_(m, x, 1)[0]))
-            out.append((f"softmax 64x16384 {tag}", normalize(SOFTMAX, x, 1)[0]))
-            out.append((f"cumsum 64x16384 {tag}", scan(M.SUM, x, 1)[0]))
-            out.append((f"logcumsumexp 64x16384 {tag}", scan(LSE2_SCAN, x, 1)[0]))
-        f32 = torch.float32
-        aff = _affine()
-        out += [
-            ("reduce logsumexp2 split-K 1x2^22", reduce_(M.LOGSUMEXP2, torch.empty(1, 2**22), 1)[0]),
-            ("reduce logsumexp2 4096x12345", reduce_(M.LOGSUMEXP2, torch.empty(4096, 12345), 1)[0]),
-            ("reduce welford 4096x12345", reduce_(M.WELFORD, torch.empty(4096, 12345), 1)[0]),
-            ("cumsum 4096x12345", scan(M.SUM, torch.empty(4096, 12345), 1)[0]),
-            ("reduce logsumexp2 2^16x7", reduce_(M.LOGSUMEXP2, torch.empty(2**16, 7), 1)[0]),
-            ("reduce welford columns", reduce_(M.WELFORD, torch.empty(4096, 1024), 0)[0]),
-            ("reduce affine ordered", reduce_(aff, torch.empty(512, 5000), 1)[0]),
-            ("reduce affine ordered split-K", reduce_(aff, torch.empty(1, 2**22), 1)[0]),
-            ("segment logsumexp2", segment(
-                M.LOGSUMEXP2, torch.empty(10000, 64), torch.tensor([0, 100, 10000]), 0)[0]),
-            ("scan logsumexp2 reverse", scan(M.LOGSUMEXP2, torch.empty(64, 16384), 1, True)[0]),
-            ("scan sum look-back 1x2^22", scan(M.SUM, torch.empty(1, 2**22), 1)[0]),
-            ("scan logcumsumexp look-back 4x2^20", scan(LSE2_SCAN, torch.empty(4, 2**20), 1)[0]),
-            ("scan affine look-back 1x2^22", scan(aff, torch.empty(1, 2**22), 1)[0]),
-            ("scan argmax look-back 1x2^22 bf16", scan(M.ARGMAX, torch.empty(1, 2**22, dtype=torch.bfloat16), 1)[0]),
-            ("scan affine multi-block reverse", scan(aff, torch.empty(1, 2**22), 1, True)[0]),
-            ("scan argmax 2^16x7", scan(M.ARGMAX, torch.empty(2**16, 7), 1)[0]),
-            ("scan sum columns", scan(M.SUM, torch.empty(1024, 1024), 0)[0]),
-            ("softmax 2-loop 64x65536", normalize(SOFTMAX, torch.empty(64, 65536), 1)[0]),
-            ("softmax split 1x2^22", normalize(SOFTMAX, torch.empty(1, 2**22), 1)[0]),
-            ("segment sum 2^20x256", segment(
-                M.SUM, torch.empty(2**20, 256), torch.arange(0, 2**20 + 1, 2**14), 0)[0]),
-            ("softmax 2^16x7", normalize(SOFTMAX, torch.empty(2**16, 7, dtype=f32), 1)[0]),
-        ]
-        L.LOOKBACK = False
-        out.append(("scan logcumsumexp reduce-then-scan 1x2^22",
-                    scan(LSE2_SCAN, torch.empty(1, 2**22), 1)[0]))
-        L.scan_config = lambda *a: L.Config(2048, 1, 1, 4, vec=4, prefetch=True)
-        for dt in (torch.float32, torch.bfloat16):
-            tag = str(dt).replace("torch.", "")
-            out.append((f"logcumsumexp prefetch 64x16384 {tag}",
-                        scan(LSE2_SCAN, torch.empty(64, 16384, dtype=dt), 1)[0]))
-        L.scan_config = scan_config
-        L.ALIGN_ROWS = False                      # on by default, kept switchable
-        for m in (M.LOGSUMEXP2, M.WELFORD):
-            out.append((f"reduce {m.name} 4096x12345 scalar loads",
-                        reduce_(m, torch.empty(4096, 12345), 1)[0]))
-        return out
-    finally:
-        L.LOOKBACK = True
-        L.ALIGN_ROWS = align_rows
-        L.scan_config = scan_config
+    out = []
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.empty(64, 16384, dtype=dt)
+        tag = str(dt).replace("torch.", "")
+        for m in (M.SUM, M.MAX, M.LOGSUMEXP2, M.WELFORD, M.ARGMAX):
+            out.append((f"reduce {m.name} 64x16384 {tag}", reduce_(m, x, 1)[0]))
+        out.append((f"softmax 64x16384 {tag}", normalize(SOFTMAX, x, 1)[0]))
+        out.append((f"cumsum 64x16384 {tag}", scan(M.SUM, x, 1)[0]))
+        out.append((f"logcumsumexp 64x16384 {tag}", scan(LSE2_SCAN, x, 1)[0]))
+    f32 = torch.float32
+    aff = _affine()
+    out += [
+        ("reduce logsumexp2 split-K 1x2^22", reduce_(M.LOGSUMEXP2, torch.empty(1, 2**22), 1)[0]),
+        ("reduce logsumexp2 4096x12345", reduce_(M.LOGSUMEXP2, torch.empty(4096, 12345), 1)[0]),
+        ("reduce welford 4096x12345", reduce_(M.WELFORD, torch.empty(4096, 12345), 1)[0]),
+        ("cumsum 4096x12345", scan(M.SUM, torch.empty(4096, 12345), 1)[0]),
+        ("reduce logsumexp2 2^16x7", reduce_(M.LOGSUMEXP2, torch.empty(2**16, 7), 1)[0]),
+        ("reduce welford columns", reduce_(M.WELFORD, torch.empty(4096, 1024), 0)[0]),
+        ("reduce affine ordered", reduce_(aff, torch.empty(512, 5000), 1)[0]),
+        ("reduce affine ordered split-K", reduce_(aff, torch.empty(1, 2**22), 1)[0]),
+        ("segment logsumexp2", segment(
+            M.LOGSUMEXP2, torch.empty(10000, 64), torch.tensor([0, 100, 10000]), 0)[0]),
+        ("scan logsumexp2 reverse", scan(M.LOGSUMEXP2, torch.empty(64, 16384), 1, True)[0]),
+        ("scan sum look-back 1x2^22", scan(M.SUM, torch.empty(1, 2**22), 1)[0]),
+        ("scan logcumsumexp look-back 4x2^20", scan(LSE2_SCAN, torch.empty(4, 2**20), 1)[0]),
+        ("scan affine look-back 1x2^22", scan(aff, torch.empty(1, 2**22), 1)[0]),
+        ("scan argmax look-back 1x2^22 bf16", scan(M.ARGMAX, torch.empty(1, 2**22, dtype=torch.bfloat16), 1)[0]),
+        ("scan affine multi-block reverse", scan(aff, torch.empty(1, 2**22), 1, True)[0]),
+        ("scan argmax 2^16x7", scan(M.ARGMAX, torch.empty(2**16, 7), 1)[0]),
+        ("scan sum columns", scan(M.SUM, torch.empty(1024, 1024), 0)[0]),
+        ("softmax 2-loop 64x65536", normalize(SOFTMAX, torch.empty(64, 65536), 1)[0]),
+        ("softmax split 1x2^22", normalize(SOFTMAX, torch.empty(1, 2**22), 1)[0]),
+        ("segment sum 2^20x256", segment(
+            M.SUM, torch.empty(2**20, 256), torch.arange(0, 2**20 + 1, 2**14), 0)[0]),
+        ("softmax 2^16x7", normalize(SOFTMAX, torch.empty(2**16, 7, dtype=f32), 1)[0]),
+    ]
+    out.append(("scan logcumsumexp reduce-then-scan 1x2^22",
+                scan(LSE2_SCAN, torch.empty(1, 2**22), 1, lookback=False)[0]))
+    prefetch = L.Config(2048, 1, 1, 4, vec=4, prefetch=True)
+    for dt in (torch.float32, torch.bfloat16):
+        tag = str(dt).replace("torch.", "")
+        out.append((f"logcumsumexp prefetch 64x16384 {tag}",
+                    scan(LSE2_SCAN, torch.empty(64, 16384, dtype=dt), 1, lookback=False,
+                         config=prefetch)[0]))
+    for m in (M.LOGSUMEXP2, M.WELFORD):           # realignment: on by default, switchable
+        out.append((f"reduce {m.name} 4096x12345 scalar loads",
+                    reduce_(m, torch.empty(4096, 12345), 1, align_rows=False)[0]))
+    return out
 
 
 def main(argv=None) -> int:

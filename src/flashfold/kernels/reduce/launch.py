@@ -68,11 +68,12 @@ measured 0.12-0.40 ms), 4096 x 12345, and, with byte-identical kernels and grids
 runs, amax/sum over 16K x 16K bf16 (0.128 -> 0.224 / 0.129 -> 0.177 ms) and the dim-0
 reductions (0.26 -> 0.35 ms). Plans here are chosen from rows whose time is the kernels';
 ``benchmarks/reductions.py`` also times every row from a CUDA graph to separate the two.
-``benchmarks/host_overhead.py`` measured the host time itself (run 3): 187 us per
+``benchmarks/host_overhead.py`` measured the host time itself: 187 us per
 ``flashfold.argmax`` over 2^20 x 7, of which ~120 us in Triton's ``kernel[grid]`` (binding
 and hashing ~60 arguments and constexprs) against 8.6 us for a compiled kernel's launcher
-called directly; launches now go through :mod:`flashfold.kernels.launcher`, which keys
-the compiled kernel itself.
+called directly; launches go through :mod:`flashfold.kernels.launcher`, which keys the
+compiled kernel itself (``docs/notes/reductions.md``, "Kernel time, not eager time,
+decides a plan"; ``docs/notes/host_time.md``).
 
 Plan cache
 ----------
@@ -248,14 +249,14 @@ _SHORT_TILE = 1024
 #: sm_90 SASS for 2^20 x 7 fp32, instructions per thread x warps of the grid, tile path
 #: -> this path: argmax 1056 x 32K -> 296 x 16K, logsumexp 1000 x 32K -> 384 x 16K, cumsum
 #: 608 x 32K -> 152 x 16K (<= 37 us -> <= 7 us of issue at 0.93e12 warp-instructions/s).
-#: Measured (eager, host-bound: see the module notes), checkpoint -> final run: argmax
-#: 0.349 -> 0.216 ms, cumsum 0.306 -> 0.184, logsumexp 0.121 -> 0.341, softmax 0.282 ->
-#: 0.401; the kernels cannot account for either direction (0.1-0.4 ms against <= 0.05 ms
-#: of GPU work), so the path stays on its instruction counts
+#: Eager timings of these rows moved both ways between measurements (host-bound: see the
+#: module notes): argmax 0.349 -> 0.216 ms, cumsum 0.306 -> 0.184, logsumexp 0.121 ->
+#: 0.341, softmax 0.282 -> 0.401; the kernels cannot account for either direction (0.1-0.4
+#: ms against <= 0.05 ms of GPU work), so the path stays on its instruction counts
 SMALL_N = 16
 #: rows per program on that path (one per thread at 4 warps): argmax 2^20 x 7 measured
-#: 0.017 ms from CUDA graphs with 128 against 0.018 with 256 and 0.021 with 512, in each
-#: of four H200 runs (variants of runs 4-7)
+#: 0.017 ms from CUDA graphs with 128 against 0.018 with 256 and 0.021 with 512, each of
+#: four times on the H200 (``docs/notes/reductions.md``, "Short rows and awkward shapes")
 _SMALL_ROWS = 128
 
 
@@ -268,11 +269,11 @@ def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False,
     plans, and as more than one for column plans). In 16-bit dtypes such rows run below the
     copy (74% and 66% for bf16 logsumexp and var_mean at K = 4), and K = 8 halves the lane
     combines per element (9.5 -> 8.0 and 9.4 -> 7.1 instructions). Measured on 16K x 16K
-    bf16 (checkpoint K = 4 -> final run K = 8): logsumexp 3133 -> 3387 GB/s (64 -> 80
-    registers: 4 -> 3 programs of 8 warps per SM), var_mean 2777 -> 2734 (75 -> 105
-    registers: 3 -> 2 programs per SM). So K = 8 only for states of at most two fields;
-    Welford's three keep K = 4, the checkpoint's plan. Cheap monoids (MAX, SUM) never
-    took K = 8 (their bf16 kernels are byte-identical in both runs)."""
+    bf16 (K = 4 -> K = 8): logsumexp 3133 -> 3387 GB/s (64 -> 80 registers: 4 -> 3
+    programs of 8 warps per SM), var_mean 2777 -> 2734 (75 -> 105 registers: 3 -> 2
+    programs per SM). So K = 8 only for states of at most two fields; Welford's three keep
+    K = 4 (``docs/notes/reductions.md``, "Short rows and awkward shapes"). Cheap monoids
+    (MAX, SUM) never take K = 8."""
     vec = max(1, 16 // elsize)
     N, B2 = max(g.N, 1), g.B[2]
     if g.sn == 1 and N <= SMALL_N:
@@ -282,14 +283,13 @@ def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False,
         rows = max(1, min(_p2(B2), _SHORT_TILE // lanes))
         return Config(1, lanes, rows, 4)
     if g.sn != 1 and g.s[2] == 1 and B2 > 1:
-        # columns: rows contiguous in memory, the reduced dim strided. 8 warps over 1024
-        # fp32 columns measured 0.263 ms for sum over dim 0 of 16K x 16K against 0.269
-        # for this plan (H200 run 4), but with them logsumexp over dim 0 went 0.265 ->
-        # 0.272 and cumsum over dim 0 (whose split pass uses this plan) 0.991 -> 1.027
-        # (run 5): kept at 4 warps over 512 columns. One-field states load 16 rows per
-        # step instead of 8 (more loads in flight): sum over dim 0 measured 0.267 against
-        # 0.269 ms (run 9's variants) and 0.254 against 0.255 (seventh session; torch
-        # 0.254); states of more fields keep 8 (registers)
+        # columns: rows contiguous in memory, the reduced dim strided: 4 warps over 512
+        # columns (8 warps over 1024 helped sum over dim 0 of 16K x 16K, 0.263 against
+        # 0.269 ms on the H200, but slowed logsumexp over dim 0, 0.265 -> 0.272, and
+        # cumsum over dim 0, whose split pass uses this plan, 0.991 -> 1.027). One-field
+        # states load 16 rows per step instead of 8 (more loads in flight: sum over dim
+        # 0 0.254 against 0.255 ms, torch 0.254); states of more fields keep 8
+        # (registers). docs/notes/reductions.md, "Column reductions"
         rows = min(_p2(B2), vec * 32 * 4)
         k = max(1, min(_p2(N), (8192 if fields == 1 else 4096) // rows))
         return Config(k, 1, rows, 4)
@@ -320,15 +320,16 @@ def split_plan(g: Geometry, tile: int, n_prog: int, sms: int, min_tiles: int = 2
 
     Chunks are an odd number of tiles: the programs of a split run in lockstep, and with
     a power-of-two chunk (512 KB for 1 x 2^26 fp32) they might all hit the same HBM
-    channels at once (the checkpoint measured 2.0 TB/s for 1 x 2^26 sum and logsumexp).
-    The final run measured no change from it (sum 0.130 -> 0.129 ms, logsumexp 0.149 ->
-    0.149): those rows are bound by something else, likely the host time of a two-launch
-    call (module notes). Kept: no row measured slower with it.
+    channels at once (2.0 TB/s was measured for 1 x 2^26 sum and logsumexp with them).
+    Odd chunks measured no change (sum 0.130 -> 0.129 ms, logsumexp 0.149 -> 0.149): those
+    rows are bound by something else, likely the host time of a two-launch call (module
+    notes). Kept: no row measured slower with it.
 
     The split aims at ``4·sms`` programs, and at ``8·sms`` when the reduced dim is strided
     (columns): a column program's loads in flight are one ``[K, 512]`` tile, and sum over
     dim 0 of 16K x 16K fp32 measured 0.268-0.270 ms with 17 chunks (544 programs) against
-    0.261 with 33 (1,056) and 0.272 with 64 (H200, variants of runs 7-9; torch 0.259)."""
+    0.261 with 33 (1,056) and 0.272 with 64 (H200; torch 0.259; ``docs/notes/reductions.md``,
+    "Column reductions")."""
     target = (8 if g.sn != 1 else 4) * sms
     if n_prog >= 2 * sms or g.N < 2 * min_tiles * tile:
         return 1, max(g.N, 1)
@@ -371,26 +372,26 @@ def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = 
     the combine then runs only between tiles, so costly monoids take the block path too,
     in tiles of 1024 on one warp: each tile reduces its max, scans and checks exactness
     across the block, and within one warp those are shuffles, not shared memory and
-    barriers. H200, logcumsumexp 16K x 16K (kernel time, `benchmarks/reductions.py
-    --variants logcumsumexp`, runs of this session): fp32 1024 x 1 warp 0.543 ms (3,964
-    GB/s, 93% of the copy), 512 x 1 0.554, 1024 x 2 0.558, 2048 x 4 0.587, 2048 x 8 0.787,
-    4096 x 4 0.771, against 0.639 for the chunked scan it replaced; bf16 1024 x 1 0.351,
-    2048 x 2 0.405, 2048 x 4 0.431, 4096 x 8 0.606, chunked 0.505.
+    barriers. H200, logcumsumexp 16K x 16K (kernel time, ``benchmarks/reductions.py
+    --variants logcumsumexp``): fp32 1024 x 1 warp 0.543 ms (3,964 GB/s, 93% of the copy)
+    against 0.639 for the chunked scan it replaced, bf16 0.351 against 0.505; other tiles
+    and warps were slower (``docs/notes/reductions.md``, "Scans").
 
     H200, 16K x 16K fp32 (benchmarks/logs): for a cheap combine (cumsum) the block scan
     (``tl.associative_scan``, coalesced 16-byte accesses) of 4096-element tiles at 8 warps
     reached 3.97 TB/s, the chunked scan 2.7-2.9: its lanes own consecutive vectors, so a
-    warp's access is strided and each sector is fetched by several instructions (final
-    run, block scan: 4011 GB/s fp32, 3736 bf16). For a costly combine (logcumsumexp: exp2
-    in the combine) the chunked scan (~2.75 combines per element against ~5) wins: 3.15
-    TB/s at 2048 elements and 4 warps, against 2.5 at 8 warps and 1.96 for the block scan
-    (final run: 3169 GB/s). Reverse scans load in reversed order (scalar, coalesced) with
-    the block scan.
+    warp's access is strided and each sector is fetched by several instructions (block
+    scan: 4011 GB/s fp32, 3736 bf16). Without a block scan of the monoid's own, a costly
+    combine (logcumsumexp: exp2 in the combine) takes the chunked scan (~2.75 combines per
+    element against ~5): 3.15 TB/s at 2048 elements and 4 warps, against 2.5 at 8 warps
+    and 1.96 for the generic block scan. Reverse scans load in reversed order (scalar,
+    coalesced) with the block scan.
 
     Rows that start off 16-byte boundaries (4096 x 12345 fp32) take the same rule: in
-    kernel time (CUDA-graph replays, H200 run 3) the block scan did 0.149 ms against 0.202
-    for the chunked scan of 4096 elements at 8 warps; the eager times of the earlier runs
-    (0.221 vs 0.294, the other way) were host time (``benchmarks/host_overhead.py``).
+    kernel time (CUDA-graph replays, H200) the block scan did 0.149 ms against 0.202 for
+    the chunked scan of 4096 elements at 8 warps; eager times that pointed the other way
+    (0.221 vs 0.294) were host time (``docs/notes/reductions.md``, "Short rows and awkward
+    shapes").
     """
     vec = max(1, 16 // elsize)
     N, B2 = max(g.N, 1), g.B[2]
@@ -406,11 +407,10 @@ def scan_config(g: Geometry, elsize: int, reverse: bool = False, costly: bool = 
     if costly and not block_scan and not reverse and g.sn == 1 and N >= 2048:
         # 4-element vectors whatever the dtype (8-element ones would hold 32 values per
         # thread in 16-bit dtypes, and spill). fp32: 1024-element tiles at 2 warps with
-        # the next tile prefetched (H200 runs 4 and 5, logcumsumexp 16K x 16K, kernel
-        # time: 0.639 / 0.641 ms, 3,363 / 3,350 GB/s, against 0.680 for 2048 at 4 warps
-        # with or without prefetch, 0.794 for 1024 at 2 warps without, 0.804 for 512 at
-        # 1 warp with). 16-bit: 2048 at 4 warps (bf16: 0.505 ms in run 4; the fp32 plan
-        # took 0.539 in run 5)
+        # the next tile prefetched (H200, logcumsumexp 16K x 16K, kernel time: 0.639-0.641
+        # ms, 3,350-3,363 GB/s, against 0.680 for 2048 at 4 warps with or without
+        # prefetch, 0.794 for 1024 at 2 warps without). 16-bit: 2048 at 4 warps (bf16:
+        # 0.505 ms; the fp32 plan took 0.539). docs/notes/reductions.md, "Scans"
         if elsize >= 4:
             return Config(1024, 1, 1, 2, vec=4, prefetch=True)
         return Config(2048, 1, 1, 4, vec=4)
@@ -539,11 +539,11 @@ def _common(fns: ReduceFunctions):
                 IDENTITY=fns.identity)
 
 
-def _align(x: torch.Tensor, g: Geometry, cfg: Config) -> int:
+def _align(x: torch.Tensor, g: Geometry, cfg: Config, align_rows: bool = True) -> int:
     """Vector width (elements) to realign long contiguous rows to, 0 when they already
-    are or :data:`ALIGN_ROWS` is off: rows whose start is not a multiple of 16 bytes
-    (4096 x 12345 fp32) load as scalars otherwise."""
-    if cfg.ROWS != 1 or cfg.LANES == 1 or g.sn != 1 or cfg.small or not ALIGN_ROWS:
+    are or ``align_rows`` is off (the planners' default: :data:`ALIGN_ROWS`): rows whose
+    start is not a multiple of 16 bytes (4096 x 12345 fp32) load as scalars otherwise."""
+    if cfg.ROWS != 1 or cfg.LANES == 1 or g.sn != 1 or cfg.small or not align_rows:
         return 0
     vec = max(1, 16 // x.element_size())
     if x.data_ptr() % 16:            # then no offset can make the addresses aligned
@@ -552,16 +552,17 @@ def _align(x: torch.Tensor, g: Geometry, cfg: Config) -> int:
     return vec if misaligned and vec > 1 else 0
 
 
-#: realign misaligned long rows (see :func:`_align`). In kernel time (CUDA-graph replays,
-#: H200 run 3, 4096 x 12345 fp32) the realigned tiles beat scalar loads: logsumexp 0.067
-#: vs 0.085 ms, var_mean 0.084 vs 0.092. The eager times that once had them off (0.254 vs
-#: 0.122 ms) were host time: both plans' kernels take under 0.1 ms there. Switchable, and
-#: timed both ways as a variant by benchmarks/reductions.py.
+#: realign misaligned long rows (see :func:`_align`; the planners' default for
+#: ``align_rows=``). In kernel time (CUDA-graph replays, H200, 4096 x 12345 fp32) the
+#: realigned tiles beat scalar loads: logsumexp 0.067 vs 0.085 ms, var_mean 0.084 vs 0.092
+#: (``docs/notes/reductions.md``, "Short rows and awkward shapes"). Switchable, and timed
+#: both ways as a variant by benchmarks/reductions.py.
 ALIGN_ROWS = True
 
 
 def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split, chunk,
-                   cfg: Config, *, from_states=False, state_out=False, segmented=False):
+                   cfg: Config, *, from_states=False, state_out=False, segmented=False,
+                   align_rows=True):
     n_inner = -(-g.B[2] // cfg.ROWS)
     grid = (g.B[0] * g.B[1] * n_inner * n_split,)
     args = (src, tuple(outs), tuple(fin_args), seg,
@@ -576,7 +577,7 @@ def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split,
                   STATE_OUT=state_out, SEGMENTED=segmented,
                   MASK_ROWS=g.B[2] % cfg.ROWS != 0, N64=_n64(g),
                   LIFT_XP=fns.lift_xp, SELECT=fns.select, SMALL=cfg.small and not from_states,
-                  ALIGN=0 if from_states else _align(src, g, cfg), **_opts(cfg))
+                  ALIGN=0 if from_states else _align(src, g, cfg, align_rows), **_opts(cfg))
     return Launch(K_.reduce_kernel, grid, args, kwargs)
 
 
@@ -644,11 +645,16 @@ def _parts_strides(g: Geometry, n_split: int):
     return (g.B[1] * g.B[2] * n_split, g.B[2] * n_split, n_split)
 
 
-def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None, *, sms=None):
+def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None, *, sms=None,
+                align_rows=None):
     """(plan, outputs): reduce ``x`` over ``dim`` (outputs have the batch shape).
 
-    ``sms``: the streaming multiprocessors the split decisions assume (every planner takes
-    it; default :func:`num_sms` of ``x.device``; plans for another GPU pass its count)."""
+    Every planner takes, by keyword, what its decisions depend on beyond the input, so a
+    caller planning for another GPU or another variant passes it instead of setting a
+    module global: ``sms``, the streaming multiprocessors the split decisions assume
+    (default :func:`num_sms` of ``x.device``); ``align_rows``, realign misaligned long rows
+    (default :data:`ALIGN_ROWS`, see :func:`_align`)."""
+    align_rows = ALIGN_ROWS if align_rows is None else align_rows
     fns = _fns(monoid)
     fargs = fin_args(monoid, params)
     dim = dim % x.dim()
@@ -663,12 +669,14 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None, *, sms=N
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS)
     n_split, chunk = split_plan(g, cfg.K * cfg.LANES, n_prog, sms or num_sms(x.device))
     if n_split == 1:
-        return [_reduce_launch(fns, x, outs, fargs, x, g, 0, 1, max(g.N, 1), cfg)], outs
+        return [_reduce_launch(fns, x, outs, fargs, x, g, 0, 1, max(g.N, 1), cfg,
+                               align_rows=align_rows)], outs
     # split-K: partial states [rows, n_split], then an in-order combine of each row's states
     parts = _state_buffers(monoid, g.rows, n_split, x.device)
     pst = _parts_strides(g, n_split)
     gp = Geometry(g.N, g.sn, 0, g.B, g.s, pst)
-    first = _reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, cfg, state_out=True)
+    first = _reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, cfg, state_out=True,
+                           align_rows=align_rows)
     gs = Geometry(n_split, 1, 0, g.B, pst, g.o)
     cfg2 = states_config(gs, _is_ordered(monoid))
     second = _reduce_launch(fns, parts, outs, fargs, x, gs, 0, 1, n_split, cfg2, from_states=True)
@@ -676,9 +684,11 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None, *, sms=N
 
 
 def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: int,
-                        params=None, *, sms=None):
+                        params=None, *, sms=None, align_rows=None):
     """(plan, outputs): fold ``x[..., offsets[j]:offsets[j+1], ...]`` along ``dim`` for
-    each segment ``j``; outputs have ``x``'s shape with ``dim`` of size ``len(offsets)-1``."""
+    each segment ``j``; outputs have ``x``'s shape with ``dim`` of size ``len(offsets)-1``.
+    ``sms``, ``align_rows``: as :func:`plan_reduce`."""
+    align_rows = ALIGN_ROWS if align_rows is None else align_rows
     fns = _fns(monoid)
     fargs = fin_args(monoid, params)
     dim = dim % x.dim()
@@ -703,13 +713,20 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
         k = min(cfg.K * 2, max(cfg.K, 2048 // rows)) if cfg.LANES == 1 else cfg.K
         cfg = Config(k, cfg.LANES, rows, cfg.num_warps)
     launch = _reduce_launch(fns, x, outs, fargs, offsets, g, ost[dim], S, 1, cfg,
-                            segmented=True)
+                            segmented=True, align_rows=align_rows)
     return [launch], outs
 
 
 def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, params=None,
-              out_dtype=None, *, sms=None):
-    """(plan, outputs): inclusive scan of ``x`` along ``dim`` (outputs shaped like ``x``)."""
+              out_dtype=None, *, sms=None, align_rows=None, lookback=None, config=None):
+    """(plan, outputs): inclusive scan of ``x`` along ``dim`` (outputs shaped like ``x``).
+
+    ``sms``, ``align_rows``: as :func:`plan_reduce`; ``lookback``: scan few long forward
+    rows in one pass with the decoupled look-back (default :data:`LOOKBACK`; off:
+    reduce-then-scan); ``config``: the scan's tile :class:`Config` (default
+    :func:`scan_config`'s choice)."""
+    align_rows = ALIGN_ROWS if align_rows is None else align_rows
+    lookback = LOOKBACK if lookback is None else lookback
     fns = _fns(monoid)
     fargs = fin_args(monoid, params)
     dim = dim % x.dim()
@@ -722,7 +739,8 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
         return [], outs
     _check_positions(fns, g)
     block_scan = fns.block_scan is not None and (not reverse or monoid.commutative)
-    cfg = scan_config(g, x.element_size(), bool(reverse), costly_combine(monoid), block_scan)
+    cfg = config or scan_config(g, x.element_size(), bool(reverse), costly_combine(monoid),
+                                block_scan)
     block, rows = cfg.K, cfg.ROWS
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // rows)
     rcfg = reduce_config(g, x.element_size(), _is_ordered(monoid))
@@ -730,12 +748,13 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
                                 sms or num_sms(x.device))
     plan = []
     parts = ()
-    if n_split > 1 and g.sn == 1 and not reverse and LOOKBACK:
+    if n_split > 1 and g.sn == 1 and not reverse and lookback:
         return _plan_lookback(fns, x, outs, fargs, g, LOOKBACK_CONFIG, rcfg), outs
     if n_split > 1:
         parts = _state_buffers(monoid, g.rows, n_split, x.device)
         gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split))
-        plan.append(_reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, rcfg, state_out=True))
+        plan.append(_reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, rcfg,
+                                   state_out=True, align_rows=align_rows))
     else:
         chunk = max(g.N, 1)
         parts = _dummy_parts(monoid, x.device)
@@ -798,12 +817,15 @@ def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
     return [Launch(K_.lookback_scan_kernel, (slots,), args, kwargs)]
 
 
-def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None, *, sms=None):
+def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None, *, sms=None,
+                   align_rows=None):
     """(plan, y): ``y = map(x, *prep(state(row)))`` along ``dim`` (softmax and kin).
 
     Few long rows that do not fit a tile are split: chunk states by the reduce kernel,
-    then each chunk mapped with the row state folded from all of them.
+    then each chunk mapped with the row state folded from all of them. ``sms``,
+    ``align_rows``: as :func:`plan_reduce`.
     """
+    align_rows = ALIGN_ROWS if align_rows is None else align_rows
     fns = _fns(rowmap.monoid)
     dim = dim % x.dim()
     y = _new(list(x.shape), out_dtype or x.dtype, x.device)
@@ -824,7 +846,7 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None, *,
             gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split))
             rcfg = reduce_config(g, x.element_size(), ordered)
             plan.append(_reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, rcfg,
-                                       state_out=True))
+                                       state_out=True, align_rows=align_rows))
     grid = (g.B[0] * g.B[1] * n_inner * n_split,)
     args = (x, y, parts, g.N, g.sn, g.osn, g.B[1], g.B[2], *g.s, *g.o, n_inner, n_split, chunk)
     kwargs = dict(_common(fns), PREP=rowmap.prep_fn, FMAP=rowmap.map_fn,
