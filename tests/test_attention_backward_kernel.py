@@ -237,3 +237,17 @@ def test_backward_kernel_expanded_output_gradient_and_nan_free(kernel):
     want = _ref_grads(q, k, v, torch.ones(1, 2, 17, 32), window=(5, 2))
     for n, a, b in zip("qkv", got, want):
         assert_close(a, b, torch.float32, scale=max(1.0, float(b.abs().max())), name=f"d{n}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_kernel_expanded_lse_gradient(kernel, causal):
+    """dlse of ``lse.sum()`` is an expanded (stride 0) tensor too: the preprocess reads it
+    through its row stride (it assumed 1, read past the one stored element and gave
+    garbage dq, dk on the GPU, NaN under the interpreter)."""
+    shape = Shape(2, 4, 2, 32, 32, 32)
+    q, k, v = (t.requires_grad_() for t in make_qkv(shape, torch.float16, seed=7))
+    o, lse = flashfold.attention(q, k, v, causal=causal, return_lse=True)
+    got = torch.autograd.grad(o.float().square().sum() + lse.sum(), (q, k, v))
+    want = _ref_grads(q, k, v, 2 * o.detach().double(), torch.ones(lse.shape), causal=causal)
+    for n, a, b in zip("qkv", got, want):
+        assert_close(a, b, torch.float16, scale=max(1.0, float(b.abs().max())), name=f"d{n}")

@@ -457,7 +457,7 @@ def _dq_loop(dq, q, do, lam, dd, STRICT: tl.constexpr, lo, count, idx_ptr,
 
 @triton.jit(do_not_specialize=["N_ROWS", "ROW_STRIDE", "NUM_M"])
 def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
-                    sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, sdlb, sdlh,
+                    sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, sdlb, sdlh, sdlm,
                     sqab, sqah, sqam, sqad, N_ROWS, ROW_STRIDE, H, NUM_M, FLAG,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
@@ -486,7 +486,8 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
                  + rows[:, None] * sdom + offs_dv[None, :] * sdod, mask=mask, other=0.0)
     dd = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
-        dl = tl.load(DLSE + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + rows,
+        # any strides: the gradient of lse.sum() is an expanded (stride 0) tensor
+        dl = tl.load(DLSE + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + rows * sdlm,
                      mask=row_ok, other=0.0)
         dd = dd - dl.to(tl.float32)
     lse = tl.load(LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + rows, mask=row_ok, other=0.0)
@@ -1181,7 +1182,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     launches.append((_bwd_preprocess, (num_pm * B * HQ,), [
         o, do, lse, dlse, dd, lam, dq_acc,
         *o.stride(), *do.stride(), lse.stride(0), lse.stride(1),
-        dlse.stride(0) if dlse is not None else 0, dlse.stride(1) if dlse is not None else 0,
+        *(dlse.stride() if dlse is not None else (0, 0, 0)),
         *dq_acc.stride(), NQ, stat_stride, HQ, num_pm, flag,
     ], dict(HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=pm,
             HAS_DLSE=dlse is not None, ZERO_DQ=atomic, HAS_FLAG=flag is not None,
