@@ -1104,7 +1104,7 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
     N = 4096): one program per key tile with ``lambda``, ``D`` read before or after the
     waits (``late_stats``), (dense) persistent programs with either, (GQA) the group's
     steps walked in one loop (``flat_walk``), and (dense) the key mask the default now
-    skips (``mask_tail_keys``, the kernel before the sixteenth session). Checked first:
+    skips (``mask_tail_keys``: the key mask in every step). Checked first:
     dK, dV bitwise those of the default kernel, the dQ accumulator within 1e-5 of it
     (atomic adds in another order). Timed ``reps`` times in turn (the H200's run-to-run
     noise is a few percent); prints the median TFLOP/s and each variant's ratio to the

@@ -499,8 +499,9 @@ def run_tune():
         torch.cuda.empty_cache()
 
 
-#: rows where batch_invariant cost the most (run 4: 17% at 256 x 4K, ~10% at 1 x 131K and
-#: 256 x 16K), and a row where it cost nothing, for contrast
+#: rows where batch_invariant cost the most before its cost came down (17% at 256 x 4K,
+#: ~10% at 1 x 131K and 256 x 16K; docs/notes/decode.md, "batch_invariant"), and a row
+#: where it cost nothing, for contrast
 INVARIANT_ROWS = [(256, 4096), (1, 131072), (256, 16384), (64, 8192)]
 
 

@@ -6,7 +6,8 @@ subprocess without ``TRITON_INTERPRET``: it compiles, is warp-specialized (``set
 loads through TMA, multiplies with ``wgmma``, fits shared memory, keeps its key loops
 free of local memory, and no named barrier spans both consumer warpgroups (the first version synchronized all 8 consumer warps at
 every mbarrier arrive, which held the two warpgroups in lockstep: 0.80-0.87x cuDNN at
-head_dim 128 against 0.98-1.07x with one barrier per warpgroup; ``benchmarks/RESULTS.md``).
+head_dim 128 against 0.98-1.07x with one barrier per warpgroup; ``docs/notes/attention_fwd.md``,
+"Two 4-warp partitions").
 Gluon kernels have no interpreter mode, so the numerics are checked on the GPU (marked
 ``gpu``): FlashAttention's criterion against float64 over awkward lengths, GQA, causal
 with ``Nq < Nk``, strided layouts, fp16 and bf16; equality of the LSE; agreement with the

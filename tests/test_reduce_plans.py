@@ -1,8 +1,7 @@
-"""Plan choices made from the H200 runs of 2026-11-29 (checkpoint, final, run 3 with
-CUDA-graph kernel times).
+"""Plan choices made from H200 measurements (2026-11-29, CUDA-graph kernel times).
 
-Each test pins one decision of :mod:`flashfold.kernels.reduce.launch` that a run measured
-(the numbers are in the docstrings there and in benchmarks/RESULTS.md), on the shapes of
+Each test pins one decision of :mod:`flashfold.kernels.reduce.launch` that a measurement
+made (the numbers are in the docstrings there and in docs/notes/reductions.md), on the shapes of
 ``benchmarks/reductions.py``; only plans are built (no launch), except where a path that
 the natural heuristics now take at small sizes is run under the interpreter against a
 float64 reference.
@@ -38,7 +37,7 @@ def _scan(monoid, x, reverse=False):
 @pytest.mark.parametrize("monoid", (M.LOGSUMEXP2, M.WELFORD, M.SUM), ids=lambda m: m.name)
 def test_misaligned_long_rows_are_realigned(monoid, monkeypatch):
     """4096 x 12345 fp32: K=8 x 1024 lanes, 8 warps, tiles realigned to 4-element vectors
-    (kernel time from CUDA graphs, run 3: logsumexp 0.067 vs 0.085 ms with scalar loads,
+    (kernel time from CUDA graphs: logsumexp 0.067 vs 0.085 ms with scalar loads,
     var_mean 0.084 vs 0.092). Scalar loads still answer to ALIGN_ROWS."""
     x = torch.empty(4096, 12345)
     kw = _reduce(monoid, x)
@@ -63,7 +62,7 @@ def test_16bit_wide_tiles_only_for_two_field_costly_states(monoid, k16):
 def test_cheap_scans_take_the_block_scan_aligned_or_not():
     """cumsum: the block scan (4096, 8 warps) on rows that start on 16-byte boundaries
     (16K x 16K fp32: 2712 -> 4011 GB/s) and on rows that do not (4096 x 12345, or a view
-    one element in: 0.149 ms against 0.202 for the chunked scan in kernel time, run 3)."""
+    one element in: 0.149 ms against 0.202 for the chunked scan in kernel time)."""
     for x in (torch.empty(64, 16384), torch.empty(64, 12345), torch.empty(64, 16385)[:, 1:]):
         kw = _scan(M.SUM, x)
         assert (kw["CHUNKED"], kw["BLOCK"], kw["num_warps"]) == (False, 4096, 8)
@@ -88,9 +87,9 @@ def test_costly_scans_with_a_block_scan_take_the_block_path(shape):
 def test_costly_scans_without_one_take_the_prefetching_1024_chunked_scan_in_fp32(shape):
     """A costly combine and no block scan (LOGSUMEXP2_SCAN's functions minus its block
     scan): fp32 chunked 1024 / 2 warps with the next tile prefetched, on aligned and
-    misaligned rows alike (runs 4-5, logcumsumexp 16K fp32 kernel time: 0.639-0.641 ms
-    against 0.680 for the 2048 / 4 warps chunked scan); bf16 2048 / 4 warps (0.505 ms in
-    run 4, 0.539 with the fp32 plan in run 5)."""
+    misaligned rows alike (logcumsumexp 16K fp32 kernel time: 0.639-0.641 ms against 0.680
+    for the 2048 / 4 warps chunked scan); bf16 2048 / 4 warps (0.505 ms, 0.539 with the
+    fp32 plan)."""
     m = API.LOGSUMEXP2_SCAN
     plain = Monoid("logsumexp2_scan_plain", fields=m.fields, identity=m.identity, lift=m.lift,
                    combine=m.combine, finalize=m.finalize, commutative=True)

@@ -22,9 +22,10 @@ attention, 2^20 x 7 reductions) are host-bound by it.
 * the kernel, the number of positionals, the keyword names in order, and the type of
   every value.
 
-Measured on the H200 host (run 5): 30-110 us less per eager call than ``kernel[grid]``,
-but building that key with one or two Python calls per argument still cost ~40-60 us for
-~60 arguments. So the key is now built from a plan cached per call signature (kernel,
+Measured on the H200 host: 30-110 us less per eager call than ``kernel[grid]``, but
+building that key with one or two Python calls per argument still cost ~40-60 us for ~60
+arguments (``docs/notes/host_time.md``, "The launcher"). So the key is built from a plan
+cached per call signature (kernel,
 positional count, keyword names, the type of every value: :class:`_Plan`), which sorts
 the values once into groups that go into the key through C-level itemgetters (ints,
 constexprs, ``id`` of JITFunctions) or one comprehension (tensors); only tuples and

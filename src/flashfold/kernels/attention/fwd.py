@@ -742,7 +742,7 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     does: the checks, dispatch, allocation and TMA descriptors cost ~135 us of host time
     per call on the dev machine, and an eager forward + backward at N = 1K causal was
     host-bound on the H200 (0.85x cuDNN at head_dim 128, 0.51x at 64, against 1.01x and
-    0.96x from CUDA graphs; ``benchmarks/RESULTS.md``, twelfth session).
+    0.96x from CUDA graphs; ``docs/notes/host_time.md``, "Attention").
     """
     options = dict(scale=scale, softcap=softcap, left=left, right=right,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,

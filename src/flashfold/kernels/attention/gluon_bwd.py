@@ -36,13 +36,14 @@ head of the GQA group stream past. Three partitions (``gl.warp_specialize``):
   were stored a step ago (``ds_ready``, count 2; two buffers, each rewritten only after
   both warpgroups have read it: ``ds_empty``). Computing step ``j``'s own dQ made the
   warpgroups meet at every step, with the tensor cores idle while both stored dS and
-  then dQ (H200, whole call: +2-7% at 4K and 16K a step late, ``benchmarks/RESULTS.md``,
-  tenth session). Step 0 adds the product of a zeroed buffer (zero) to its own rows; the
+  then dQ (H200, whole call: +2-7% at 4K and 16K a step late; ``docs/notes/attention_bwd.md``,
+  "dQ one step late"). Step 0 adds the product of a zeroed buffer (zero) to its own rows; the
   last step's dQ is computed while ``dK`` and ``dV`` are written. The add is one
   ``cp.reduce.async.bulk.tensor`` per warpgroup and step: per-thread fp32 atomics
   (``red.global.add``, paired) took 45% of the kernel's time (H200, head_dim 128, 4K
-  dense: 363 TFLOP/s with them, 641 without; ``benchmarks/RESULTS.md``). Storing dQ and
-  adding it still costs ~22% of a step (without them: +27% at 4K dense; tenth session).
+  dense: 363 TFLOP/s with them, 641 without; the note's "dQ accumulation: per-thread
+  atomics vs TMA reduce-add"). Storing dQ and adding it still costs ~22% of a step (without
+  them: +27% at 4K dense; "What the dQ path costs").
   Head_dim-128 causal programs also make the warpgroups take turns issuing each step's
   first products (:func:`pingpong_default`).
 
@@ -60,9 +61,9 @@ written (clipped by the TMA stores, masked otherwise).
 
 Scope (:func:`supported`): fp16/bf16, head_dim 64 or 128 (the same template: at 64 the
 warpgroups own 32 dQ columns each, with no spills, a ring one stage deeper (:data:`STAGES`)
-and 133 KB of shared memory, 149 KB in persistent programs; H200, eager backward against
-cuDNN's: 0.84-1.00x in the thirteenth session, 0.94-1.00x with persistent dense programs
-in the fifteenth), dense or causal with ``Nq <= Nk``, GQA, unit last stride and
+and 133 KB of shared memory, 149 KB in persistent programs; H200, eager backward at
+0.94-1.01x cuDNN's: ``docs/notes/attention_bwd.md``, "Head_dim 64 on the Gluon kernel"),
+dense or causal with ``Nq <= Nk``, GQA, unit last stride and
 TMA-compatible strides; the default (non-deterministic) mode: the order of the dQ adds
 varies between runs, as with the Triton kernels' atomic dQ.
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
@@ -89,10 +90,9 @@ BLOCK_M = 64
 #: keys per program (two consumer warpgroups of 64)
 BLOCK_N = 128
 #: depth of the Q / dO ring by head_dim. A third stage fits both (d128: 226 of 227 KB of
-#: shared memory) but helps only d64, whose steps are half as long: H200, kernel alone,
-#: 3 / 2 stages, 3 interleaved repetitions (thirteenth session): d64 1K full 1.00, 1K
-#: causal 1.03, 4K full 1.01, 4K causal 1.04, 16K full 1.01-1.02, 16K causal 1.03-1.04;
-#: d128 1K full 0.97-1.03, 4K full 0.96-0.98 (ptxas spills more: 136 bytes against 112)
+#: shared memory) but helps only d64, whose steps are half as long (H200, kernel alone, 3 /
+#: 2 stages: d64 1.00-1.04, d128 0.96-1.03, where ptxas spills 136 bytes against 112;
+#: ``docs/notes/attention_bwd.md``, "Q/dO ring depth per head dim")
 STAGES = {64: 3, 128: 2}
 #: dense calls store dK, dV by TMA while a program has at most this many steps
 #: (see :func:`store_tma`)
@@ -131,8 +131,9 @@ if gluon is not None:
         """Query tile of step ``i`` (``m_lo <= i < n_m``): the tiles ``m_lo .. n_m - 1``
         rotated to start at ``m_lo + m_0``. Dense programs of one head would otherwise all
         start at tile 0 and walk in lockstep, adding into the same dQ rows at the same
-        time; causal ones start at their diagonal (``m_0 = 0``), already spread. (H200,
-        seventh session, two runs: dense rows +1-3% at N = 1K-16K, in the noise of some.)
+        time; causal ones start at their diagonal (``m_0 = 0``), already spread (H200:
+        dense rows +1-3% at N = 1K-16K; ``docs/notes/attention_bwd.md``, "Staggered walks
+        over the query tiles")
         With ``0 <= m_0 < n_m - m_lo`` (:func:`_program`) one subtraction wraps it: a
         ``%`` by the traced ``n_m - m_lo`` cost an integer division per step, and in the
         causal kernel (``m_0 = 0``: the identity) its registers spilled 148 -> 64 bytes."""
@@ -326,8 +327,9 @@ if gluon is not None:
                     buf = gl.where(j == j0, 2, buf)
                 dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, buf)
                 # dK after dQ: it runs while dQ goes to shared memory (issued before dQ,
-                # it held up the step's last wait; H200 run 1 of the seventh session: 0 to
-                # +3%, and the causal variant's spill stores 952 -> 488 bytes)
+                # it held up the step's last wait; H200: 0 to +3%, and the causal variant's
+                # spill stores 952 -> 488 bytes: docs/notes/attention_bwd.md, "dK issued
+                # after dQ")
                 dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
                 dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
                 mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
@@ -513,19 +515,13 @@ def store_tma(causal: bool, steps: int) -> bool:
     """Whether the programs write ``dK``, ``dV`` by TMA stores (staged in the idle Q / dO
     ring) rather than from registers, for programs of ``steps`` query tiles.
 
-    From registers, a program's end costs ~6.8 us: the epilogue's 64 scattered 4-byte
-    stores per thread take ~2.9 us, and the next program on the SM starts ~3.9 us later
-    (H200, head_dim 128, %globaltimer stamps per program, ninth session; a step takes
-    ~2.5 us). The TMA stores gain where programs are short (H200, whole call against the
-    register stores, same process, 4-6 repetitions): 1K dense +2-7%, 1K causal +7-10%,
-    4K causal +1-3%, 16K causal 0. But the dense variant's step loop compiled ~3% slower
-    with them (4K and 16K dense -2 to -6% in every repetition; same spill counts, other
-    scheduling), so dense calls keep the register stores once a program has more than
-    :data:`STORE_TMA_MAX_STEPS` steps. Re-measured on the tenth session's loop (dQ one
-    step late; eleventh session, whole call, TMA / register stores, 3 repetitions): 4K
-    dense 0.994 / 0.994 / 1.118, 16K dense 0.982 / 0.966 / 0.981. At head_dim 64 the two
-    are level (twelfth session, kernel alone: 4K dense 382 TMA / 378 register TFLOP/s, 16K
-    dense 391 / 390), so one rule serves both."""
+    The register epilogue's 64 scattered 4-byte stores per thread take ~2.9 us of a
+    program (a step takes ~2.5 us), so the TMA stores gain where programs are short; but
+    the dense variant's step loop compiles slower with them, so dense calls keep the
+    register stores once a program has more than :data:`STORE_TMA_MAX_STEPS` steps. One
+    rule serves head_dim 64 and 128 (level at 64). Measured (H200, whole call against the
+    register stores): 1K dense +2-7%, 1K causal +7-10%, 4K and 16K dense -2 to -6%;
+    ``docs/notes/attention_bwd.md``, "TMA stores for causal and short dense programs"."""
     return causal or steps <= STORE_TMA_MAX_STEPS
 
 
@@ -544,12 +540,10 @@ def wave_heads(causal: bool, n_n: int, n_bh: int, num_sms: int) -> int:
     wave reads few (``Q``, ``dO`` and the dQ rows of ``wave_heads`` heads stay in L2),
     which a global heaviest-first order would not.
 
-    Measured (H200, kernel alone against head-major order, 3 interleaved repetitions,
-    thirteenth session): 1K causal (32 heads) 0.99 / 1.02 / 1.01, 4K (8) 1.05 / 0.90 /
-    1.03, 16K (2) 1.01 / 0.88 / 1.00; the model's 1K gain did not show (groups of 64
-    heads lost 5%: L2). Other group sizes were no better (16 at 1K; 4 at 4K: +2-3%).
-    Against cuDNN's kernels (``attention.py --bwd-kernels``), the main kernel now takes
-    0.96x cuDNN's time at 4K causal and 0.95x at 16K causal."""
+    Measured (H200, kernel alone against head-major order): 1K causal 0.99-1.02, 4K
+    0.90-1.05, 16K 0.88-1.01 (one outlier each); groups of 64 heads lost 5% (L2), other
+    group sizes were no better; ``docs/notes/attention_bwd.md``, "Program order for causal
+    calls: waves of heads"."""
     if not causal:
         return 1
     for g in range(1, n_bh + 1):
@@ -564,12 +558,10 @@ def pingpong_default(causal: bool, head_dim: int) -> bool:
     (two mbarriers, the forward's ``_take_turn``), so that they stay half a step apart
     rather than computing their exponentials at the same time.
 
-    Measured (H200, kernel alone against no turns, fifteenth session, 5 interleaved
-    repetitions; ``benchmarks/RESULTS.md``): head_dim 128 causal 1K 0.89-1.02 (median
-    1.007), 4K 1.019-1.046, 16K 0.995-1.040; head_dim 128 dense 0.94-1.06 (3
-    repetitions, 7 of 9 below 1); head_dim 64 0.95-1.06 (medians 0.99-1.01). Turns at
-    every product of the step (three per step) lost 1-4% in most rows. So head_dim 128
-    causal calls take turns."""
+    Head_dim-128 causal calls take turns. Measured (H200, kernel alone against no turns):
+    head_dim 128 causal 4K 1.019-1.046, 16K 0.995-1.040; dense and head_dim 64 around 1.0,
+    mostly below; ``docs/notes/attention_bwd.md``, "Turns between the consumer
+    warpgroups"."""
     return causal and head_dim == 128
 
 
@@ -579,11 +571,10 @@ def persistent_default(causal: bool, head_dim: int) -> bool:
     keep :func:`wave_heads`' order). A tile's ``K``, ``V`` then load while the previous
     tile's ``dK``, ``dV`` are written, and no program starts or ends between tiles.
 
-    Measured (H200, kernel alone against one program per key tile, 3 interleaved
-    repetitions, fifteenth session): head_dim 64 dense 1K 1.115-1.129, 4K 1.095-1.149,
-    16K 1.052-1.092; head_dim 128 dense 0.76-0.84, where the tile loop around the step
-    loop makes ptxas spill 400 bytes (112 without). cuDNN's backward kernel is persistent
-    at both head dims (132 CTAs)."""
+    Measured (H200, kernel alone against one program per key tile): head_dim 64 dense
+    1.05-1.15; head_dim 128 dense 0.76-0.84, where the tile loop around the step loop makes
+    ptxas spill 400 bytes (112 without); ``docs/notes/attention_bwd.md``, "Persistent
+    programs at head_dim 64"."""
     return not causal and head_dim == 64
 
 
@@ -592,11 +583,9 @@ def late_stats_default(head_dim: int) -> bool:
     ``S^T`` and ``dP^T`` (``late_stats``): where the loads before the waits make ptxas
     spill, at head_dim 128 (at 64 nothing spills either way, sm_90 compile).
 
-    Measured (H200, kernel alone against the loads before the waits, median of 5
-    interleaved repetitions, seventeenth session, 16 heads): 1K dense 1.018, causal 1.010;
-    4K dense 0.997, causal 1.027; 16K dense 1.018, causal 1.024; GQA (16 query heads on 4)
-    4K dense 1.077, causal 1.077. At head_dim 64 the loads only wait longer: dense
-    0.996-1.003, causal 0.968-0.977."""
+    Measured (H200, kernel alone against the loads before the waits, medians): head_dim
+    128 1.00-1.03, GQA 1.08; head_dim 64 causal 0.97-0.98 (the loads only wait longer);
+    ``docs/notes/attention_bwd.md``, "Late stats: where the head_dim-128 step spilled"."""
     return head_dim == 128
 
 

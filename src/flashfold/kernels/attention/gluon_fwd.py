@@ -3,8 +3,8 @@ r"""Exact attention, forward, for Hopper (sm_90): a warp-specialized Gluon kerne
 Same math as :mod:`.fwd` (the ATTENTION monoid's state ``(m, l, acc)`` in base 2, finite
 rescale pivot, ``o = acc / l``, ``lse = (m + log2 l) ln 2``), with the schedule of
 FlashAttention-3 written out explicitly, which Triton 3.6 does not derive from the
-``tl.dot`` kernel on sm_90 (see ``benchmarks/RESULTS.md``, "Open problems for the forward
-on Hopper"). Three partitions per program (``gl.warp_specialize``):
+``tl.dot`` kernel on sm_90 (see ``docs/notes/attention_fwd.md``, "Why a Gluon kernel: the
+Triton template's ceiling"). Three partitions per program (``gl.warp_specialize``):
 
 * **a producer warp** (``_producer``, 24 registers) issues every TMA load: a work item's
   two 64-row query halves, then its key and value tiles into ``STAGES``-deep rings, each
@@ -434,10 +434,10 @@ def pingpong_default(causal: bool, nq: int, nk: int) -> bool:
     Each warpgroup already overlaps its softmax with its own ``P V`` product, except on
     an item's first key tile (``S_0`` alone, then its softmax) and last ``P V``; ping-pong
     fills those gaps with the other warpgroup's work, and costs a wait per tile
-    everywhere. Measured (H200, ``benchmarks/RESULTS.md``, "Gluon forward"), against no
-    ping-pong: 1K dense (8 tiles per item) +2%, 4K causal (16.5 on average) +1-5.5%,
-    4K dense (32) -3.5% at head_dim 128, 16K (64-128) 0 to -1.3%. So items averaging at
-    most ``PINGPONG_MAX_TILES`` key tiles ping-pong."""
+    everywhere. So items averaging at most ``PINGPONG_MAX_TILES`` key tiles ping-pong.
+    Measured (H200, against no ping-pong): 1K dense (8 tiles per item) +2%, 4K causal
+    (16.5 on average) +1-5.5%, 4K dense (32) -3.5% at head_dim 128, 16K (64-128) 0 to
+    -1.3%; ``docs/notes/attention_fwd.md``, "Warpgroup ping-pong"."""
     mean = (nk - nq + (nq + BLOCK_M) / 2) / BLOCK_N if causal else nk / BLOCK_N
     return mean <= PINGPONG_MAX_TILES
 
@@ -451,11 +451,11 @@ def persistent_default(causal: bool, n_m: int, sms: int) -> bool:
     over one program per item, the next item's loads overlapping the last one's
     epilogue). Causal items cost ``m + 1`` key tiles: a head contributes a sawtooth of
     weights ``n_m .. 1`` and the snake evens out a program's sum only when one round
-    (``sms`` items) spans several heads. Measured
-    (``benchmarks/RESULTS.md``, "Gluon forward"): at 4K (``n_m = 32``, 4 heads per round)
-    persistent 564-571 TFLOP/s against 493-513 per item; at 16K (``n_m = 128``, one head
-    per round) 467-472 against 580-618. So causal calls go persistent while ``sms >=
-    CAUSAL_HEADS_PER_ROUND * n_m``."""
+    (``sms`` items) spans several heads. So causal calls go persistent while ``sms >=
+    CAUSAL_HEADS_PER_ROUND * n_m``. Measured (H200, head_dim 128): at 4K (``n_m = 32``, 4
+    heads per round) persistent 564-571 TFLOP/s against 493-513 per item; at 16K (``n_m =
+    128``, one head per round) 467-472 against 580-618; ``docs/notes/attention_fwd.md``,
+    "Persistent programs and the order of work items"."""
     return not causal or sms >= CAUSAL_HEADS_PER_ROUND * n_m
 
 
