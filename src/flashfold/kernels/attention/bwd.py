@@ -1027,7 +1027,7 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
     same signature (:data:`_CACHE`, see :mod:`flashfold.kernels.plans`): its host code
     (checks, dispatch, configuration, allocation, TMA descriptors) cost more than the
     kernels at N = 1K causal (H200: ~0.5-0.85 ms of host time per eager backward against
-    0.54 ms on the GPU; ``benchmarks/RESULTS.md``, eleventh session).
+    0.54 ms on the GPU; ``docs/notes/host_time.md``, "Attention").
     """
     options = dict(scale=scale, dlse=dlse, softcap=softcap, left=left, right=right,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
