@@ -9,7 +9,7 @@ from flashfold.algebra.proofs import prove
 from flashfold.algebra.transport import (MAX_PLUS, MAX_PLUS_PLUS, POWER_SUMS, base2_rescale,
                                          base2_rescale_inverse, exp_rescale, exp_rescale_inverse,
                                          transported_from, welford_map, welford_map_inverse)
-from flashfold.monoids import ATTENTION, LOGSUMEXP, LOGSUMEXP2, WELFORD
+from flashfold.monoids import ATTENTION, ATTENTION2, LOGSUMEXP, LOGSUMEXP2, WELFORD
 from flashfold.schedules import SCHEDULES
 from flashfold.testing import assert_close
 
@@ -120,6 +120,33 @@ def test_logsumexp2_is_derived_by_transport_and_keeps_its_behaviour():
     want = ff.finalize(LOGSUMEXP, ff.fold(LOGSUMEXP, x, "tree"))
     assert_close(ff.finalize(LOGSUMEXP2, st), want, "float64", scale=100.0)
 
+
+
+def test_attention2_is_derived_by_transport_and_keeps_attention_behaviour():
+    """ATTENTION2 is ATTENTION through psi(m, d, o) = (m log2 e, d, o): proven a transport
+    and a monoid; its exp2 lift, block lift, combine and finalize agree with ATTENTION's
+    (m in base-2 units, the same output and natural-log LSE), empty and NaN rows included."""
+    base, psi, psi_inv, adjoined = transported_from(ATTENTION2)
+    assert base is ATTENTION and psi is base2_rescale and not adjoined
+    assert ATTENTION2.field_names == ("m", "d", "o") and ATTENTION2.output_names == ("out", "lse")
+    assert all("exp2" in g.text() and "exp(" not in g.text()
+               for g in (ATTENTION2.combine_graph, ATTENTION2.block_lift_graph))
+    assert ff.check_transport(ATTENTION2, ATTENTION, base2_rescale)
+    assert ff.prove(ATTENTION2)
+    rng = np.random.default_rng(5)
+    s = rng.normal(0.0, 20.0, size=(90, 3))
+    s[:, 1] = -np.inf                                   # an empty row
+    s[7, 2] = np.nan                                    # a NaN score
+    v = rng.normal(size=(90, 3, 4))
+    for schedule, kw in (("sequential", {}), ("tree", {}), ("blocks", {"blocks": [1, 40, 49]})):
+        st2 = ff.fold(ATTENTION2, (s, v), schedule, **kw)
+        st = ff.fold(ATTENTION, (s, v), schedule, **kw)
+        assert np.allclose(st2.m[[0]], st.m[[0]] * ops.LOG2E, rtol=1e-15)
+        for a, b in zip(ff.finalize(ATTENTION2, st2), ff.finalize(ATTENTION, st)):
+            assert_close(a, b, "float64", scale=100.0)
+    out, lse = ff.finalize(ATTENTION2, ff.fold(ATTENTION2, (s, v), "tree"))
+    assert lse[1] == -np.inf and np.all(out[1] == 0.0)
+    assert np.isnan(lse[2]) and np.all(np.isnan(out[2]))
 
 def test_transport_validates_its_arguments():
     with pytest.raises(TypeError, match="base"):

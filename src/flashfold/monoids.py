@@ -13,6 +13,7 @@ MAX / MIN    m                           -inf / +inf          m
 LOGSUMEXP    (m, d): max, sum e^(x-m)    (-inf, 0)            m + log d
 LOGSUMEXP2   (m, d) base 2 (see below)   (-inf, 0)            (m + log2 d) · ln 2
 ATTENTION    (m, d, o[d]) over (s, v)    (-inf, 0, 0)         (o / d, m + log d)
+ATTENTION2   (m, d, o[d]) base 2         (-inf, 0, 0)         (o / d, (m + log2 d) · ln 2)
 WELFORD      (n, mean, M2)               (0, 0, 0)            (mean, M2 / max(n - corr, 0))
 ARGMAX/MIN   (value, index)              (-inf, BIG)          (value, index)
 ===========  ==========================  ===================  ===============================
@@ -23,6 +24,7 @@ lift (an affine bijection, so the reduction stays associative) and every exponen
 the hardware instruction. It is derived from LOGSUMEXP by transport of structure through
 psi(m, d) = (m log2 e, d) (:func:`flashfold.transport`): lift and identity come from psi,
 the combine and block lift are the exp2 rewritings that ``check_transport`` proves equal.
+ATTENTION2 is ATTENTION's base-2 twist by the same psi, extended by the identity on ``o``.
 """
 
 from __future__ import annotations
@@ -158,22 +160,24 @@ def _attn_lift(s, v):
     return s, ops.where(live, 1.0, 0.0), ops.where(live, v, 0.0)
 
 
-def _attn_combine(a, b):
+def _attn_combine(a, b, exp=ops.exp):
     m = ops.maximum(a.m, b.m)
     p = _attn_pivot(m)
-    sa, sb = ops.exp(a.m - p), ops.exp(b.m - p)     # exp(-inf) = 0 for an empty side
+    sa, sb = exp(a.m - p), exp(b.m - p)             # exp(-inf) = 0 for an empty side
     return m, a.d * sa + b.d * sb, a.o * sa + b.o * sb
 
 
-def _attn_finalize(s):
+def _attn_finalize(s, log=ops.log, to_natural=1.0):
+    """``(o / d, lse)`` with ``lse = (m + log d) * to_natural``: ``(0, -inf)`` when empty."""
     empty = s.m == -ops.inf
-    return ops.where(empty, 0.0, s.o / ops.where(empty, 1.0, s.d)), s.m + ops.log(s.d)
+    return (ops.where(empty, 0.0, s.o / ops.where(empty, 1.0, s.d)),
+            (s.m + log(s.d)) * to_natural)
 
 
-def _attn_block(s, v, valid):
+def _attn_block(s, v, valid, exp=ops.exp):
     sm = ops.where(valid, s, -ops.inf)
     m = ops.reduce_max(sm)
-    p = ops.exp(sm - _attn_pivot(m))
+    p = exp(sm - _attn_pivot(m))
     d = ops.reduce_sum(p)
     # a NaN score is a NaN d even where the max ignores NaN (tl.max on the GPU): carry it
     # into m, which finalize reads
@@ -194,6 +198,22 @@ ATTENTION = Monoid(
         "(m = -inf) finalizes to (0, -inf); a NaN or +inf score to (NaN, NaN); a value "
         "with score -inf contributes nothing, whatever it holds.")
 
+
+# derived by transport of structure, as LOGSUMEXP2: psi(m, d, o) = (m log2 e, d, o). The
+# scores stay in natural units at the inputs; the lift and the block lift multiply them by
+# log2 e (which a kernel folds into its score scale), and every exponential is exp2. The
+# rewritten combine, block lift and finalize are proven equal to the transported ones by
+# check_transport (tests/test_transport.py)
+ATTENTION2 = transport(
+    ATTENTION, base2_rescale, base2_rescale_inverse, name="attention2",
+    lift=lambda s, v: _attn_lift(s * ops.LOG2E, v),
+    combine=lambda a, b: _attn_combine(a, b, exp=ops.exp2),
+    finalize=lambda s: _attn_finalize(s, log=ops.log2, to_natural=ops.LN2),
+    block_lift=lambda s, v, valid: _attn_block(s * ops.LOG2E, v, valid, exp=ops.exp2),
+    outputs=("out", "lse"),
+    doc="Base-2 attention state: sigma = s log2(e), m = max sigma, d = sum 2^(sigma - m), "
+        "o = sum 2^(sigma - m) v; finalize to (o / d, (m + log2 d) ln 2), the natural-log "
+        "LSE. The same non-finite rule as ATTENTION (empty iff m = -inf).")
 
 # --- Welford: (n, mean, M2) ----------------------------------------------------------
 
@@ -265,7 +285,8 @@ ARGMIN = Monoid(
         "as in torch.argmin.")
 
 
-BUILTINS = (SUM, MAX, MIN, LOGSUMEXP, LOGSUMEXP2, ATTENTION, WELFORD, ARGMAX, ARGMIN)
+BUILTINS = (SUM, MAX, MIN, LOGSUMEXP, LOGSUMEXP2, ATTENTION, ATTENTION2, WELFORD, ARGMAX,
+            ARGMIN)
 
-__all__ = ["SUM", "MAX", "MIN", "LOGSUMEXP", "LOGSUMEXP2", "ATTENTION", "WELFORD", "ARGMAX",
-           "ARGMIN", "BUILTINS", "INDEX_IDENTITY"]
+__all__ = ["SUM", "MAX", "MIN", "LOGSUMEXP", "LOGSUMEXP2", "ATTENTION", "ATTENTION2", "WELFORD",
+           "ARGMAX", "ARGMIN", "BUILTINS", "INDEX_IDENTITY"]

@@ -110,18 +110,19 @@ def welford_map_inverse(t):
 
 
 def base2_rescale(s):
-    """ψ(m, d) = (m log2 e, d): the natural-log online-softmax state in base 2.
+    """ψ(m, d, ...) = (m log2 e, d, ...): a natural-log online-softmax state (LOGSUMEXP's
+    ``(m, d)``, ATTENTION's ``(m, d, o)``) in base 2; the fields after ``m`` are unchanged.
 
     ``σ = s log2 e`` is an affine bijection of the scores with ``2^{σ - m'} = e^{s - m}``
-    for ``m' = m log2 e``, so ``d`` is unchanged; defined at the identity
-    (``-inf · log2 e = -inf``).
+    for ``m' = m log2 e``, so ``d`` (and ``o``, a ``d``-weighted sum) is unchanged; defined
+    at the identity (``-inf · log2 e = -inf``).
     """
-    return s.m * ops.LOG2E, s.d
+    return (s.m * ops.LOG2E, *tuple(s)[1:])
 
 
 def base2_rescale_inverse(t):
-    """ψ^{-1}(m', d) = (m' ln 2, d)."""
-    return t.m * ops.LN2, t.d
+    """ψ^{-1}(m', d, ...) = (m' ln 2, d, ...)."""
+    return (t.m * ops.LN2, *tuple(t)[1:])
 
 
 # =====================================================================================
