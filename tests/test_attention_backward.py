@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import flashfold
 from flashfold import mods
 from flashfold.kernels.attention import autograd as fa_autograd
+from flashfold.kernels.attention import reference as fa_reference
 from flashfold.kernels.attention.mods import create_block_mask
 from flashfold.testing import assert_close
 
@@ -157,7 +158,7 @@ def test_backward_reference_matches_the_oracle_directly():
     g = torch.Generator().manual_seed(15)
     do, dlse = torch.randn(o.shape, generator=g, dtype=torch.float64), torch.randn(lse.shape, generator=g, dtype=torch.float64)
     traced = fa_autograd._ENTRIES[fa_autograd.register_mods(smod, None)].score
-    got = fa_autograd.backward_reference(do, q, k, v, o, lse, dlse, scale=0.2, right=2,
+    got = fa_reference.backward_reference(do, q, k, v, o, lse, dlse, scale=0.2, right=2,
                                          score_mod=traced, block_m=5, block_n=7)
     want = _grads_ref(q, k, v, do, dlse, scale=0.2, window=(None, 2), score_mod=smod)
     for n, a, b in zip("qkv", got, want):

@@ -31,6 +31,7 @@ import torch
 import flashfold
 from flashfold import mods
 from flashfold.kernels.attention import autograd as AG
+from flashfold.kernels.attention import reference as REF
 from flashfold.kernels.attention import bwd
 from flashfold.kernels.attention.bwd import BwdConfig
 from flashfold.kernels.attention.mods import trace_mask_mod
@@ -231,7 +232,7 @@ def test_yardstick_is_strict_and_matches_the_naive_oracle_on_finite_input():
 
 def _reference(c: Case, dtype, block=64):
     do, q, k, v, o, lse, dlse = c.args(dtype)
-    return AG.backward_reference(do, q, k, v, o, lse, dlse, scale=c.scale, left=c.left,
+    return REF.backward_reference(do, q, k, v, o, lse, dlse, scale=c.scale, left=c.left,
                                  right=c.right, mask_mod=c.mask, cu_seqlens_q=c.cu_q,
                                  cu_seqlens_k=c.cu_k, block_m=block, block_n=block)
 

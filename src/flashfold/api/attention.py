@@ -65,7 +65,7 @@ the returned ``lse``) on every device. Under ``torch.compile`` it calls the
 ``flashfold::attn_bwd`` runs the Triton backward kernels on CUDA
 (:mod:`flashfold.kernels.attention.bwd`: FlashAttention-2 schedule, ``P`` recomputed
 from the saved LSE) and a blocked backward with the same math on CPU
-(:func:`flashfold.kernels.attention.autograd.backward_reference`); in eager mode, when
+(:func:`flashfold.kernels.attention.reference.backward_reference`); in eager mode, when
 gradients are needed, an ``autograd.Function`` runs the same implementations without the
 dispatcher; see :mod:`flashfold.kernels.attention.autograd`.
 ``torch.compile(fullgraph=True)`` traces it

@@ -61,7 +61,7 @@ paths (:func:`_block_backward_fn`):
 * the global-statistics formula: on CUDA the Triton backward kernel
   (:func:`flashfold.kernels.attention.bwd.attention_backward`), on CPU the blocked
   reference backward with the same math
-  (:func:`flashfold.kernels.attention.autograd.backward_reference`, float64 for float64
+  (:func:`flashfold.kernels.attention.reference.backward_reference`, float64 for float64
   inputs), each called with ``(q, k_blk, v_blk, O, dO, lse, dlse)``;
 * where those are missing, autograd: recompute the block's ``(o_t, lse_t)`` with grad
   enabled and call ``torch.autograd.grad`` with the upstream gradients the merge gives it
@@ -411,7 +411,7 @@ def _block_backward_fn(q, deterministic=False):
     """The per-block backward for tensors like ``q`` (the dispatch heuristic): on CUDA the
     Triton backward kernel :func:`flashfold.kernels.attention.bwd.attention_backward`, on
     CPU the blocked reference backward
-    :func:`flashfold.kernels.attention.autograd.backward_reference`, both fed with the
+    :func:`flashfold.kernels.attention.reference.backward_reference`, both fed with the
     global statistics; where that module is missing, autograd through the recomputed block
     forward (:func:`_autograd_block_backward`). ``deterministic``: the kernel without
     atomics (the other paths always are)."""
@@ -420,7 +420,7 @@ def _block_backward_fn(q, deterministic=False):
             from ..kernels.attention.bwd import attention_backward
             bwd = functools.partial(attention_backward, deterministic=deterministic)
         else:
-            from ..kernels.attention.autograd import backward_reference as bwd
+            from ..kernels.attention.reference import backward_reference as bwd
     except ImportError:
         return _autograd_block_backward
     return functools.partial(_formula_block_backward, bwd)

@@ -18,8 +18,9 @@
 * :mod:`.mods`: score_mod / mask_mod tracing and lowering (torch and Triton), table
   bounds, block masks (:func:`~.mods.create_block_mask`); the ready-made mods users call
   live above the kernels, in :mod:`flashfold.mods`;
-* :mod:`.reference`: pure-torch references (no Triton import): the blocked forward the
-  CPU path runs, the naive oracle the tests compare with, merging partial states.
+* :mod:`.reference`: pure-torch references (no Triton import): the blocked forward and
+  backward the CPU path runs, the naive oracle the tests compare with, merging partial
+  states.
 
 Ahead-of-time compile checks use the shared :mod:`flashfold.kernels.aot`. Nothing is
 imported eagerly: :mod:`.reference` and :mod:`.mods` work without Triton. The public entry

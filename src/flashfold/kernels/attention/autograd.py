@@ -18,7 +18,7 @@ saves ``q, k, v, o, lse`` and calls ``attn_bwd`` (for ``q``, ``k``, ``v``; ``dls
 when the LSE output was used: :math:`D_i = dO_i \cdot O_i - d\mathrm{lse}_i`, see
 :mod:`.bwd`). ``use_kernel`` selects the Triton kernels (:mod:`.fwd`, :mod:`.bwd`) or
 the CPU implementation: the blocked reference forward
-(:func:`.reference.attention_reference`) and :func:`backward_reference`, a blocked
+(:func:`.reference.attention_reference`) and :func:`.reference.backward_reference`, a blocked
 backward in float64 (float64 inputs) or float32 with the same math as the kernels.
 
 Non-tensor configuration (traced score_mod / mask_mod, a precomputed
@@ -50,7 +50,7 @@ import torch
 from .. import launcher
 from .mods import (BlockMask, TracedMod, block_mask_by_handle, cached_block_mask, trace_mask_mod,
                    trace_score_mod)
-from .reference import attention_reference, key_tiles
+from .reference import attention_reference, backward_reference
 
 
 # --- the registry of non-tensor configuration -----------------------------------------------
@@ -248,156 +248,6 @@ def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
             config=cfg)
 
 
-_TORCH_GRADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def torch_score_grad(mod: TracedMod, device):
-    """``fn(score, b, h, q_idx, kv_idx) -> (value, d value / d score)``: the derivative
-    graph of a traced score_mod lowered to torch (captured tables on ``device``)."""
-    from ...algebra.autodiff import derivative
-    from ...algebra.lower import function_source
-    from ..torch_lower import TORCH
-
-    per_mod = _TORCH_GRADS.setdefault(mod, {})
-    key = (str(torch.device(device)), mod.buffer_versions())
-    fn = per_mod.get(key)
-    if fn is not None:
-        return fn
-    graph = derivative(mod.graph, "score", name=f"{mod.graph.name}.grad")
-    src = function_source(graph, TORCH, "_grad")
-    ns = dict(TORCH.namespace)
-    exec(compile(src, f"<flashfold:torch:{graph.name}>", "exec"), ns)
-    inner = ns["_grad"]
-    bufs = []
-    for b in graph.buffers:
-        t = b.data if isinstance(b.data, torch.Tensor) else torch.as_tensor(b.data)
-        bufs.append(t.to(device).reshape(-1))
-
-    def fn(*args):
-        val, d = inner(*args, *bufs)
-        return torch.as_tensor(val), torch.as_tensor(d)
-    per_mod.clear()
-    per_mod[key] = fn
-    return fn
-
-
-def _segments(B, NQ, NK, cu_q, cu_k):
-    if cu_q is None:
-        return [(None, 0, NQ, 0, NK)]
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    return [(i, cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
-
-
-def _strict_matmul(a, vis, x):
-    r"""``a @ x`` in which the pairs hidden by ``vis`` add exactly 0, whatever ``x`` holds.
-
-    ``a [..., M, K]`` is 0 where ``vis [..., M, K]`` (bool) is False; ``x [..., K, N]``.
-    When ``x`` is finite, or every pair is visible, this is the plain product (IEEE: a
-    visible non-finite ``x`` reaches what it multiplies). Otherwise the non-finite
-    entries of ``x`` are replaced by 0 in the product, and ``(m, n)`` is NaN when a visible
-    ``k`` has a non-finite ``x[k, n]`` (:math:`\sum_k a_{mk} x_{kn}` over visible ``k``
-    is then non-finite in IEEE arithmetic, ``0 \cdot \infty`` included).
-    """
-    fin = torch.isfinite(x)
-    if bool(fin.all()) or bool(vis.all()):
-        return torch.matmul(a, x)
-    out = torch.matmul(a, torch.where(fin, x, 0.0))
-    seen = torch.matmul(vis.to(a.dtype), (~fin).to(a.dtype))
-    return torch.where(seen > 0, math.nan, out)
-
-
-def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, left=None,
-                       right=None, score_mod: TracedMod | None = None,
-                       mask_mod: TracedMod | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
-                       block_m: int = 64, block_n: int = 64):
-    """Blocked backward on any device: ``(dq, dk, dv)`` in the input dtype.
-
-    The kernels' math (module docstring of :mod:`.bwd`) in torch, one ``(block_m x
-    block_n)`` tile at a time, in float64 for float64 inputs else float32:
-    ``P = exp(s - lse)`` (0 for hidden pairs and rows with ``lse = -inf``),
-    ``D = rowsum(dO O) - dlse``, ``dS = P (dP - D)``, chained through softcap and the
-    score_mod's derivative graph (:func:`torch_score_grad`), ``dQ = scale dS~ K``,
-    ``dK = scale dS~^T Q``, ``dV = P^T dO``, summed over the query heads of a GQA group.
-    Mods are *traced* mods here (``TracedMod``), windows already folded (``right = 0`` for
-    causal).
-
-    Non-finite inputs (rule 4 of the attention API's docstring): hidden pairs add exactly
-    0 whatever their values. ``P`` and ``dS`` are *selected* to 0 there (not multiplied),
-    and on a tile with hidden pairs whose operand tile (``K`` of ``dS K``, ``Q`` of
-    ``dS^T Q``, ``dO`` of ``P^T dO``) holds a non-finite entry the product is strict
-    (:func:`_strict_matmul`). A row is empty (no gradient) only when ``lse = -inf``; a NaN
-    ``lse`` (a visible NaN score) makes NaN what depends on the row.
-    """
-    B, HQ, NQ, D = q.shape
-    HK, NK = k.shape[1], k.shape[2]
-    g = HQ // HK
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dev = q.device
-    sfn = torch_score_grad(score_mod, dev) if score_mod is not None else None
-    mfn = mask_mod.torch_fn(dev) if mask_mod is not None else None
-    kv_head = torch.arange(HQ, device=dev) // g
-    dq = torch.zeros((B, HQ, NQ, D), dtype=cd, device=dev)
-    dk = torch.zeros((B, HQ, NK, D), dtype=cd, device=dev)           # per query head
-    dv = torch.zeros((B, HQ, NK, v.shape[3]), dtype=cd, device=dev)
-    dd = (do.to(cd) * o.to(cd)).sum(-1)                              # [B, HQ, NQ]
-    if dlse is not None:
-        dd = dd - dlse.to(cd)
-    lse = lse.to(cd)
-    hidx = torch.arange(HQ, device=dev).view(1, HQ, 1, 1)
-    for seq, q0, q1, k0, k1 in _segments(B, NQ, NK, cu_seqlens_q, cu_seqlens_k):
-        nq, nk = q1 - q0, k1 - k0
-        delta = nk - nq
-        bidx = (torch.arange(B, device=dev) if seq is None
-                else torch.tensor([seq], device=dev)).view(-1, 1, 1, 1)
-        for i0 in range(0, nq, block_m):
-            i1 = min(nq, i0 + block_m)
-            rows = slice(q0 + i0, q0 + i1)
-            qb, dob = q[:, :, rows].to(cd), do[:, :, rows].to(cd)
-            lb = lse[:, :, rows, None]
-            live = lb != -math.inf                  # (NaN is not empty: rule 2)
-            db = dd[:, :, rows, None]
-            qi = torch.arange(i0, i1, device=dev).view(1, 1, -1, 1)
-            for j0, j1 in key_tiles(i0, i1, nk, block_n, delta, left, right):
-                cols = slice(k0 + j0, k0 + j1)
-                kb = k[:, kv_head, cols].to(cd)
-                vb = v[:, kv_head, cols].to(cd)
-                kj = torch.arange(j0, j1, device=dev).view(1, 1, 1, -1)
-                x = torch.matmul(qb, kb.transpose(-1, -2)) * scale        # [B, HQ, bm, bn]
-                dfac = None
-                if softcap is not None:
-                    t = torch.tanh(x / softcap)
-                    s = softcap * t
-                    dfac = 1.0 - t * t
-                else:
-                    s = x
-                if sfn is not None:
-                    s, dmod = sfn(s, bidx, hidx, qi, kj)
-                    s = s.to(cd).expand(x.shape)
-                    dmod = dmod.to(cd).expand(x.shape)
-                    dfac = dmod if dfac is None else dfac * dmod
-                vis = torch.ones(x.shape, dtype=torch.bool, device=dev)
-                if right is not None:
-                    vis = vis & (kj <= qi + delta + right)
-                if left is not None:
-                    vis = vis & (kj >= qi + delta - left)
-                if mfn is not None:
-                    mm = torch.as_tensor(mfn(bidx, hidx, qi, kj))
-                    vis = vis & (mm if mm.dtype == torch.bool else mm != 0)
-                vis = vis & live
-                p = torch.where(vis, torch.exp(torch.where(vis, s - lb, 0.0)), 0.0)
-                dp = torch.matmul(dob, vb.transpose(-1, -2))
-                ds = p * (dp - db)
-                ds = torch.where(vis, ds if dfac is None else ds * dfac, 0.0)
-                vis = vis.expand(x.shape)
-                visT = vis.transpose(-1, -2)
-                dq[:, :, rows] += _strict_matmul(ds, vis, kb) * scale
-                dk[:, :, cols] += _strict_matmul(ds.transpose(-1, -2), visT, qb) * scale
-                dv[:, :, cols] += _strict_matmul(p.transpose(-1, -2), visT, dob)
-    dk = dk.view(B, HK, g, NK, D).sum(2)
-    dv = dv.view(B, HK, g, NK, v.shape[3]).sum(2)
-    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
-
-
 def reference_forward(q, k, v, *, scale, softcap, left, right, score=None, mask=None,
                       cu_q=None, cu_k=None):
     """The CPU path's forward: :func:`.reference.attention_reference` (blocked, float32 or
@@ -578,5 +428,4 @@ def attention_op(q, k, v, *, key: str, scale: float, softcap=None, left=None, ri
 
 __all__ = ["attention_op", "register_mods", "entry_tables", "attn_fwd", "attn_bwd",
            "forward_impl", "backward_impl",
-           "kernel_forward", "kernel_backward", "backward_reference", "torch_score_grad",
-           "ModsEntry"]
+           "kernel_forward", "kernel_backward", "ModsEntry"]
