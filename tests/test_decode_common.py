@@ -110,7 +110,8 @@ def strict_interpreter_masks():
     def checked(original, what, at):          # mask: the at-th argument after the pointers
         def wrapper(self, ptrs, *args, **kwargs):
             mask = args[at] if len(args) > at else kwargs["mask"]
-            assert mask.data.dtype == np.bool_, f"{what} mask holds {mask.data.dtype}, not bool"
+            mask = mask if isinstance(mask, np.ndarray) else mask.data   # TMA: a bare array
+            assert mask.dtype == np.bool_, f"{what} mask holds {mask.dtype}, not bool"
             return original(self, ptrs, *args, **kwargs)
         return wrapper
 

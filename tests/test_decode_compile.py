@@ -90,6 +90,10 @@ SCRIPT = textwrap.dedent(r'''
                 cache_start=torch.zeros(2, dtype=torch.int32)),
         variant("paged64_start_tma", page=64, tma=True,
                 cache_start=torch.zeros(2, dtype=torch.int32)),
+        # masked tiles that hide keys of the sequence (q_len > 1, window): the non-finite
+        # value check and its rare sanitized P V, through TMA and in fixed splits
+        variant("q4_tma", q_len=4, tma=True),
+        variant("invariant_q4_window", batch_invariant=True, q_len=4, window=(100, None)),
     ]
     print(json.dumps(dict(cases)))
 ''')
@@ -107,7 +111,7 @@ def compiled():
 
 
 def test_every_variant_compiles_without_spills(compiled):
-    assert len(compiled) == 19
+    assert len(compiled) == 21
     for name, kernels in compiled.items():
         for kind, info in kernels.items():
             assert info["spill"] == 0, (name, kind, info)
@@ -115,7 +119,7 @@ def test_every_variant_compiles_without_spills(compiled):
             assert 0 < info["registers"] <= 255, (name, kind, info)
 
 
-TMA = {"contiguous_tma", "paged64_tma", "invariant_tma", "paged64_start_tma"}
+TMA = {"contiguous_tma", "paged64_tma", "invariant_tma", "paged64_start_tma", "q4_tma"}
 
 
 def test_split_kernel_pipelines_kv(compiled):

@@ -15,9 +15,20 @@ import flashfold as ff
 from flashfold.kernels.decode import splitkv
 from flashfold.kernels.decode.reference import decode_reference
 from flashfold.testing import assert_close
-from test_decode_common import attention_per_sequence, make_case, repage
+from test_decode_common import attention_per_sequence, make_case, repage, strict_interpreter_masks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _strict_masks():
+    """Under the interpreter every kernel here loads and stores through boolean masks only
+    (what Triton 3.9's interpreter requires; 3.6 accepts int32 ones)."""
+    if DEVICE == "cuda":
+        yield
+        return
+    with strict_interpreter_masks():
+        yield
 
 
 def run(case, paged, **kw):

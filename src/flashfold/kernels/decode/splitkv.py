@@ -99,6 +99,30 @@ are never loaded (masked loads; TMA tiles zero their values), nor are the pages 
 cache that hold no key of ``[a_b, n_b)`` looked up in the block table. The causal alignment
 stays bottom-right against ``n_b``.
 
+Non-finite inputs follow the rule of :mod:`~flashfold.kernels.decode.reference` (hidden keys
+contribute nothing whatever they hold; a NaN or +inf score makes the row's ``o`` and ``lse``
+NaN; a non-finite value entry only its ``(row, channel)``); the loop over the tiles every
+row sees entirely is unchanged:
+
+* a masked tile loads and sees only the keys that *every* row of the program sees (inside
+  ``[a_b, n_b)``, at or before the first row's causal bound, at or after the last row's
+  window bound); the others are never loaded there (TMA boxes: their values zeroed);
+* the *partial* keys, which some rows see and others do not (after the first row's causal
+  bound, left of the last row's window bound: fewer than ``q_len`` each, none with
+  ``q_len = 1``), are folded by :func:`_partial_keys` with each row's own visibility, one
+  key at a time, strictly: a non-finite value is zeroed in ``P V`` and its ``(row,
+  channel)`` pairs that see the key are set to NaN (``0 x NaN`` would have reached the rows
+  that do not). Default mode: once per program, after its loop (a program is one split);
+  batch-invariant mode: in the tile, so that each fixed split holds its own keys;
+* a visible NaN or +inf score makes ``d`` NaN (``2^(s - m)``), and ``d`` stays NaN through
+  every rescale and combine (``NaN x 0 = NaN``), in the splits, the merge and the fold;
+  the finalize (:func:`_finalize`) turns a NaN ``d`` into a NaN row, which the monoid's
+  finalize alone may read as an empty one (``o = 0``: it tests ``d > 0``, or ``m = -inf``
+  where every visible score is NaN and the max ignores NaN).
+
+The order of the sums depends on the tiles and the sequence only, so batch invariance is
+unaffected.
+
 Workspace: partials ``o`` fp32 ``(batch, heads_q, q_len, ws, head_dim)`` and ``lse``
 ``(batch, heads_q, q_len, ws)`` (batch-invariant: ``o``, ``m`` and ``d``), contiguous, ``ws``
 splits reserved per row; only the
@@ -270,10 +294,117 @@ def _fold(m, d, o, m2_s, d_s, o_s, COMBINE: tl.constexpr):
 
 
 @triton.jit
-def _raw_partial(LSEP, DP, OP, ws, ok, offs_d, d_ok, HEAD_DIM: tl.constexpr):
-    """A fixed split's raw state from the workspace slot ``ws``: ``(m2 [1], d [1], o [BD])``;
-    the identity ``(-inf, 0, 0)`` where ``ok`` is false."""
+def _finalize(m, d, o, FINALIZE: tl.constexpr):
+    """The monoid's ``finalize(m, d, o) = (o / d, m + log d)``, then: a NaN ``d`` (a visible
+    key scored NaN or +inf: ``2^(s - m)`` is NaN) makes ``o`` NaN too, where the finalize
+    may take it for an empty row and give 0. Nothing changes for a finite ``d``."""
+    out, lse = FINALIZE(m, d, o)
+    nan_row = d != d
+    return tl.where(nan_row, float("nan"), out), tl.where(nan_row, float("nan"), lse)
+
+
+@triton.jit
+def _partial_keys(q, m, l, acc, pos, b, lo, hi, seqlen, k_base, v_base, BT,
+                  stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+                  stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
+                  Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold into the base-2 state ``(m, d, o)`` the *partial* keys among ``[lo, hi)`` (a
+    masked tile's keys, or a program's): the keys that some query rows see and others do
+    not, after the first row's causal bound (``seqlen - q_len + 1 .. seqlen - 1``) and,
+    with ``WINDOW``, left of the last row's window bound (``seqlen - q_len - win_left ..``,
+    up to the causal ones); fewer than ``q_len`` each, left out of the masked tiles. In
+    steps of 16 keys (skipped when ``[lo, hi)`` holds none): their scores from one masked
+    load of their K rows, each row seeing its own keys (causal, window); then ``P V`` one
+    key at a time in fp32, its value row read again (an L2 hit), strictly: a non-finite
+    entry is zeroed in the product (the rows that do not see the key get nothing of it,
+    not ``0 x NaN``) and its ``(row, channel)`` is set to NaN in the rows that see it. No
+    tensor-core product for ``P V``: a second accumulator layout cost ~70 registers."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    # slot u of the 16-key steps: edge u // (q_len - 1), its (u % (q_len - 1))-th key
+    PER: tl.constexpr = Q_LEN - 1
+    EDGES: tl.constexpr = 2 if WINDOW else 1
+    first_c = tl.maximum(lo, seqlen - Q_LEN + 1)                 # causal edge in the tile
+    first_w = tl.maximum(lo, seqlen - Q_LEN - win_left)          # window edge in the tile
+    # (up to the causal edge: with a window narrower than q_len - 1 the two edges meet)
+    last_w = tl.minimum(tl.minimum(hi, seqlen - 1 - win_left), seqlen - Q_LEN + 1)
+    if WINDOW:
+        any_key = (first_c < hi) | (first_w < last_w)
+    else:
+        any_key = first_c < hi
+    for u0 in tl.static_range(0, EDGES * PER, 16):
+        if any_key:                                      # the tile holds a partial key
+            offs_t = tl.arange(0, 16)
+            u = u0 + offs_t
+            t = u % PER
+            if WINDOW:
+                keys = tl.where(u < PER, first_c + t, first_w + t)        # [16]
+                k_ok = tl.where(u < PER, keys < hi, keys < last_w) & (u < EDGES * PER)
+            else:
+                keys = first_c + t
+                k_ok = (keys < hi) & (u < PER)
+            if PAGED:
+                page = tl.load(BT + b * stride_btb + (keys // PAGE_SIZE) * stride_btp,
+                               mask=k_ok, other=0).to(tl.int64)
+                k_row = page * stride_kb + (keys % PAGE_SIZE).to(tl.int64) * stride_kn
+            else:
+                k_row = b * stride_kb + keys.to(tl.int64) * stride_kn
+            k = tl.load(k_base + k_row[:, None] + offs_d[None, :] * stride_kd,
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)   # [16, BD]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # [BM, 16]
+            if SOFTCAP:
+                s = _tanh(s * cap_in) * cap_out
+            else:
+                s = s * qk_scale
+            sees = k_ok[None, :] & (keys[None, :] <= pos[:, None])
+            if WINDOW:
+                sees = sees & (keys[None, :] >= pos[:, None] - win_left)
+            s = tl.where(sees, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - pivot)
+            p = tl.exp2(s - pivot[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m = m_new
+            # P V one key at a time (fp32 FMAs, no tensor-core product: few keys, and
+            # no accumulator layout of its own): the key's value row read again, its
+            # non-finite entries zeroed in the product and marked NaN in the rows that
+            # see the key
+            for j in tl.static_range(16):
+                if u0 + j < EDGES * PER:
+                    if u0 + j < PER:
+                        key = first_c + (u0 + j)
+                        last = hi
+                    else:
+                        key = first_w + (u0 + j - PER)
+                        last = last_w
+                    if PAGED:
+                        pg = tl.load(BT + b * stride_btb + (key // PAGE_SIZE) * stride_btp,
+                                     mask=key < last, other=0).to(tl.int64)
+                        v_row1 = pg * stride_vb + (key % PAGE_SIZE).to(tl.int64) * stride_vn
+                    else:
+                        v_row1 = b * stride_vb + key.to(tl.int64) * stride_vn
+                    val = tl.load(v_base + v_row1 + offs_d * stride_vd,
+                                  mask=d_ok & (key + offs_d * 0 < last), other=0.0)
+                    val = val.to(tl.float32)                                  # [BD]
+                    finite = tl.abs(val) < float("inf")
+                    col = offs_t[None, :] == j
+                    p_j = tl.sum(tl.where(col, p, 0.0), 1)                    # [BM]
+                    sees_j = tl.max(tl.where(col & sees, 1, 0), 1) > 0        # [BM]
+                    acc = acc + p_j[:, None] * tl.where(finite, val, 0.0)[None, :]
+                    acc = tl.where(sees_j[:, None] & ~finite[None, :], float("nan"), acc)
+    return m, l, acc
+
+
+@triton.jit
+def _raw_partial(LSEP, DP, OP, ws, split, n_used, offs_d, d_ok, HEAD_DIM: tl.constexpr):
+    """Split ``split``'s raw state from the workspace slot ``ws``: ``(m2 [1], d [1], o
+    [BD])``; the identity ``(-inf, 0, 0)`` past the sequence's ``n_used`` splits."""
     w = ws + tl.zeros([1], tl.int64)
+    ok = split + tl.zeros([1], tl.int32) < n_used        # a [1] mask (see _page_of)
     m2 = tl.load(LSEP + w, mask=ok, other=float("-inf"))
     d = tl.load(DP + w, mask=ok, other=0.0)
     o = tl.load(OP + ws * HEAD_DIM + offs_d, mask=d_ok & ok, other=0.0)
@@ -310,9 +441,13 @@ def _page_of(BT, b, n0, kstart, end, stride_btb, stride_btp, PAGE_SIZE: tl.const
     """The page holding the tile of keys ``[n0, n0 + BLOCK_N)``, which lies in one page
     (int32 scalar; page 0, not looked up, when the tile holds no key of ``[kstart, end)``;
     the ``kstart`` bound only with ``CLIP_START``)."""
-    live = n0 < end
+    # "meets [kstart, end)" as one comparison, max(first, kstart) < min(last + 1, end), not
+    # an ``&`` of comparisons with the scalar ``kstart < end``: the interpreter gives such
+    # masks int32 data, which Triton 3.9's rejects (mask conditions below follow the same rule)
     if CLIP_START:  # the tile meets [kstart, end)
-        live = live & (n0 + BLOCK_N > kstart) & (kstart < end)
+        live = tl.maximum(n0, kstart) < tl.minimum(n0 + BLOCK_N, end)
+    else:
+        live = n0 < end
     return tl.load(BT + b * stride_btb + (n0 // PAGE_SIZE) * stride_btp, mask=live, other=0)
 
 
@@ -334,9 +469,11 @@ def _kv_rows(BT, b, n0, kstart, end, stride_btb, stride_btp,
     elif BLOCK_N % PAGE_SIZE == 0:
         NP: tl.constexpr = BLOCK_N // PAGE_SIZE
         offs_p = tl.arange(0, NP)
-        live = n0 + offs_p * PAGE_SIZE < end
+        first = n0 + offs_p * PAGE_SIZE                                  # each page's first key
         if CLIP_START:  # the page meets [kstart, end)
-            live = live & (n0 + (offs_p + 1) * PAGE_SIZE > kstart) & (kstart < end)
+            live = tl.maximum(first, kstart) < tl.minimum(first + PAGE_SIZE, end)
+        else:
+            live = first < end
         pages = tl.load(BT + b * stride_btb + (n0 // PAGE_SIZE + offs_p) * stride_btp,
                         mask=live, other=0).to(tl.int64)
         return tl.reshape(tl.broadcast_to(pages[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
@@ -350,7 +487,7 @@ def _kv_rows(BT, b, n0, kstart, end, stride_btb, stride_btp,
 
 
 @triton.jit
-def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC,
+def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K_DESC, V_DESC,
              k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
              stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
              stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
@@ -379,6 +516,14 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V
     n_ok = offs_n < end
     if CLIP_START:  # keys before the sequence's first key: never loaded (may hold anything)
         n_ok = n_ok & (offs_n >= kstart)
+    if MASKED:
+        # only the keys every row sees: the others (after the first row's causal bound,
+        # left of the last row's window bound; fewer than q_len each) are neither loaded
+        # nor seen here but folded after the tile by :func:`_partial_keys`
+        if Q_LEN > 1:
+            n_ok = n_ok & (offs_n <= seqlen - Q_LEN)
+        if WINDOW:
+            n_ok = n_ok & (offs_n >= seqlen - 1 - win_left)
     if USE_TMA:     # one TMA box per tile; rows past the tensor read as 0
         if PAGED:
             slot = n0 % PAGE_SIZE
@@ -412,18 +557,22 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V
     else:
         s = s * qk_scale                           # scale log2 e
     if MASKED:
-        visible = n_ok[None, :]                    # inside [kstart, end)
-        if Q_LEN > 1:                              # causal inside the cache
-            visible = visible & (offs_n[None, :] <= pos[:, None])
-        if WINDOW:                                 # left side of the window
-            visible = visible & (offs_n[None, :] >= pos[:, None] - win_left)
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.where(n_ok[None, :], s, float("-inf"))   # keys every row sees, in [kstart, end)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     pivot = tl.where(m_new == float("-inf"), 0.0, m_new)               # no -inf - -inf
     alpha = tl.exp2(m_i - pivot)
     p = tl.exp2(s - pivot[:, None])                                      # [BM, BN]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if MASKED and Q_LEN > 1 and (FLUSH or FOLD):
+        # fixed splits: the tile's partial keys now, in its split (default mode: once
+        # after the loop, see _splitkv_kernel)
+        m_new, l_i, acc = _partial_keys(
+            q, m_new, l_i, acc, pos, b, tl.maximum(n0, kstart), tl.minimum(n0 + BLOCK_N, end),
+            seqlen, k_base, v_base, BT,
+            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
+            BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, DOT_PRECISION)
     if FLUSH or FOLD:
         done = ((n0 + BLOCK_N - base) % split_size == 0) | (n0 + BLOCK_N >= end)
         if done:
@@ -490,7 +639,8 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_r
             for n0 in tl.range(bounds[run], bounds[run + 1], BLOCK_N,
                                num_stages=NUM_STAGES if run == 1 else 1):
                 m_i, l_i, acc, rm, rd, ro = _kv_step(
-                    q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, K_DESC, V_DESC,
+                    q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K_DESC,
+                    V_DESC,
                     k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
                     stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
                     stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE,
@@ -575,24 +725,33 @@ def _splitkv_kernel(
         FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
         USE_TMA, FIXED_SPLIT and not WRITE_FINAL, FOLD, SOFTCAP, WINDOW, HAS_START, NUM_STAGES,
         DOT_PRECISION)
+    if Q_LEN > 1 and not FIXED_SPLIT:
+        # the partial keys of the program's range, which its masked tiles left out (a
+        # program is one split here: they may come last)
+        m_i, l_i, acc = _partial_keys(
+            q, m_i, l_i, acc, pos, b, tl.maximum(start, kstart), end, seqlen, k_base, v_base,
+            BT, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
+            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
+            BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, DOT_PRECISION)
     if WRITE_FINAL or not FIXED_SPLIT:
         # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
         if FOLD:
-            out, lse = FINALIZE(rm, rd, ro)
+            out, lse = _finalize(rm, rd, ro, FINALIZE)
         else:
-            out, lse = FINALIZE(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc)
+            out, lse = _finalize(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc, FINALIZE)
         if WRITE_FINAL:
             tl.store(O + b * stride_ob + hq[:, None] * stride_oh + qi[:, None] * stride_om
                      + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok[None, :])
             tl.store(LSE + (b * (heads_kv * GROUP) + hq[:, None]) * Q_LEN + qi[:, None], lse,
                      mask=row_ok[:, None])
-        else:
-            work = tl.program_id(1) < n_used
+        elif tl.program_id(1) < n_used:            # programs past the last split write nothing
+            # (a branch, not a scalar folded into the masks: the interpreter would splat it to
+            # int32 data, which Triton 3.9's rejects as a mask)
             ws = ws_row + tl.program_id(1)
             tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], out,
-                     mask=row_ok[:, None] & d_ok[None, :] & work)
-            tl.store(LSEP + ws[:, None], lse, mask=row_ok[:, None] & work)
+                     mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(LSEP + ws[:, None], lse, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -632,7 +791,7 @@ def _merge_kernel(
             ws = row * ws_splits + s0
             parts = ()
             for j in tl.static_range(INVARIANT_MERGE_GROUP):        # the loads, all in flight
-                parts = parts + (_raw_partial(LSEP, DP, OP, ws + j, s0 + j < n_used, offs_d,
+                parts = parts + (_raw_partial(LSEP, DP, OP, ws + j, s0 + j, n_used, offs_d,
                                               d_ok, HEAD_DIM),)
             for j in tl.static_range(INVARIANT_MERGE_GROUP):        # then the combines
                 m, d, o = _fold(m, d, o, parts[j][0], parts[j][1], parts[j][2], COMBINE)
@@ -647,7 +806,7 @@ def _merge_kernel(
             # the tile's state at once: split s is a virtual key with score lse_s, value o_s
             t_m, t_d, t_o = BLOCK_LIFT(lse_s[:, None], o_s, s_ok[:, None])  # [1], [1], [BD]
             m, d, o = COMBINE(m, d, o, t_m, t_d, t_o)                    # left to right
-    out, lse = FINALIZE(m, d, o)                                         # [BD], [1]
+    out, lse = _finalize(m, d, o, FINALIZE)                              # [BD], [1]
     tl.store(O + b * stride_ob + hq * stride_oh + qi * stride_om + offs_d * stride_od,
              out.to(O.dtype.element_ty), mask=d_ok)
     tl.store(LSE + row + tl.arange(0, 1), lse)
