@@ -1102,11 +1102,10 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
     conversion) in the variants whose defaults were decided by it, on the targets grid
     (``--head-dim``, default 128) plus two GQA rows (4 query heads per key head,
     N = 4096): one program per key tile with ``lambda``, ``D`` read before or after the
-    waits (``late_stats``), (dense) persistent programs with either, (GQA) the group's
-    steps walked in one loop (``flat_walk``), and (dense) the key mask the default now
-    skips (``mask_tail_keys``: the key mask in every step). Checked first:
-    dK, dV bitwise those of the default kernel, the dQ accumulator within 1e-5 of it
-    (atomic adds in another order). Timed ``reps`` times in turn (the H200's run-to-run
+    waits (``late_stats``), (dense) persistent programs with either, and (dense) the key
+    mask the default now skips (``mask_tail_keys``: the key mask in every step). Checked
+    first: dK, dV bitwise those of the default kernel, the dQ accumulator within 1e-5 of
+    it (atomic adds in another order). Timed ``reps`` times in turn (the H200's run-to-run
     noise is a few percent); prints the median TFLOP/s and each variant's ratio to the
     default."""
     from flashfold.kernels import launcher
@@ -1121,17 +1120,11 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
     for N, causal, Hk in rows + [(4096, False, H // 4), (4096, True, H // 4)]:
         variants = {"default": {}, "early stats": dict(late_stats=False),
                     "late stats": dict(late_stats=True)}
-        if Hk < H:
-            variants.update({"flat": dict(flat_walk=True, late_stats=False),
-                             "flat + late": dict(flat_walk=True, late_stats=True)})
         if not causal:      # (the default skips the key mask: N fills the key tiles)
             variants.update({"key mask": dict(mask_tail_keys=True),
                              "one tile": dict(persistent=False),
                              "persistent": dict(persistent=True, late_stats=False),
                              "persistent + late": dict(persistent=True, late_stats=True)})
-            if Hk < H:
-                variants["persistent + late + flat"] = dict(persistent=True,
-                                                            late_stats=True, flat_walk=True)
         B = max(1, tokens // N)
         g = torch.Generator(device=DEV).manual_seed(0)
         q, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(torch.bfloat16)

@@ -7,7 +7,7 @@ Run (from the repository root)::
 
 For each variant of :func:`flashfold.kernels.attention.gluon_bwd.gluon_attention_bwd` (one
 program per key tile or persistent, ``lambda``/``D`` read before or after the waits, dense
-or causal; at the GQA shape also the walk over the group's steps as one loop) at two shapes (16 heads at N = 4096; the GQA shape of the compile tests, 2 x 4
+or causal) at two shapes (16 heads at N = 4096; the GQA shape of the compile tests, 2 x 4
 query heads on 2 key heads at N = 1000: Triton specializes a group of 1 away), prints
 ptxas's spill stores and, for each step loop of the consumer warpgroups (a backward branch
 over the 32 wgmma of one step), its instruction count and its local loads and stores
@@ -60,7 +60,7 @@ def wgmma_per_step(D: int) -> int:
     return 2 * (D // 16) + 2 * (G.BLOCK_M // 16) + G.BLOCK_N // 16
 
 
-def facts(D, causal, persistent, late_stats, shape, sass_dir=None, flat_walk=False):
+def facts(D, causal, persistent, late_stats, shape, sass_dir=None):
     B, hq, hk, N = shape
     q = torch.empty(B, hq, N, D, dtype=torch.bfloat16)
     k = torch.empty(B, hk, N, D, dtype=torch.bfloat16)
@@ -68,12 +68,12 @@ def facts(D, causal, persistent, late_stats, shape, sass_dir=None, flat_walk=Fal
     with mock.patch.object(G.gluon_fwd, "num_sms", lambda t: 132):
         kernel, _, args, kwargs = G.gluon_attention_bwd(
             q, k, k, q, lam, lam, acc, k, k, causal=causal, scale=0.1, launch=False,
-            persistent=persistent, late_stats=late_stats, flat_walk=flat_walk)
+            persistent=persistent, late_stats=late_stats)
     c = compile_launch(kernel, args, kwargs)
     sass = _run_on_cubin(c.cubin, "-sass")
     if sass_dir:
         name = (f"d{D}_{'causal' if causal else 'dense'}_{'persistent' if persistent else 'tile'}"
-                f"_{'late' if late_stats else 'early'}{'_flat' if flat_walk else ''}"
+                f"_{'late' if late_stats else 'early'}"
                 f"_{hq}x{hk}_{N}.sass")
         Path(sass_dir, name).write_text(sass)
     return dict(spill=c.resources()["spill_stores"], smem=c.shared,
@@ -88,19 +88,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.sass:
         Path(args.sass).mkdir(parents=True, exist_ok=True)
-    print("| D | shape | mask | programs | lambda, D | walk | dK/dV stores | turns "
+    print("| D | shape | mask | programs | lambda, D | dK/dV stores | turns "
           "| spill bytes | smem | step loops (instructions, LDL, STL) |")
-    print("|---|---|---|---|---|---|---|---|---:|---:|---|")
+    print("|---|---|---|---|---|---|---|---:|---:|---|")
     for D in (int(x) for x in args.dims.split(",")):
         for shape_name, shape in SHAPES.items():
-            walks = (False, True) if shape[1] > shape[2] else (False,)   # (flat: GQA)
             for causal, persistent in ((False, False), (False, True), (True, False)):
-                for late, flat in ((late, flat) for flat in walks for late in (False, True)):
-                    f = facts(D, causal, persistent, late, shape, args.sass, flat)
+                for late in (False, True):
+                    f = facts(D, causal, persistent, late, shape, args.sass)
                     print(f"| {D} | {shape_name} | {'causal' if causal else 'dense'} | "
                           f"{'persistent' if persistent else 'one per tile'} | "
                           f"{'after waits' if late else 'before waits'} | "
-                          f"{'one loop' if flat else 'heads, tiles'} | "
                           f"{'TMA' if f['store_tma'] else 'registers'} | "
                           f"{'yes' if f['pingpong'] else 'no'} | {f['spill']} | {f['smem']} | "
                           f"{f['loops']} |", flush=True)

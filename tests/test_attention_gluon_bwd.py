@@ -22,9 +22,9 @@ from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_fa
 from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
 
 #: (id, causal, dtype, dK/dV by TMA stores, head_dim, warpgroups take turns, persistent[,
-#: late_stats[, flat_walk]]) of the variants compiled on the CPU (None: the default rule,
-#: :func:`pingpong_default` and :func:`persistent_default`; the last two False if absent).
-#: The shape is GQA (4 query heads on 2), so flat_walk has a loop to flatten.
+#: late_stats]) of the variants compiled on the CPU (None: the default rule,
+#: :func:`pingpong_default` and :func:`persistent_default`; late_stats False if absent).
+#: The shape is GQA (4 query heads on 2): the consumers' head loop is not specialized away.
 VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
             ("causal", True, "bfloat16", True, 128, None, None),
             ("causal-no-turns", True, "bfloat16", True, 128, False, None),
@@ -39,11 +39,7 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
             ("dense-d64-one-tile-register-stores", False, "bfloat16", False, 64, None, False),
             ("dense-late-stats", False, "bfloat16", True, 128, None, None, True),
             ("causal-late-stats", True, "bfloat16", True, 128, None, None, True),
-            ("dense-persistent-late-stats", False, "bfloat16", False, 128, None, True, True),
-            ("dense-late-stats-flat-walk", False, "bfloat16", True, 128, None, None, True, True),
-            ("causal-late-stats-flat-walk", True, "bfloat16", True, 128, None, None, True, True),
-            ("dense-persistent-late-stats-flat-walk", False, "bfloat16", False, 128, None, True,
-             True, True)]
+            ("dense-persistent-late-stats", False, "bfloat16", False, 128, None, True, True)]
 
 
 def _compile_all():
@@ -51,8 +47,7 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_bwd as G
 
-    def facts(causal, dtype, tma_store, D, pingpong, persistent, late_stats=False,
-              flat_walk=False):
+    def facts(causal, dtype, tma_store, D, pingpong, persistent, late_stats=False):
         q = torch.empty(2, 4, 1000, D, dtype=getattr(torch, dtype))
         k = torch.empty(2, 2, 1000, D, dtype=q.dtype)
         lam = torch.empty(2, 4, 1000)
@@ -61,8 +56,7 @@ def _compile_all():
                                                         causal=causal, scale=0.1, launch=False,
                                                         tma_store=tma_store, pingpong=pingpong,
                                                         persistent=persistent,
-                                                        late_stats=late_stats,
-                                                        flat_walk=flat_walk)
+                                                        late_stats=late_stats)
         c = compile_launch(kernel, args, kwargs)
         sass = _run_on_cubin(c.cubin, "-sass")
         return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass, tma_store="UTMASTG" in sass,
@@ -99,18 +93,6 @@ def test_late_stats_spill_less_at_head_dim_128(compiled, early, late):
     a, b = compiled.get(early), compiled.get(late)
     assert a is not None and b is not None and a["ok"] and b["ok"]
     assert b["spill"] < a["spill"], (early, a["spill"], late, b["spill"])
-
-
-@pytest.mark.parametrize("nested, flat", [("dense-late-stats", "dense-late-stats-flat-walk"),
-                                          ("causal-late-stats", "causal-late-stats-flat-walk")])
-def test_flat_walk_spills_less_in_gqa_programs(compiled, nested, flat):
-    """One loop over a GQA group's (query head, query tile) steps (``flat_walk``) instead
-    of a loop over the heads around the steps: the head loop's counters had no registers
-    left (sm_90 compile, with ``late_stats``, 4 query heads on 2: dense 264 -> 8 bytes,
-    causal 256 -> 84)."""
-    a, b = compiled.get(nested), compiled.get(flat)
-    assert a is not None and b is not None and a["ok"] and b["ok"]
-    assert b["spill"] < a["spill"], (nested, a["spill"], flat, b["spill"])
 
 
 def _host_launch(D, nq, nk=None, *, batch=1, heads=2, causal=False, **kw):
@@ -400,22 +382,6 @@ def test_gpu_unmasked_keys_change_no_bit_when_nk_fills_the_tiles(D):
     _same_gradients(_gluon_variants(False, D, [
         dict(persistent=False, mask_tail_keys=True), dict(persistent=False),
         dict(persistent=True, mask_tail_keys=True), dict(persistent=True)], nk=1024))
-
-
-@pytest.mark.parametrize("causal, D", [(False, 128), (True, 128), (False, 64)],
-                         ids=["dense", "causal", "dense-d64"])
-@pytest.mark.gpu
-def test_gpu_flat_walk_changes_no_bit_of_dk_dv(causal, D):
-    """Walking a GQA group's steps (2 query heads per key head here) in one loop visits
-    the same (head, query tile) pairs in the same order: dK, dV bitwise those of the
-    nested walk, in one-tile and (dense) persistent programs, with either stats order."""
-    variants = [dict(persistent=False, late_stats=False),
-                dict(persistent=False, flat_walk=True, late_stats=False),
-                dict(persistent=False, flat_walk=True, late_stats=True)]
-    if not causal:
-        variants += [dict(persistent=p, flat_walk=True, late_stats=True, tma_store=False)
-                     for p in (True, 7)]
-    _same_gradients(_gluon_variants(causal, D, variants))
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -226,8 +226,7 @@ if gluon is not None:
                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                       LATE_STATS: gl.constexpr, FLAT_WALK: gl.constexpr,
-                       MASK_TAIL_KEYS: gl.constexpr):
+                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
         position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
         over every step and add the previous step's dQ columns ``64 WG ..`` (see the
@@ -270,13 +269,11 @@ if gluon is not None:
         j = gl.to_tensor(j)      # (a one-tile program passes the literal 0)
         j0 = j
         # the (query head, query tile) pairs in the producer's order: a loop over the
-        # group's heads around the steps, or one loop over the pairs (FLAT_WALK: see
-        # gluon_attention_bwd)
-        for g in range(1 if FLAT_WALK else group):
+        # group's heads around the steps (one loop over the pairs gained nothing:
+        # docs/notes/attention_bwd.md, "Flat GQA walk")
+        for g in range(group):
             hq = hk * group + g
-            i_0 = gl.to_tensor(0)    # c - i: grows by n_m - m_lo at each next head
-            for c in range(m_lo, m_lo + (group if FLAT_WALK else 1) * (n_m - m_lo)):
-                i = c - i_0
+            for i in range(m_lo, n_m):
                 m = _query_tile(i, m_lo, m_0, n_m)
                 slot = j % STAGES
                 mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
@@ -339,11 +336,6 @@ if gluon is not None:
                 m_prev = m
                 hq_prev = hq
                 j += 1
-                if FLAT_WALK:
-                    if group > 1:    # (a group of 1 is specialized by Triton)
-                        nxt = i + 1 == n_m
-                        hq = gl.where(nxt, hq + 1, hq)
-                        i_0 = gl.where(nxt, i_0 + (n_m - m_lo), i_0)
         # the last step's dQ, issued now and added once dK and dV are on their way
         dq = _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, (j + 1) % 2)
         if PERSISTENT:
@@ -387,8 +379,7 @@ if gluon is not None:
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                      LATE_STATS: gl.constexpr, FLAT_WALK: gl.constexpr,
-                      MASK_TAIL_KEYS: gl.constexpr):
+                      LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
         key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
         counting on across tiles. The first step of a tile adds the product of a zeroed
@@ -406,12 +397,12 @@ if gluon is not None:
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
                 j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
                                    HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
-                                   PERSISTENT, LATE_STATS, FLAT_WALK, MASK_TAIL_KEYS)
+                                   PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)
                 r += 1
         else:
             _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, BLOCK_M,
                            BLOCK_N, HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
-                           PERSISTENT, LATE_STATS, FLAT_WALK, MASK_TAIL_KEYS)
+                           PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)
         tma.store_wait(0)
 
     @gluon.jit
@@ -420,9 +411,8 @@ if gluon is not None:
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                     LATE_STATS: gl.constexpr, FLAT_WALK: gl.constexpr,
-                     MASK_TAIL_KEYS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
+                     LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -474,10 +464,10 @@ if gluon is not None:
         warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, CAUSAL, STORE_TMA, 0, PINGPONG, PERSISTENT,
-                             LATE_STATS, FLAT_WALK, MASK_TAIL_KEYS)),
+                             LATE_STATS, MASK_TAIL_KEYS)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, CAUSAL, STORE_TMA, 1, PINGPONG, PERSISTENT,
-                             LATE_STATS, FLAT_WALK, MASK_TAIL_KEYS)),
+                             LATE_STATS, MASK_TAIL_KEYS)),
             (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                              PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -593,7 +583,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                         launch: bool = True, tma_store: bool | None = None,
                         heads_per_wave: int | None = None, pingpong: bool | None = None,
                         persistent: bool | int | None = None, late_stats: bool | None = None,
-                        flat_walk: bool = False, mask_tail_keys: bool | None = None):
+                        mask_tail_keys: bool | None = None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -610,15 +600,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     N = 4096, sm_90 compile, spill stores 96 -> 20 bytes (dense), 64 -> 0 (causal) and
     384 -> 152 (dense, persistent programs, whose step loops then spill nothing; see
     ``benchmarks/gluon_bwd_sass.py``); the load latency moves onto the step's path.
-    Default :func:`late_stats_default`); ``flat_walk``: the consumers walk the steps of a
-    GQA group's query heads in one loop instead of a loop over the heads around a loop
-    over the query tiles (at head_dim 128, 4 query heads on 2, N = 1000, with
-    ``late_stats``: spill stores 264 -> 8 bytes dense, 256 -> 84 causal; a group of 1 has
-    no head loop to flatten. Off: on the H200, 16 query heads on 4 at N = 4096, kernel
-    alone, it gained nothing over ``late_stats`` alone, 0.998 dense and 0.963 causal);
-    ``mask_tail_keys``: whether dense programs zero ``P`` of keys past ``Nk`` (default:
-    only when ``Nk`` is not a multiple of ``BLOCK_N``, the only case that has such keys;
-    the select was 32 of a head_dim-64 step's 403 instructions).
+    Default :func:`late_stats_default`); ``mask_tail_keys``: whether dense programs zero
+    ``P`` of keys past ``Nk`` (default: only when ``Nk`` is not a multiple of ``BLOCK_N``,
+    the only case that has such keys; the select was 32 of a head_dim-64 step's 403
+    instructions).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -648,8 +633,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
                   CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=bool(pingpong),
                   PERSISTENT=bool(persistent), LATE_STATS=bool(late_stats),
-                  FLAT_WALK=bool(flat_walk), MASK_TAIL_KEYS=bool(mask_tail_keys),
-                  CONSUMER_REGS=CONSUMER_REGS,
+                  MASK_TAIL_KEYS=bool(mask_tail_keys), CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     programs = n_n * B * Hk
     if persistent:
