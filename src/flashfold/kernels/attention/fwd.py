@@ -66,8 +66,7 @@ Constexpr flags: ``MASK_LEFT``/``MASK_RIGHT`` (window sides; causal is ``right =
 ``HAS_SOFTCAP``, ``HAS_SCORE_MOD``, ``HAS_BLOCK_MASK`` (mask_mod), ``FULL_NEEDS_MASK``
 (the block table does not already account for bounds / causal / window),
 ``IS_VARLEN``, ``USE_TMA``, ``RETURN_LSE``, ``REVERSE_M`` (causal: heaviest query tiles
-first), ``WARP_SPEC`` (``tl.range(warp_specialize=...)`` on the unmasked run),
-``STRICT`` (masked tiles' ``P V`` leaves hidden keys out: the guard's), ``FLAGGED``
+first), ``STRICT`` (masked tiles' ``P V`` leaves hidden keys out: the guard's), ``FLAGGED``
 (the epilogue writes the tile's non-finite flag).
 
 Layouts: ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``, any strides
@@ -304,12 +303,12 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
              APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
-             WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr, STRICT: tl.constexpr):
+             INTERPRET: tl.constexpr, STRICT: tl.constexpr):
     """Fold ``count`` key tiles (:func:`_kv_step`) into ``(acc, l, m)``.
 
-    Compiled: ``tl.range`` (software-pipelined; ``WARP_SPEC`` asks for warp
-    specialization). Under ``TRITON_INTERPRET`` a ``while`` loop: the interpreter's
-    ``range`` takes ``int()`` of a one-element array, which NumPy >= 2.4 rejects.
+    Compiled: ``tl.range`` (software-pipelined). Under ``TRITON_INTERPRET`` a ``while``
+    loop: the interpreter's ``range`` takes ``int()`` of a one-element array, which
+    NumPy >= 2.4 rejects.
     """
     if INTERPRET:
         i = 0
@@ -324,7 +323,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
                 USE_TMA, STRICT)
             i += 1
     else:
-        for i in tl.range(0, count, warp_specialize=WARP_SPEC):
+        for i in tl.range(0, count):
             acc, l_i, m_i = _kv_step(
                 acc, l_i, m_i, q, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base, tma_b, hk,
                 k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left, win_right, b, h,
@@ -386,7 +385,7 @@ def _fwd_tile(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
-    REVERSE_M: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr,
+    REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
     STRICT: tl.constexpr, FLAGGED: tl.constexpr,
 ):
     """Query tile ``start_m .. start_m + BLOCK_M`` of (sequence or batch ``b``, head
@@ -440,7 +439,7 @@ def _fwd_tile(
             score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
-            True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False,
+            True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
             INTERPRET, STRICT)
         n_full = tl.load(FULL_NUM + n_off)
         acc, l_i, m_i = _kv_loop(
@@ -451,7 +450,7 @@ def _fwd_tile(
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
             FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-            USE_TMA, WARP_SPEC, INTERPRET, STRICT)
+            USE_TMA, INTERPRET, STRICT)
     else:
         t_lo, t_a, t_c, t_hi = _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -465,7 +464,7 @@ def _fwd_tile(
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
             False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-            WARP_SPEC, INTERPRET, STRICT)
+            INTERPRET, STRICT)
         if MASK_LEFT:
             acc, l_i, m_i = _kv_loop(
                 acc, l_i, m_i, q, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
@@ -474,7 +473,7 @@ def _fwd_tile(
                 score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
-                True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False,
+                True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                 INTERPRET, STRICT)
         acc, l_i, m_i = _kv_loop(
             acc, l_i, m_i, q, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
@@ -483,7 +482,7 @@ def _fwd_tile(
             score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
-            True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA, False,
+            True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
             INTERPRET, STRICT)
 
     # -- finalize: o = acc / l (0 for a row with no visible key: l = 0), lse = (m + log2 l)
@@ -529,7 +528,7 @@ def _attn_fwd(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
-    REVERSE_M: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr,
+    REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
     STRICT: tl.constexpr, FLAGGED: tl.constexpr,
 ):
     """One program per (query tile, batch x head) (:func:`_fwd_tile`). ``STRICT``: masked
@@ -557,7 +556,7 @@ def _attn_fwd(
               MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
               BLOCK_DV, BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT, MASK_RIGHT,
               HAS_SOFTCAP, HAS_SCORE_MOD, HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN,
-              USE_TMA, RETURN_LSE, REVERSE_M, WARP_SPEC, INTERPRET, STRICT, FLAGGED)
+              USE_TMA, RETURN_LSE, REVERSE_M, INTERPRET, STRICT, FLAGGED)
 
 
 #: query rows per flag of the guarded Gluon forward (one consumer warpgroup's half tile)
@@ -582,7 +581,7 @@ def _attn_fwd_guard(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
-    REVERSE_M: tl.constexpr, WARP_SPEC: tl.constexpr, INTERPRET: tl.constexpr,
+    REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
     STRICT: tl.constexpr, FLAGGED: tl.constexpr,
     CHUNK: tl.constexpr, FLAG_ROWS: tl.constexpr,
 ):
@@ -623,7 +622,7 @@ def _attn_fwd_guard(
                               BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT,
                               MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                               HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN, USE_TMA,
-                              RETURN_LSE, REVERSE_M, WARP_SPEC, INTERPRET, STRICT,
+                              RETURN_LSE, REVERSE_M, INTERPRET, STRICT,
                               False)
 
 
@@ -637,11 +636,10 @@ class FwdConfig:
     num_warps: int = 4
     num_stages: int = 2
     use_tma: bool = False
-    warp_specialize: bool = False
 
     def __str__(self):
         return (f"BM{self.block_m}-BN{self.block_n}-w{self.num_warps}-s{self.num_stages}"
-                f"{'-tma' if self.use_tma else ''}{'-ws' if self.warp_specialize else ''}")
+                f"{'-tma' if self.use_tma else ''}")
 
 
 def _interpreting() -> bool:
@@ -809,7 +807,7 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
         return o, lse, ((_attn_fwd, *launch),), ([None],)
     _, args, kw = launch
     used = FwdConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"],
-                     use_tma=kw["USE_TMA"], warp_specialize=kw["WARP_SPEC"])
+                     use_tma=kw["USE_TMA"])
     guard = prepare_guard(q, k, v, o, lse, args[-1], flag_rows=kw["BLOCK_M"], config=used,
                           **options)
     return o, lse, ((_attn_fwd, *launch), guard), ([None], [None])
@@ -913,7 +911,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         HAS_SCORE_MOD=has_mod, HAS_BLOCK_MASK=block_mask is not None,
         FULL_NEEDS_MASK=full_needs_mask, IS_VARLEN=varlen, USE_TMA=use_tma,
         RETURN_LSE=return_lse, REVERSE_M=right is not None,
-        WARP_SPEC=cfg.warp_specialize, INTERPRET=_interpreting() if interpret is None else interpret,
+        INTERPRET=_interpreting() if interpret is None else interpret,
         STRICT=False, FLAGGED=bool(flagged), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
