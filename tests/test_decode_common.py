@@ -1,5 +1,6 @@
 """Shared builders for the decode tests (no tests here): a KV cache in both layouts holding
-the same tokens, and the decode semantics restated through `flashfold.attention`."""
+the same tokens, the decode semantics restated through `flashfold.attention`, and a check
+that the interpreter's load and store masks hold booleans."""
 
 from __future__ import annotations
 
@@ -110,8 +111,8 @@ def strict_interpreter_masks():
     def checked(original, what, at):          # mask: the at-th argument after the pointers
         def wrapper(self, ptrs, *args, **kwargs):
             mask = args[at] if len(args) > at else kwargs["mask"]
-            mask = mask if isinstance(mask, np.ndarray) else mask.data   # TMA: a bare array
-            assert mask.dtype == np.bool_, f"{what} mask holds {mask.dtype}, not bool"
+            mask = mask if isinstance(mask, np.ndarray) else mask.data   # TMA: bare array
+            assert mask.dtype == np.bool_, f"{what} mask holds {mask.dtype}, not booleans"
             return original(self, ptrs, *args, **kwargs)
         return wrapper
 

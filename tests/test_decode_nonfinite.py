@@ -317,7 +317,8 @@ def test_kernel_batch_invariant_bitwise_with_nonfinite_inputs():
                           ([150, 64], 0, dict(max_seqlen=16))]:
         case = make_case(lens, heads_q=4, heads_kv=2, q_len=3, head_dim=32, capacity=160,
                          dtype=torch.float32, device=DEVICE, seed=len(lens))
-        case.q[pos], case.k[pos, :, :150], case.v[pos, :, :150] = target.q[0], target.k[0], target.v[0]
+        case.q[pos] = target.q[0]
+        case.k[pos, :, :150], case.v[pos, :, :150] = target.k[0], target.v[0]
         o, lse, launch = _run(case, False, batch_invariant=True, invariant_split=64, **kw)
         outs.append((o[pos], lse[pos]))
     assert launch.merge is None                        # the folding program
@@ -357,6 +358,9 @@ def test_gpu_real_sizes(page, q_len, batch_invariant, window):
             case.v[b, :, n - 1] = NAN                     # the last row only (q_len 1: all)
     case.v[4, 3, 8000, 17] = NAN                          # visible: channel 17 of heads 12-15
     case.k[3, 5, 4000, 9] = NAN                           # visible: heads 20-23 all NaN
+    # every score of one row NaN: the GPU's max ignores NaN (m = -inf), and the row must
+    # still come out NaN, not the empty row's 0
+    case.q[2, 7, 0, 5] = NAN
     if page is not None:
         case = repage(case, page)
         spare = sorted(set(range(case.k_pages.shape[0])) - set(case.block_table.flatten().tolist()))
@@ -368,6 +372,7 @@ def test_gpu_real_sizes(page, q_len, batch_invariant, window):
                        batch_invariant=batch_invariant, return_lse=True)
     check_rule(o, lse, (ro, rl), "bfloat16")
     assert torch.isnan(o[3, 20:24]).all() and torch.isnan(lse[3, 20:24]).all()
+    assert torch.isnan(o[2, 7, 0]).all() and torch.isnan(lse[2, 7, 0])
     assert torch.isnan(o[4, 12:16, :, 17]).all()
     assert torch.isfinite(o[4, 12:16, :max(q_len - 1, 0), :17]).all()
     if batch_invariant:                                   # sequence 4 alone: the same bits
