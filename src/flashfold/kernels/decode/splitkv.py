@@ -519,7 +519,8 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
     if MASKED:
         # only the keys every row sees: the others (after the first row's causal bound,
         # left of the last row's window bound; fewer than q_len each) are neither loaded
-        # nor seen here but folded after the tile by :func:`_partial_keys`
+        # nor seen here but folded by :func:`_partial_keys` (after the tile with fixed
+        # splits, after the loop in default mode)
         if Q_LEN > 1:
             n_ok = n_ok & (offs_n <= seqlen - Q_LEN)
         if WINDOW:
