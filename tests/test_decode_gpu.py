@@ -195,7 +195,7 @@ def test_long_plan_matches_the_heuristics_plan():
 def test_tma_and_pointer_loads_agree(page):
     """K/V through TMA boxes or through cp.async pointers: the same values, and in
     batch-invariant mode the same bits (the default picks TMA from the cache's size, so
-    a sequence in a small batch may run the pointer path: H200, eleventh session, 40 of 40
+    a sequence in a small batch may run the pointer path: H200, 40 of 40
     rows bitwise equal in both modes)."""
     case = make_case([8192, 5000, 1, 0, 777], heads_q=HQ, heads_kv=HKV, head_dim=D,
                      capacity=8192, page_size=page or 64, dtype=torch.bfloat16, device="cuda")

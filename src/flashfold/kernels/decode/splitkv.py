@@ -143,55 +143,14 @@ capacity]``, ``cache_start`` to ``[0, n_b]``), never on the host: nothing here s
 
 Plan cache
 ----------
-An eager decode step at small batch is host-bound: on the H200 host a call took ~134 us
-of host time (152 batch-invariant) against SDPA's 25, for 12-16 us of GPU work
-(``benchmarks/RESULTS.md``, "Host time per eager call", run 9); cProfile split it into
-the two launches 113 us (building their keys 51), :func:`prepare` 88 (four allocations
-23, the split plan 16, the PDL switch 11) and the API's checks 22. So
-:func:`splitkv_decode` replays the launches recorded for the same call signature, with
-the mechanism of the reductions' launchers (:mod:`flashfold.kernels.plans`). The key:
-shape, strides, dtype, device and 16-byte alignment of ``q``, both caches, the lengths,
-the block table and the first keys (all that :func:`prepare`, :func:`_tma_eligible` and
-Triton's specialization read of them); the options (scale, softcap, window, num_splits,
-batch_invariant, max_seqlen, config, invariant split, pdl, tma); the
-``FLASHFOLD_DECODE_PDL`` / ``FLASHFOLD_DECODE_TMA`` switches and ``TRITON_INTERPRET``.
-No value of a tensor is read on the host (lengths, first keys and pages are read by the
-kernels), so other lengths, first keys or block table replay the same plan. A hit
-allocates a new output, LSE and workspace (none is zeroed: the kernels write every slot
-they read), puts the call's tensors into the recorded arguments, and rebuilds the TMA
-descriptors around the call's caches (the plan cache rebuilds dataclasses from their
-fields); the two launches keep their resolved compiled kernels (launcher memos, see
-:func:`flashfold.kernels.launcher.launch`), so no launch key is built either. The public
-function's tensor checks are part of the plan (``check``: shapes, dtypes, devices, all in
-the key) and run once per signature; its options are checked on every call, and with
-``check_lengths`` (which reads the lengths) it checks everything eagerly. The PDL and TMA
-defaults are not cached per device: a hit does not evaluate them (their switches are in
-the key). Bypassed with ``FLASHFOLD_PLAN_CACHE=0`` and while a global that
-:func:`prepare` reads is patched (tests); at most :data:`PLAN_CACHE_SIZE` entries;
-:func:`plan_cache_info`, :func:`plan_cache_clear`. A miss costs the key and the plan's
-capture on top of the build (~80 us against ~25 for :func:`prepare` alone on the machine
-below); a decode loop repeats its signature on every step and layer (with a cache that
-grows every step, on every layer but the first).
-
-Host time per call up to the launches on the 2-core CPU dev machine, CPU tensors (bf16,
-32 / 8 heads, head_dim 128, 512 keys), the launches no-ops or, with ``--launcher``, through
-:func:`flashfold.kernels.launcher.launch` with a fake driver and compiled kernel;
-``PYTHONPATH=src python benchmarks/decode_plan_keys.py [--launcher] --against OLD`` (best
-of 7 interleaved repeats of 2,000 calls, and of two runs; us; before: commit ca6b053 with
-the API's ``_use_kernels`` switch added, timed in the same process)::
-
-    call                          launches no-op: before -> hit     through the launcher
-                                  splitkv_decode  flashfold.decode  splitkv_decode  flashfold.decode
-    1 x 512                        22.4 -> 18.5     29.6 -> 20.1     43.8 -> 23.6     54.6 -> 25.0
-    1 x 512 batch_invariant        32.5 -> 19.0     36.1 -> 21.6     48.2 -> 25.1     59.6 -> 27.0
-    8 x 512                        24.6 -> 18.5     33.4 -> 21.6     45.6 -> 23.9     57.3 -> 25.0
-    8 x 512 batch_invariant        25.4 -> 22.2     38.8 -> 23.1     48.9 -> 26.6     61.6 -> 27.4
-    8 x 512 paged 16, q_len 4, lse 25.4 -> 23.6     34.2 -> 22.2     46.7 -> 25.1     58.7 -> 25.6
-
-(single runs varied up to ~1.5x under other load). What a hit still costs here: the three
-to five allocations (~8-10 us on CPU tensors), the key (six tensor signatures, ~5 us),
-the arguments rebuilt (~3 us). With the cache off a call costs ~10 us more than before
-(the key). Not measured on the GPU host yet.
+:func:`splitkv_decode` replays the launches recorded for its call signature
+(:mod:`flashfold.kernels.plans`): the key holds shape, strides, dtype, device and 16-byte
+alignment of every tensor, the options, the ``FLASHFOLD_DECODE_PDL`` / ``FLASHFOLD_DECODE_TMA``
+switches and ``TRITON_INTERPRET``, never a tensor's values (other lengths, first keys or block
+tables replay the same plan). Tensor checks run once per signature, options on every call
+(``check_lengths``: everything, eagerly). Bypassed with ``FLASHFOLD_PLAN_CACHE=0`` and while
+a global that :func:`prepare` reads is patched; at most :data:`PLAN_CACHE_SIZE` entries.
+Why, and the host time it saves: ``docs/notes/decode.md``, "Plan cache and host time".
 """
 
 from __future__ import annotations
@@ -224,13 +183,14 @@ LOG2E = 1.0 / math.log(2.0)
 #: sequence alone). H200, 1 x 131K (`decode.py --tune-invariant`): 256 splits of 512 ran at
 #: 3,310-3,411 GB/s against 3,454-3,484 for 64 of 2048 (default mode: 3,789); the merge
 #: of 256 partials per row took 22 us, of 64 10 us. 32 since the merge folds one partial
-#: at a time (run 10: 64 partials per row cost 8 x 32K 10.9% against the default mode)
+#: at a time (64 partials per row cost 8 x 32K 10.9% against the default mode;
+#: docs/notes/decode.md, "batch_invariant")
 INVARIANT_SPLIT = 512
 INVARIANT_MAX_SPLITS = tl.constexpr(32)
 #: ... and halved for a short sequence (at most twice, staying a multiple of BLOCK_N) until
 #: its keys span INVARIANT_MIN_SPLITS splits: a batch of one 512-key sequence otherwise
-#: ran 8 programs of 512 keys where the default mode ran 16 of 256 (12% slower, H200 run
-#: 8); a large batch pays nothing for the extra splits, which one program folds in
+#: ran 8 programs of 512 keys where the default mode ran 16 of 256 (12% slower, H200);
+#: a large batch pays nothing for the extra splits, which one program folds in
 #: registers (see ``FOLD``)
 INVARIANT_MIN_SPLITS = tl.constexpr(4)
 #: partials the batch-invariant merge loads at once before folding them one by one (the
@@ -255,7 +215,8 @@ SATURATING_PER_SM = 2.0
 #: long sequences: from a host bound of LONG_KV keys on, a contiguous head_dim-128 cache is
 #: read by one split program per SM with a LONG_STAGES-deep ring instead of ~2 per SM with
 #: 3 stages (:func:`_one_per_sm`). H200, graph replays / after a read flush, against cuDNN
-#: in the same run, 3 repetitions (``benchmarks/RESULTS.md``, fourteenth session): 8 x 64K
+#: timed alongside, 3 repetitions (docs/notes/decode.md, "One program per SM with a
+#: deeper ring for long rows"): 8 x 64K
 #: 1.001 / 1.000-1.001 (was 0.993 / 0.992), 1 x 131K 1.000 / 1.003-1.009 (was 0.98 /
 #: 0.99), 8 x 32K 0.997 / 0.998-1.000 (was 0.996 / 0.997); shorter rows lose with it (8 x
 #: 16K 1.000 against 1.006, 8 x 8K 0.995 against 1.003). 5 stages read 2% slower, 128-key
@@ -265,12 +226,12 @@ LONG_STAGES = 4
 #: K + V bytes of a cache (its capacity: what a plan can see) from which the default reads
 #: it through TMA: a TMA launch costs ~17-30 us more host time on the H200 host (Triton
 #: walks all ~57 launch arguments in Python to expand the two descriptors, ~23 us under
-#: cProfile; encoding them ~2 us), which made eager 1 x 8K calls host-bound (H200 run 15:
-#: 866 GB/s against 1,402 through pointers in the same run). From 256 MiB on, the kernel's
-#: >= ~60 us at the DRAM rate hide it when the host is quick (8 x 8K eagerly: 3,406 GB/s,
-#: graph 3,399; on a slower host in runs 17 and 19 eager 8 x 8K calls were host-bound
-#: either way). TMA and pointers give the same bits, so the switch keeps outputs
-#: independent of the batch
+#: cProfile; encoding them ~2 us), which made eager 1 x 8K calls host-bound (H200: 866
+#: GB/s against 1,402 through pointers). From 256 MiB on, the kernel's >= ~60 us at the
+#: DRAM rate hide it when the host is quick (8 x 8K eagerly: 3,406 GB/s, graph 3,399; on a
+#: slower host eager 8 x 8K calls were host-bound either way). TMA and pointers give the
+#: same bits, so the switch keeps outputs independent of the batch (docs/notes/decode.md,
+#: "Tiles and the load path")
 TMA_MIN_BYTES = 1 << 28
 #: "unbounded" window side, as an int32 the kernels can subtract from positions
 NO_WINDOW = 1 << 30
@@ -785,8 +746,8 @@ def _merge_kernel(
     if FIXED_SPLIT:
         # raw split states one at a time, left to right: the fold a FOLD program runs. A
         # group of partials is loaded before its combines (one load per step waited on L2
-        # every step: 1 x 131K's 64 partials took ~4 us more than the tiled merge, H200
-        # run 9); a slot past the sequence's last split loads as the identity, which every
+        # every step: 1 x 131K's 64 partials took ~4 us more than the tiled merge, H200);
+        # a slot past the sequence's last split loads as the identity, which every
         # combine passes through exactly
         for s0 in tl.range(0, n_used, INVARIANT_MERGE_GROUP):
             ws = row * ws_splits + s0
@@ -844,8 +805,9 @@ def _exact_ops(batch_invariant: bool) -> dict:
     """Compile options of the batch-invariant kernels: no FP contraction (``mul`` + ``add``
     into ``fma``), neither by LLVM nor by ptxas. The merge kernel and a FOLD program run the
     same combines on the same values; with contraction the compiler chose per kernel, by
-    context, which products to fuse, and they differed (H200 run 10: unrolling the merge
-    loop changed its bits). Without it every operation rounds as written."""
+    context, which products to fuse, and they differed (unrolling the merge loop changed
+    its bits; ``docs/notes/decode.md``, "batch_invariant"). Without it every operation
+    rounds as written."""
     return {"enable_fp_fusion": False} if batch_invariant else {}
 
 
@@ -913,7 +875,7 @@ def _tma_default(device: torch.device) -> bool:
     for bit; on the H200 TMA read 0.99-1.03x the pointers' GB/s on every row of a 40-row
     sample of the grid (CUDA graphs; contiguous and paged 64, default and
     batch-invariant), +0.4-0.7% on the target rows and +2-3% at 64 x 8K-32K
-    (``benchmarks/RESULTS.md``, decode, eleventh session)."""
+    (``docs/notes/decode.md``, "Tiles and the load path")."""
     return (device.type == "cuda" and TensorDescriptor is not None
             and launcher.env("FLASHFOLD_DECODE_TMA") != "0" and _hopper(device))
 
