@@ -182,11 +182,11 @@ def _strict_dot(a, vis, x, acc):
     ok = tl.abs(x.to(tl.float32)) < float("inf")
     seen = tl.dot(tl.broadcast_to(vis, a.shape).to(tl.float16),
                   tl.where(ok, 0.0, 1.0).to(tl.float16), out_dtype=tl.float16)
-    if acc is None:
-        out = tl.where(seen > 0.0, float("nan"), tl.dot(a, tl.where(ok, x, 0.0).to(x.dtype)))
-    else:       # (NaN stays NaN through the accumulation: one accumulator live)
-        out = tl.dot(a, tl.where(ok, x, 0.0).to(x.dtype), tl.where(seen > 0.0, float("nan"), acc))
-    return out
+    # the mark after the product, not in its accumulator: a count feeding a dot's
+    # accumulator makes Triton lay it out as a chained dot, replicated over the warpgroups
+    # (twice the registers and a layout conversion: the strict dK/dV kernel at head_dim
+    # 128 spilled 88-104 bytes on sm_90, none this way)
+    return tl.where(seen > 0.0, float("nan"), tl.dot(a, tl.where(ok, x, 0.0).to(x.dtype), acc))
 
 
 @triton.jit
@@ -993,12 +993,17 @@ def _none_args(n):
 def strict_config(cfg: BwdConfig) -> BwdConfig:
     """The configuration of the strict recompute (:func:`prepare_backward`), deterministic:
     the strict products of the masked tiles hold a count accumulator and the sanitized
-    operand next to dK, dV, so smaller tiles than ``cfg``'s: dK/dV 16 x 64, dQ 64 x 16,
-    8 warps each, no pipelining (sm_90 compile, head_dim 128, TMA: spill-free with and
-    without features; 64 x 64 dK/dV tiles spilled 64-432 bytes)."""
+    operand next to dK, dV, so smaller tiles than ``cfg``'s: dK/dV 16 x 64 (64 key rows:
+    the least that keeps wgmma), one stage; dQ 64 x 16, two stages (one stage spilled
+    24-208 bytes at head_dim 256 with features); 8 warps each. sm_90 compile (Triton 3.6):
+    spill-free at head_dim 128 with TMA and with pointers on causal rows; the dK/dV kernel
+    still spills at head_dim 256 with features (336 bytes) and at head_dim 128 with
+    pointers and features (48 bytes), where the first pass's own state (block mask,
+    window, softcap, score_mod) already fills the 255 registers at these tiles; 64 x 64
+    dK/dV tiles spilled 64-432 bytes."""
     return replace(cfg, block_m=min(cfg.block_m, 16), block_n=min(cfg.block_n, 64),
                    num_warps=STRICT_WARPS[0], num_stages=1, dq_block_m=min(cfg.dq_block_m, 64),
-                   dq_block_n=min(cfg.dq_block_n, 16), dq_warps=STRICT_WARPS[1], dq_stages=1,
+                   dq_block_n=min(cfg.dq_block_n, 16), dq_warps=STRICT_WARPS[1], dq_stages=2,
                    atomic_dq=False)
 
 
