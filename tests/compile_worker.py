@@ -28,6 +28,22 @@ def have_ptxas() -> bool:
                                        "bin", "ptxas"))
 
 
+#: the Triton whose ptxas the register and spill budgets of the compile tests were tuned
+#: and measured with: the GPU machine's (3.6 assembles sm_90 with CUDA 12.8's ptxas). Triton
+#: 3.9 assembles with CUDA 13's ptxas-blackwell, which allocates the same kernels
+#: differently (sm_90, measured: +8 to +200 bytes of spills on a handful of variants, fewer
+#: on others), and no GPU timing says what those spills cost there. On other versions the
+#: compile tests still check that every variant compiles and every instruction fact (TMA,
+#: wgmma, shared memory); the spill budgets are checked where they were measured.
+SPILL_BUDGET_TRITON = "3.6."
+
+
+def spill_budgets_apply() -> bool:
+    """Whether the installed Triton is the one the spill budgets were measured with."""
+    import triton
+    return triton.__version__.startswith(SPILL_BUDGET_TRITON)
+
+
 def compile_env() -> dict:
     """The environment of a compile worker: this one without ``TRITON_INTERPRET``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

