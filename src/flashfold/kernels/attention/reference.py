@@ -106,6 +106,22 @@ def key_tiles(i0, i1, nk, block_n, delta, left, right):
         yield j0, j1
 
 
+def tile_visible(shape, qi, kj, delta, left, right, mask_fn, bidx, hidx):
+    """``visible(i, j)`` of one tile, bool of ``shape`` (``[B, H, bm, bn]``): the window
+    ``[i + delta - left, i + delta + right]`` (``None``: unbounded) and ``mask_fn(b, h, i,
+    j)`` (a torch callable, or None). ``qi [1, 1, bm, 1]``, ``kj [1, 1, 1, bn]``: positions
+    in the sequence. Shared by the blocked forward and backward."""
+    vis = torch.ones(shape, dtype=torch.bool, device=qi.device)
+    if right is not None:
+        vis = vis & (kj <= qi + delta + right)
+    if left is not None:
+        vis = vis & (kj >= qi + delta - left)
+    if mask_fn is not None:
+        mm = torch.as_tensor(mask_fn(bidx, hidx, qi, kj))
+        vis = vis & (mm if mm.dtype == torch.bool else mm != 0)
+    return vis
+
+
 def strict_matmul(a, vis, x):
     r"""``a @ x`` in which the pairs hidden by ``vis`` add exactly 0, whatever ``x`` holds.
 
@@ -174,14 +190,7 @@ def attention_reference(q, k, v, *, causal=False, window=None, scale=None, softc
                     s = softcap * torch.tanh(s / softcap)
                 if score_mod is not None:
                     s = torch.as_tensor(score_mod(s, bidx, hidx, qi, kj)).to(cd).expand_as(s)
-                vis = torch.ones_like(s, dtype=torch.bool)
-                if right is not None:
-                    vis = vis & (kj <= qi + delta + right)
-                if left is not None:
-                    vis = vis & (kj >= qi + delta - left)
-                if mask_mod is not None:
-                    mm = torch.as_tensor(mask_mod(bidx, hidx, qi, kj))
-                    vis = vis & (mm if mm.dtype == torch.bool else mm != 0)
+                vis = tile_visible(s.shape, qi, kj, delta, left, right, mask_mod, bidx, hidx)
                 s = torch.where(vis, s, -math.inf)
                 # the tile's state (m, d, o): its max, sum e^(s - m), sum e^(s - m) v; the
                 # pivot stays +inf for a +inf max (exp(inf - inf) = NaN: rule 2)
@@ -401,14 +410,7 @@ def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, l
                     s = s.to(cd).expand(x.shape)
                     dmod = dmod.to(cd).expand(x.shape)
                     dfac = dmod if dfac is None else dfac * dmod
-                vis = torch.ones(x.shape, dtype=torch.bool, device=dev)
-                if right is not None:
-                    vis = vis & (kj <= qi + delta + right)
-                if left is not None:
-                    vis = vis & (kj >= qi + delta - left)
-                if mfn is not None:
-                    mm = torch.as_tensor(mfn(bidx, hidx, qi, kj))
-                    vis = vis & (mm if mm.dtype == torch.bool else mm != 0)
+                vis = tile_visible(x.shape, qi, kj, delta, left, right, mfn, bidx, hidx)
                 vis = vis & live
                 p = torch.where(vis, torch.exp(torch.where(vis, s - lb, 0.0)), 0.0)
                 dp = torch.matmul(dob, vb.transpose(-1, -2))
