@@ -78,7 +78,7 @@ def oracle(q, k, v, lens, *, starts=None, window_left=None, scale=None, softcap=
 def check_rule(o, lse, expected, dtype, name=""):
     """Finiteness parity element by element (NaN vs inf not distinguished for ``o``), ``lse``
     NaN exactly on NaN rows and ``-inf`` exactly on empty ones, finite values close."""
-    eo, el = expected
+    eo, el = (x.detach().double().cpu() for x in expected)
     o, lse = o.detach().double().cpu(), lse.detach().double().cpu()
     bad_o = torch.isfinite(o) != torch.isfinite(eo)
     assert not bad_o.any(), (f"{name} o: finiteness differs at {bad_o.nonzero()[:6].tolist()} "
