@@ -29,9 +29,50 @@ def _to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def _on_device(*xs) -> bool:
+    """True when every tensor among ``xs`` lives on one accelerator (not the CPU)."""
+    devs = {str(x.device) for x in xs if hasattr(x, "device")}
+    return hasattr(xs[0], "device") and hasattr(xs[1], "device") and len(devs) == 1 \
+        and devs != {"cpu"}
+
+
+def _compare_torch(actual, expected, dtype, scale, atol=None, rtol=None) -> dict:
+    """:func:`flashfold.algebra.tolerances.compare`'s rule on torch tensors, where they are
+    (a GPU check of 2^31 elements stays on the GPU instead of crossing to NumPy); the same
+    report, element for element (``tests/test_testing.py`` holds the two to each other)."""
+    import torch
+
+    a, e = actual.detach().double(), expected.detach().double()
+    if a.shape != e.shape:
+        return {"ok": False, "why": f"shape {tuple(a.shape)} != expected {tuple(e.shape)}"}
+    t_atol, t_rtol = TOLERANCES[dtype_name(dtype)]
+    atol = t_atol if atol is None else atol
+    rtol = t_rtol if rtol is None else rtol
+    sc = scale.detach().double() if hasattr(scale, "detach") else float(scale)
+    nan_a, nan_e, inf_a, inf_e = a.isnan(), e.isnan(), a.isinf(), e.isinf()
+    sign_bad = inf_a & inf_e & (a.sign() != e.sign())
+    parity = bool(torch.equal(nan_a, nan_e) and torch.equal(inf_a, inf_e) and not sign_bad.any())
+    finite = ~(nan_e | inf_e) & ~(nan_a | inf_a)
+    diff = torch.where(finite, (a - e).abs(), 0.0)
+    bad = (diff > atol * sc + rtol * e.abs()) | (nan_a != nan_e) | (inf_a != inf_e) | sign_bad
+    n_fin = int(finite.sum())
+    denom = float(torch.where(finite, e, 0.0).square().sum().div(max(n_fin, 1)).sqrt())
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    rel_rms = (float(diff.square().sum().div(max(n_fin, 1)).sqrt()) / denom if denom > 0
+               else max_abs)
+    n_bad = int(bad.sum())
+    first = tuple(int(i) for i in bad.nonzero()[0]) if n_bad else None
+    return {"ok": bool(not n_bad and parity), "max_abs": max_abs, "rel_rms": rel_rms,
+            "first_bad": first, "nan_inf_parity": parity, "n_bad": n_bad, "atol": atol,
+            "rtol": rtol, "at_first": None if first is None else (float(a[first]), float(e[first]))}
+
+
 def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) -> dict:
     """Compare ``actual`` to a float64 ``expected`` (arrays or tensors of any dtype and
-    device; ``scale`` too); returns a report dict with ``ok`` (:func:`flashfold.algebra.tolerances.compare`)."""
+    device; ``scale`` too); returns a report dict with ``ok`` (:func:`flashfold.algebra.tolerances.compare`).
+    Tensors on one accelerator are compared there (:func:`_compare_torch`, the same rule)."""
+    if _on_device(actual, expected, scale):
+        return _compare_torch(actual, expected, dtype, scale, atol, rtol)
     return _compare(_to_numpy(actual), _to_numpy(expected), dtype, _to_numpy(scale), atol, rtol)
 
 

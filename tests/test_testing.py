@@ -1,0 +1,53 @@
+"""flashfold.testing: the device-side comparison gives the NumPy rule's report exactly."""
+
+import math
+
+import pytest
+import torch
+
+from flashfold import testing as T
+from flashfold.algebra.tolerances import compare as np_compare
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(64, 33, generator=g, dtype=torch.float64)
+    a = e + 1e-7 * torch.randn(64, 33, generator=g, dtype=torch.float64)
+    yield "close", a.float(), e, 1.0
+    bad = a.clone()
+    bad[3, 4] += 1.0
+    bad[10, 0] = math.nan
+    yield "bad + nan", bad, e, 1.0
+    e2, a2 = e.clone(), a.clone()
+    e2[5, 5], a2[5, 5] = math.inf, math.inf
+    e2[6, 6], a2[6, 6] = -math.inf, math.inf            # sign mismatch
+    e2[7, 7] = math.nan                                   # parity mismatch
+    yield "inf signs", a2, e2, e.abs() + 1.0              # tensor scale
+    yield "all nan", torch.full((4,), math.nan), torch.full((4,), math.nan), 1.0
+    yield "empty", torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.float64), 1.0
+    yield "shape", torch.zeros(3), torch.zeros(4, dtype=torch.float64), 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_rule_matches_numpy_rule(dtype):
+    for name, a, e, sc in _cases():
+        want = np_compare(a.double().numpy(), e.numpy(), dtype,
+                          sc.numpy() if hasattr(sc, "numpy") else sc)
+        got = T._compare_torch(a, e, dtype, sc)
+        assert got.keys() == want.keys(), name
+        for key in want:
+            w, g_ = want[key], got[key]
+            if isinstance(w, float) and math.isnan(w):
+                assert math.isnan(g_), (name, key)
+            elif isinstance(w, float):
+                assert g_ == pytest.approx(w, rel=1e-12, abs=1e-300), (name, key, g_, w)
+            else:
+                assert g_ == w, (name, key, g_, w)
+
+
+def test_cpu_tensors_take_the_numpy_path(monkeypatch):
+    """Only tensors on one accelerator are compared in torch; CPU tensors, NumPy arrays and
+    mixed devices go through NumPy (the rule's one definition)."""
+    monkeypatch.setattr(T, "_compare_torch", lambda *a, **k: pytest.fail("torch path taken"))
+    assert T.compare(torch.ones(3), torch.ones(3, dtype=torch.float64))["ok"]
+    assert not T.compare(torch.ones(3), torch.zeros(3, dtype=torch.float64))["ok"]
