@@ -282,6 +282,13 @@ def grid_cases(c, quick: bool):
         c.case(f"fp16 d{D} q1000 k1000 causal", 2, 4, 4, 1000, 1000, D, torch.float16, causal=True)
         c.case(f"fp16 d{D} q113 k2049", 1, 8, 1, 113, 2049, D, torch.float16)
     c.case("MQA d128 H16:1 q777 causal", 1, 16, 1, 777, 777, 128, causal=True)
+    # head dims off the kernel widths (padded inside the tile; 3 and 5: the pointer path) and
+    # v narrower than q/k (DeepSeek-style 192 / 128)
+    for D, DV in ((80, 80), (40, 40), (8, 8), (3, 5), (192, 128)):
+        c.case(f"d{D}/v{DV} q1000 k1000 causal", 2, 4, 2, 1000, 1000, D, causal=True,
+               make=lambda g, D=D, DV=DV: tuple(
+                   torch.randn(2, h, 1000, d, device=DEV, generator=g).to(bf)
+                   for h, d in ((4, D), (2, D), (2, DV))) + ({},))
     c.case("(B,S,H,D) storage d128", 2, 8, 8, 513, 513, 128,
            make=lambda g: tuple(torch.randn(2, 513, 8, 128, device=DEV, generator=g).to(bf).transpose(1, 2)
                                 for _ in range(3)) + ({},))

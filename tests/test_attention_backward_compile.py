@@ -51,6 +51,7 @@ def _variants():
         ("d128-causal-det", dict(D=128, mode="det", causal=True)),
         ("d32-atomic", dict(D=32, mode="atomic")),
         ("d96-padded-atomic", dict(D=96, mode="atomic")),
+        ("d80-padded-atomic", dict(D=80, mode="atomic")),
         ("d128-causal-fp16-atomic", dict(D=128, mode="atomic", causal=True, dtype="float16")),
         ("d128-softcap-det", dict(D=128, mode="det", softcap=30.0)),
         ("d128-alibi-causal-det", dict(D=128, mode="det", causal=True, alibi=True)),

@@ -92,6 +92,17 @@ def test_backward_kernel_features_fp16(kernel, feature):
     _check(q, k, v, torch.float16, feature.name, **feature.build(shape))
 
 
+@pytest.mark.parametrize("shape", [Shape(1, 2, 1, 33, 40, 8), Shape(2, 2, 1, 17, 33, 80, 48),
+                                   Shape(1, 1, 1, 9, 24, 3, 5)], ids=lambda s: s.id)
+@pytest.mark.parametrize("mode", ["atomic", "deterministic"])
+def test_backward_kernel_any_head_dim(kernel, shape, mode):
+    """Head dims off the power-of-two widths, q/k wider than v: TMA where the strides allow
+    it, pointers elsewhere (head dims 3 and 5)."""
+    kernel(BwdConfig(16, 16, 4, 1, 16, 16, 4, 1, use_tma=True, atomic_dq=mode == "atomic"))
+    q, k, v = make_qkv(shape, torch.float16, seed=7)
+    _check(q, k, v, torch.float16, shape.id, causal=True, deterministic=mode != "atomic")
+
+
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("mode", ["atomic", "deterministic"])
 def test_backward_kernel_modes_and_loads_fp32(kernel, mode, tma):

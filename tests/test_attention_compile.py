@@ -30,6 +30,7 @@ def _variants():
         out.append((f"d{d}-causal-tma", dict(D=d, causal=True, config=cfg(d, causal=True)), True))
     out.append(("d128-pointers", dict(D=128, config=cfg(128, False)), False))
     out.append(("d96-padded-tma", dict(D=96, config=cfg(128)), True))
+    out.append(("d80-padded-tma", dict(D=80, config=cfg(128)), True))
     out.append(("d128-causal-fp16", dict(D=128, causal=True, dtype="float16", config=cfg(128, causal=True)), True))
     out.append(("d128-window-softcap", dict(D=128, window=(256, 0), softcap=30.0, config=cfg(128, causal=True)), True))
     # "everything" has a right bound (window (512, 0)): the causal table entry applies
@@ -113,7 +114,7 @@ def compiled():
 
 
 EXPECTED = [v[0] for v in [("d64-tma",), ("d128-tma",), ("d256-tma",), ("d128-pointers",),
-                           ("d96-padded-tma",), ("d128-causal-fp16",), ("d128-window-softcap",),
+                           ("d96-padded-tma",), ("d80-padded-tma",), ("d128-causal-fp16",), ("d128-window-softcap",),
                            ("d128-everything-tma",), ("d128-everything-pointers",),
                            ("d64-varlen-blockmask-pointers",), ("merge-stacked",), ("merge-pair",)]]
 

@@ -71,6 +71,23 @@ def test_kernel_awkward_lengths_fp32(kernel, shape, causal):
     _check(q, k, v, torch.float32, shape.id, causal=causal)
 
 
+#: head dims off the power-of-two widths (Phi-2's 80, MiniLM-style 8 and 20, an odd 3 with
+#: v 5, DeepSeek-style q/k wider than v): tiles of the next power of two (at least 16),
+#: the columns past the head dim masked in the kernel
+ODD_DIMS = [Shape(1, 2, 1, 33, 40, 8), Shape(1, 2, 2, 20, 37, 20), Shape(2, 2, 1, 17, 33, 80, 48),
+            Shape(1, 1, 1, 9, 24, 3, 5)]
+
+
+@pytest.mark.parametrize("shape", ODD_DIMS, ids=lambda s: s.id)
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_kernel_any_head_dim(kernel, shape, tma):
+    """TMA where the strides allow it (8, 80/48 in fp16), the pointer path elsewhere."""
+    kernel(FwdConfig(16, 16, use_tma=tma))
+    q, k, v = make_qkv(shape, torch.float16, seed=6)
+    _check(q, k, v, torch.float16, shape.id, causal=True)
+    _check(q, k, v, torch.float16, shape.id + " window", window=(5, 3))
+
+
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_kernel_tma_and_pointer_paths(kernel, tma, dtype):

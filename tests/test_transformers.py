@@ -474,7 +474,7 @@ def test_output_attentions_is_refused():
 
 
 def test_unsupported_head_dim_names_it():
-    m = build("llama", FF, head_dim=16)
+    m = build("llama", FF, head_dim=264)
     ids, _, _ = batch("none")
     with pytest.raises(ValueError, match="head_dim") as e:
         run(m, ids)

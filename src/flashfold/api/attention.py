@@ -88,7 +88,7 @@ import torch
 from ..kernels.attention.mods import (BlockMask, TracedMod, create_block_mask, trace_mask_mod,
                                       trace_score_mod)
 # the checks shared with decode and ring attention (one rule per argument)
-from .validate import HEAD_DIMS
+from .validate import MAX_HEAD_DIM
 from .validate import check_bool as _check_bool
 from .validate import check_positive as _check_positive
 from .validate import check_qkv as _check_qkv
@@ -143,8 +143,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     ----------
     q: ``(B, Hq, Nq, D)``; k: ``(B, Hk, Nk, D)``; v: ``(B, Hk, Nk, Dv)``: any strides,
         ``Hq`` a multiple of ``Hk`` (GQA/MQA: query head ``h`` reads kv head
-        ``h // (Hq // Hk)``), ``D, Dv`` in 32, 64, 96, 128, 192, 256; fp16/bf16 (CUDA), also
-        fp32/fp64 on CPU. With ``cu_seqlens_*``: ``B == 1``, sequences packed along seq.
+        ``h // (Hq // Hk)``), ``D, Dv`` in ``1 .. 256`` (:data:`MAX_HEAD_DIM`; the kernels
+        pad to the next power of two inside the tile); fp16/bf16 (CUDA), also fp32/fp64 on
+        CPU. With ``cu_seqlens_*``: ``B == 1``, sequences packed along seq.
     causal: bottom-right aligned causal mask (``j <= i + Nk - Nq``).
     window: ``(left, right)`` sliding window around the aligned diagonal; ``None``/``-1``
         leaves a side unbounded, and so does a side at least as long as the sequence
@@ -381,4 +382,4 @@ def _as4(t, has_d, split=False):
     return t
 
 
-__all__ = ["attention", "merge_states", "BlockMask", "create_block_mask", "TracedMod", "HEAD_DIMS"]
+__all__ = ["attention", "merge_states", "BlockMask", "create_block_mask", "TracedMod", "MAX_HEAD_DIM"]

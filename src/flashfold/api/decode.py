@@ -49,13 +49,11 @@ import math
 import torch
 
 from ..kernels.decode.reference import decode_reference
-from .validate import (check_bool, check_positive, check_window, is_meta, no_values,
-                        unbounded_beyond)
+from .validate import (MAX_HEAD_DIM, check_bool, check_positive, check_window, is_meta,
+                       no_values, unbounded_beyond)
 
 #: the most query tokens per sequence :func:`decode` takes
 MAX_Q_LEN = 16
-#: the largest head dimension of the kernels
-MAX_HEAD_DIM = 256
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = _GPU_DTYPES + (torch.float64,)

@@ -86,8 +86,10 @@ def unbounded_beyond(side, n):
     return None if side is not None and side >= n else side
 
 
-#: head dims the attention kernels support (q/k and v independently)
-HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+#: the largest head dim of attention and decode (q/k and v independently take any of
+#: ``1 .. MAX_HEAD_DIM``: the kernels' tiles are the next power of two, at least 16, the
+#: padding masked inside the kernel, never copied on the host)
+MAX_HEAD_DIM = 256
 #: attention's dtypes on CUDA and elsewhere
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -96,7 +98,7 @@ CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def check_qkv(q, k, v) -> None:
     """Attention's ``q (B, Hq, S, D)``, ``k (B, Hkv, L, D)``, ``v (B, Hkv, L, Dv)``: tensors
     of 4 dims, one dtype (:data:`CUDA_DTYPES` on CUDA, :data:`CPU_DTYPES` elsewhere) and one
-    device, ``Hq`` a multiple of ``Hkv`` (GQA / MQA), ``D`` and ``Dv`` in :data:`HEAD_DIMS`;
+    device, ``Hq`` a multiple of ``Hkv`` (GQA / MQA), ``D`` and ``Dv`` in ``1 ..`` :data:`MAX_HEAD_DIM`;
     ``TypeError`` for a type or dtype, ``ValueError`` for a shape or device, naming the
     tensor."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -125,8 +127,8 @@ def check_qkv(q, k, v) -> None:
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"k head_dim {k.shape[3]} does not match q head_dim {q.shape[3]}")
     for name, d in (("q/k", q.shape[3]), ("v", v.shape[3])):
-        if d not in HEAD_DIMS:
-            raise ValueError(f"{name} head_dim {d} is not supported; expected one of {HEAD_DIMS}")
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} head_dim must be in 1..{MAX_HEAD_DIM}, got {d}")
 
 
 def is_meta(t) -> bool:
@@ -141,5 +143,5 @@ def no_values(name: str, what: str) -> ValueError:
 
 
 __all__ = ["WindowTypeError", "check_tensor", "check_bool", "check_positive", "check_window",
-           "unbounded_beyond", "HEAD_DIMS", "CUDA_DTYPES", "CPU_DTYPES", "check_qkv", "is_meta",
+           "unbounded_beyond", "MAX_HEAD_DIM", "CUDA_DTYPES", "CPU_DTYPES", "check_qkv", "is_meta",
            "no_values"]

@@ -677,8 +677,10 @@ def _pow2(n: int) -> int:
 
 
 def block_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
-    """Power-of-two tile widths covering the head dims (96 -> 128, 192 -> 256)."""
-    return _pow2(head_dim), _pow2(head_dim_v)
+    """Power-of-two tile widths covering the head dims, at least 16 (a dot's reduction
+    width): 8 -> 16, 80 -> 128, 96 -> 128, 192 -> 256; the kernels mask the columns past
+    the head dim in their loads and stores."""
+    return max(16, _pow2(head_dim)), max(16, _pow2(head_dim_v))
 
 
 def default_config(q, head_dim: int, head_dim_v: int, causal: bool = False) -> FwdConfig:
