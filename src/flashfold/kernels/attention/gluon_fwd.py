@@ -485,7 +485,6 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         causal: bool = False, scale: float | None = None,
                         return_lse: bool = False, out: torch.Tensor | None = None,
                         lse: torch.Tensor | None = None, launch: bool = True,
-                        stages: int = STAGES, block_n: int = BLOCK_N,
                         persistent: bool | None = None, pingpong: bool | None = None,
                         flags: torch.Tensor | None = None):
     """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k, v (B, Hk, Nk, D)``: ``o (B, Hq, Nq, D)``
@@ -514,12 +513,12 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     lse_arg = lse if return_lse else o
     if pingpong is None:
         pingpong = pingpong_default(causal, Nq, Nk)
-    args = (_desc(q, BLOCK_M // 2), _desc(k, block_n), _desc(v, block_n),
+    args = (_desc(q, BLOCK_M // 2), _desc(k, BLOCK_N), _desc(v, BLOCK_N),
             _desc(o, BLOCK_M // 2), lse_arg,
             lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
             Nq, Nk, Hq, Hq // Hk, B * Hq, float(scale) * LOG2E,
             o if flags is None else flags, 0 if flags is None else -(-Nq // (BLOCK_M // 2)))
-    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, HEAD_DIM=D, STAGES=stages,
+    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
                   CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), PINGPONG=bool(pingpong),
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                   maxnreg=MAXNREG)
