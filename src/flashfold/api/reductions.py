@@ -89,14 +89,61 @@ def _check_monoid(monoid):
         return
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
-    data = [i for i in monoid.inputs if i.domain != "position"]
-    if len(data) != 1 or data[0].vector or any(f.vector for f in monoid.fields):
-        raise ValueError(f"monoid: reduce/scan take monoids with one scalar input and scalar "
+    data = _data_inputs(monoid)
+    if not data or any(i.vector for i in data) or any(f.vector for f in monoid.fields):
+        raise ValueError(f"monoid: reduce/scan take monoids with scalar inputs and scalar "
                          f"fields; {monoid.name!r} has inputs {monoid.input_names} and fields "
                          f"{monoid.field_names} (use flashfold.attention for ATTENTION)")
     if len(_CHECKED) >= _CHECKED_SIZE:
         _CHECKED.clear()
     _CHECKED[id(monoid)] = monoid
+
+
+def _data_inputs(monoid) -> list:
+    """The inputs the caller passes (a position input receives the element's index)."""
+    return [i for i in monoid.inputs if i.domain != "position"]
+
+
+def _inputs(monoid, x):
+    """``x`` checked for ``monoid``: the tensor of a one-input monoid, or for a monoid of
+    ``n > 1`` data inputs a tuple of ``n`` tensors (in the monoid's input order) on one
+    device, broadcast to one shape (views: nothing is copied). Returns ``(xs, first,
+    dtype)``: ``xs`` the tensor or the tuple of views, ``first`` the first of them (shape,
+    device), ``dtype`` the float outputs' dtype (the inputs' promoted dtype)."""
+    data = _data_inputs(monoid)
+    if len(data) == 1:
+        _check_x(x)
+        return x, x, x.dtype
+    names = [i.name for i in data]
+    if not isinstance(x, (tuple, list)):
+        raise TypeError(f"x: {monoid.name!r} takes {len(data)} inputs {names}; pass a tuple of "
+                        f"{len(data)} tensors, got {type(x).__name__}")
+    if len(x) != len(data):
+        raise ValueError(f"x: {monoid.name!r} takes {len(data)} inputs {names}, got a tuple of "
+                         f"{len(x)}")
+    for j, t in enumerate(x):
+        _check_x(t, f"x[{j}] ({names[j]})")
+    for j, t in enumerate(x[1:], 1):
+        if t.device != x[0].device:
+            raise ValueError(f"x[{j}] ({names[j]}) is on {t.device}, x[0] on {x[0].device}")
+    try:
+        ts = tuple(torch.broadcast_tensors(*x))
+    except RuntimeError:
+        raise ValueError(f"x: the inputs' shapes {[tuple(t.shape) for t in x]} do not "
+                         f"broadcast to one shape") from None
+    if _use_kernels(ts[0]):
+        raise ValueError(f"monoid: {monoid.name!r} has {len(data)} inputs {names}; on "
+                         f"{ts[0].device.type} tensors reduce, scan and segment_reduce take "
+                         f"monoids of one input so far (several inputs run on CPU tensors)")
+    dtype = x[0].dtype
+    for t in x[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return ts, ts[0], dtype
+
+
+def _each(xs, f):
+    """``f`` applied to the tensor, or to each tensor of the tuple."""
+    return tuple(f(t) for t in xs) if isinstance(xs, tuple) else f(xs)
 
 
 def _check_x(x, name: str = "x"):
@@ -232,7 +279,9 @@ def _meta_outs(monoid: Monoid, shape, x: torch.Tensor, params, dtype=None) -> tu
     the reference's outputs for one element."""
     hit = _KINDS.get(id(monoid))
     if hit is None or hit[0] is not monoid:
-        probe = _ref.reduce_reference(monoid, torch.zeros(1), 0, **params)
+        n = len(_data_inputs(monoid))
+        one = torch.zeros(1)
+        probe = _ref.reduce_reference(monoid, one if n == 1 else (one,) * n, 0, **params)
         hit = _KINDS[id(monoid)] = (monoid, tuple(o.dtype for o in probe))
         if len(_KINDS) >= _CHECKED_SIZE:
             _KINDS.clear()
@@ -245,16 +294,20 @@ def _meta_outs(monoid: Monoid, shape, x: torch.Tensor, params, dtype=None) -> tu
 
 def _reduce_outs(monoid, x, dim, params):
     _check_monoid(monoid)
-    _check_x(x)
+    xs, first, dtype = _inputs(monoid, x)
     if params:
         _check_params(monoid, params)
-    x2, d, kept, keep = _reduced_view(x, dim)
+    x2, d, kept, keep = _reduced_view(first, dim)
+    if xs is not first:
+        xs = tuple(_reduced_view(t, dim)[0] for t in xs)
+    else:
+        xs = x2
     if x2.is_meta:
-        outs = _meta_outs(monoid, kept, x2, params)
+        outs = _meta_outs(monoid, kept, x2, params, dtype)
     elif _use_kernels(x2):
         outs = _launchers().launch_reduce(monoid, x2, d, params)
     else:
-        outs = _cast(_ref.reduce_reference(monoid, x2, d, **params), x2)
+        outs = _cast(_ref.reduce_reference(monoid, xs, d, **params), x2, dtype)
     return outs, kept, keep
 
 
@@ -263,15 +316,19 @@ def reduce(monoid: Monoid, x: torch.Tensor, dim=-1, *, keepdim: bool = False, **
 
     Parameters
     ----------
-    monoid: a :class:`~flashfold.Monoid` with one scalar input (and optionally a position
+    monoid: a :class:`~flashfold.Monoid` with scalar inputs (and optionally a position
         input, which receives the element's index along ``dim``) and scalar fields.
-    x: float32 / float16 / bfloat16 tensor of any shape and strides.
+    x: float32 / float16 / bfloat16 tensor of any shape and strides; for a monoid of ``n``
+        data inputs a tuple of ``n`` such tensors in the monoid's input order, broadcast
+        to one shape (e.g. ``(w, x)`` for a weighted mean). Several inputs run on CPU
+        tensors so far; on CUDA a ``ValueError`` says so.
     dim: an int, a tuple of ints (reduced as one), or ``None`` (all dims).
     keepdim: keep the reduced dims with size 1.
     params: the monoid's finalize parameters (e.g. ``correction=`` for WELFORD).
 
     Returns a tensor (one output) or a named tuple (e.g. WELFORD's ``(mean, var)``) with
-    ``x``'s shape minus ``dim``; float outputs in ``x.dtype``, positions int64. An empty
+    ``x``'s shape minus ``dim``; float outputs in ``x.dtype`` (the inputs' promoted dtype),
+    positions int64. An empty
     ``dim`` gives the finalized identity (e.g. ``-inf`` for MAX).
     """
     outs, kept, keep = _reduce_outs(monoid, x, dim, params)
@@ -285,7 +342,8 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
 
     Parameters
     ----------
-    x: float tensor ``(..., N, ...)``, e.g. packed sequences ``(total_tokens, features)``.
+    x: float tensor ``(..., N, ...)``, e.g. packed sequences ``(total_tokens, features)``
+        (a tuple of them for a monoid of several inputs, as :func:`reduce`).
     offsets: 1-D int32/int64 tensor of ``S + 1`` non-decreasing indices in ``[0, N]`` on
         ``x``'s device (``cu_seqlens``); segments may be empty (they give the finalized
         identity) and need not cover the whole dim.
@@ -296,7 +354,7 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
     indices within the segment.
     """
     _check_monoid(monoid)
-    _check_x(x)
+    xs, x, dtype = _inputs(monoid, x)
     if x.dim() == 0:
         raise ValueError("x: segment_reduce needs at least one dim")
     d = _norm_dim(dim, x.dim())
@@ -313,7 +371,7 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
         _check_params(monoid, params)
     if x.is_meta:                                  # shapes only: no offsets to read
         shape = x.shape[:d] + (offsets.numel() - 1,) + x.shape[d + 1:]
-        return _pack(monoid, _meta_outs(monoid, shape, x, params))
+        return _pack(monoid, _meta_outs(monoid, shape, x, params, dtype))
     if not unsafe:
         o = offsets.to("cpu", torch.int64)
         N = x.shape[d]
@@ -323,7 +381,7 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
     if _use_kernels(x):
         outs = _launchers().launch_segment_reduce(monoid, x, offsets.contiguous(), d, params)
     else:
-        outs = _cast(_ref.segment_reduce_reference(monoid, x, offsets, d, **params), x)
+        outs = _cast(_ref.segment_reduce_reference(monoid, xs, offsets, d, **params), x, dtype)
     return _pack(monoid, outs)
 
 
@@ -332,6 +390,8 @@ def scan(monoid: Monoid, x: torch.Tensor, dim: int = -1, reverse: bool = False, 
 
     With ``reverse=True``, ``y_i = finalize(lift(x_i) ⊕ ... ⊕ lift(x_{N-1}))`` (operand
     order kept, so non-commutative monoids are right). Outputs are shaped like ``x``.
+    ``x``: a tensor, or a tuple of tensors for a monoid of several inputs (as
+    :func:`reduce`; e.g. ``(a, b)`` of the recurrence ``h_t = a_t h_{t-1} + b_t``).
     Long rows with few of them run as a multi-block scan (chunk states, then each chunk
     scanned from the fold of the chunks before it).
     """
@@ -340,19 +400,21 @@ def scan(monoid: Monoid, x: torch.Tensor, dim: int = -1, reverse: bool = False, 
 
 def _scan(monoid, x, dim, reverse, dtype, params):
     _check_monoid(monoid)
-    _check_x(x)
+    xs, x, in_dtype = _inputs(monoid, x)
     if not isinstance(reverse, bool):
         raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
     if params:
         _check_params(monoid, params)
-    x1 = x.reshape(1) if x.dim() == 0 else x
+    xs = _each(xs, lambda t: t.reshape(1) if t.dim() == 0 else t)
+    x1 = xs[0] if isinstance(xs, tuple) else xs
     d = _norm_dim(dim, x.dim())
     if x1.is_meta:
-        outs = _meta_outs(monoid, x1.shape, x1, params, dtype)
+        outs = _meta_outs(monoid, x1.shape, x1, params, dtype or in_dtype)
     elif _use_kernels(x1):
         outs = _launchers().launch_scan(monoid, x1, d, reverse, params, dtype)
     else:
-        outs = _cast(_ref.scan_reference(monoid, x1, d, reverse, **params), x1, dtype)
+        outs = _cast(_ref.scan_reference(monoid, xs, d, reverse, **params), x1,
+                     dtype or in_dtype)
     return _pack(monoid, _shaped(outs, x.shape))
 
 

@@ -8,6 +8,9 @@ public functions of :mod:`flashfold.api.reductions` run them for CPU tensors.
 All functions return float64 (float outputs), int64 or bool tensors on the CPU; the
 caller casts. ``params`` are the monoid's finalize parameters by name.
 
+``x`` is a tensor, or for a monoid of several data inputs a tuple of tensors of one shape
+(one per input, in the monoid's order).
+
 * ``reduce_reference(m, x, dim)``: ``finalize(lift(x_0) ⊕ ... ⊕ lift(x_{N-1}))`` along
   ``dim``, as a pairwise tree (adjacent pairs, so order is kept for monoids that are not
   commutative); an empty dim gives ``finalize(e)``.
@@ -42,8 +45,16 @@ def _outs(values) -> tuple:
     return tuple(torch.from_numpy(np.array(v)) for v in values)
 
 
-def _elements_first(monoid: Monoid, x: torch.Tensor, dim: int) -> np.ndarray:
+def _elements_first(monoid: Monoid, x, dim: int):
+    """``x`` (a tensor, or a tuple of tensors of one shape: one per data input) as float64
+    arrays with ``dim`` first, in the form the schedules take."""
+    if isinstance(x, tuple):
+        return tuple(np.moveaxis(to_numpy64(t), dim, 0) for t in x)
     return np.moveaxis(to_numpy64(x), dim, 0)
+
+
+def _take(xs, sl):
+    return tuple(a[sl] for a in xs) if isinstance(xs, tuple) else xs[sl]
 
 
 def reduce_reference(monoid: Monoid, x: torch.Tensor, dim: int, **params) -> tuple:
@@ -58,11 +69,11 @@ def segment_reduce_reference(monoid: Monoid, x: torch.Tensor, offsets, dim: int,
     off = [int(v) for v in torch.as_tensor(offsets).tolist()]
     per_seg = []
     for lo, hi in zip(off[:-1], off[1:]):
-        out = finalize(monoid, fold(monoid, xs[lo:hi], "tree"), **params)
+        out = finalize(monoid, fold(monoid, _take(xs, slice(lo, hi)), "tree"), **params)
         per_seg.append(out if isinstance(out, tuple) else (out,))
     n_out = len(monoid.finalize_graph.outputs)
     if not per_seg:
-        empty = finalize(monoid, fold(monoid, xs[:0], "tree"), **params)
+        empty = finalize(monoid, fold(monoid, _take(xs, slice(0, 0)), "tree"), **params)
         empty = empty if isinstance(empty, tuple) else (empty,)
         return tuple(torch.from_numpy(np.moveaxis(np.asarray(e)[None][:0], 0, dim).copy())
                      for e in empty)
