@@ -11,6 +11,7 @@ Layers, each importing only itself and the ones below it:
 
 =====  ===============================================================================
 0      algebra: ``algebra/``, the built-in monoids ``monoids.py``, the ``ops`` namespace
+       and the example monoids ``examples.py``
 1      schedules: ``schedules/`` (reference executors on NumPy)
 2      kernels: ``kernels/`` (Triton lowering, attention kernels, their references)
 3      api: ``api/``, ``distributed/``, ``dask.py``, ``integrations/``, ``mods.py``
@@ -53,6 +54,7 @@ PACKAGE = "flashfold"
 #: module (or package) -> layer; a module takes the layer of its longest listed prefix
 LAYERS = {
     "flashfold.algebra": 0, "flashfold.monoids": 0, "flashfold.ops": 0,
+    "flashfold.examples": 0,
     "flashfold.schedules": 1,
     "flashfold.kernels": 2,
     "flashfold.api": 3, "flashfold.distributed": 3, "flashfold.dask": 3,

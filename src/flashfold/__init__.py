@@ -4,7 +4,8 @@ as a Triton kernel or across devices, with the same result.
 The layers (each imports only the ones above it):
 
 1. :mod:`flashfold.algebra` (pure Python + NumPy): :class:`Monoid`, :mod:`flashfold.ops`,
-   the traced IR, :func:`check_laws`; built-ins in :mod:`flashfold.monoids`.
+   the traced IR, :func:`check_laws`; built-ins in :mod:`flashfold.monoids`, user-style
+   examples (recurrences, covariance, top-2, ...) in :mod:`flashfold.examples`.
 2. :mod:`flashfold.schedules`: reference executors on NumPy (:func:`fold`, :func:`scan`).
 3. :mod:`flashfold.kernels`: Triton code generated from monoids, attention kernels.
 4. :mod:`flashfold.api` (public tensor entry points: reductions, attention, decode) and
@@ -63,8 +64,8 @@ def scan(monoid, xs, *args, **kwargs):
 
 
 #: submodules reachable as attributes (``flashfold.mods``) without an explicit import
-_SUBMODULES = ("mods", "api", "dask", "distributed", "integrations", "kernels", "schedules",
-               "testing", "cli")
+_SUBMODULES = ("examples", "mods", "api", "dask", "distributed", "integrations", "kernels",
+               "schedules", "testing", "cli")
 
 
 def __getattr__(name):
