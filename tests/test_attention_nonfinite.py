@@ -131,6 +131,17 @@ CASES = {
         lambda: {"score_mod": lambda s, b, h, i, j: ops.where(i == 2, -ops.inf, s)},
         lambda q, k, v: _set(q, (0, 1, 2), NAN),
         lambda NQ, NK: _pattern(NQ, empty_rows=[(b, h, 2) for b in (0, 1) for h in (0, 1)])),
+    # a score_mod's -inf masks as a mask_mod does: the key's NaN value (and its NaN k,
+    # whose score the mod replaces) reaches no row, in the tiles that need no mask too
+    "score-minus-inf-masks-value": (
+        lambda: {"score_mod": lambda s, b, h, i, j: ops.where(j == 14, -ops.inf, s)},
+        lambda q, k, v: _set(v, (0, 0, 14), NAN),
+        lambda NQ, NK: _pattern(NQ)),
+    "score-minus-inf-masks-causal": (
+        lambda: {"causal": True,
+                 "score_mod": lambda s, b, h, i, j: ops.where(j == 7, -ops.inf, s)},
+        lambda q, k, v: (_set(v, (0, 1, 7), NAN), _set(k, (0, 1, 7), NAN)),
+        lambda NQ, NK: _pattern(NQ)),
     # rows that see no key (causal with Nq > Nk) are empty whatever q holds
     "empty-rows-nan-q": (lambda: {"causal": True},
                          lambda q, k, v: _set(q, (0, 0, slice(0, 10)), NAN),
@@ -273,7 +284,8 @@ def kernel(monkeypatch):
 #: the cases the kernel runs (each kernel run costs seconds under the interpreter)
 KERNEL_CASES = ["q-nan-row", "v-nan-causal", "v-nan-channel-causal", "k-nan-causal",
                 "v-nan-window", "v-nan-document", "key-padding-garbage", "key-padding-causal",
-                "score-plus-inf", "score-minus-inf-row", "empty-rows-nan-q", "v-inf-visible"]
+                "score-plus-inf", "score-minus-inf-row", "empty-rows-nan-q", "v-inf-visible",
+                "score-minus-inf-masks-value", "score-minus-inf-masks-causal"]
 
 
 @needs_interpreter
@@ -511,6 +523,11 @@ def test_gpu_triton_features_hidden_nan():
     docs = torch.tensor([min(i // 333, 4) for i in range(1500)], device="cuda")
     cases = [("window", {"window": (256, 0)}),
              ("document", {"mask_mod": mods.document_mask(docs)}),
+             # a score_mod's -inf masks the NaN keys, dense and causal
+             ("score_mod -inf", {"score_mod": lambda s, b, h, i, j: ops.where(
+                 (j == 700) | (j == 1200), -ops.inf, s)}),
+             ("score_mod -inf causal", {"causal": True, "score_mod": lambda s, b, h, i, j:
+                                        ops.where((j == 700) | (j == 1200), -ops.inf, s)}),
              ("padding", {"causal": True,
                           "mask_mod": mods.key_padding_mask(torch.tensor([650, 1190],
                                                                          device="cuda"))})]
@@ -527,8 +544,11 @@ def test_gpu_triton_features_hidden_nan():
 # --- sm_90 compiles (CPU): the flagged forward keeps its registers, the guard compiles ---------
 
 #: (id, head_dim, window) of the flagged Triton forwards and their guards compiled for sm_90
+#: (the alibi rows: a score_mod's -inf masks, so mod calls are flagged, dense ones too, and
+#: their guard recomputes the tiles that need no mask strictly as well)
 COMPILE_VARIANTS = [("d128-causal", 128, (None, 0)), ("d64-causal", 64, (None, 0)),
-                    ("d128-window", 128, (256, 0))]
+                    ("d128-window", 128, (256, 0)), ("d128-alibi-dense", 128, (None, None)),
+                    ("d128-alibi-causal", 128, (None, 0))]
 
 
 def _compile_all():
@@ -537,14 +557,17 @@ def _compile_all():
 
     from flashfold.kernels.aot import compile_launch
     from flashfold.kernels.attention.fwd import HOPPER_CONFIGS
+    from flashfold.kernels.attention.mods import trace_score_mod
 
     for vid, D, (left, right) in COMPILE_VARIANTS:
         try:
-            bm, bn, w, st = HOPPER_CONFIGS[(D, True)]
+            bm, bn, w, st = HOPPER_CONFIGS[(D, right is not None)]
             cfg = FwdConfig(bm, bn, w, st, use_tma=True)
             q = torch.empty(1, 4, 1024, D, dtype=torch.bfloat16)
             k = torch.empty(1, 2, 1024, D, dtype=torch.bfloat16)
             opts = dict(scale=D ** -0.5, left=left, right=right)
+            if "alibi" in vid:
+                opts["score_mod"] = trace_score_mod(mods.alibi(4))
             o, lse, (grid, args, kwargs) = fwd.prepare_forward(
                 q, k, k, config=cfg, interpret=False, flagged=True, **opts)
             main = compile_launch(fwd._attn_fwd, args, kwargs)

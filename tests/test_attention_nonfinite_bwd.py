@@ -29,7 +29,8 @@ import pytest
 import torch
 
 import flashfold
-from flashfold import mods
+from flashfold import mods, ops
+from flashfold.api import attention as API
 from flashfold.kernels.attention import autograd as AG
 from flashfold.kernels.attention import reference as REF
 from flashfold.kernels.attention import bwd
@@ -531,3 +532,36 @@ def test_gpu_end_to_end_causal_nan_value_reaches_no_hidden_row():
     # dV does not depend on v; every key is seen by a row that sees key 15: dK is NaN
     assert torch.isfinite(dv[0, 0]).all() and torch.isnan(dk[0, 0]).all()
     assert all(torch.isfinite(t[0, 1]).all() for t in (dq, dk, dv))
+
+
+# --- a score_mod's -inf: weight 0, as a mask ------------------------------------------------------
+
+def _grads_via_api(q, k, v, do, **kw):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = flashfold.attention(q, k, v, **kw)
+    return (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
+
+
+@pytest.mark.parametrize("path", ["reference", pytest.param("kernels", marks=interpreter)])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_score_mod_minus_inf_masks_a_nan_value(path, causal, monkeypatch):
+    """A NaN value of a key that a score_mod scores -inf reaches nothing, forward or
+    backward: the outputs and gradients equal those of the mask_mod that hides the key
+    with a clean value (dv of the key: exactly 0)."""
+    if path == "kernels":
+        monkeypatch.setattr(API, "_use_kernel", lambda t: True)
+        monkeypatch.setattr(bwd, "default_config",
+                            lambda q, d, dv, features=False, causal=False: POINTERS)
+    dtype = torch.float32 if path == "reference" else torch.float16
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(1, 2, 40, 16, generator=g).to(dtype) for _ in range(4))
+    v_nan, v_clean = v.clone(), v.clone()
+    v_nan[0, :, 7], v_clean[0, :, 7] = NAN, 0.0
+    got = _grads_via_api(q, k, v_nan, do, causal=causal,
+                         score_mod=lambda s, b, h, i, j: ops.where(j == 7, -ops.inf, s))
+    want = _grads_via_api(q, k, v_clean, do, causal=causal, mask_mod=lambda b, h, i, j: j != 7)
+    for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), f"{path}: {name} not finite"
+        assert_close(a, w.double(), dtype, scale=max(1.0, float(w.abs().max())),
+                     name=f"{path} {name}")
+    assert (got[3][0, :, 7] == 0).all()

@@ -35,8 +35,14 @@ device and path alike:
    reach the row through a ``0 x NaN`` product; flashfold does not.)
 2. A NaN or ``+inf`` score of a visible key (from ``q``, ``k``, softcap or score_mod) makes
    ``lse_i`` and every channel of ``o_i`` NaN. A ``-inf`` score is weight 0, as a mask
-   is; ``o_i = 0``, ``lse_i = -inf`` only when every visible score is ``-inf`` or no key
-   is visible (a NaN is never an empty row).
+   is: its key contributes nothing, whatever its value holds (a score_mod that returns
+   ``-inf`` masks); ``o_i = 0``, ``lse_i = -inf`` only when every visible score is
+   ``-inf`` or no key is visible (a NaN is never an empty row). (An infinite ``q`` or
+   ``k`` entry is itself a non-finite input of the rows it meets; a ``-inf`` score it
+   makes in a call without masks or score_mod may let its key's non-finite value reach
+   the row, as ``0 x NaN``. In the backward a score_mod's ``-inf`` pair adds exactly 0
+   through its key's value; a non-finite ``k`` of that key, or ``q`` / ``dO`` of that
+   row, may still reach ``dq`` / ``dk`` / ``dv`` as ``0 x NaN``.)
 3. A non-finite ``v[j, c]`` of a visible key makes ``o[i, c]`` non-finite (NaN, or
    ``+-inf`` where the sum gives it); ``lse_i`` and the other channels are unaffected.
 4. Backward: ``dq_i``, ``dk_j``, ``dv_j`` are non-finite only where they depend, through a

@@ -283,9 +283,17 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
         s = tl.where(vis, s, float("-inf"))
     v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
                    BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
+    # a score_mod's -inf is weight 0, as a mask is: in the strict recompute its key is
+    # left out of P V like a hidden one, also in the tiles that need no mask, whatever the
+    # key's value holds
     if MASKED:
+        if STRICT and HAS_SCORE_MOD:
+            vis = s != float("-inf")        # (s is -inf where vis hides the pair)
         return _softmax_update(acc, l_i, m_i, s, v, qk_scale, vis,
                                HAS_SOFTCAP or HAS_SCORE_MOD, STRICT)
+    elif STRICT and HAS_SCORE_MOD:
+        return _softmax_update(acc, l_i, m_i, s, v, qk_scale, s != float("-inf"),
+                               True, True)
     else:
         return _softmax_update(acc, l_i, m_i, s, v, qk_scale, s,
                                HAS_SOFTCAP or HAS_SCORE_MOD, False)
@@ -800,7 +808,7 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
     # through a packed TMA descriptor): flagged, then guarded. A dense call's only masked
     # tile is the ragged end, whose keys past Nk read as zeros (4-D TMA box, masked loads)
     guarded = STRICT_HIDDEN and (left is not None or right is not None or block_mask is not None
-                                 or cu_seqlens_q is not None)
+                                 or cu_seqlens_q is not None or score_mod is not None)
     o, lse, launch = prepare_forward(q, k, v, return_lse=return_lse, config=config,
                                      flagged=guarded, **options)
     if launch is None:

@@ -122,6 +122,14 @@ def tile_visible(shape, qi, kj, delta, left, right, mask_fn, bidx, hidx):
     return vis
 
 
+def mod_masked(s, raw):
+    """Pairs a score_mod masks: its score ``s`` is ``-inf`` where the raw score ``raw =
+    scale q . k`` is not (rule 2: weight 0, as a mask is; the pair's key contributes
+    nothing, forward or backward). A ``-inf`` of ``q . k`` itself comes from an infinite
+    input and stays visible (its non-finite products reach what depends on them)."""
+    return (s == -math.inf) & (raw != -math.inf)
+
+
 def strict_matmul(a, vis, x):
     r"""``a @ x`` in which the pairs hidden by ``vis`` add exactly 0, whatever ``x`` holds.
 
@@ -186,6 +194,7 @@ def attention_reference(q, k, v, *, causal=False, window=None, scale=None, softc
                 vb = v[:, kv_head, ks.start + j0: ks.start + j1].to(cd)       # [B, Hq, bn, Dv]
                 kj = torch.arange(j0, j1, device=dev).view(1, 1, 1, -1)
                 s = torch.matmul(qb, kb.transpose(-1, -2)) * scale             # [B, Hq, bm, bn]
+                raw = s
                 if softcap is not None:
                     s = softcap * torch.tanh(s / softcap)
                 if score_mod is not None:
@@ -196,7 +205,10 @@ def attention_reference(q, k, v, *, causal=False, window=None, scale=None, softc
                 # pivot stays +inf for a +inf max (exp(inf - inf) = NaN: rule 2)
                 mb = s.amax(-1, keepdim=True)
                 p = torch.exp(s - torch.where(mb == -math.inf, 0.0, mb))
-                state = (mb, p.sum(-1, keepdim=True), strict_matmul(p, vis, vb))
+                # a score_mod's -inf is weight 0, as a mask is: its key's value is left
+                # out too (a -inf of q . k itself is an infinite input's: it stays visible)
+                pv = strict_matmul(p, vis & ~mod_masked(s, raw), vb)
+                state = (mb, p.sum(-1, keepdim=True), pv)
                 m, d, acc = combine(m, d, acc, *state)
             ob, lb = finalize(m, d, acc)
             o[:, :, qs.start + i0: qs.start + i1] = ob
@@ -254,6 +266,7 @@ def naive_attention(q, k, v, *, causal=False, window=None, scale=None, softcap=N
         bb = (torch.arange(B, device=dev) if seq is None else torch.tensor([seq], device=dev))
         bb = bb[:, None, None, None]
         hh = torch.arange(Hq, device=dev)[None, :, None, None]
+        raw = s
         if score_mod is not None:
             s = torch.as_tensor(score_mod(s, bb, hh, i, j)).to(dtype).expand_as(s)
         keep = torch.ones((nq, nk), dtype=torch.bool, device=dev)
@@ -272,7 +285,7 @@ def naive_attention(q, k, v, *, causal=False, window=None, scale=None, softcap=N
         row_lse = torch.where(poisoned, math.nan, row_lse)
         empty = row_lse == -math.inf
         p = torch.exp(s - torch.where(empty, 0.0, row_lse)[..., None])
-        o[:, :, qs] = _masked_sum(p, vv, keep)
+        o[:, :, qs] = _masked_sum(p, vv, keep & ~mod_masked(s, raw))
         lse[:, :, qs] = row_lse
     return o, lse
 
@@ -411,7 +424,7 @@ def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, l
                     dmod = dmod.to(cd).expand(x.shape)
                     dfac = dmod if dfac is None else dfac * dmod
                 vis = tile_visible(x.shape, qi, kj, delta, left, right, mfn, bidx, hidx)
-                vis = vis & live
+                vis = vis & live & ~mod_masked(s, x)     # a score_mod's -inf: a mask
                 p = torch.where(vis, torch.exp(torch.where(vis, s - lb, 0.0)), 0.0)
                 dp = torch.matmul(dob, vb.transpose(-1, -2))
                 ds = p * (dp - db)
@@ -426,5 +439,5 @@ def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, l
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
-__all__ = ["attention_reference", "naive_attention", "merge_states_reference",
+__all__ = ["attention_reference", "naive_attention", "merge_states_reference", "mod_masked",
            "backward_reference", "torch_score_grad"]
