@@ -112,6 +112,8 @@ def test_meta_inputs_give_meta_outputs():
 
 def test_bad_input_names_the_argument(monkeypatch):
     w, x = torch.rand(3, 5), torch.randn(3, 5)
+    with pytest.raises(TypeError, match="monoid: expected a flashfold Monoid, got NoneType"):
+        ff.reduce(None, w, dim=1)        # (id(None) is no key of the checked-monoid cache)
     with pytest.raises(TypeError, match=r"x: 'wmean_test' takes 2 inputs \['w', 'x'\]"):
         ff.reduce(WMEAN, w, dim=1)
     with pytest.raises(ValueError, match="got a tuple of 3"):

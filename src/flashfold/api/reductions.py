@@ -85,7 +85,7 @@ _CHECKED_SIZE = 1024
 def _check_monoid(monoid):
     """A monoid that reduce/scan can run: checked once per monoid (the check cost ~1.2 us
     per call on the 2-core dev machine, the lookup ~0.15)."""
-    if _CHECKED.get(id(monoid)) is monoid:
+    if monoid is not None and _CHECKED.get(id(monoid)) is monoid:   # (get's default: None)
         return
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
