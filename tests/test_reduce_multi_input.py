@@ -126,5 +126,67 @@ def test_bad_input_names_the_argument(monkeypatch):
         ff.reduce(WMEAN, (w, x.to("meta")), dim=1)
     # the kernels take one-input monoids so far: a clear error, never a silent copy
     monkeypatch.setattr(R, "_use_kernels", lambda t: True)
-    with pytest.raises(ValueError, match="monoids of one input so far"):
+    with pytest.raises(ValueError, match="monoids of one scalar input so far"):
         ff.reduce(WMEAN, (w, x), dim=1)
+
+
+# --- vector inputs and fields: ATTENTION as a reduction over (score, value) ------------------
+
+def test_attention_monoid_reduce_is_softmax_times_values():
+    """``reduce(ATTENTION, (s, v))`` over the key dim: ``(softmax(s) v, logsumexp(s))``;
+    ``v`` carries a trailing feature axis; the scores broadcast against it."""
+    from flashfold.monoids import ATTENTION, ATTENTION2
+    g = torch.Generator().manual_seed(6)
+    s = torch.randn(3, 4, 50, generator=g) * 3
+    v = torch.randn(1, 4, 50, 8, generator=g)              # broadcast over the batch
+    p = torch.softmax(s.double(), -1)
+    want_o = (p[..., None] * v.double()).sum(2)
+    want_l = torch.logsumexp(s.double(), -1)
+    for m in (ATTENTION, ATTENTION2):
+        o, lse = ff.reduce(m, (s, v), dim=2)
+        assert o.shape == (3, 4, 8) and lse.shape == (3, 4)
+        assert_close(o, want_o, "float32", scale=float(v.abs().max()), name=f"{m.name} o")
+        assert_close(lse, want_l, "float32", scale=1.0 + want_l.abs(), name=f"{m.name} lse")
+    o, lse = ff.reduce(ATTENTION, (s, v), dim=(1, 2), keepdim=True)
+    assert o.shape == (3, 1, 1, 8) and lse.shape == (3, 1, 1)
+    pf = torch.softmax(s.double().flatten(1), -1)
+    assert_close(o[:, 0, 0], (pf[..., None] * v.double().expand(3, 4, 50, 8).flatten(1, 2)).sum(1),
+                 "float32", scale=float(v.abs().max()))
+
+
+def test_attention_monoid_scan_is_every_prefix():
+    """The scan's row ``t``: attention of the first ``t + 1`` keys (a causal row)."""
+    from flashfold.monoids import ATTENTION
+    g = torch.Generator().manual_seed(7)
+    s, v = torch.randn(2, 30, generator=g), torch.randn(2, 30, 5, generator=g)
+    o, lse = ff.scan(ATTENTION, (s, v), dim=1)
+    assert o.shape == (2, 30, 5) and lse.shape == (2, 30)
+    for t in (0, 7, 29):
+        p = torch.softmax(s[:, :t + 1].double(), -1)
+        assert_close(o[:, t], (p[..., None] * v[:, :t + 1].double()).sum(1), "float32",
+                     scale=float(v.abs().max()), name=f"prefix {t}")
+    o_r, _ = ff.scan(ATTENTION, (s, v), dim=1, reverse=True)
+    p = torch.softmax(s[:, 11:].double(), -1)
+    assert_close(o_r[:, 11], (p[..., None] * v[:, 11:].double()).sum(1), "float32",
+                 scale=float(v.abs().max()))
+    seg_o, _ = ff.segment_reduce(ATTENTION, (s.T, v.transpose(0, 1)), torch.tensor([0, 12, 30]), 0)
+    assert seg_o.shape == (2, 2, 5)
+    p = torch.softmax(s[:, 12:].double(), -1)
+    assert_close(seg_o[1], (p[..., None] * v[:, 12:].double()).sum(1), "float32",
+                 scale=float(v.abs().max()))
+
+
+def test_vector_inputs_meta_and_errors(monkeypatch):
+    from flashfold.monoids import ATTENTION
+    s, v = torch.randn(3, 20), torch.randn(3, 20, 6)
+    o, lse = ff.reduce(ATTENTION, (s.to("meta"), v.to("meta")), dim=1)
+    assert o.is_meta and o.shape == (3, 6) and lse.shape == (3,)
+    o, lse = ff.scan(ATTENTION, (s.to("meta"), v.to("meta")), dim=1)
+    assert o.shape == (3, 20, 6) and lse.shape == (3, 20)
+    with pytest.raises(ValueError, match=r"x\[1\] \(value\) is a vector input"):
+        ff.reduce(ATTENTION, (s, torch.tensor(1.0)), dim=1)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        ff.reduce(ATTENTION, (s, torch.randn(4, 20, 6)), dim=1)
+    monkeypatch.setattr(R, "_use_kernels", lambda t: True)
+    with pytest.raises(ValueError, match=r"\(vector\); on cpu tensors"):
+        ff.reduce(ATTENTION, (s, v), dim=1)

@@ -90,10 +90,11 @@ def _check_monoid(monoid):
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
     data = _data_inputs(monoid)
-    if not data or any(i.vector for i in data) or any(f.vector for f in monoid.fields):
-        raise ValueError(f"monoid: reduce/scan take monoids with scalar inputs and scalar "
-                         f"fields; {monoid.name!r} has inputs {monoid.input_names} and fields "
-                         f"{monoid.field_names} (use flashfold.attention for ATTENTION)")
+    if not data:
+        raise ValueError(f"monoid: {monoid.name!r} has no data input (inputs "
+                         f"{monoid.input_names}); reduce/scan need one")
+    if any(f.vector for f in monoid.fields) and not any(i.vector for i in data):
+        raise ValueError(f"monoid: {monoid.name!r} has vector fields but no vector input")
     if len(_CHECKED) >= _CHECKED_SIZE:
         _CHECKED.clear()
     _CHECKED[id(monoid)] = monoid
@@ -104,17 +105,26 @@ def _data_inputs(monoid) -> list:
     return [i for i in monoid.inputs if i.domain != "position"]
 
 
+def _is_vector(monoid) -> bool:
+    """Whether ``monoid`` has a vector input (a trailing feature axis on its tensor)."""
+    return any(i.vector for i in _data_inputs(monoid))
+
+
 def _inputs(monoid, x):
     """``x`` checked for ``monoid``: the tensor of a one-input monoid, or for a monoid of
     ``n > 1`` data inputs a tuple of ``n`` tensors (in the monoid's input order) on one
-    device, broadcast to one shape (views: nothing is copied). Returns ``(xs, first,
-    dtype)``: ``xs`` the tensor or the tuple of views, ``first`` the first of them (shape,
-    device), ``dtype`` the float outputs' dtype (the inputs' promoted dtype)."""
+    device. A vector input carries a trailing feature axis of one width ``W`` for all;
+    the other dims of every input broadcast to one shape ``S`` (views: nothing is
+    copied). Returns ``(xs, first, dtype)``: ``xs`` the tensor or the tuple of views,
+    ``first`` a tensor (or view) of shape ``S`` (dims, device), ``dtype`` the float
+    outputs' dtype (the inputs' promoted dtype)."""
     data = _data_inputs(monoid)
-    if len(data) == 1:
+    names = [i.name for i in data]
+    if len(data) == 1 and not data[0].vector:
         _check_x(x)
         return x, x, x.dtype
-    names = [i.name for i in data]
+    if len(data) == 1 and isinstance(x, torch.Tensor):
+        x = (x,)
     if not isinstance(x, (tuple, list)):
         raise TypeError(f"x: {monoid.name!r} takes {len(data)} inputs {names}; pass a tuple of "
                         f"{len(data)} tensors, got {type(x).__name__}")
@@ -126,19 +136,55 @@ def _inputs(monoid, x):
     for j, t in enumerate(x[1:], 1):
         if t.device != x[0].device:
             raise ValueError(f"x[{j}] ({names[j]}) is on {t.device}, x[0] on {x[0].device}")
+    widths = {t.shape[-1] for i, t in zip(data, x) if i.vector and t.dim() > 0}
+    for j, (i, t) in enumerate(zip(data, x)):
+        if i.vector and t.dim() == 0:
+            raise ValueError(f"x[{j}] ({names[j]}) is a vector input: it needs a trailing "
+                             f"feature axis, got a 0-d tensor")
+    if len(widths) > 1:
+        raise ValueError(f"x: the vector inputs' feature axes differ: {sorted(widths)}")
     try:
-        ts = tuple(torch.broadcast_tensors(*x))
+        shape = torch.broadcast_shapes(*[t.shape[:-1] if i.vector else t.shape
+                                         for i, t in zip(data, x)])
     except RuntimeError:
         raise ValueError(f"x: the inputs' shapes {[tuple(t.shape) for t in x]} do not "
-                         f"broadcast to one shape") from None
-    if _use_kernels(ts[0]):
-        raise ValueError(f"monoid: {monoid.name!r} has {len(data)} inputs {names}; on "
-                         f"{ts[0].device.type} tensors reduce, scan and segment_reduce take "
-                         f"monoids of one input so far (several inputs run on CPU tensors)")
+                         f"broadcast to one shape (outside the feature axis of vector "
+                         f"inputs)") from None
+    ts = tuple(t.expand(*shape, t.shape[-1]) if i.vector else t.expand(shape)
+               for i, t in zip(data, x))
+    first = next((t for i, t in zip(data, ts) if not i.vector), None)
+    if first is None:
+        first = ts[0][..., 0]
+    if _use_kernels(first):
+        raise ValueError(f"monoid: {monoid.name!r} has inputs {names}"
+                         f"{' (vector)' if _is_vector(monoid) else ''}; on "
+                         f"{first.device.type} tensors reduce, scan and segment_reduce take "
+                         f"monoids of one scalar input so far (the others run on CPU tensors)")
     dtype = x[0].dtype
     for t in x[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
-    return ts, ts[0], dtype
+    return ts, first, dtype
+
+
+def _view_as(monoid, xs, first, dim):
+    """Each of ``xs`` viewed as :func:`_reduced_view` views ``first`` (several dims as
+    one), a vector input's feature axis kept last."""
+    data = _data_inputs(monoid)
+    nd = first.dim()
+    if dim is None:
+        dims = list(range(nd))
+    elif isinstance(dim, (tuple, list)):
+        dims = sorted(_norm_dim(d, nd) for d in dim) or list(range(nd))
+    else:
+        return xs
+    if len(dims) <= 1:
+        return xs
+    kept = [i for i in range(nd) if i not in dims]
+    out = []
+    for inp, t in zip(data, xs):
+        perm = kept + dims + ([nd] if inp.vector else [])
+        out.append(t.permute(perm).flatten(len(kept), len(kept) + len(dims) - 1))
+    return tuple(out)
 
 
 def _each(xs, f):
@@ -198,11 +244,18 @@ def _reduced_view(x: torch.Tensor, dim):
     return x2, len(kept), kept_shape, keep_shape
 
 
-def _shaped(outs, shape) -> tuple:
+def _shaped(outs, shape, base=None) -> tuple:
     """``outs`` reshaped to ``shape``; an output that has it already is returned as it is
     (``reshape`` to its own shape still makes a view: ~1.5 us per output on the 2-core
-    dev machine, against ~0.2 for the comparison)."""
-    return tuple([o if o.shape == shape else o.reshape(shape) for o in outs])
+    dev machine, against ~0.2 for the comparison). With ``base`` (the outputs' batch
+    shape), an output's dims past ``base`` (a vector output's feature axis) are kept."""
+    if base is None:
+        return tuple([o if o.shape == shape else o.reshape(shape) for o in outs])
+    res = []
+    for o in outs:
+        want = tuple(shape) + tuple(o.shape[len(base):])
+        res.append(o if o.shape == want else o.reshape(want))
+    return tuple(res)
 
 
 def _result_type(monoid: Monoid):
@@ -270,45 +323,56 @@ def _check_params(monoid: Monoid, params: dict):
 _KINDS: dict = {}
 
 
-def _meta_outs(monoid: Monoid, shape, x: torch.Tensor, params, dtype=None) -> tuple:
+def _meta_outs(monoid: Monoid, shape, x: torch.Tensor, params, dtype=None, width=None) -> tuple:
     """Outputs of ``monoid`` for a meta tensor ``x``: meta tensors of ``shape``, float
     outputs in ``dtype or x.dtype``, the others int64 / bool as on the other paths.
 
     The rule for meta tensors: a function that can compute its outputs' shapes and dtypes
     returns meta outputs and computes nothing. The dtypes are read once per monoid off
-    the reference's outputs for one element."""
+    the reference's outputs for one element (and, with vector inputs, a feature axis of
+    1: an output with that axis gets ``width``)."""
     hit = _KINDS.get(id(monoid))
     if hit is None or hit[0] is not monoid:
-        n = len(_data_inputs(monoid))
-        one = torch.zeros(1)
-        probe = _ref.reduce_reference(monoid, one if n == 1 else (one,) * n, 0, **params)
-        hit = _KINDS[id(monoid)] = (monoid, tuple(o.dtype for o in probe))
+        data = _data_inputs(monoid)
+        probe_in = tuple(torch.zeros(1, 1) if i.vector else torch.zeros(1) for i in data)
+        probe = _ref.reduce_reference(monoid, probe_in[0] if len(data) == 1 and
+                                      not data[0].vector else probe_in, 0, **params)
+        hit = _KINDS[id(monoid)] = (monoid, tuple((o.dtype, o.dim() > 0) for o in probe))
         if len(_KINDS) >= _CHECKED_SIZE:
             _KINDS.clear()
-    return tuple(torch.empty(shape, dtype=(dtype or x.dtype) if k == torch.float64 else
+    return tuple(torch.empty(tuple(shape) + ((width,) if vec else ()),
+                             dtype=(dtype or x.dtype) if k == torch.float64 else
                              (torch.bool if k == torch.bool else torch.int64), device="meta")
-                 for k in hit[1])
+                 for k, vec in hit[1])
 
 
 # --- generic entry points ---------------------------------------------------------------
 
+def _width(monoid, xs):
+    """The feature width of the vector inputs among ``xs`` (None without any)."""
+    if not isinstance(xs, tuple):
+        return None
+    return next((t.shape[-1] for i, t in zip(_data_inputs(monoid), xs) if i.vector), None)
+
+
 def _reduce_outs(monoid, x, dim, params):
+    """``(outs, kept, keep, base)``: outputs of shape ``kept`` (vector outputs: ``kept +
+    (W,)``), the shape with ``keepdim``, and ``kept`` again where outputs may carry a
+    feature axis (else None)."""
     _check_monoid(monoid)
     xs, first, dtype = _inputs(monoid, x)
     if params:
         _check_params(monoid, params)
     x2, d, kept, keep = _reduced_view(first, dim)
-    if xs is not first:
-        xs = tuple(_reduced_view(t, dim)[0] for t in xs)
-    else:
-        xs = x2
+    xs = x2 if xs is first else _view_as(monoid, xs, first, dim)
+    width = _width(monoid, xs)
     if x2.is_meta:
-        outs = _meta_outs(monoid, kept, x2, params, dtype)
+        outs = _meta_outs(monoid, kept, x2, params, dtype, width)
     elif _use_kernels(x2):
         outs = _launchers().launch_reduce(monoid, x2, d, params)
     else:
         outs = _cast(_ref.reduce_reference(monoid, xs, d, **params), x2, dtype)
-    return outs, kept, keep
+    return outs, kept, keep, (kept if width is not None else None)
 
 
 def reduce(monoid: Monoid, x: torch.Tensor, dim=-1, *, keepdim: bool = False, **params):
@@ -316,24 +380,26 @@ def reduce(monoid: Monoid, x: torch.Tensor, dim=-1, *, keepdim: bool = False, **
 
     Parameters
     ----------
-    monoid: a :class:`~flashfold.Monoid` with scalar inputs (and optionally a position
-        input, which receives the element's index along ``dim``) and scalar fields.
+    monoid: a :class:`~flashfold.Monoid` (optionally with a position input, which
+        receives the element's index along ``dim``).
     x: float32 / float16 / bfloat16 tensor of any shape and strides; for a monoid of ``n``
         data inputs a tuple of ``n`` such tensors in the monoid's input order, broadcast
-        to one shape (e.g. ``(w, x)`` for a weighted mean). Several inputs run on CPU
-        tensors so far; on CUDA a ``ValueError`` says so.
+        to one shape ``S`` (e.g. ``(w, x)`` for a weighted mean); a vector input has a
+        trailing feature axis, ``S + (W,)`` (e.g. ATTENTION's ``(s, v)``: ``s (B, N)``,
+        ``v (B, N, W)``, ``dim=1`` gives ``softmax(s) v`` and the LSE). Several inputs
+        and vector inputs run on CPU tensors so far; on CUDA a ``ValueError`` says so.
     dim: an int, a tuple of ints (reduced as one), or ``None`` (all dims).
     keepdim: keep the reduced dims with size 1.
     params: the monoid's finalize parameters (e.g. ``correction=`` for WELFORD).
 
     Returns a tensor (one output) or a named tuple (e.g. WELFORD's ``(mean, var)``) with
-    ``x``'s shape minus ``dim``; float outputs in ``x.dtype`` (the inputs' promoted dtype),
+    ``x``'s shape minus ``dim`` (a vector output: plus the feature axis); float outputs in ``x.dtype`` (the inputs' promoted dtype),
     positions int64. An empty
     ``dim`` gives the finalized identity (e.g. ``-inf`` for MAX).
     """
-    outs, kept, keep = _reduce_outs(monoid, x, dim, params)
+    outs, kept, keep, base = _reduce_outs(monoid, x, dim, params)
     shape = keep if keepdim else kept
-    return _pack(monoid, _shaped(outs, shape))
+    return _pack(monoid, _shaped(outs, shape, base))
 
 
 def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: int = 0, *,
@@ -371,7 +437,7 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
         _check_params(monoid, params)
     if x.is_meta:                                  # shapes only: no offsets to read
         shape = x.shape[:d] + (offsets.numel() - 1,) + x.shape[d + 1:]
-        return _pack(monoid, _meta_outs(monoid, shape, x, params, dtype))
+        return _pack(monoid, _meta_outs(monoid, shape, x, params, dtype, _width(monoid, xs)))
     if not unsafe:
         o = offsets.to("cpu", torch.int64)
         N = x.shape[d]
@@ -408,14 +474,15 @@ def _scan(monoid, x, dim, reverse, dtype, params):
     xs = _each(xs, lambda t: t.reshape(1) if t.dim() == 0 else t)
     x1 = xs[0] if isinstance(xs, tuple) else xs
     d = _norm_dim(dim, x.dim())
+    width = _width(monoid, xs)
     if x1.is_meta:
-        outs = _meta_outs(monoid, x1.shape, x1, params, dtype or in_dtype)
+        outs = _meta_outs(monoid, x1.shape, x1, params, dtype or in_dtype, width)
     elif _use_kernels(x1):
         outs = _launchers().launch_scan(monoid, x1, d, reverse, params, dtype)
     else:
         outs = _cast(_ref.scan_reference(monoid, xs, d, reverse, **params), x1,
                      dtype or in_dtype)
-    return _pack(monoid, _shaped(outs, x.shape))
+    return _pack(monoid, _shaped(outs, x.shape, x.shape if width is not None else None))
 
 
 # --- row maps (softmax) -----------------------------------------------------------------
@@ -467,7 +534,7 @@ def var_mean(x: torch.Tensor, dim=None, *, correction=1, keepdim: bool = False):
     ``mean`` infinite or NaN, as torch. An empty dim gives ``(nan, nan)``."""
     if isinstance(correction, bool) or not isinstance(correction, (int, float)):
         raise TypeError(f"correction: expected a number, got {type(correction).__name__}")
-    outs, kept, keep = _reduce_outs(WELFORD, x, dim, {"correction": float(correction)})
+    outs, kept, keep, _ = _reduce_outs(WELFORD, x, dim, {"correction": float(correction)})
     mean, var = outs
     n = x.numel() // max(1, _numel(kept))
     if n == 0 or x.numel() == 0:
