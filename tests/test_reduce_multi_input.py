@@ -190,3 +190,29 @@ def test_vector_inputs_meta_and_errors(monkeypatch):
     monkeypatch.setattr(R, "_use_kernels", lambda t: True)
     with pytest.raises(ValueError, match=r"\(vector\); on cpu tensors"):
         ff.reduce(ATTENTION, (s, v), dim=1)
+
+
+def test_zero_dim_inputs_and_a_vector_input_first():
+    """0-d inputs reduce and scan as one element (a vector input of shape ``(W,)`` as one
+    element of width W); a monoid whose first input is the vector one takes its dims from
+    the other."""
+    from flashfold import Field
+    from flashfold.monoids import ATTENTION
+    assert_close(ff.reduce(WMEAN, (torch.tensor(2.0), torch.tensor(3.0))),
+                 torch.tensor(3.0, dtype=torch.float64), "float32")
+    assert ff.scan(WMEAN, (torch.tensor(2.0), torch.tensor(3.0))).shape == ()
+    v = torch.randn(4)
+    for f in (ff.reduce, ff.scan):
+        o, lse = f(ATTENTION, (torch.tensor(1.0), v))
+        assert o.shape == (4,) and lse.shape == ()
+        assert_close(o, v.double(), "float32")
+    vfirst = Monoid("vmean_first", fields=(Field("o", vector=True), "n"), identity=(0.0, 0.0),
+                    inputs=(Input("v", vector=True), Input("w")),
+                    lift=lambda v, w: (v * w, w), combine=lambda a, b: (a.o + b.o, a.n + b.n),
+                    finalize=lambda s: s.o / s.n, commutative=True)
+    g = torch.Generator().manual_seed(8)
+    v, w = torch.randn(3, 5, 2, generator=g), torch.rand(3, 5, generator=g)
+    want = (v.double() * w.double()[..., None]).sum(1) / w.double().sum(1)[..., None]
+    assert_close(ff.reduce(vfirst, (v, w), dim=1), want, "float32", scale=2.0)
+    assert ff.scan(vfirst, (v, w), dim=1).shape == (3, 5, 2)
+    assert ff.reduce(vfirst, (v, w), dim=(0, 1)).shape == (2,)

@@ -187,9 +187,14 @@ def _view_as(monoid, xs, first, dim):
     return tuple(out)
 
 
-def _each(xs, f):
-    """``f`` applied to the tensor, or to each tensor of the tuple."""
-    return tuple(f(t) for t in xs) if isinstance(xs, tuple) else f(xs)
+def _at_least_1d(monoid, xs):
+    """``xs`` (the tensor or the tuple of :func:`_inputs`) with a 0-d shape ``S`` made
+    ``(1,)``, a vector input's feature axis kept last."""
+    if not isinstance(xs, tuple):
+        return xs.reshape(1) if xs.dim() == 0 else xs
+    return tuple(t.reshape(1, t.shape[-1]) if i.vector and t.dim() == 1 else
+                 (t.reshape(1) if t.dim() == 0 else t)
+                 for i, t in zip(_data_inputs(monoid), xs))
 
 
 def _check_x(x, name: str = "x"):
@@ -364,7 +369,12 @@ def _reduce_outs(monoid, x, dim, params):
     if params:
         _check_params(monoid, params)
     x2, d, kept, keep = _reduced_view(first, dim)
-    xs = x2 if xs is first else _view_as(monoid, xs, first, dim)
+    if xs is first:
+        xs = x2
+    elif first.dim() == 0:
+        xs = _at_least_1d(monoid, xs)
+    else:
+        xs = _view_as(monoid, xs, first, dim)
     width = _width(monoid, xs)
     if x2.is_meta:
         outs = _meta_outs(monoid, kept, x2, params, dtype, width)
@@ -471,8 +481,8 @@ def _scan(monoid, x, dim, reverse, dtype, params):
         raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
     if params:
         _check_params(monoid, params)
-    xs = _each(xs, lambda t: t.reshape(1) if t.dim() == 0 else t)
-    x1 = xs[0] if isinstance(xs, tuple) else xs
+    xs = _at_least_1d(monoid, xs)
+    x1 = x.reshape(1) if x.dim() == 0 else x
     d = _norm_dim(dim, x.dim())
     width = _width(monoid, xs)
     if x1.is_meta:
@@ -482,7 +492,7 @@ def _scan(monoid, x, dim, reverse, dtype, params):
     else:
         outs = _cast(_ref.scan_reference(monoid, xs, d, reverse, **params), x1,
                      dtype or in_dtype)
-    return _pack(monoid, _shaped(outs, x.shape, x.shape if width is not None else None))
+    return _pack(monoid, _shaped(outs, x.shape, x1.shape if width is not None else None))
 
 
 # --- row maps (softmax) -----------------------------------------------------------------
