@@ -169,14 +169,11 @@ def _inputs(monoid, x):
 def _view_as(monoid, xs, first, dim):
     """Each of ``xs`` viewed as :func:`_reduced_view` views ``first`` (several dims as
     one), a vector input's feature axis kept last."""
+    if dim is not None and not isinstance(dim, (tuple, list)):
+        return xs
     data = _data_inputs(monoid)
     nd = first.dim()
-    if dim is None:
-        dims = list(range(nd))
-    elif isinstance(dim, (tuple, list)):
-        dims = sorted(_norm_dim(d, nd) for d in dim) or list(range(nd))
-    else:
-        return xs
+    dims = _dims_of(dim, nd)
     if len(dims) <= 1:
         return xs
     kept = [i for i in range(nd) if i not in dims]
@@ -217,6 +214,17 @@ def _norm_dim(dim, ndim: int, name: str = "dim") -> int:
     return dim % max(ndim, 1)
 
 
+def _dims_of(dim, ndim: int) -> list:
+    """The dims that ``dim`` (None or a tuple / list of ints) names, checked and sorted;
+    None and an empty tuple name them all."""
+    if dim is None:
+        return list(range(ndim))
+    dims = [_norm_dim(d, ndim) for d in dim]
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"dim: {tuple(dim)} names a dim twice")
+    return sorted(dims) or list(range(ndim))
+
+
 def _reduced_view(x: torch.Tensor, dim):
     """``(x2, d, kept_shape, keep_shape)``: ``x2`` reduces the dims ``dim`` as its one dim
     ``d``; outputs have ``kept_shape`` (``keep_shape`` with ``keepdim=True``). One dim
@@ -228,18 +236,10 @@ def _reduced_view(x: torch.Tensor, dim):
             _norm_dim(dim, 0)
         return x.reshape(1), 0, (), ()
     shape = tuple(x.shape)
-    if dim is None:
-        dims = list(range(ndim))
-    elif isinstance(dim, (tuple, list)):
-        dims = [_norm_dim(d, ndim) for d in dim]
-        if len(set(dims)) != len(dims):
-            raise ValueError(f"dim: {tuple(dim)} names a dim twice")
-        if not dims:
-            dims = list(range(ndim))
-    else:
+    if dim is not None and not isinstance(dim, (tuple, list)):
         d = _norm_dim(dim, ndim)
         return x, d, shape[:d] + shape[d + 1:], shape[:d] + (1,) + shape[d + 1:]
-    dims = sorted(dims)
+    dims = _dims_of(dim, ndim)
     kept = [i for i in range(ndim) if i not in dims]
     kept_shape = tuple(shape[i] for i in kept)
     keep_shape = tuple(1 if i in dims else shape[i] for i in range(ndim))

@@ -286,14 +286,12 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
     # a score_mod's -inf is weight 0, as a mask is: in the strict recompute its key is
     # left out of P V like a hidden one, also in the tiles that need no mask, whatever the
     # key's value holds
-    if MASKED:
-        if STRICT and HAS_SCORE_MOD:
-            vis = s != float("-inf")        # (s is -inf where vis hides the pair)
+    if STRICT and HAS_SCORE_MOD:
+        # (in a masked tile s is -inf where vis hides the pair)
+        return _softmax_update(acc, l_i, m_i, s, v, qk_scale, s != float("-inf"), True, True)
+    elif MASKED:
         return _softmax_update(acc, l_i, m_i, s, v, qk_scale, vis,
                                HAS_SOFTCAP or HAS_SCORE_MOD, STRICT)
-    elif STRICT and HAS_SCORE_MOD:
-        return _softmax_update(acc, l_i, m_i, s, v, qk_scale, s != float("-inf"),
-                               True, True)
     else:
         return _softmax_update(acc, l_i, m_i, s, v, qk_scale, s,
                                HAS_SOFTCAP or HAS_SCORE_MOD, False)
