@@ -352,6 +352,66 @@ def trace(fn: Callable, inputs: Sequence[Var], name: str,
     return g
 
 
+def substitute(outputs: Sequence[Node], mapping: dict) -> list[Node]:
+    """Rebuild ``outputs`` in the active trace with ``mapping`` (``id(old node) -> new
+    value``) put in place of those nodes.
+
+    Every other node is re-applied through :func:`apply` / :func:`reduce_node`, so the
+    result is hash-consed into the active trace (shared subexpressions stay shared,
+    constants fold) and may be combined with the nodes of that trace. A ``var`` that
+    ``mapping`` does not bind raises ``ValueError``.
+    """
+    memo: dict[int, Node] = {}
+
+    def go(n: Node) -> Node:
+        key = id(n)
+        if key in mapping:
+            return const(mapping[key])
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        if n.op == "var":
+            raise ValueError(f"substitute: variable {n.attr!r} is not bound")
+        if n.op == "const":
+            out = const(n.attr)
+        elif n.op == "load":
+            index = go(n.args[0])
+            out = _context().make("load", (index,), n.attr, index.vector)
+        elif n.op in REDUCTIONS or n.op in SCANS:
+            out = reduce_node(n.op, go(n.args[0]))
+        else:
+            out = apply(n.op, *(go(a) for a in n.args))
+        memo[key] = out
+        return out
+
+    return [go(o) for o in outputs]
+
+
+def inline(graph: "Graph", *args) -> list[Node]:
+    """``graph``'s outputs applied to ``args`` (one value per input, in order) inside the
+    active trace: calling a traced function from another trace."""
+    if len(args) != len(graph.inputs):
+        raise ValueError(f"inline: {graph.name} takes {len(graph.inputs)} inputs, got {len(args)}")
+    mapping = {id(graph._vars[v.name]): a for v, a in zip(graph.inputs, args)}
+    return substitute(graph.outputs, mapping)
+
+
+def depends_on(node: Node, leaves: Iterable[Node]) -> bool:
+    """Whether ``node`` reaches any of ``leaves`` (by identity)."""
+    targets = {id(x) for x in leaves}
+    seen: set[int] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if id(n) in targets:
+            return True
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        stack.extend(n.args)
+    return False
+
+
 def _as_outputs(result, name: str) -> tuple:
     if isinstance(result, dict):
         raise TypeError(f"{name} must return a value or a tuple of values, not a dict")

@@ -33,6 +33,7 @@ class Backend:
     namespace: Mapping[str, object] = field(default_factory=dict)
     reduce_axis: object = 0
     buffer_numel: bool = False                       # pass each buffer's size as an argument
+    expand: str = "{0}[:, None]"                     # a row value broadcast against a tile
     convert_buffer: Callable = staticmethod(lambda data: data)
 
     def check_complete(self, ops=OPS):
@@ -56,29 +57,60 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"unknown backend {name!r}; registered: {sorted(_BACKENDS)}") from None
 
 
+#: shape classes of :func:`emit`'s tile mode: one value per call, per row, per element
+UNIFORM, ROW, TILE = 0, 1, 2
+
+
 def emit(graph: Graph, backend: Backend, arg_names: list[str] | None = None,
-         prefix: str = "t", indent: str = "    ") -> tuple[list[str], list[str]]:
+         prefix: str = "t", indent: str = "    ", tile: tuple[str, ...] | None = None,
+         uniform: tuple[str, ...] = (), reduce_axis=None) -> tuple[list[str], list[str]]:
     """Straight-line source for ``graph``: (assignment lines, output expressions).
 
     ``arg_names`` renames the graph inputs (default: the input names).
+
+    Tile mode (``tile`` given: the names of inputs with one value per element of a 2-D
+    tile ``[rows, cols]``): the other inputs hold one value per row (``[rows]``) except
+    those named in ``uniform`` (one value per call); reductions run over the columns
+    (``reduce_axis``, default the backend's) and give one value per row, and a row value
+    meeting a tile value is broadcast with the backend's ``expand`` template
+    (``x[:, None]``), as a kernel holding ``m [BLOCK_M]`` beside ``s [BLOCK_M, BLOCK_N]``
+    writes it.
     """
     names: dict[int, str] = {}
     vars_ = {v.name: i for i, v in enumerate(graph.inputs)}
     buffers = graph.buffers
     lines: list[str] = []
+    axis = backend.reduce_axis if reduce_axis is None else reduce_axis
+    klass: dict[int, int] = {}
     k = 0
     for n in graph.nodes():
         if n.op == "var":
             names[id(n)] = arg_names[vars_[n.attr]] if arg_names else n.attr
+            klass[id(n)] = TILE if tile is None or n.attr in tile else (
+                UNIFORM if n.attr in uniform else ROW)
             continue
         if n.op == "const":
             names[id(n)] = backend.const(n.attr)
+            klass[id(n)] = UNIFORM
             continue
         tmpl = backend.templates.get(n.op)
         if tmpl is None:
             raise NotImplementedError(f"backend {backend.name!r} cannot lower op {n.op!r}")
         buf = f"buf{[i for i, b in enumerate(buffers) if b is n.attr][0]}" if n.op == "load" else ""
-        expr = tmpl.format(*(names[id(a)] for a in n.args), axis=backend.reduce_axis, buf=buf)
+        operands = [names[id(a)] for a in n.args]
+        if tile is not None:
+            if n.op in REDUCTIONS:
+                if klass[id(n.args[0])] != TILE:
+                    raise ValueError(f"emit: {n.op} of a value that is not a tile in {graph.name}")
+                klass[id(n)] = ROW
+            else:
+                klass[id(n)] = max((klass[id(a)] for a in n.args), default=UNIFORM)
+                if klass[id(n)] == TILE:
+                    operands = [backend.expand.format(x) if klass[id(a)] == ROW else x
+                                for x, a in zip(operands, n.args)]
+        else:
+            klass[id(n)] = TILE
+        expr = tmpl.format(*operands, axis=axis, buf=buf)
         name = f"{prefix}{k}"
         k += 1
         lines.append(f"{indent}{name} = {expr}")
