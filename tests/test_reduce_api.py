@@ -410,3 +410,22 @@ def test_torch_rules_on_the_gpu():
     assert torch.isnan(ff.var_mean(long, 1)[0]).all()            # across tiles too
     assert torch.equal(ff.argmax(y, None, keepdim=True), torch.argmax(y, None, keepdim=True))
     assert ff.argmax(torch.zeros(0, 5, device="cuda"), 1).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_nan_reaches_max_min_and_logsumexp(path, dtype):
+    """A NaN in a row makes its max, min and logsumexp NaN, as torch's, and no other
+    row's. The kernels' block lifts reduce with ``rmax`` / ``rmin``, which once lowered to
+    ``tl.max`` / ``tl.min``: those keep the non-NaN operand (PTX ``max.f32``, and the
+    interpreter alike) and gave the row's largest number instead."""
+    x = data((5, 300), dtype)
+    x[1, 7] = float("nan")
+    x[3, 299] = float("nan")                                  # in the last, ragged tile
+    for f, t in ((lambda x, d: ff.reduce(MAX, x, d), torch.amax),
+                 (lambda x, d: ff.reduce(ff.monoids.MIN, x, d), torch.amin),
+                 (ff.logsumexp, torch.logsumexp)):
+        got = f(x, 1)
+        got = got[0] if isinstance(got, tuple) else got
+        want = t(x.double(), 1)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (f, got, want)
+        assert torch.isnan(got[[1, 3]]).all() and not torch.isnan(got[[0, 2, 4]]).any()
