@@ -11,22 +11,25 @@ kernel folds key tiles into the ATTENTION monoid's state ``(m, l, acc)`` in *bas
     l \leftarrow \alpha\, l + \sum_j 2^{\sigma_{ij} - m}, \quad
     acc \leftarrow \alpha\, acc + \sum_j 2^{\sigma_{ij} - m} v_j
 
-and finalizes ``o = acc / l``, ``lse = (m + log2 l) ln 2`` (natural log). Without softcap
-or score_mod, ``log2(e)`` is folded into the scale (``qk_scale = scale * log2 e``) and
-applied once per element as one FMA, ``2^(qk * qk_scale - m)``; the row max is taken on
-the raw ``qk`` (``scale > 0``). With them the score is formed in natural units first
-(``s = scale qk``, ``s = c tanh(s / c)``, ``s = score_mod(s, b, h, i, j)``) and then
-multiplied by ``log2 e``. Masked scores are ``-inf``; the rescale pivot is kept finite
-(``m = -inf -> 0``) so a row with no visible key so far stays ``(-inf, 0, 0)`` without
-``-inf - (-inf) = NaN``, and finalizes to ``o = 0``, ``lse = -inf`` (``l = 0``). Statistics
-and the accumulator are fp32; ``tl.dot`` accumulates fp32 (fp16 products that overflow
-fp16 are fine).
+and finalizes ``o = acc / l``, ``lse = (m + log2 l) ln 2`` (natural log). That step and
+that finalize are not written here: they are the ATTENTION2 monoid's, generated from its
+traced combine, lift and finalize (:func:`flashfold.algebra.twist.tile_step`, lowered by
+:func:`flashfold.kernels.codegen.tile_step_functions`) and passed to the kernel as the
+constexpr functions ``STEP`` and ``FINALIZE``; the kernel contracts ``P V`` on the tensor
+cores (``acc' = alpha acc + P V``). The scores reach the step as ``x c`` with ``c > 0``
+uniform (:func:`_scores`): ``(qk, scale)``, ``(tanh(qk scale / cap), cap)`` with softcap,
+``(score_mod(s), 1)`` with a score_mod; the derivation folds ``c log2 e`` into one FMA per
+score and takes the row max on ``x`` (one multiply per row). Masked scores are ``-inf``;
+the rescale pivot is kept finite (``m = -inf -> 0``) so a row with no visible key so far
+stays ``(-inf, 0, 0)`` without ``-inf - (-inf) = NaN``, and finalizes to ``o = 0``, ``lse
+= -inf``. Statistics and the accumulator are fp32; ``tl.dot`` accumulates fp32 (fp16
+products that overflow fp16 are fine).
 
 Non-finite inputs (the rule of :mod:`flashfold.api.attention`). Hidden scores are
-*selected* to ``-inf``, so a NaN score of a hidden key never enters. A NaN or ``+inf``
-visible score makes ``l`` NaN (``2^NaN``, ``2^(inf - inf)``; the row max may drop a NaN,
-``l`` does not), and finalize reads the empty row from ``l = 0`` only: ``o`` and ``lse``
-are NaN. The one leak is ``P V``: a hidden key's ``p = 0`` times a NaN or inf ``v`` is
+*selected* to ``-inf``, so a NaN score of a hidden key never enters. A NaN visible score
+makes ``m`` NaN (the generated row max propagates NaN), a ``+inf`` one makes ``l`` NaN
+(``2^(inf - inf)``), and finalize reads the empty row from ``m = -inf`` only: ``o`` and
+``lse`` are NaN. The one leak is ``P V``: a hidden key's ``p = 0`` times a NaN or inf ``v`` is
 NaN, on masked tiles (the causal diagonal, window edges, partial block-mask tiles,
 cross-sequence ends, whose TMA loads read the next sequence's keys); unmasked tiles have
 no hidden key, and a dense call's ragged end reads zeros past ``N_k``. No kernel adds
@@ -49,8 +52,8 @@ Structure (the backward and split-KV decode kernels reuse these pieces):
 * ``_scores``: ``qk`` -> scores in base-2 units (softcap, score_mod), and
   ``_visible``: the elementwise mask (sequence bound, bottom-right causal/window bounds,
   mask_mod) -- shared by every attention kernel;
-* ``_softmax_update``: one tile folded into ``(acc, l, m)`` (the online-softmax step with
-  the finite-pivot guard), and ``_kv_step``: load K, scores, mask, load V, update;
+* ``_softmax_update``: one tile folded into ``(acc, l, m)`` (the generated step, then
+  ``P V``), and ``_kv_step``: load K, scores, mask, load V, update;
 * ``_kv_loop``: folds a run of key tiles into ``(acc, l, m)``; dense runs
   (``lo + i BLOCK_N``) or sparse ones (block indices read from a block-mask list);
   ``MASKED`` selects whether ``_visible`` is evaluated;
@@ -85,7 +88,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...monoids import ATTENTION2
 from .. import launcher, plans, tma
+from ..codegen import tile_step_functions
 from . import gluon_fwd
 from .mods import MAX_BUFFERS, BlockMask, TracedMod
 
@@ -147,21 +152,24 @@ def _load_tile(desc, base, tma_b, tma_h, tma_row, row0, n_rows, stride_r, stride
 def _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
             SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
             HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
-    """Raw ``q.k`` -> scores. With softcap / score_mod: base-2 units (``s log2 e``).
-    Without: ``qk`` unchanged (the caller multiplies by ``qk_scale = scale log2 e``).
+    """Raw ``q.k`` -> ``(x, c)``: the scores are ``x c`` in natural units, with ``c > 0``
+    the same for the whole tile, which the tile step folds into its ``log2 e`` (one FMA
+    per score): ``(qk, scale)`` plain; ``(tanh(qk scale / cap), cap)`` with softcap;
+    ``(score_mod(s), 1)`` with a score_mod (``s`` the softcapped or scaled score).
 
-    ``qk_scale`` is ``scale / softcap`` with softcap, ``scale`` with score_mod only."""
-    if HAS_SOFTCAP or HAS_SCORE_MOD:
+    ``qk_scale`` is ``scale / softcap`` with softcap, else ``scale``."""
+    if HAS_SCORE_MOD:
         if HAS_SOFTCAP:
             s = softcap * _tanh(qk * qk_scale)
         else:
             s = qk * qk_scale
-        if HAS_SCORE_MOD:
-            s = score_fn(s, b, h, offs_m[:, None], offs_n[None, :],
-                         SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3).to(tl.float32)
-        return s * 1.4426950408889634
+        s = score_fn(s, b, h, offs_m[:, None], offs_n[None, :],
+                     SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3).to(tl.float32)
+        return s, 1.0
+    elif HAS_SOFTCAP:
+        return _tanh(qk * qk_scale), softcap
     else:
-        return qk
+        return qk, qk_scale
 
 
 @triton.jit
@@ -216,24 +224,15 @@ def _pv_strict(acc, p, v, vis):
 
 
 @triton.jit
-def _softmax_update(acc, l_i, m_i, s, v, qk_scale, vis, BASE2: tl.constexpr,
-                    STRICT: tl.constexpr):
-    """Fold one tile into ``(acc, l, m)``: scores ``s [BLOCK_M, BLOCK_N]`` (``-inf`` where
-    masked; base-2 units if ``BASE2`` else raw ``qk`` to multiply by ``qk_scale``) and the
-    value tile ``v [BLOCK_N, BLOCK_DV]``. The pivot is kept finite (``m = -inf -> 0``) so
-    a row with nothing visible yet stays ``(-inf, 0, 0)``: no ``-inf - (-inf)``. A NaN or
-    ``+inf`` score makes ``l`` NaN (``2^NaN``, ``2^(inf - inf)``), which finalize reads.
-    ``STRICT`` (tiles with hidden pairs, ``vis`` their visibility): :func:`_pv_strict`."""
-    if BASE2:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - pivot[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * qk_scale - pivot[:, None])     # one FMA per score
-    alpha = tl.math.exp2(m_i - pivot)
-    l_i = l_i * alpha + tl.sum(p, 1)
+def _softmax_update(acc, l_i, m_i, x, c, v, vis, STRICT: tl.constexpr, STEP: tl.constexpr):
+    """Fold one tile into ``(acc, l, m)``: scores ``x c`` (``x [BLOCK_M, BLOCK_N]``, ``-inf``
+    where masked) and the value tile ``v [BLOCK_N, BLOCK_DV]``. ``STEP`` is ATTENTION2's
+    generated tile step (:func:`flashfold.kernels.codegen.tile_step_functions`): ``m' =
+    max(m, rowmax(x c log2 e))``, ``alpha = 2^(m - m')``, ``P = 2^(x c log2 e - m')`` (finite
+    pivot for an empty row), ``l' = alpha l + rowsum P``; here ``acc' = alpha acc + P V``
+    on the tensor cores. ``STRICT`` (tiles with hidden pairs, ``vis`` their visibility):
+    :func:`_pv_strict`."""
+    m_new, l_i, alpha, p = STEP(m_i, l_i, x, c)
     acc = acc * alpha[:, None]
     if STRICT:
         acc = _pv_strict(acc, p, v, vis)
@@ -254,7 +253,7 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
              APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
-             STRICT: tl.constexpr):
+             STRICT: tl.constexpr, STEP: tl.constexpr):
     """Fold key tile ``i`` of a run into ``(acc, l, m)``.
 
     Dense (``SPARSE=False``): the tile starts at ``lo + i BLOCK_N``. Sparse: it is
@@ -274,8 +273,8 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
     k = _load_tile(desc_k, k_base, tma_b, hk, k_row, start_n, k_len, skn, skd,
                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k))
-    s = _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
-                SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, HAS_SOFTCAP, HAS_SCORE_MOD)
+    s, c = _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
+                   SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, HAS_SOFTCAP, HAS_SCORE_MOD)
     if MASKED:
         vis = _visible(offs_m, offs_n, k_len, delta, win_left, win_right, b, h, mask_fn,
                        MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
@@ -288,13 +287,11 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
     # key's value holds
     if STRICT and HAS_SCORE_MOD:
         # (in a masked tile s is -inf where vis hides the pair)
-        return _softmax_update(acc, l_i, m_i, s, v, qk_scale, s != float("-inf"), True, True)
+        return _softmax_update(acc, l_i, m_i, s, c, v, s != float("-inf"), True, STEP)
     elif MASKED:
-        return _softmax_update(acc, l_i, m_i, s, v, qk_scale, vis,
-                               HAS_SOFTCAP or HAS_SCORE_MOD, STRICT)
+        return _softmax_update(acc, l_i, m_i, s, c, v, vis, STRICT, STEP)
     else:
-        return _softmax_update(acc, l_i, m_i, s, v, qk_scale, s,
-                               HAS_SOFTCAP or HAS_SCORE_MOD, False)
+        return _softmax_update(acc, l_i, m_i, s, c, v, s, False, STEP)
 
 
 @triton.jit
@@ -309,7 +306,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
              APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
-             INTERPRET: tl.constexpr, STRICT: tl.constexpr):
+             INTERPRET: tl.constexpr, STRICT: tl.constexpr, STEP: tl.constexpr):
     """Fold ``count`` key tiles (:func:`_kv_step`) into ``(acc, l, m)``.
 
     Compiled: ``tl.range`` (software-pipelined). Under ``TRITON_INTERPRET`` a ``while``
@@ -326,7 +323,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-                USE_TMA, STRICT)
+                USE_TMA, STRICT, STEP)
             i += 1
     else:
         for i in tl.range(0, count):
@@ -337,7 +334,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-                USE_TMA, STRICT)
+                USE_TMA, STRICT, STEP)
     return acc, l_i, m_i
 
 
@@ -392,7 +389,7 @@ def _fwd_tile(
     HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
     REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
-    STRICT: tl.constexpr, FLAGGED: tl.constexpr,
+    STRICT: tl.constexpr, FLAGGED: tl.constexpr, STEP: tl.constexpr, FINALIZE: tl.constexpr,
 ):
     """Query tile ``start_m .. start_m + BLOCK_M`` of (sequence or batch ``b``, head
     ``h``): fold its key tiles, write ``o`` (and ``lse``) of its rows and, ``FLAGGED``,
@@ -446,7 +443,7 @@ def _fwd_tile(
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
             True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-            INTERPRET, STRICT)
+            INTERPRET, STRICT, STEP)
         n_full = tl.load(FULL_NUM + n_off)
         acc, l_i, m_i = _kv_loop(
             acc, l_i, m_i, q, 0, n_full * R, FULL_IDX + i_off,
@@ -456,7 +453,7 @@ def _fwd_tile(
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
             FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-            USE_TMA, INTERPRET, STRICT)
+            USE_TMA, INTERPRET, STRICT, STEP)
     else:
         t_lo, t_a, t_c, t_hi = _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -470,7 +467,7 @@ def _fwd_tile(
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
             False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-            INTERPRET, STRICT)
+            INTERPRET, STRICT, STEP)
         if MASK_LEFT:
             acc, l_i, m_i = _kv_loop(
                 acc, l_i, m_i, q, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
@@ -480,7 +477,7 @@ def _fwd_tile(
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
                 True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-                INTERPRET, STRICT)
+                INTERPRET, STRICT, STEP)
         acc, l_i, m_i = _kv_loop(
             acc, l_i, m_i, q, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
@@ -489,12 +486,11 @@ def _fwd_tile(
             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
             True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-            INTERPRET, STRICT)
+            INTERPRET, STRICT, STEP)
 
-    # -- finalize: o = acc / l (0 for a row with no visible key: l = 0), lse = (m + log2 l)
-    # ln 2. A NaN l (a NaN or +inf visible score) is not an empty row: o and lse are NaN
-    live = l_i != 0.0
-    o = acc / tl.where(live, l_i, 1.0)[:, None]
+    # -- finalize: ATTENTION2's (o = acc / l, lse = (m + log2 l) ln 2; a row with no visible
+    # key, m = -inf, gives 0 and -inf; a NaN m or l, NaN)
+    o, lse = FINALIZE(m_i, l_i, acc)
     offs_dv = tl.arange(0, BLOCK_DV)
     o_ptrs = (o_base + start_m.to(tl.int64) * som
               + (tl.arange(0, BLOCK_M)[:, None] * som + offs_dv[None, :] * sod))
@@ -503,8 +499,6 @@ def _fwd_tile(
         o_mask = o_mask & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=o_mask)
     if RETURN_LSE:
-        lse = (m_i + tl.math.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453
-        lse = tl.where(live, lse, float("-inf"))
         lse_ptrs = LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + q_row + offs_m
         tl.store(lse_ptrs, lse, mask=offs_m < q_len)
     if FLAGGED:
@@ -535,7 +529,7 @@ def _attn_fwd(
     HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
     REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
-    STRICT: tl.constexpr, FLAGGED: tl.constexpr,
+    STRICT: tl.constexpr, FLAGGED: tl.constexpr, STEP: tl.constexpr, FINALIZE: tl.constexpr,
 ):
     """One program per (query tile, batch x head) (:func:`_fwd_tile`). ``STRICT``: masked
     tiles leave hidden keys out of ``P V`` whatever their values (:func:`_pv_strict`).
@@ -562,7 +556,7 @@ def _attn_fwd(
               MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
               BLOCK_DV, BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT, MASK_RIGHT,
               HAS_SOFTCAP, HAS_SCORE_MOD, HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN,
-              USE_TMA, RETURN_LSE, REVERSE_M, INTERPRET, STRICT, FLAGGED)
+              USE_TMA, RETURN_LSE, REVERSE_M, INTERPRET, STRICT, FLAGGED, STEP, FINALIZE)
 
 
 #: query rows per flag of the guarded Gluon forward (one consumer warpgroup's half tile)
@@ -588,7 +582,7 @@ def _attn_fwd_guard(
     HAS_SCORE_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, FULL_NEEDS_MASK: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
     REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
-    STRICT: tl.constexpr, FLAGGED: tl.constexpr,
+    STRICT: tl.constexpr, FLAGGED: tl.constexpr, STEP: tl.constexpr, FINALIZE: tl.constexpr,
     CHUNK: tl.constexpr, FLAG_ROWS: tl.constexpr,
 ):
     """The strict recomputation behind a forward that may have let a hidden key's value
@@ -629,7 +623,7 @@ def _attn_fwd_guard(
                               MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                               HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN, USE_TMA,
                               RETURN_LSE, REVERSE_M, INTERPRET, STRICT,
-                              False)
+                              False, STEP, FINALIZE)
 
 
 # --- launcher ---------------------------------------------------------------------------
@@ -847,6 +841,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     if B == 0 or HQ == 0 or NQ == 0 or n_seq == 0:
         return o, lse, None
     BD, BDV = block_dims(D, DV)
+    step = tile_step_functions(ATTENTION2, scale="score")
     cfg = config or default_config(q, D, DV, causal=right is not None)
     if block_mask is not None:
         sm, sn = block_mask.BLOCK_SIZE
@@ -864,15 +859,10 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     else:
         desc_q, desc_k, desc_v = q, k, v
 
-    # scale folding: plain -> scale log2(e); softcap -> scale / c; score_mod only -> scale
+    # the scale inside the scores (:func:`_scores`): scale / c with a softcap, else scale
     has_softcap = softcap is not None
     has_mod = score_mod is not None
-    if has_softcap:
-        qk_scale = scale / softcap
-    elif has_mod:
-        qk_scale = scale
-    else:
-        qk_scale = scale * LOG2E
+    qk_scale = scale / softcap if has_softcap else scale
     sargs = score_mod.buffer_args(q.device) if has_mod else _none_args(2 * MAX_BUFFERS)
     if block_mask is not None:
         bmk = block_mask
@@ -920,8 +910,8 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         FULL_NEEDS_MASK=full_needs_mask, IS_VARLEN=varlen, USE_TMA=use_tma,
         RETURN_LSE=return_lse, REVERSE_M=right is not None,
         INTERPRET=_interpreting() if interpret is None else interpret,
-        STRICT=False, FLAGGED=bool(flagged), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        STRICT=False, FLAGGED=bool(flagged), STEP=step.tile_step,
+        FINALIZE=step.finalize_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse, (grid, args, kwargs)
 

@@ -30,7 +30,11 @@ by its own program, and the states are folded:
        m' = max(m, rowmax S);  alpha = 2^(m - m');  P = 2^(S - m')
        d  = d alpha + rowsum P;  o = o alpha + P V;  m = m'
 
-   i.e. the monoid's block lift followed by its combine, under the base-2 twist. The
+   i.e. the monoid's block lift followed by its combine, under the base-2 twist: the
+   update is ATTENTION2's tile step, generated from the monoid
+   (:func:`flashfold.algebra.twist.tile_step`, passed as the constexpr ``STEP``), which
+   takes the scores as ``x * step_scale`` (``(qk, scale)``, or ``(tanh(qk scale / cap),
+   cap)`` with softcap) and returns ``m', d', alpha, P``; ``P V`` stays here. The
    split's state is finalized with the generated ATTENTION ``finalize`` into a partial
    ``(o_s, lse_s)`` (fp32; batch-invariant mode keeps the raw state, see below), or, when
    one program covers the sequence, straight into the output.
@@ -172,9 +176,9 @@ try:  # Triton >= 3.3: grid dependency control (programmatic dependent launch, s
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-from ...monoids import ATTENTION
+from ...monoids import ATTENTION, ATTENTION2
 from .. import launcher, plans, tma
-from ..codegen import triton_monoid
+from ..codegen import tile_step_functions, triton_monoid
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -267,7 +271,7 @@ def _finalize(m, d, o, FINALIZE: tl.constexpr):
 @triton.jit
 def _partial_keys(q, m, l, acc, pos, b, lo, hi, seqlen, k_base, v_base, BT,
                   stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-                  stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
+                  stride_btb, stride_btp, win_left, step_scale, cap_in, STEP: tl.constexpr,
                   Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -316,20 +320,13 @@ def _partial_keys(q, m, l, acc, pos, b, lo, hi, seqlen, k_base, v_base, BT,
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)   # [16, BD]
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # [BM, 16]
             if SOFTCAP:
-                s = _tanh(s * cap_in) * cap_out
-            else:
-                s = s * qk_scale
+                s = _tanh(s * cap_in)                # the step multiplies by the cap
             sees = k_ok[None, :] & (keys[None, :] <= pos[:, None])
             if WINDOW:
                 sees = sees & (keys[None, :] >= pos[:, None] - win_left)
             s = tl.where(sees, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - pivot)
-            p = tl.exp2(s - pivot[:, None])
-            l = l * alpha + tl.sum(p, 1)
+            m, l, alpha, p = STEP(m, l, s, step_scale)                     # ATTENTION2's step
             acc = acc * alpha[:, None]
-            m = m_new
             # P V one key at a time (fp32 FMAs, no tensor-core product: few keys, and
             # no accumulator layout of its own): the key's value row read again, its
             # non-finite entries zeroed in the product and marked NaN in the rows that
@@ -451,7 +448,7 @@ def _kv_rows(BT, b, n0, kstart, end, stride_btb, stride_btp,
 def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K_DESC, V_DESC,
              k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
              stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-             stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
+             stride_btp, win_left, step_scale, cap_in, STEP: tl.constexpr, FINALIZE: tl.constexpr,
              COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
              BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
@@ -515,16 +512,12 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
                     other=0.0, eviction_policy="evict_first")           # [BN, BD]
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)           # [BM, BN]
     if SOFTCAP:
-        s = _tanh(s * cap_in) * cap_out            # cap tanh(scale qk / cap) log2 e
-    else:
-        s = s * qk_scale                           # scale log2 e
+        s = _tanh(s * cap_in)                      # scores cap tanh(scale qk / cap)
     if MASKED:
         s = tl.where(n_ok[None, :], s, float("-inf"))   # keys every row sees, in [kstart, end)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    pivot = tl.where(m_new == float("-inf"), 0.0, m_new)               # no -inf - -inf
-    alpha = tl.exp2(m_i - pivot)
-    p = tl.exp2(s - pivot[:, None])                                      # [BM, BN]
-    l_i = l_i * alpha + tl.sum(p, 1)
+    # ATTENTION2's generated step: m' = max(m, rowmax(s c log2 e)), alpha = 2^(m - m'),
+    # P = 2^(s c log2 e - m') (finite pivot), l' = alpha l + rowsum P (c: step_scale)
+    m_new, l_i, alpha, p = STEP(m_i, l_i, s, step_scale)                # p: [BM, BN]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     if MASKED and Q_LEN > 1 and (FLUSH or FOLD):
         # fixed splits: the tile's partial keys now, in its split (default mode: once
@@ -533,7 +526,7 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
             q, m_new, l_i, acc, pos, b, tl.maximum(n0, kstart), tl.minimum(n0 + BLOCK_N, end),
             seqlen, k_base, v_base, BT,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
+            stride_btp, win_left, step_scale, cap_in, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
             BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, DOT_PRECISION)
     if FLUSH or FOLD:
         done = ((n0 + BLOCK_N - base) % split_size == 0) | (n0 + BLOCK_N >= end)
@@ -556,7 +549,7 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
 def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base,
             split_size, start, end, seqlen, kstart,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE: tl.constexpr,
+            stride_btp, win_left, step_scale, cap_in, STEP: tl.constexpr, FINALIZE: tl.constexpr,
             COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -605,7 +598,7 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_r
                     V_DESC,
                     k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
                     stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-                    stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out, FINALIZE,
+                    stride_btb, stride_btp, win_left, step_scale, cap_in, STEP, FINALIZE,
                     COMBINE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA,
                     run != 1, FLUSH, FOLD, SOFTCAP, WINDOW, HAS_START, DOT_PRECISION)
     return m_i, l_i, acc, rm, rd, ro
@@ -622,8 +615,8 @@ def _splitkv_kernel(
         stride_btb, stride_btp,
         stride_ob, stride_oh, stride_om, stride_od,
         heads_kv, capacity, n_splits, ws_splits, split_size, win_left,
-        qk_scale, cap_in, cap_out,
-        FINALIZE: tl.constexpr, COMBINE: tl.constexpr,
+        step_scale, cap_in,
+        STEP: tl.constexpr, FINALIZE: tl.constexpr, COMBINE: tl.constexpr,
         Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
@@ -683,8 +676,8 @@ def _splitkv_kernel(
     m_i, l_i, acc, rm, rd, ro = _attend(
         q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base,
         size, start, end, seqlen, kstart, stride_kb, stride_kn, stride_kd, stride_vb,
-        stride_vn, stride_vd, stride_btb, stride_btp, win_left, qk_scale, cap_in, cap_out,
-        FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
+        stride_vn, stride_vd, stride_btb, stride_btp, win_left, step_scale, cap_in,
+        STEP, FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
         USE_TMA, FIXED_SPLIT and not WRITE_FINAL, FOLD, SOFTCAP, WINDOW, HAS_START, NUM_STAGES,
         DOT_PRECISION)
     if Q_LEN > 1 and not FIXED_SPLIT:
@@ -693,7 +686,7 @@ def _splitkv_kernel(
         m_i, l_i, acc = _partial_keys(
             q, m_i, l_i, acc, pos, b, tl.maximum(start, kstart), end, seqlen, k_base, v_base,
             BT, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, qk_scale, cap_in, cap_out, Q_LEN, HEAD_DIM, BLOCK_N,
+            stride_btp, win_left, step_scale, cap_in, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
             BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, DOT_PRECISION)
     if WRITE_FINAL or not FIXED_SPLIT:
         # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
@@ -850,6 +843,13 @@ def choose_num_splits(programs: int, kv_len: int, num_sms: int, ctas_per_sm: int
 def _attention_fns():
     """ATTENTION's generated Triton functions (generated once per process)."""
     return triton_monoid(ATTENTION)
+
+
+@functools.cache
+def _step_fns():
+    """ATTENTION2's generated tile step (:func:`~flashfold.kernels.codegen.tile_step_functions`),
+    the scores passed as ``x * step_scale``."""
+    return tile_step_functions(ATTENTION2, scale="score")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -1089,18 +1089,16 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_desc, v_desc = _descriptor(k_cache, box), _descriptor(v_cache, box)
     else:
         k_desc, v_desc = k_cache, v_cache
-    if softcap:
-        qk_scale, cap_in, cap_out = 0.0, scale / softcap, softcap * LOG2E
-    else:
-        qk_scale, cap_in, cap_out = scale * LOG2E, 0.0, 0.0
+    # scores x c for the step (:func:`_kv_step`): (tanh(qk scale / cap), cap) or (qk, scale)
+    step_scale, cap_in = (softcap, scale / softcap) if softcap else (scale, 0.0)
     split = ((batch * heads_kv * p.m_blocks, p.n_splits),
              (q, k_cache, v_cache, k_desc, v_desc, block_table if paged else cache_seqlens,
               cache_seqlens, cache_seqlens if cache_start is None else cache_start,
               out, lse, op, lsep, dp,
               *q.stride(), *sk, *sv, *sbt, *out.stride(),
               heads_kv, capacity, p.n_splits, p.ws_splits, p.split_size, win_left,
-              qk_scale, cap_in, cap_out),
-             dict(FINALIZE=tm.finalize, COMBINE=tm.combine,
+              step_scale, cap_in),
+             dict(STEP=_step_fns().tile_step, FINALIZE=tm.finalize, COMBINE=tm.combine,
                   Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim,
                   BLOCK_M=p.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
                   PAGE_SIZE=page_size, PAGED=paged, USE_TMA=use_tma,
