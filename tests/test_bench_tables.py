@@ -100,6 +100,27 @@ TRANSFORMERS = """torch 2.11.0+cu130, transformers 5.17.0, NVIDIA H200
 all checks passed (31 s)
 """
 
+WORKLOADS = """torch 2.11.0+cu130, triton 3.6.0, NVIDIA H200, python 3.12.3
+== workloads: grid full, rows all, directions fwd+bwd, peers cudnn flash fa4 flex, bfloat16, 16384 tokens per batch, do_bench median
+   bf16 matmul 8192^3 in this run: 690 TFLOP/s
+   FlashAttention-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1
+== second pass: check against a peer, then time (3 rows)
+-- [1/3] llama-4k: Llama-3 8B / Qwen2.5 training | d128 32:8 causal N4096 B4
+   check flashfold vs FA4: ok: o 3.1e-03, lse 2.0e-06, dq/dk/dv 1.1e-02/9.0e-03/8.7e-03
+   fwd     eager | Llama-3 8B / Qwen2.5 training | d128 32:8 causal N4096 B4 | flashfold 0.912 ms 603 | cudnn 571 (1.06) | flash 310 (1.95) | fa4 622 (0.97) | flex - | best FA4 622 | ratio 0.97 | ok
+   fwd     graph | Llama-3 8B / Qwen2.5 training | d128 32:8 causal N4096 B4 | flashfold 0.900 ms 611 | cudnn 580 (1.05) | flash 312 (1.96) | fa4 600 (1.02) | flex - | best cuDNN 600 | ratio 1.02 | ok
+   bwd     eager | Llama-3 8B / Qwen2.5 training | d128 32:8 causal N4096 B4 | flashfold 2.600 ms 529 | cudnn 498 (1.06) | flash 280 (1.89) | fa4 510 (1.04) | flex - | best FA4 510 | ratio 1.04 | ok
+-- [2/3] llama-varlen: Llama-3 8B / Qwen2.5, packed documents | d128 32:8 causal varlen 24 docs 41-1302 16384 tokens
+   fwd     eager | Llama-3 8B / Qwen2.5, packed documents | d128 32:8 causal varlen 24 docs 41-1302 16384 tokens | flashfold 0.700 ms 480 | cudnn - | flash - | fa4 500 (0.96) | flex 300 (1.60) | best FA4 500 | ratio 0.96 | CHECK FAILED
+-- [3/3] minilm-padding: MiniLM | d32 12 heads key padding 64-512 N512 B32
+   fwd     graph | MiniLM | d32 12 heads key padding 64-512 N512 B32 | flashfold - ms - | cudnn 200 | flash - | fa4 250 | flex 100 | best FA4 250 | ratio - | ok
+varlen / equal lengths (llama-equal, TFLOP/s ratio; target >= 0.97): fwd eager flashfold 0.80 (FA4 0.85)
+== checks: 2/3 rows passed, 0 not checked
+total 412s; checks FAILED
+"""
+
+QUICK_WORKLOADS = WORKLOADS.replace("grid full", "grid quick").replace("| 603 |", "| 700 |")
+
 
 @pytest.fixture
 def logs(tmp_path):
@@ -113,6 +134,8 @@ def logs(tmp_path):
              "2026-11-30_h200_reductions.log": REDUCTIONS,
              "2026-11-29_h200x2_ring.log": RING,
              "2026-11-29_h200_transformers_timing.log": TRANSFORMERS,
+             "2026-12-02_h200_workloads.log": WORKLOADS,
+             "2026-12-03_h200_workloads_quick.log": QUICK_WORKLOADS,
              "2026-11-30_h200_notes.log": "nothing a parser knows\n"}
     for name, text in files.items():
         (d / name).write_text(text)
@@ -168,6 +191,41 @@ def test_the_page_has_one_table_per_family_with_its_provenance(logs):
     assert "transformers_gpu.py --timing-only" in tf and "transformers 5.17.0" in tf
     assert "| prefill + 64 decode steps | 332.88 | 405.74 | 1.22 |" in tf
     assert "Below SDPA in this run (ratio < 1.00): prefill 0.98." in tf
+
+
+def test_the_workload_tables_come_from_the_workload_log(logs):
+    out = logs.parent / "RESULTS.md"
+    chosen = bench.write_results(sorted(str(p) for p in logs.glob("*.log")), str(out))
+    run = chosen["workloads"]
+    assert run.date == "2026-12-02" and not run.quick            # the later quick run loses
+    text = out.read_text()
+    assert "- [Attention workloads (models)](#attention-workloads-models)" in text
+    sec = _section(text, "Attention workloads (models)")
+    assert "\nPYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:src python " \
+           "benchmarks/workloads.py\n" in sec
+    assert "690 TFLOP/s" in sec and "2026-12-02 · NVIDIA H200" in sec
+    head = ("| model | shape | flashfold ms | TFLOP/s | cuDNN | FA2 | FA4 | Flex | best peer "
+            "| ratio to best |")
+    assert sec.count(head) == 3                      # forward eager, graph; backward eager
+    for title in ("**Forward, eager**", "**Forward, CUDA graph replay**",
+                  "**Backward alone, eager**"):
+        assert title in sec
+    assert "Forward + backward" not in sec           # no such lines in the log
+    # the run's own ratio (0.97), every peer's TFLOP/s, the best peer by name
+    assert ("| Llama-3 8B / Qwen2.5 training | d128 32:8 causal N4096 B4 | 0.912 | 603 | 571 | "
+            "310 | 622 | - | FA4 622 | 0.97 |") in sec
+    # a failed check marks the timing; a flashfold that did not run leaves its cells empty
+    assert "| 0.700 | 480 (check failed) | - | - | 500 | 300 | FA4 500 | 0.96 |" in sec
+    assert "| MiniLM | d32 12 heads key padding 64-512 N512 B32 | - | - | 200 | - | 250 | 100 " \
+           "| FA4 250 | - |" in sec
+    assert ("Below the best peer in this run (ratio < 1.00): Llama-3 8B / Qwen2.5 training d128 "
+            "32:8 causal N4096 B4 0.97; Llama-3 8B / Qwen2.5, packed documents") in sec
+    assert "== checks: 2/3 rows passed" in sec and "varlen / equal lengths (llama-equal" in sec
+    quick = bench.parse(QUICK_WORKLOADS, "x.log")[0]
+    assert quick.quick and quick.command.endswith("workloads.py --quick")
+    sub = bench.parse(WORKLOADS.replace("rows all", "rows 'gemma'").replace(
+        "directions fwd+bwd", "directions fwd"), "x.log")[0]
+    assert sub.quick and sub.command.endswith("workloads.py --rows 'gemma' --fwd-only")
 
 
 def test_latest_full_run_wins_over_a_later_quick_one_and_an_older_full_one(logs):

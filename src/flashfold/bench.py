@@ -23,8 +23,8 @@ The results page has one table per family (attention forward and backward, decod
 reductions and scans, ring attention, transformers), each drawn from the family's latest
 full log (:func:`latest`) with its date, device, versions, the command that printed it
 (:func:`command_of`), every peer the run measured with flashfold's ratio to it, and the
-run's own check lines; ``benchmarks/ring.py`` and ``benchmarks/transformers_gpu.py`` logs
-feed tables only.
+run's own check lines; ``benchmarks/ring.py``, ``benchmarks/transformers_gpu.py`` and
+``benchmarks/workloads.py`` logs feed tables only.
 
 Usage::
 
@@ -142,13 +142,15 @@ class Run:
     """One benchmark's results, parsed from its printed output.
 
     ``kind``: ``"attention"``, ``"attention_bwd"``, ``"decode"``, ``"reductions"``,
-    ``"ring"`` or ``"transformers"``. ``rows``: dicts, per kind: attention ``{D, N, mask,
+    ``"ring"``, ``"transformers"`` or ``"workloads"``. ``rows``: dicts, per kind: attention ``{D, N, mask,
     values: {impl: TFLOP/s}}``; attention_bwd the same plus ``fwd+bwd`` and ``graph``
     (forward + backward, eager and from a CUDA graph); decode ``{batch, length, values:
     {impl: GB/s}}`` (impl names as printed, e.g. ``"flashfold p16 [graph]"``); reductions
     ``{op, shape, dtype, values: {"flashfold": GB/s, "torch": GB/s}, ms: {...}}``; ring
     ``{layout, N, fwd: {...}, fwd+bwd: {...}}`` (ms single / ring / compute-only, eff and
-    overlap in %); transformers ``{case, values: {"flashfold": ms, "sdpa": ms}}``.
+    overlap in %); transformers ``{case, values: {"flashfold": ms, "sdpa": ms}}``; workloads
+    ``{direction, mode, model, shape, ms, values: {impl: TFLOP/s}, ratio, check}`` (one per
+    measurement of a row: ``fwd``/``bwd``/``fwd+bwd``, ``eager``/``graph``).
     ``ceiling``: the measured roof (TFLOP/s of a bf16 matmul, or GB/s of a device copy) and
     its label. ``setup``: the run's own description of its grid (its ``== ...`` header
     line); ``command``: the command that printed it (:func:`command_of`); ``quick``: a
@@ -449,9 +451,46 @@ def parse_transformers(text: str) -> Run:
     return run
 
 
+_WL_ROW = re.compile(r"^\s+(fwd|bwd|fwd\+bwd)\s+(eager|graph)\s+\| (.+?) \| (.+?) \| "
+                     r"flashfold (\S+) ms (\S+) \| (.+?) \| best (\S+) (\S+) \| ratio (\S+) "
+                     r"\| (.+?)\s*$")
+#: workloads impl keys in the logs -> column names
+WORKLOAD_IMPLS = {"flashfold": "flashfold", "cudnn": "cuDNN", "flash": "FA2", "fa4": "FA4",
+                  "flex": "Flex"}
+
+
+def parse_workloads(text: str) -> Run:
+    """The measurement lines of ``benchmarks/workloads.py`` (one per row, direction and
+    mode: ``fwd eager | model | shape | flashfold MS ms TFLOPS | peer TFLOPS (ratio) | ... |
+    best PEER TFLOPS | ratio R | check``); the last line of a measurement wins."""
+    run = Run("workloads", ceiling_label="bf16 matmul 8192³ (same run)")
+    m = _ATT_CEIL.search(text)
+    if m:
+        run.ceiling = float(m.group(1))
+    rows = {}
+    for line in text.splitlines():
+        r = _WL_ROW.match(line)
+        if not r:
+            continue
+        vals = {"flashfold": _num(r.group(6))}
+        for name, val in re.findall(r"(\w+) ([\d.]+|-)", r.group(7)):
+            if name in WORKLOAD_IMPLS:
+                vals[name] = _num(val)
+        key = (r.group(1), r.group(2), r.group(3), r.group(4))
+        rows[key] = {"direction": r.group(1), "mode": r.group(2), "model": r.group(3),
+                     "shape": r.group(4), "ms": _num(r.group(5)),
+                     "values": {k: v for k, v in vals.items() if v is not None},
+                     "ratio": _num(r.group(10)), "check": r.group(11)}
+    run.rows = list(rows.values())
+    run.setup = next((l.strip("= ").strip() for l in text.splitlines()
+                      if l.startswith("== workloads")), "")
+    _device_info(text, run)
+    return run
+
+
 PARSERS = {"attention": parse_attention, "attention_bwd": parse_attention_backward,
            "decode": parse_decode, "reductions": parse_reductions, "ring": parse_ring,
-           "transformers": parse_transformers}
+           "transformers": parse_transformers, "workloads": parse_workloads}
 
 #: the line of a log that describes each benchmark's grid (kept as ``Run.setup``)
 _SETUP = {"attention": "== speed", "attention_bwd": "== backward speed", "decode": "== timing",
@@ -467,6 +506,8 @@ def _is_quick(run: Run) -> bool:
         return all(r["shape"] == "16384x16384" and r["dtype"] == "float32" for r in run.rows)
     if run.kind == "ring":
         return max(r["N"] for r in run.rows) <= 32768
+    if run.kind == "workloads":                    # a --quick grid, or a --rows subset
+        return "grid quick" in run.setup or "rows all" not in run.setup
     return False
 
 
@@ -496,6 +537,13 @@ def command_of(run: Run, text: str) -> str:
         return f"{base}ring.py{quick}"
     if run.kind == "transformers":
         return f"{base}transformers_gpu.py" + ("" if "== correctness" in text else " --timing-only")
+    if run.kind == "workloads":
+        rows = re.search(r"rows '(.*?)'", run.setup)
+        return ("PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:src python "
+                "benchmarks/workloads.py" + (" --quick" if "grid quick" in run.setup else "")
+                + (f" --rows '{rows.group(1)}'" if rows else "")
+                + (" --fwd-only" if "directions fwd," in run.setup else "")
+                + (" --no-peers" if "peers none" in run.setup else ""))
     return ""
 
 
@@ -513,7 +561,8 @@ _VERDICTS = {"attention": (r"^== correctness: \d+/\d+", r"^total .*correctness")
              "decode": (r"^== checks:", r"^\s+target \(", r"^\s+batch_invariant cost over"),
              "reductions": (r"^rows slower than torch", r"^correctness failures"),
              "ring": (r"^\s+ok\s|^\s+BAD\s|^\s+FAIL",),
-             "transformers": (r"^all checks passed|^\s*FAIL",)}
+             "transformers": (r"^all checks passed|^\s*FAIL",),
+             "workloads": (r"^== checks: \d+/\d+", r"^varlen / equal", r"^total .*checks")}
 
 
 def _verdicts(kind: str, text: str) -> list[str]:
@@ -892,7 +941,8 @@ def render(runs: list[Run], out: str, prefix: str = "") -> dict[str, dict]:
 #: the families of RESULTS.md, in its order, with their section titles
 FAMILIES = {"attention": "Attention forward", "attention_bwd": "Attention backward",
             "decode": "Decoding against a KV cache", "reductions": "Reductions and scans",
-            "ring": "Ring attention across GPUs", "transformers": "Hugging Face transformers"}
+            "ring": "Ring attention across GPUs", "transformers": "Hugging Face transformers",
+            "workloads": "Attention workloads (models)"}
 
 
 def latest(runs: list[Run]) -> dict[str, Run]:
@@ -1047,6 +1097,37 @@ def _tf_table(run: Run) -> list[str]:
     return _table(head, rows, keys=1) + ["", *_below(low, "SDPA")]
 
 
+_WL_TITLES = {("fwd", "eager"): "Forward, eager", ("fwd", "graph"): "Forward, CUDA graph replay",
+              ("bwd", "eager"): "Backward alone, eager",
+              ("fwd+bwd", "graph"): "Forward + backward, CUDA graph replay"}
+
+
+def _wl_table(run: Run) -> list[str]:
+    """One table per direction and mode, rows in the run's order, with the rows below the
+    best peer after each."""
+    peers = [k for k in WORKLOAD_IMPLS if k != "flashfold"]
+    head = ["model", "shape", "flashfold ms", "TFLOP/s"] + [WORKLOAD_IMPLS[k] for k in peers] + \
+        ["best peer", "ratio to best"]
+    out = []
+    for (direction, mode), title in _WL_TITLES.items():
+        mine = [r for r in run.rows if (r["direction"], r["mode"]) == (direction, mode)]
+        if not mine:
+            continue
+        rows, low = [], []
+        for r in mine:
+            v = r["values"]
+            best = max((k for k in peers if v.get(k)), key=lambda k: v[k], default=None)
+            failed = "" if r["check"] == "ok" else f" ({r['check'].lower()})"
+            rows.append([r["model"], r["shape"], _f(r["ms"], 3), _f(v.get("flashfold")) + failed]
+                        + [_f(v.get(k)) for k in peers]
+                        + [f"{WORKLOAD_IMPLS[best]} {_f(v[best])}" if best else "-",
+                           _ratio(v.get("flashfold"), v.get(best) if best else None, r["ratio"])])
+            low.append((f"{r['model']} {r['shape']}", r["ratio"]))
+        out += ["", f"**{title}**", "", *_table(head, rows, keys=2), "",
+                *_below(low, "the best peer")]
+    return out[1:]
+
+
 _FAMILY_TEXT = {
     "attention": ("TFLOP/s = 4·B·H·D·(visible query-key pairs) / time (dense causal counts "
                   "N²/2); bf16, 16 heads, B·N = 16K tokens, eager calls. Peers: SDPA's cuDNN, "
@@ -1073,7 +1154,22 @@ _FAMILY_TEXT = {
     "transformers": ("ms per case, the same model with `attn_implementation` = flashfold "
                      "and = SDPA. ff vs SDPA = SDPA time / flashfold time (above 1: "
                      "flashfold faster).", _tf_table),
+    "workloads": ("One row per model's attention layer, bf16, 16K tokens per batch, every peer "
+                  "that can express the row measured in the same process (SDPA cuDNN and "
+                  "FLASH, FlashAttention-4, compiled FlexAttention; an empty cell: the peer "
+                  "cannot express the row or failed, as the log says). TFLOP/s = 4·B·Hq·D̄·"
+                  "(visible query-key pairs) / time, D̄ = (D_qk + D_v) / 2, pairs counted "
+                  "exactly for windows, documents, varlen, padding and prefix-LM (dense causal: "
+                  "N²/2); backward 2.5x, forward + backward 3.5x. Ratio to best = flashfold's "
+                  "TFLOP/s / the best peer's (above 1: flashfold faster); a failed check is "
+                  "marked in the flashfold cell.", _wl_table),
 }
+
+
+def _anchor(title: str) -> str:
+    """A section's link target as GitHub makes it: lower case, punctuation dropped, spaces
+    to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 
 def results_markdown(runs: list[Run], logs_dir: str = "logs") -> str:
@@ -1094,7 +1190,7 @@ def results_markdown(runs: list[Run], logs_dir: str = "logs") -> str:
            "`benchmarks/logs/`.",
            "Generated by `flashfold bench --results` (do not edit by hand); what was tried "
            "and why the kernels are built as they are is in `docs/notes/`.", ""]
-    out += [f"- [{FAMILIES[k]}](#{FAMILIES[k].lower().replace(' ', '-')})" for k in chosen]
+    out += [f"- [{FAMILIES[k]}](#{_anchor(FAMILIES[k])})" for k in chosen]
     missing = [FAMILIES[k] for k in FAMILIES if k not in chosen]
     if missing:
         out += ["", "No log for: " + ", ".join(missing) + "."]
@@ -1110,7 +1206,7 @@ def results_markdown(runs: list[Run], logs_dir: str = "logs") -> str:
             out += [f"As the run describes its grid: {setup}.", ""]
         out += [text]
         if run.ceiling:
-            unit = "TFLOP/s" if kind.startswith("attention") else "GB/s"
+            unit = "TFLOP/s" if kind.startswith("attention") or kind == "workloads" else "GB/s"
             out += ["", f"Ceiling measured in the same run: {run.ceiling_label}, "
                         f"{run.ceiling:,.0f} {unit}."]
         out += ["", *table(run)]
@@ -1329,4 +1425,5 @@ __all__ = ["ProgressBar", "progress_bar", "Run", "parse", "parse_file", "parse_a
            "parse_attention_backward", "parse_decode", "parse_reductions", "render",
            "plot_attention", "plot_attention_backward", "plot_decode", "plot_reductions",
            "run_script", "find_benchmarks", "graph_replay", "parse_ring", "parse_transformers",
+           "parse_workloads",
            "command_of", "latest", "results_markdown", "write_results", "FAMILIES", "command"]
