@@ -487,9 +487,12 @@ if gluon is not None:
 
 def supported(q, k, v, do, *, causal: bool = False) -> bool:
     """Whether the kernel's scope covers these tensors, whatever their device: the
-    forward's scope (:func:`.gluon_fwd.supported`: head_dim 64 or 128), with ``dO`` of
-    ``q``'s shape and dtype, TMA-compatible."""
-    return (q.dim() == 4 and do.shape == q.shape
+    forward's (:func:`.gluon_fwd.supported`) narrowed to head_dim 64 or 128 for q, k and
+    v and, causal, ``Nq <= Nk`` (every row sees a key), with ``dO`` of ``q``'s shape and
+    dtype, TMA-compatible."""
+    return (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and do.shape == q.shape
+            and q.shape[-1] in (64, 128) and k.shape[-1] == v.shape[-1] == q.shape[-1]
+            and not (causal and q.shape[2] > k.shape[2])
             and do.dtype == q.dtype and gluon_fwd.supported(q, k, v, causal=causal)
             and addressable(do))
 
