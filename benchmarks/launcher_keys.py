@@ -90,8 +90,8 @@ def attention_launch():
 def gluon_attention_launch():
     from flashfold.kernels.attention import gluon_fwd
     q, k, v = (torch.empty(16, 16, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
-    kernel, grid, args, kwargs = gluon_fwd.gluon_attention_fwd(q, k, v, causal=True,
-                                                               return_lse=True, launch=False)
+    (kernel, grid, args, kwargs), = gluon_fwd.gluon_attention_fwd(q, k, v, causal=True,
+                                                                  return_lse=True, launch=False)
     return kernel, grid, args, kwargs
 
 

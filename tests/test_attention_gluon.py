@@ -26,16 +26,62 @@ import pytest
 from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
 import torch
 
-#: (id, head_dim, causal, return_lse, dtype, warpgroup ping-pong) of the variants
-#: compiled on the CPU
-VARIANTS = [("d64", 64, False, False, "bfloat16", True),
-            ("d64-causal-lse", 64, True, True, "bfloat16", True),
-            ("d128", 128, False, False, "bfloat16", True),
-            ("d128-lse", 128, False, True, "float16", True),
-            ("d128-causal", 128, True, False, "bfloat16", True),
-            ("d128-causal-lse", 128, True, True, "bfloat16", True),
-            ("d128-no-pingpong", 128, False, True, "bfloat16", False),
-            ("d128-causal-no-pingpong", 128, True, True, "bfloat16", False)]
+#: (id, head_dim, head_dim of v, options, return_lse, dtype, warpgroup ping-pong) of the
+#: variants compiled on the CPU, ``Nq = 1000`` and ``Nk = options.get("nk", 1000)``: every
+#: combination of the kernel's flags that the dispatch can choose (a window's sides,
+#: softcap, the tile plans of each head dim; calls whose first query tiles see no key),
+#: each with and without the LSE where it changes the epilogue
+VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
+            ("d64-causal-lse", 64, 64, {"causal": True}, True, "bfloat16", True),
+            ("d128", 128, 128, {}, False, "bfloat16", True),
+            ("d128-lse", 128, 128, {}, True, "float16", True),
+            ("d128-causal", 128, 128, {"causal": True}, False, "bfloat16", True),
+            ("d128-causal-lse", 128, 128, {"causal": True}, True, "bfloat16", True),
+            ("d128-no-pingpong", 128, 128, {}, True, "bfloat16", False),
+            ("d128-causal-no-pingpong", 128, 128, {"causal": True}, True, "bfloat16", False),
+            # windows: both sides (causal + window is the same kernel), one side each
+            ("d128-window", 128, 128, {"left": 256, "right": 256}, False, "bfloat16", True),
+            ("d128-causal-window-lse", 128, 128, {"causal": True, "left": 300}, True,
+             "bfloat16", True),
+            ("d128-causal-window-no-pingpong", 128, 128, {"causal": True, "left": 300}, True,
+             "bfloat16", False),
+            ("d128-left-lse", 128, 128, {"left": 256}, True, "bfloat16", True),
+            ("d64-window-lse", 64, 64, {"left": 100, "right": 20}, True, "float16", True),
+            # Nq > Nk with a right bound: the first query tiles see no key (the kernel
+            # runs on the rows after them)
+            ("d128-causal-empty-lse", 128, 128, {"causal": True, "nk": 500}, True, "bfloat16",
+             True),
+            ("d128-window-empty", 128, 128, {"left": 100, "right": 100, "nk": 500}, False,
+             "bfloat16", True),
+            # softcap, alone and with windows
+            ("d128-softcap", 128, 128, {"softcap": 50.0}, False, "bfloat16", True),
+            ("d128-softcap-lse", 128, 128, {"softcap": 50.0}, True, "bfloat16", True),
+            ("d128-softcap-causal-window-lse", 128, 128,
+             {"softcap": 50.0, "causal": True, "left": 300}, True, "bfloat16", True),
+            ("d64-softcap-causal", 64, 64, {"softcap": 30.0, "causal": True}, False, "bfloat16",
+             True),
+            # head dims: 32; 80 and 96 on 128-wide tiles; 256 (64-key tiles, the output
+            # staged in the query buffer; with both window sides 32-key tiles); 192 / 128
+            # (q/k 256-wide, v 128-wide)
+            ("d32", 32, 32, {}, True, "bfloat16", True),
+            ("d32-causal", 32, 32, {"causal": True}, False, "float16", True),
+            ("d80-lse", 80, 80, {}, True, "bfloat16", True),
+            ("d96-causal", 96, 96, {"causal": True}, False, "bfloat16", True),
+            ("d256", 256, 256, {}, False, "bfloat16", True),
+            ("d256-causal-lse", 256, 256, {"causal": True}, True, "bfloat16", True),
+            ("d256-softcap-causal-lse", 256, 256, {"softcap": 50.0, "causal": True}, True,
+             "bfloat16", True),
+            ("d256-left", 256, 256, {"left": 300}, False, "bfloat16", True),
+            ("d256-softcap-causal-window-lse", 256, 256,
+             {"softcap": 50.0, "causal": True, "left": 300}, True, "bfloat16", True),
+            ("d256-causal-window", 256, 256, {"causal": True, "left": 1024, "nk": 2000}, False,
+             "bfloat16", True),
+            ("d256-window-empty-no-pingpong", 256, 256, {"left": 64, "right": 0, "nk": 500},
+             True, "bfloat16", False),
+            ("d192-128-lse", 192, 128, {}, True, "bfloat16", True),
+            ("d192-128-causal", 192, 128, {"causal": True}, False, "bfloat16", True),
+            ("d192-128-causal-window-lse", 192, 128, {"causal": True, "left": 300}, True,
+             "bfloat16", True)]
 
 
 def _key_loops(sass: str):
@@ -62,15 +108,21 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_fwd as G
 
-    def facts(d, causal, lse, dtype, pingpong):
+    def facts(d, dv, options, lse, dtype, pingpong):
+        options = dict(options)
+        nk = options.pop("nk", 1000)
         q = torch.empty(2, 4, 1000, d, dtype=getattr(torch, dtype))
-        k = torch.empty(2, 2, 1000, d, dtype=q.dtype)
-        kernel, _, args, kwargs = G.gluon_attention_fwd(q, k, k, causal=causal, return_lse=lse,
-                                                       launch=False, pingpong=pingpong)
+        k = torch.empty(2, 2, nk, d, dtype=q.dtype)
+        v = torch.empty(2, 2, nk, dv, dtype=q.dtype)
+        (kernel, _, args, kwargs), *fill = G.gluon_attention_fwd(
+            q, k, v, return_lse=lse, launch=False, pingpong=pingpong, **options)
         c = compile_launch(kernel, args, kwargs)
         loops, local = _key_loops(_run_on_cubin(c.cubin, "-sass"))
         return dict(**ws_facts(c), key_loops=loops,
-                    local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)])
+                    local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)],
+                    constexprs={n: kwargs[n] for n in ("MASK_LEFT", "MASK_RIGHT", "SOFTCAP",
+                                                       "O_IN_Q", "BLOCK_N")},
+                    skipped_rows=1000 - args[7])
 
     emit_rows(VARIANTS, facts)
 
@@ -91,6 +143,13 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     # words, stored once per program and reloaded once per work item, against >= 2 x 8
     # HGMMA per key tile): allowed, and bounded here so that growth is seen
     assert len(r["key_loops"]) == 2, r["key_loops"]
+    # the variant is what its name says (the "-empty" ones start at a later query tile;
+    # head_dim 256 stages its output in the query buffer, but with both window sides
+    # bounded, which takes 32-key tiles)
+    assert (r["skipped_rows"] > 0) == ("-empty" in vid), r["skipped_rows"]
+    two_sided_256 = vid.startswith("d256") and ("-window" in vid)
+    assert r["constexprs"]["O_IN_Q"] == (vid.startswith("d256") and not two_sided_256), vid
+    assert (r["constexprs"]["BLOCK_N"] == 32) == two_sided_256, r["constexprs"]
     assert not r["local_in_loops"], f"{vid}: local memory in the key loop at {r['local_in_loops']}"
     assert r["spill"] <= 256, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
 
@@ -107,10 +166,23 @@ def test_scope():
     q, k, v = _qkv()
     assert supported(q, k, v) and supported(q, k, v, causal=True)
     assert supported(*_qkv(D=64, dtype=torch.float16))
-    assert not supported(*_qkv(D=96)) and not supported(*_qkv(D=256))
+    # head dims: tiles of 32, 64, 128 or 256 columns (80, 96 padded to 128, 192 to 256)
+    for d in (32, 48, 80, 96, 192, 256):
+        assert supported(*_qkv(D=d)), d
+    assert not supported(*_qkv(D=16)) and not supported(*_qkv(D=8))
+    # Dv != D: only the plan of q/k 129-256 wide with v 65-128 wide (DeepSeek's 192 / 128)
+    q2, k2, _ = _qkv(D=192)
+    assert supported(q2, k2, _qkv(D=128)[2]) and supported(q2, k2, _qkv(D=96)[2])
+    assert not supported(q, k, _qkv(D=64)[2]) and not supported(q2, k2, _qkv(D=64)[2])
+    assert not supported(q2, _qkv(D=128)[1], _qkv(D=128)[2])           # k's D is q's
     assert not supported(*_qkv(dtype=torch.float32))
-    assert not supported(*_qkv(NQ=300, NK=200), causal=True)      # rows without keys
-    assert supported(*_qkv(NQ=300, NK=200))                       # fine when not causal
+    # windows and softcap; rows without keys (causal with Nq > Nk) are handled
+    assert supported(q, k, v, left=16, right=0) and supported(q, k, v, left=0)
+    assert supported(q, k, v, right=5, softcap=30.0)
+    assert not supported(q, k, v, softcap=0.0) and not supported(q, k, v, softcap=-1.0)
+    assert not supported(q, k, v, left=-1)
+    assert supported(*_qkv(NQ=300, NK=200), causal=True)
+    assert supported(*_qkv(NQ=300, NK=200))
     assert not supported(*_qkv(HQ=3, HK=2))
     assert not supported(q, k, v, scale=-1.0)
     assert not supported(*_qkv(NK=0)) and not supported(*_qkv(NQ=0))
@@ -123,12 +195,143 @@ def test_scope():
     assert supported(odd, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))
     odd = torch.randn(1, 4, 256, 129, dtype=torch.bfloat16)[..., :128]
     assert not supported(odd, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))
+    assert not supported(*_qkv(D=36))                  # rows of 72 bytes: no TMA stride
     # a zero stride (keys expanded over heads) cannot be a TMA stride; the stride of a
     # size-1 dim is never used, so an unaligned one does not matter
     assert not supported(q, k[:, :1].expand(1, 2, 256, 128), v)
     one = torch.randn(256 * 128 + 8, dtype=torch.bfloat16)[8:].as_strided((1, 1, 256, 128),
                                                                          (3, 3, 128, 1))
     assert supported(one, k[:, :1], v[:, :1])
+
+
+def test_backward_scope_is_unchanged():
+    """The Gluon backward takes the forward's scope narrowed to what it handles: head_dim
+    64 or 128 for q, k and v, and every row seeing a key when causal."""
+    from flashfold.kernels.attention.gluon_bwd import supported
+    for d in (32, 96, 256):
+        q, k, v = _qkv(D=d)
+        assert not supported(q, k, v, q), d
+    q, k, v = _qkv(NQ=300, NK=200)
+    assert supported(q, k, v, q) and not supported(q, k, v, q, causal=True)
+
+
+def _item_range_brute(q0, nq, nk, left, right, block_n):
+    """``(first tile, count, unmasked tiles)`` of the item at row ``q0`` from the
+    visibility of every pair: the tiles holding a key some real row sees, and those whose
+    every key every real row sees."""
+    delta = nk - nq
+    rows = range(q0, min(q0 + 128, nq))
+
+    def vis(i, j):
+        return (j < nk and (right is None or j <= i + delta + right)
+                and (left is None or j >= i + delta - left))
+    tiles = -(-nk // block_n)
+    seen = [t for t in range(tiles) if any(vis(i, j) for i in rows
+                                           for j in range(t * block_n, (t + 1) * block_n))]
+    full = {t for t in range(tiles) if all(vis(i, j) for i in rows
+                                           for j in range(t * block_n, (t + 1) * block_n))}
+    return seen, full
+
+
+@pytest.mark.parametrize("nq, nk", [(300, 300), (300, 700), (700, 300), (1, 1), (129, 5)])
+@pytest.mark.parametrize("bounds", [(None, None), (None, 0), (64, 0), (0, 0), (200, None),
+                                    (None, 150), (30, 40), (500, 3)], ids=str)
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_item_range_matches_visibility(nq, nk, bounds, block_n):
+    """The tile range of each work item (:func:`item_range`, the host's copy of the
+    kernel's ``_tile``): every tile holding a key that some row of the item sees, and no
+    other (none for an item whose rows see no key); the unmasked run ``[t_a, t_c)`` holds
+    exactly tiles whose every key every real row sees (the masked edges may hold such
+    tiles too)."""
+    from flashfold.kernels.attention.gluon_fwd import item_range, item_tiles
+    left, right = bounds
+    counts = item_tiles(nq, nk, left, right, block_n)
+    assert len(counts) == -(-nq // 128)
+    for m, count in enumerate(counts):
+        t_lo, n_kv, t_a, t_c = item_range(m * 128, nq, nk, left, right, block_n)
+        seen, full = _item_range_brute(m * 128, nq, nk, left, right, block_n)
+        assert n_kv == count == len(seen)
+        assert seen == list(range(t_lo, t_lo + n_kv)), (m, seen, t_lo, n_kv)
+        assert t_lo <= t_a <= t_c <= t_lo + n_kv
+        assert set(range(t_a, t_c)) <= full, (m, t_a, t_c, full)
+
+
+def test_kernel_flags_follow_the_call():
+    """The constexpr flags and tile plan each call compiles to: a window's sides (causal is
+    ``right = 0``), softcap, 64-key tiles and the output staged in the query buffer at
+    head_dim 256, and the scale folded for base 2 (with softcap: ``c log2 e`` and ``2
+    log2 e scale / c``)."""
+    from flashfold.kernels.attention import gluon_fwd as G
+
+    def kw(*qkv, **options):
+        launches = G.gluon_attention_fwd(*qkv, launch=False, **options)
+        assert launches[0][0] is G._attn_fwd_ws
+        return launches[0][2], launches[0][3]
+    qkv = _qkv()
+    a, k = kw(*qkv)
+    assert (k["MASK_LEFT"], k["MASK_RIGHT"], k["SOFTCAP"]) == (False,) * 3
+    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (128, 128, 128, False)
+    assert a[12] == pytest.approx(G.LOG2E / math.sqrt(128))
+    a, k = kw(*qkv, causal=True, left=100)
+    assert k["MASK_LEFT"] and k["MASK_RIGHT"] and a[14:16] == (100, 0)
+    a, k = kw(*qkv, right=7)
+    assert not k["MASK_LEFT"] and k["MASK_RIGHT"] and a[14:16] == (0, 7)
+    a, k = kw(*qkv, softcap=50.0, scale=0.25)
+    assert k["SOFTCAP"] and a[12:14] == (pytest.approx(2 * G.LOG2E * 0.25 / 50.0),
+                                         pytest.approx(50.0 * G.LOG2E))
+    k = kw(*_qkv(D=96))[1]
+    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (128, 128, 128, False)
+    k = kw(*_qkv(D=256))[1]
+    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (64, 256, 256, True)
+    for one_side in ({"causal": True}, {"left": 100}, {"right": 100}):
+        assert kw(*_qkv(D=256), **one_side)[1]["BLOCK_N"] == 64
+    k = kw(*_qkv(D=256), causal=True, left=100)[1]            # both sides: 32-key tiles
+    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (32, 256, 256, False)
+    q, kk, _ = _qkv(D=192)
+    args, k = kw(q, kk, _qkv(D=128)[2], return_lse=True)
+    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (64, 256, 128, False)
+    assert args[4].shape == (1, 4, 256)                               # the LSE
+    with pytest.raises(ValueError, match="flags"):
+        G.gluon_attention_fwd(*qkv, launch=False, flags=torch.zeros(16, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("lse", [False, True], ids=["no-lse", "lse"])
+@pytest.mark.parametrize("flagged", [False, True], ids=["plain", "flagged"])
+def test_query_tiles_without_keys_are_filled_not_computed(lse, flagged):
+    """With a right bound and ``Nq > Nk`` the first query tiles may see no key (causal:
+    when ``Nq - Nk >= 128``): the Gluon kernel runs on the rows from the first tile that
+    sees one (views of q, o, the LSE and the flags, with ``Nq`` reduced accordingly, so
+    that each row keeps its bottom-right aligned keys), and a second launch,
+    ``_fill_empty_rows`` (run here under the interpreter), writes ``o = 0``, ``lse =
+    -inf`` and clear flags into the rows before, and nothing else."""
+    from flashfold.kernels.attention import gluon_fwd as G
+    q, k, v = _qkv(B=2, NQ=400, NK=272, D=80)                # 3 query tiles, the first empty
+    assert len(G.gluon_attention_fwd(q, k, v, causal=True, launch=False)) == 2
+    assert len(G.gluon_attention_fwd(*_qkv(NQ=400, NK=273), causal=True, launch=False)) == 1
+    assert len(G.gluon_attention_fwd(*_qkv(NQ=400, NK=100), launch=False)) == 1   # no bound
+    o = torch.full((2, 4, 400, 80), 7.0, dtype=q.dtype)
+    out_lse = torch.full((2, 4, 400), 7.0) if lse else None
+    flags = torch.full((2 * 4 * 7,), 7, dtype=torch.int32) if flagged else None
+    # window (3, 10), Nq - Nk = 300: rows r < 290 see no key, so tiles 0 and 1 are skipped
+    q, k, v = _qkv(B=2, NQ=400, NK=100, D=80)
+    main, fill = G.gluon_attention_fwd(q, k, v, left=3, right=10, return_lse=lse, out=o,
+                                       lse=out_lse, flags=flags, launch=False)
+    args = main[2]
+    assert args[7] == 400 - 256                                       # the kernel's Nq
+    assert args[0].base.data_ptr() == q[:, :, 256:].data_ptr()        # q from row 256
+    assert args[3].base.data_ptr() == o[:, :, 256:].data_ptr()
+    if lse:
+        assert args[4].data_ptr() == out_lse[:, :, 256:].data_ptr()
+    if flagged:
+        assert args[16].data_ptr() == flags[4:].data_ptr() and args[17] == 7
+    kernel, grid, fargs, fkw = fill
+    kernel[grid](*fargs, **fkw)
+    assert (o[:, :, :256] == 0).all() and (o[:, :, 256:] == 7).all()
+    if lse:
+        assert (out_lse[:, :, :256] == -math.inf).all() and (out_lse[:, :, 256:] == 7).all()
+    if flagged:
+        f = flags.view(2 * 4, 7)
+        assert (f[:, :4] == 0).all() and (f[:, 4:] == 7).all()
 
 
 def test_persistent_rule():
@@ -142,13 +345,24 @@ def test_persistent_rule():
 
 def test_pingpong_rule():
     """Ping-pong while work items average at most 24 key tiles of 128: dense N <= 3K,
-    causal N <= ~6K (items average (N / 2 + 64) / 128 tiles), more when Nk > Nq."""
+    causal N <= ~6K (items average (N / 2 + 64) / 128 tiles), more when Nk > Nq; a
+    window's items average about (left + right + 128) / 128 tiles, whatever N."""
     from flashfold.kernels.attention.gluon_fwd import pingpong_default
     assert pingpong_default(False, 1024, 1024) and pingpong_default(False, 1, 3072)
     assert not pingpong_default(False, 1024, 4096) and not pingpong_default(False, 1, 3073)
     assert pingpong_default(True, 4096, 4096) and pingpong_default(True, 6016, 6016)
     assert not pingpong_default(True, 6272, 6272) and not pingpong_default(True, 16384, 16384)
-    assert not pingpong_default(True, 128, 4096)      # 31.5 key tiles per item
+    assert not pingpong_default(True, 128, 4096)      # 32 key tiles per item
+    # Mistral's window (4096, causal): 33 tiles per item at 32K, 16.3 on average at 4K
+    assert not pingpong_default(True, 32768, 32768, left=4096)
+    assert pingpong_default(True, 4096, 4096, left=4096)
+    # Gemma-3's local layers (1024, causal): 9 tiles per item at any length
+    assert pingpong_default(True, 32768, 32768, left=1024)
+    assert pingpong_default(False, 32768, 32768, left=1024, right=1024)
+    assert not pingpong_default(False, 32768, 32768, left=None, right=1024)
+    # the tiles of the call's plan: 64-key tiles at head_dim 256
+    assert pingpong_default(False, 1024, 3072) and not pingpong_default(False, 1024, 3072,
+                                                                        block_n=64)
 
 
 def test_not_on_cpu_tensors():
@@ -156,29 +370,44 @@ def test_not_on_cpu_tensors():
     assert not eligible(*_qkv())
 
 
-def test_dispatch_sends_only_dense_and_causal_calls():
-    """``attention_forward`` takes the Gluon path exactly for calls without window,
-    softcap, mods or varlen (``eligible`` mocked true: the call is recorded, not run)."""
+def test_dispatch_sends_calls_without_mods_or_varlen():
+    """``attention_forward`` takes the Gluon path exactly for calls without score_mod,
+    block mask, varlen or a forced config (``eligible`` mocked true: the call is recorded,
+    not run), with its window and softcap; a call with a window (causal too) writes the
+    non-finite flags and is followed by the strict Triton guard, one without a window
+    is launched alone."""
     from flashfold.kernels.attention import fwd, gluon_fwd
+    from flashfold.kernels.attention.mods import trace_score_mod
     calls = []
 
-    def fake(q, k, v, *, causal, scale, return_lse, out, lse, launch, flags=None):
+    def fake(q, k, v, *, scale, softcap, left, right, return_lse, out, lse, launch,
+             flags=None):
         assert not launch                     # (the forward's plan launches it)
-        assert (flags is not None) == causal  # causal calls flag rows for the strict guard
-        calls.append(causal)
-        return ("gluon", (1,), (), {})
+        calls.append((left, right, softcap, flags is not None))
+        return (("gluon", (1,), (), {}),)
     q, k, v = _qkv(NQ=64, NK=64, D=64, dtype=torch.float32)
     with mock.patch.object(gluon_fwd, "eligible", return_value=True), \
             mock.patch.object(gluon_fwd, "gluon_attention_fwd", side_effect=fake), \
-            mock.patch.object(fwd.launcher, "launch"):
-        fwd.attention_forward(q, k, v, scale=0.1)
-        fwd.attention_forward(q, k, v, scale=0.1, right=0)
-        assert calls == [False, True]
-        fwd.attention_forward(q, k, v, scale=0.1, left=16, right=0)
-        fwd.attention_forward(q, k, v, scale=0.1, softcap=20.0)
-        fwd.attention_forward(q, k, v, scale=0.1, right=4)
-        fwd.attention_forward(q, k, v, scale=0.1, config=fwd.default_config(q, 64, 64))
-        assert calls == [False, True]
+            mock.patch.object(fwd.launcher, "launch") as launch:
+        expect = [((), (None, None, None, False)), ({"right": 0}, (None, 0, None, True)),
+                  ({"left": 16, "right": 0}, (16, 0, None, True)),
+                  ({"left": 16}, (16, None, None, True)), ({"right": 4}, (None, 4, None, True)),
+                  ({"softcap": 20.0}, (None, None, 20.0, False)),
+                  ({"softcap": 20.0, "left": 8, "right": 8}, (8, 8, 20.0, True))]
+        for options, call in expect:
+            launch.reset_mock()
+            fwd.attention_forward(q, k, v, scale=0.1, **dict(options))
+            assert calls[-1] == call, options
+            kernels = [c.args[0] for c in launch.call_args_list]
+            assert kernels == (["gluon", fwd._attn_fwd_guard] if call[3] else ["gluon"]), options
+        assert len(calls) == len(expect)
+        cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+        others = [dict(config=fwd.default_config(q, 64, 64)),
+                  dict(score_mod=trace_score_mod(lambda s, b, h, i, j: s * 0.5)),
+                  dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34, max_seqlen_k=34)]
+        for options in others:
+            fwd.attention_forward(q, k, v, scale=0.1, **options)
+        assert len(calls) == len(expect)
 
 
 # --- numerics on the GPU -------------------------------------------------------------------

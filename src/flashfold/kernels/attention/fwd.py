@@ -34,15 +34,15 @@ NaN, on masked tiles (the causal diagonal, window edges, partial block-mask tile
 cross-sequence ends, whose TMA loads read the next sequence's keys); unmasked tiles have
 no hidden key, and a dense call's ragged end reads zeros past ``N_k``. No kernel adds
 work to its key loop for it. A leak can only make an output non-finite, so the forwards
-that can leak (the Gluon kernel on causal calls; the Triton template with a window,
-mask_mod or varlen) write one int32 flag per output tile from their epilogue (nonzero:
-the tile's ``o`` holds a non-finite entry), and a second launch, :func:`_attn_fwd_guard`
-(:func:`prepare_guard`), reads the flags, returns at once where they are clear (every
-program, with finite inputs) and recomputes the flagged tiles strictly: ``STRICT`` masked
-tiles take :func:`_pv_strict`, which sums the ``v`` tile to a scalar and, only when that
-is not finite, zeroes its non-finite entries and marks NaN the ``(row, channel)`` pairs
-that see one of a visible key. :data:`STRICT_HIDDEN` turns the flags and the guard off
-(to measure them).
+that can leak (the Gluon kernel with a window, causal included; the Triton template
+with a window, mask_mod or varlen) write one int32 flag per output tile from their
+epilogue (nonzero: the tile's ``o`` holds a non-finite entry), and a second launch,
+:func:`_attn_fwd_guard` (:func:`prepare_guard`), reads the flags, returns at once where
+they are clear (every program, with finite inputs) and recomputes the flagged tiles
+strictly: ``STRICT`` masked tiles take :func:`_pv_strict`, which sums the ``v`` tile to a
+scalar and, only when that is not finite, zeroes its non-finite entries and marks NaN the
+``(row, channel)`` pairs that see one of a visible key. :data:`STRICT_HIDDEN` turns the
+flags and the guard off (to measure them).
 
 Structure (the backward and split-KV decode kernels reuse these pieces):
 
@@ -768,30 +768,33 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
     """The forward's outputs and its launches: ``(o, lse, launches, memos)``, a tuple of
     ``(kernel, grid, args, kwargs)`` (none, one or two) and one launcher memo for each,
     shared by the replays of the plan (:func:`flashfold.kernels.launcher.launch`).
-    Through the Gluon kernel for dense and causal calls on Hopper, else the Triton
-    template (:func:`prepare_forward`); while :data:`STRICT_HIDDEN`, calls whose masked
-    tiles can hold hidden keys (Gluon: causal; Triton: a window, mask_mod or varlen) are
-    flagged and followed by the strict guard (:func:`prepare_guard`)."""
-    dense = (softcap is None and score_mod is None and block_mask is None and left is None
-             and right in (None, 0) and cu_seqlens_q is None and config is None)
-    if dense and gluon_fwd.eligible(q, k, v, causal=right == 0, scale=scale):
+
+    Dispatch: on Hopper, calls without score_mod, mask_mod (block mask) or varlen run the
+    Gluon kernel (:func:`.gluon_fwd.eligible`: dense, causal, windows, softcap, head dims
+    of its tile plans), everything else the Triton template (:func:`prepare_forward`).
+    While :data:`STRICT_HIDDEN`, calls whose masked tiles can hold hidden keys are flagged
+    and followed by the strict guard (:func:`prepare_guard`): Gluon with a window or
+    causal (the tiles on a window's edges); Triton with a window, mask_mod, score_mod or
+    varlen."""
+    if (score_mod is None and block_mask is None and cu_seqlens_q is None and config is None
+            and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
+                                   softcap=softcap)):
         B, HQ, NQ = q.shape[:3]
         o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
-        if right != 0 or not STRICT_HIDDEN:
-            launch = gluon_fwd.gluon_attention_fwd(q, k, v, causal=right == 0, scale=scale,
-                                                   return_lse=return_lse, out=o, lse=lse,
-                                                   launch=False)
-            return o, lse, (launch,), ([None],)
-        # causal: diagonal tiles hold hidden keys, whose values the Gluon kernel's P V
-        # meets (0 x NaN); its flags tell the guard which rows to recompute strictly
-        # (scratch, not an output: plans.new, not the swappable output allocator)
+        bounds = dict(scale=scale, softcap=softcap, left=left, right=right)
+        if (left is None and right is None) or not STRICT_HIDDEN:
+            launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
+                                                     lse=lse, launch=False, **bounds)
+            return o, lse, launches, tuple([None] for _ in launches)
+        # a window (causal too): its edge tiles hold hidden keys, whose values the Gluon
+        # kernel's P V meets (0 x NaN); its flags tell the guard which rows to recompute
+        # strictly (scratch, not an output: plans.new, not the swappable output allocator)
         flags = plans.new((B * HQ * -(-NQ // FLAG_ROWS),), dtype=torch.int32, device=q.device)
-        launch = gluon_fwd.gluon_attention_fwd(q, k, v, causal=True, scale=scale,
-                                               return_lse=return_lse, out=o, lse=lse,
-                                               launch=False, flags=flags)
-        guard = prepare_guard(q, k, v, o, lse, flags, scale=scale, right=0)
-        return o, lse, (launch, guard), ([None], [None])
+        launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
+                                                 lse=lse, launch=False, flags=flags, **bounds)
+        launches += (prepare_guard(q, k, v, o, lse, flags, **bounds),)
+        return o, lse, launches, tuple([None] for _ in launches)
     options = dict(scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
                    block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,

@@ -26,27 +26,42 @@ Triton template's ceiling"). Three partitions per program (``gl.warp_specialize`
       m, l, P_j from S_j             (exp2 on the SFU while the PV wgmma runs)
       wait until PV is done; acc *= alpha_j
 
-  then writes ``o = acc / l`` through its own shared-memory buffer and a TMA store. On
-  causal calls the epilogue also writes one int32 flag per 64 rows, nonzero where ``o``
-  holds a non-finite entry: a diagonal tile's ``P V`` meets hidden keys' values (``0 x
-  NaN``), and the strict Triton guard that follows recomputes the flagged rows (rule 1 of
-  :mod:`flashfold.api.attention`; :func:`.fwd.prepare_guard`). The key loop is unchanged.
-  Finalize reads the empty row from ``l = 0`` only: a NaN ``l`` (a NaN or ``+inf``
-  visible score) gives NaN ``o`` and ``lse``.
+  where the softmax of a tile (mask, row max, ``exp2``, row sum, rescale factor) is one
+  step, :func:`_softmax_tile`. Then it writes ``o = acc / l`` through its own shared-
+  memory buffer (at head_dim 256, but with both window sides, its query buffer) and a TMA
+  store. With a window (causal too) the epilogue also writes one int32 flag per 64 rows,
+  nonzero where ``o`` holds a non-finite entry: an edge tile's ``P V`` meets hidden
+  keys' values (``0 x NaN``), and the strict Triton guard that follows recomputes the
+  flagged rows (rule 1 of :mod:`flashfold.api.attention`; :func:`.fwd.prepare_guard`).
+  The key loop is unchanged. Finalize reads the empty row from ``l = 0`` only: a NaN ``l`` (a NaN or
+  ``+inf`` visible score) gives NaN ``o`` and ``lse``; a row that sees no key gives ``o =
+  0``, ``lse = -inf``.
 
-Work items are query tiles ``(bh, m)``. A grid of one program per SM takes them in
-rounds (persistent): the producer loads the next item's query tile once both consumers
-have computed the last ``S`` of the previous one (``q_empty``), so loads overlap the
-epilogue. Causal items differ in cost, and long causal sequences run one program per
-item instead (:func:`persistent_default`).
+Work items are query tiles ``(bh, m)``, each with the run of key tiles its rows can see
+(:func:`_tile`, which the producer and both consumers compute alike; tiles outside a
+window are never loaded). A grid of one program per SM takes them in rounds
+(persistent): the producer loads the next item's query tile once both consumers have
+computed the last ``S`` of the previous one (``q_empty``), so loads overlap the
+epilogue. Items bounded on one side only (causal) differ in cost, and long such
+sequences run one program per item instead (:func:`persistent_default`). Query tiles
+whose rows see no key (a right bound with ``Nq > Nk``) are no work items: the kernel
+runs on the rows after them and :func:`_fill_empty_rows` writes them.
 
-Scope (the dispatcher in :mod:`.fwd` sends everything else to the Triton template):
-fp16/bf16, head_dim 64 or 128, dense or causal (bottom-right aligned, ``Nq <= Nk``),
-GQA, ``scale > 0``, no window, softcap, mods or varlen; ``q``, ``k``, ``v`` as ``(B, H,
-N, D)`` with unit last stride and 16-byte aligned strides (4-D TMA descriptors: rows past
-a head's end read as zero and are not written). Returns ``o (B, Hq, Nq, D)`` contiguous
-in the input dtype and ``lse (B, Hq, Nq)`` float32. ``FLASHFOLD_GLUON=0`` turns the
-path off.
+Constexpr flags of the one template: ``MASK_LEFT`` / ``MASK_RIGHT`` (the window's sides,
+bottom-right aligned as :func:`.fwd._visible_2d` defines them; causal is ``right = 0``;
+each is masked only on the tiles that cross it), ``SOFTCAP`` (``s = c tanh(scale qk /
+c)``, before the masks), ``BLOCK_D`` / ``BLOCK_DV`` (tile widths: the head dims' next
+powers of two, TMA reading the padding columns as zeros and not writing them),
+``BLOCK_N`` and ``O_IN_Q`` (the tile plan: :data:`TILE_PLANS`, :func:`tile_plan`),
+``RETURN_LSE``, ``PINGPONG``.
+
+Scope (:func:`supported`; the dispatcher in :mod:`.fwd` sends mods, block masks and
+varlen to the Triton template): fp16/bf16, head_dim 17-256 (``Dv = D``, or ``D`` in
+129-256 with ``Dv`` in 65-128), GQA, ``scale > 0``, any window, softcap; ``q``, ``k``,
+``v`` as ``(B, H, N, D)`` with unit last stride and 16-byte aligned strides (4-D TMA
+descriptors: rows past a head's end read as zero and are not written). Returns ``o (B,
+Hq, Nq, Dv)`` contiguous in the input dtype and ``lse (B, Hq, Nq)`` float32.
+``FLASHFOLD_GLUON=0`` turns the path off.
 
 GPU only: Gluon kernels have no interpreter mode. The CPU suite compiles every variant
 for sm_90 (``tests/test_attention_gluon.py``: warp specialization, TMA, wgmma, per-
@@ -60,6 +75,8 @@ import functools
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from .. import compat, launcher
 from ..compat import (GluonDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
@@ -85,6 +102,8 @@ PINGPONG_MAX_TILES = 24
 CONSUMER_REGS = 240
 #: registers of the producer warp (the minimum ``setmaxnreg`` allows)
 PRODUCER_REGS = 24
+#: rows per program of :func:`_fill_empty_rows`
+FILL_ROWS = 64
 #: register cap of the whole kernel: 12 warps (two consumer warpgroups, the producer's
 #: warp rounded up to a warpgroup) x 32 threads x 168 <= 65,536
 MAXNREG = 168
@@ -117,49 +136,76 @@ if gluon is not None:
 
     @gluon.jit
     def _tile(i, shape, bh_total, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              CAUSAL: gl.constexpr):
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
         """This program's item of round ``i`` (see :func:`_rounds`): query tile ``m`` of head
-        ``(b, hq)``, its key/value head ``hk``, first row ``q0``, key tiles ``n_kv`` and
-        the first tile that needs masking. Items are numbered head-major, ``t = bh * n_m +
-        m'``: the query tiles of a head together, so that the programs running at once
-        share its keys and values in L2, with ``m' = m`` or, causal, ``n_m - 1 - m``
-        (heaviest first)."""
-        q_len, kv_len, heads_q, group, n_m = shape
+        ``(b, hq)``, its key/value head ``hk``, first row ``q0``, and its key tiles: the
+        first ``t_lo``, their count ``n_kv >= 1``, and the unmasked run ``[t_a, t_c)``
+        (tiles before ``t_a`` meet the window's left edge, tiles from ``t_c`` on its right
+        edge, the causal diagonal or the ragged end), as :func:`.fwd._tile_ranges` computes
+        them and :func:`item_range` on the host. The producer and both consumers call this
+        with the same ``i``, so they walk the same tiles. Items are numbered head-major,
+        ``t = bh * n_m + m'``: the query tiles of a head together, so that the programs
+        running at once share its keys and values in L2, with ``m' = m`` or, with a right
+        bound, ``n_m - 1 - m`` (heaviest first). Every item sees a key (the host launches
+        the kernel on the query rows from the first tile that does:
+        :func:`gluon_attention_fwd`)."""
+        q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
         G = gl.num_programs(0)
         p = gl.program_id(0)
         t = i * G + gl.where(i % 2 == 0, p, G - 1 - p)
         m = t % n_m
-        if CAUSAL:
+        if MASK_RIGHT:
             m = n_m - 1 - m
         bh = t // n_m
         b = bh // heads_q
         hq = bh % heads_q
         q0 = m * BLOCK_M
-        causal_off = kv_len - q_len
-        if CAUSAL:
-            kv_end = gl.minimum(kv_len, q0 + BLOCK_M + causal_off)
-            mask_from = gl.minimum((q0 + causal_off + 1) // BLOCK_N, kv_len // BLOCK_N)
+        if MASK_LEFT or MASK_RIGHT:
+            # visible keys of row r: [r + delta - left, r + delta + right] & [0, Nk); a
+            # tile needs no mask when every real row of the item sees all of it (the
+            # first row bounds the right edge, the last real row the left one). Positions
+            # are clamped at 0 before dividing (integer division truncates)
+            delta = kv_len - q_len
+            r_last = gl.minimum(q0 + BLOCK_M, q_len) - 1
+            hi = kv_len
+            full_hi = kv_len
+            if MASK_RIGHT:
+                hi = gl.maximum(gl.minimum(hi, r_last + delta + win_right + 1), 0)
+                full_hi = gl.maximum(gl.minimum(full_hi, q0 + delta + win_right + 1), 0)
+            t_lo = 0
+            t_a = 0
+            if MASK_LEFT:
+                t_lo = gl.maximum(q0 + delta - win_left, 0) // BLOCK_N
+                full_lo = gl.maximum(r_last + delta - win_left, 0)
+                t_a = gl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, t_lo)
+            t_hi = gl.maximum((hi + BLOCK_N - 1) // BLOCK_N, t_lo)
+            t_a = gl.minimum(t_a, t_hi)
+            t_c = gl.minimum(gl.maximum(full_hi // BLOCK_N, t_a), t_hi)
+            n_kv = t_hi - t_lo
         else:
-            kv_end = kv_len
-            mask_from = kv_len // BLOCK_N
-        return b, hq, hq // group, q0, gl.cdiv(kv_end, BLOCK_N), mask_from
+            t_lo = 0
+            t_a = 0
+            t_c = kv_len // BLOCK_N
+            n_kv = gl.cdiv(kv_len, BLOCK_N)
+        return b, hq, hq // group, q0, t_lo, n_kv, t_a, t_c
 
     @gluon.jit
     def _producer(descs, bufs, bars, shape, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  RETURN_LSE: gl.constexpr):
+                  STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
         """TMA loads, work item after work item: the two query halves (once both consumer
-        warpgroups have released the previous ones: ``q_empty``), then key and value
-        tiles into their rings, whose slot and phase count on across items. An ``empty``
-        barrier starts out with its phase 1 complete, so the first waits pass at once;
-        each slot is released by both consumer warpgroups (count 2)."""
+        warpgroups have released the previous ones: ``q_empty``), then the item's key and
+        value tiles ``t_lo .. t_lo + n_kv`` into their rings, whose slot and phase count on
+        across items. An ``empty`` barrier starts out with its phase 1 complete, so the
+        first waits pass at once; each slot is released by both consumer warpgroups (count
+        2)."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_bufs, o_bufs, k_bufs, v_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         rounds = _rounds(shape, out[4])
         it = 0
         for i in range(rounds):
-            b, hq, hk, q0, n_kv, mask_from = _tile(i, shape, out[4], BLOCK_M, BLOCK_N, CAUSAL)
+            b, hq, hk, q0, t_lo, n_kv, t_a, t_c = _tile(i, shape, out[4], BLOCK_M, BLOCK_N,
+                                                        MASK_LEFT, MASK_RIGHT)
             mbarrier.wait(q_empty, (i & 1) ^ 1)
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, hq, q0, 0], q_ready, q_bufs.index(0))
@@ -168,32 +214,78 @@ if gluon is not None:
             for j in range(n_kv):
                 slot = (it + j) % STAGES
                 phase = ((it + j) // STAGES) & 1
+                n0 = (t_lo + j) * BLOCK_N
                 mbarrier.wait(k_empty.index(slot), phase ^ 1)
                 mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0],
+                tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0],
                                                 k_ready.index(slot), k_bufs.index(slot))
                 mbarrier.wait(v_empty.index(slot), phase ^ 1)
                 mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0],
+                tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0],
                                                 v_ready.index(slot), v_bufs.index(slot))
             it += n_kv
 
     @gluon.jit
-    def _masked(s, j, mask_from, last_key, kv_len, BLOCK_N: gl.constexpr,
-                CAUSAL: gl.constexpr):
-        """``s`` with invisible keys at ``-inf`` on tiles ``j >= mask_from`` (the ragged
-        last tile, and the causal diagonal: key ``c`` visible to row ``r`` iff ``c <=
-        last_key[r] = r + Nk - Nq``). Causal needs no ``c < Nk`` test: a row ``r < Nq``
-        has ``last_key < Nk``, and the rows past ``Nq`` of the last query tile (keys read
-        as zeros past ``Nk``) are never written."""
-        if j >= mask_from:
-            c = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-            if CAUSAL:
-                ok = c[None, :] <= last_key[:, None]
+    def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, cap,
+                      BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FIRST: gl.constexpr):
+        """Key tile ``t``'s scores ``s = q k^T`` folded into the row state ``(m, l)``:
+        ``(p, m', l', alpha)`` with, in base 2, ``m' = max(m, rowmax(s))``, ``p = 2^(s -
+        m_use)``, ``l' = alpha l + rowsum(p)``, ``alpha = 2^(m - m_use)`` (the caller
+        rescales its ``acc`` by ``alpha`` and adds ``p V``), where the pivot ``m_use = m'``
+        is kept finite (``-inf -> 0``) so that a row that has seen no key stays ``(-inf,
+        0)``: no ``-inf - (-inf)``. ``FIRST``: the state is the identity ``(-inf, 0)``,
+        which the step then need not combine with (``alpha`` is not formed).
+
+        Scores: without ``SOFTCAP`` ``s * qk_scale`` (``scale log2 e``, one FMA inside the
+        ``exp2``; the row max is taken on the raw ``qk``, ``scale > 0``); with it ``c
+        tanh(scale qk / c)`` in base 2, ``cap - 2 cap / (2^(qk qk_scale) + 1)`` with ``cap =
+        c log2 e`` and ``qk_scale = 2 log2 e scale / c`` (exact limits ``+-cap``: the
+        ``exp2`` may overflow to ``inf``, whose reciprocal is 0; the reciprocal's error is
+        about one ulp). Masks apply after the softcap, on the tiles outside the unmasked
+        run ``[t_a, t_c)`` only (:func:`_tile`): key ``c`` is visible to row ``r`` iff
+        ``key_lo[r] <= c`` (``MASK_LEFT``) and ``c <= key_hi[r]`` (``MASK_RIGHT``;
+        :func:`_consumer` clamps ``key_hi`` below ``Nk``), or ``c < Nk`` without a right
+        bound. Kept as one step so that a step generated from the ATTENTION2 monoid can
+        take its place."""
+        if SOFTCAP:
+            # (rcp.approx: one MUFU.RCP; a "/" is div.full, which adds range checks)
+            r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
+                                          [gl.exp2(s * qk_scale) + 1.0], dtype=gl.float32,
+                                          is_pure=True, pack=1)
+            s = cap - (2.0 * cap) * r
+        masked = t >= t_c
+        if MASK_LEFT:
+            masked = masked | (t < t_a)
+        if masked:
+            c = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            if MASK_RIGHT:
+                ok = c[None, :] <= key_hi[:, None]
             else:
                 ok = c[None, :] < kv_len
+            if MASK_LEFT:
+                ok = ok & (c[None, :] >= key_lo[:, None])
             s = gl.where(ok, s, -float("inf"))
-        return s
+        if SOFTCAP:
+            m_new = gl.max(s, 1)
+        else:
+            m_new = gl.max(s, 1) * qk_scale
+        if not FIRST:
+            m_new = gl.maximum(m, m_new)
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+        if FIRST:
+            alpha = m_use
+        else:
+            alpha = gl.exp2(m - m_use)
+        if SOFTCAP:
+            p = gl.exp2(s - m_use[:, None])
+        else:
+            p = gl.exp2(s * qk_scale - m_use[:, None])
+        if FIRST:
+            l = gl.sum(p, 1)
+        else:
+            l = l * alpha + gl.sum(p, 1)
+        return p, m_new, l, alpha
 
     @gluon.jit
     def _take_turn(turn, e, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -213,106 +305,141 @@ if gluon is not None:
             mbarrier.arrive(turn.index(1 - WG), count=1)
 
     @gluon.jit
+    def _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
+              cap, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+              BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr,
+              WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """One warpgroup's rows of one item: key tiles ``t_lo .. t_lo + n_kv`` (``n_kv >=
+        1``, ring positions from ``it``) folded into ``(acc, l, m)`` by
+        :func:`_softmax_tile`, with ``P V`` of tile ``j - 1`` running while the softmax of
+        tile ``j`` is computed. Releases the query tile (``q_empty``) after the last ``S``
+        unless the output is staged in it (``O_IN_Q``: the epilogue releases it)."""
+        q_bufs, o_bufs, k_bufs, v_bufs = bufs
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+        dtype: gl.constexpr = q.dtype
+        HALF: gl.constexpr = s_zero.shape[0]
+        o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+        # key tile 0: S, then its softmax (nothing to overlap with yet)
+        slot = it % STAGES
+        mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+        _take_turn(turn, it + i, WG, PINGPONG)
+        s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
+                          s_zero, use_acc=False, is_async=True)
+        _pass_turn(turn, WG, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=[s])
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        # (FIRST: the state in is the identity, the m and l passed are not read)
+        p, m, l, alpha = _softmax_tile(s, s_zero, s_zero, t_lo, t_a, t_c, key_lo, key_hi,
+                                       kv_len, qk_scale, cap, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                       SOFTCAP, True)
+        acc = gl.zeros([HALF, BLOCK_DV], gl.float32, o_layout)
+
+        for j in range(1, n_kv):
+            slot = (it + j) % STAGES
+            prev = (it + j - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
+            _take_turn(turn, it + j + i, WG, PINGPONG)
+            s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
+                              s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+            pa = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(pa, v_bufs.index(prev).reshape([BLOCK_N, BLOCK_DV]), acc,
+                                is_async=True)
+            _pass_turn(turn, WG, PINGPONG)
+            s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, m, l, alpha = _softmax_tile(s, m, l, t_lo + j, t_a, t_c, key_lo, key_hi,
+                                           kv_len, qk_scale, cap, BLOCK_N, MASK_LEFT,
+                                           MASK_RIGHT, SOFTCAP, False)
+            acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+        if not O_IN_Q:
+            # every S of this item is done: the producer may load the next query tile
+            mbarrier.arrive(q_empty, count=1)
+        last = (it + n_kv - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((it + n_kv - 1) // STAGES) & 1)
+        pa = gl.convert_layout(p.to(dtype), p_layout)
+        _take_turn(turn, it + n_kv + i, WG, PINGPONG)
+        acc = warpgroup_mma(pa, v_bufs.index(last).reshape([BLOCK_N, BLOCK_DV]), acc,
+                            is_async=True)
+        _pass_turn(turn, WG, PINGPONG)
+        acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+        mbarrier.arrive(v_empty.index(last), count=1)
+        return acc, l, m
+
+    @gluon.jit
     def _consumer(descs, bufs, bars, shape, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  RETURN_LSE: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """One warpgroup's 64 query rows (half ``WG``) of each work item: fold key tiles
-        ``0 .. n_kv`` (``>= 1``) into ``(acc, l, m)`` -- base-2 maxima ``m`` of ``qk *
-        qk_scale``, ``l = sum 2^(s - m)``, ``acc = sum 2^(s - m) v`` -- with ``P V`` of
-        tile ``j - 1`` running while the softmax of tile ``j`` is computed; then write
-        ``o = acc / l`` (staged in this half's output buffer, TMA store) and the LSE."""
+                  BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
+                  MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                  O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
+                  WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """One warpgroup's 64 query rows (half ``WG``) of each work item: fold its key
+        tiles into ``(acc, l, m)`` (:func:`_fold`) -- base-2 maxima ``m`` of the scores,
+        ``l = sum 2^(s - m)``, ``acc = sum 2^(s - m) v`` -- then write ``o = acc / l``
+        (staged in this half's output buffer, or its query buffer with ``O_IN_Q``, TMA
+        store) and the LSE; a row that sees no key gets ``o = 0``, ``lse = -inf`` (``l =
+        0``)."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_bufs, o_bufs, k_bufs, v_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-        q_len, kv_len, heads_q, group, n_m = shape
-        LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups = out
+        q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
+        LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, cap = out
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
-        o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q = q_bufs.index(WG).reshape([HALF, HEAD_DIM])
-        o_smem = o_bufs.index(WG)
+        o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV)
+        q = q_bufs.index(WG).reshape([HALF, BLOCK_D])
+        if O_IN_Q:
+            o_smem = q_bufs.index(WG)
+        else:
+            o_smem = o_bufs.index(WG)
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
 
         rounds = _rounds(shape, bh_total)
         it = 0
         for i in range(rounds):
-            b, hq, hk, q0, n_kv, mask_from = _tile(i, shape, bh_total, BLOCK_M, BLOCK_N,
-                                                   CAUSAL)
+            b, hq, hk, q0, t_lo, n_kv, t_a, t_c = _tile(i, shape, bh_total, BLOCK_M, BLOCK_N,
+                                                        MASK_LEFT, MASK_RIGHT)
             r0 = q0 + WG * HALF
             rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-            last_key = rows + (kv_len - q_len)
+            # this half's visible keys per row: [key_lo, key_hi] (see _softmax_tile)
+            key_lo = rows
+            key_hi = rows
+            if MASK_RIGHT:
+                # (the clamp: a window's right edge may reach past Nk, where keys read
+                # as zeros; causal rows r < Nq end at r + Nk - Nq < Nk anyway)
+                key_hi = gl.minimum(rows + (kv_len - q_len + win_right), kv_len - 1)
+            if MASK_LEFT:
+                key_lo = rows + (kv_len - q_len - win_left)
             mbarrier.wait(q_ready, i & 1)
-
-            # key tile 0: S, then its softmax (nothing to overlap with yet)
-            slot = it % STAGES
-            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-            _take_turn(turn, it + i, WG, PINGPONG)
-            s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                              s_zero, use_acc=False, is_async=True)
-            _pass_turn(turn, WG, PINGPONG)
-            s = warpgroup_mma_wait(0, deps=[s])
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            s = _masked(s, 0, mask_from, last_key, kv_len, BLOCK_N, CAUSAL)
-            m = gl.max(s, 1) * qk_scale
-            m_use = gl.where(m == -float("inf"), 0.0, m)
-            p = gl.exp2(s * qk_scale - m_use[:, None])
-            l = gl.sum(p, 1)
-            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-
-            for j in range(1, n_kv):
-                slot = (it + j) % STAGES
-                prev = (it + j - 1) % STAGES
-                mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
-                _take_turn(turn, it + j + i, WG, PINGPONG)
-                s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                                  s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-                pa = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(pa, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc,
-                                    is_async=True)
-                _pass_turn(turn, WG, PINGPONG)
-                s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                s = _masked(s, j, mask_from, last_key, kv_len, BLOCK_N, CAUSAL)
-                m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
-                m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-                alpha = gl.exp2(m - m_use)
-                p = gl.exp2(s * qk_scale - m_use[:, None])
-                l = l * alpha + gl.sum(p, 1)
-                m = m_new
-                acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-
-            # every S of this item is done: the producer may load the next query tile
-            mbarrier.arrive(q_empty, count=1)
-            last = (it + n_kv - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((it + n_kv - 1) // STAGES) & 1)
-            pa = gl.convert_layout(p.to(dtype), p_layout)
-            _take_turn(turn, it + n_kv + i, WG, PINGPONG)
-            acc = warpgroup_mma(pa, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc,
-                                is_async=True)
-            _pass_turn(turn, WG, PINGPONG)
-            acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
-            mbarrier.arrive(v_empty.index(last), count=1)
+            acc, l, m = _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi,
+                              kv_len, qk_scale, cap, s_zero, BLOCK_N, BLOCK_D, BLOCK_DV,
+                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, WG, PINGPONG)
             it += n_kv
 
             # epilogue: o = acc / l (0 for a row with no visible key), lse in natural log
             l_o = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
             o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
             tma.store_wait(0)                  # the previous item's store has read o_smem
-            o_smem.reshape([HALF, HEAD_DIM]).store(o.to(dtype))
+            o_smem.reshape([HALF, BLOCK_DV]).store(o.to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [b, hq, r0, 0], o_smem)
+            if O_IN_Q:
+                # the output went out through the query buffer: release it once read
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty, count=1)
             if RETURN_LSE:
                 lse = gl.where(l == 0.0, -float("inf"), (m + gl.log2(l)) * 0.6931471805599453)
                 gl.store(LSE + b.to(gl.int64) * stride_lb + hq * stride_lh + rows, lse,
                          mask=rows < q_len)
-            if CAUSAL:
+            if MASK_LEFT or MASK_RIGHT:
                 # the non-finite flag of these 64 rows (``flag_groups`` per head; 0: off):
-                # a diagonal tile's P V meets the values of hidden keys (0 x NaN), so a
+                # an edge tile's P V meets the values of hidden keys (0 x NaN), so a
                 # non-finite o may be a leak, which the strict Triton guard launched
                 # after this kernel recomputes (:func:`.fwd.prepare_guard`)
                 if flag_groups != 0:
@@ -325,19 +452,27 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
-                     q_len, kv_len, heads_q, group, bh_total, qk_scale, FLAGS, flag_groups,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
+                     q_len, kv_len, heads_q, group, bh_total, qk_scale, cap, win_left,
+                     win_right, FLAGS, flag_groups,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                     BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                     MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                     O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
         programs: one item each when ``G`` is the item count, else persistent (``G`` =
         the SM count; rounds in a snake order, :func:`_rounds`), where the producer loads
         the next item while the consumers finish the last one. ``num_warps=4`` (the
-        first consumer warpgroup) plus the second consumer and the producer."""
+        first consumer warpgroup) plus the second consumer and the producer. ``O_IN_Q``:
+        the output is staged in the query buffers (no separate output buffers: head_dim
+        256, whose query, key/value rings and output buffers would exceed shared memory)."""
         dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        o_bufs = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        if O_IN_Q:
+            o_bufs = q_bufs
+        else:
+            o_bufs = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape,
+                                               o_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -362,15 +497,17 @@ if gluon is not None:
         descs = (q_desc, k_desc, v_desc, o_desc)
         bufs = (q_bufs, o_bufs, k_bufs, v_bufs)
         bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
-        shape = (q_len, kv_len, heads_q, group, gl.cdiv(q_len, BLOCK_M))
-        out = (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups)
+        shape = (q_len, kv_len, heads_q, group, gl.cdiv(q_len, BLOCK_M), win_left, win_right)
+        out = (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, cap)
         warp_specialize([
-            (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                         CAUSAL, RETURN_LSE, 0, PINGPONG)),
-            (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                         CAUSAL, RETURN_LSE, 1, PINGPONG)),
-            (_producer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                         CAUSAL, RETURN_LSE)),
+            (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                         STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE, 0,
+                         PINGPONG)),
+            (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                         STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE, 1,
+                         PINGPONG)),
+            (_producer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
+                         MASK_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
@@ -383,6 +520,31 @@ if gluon is not None:
             mbarrier.invalidate(turn.index(i))
 
 
+@triton.jit
+def _fill_empty_rows(O, LSE, FLAGS, n_rows, dv, heads, sob, soh, som, sod, slb, slh,
+                     flag_groups, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     RETURN_LSE: tl.constexpr, FLAGGED: tl.constexpr):
+    """Rows ``0 .. n_rows`` of every (batch, head) ``bh = program_id(1)``, which see no key
+    (the first query tiles of a call with a right bound and ``Nq > Nk``): ``o = 0``,
+    ``lse = -inf`` and, ``FLAGGED``, their non-finite flags (one per 64 rows, ``flag_groups``
+    per head) clear. Program ``program_id(0)`` writes ``BLOCK_R`` rows."""
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_DV)
+    ptrs = (O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+            + rows.to(tl.int64)[:, None] * som + cols[None, :] * sod)
+    tl.store(ptrs, tl.zeros([BLOCK_R, BLOCK_DV], O.dtype.element_ty),
+             mask=(rows < n_rows)[:, None] & (cols < dv)[None, :])
+    if RETURN_LSE:
+        tl.store(LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + rows,
+                 tl.full([BLOCK_R], float("-inf"), tl.float32), mask=rows < n_rows)
+    if FLAGGED:
+        tl.store(FLAGS + bh.to(tl.int64) * flag_groups + rows // 64,
+                 tl.zeros([BLOCK_R], tl.int32), mask=(rows < n_rows) & (rows % 64 == 0))
+
+
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -391,20 +553,67 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def supported(q, k, v, *, causal: bool = False, scale: float | None = None) -> bool:
+def block_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """The kernel's tile widths ``(BLOCK_D, BLOCK_DV)``: the next powers of two of the head
+    dims (80 and 96 -> 128, 192 -> 256); TMA reads the columns past a head dim as zeros
+    and does not write them."""
+    return 1 << max(0, head_dim - 1).bit_length(), 1 << max(0, head_dim_v - 1).bit_length()
+
+
+#: ``(BLOCK_N, O_IN_Q)`` per ``(BLOCK_D, BLOCK_DV)``: key rows per tile, and whether the
+#: output is staged in the query buffers. 128-key tiles up to head_dim 128 (two 64 x 128
+#: fp32 score tiles and accumulators per warpgroup fit 240 registers; shared memory at
+#: 128: 32 KB of queries, 2 x 64 KB of keys and values, 32 KB of output); at 256, 64-key
+#: tiles (the 64 x 256 fp32 accumulator alone is 128 registers a thread), and with a
+#: 256-wide ``V`` the output goes out through the query buffer (64 + 128 + 64 KB would
+#: exceed 227 KB). Every plan here is compiled for sm_90 by the CPU suite.
+TILE_PLANS = {(32, 32): (128, False), (64, 64): (128, False), (128, 128): (128, False),
+              (256, 256): (64, True), (256, 128): (64, False)}
+#: the plan of 256-wide ``Q``, ``K`` and ``V`` when a window bounds both sides: 32-key
+#: tiles, the output through buffers of its own (64 + 64 + 64 KB). With 64-key tiles the
+#: two bounds' masks were the registers too many: Triton 3.9's ptxas (CUDA 13) kept 2-16
+#: words in local memory inside the key loop (3.6's none); 32-key tiles spill nothing on
+#: either. The price: each ``S`` wgmma reads a 64 x 16 slice of ``Q`` from shared memory
+#: per 32 keys instead of 64 (shared-memory traffic ~1.2x the tensor time, against ~1.0x)
+TILE_PLAN_256_WINDOW = (32, False)
+
+
+def tile_plan(block_d: int, block_dv: int, two_sided: bool) -> tuple[int, bool]:
+    """``(BLOCK_N, O_IN_Q)`` of a call (:data:`TILE_PLANS`; ``two_sided``: a window
+    bounds both sides, causal with a left bound included)."""
+    if two_sided and (block_d, block_dv) == (256, 256):
+        return TILE_PLAN_256_WINDOW
+    return TILE_PLANS[(block_d, block_dv)]
+
+
+def _bounds(causal: bool, left: int | None, right: int | None):
+    """``(left, right)`` with ``causal`` folded in (``right = min(right, 0)``)."""
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def supported(q, k, v, *, causal: bool = False, scale: float | None = None,
+              left: int | None = None, right: int | None = None,
+              softcap: float | None = None) -> bool:
     """Whether the kernel's scope covers these tensors, whatever their device: fp16/bf16,
-    ``(B, H, N, D)`` with ``D`` 64 or 128 for q, k and v, ``Hq % Hk == 0``, non-empty,
-    ``Nq <= Nk`` when causal (every row sees a key), ``scale > 0``, TMA-compatible strides
-    and addresses (unit last stride, the others and the base 16-byte aligned)."""
+    ``(B, H, N, D)`` for q and k, ``(B, H, N, Dv)`` for v, with tile widths (the next
+    powers of two of ``D``, ``Dv``) of a plan in :data:`TILE_PLANS` (``D = Dv`` in
+    17-256, or ``D`` in 129-256 with ``Dv`` in 65-128), ``Hq % Hk == 0``, non-empty,
+    ``scale > 0``, ``softcap > 0`` or None, window sides ints ``>= 0`` or None,
+    TMA-compatible strides and addresses (unit last stride, the others and the base
+    16-byte aligned)."""
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[-1] not in (64, 128) \
-            or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[-1] != q.shape[-1] \
+            or block_dims(q.shape[-1], v.shape[-1]) not in TILE_PLANS:
         return False
-    if scale is not None and not scale > 0:
+    if (scale is not None and not scale > 0) or (softcap is not None and not softcap > 0):
+        return False
+    if any(w is not None and not w >= 0 for w in (left, right)):
         return False
     nq, nk = q.shape[2], k.shape[2]
-    if q.shape[0] == 0 or q.shape[1] == 0 or nq == 0 or nk == 0 or (causal and nq > nk):
+    if q.shape[0] == 0 or q.shape[1] == 0 or nq == 0 or nk == 0:
         return False
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         return False
@@ -420,13 +629,46 @@ def on_hopper(q: torch.Tensor) -> bool:
     return _is_sm90(index) and compat.gluon_usable()
 
 
-def eligible(q, k, v, *, causal: bool = False, scale: float | None = None) -> bool:
-    """:func:`supported` and :func:`on_hopper` (the caller rules out windows, softcap,
-    mods and varlen)."""
-    return on_hopper(q) and supported(q, k, v, causal=causal, scale=scale)
+def eligible(q, k, v, *, causal: bool = False, scale: float | None = None,
+             left: int | None = None, right: int | None = None,
+             softcap: float | None = None) -> bool:
+    """:func:`supported` and :func:`on_hopper` (the caller rules out mods, block masks and
+    varlen)."""
+    return on_hopper(q) and supported(q, k, v, causal=causal, scale=scale, left=left,
+                                      right=right, softcap=softcap)
 
 
-def pingpong_default(causal: bool, nq: int, nk: int) -> bool:
+def item_range(q0: int, nq: int, nk: int, left: int | None = None,
+               right: int | None = None, block_n: int = BLOCK_N) -> tuple[int, int, int, int]:
+    """The key tiles of the work item whose query tile starts at row ``q0``, as the
+    kernel's :func:`_tile` computes them: ``(t_lo, n_kv, t_a, t_c)``, the ``n_kv`` tiles
+    of ``block_n`` keys from ``t_lo`` that meet the window ``[r + Nk - Nq - left, r + Nk -
+    Nq + right]`` of a real row ``r`` (``None``: unbounded; causal is ``right = 0``; ``n_kv
+    = 0`` for an item none of whose rows sees a key), and the run ``[t_a, t_c)`` of tiles
+    every real row sees whole (the others are masked)."""
+    delta = nk - nq
+    r_last = min(q0 + BLOCK_M, nq) - 1
+    hi = full_hi = nk
+    if right is not None:
+        hi = max(min(hi, r_last + delta + right + 1), 0)
+        full_hi = max(min(full_hi, q0 + delta + right + 1), 0)
+    t_lo = t_a = 0
+    if left is not None:
+        t_lo = max(q0 + delta - left, 0) // block_n
+        t_a = max(-(-max(r_last + delta - left, 0) // block_n), t_lo)
+    t_hi = max(-(-hi // block_n), t_lo)
+    t_a = min(t_a, t_hi)
+    return t_lo, t_hi - t_lo, t_a, min(max(full_hi // block_n, t_a), t_hi)
+
+
+def item_tiles(nq: int, nk: int, left: int | None = None, right: int | None = None,
+               block_n: int = BLOCK_N) -> list[int]:
+    """The key-tile count of each work item of a head (:func:`item_range`)."""
+    return [item_range(q0, nq, nk, left, right, block_n)[1] for q0 in range(0, nq, BLOCK_M)]
+
+
+def pingpong_default(causal: bool, nq: int, nk: int, left: int | None = None,
+                     right: int | None = None, block_n: int = BLOCK_N) -> bool:
     """Whether the two consumer warpgroups ping-pong: each issues its wgmma only after the
     other has issued its own for the previous event (two mbarriers), so that one
     warpgroup's softmax runs while the other's products hold the tensor cores.
@@ -434,29 +676,35 @@ def pingpong_default(causal: bool, nq: int, nk: int) -> bool:
     Each warpgroup already overlaps its softmax with its own ``P V`` product, except on
     an item's first key tile (``S_0`` alone, then its softmax) and last ``P V``; ping-pong
     fills those gaps with the other warpgroup's work, and costs a wait per tile
-    everywhere. So items averaging at most ``PINGPONG_MAX_TILES`` key tiles ping-pong.
-    Measured (H200, against no ping-pong): 1K dense (8 tiles per item) +2%, 4K causal
-    (16.5 on average) +1-5.5%, 4K dense (32) -3.5% at head_dim 128, 16K (64-128) 0 to
-    -1.3%; ``docs/notes/attention_fwd.md``, "Warpgroup ping-pong"."""
-    mean = (nk - nq + (nq + BLOCK_M) / 2) / BLOCK_N if causal else nk / BLOCK_N
-    return mean <= PINGPONG_MAX_TILES
+    everywhere. So items averaging at most ``PINGPONG_MAX_TILES`` key tiles
+    (:func:`item_tiles`: causal items average ``(Nk - Nq + (Nq + 128) / 2) / 128``, a
+    window's about ``(left + right + 128) / 128``) ping-pong. Measured (H200, against no
+    ping-pong): 1K dense (8 tiles per item) +2%, 4K causal (16.5 on average) +1-5.5%, 4K
+    dense (32) -3.5% at head_dim 128, 16K (64-128) 0 to -1.3%;
+    ``docs/notes/attention_fwd.md``, "Warpgroup ping-pong"."""
+    left, right = _bounds(causal, left, right)
+    tiles = [n for n in item_tiles(nq, nk, left, right, block_n) if n]   # the work items
+    return sum(tiles) <= PINGPONG_MAX_TILES * len(tiles)
 
 
-def persistent_default(causal: bool, n_m: int, sms: int) -> bool:
+def persistent_default(uneven: bool, n_m: int, sms: int) -> bool:
     """Whether a call runs persistent (one program per SM taking work items in snake
     rounds) rather than one program per item (the hardware's block scheduler then
-    balances the items as they finish).
+    balances the items as they finish). ``uneven``: the items of a head differ in cost
+    as a sawtooth, which a window bounded on one side only makes (causal: item ``m``
+    costs ``m + 1`` key tiles); dense items, and a window's bounded on both sides (but
+    for the first few), cost the same.
 
-    Dense items all cost the same: persistent (H200, head_dim 128: +4-12% at N = 1K-16K
-    over one program per item, the next item's loads overlapping the last one's
-    epilogue). Causal items cost ``m + 1`` key tiles: a head contributes a sawtooth of
-    weights ``n_m .. 1`` and the snake evens out a program's sum only when one round
-    (``sms`` items) spans several heads. So causal calls go persistent while ``sms >=
-    CAUSAL_HEADS_PER_ROUND * n_m``. Measured (H200, head_dim 128): at 4K (``n_m = 32``, 4
-    heads per round) persistent 564-571 TFLOP/s against 493-513 per item; at 16K (``n_m =
-    128``, one head per round) 467-472 against 580-618; ``docs/notes/attention_fwd.md``,
-    "Persistent programs and the order of work items"."""
-    return not causal or sms >= CAUSAL_HEADS_PER_ROUND * n_m
+    Even items: persistent (H200, head_dim 128: +4-12% at N = 1K-16K over one program
+    per item, the next item's loads overlapping the last one's epilogue). Uneven items:
+    a head contributes a sawtooth of weights ``n_m .. 1`` and the snake evens out a
+    program's sum only when one round (``sms`` items) spans several heads. So they go
+    persistent while ``sms >= CAUSAL_HEADS_PER_ROUND * n_m``. Measured (H200, causal,
+    head_dim 128): at 4K (``n_m = 32``, 4 heads per round) persistent 564-571 TFLOP/s
+    against 493-513 per item; at 16K (``n_m = 128``, one head per round) 467-472 against
+    580-618; ``docs/notes/attention_fwd.md``, "Persistent programs and the order of work
+    items"."""
+    return not uneven or sms >= CAUSAL_HEADS_PER_ROUND * n_m
 
 
 @functools.lru_cache(maxsize=None)
@@ -475,59 +723,102 @@ def num_sms(q: torch.Tensor) -> int:
 
 def _desc(t: torch.Tensor, rows: int, cols: int | None = None):
     """A 4-D TMA descriptor over ``t (B, H, N, D)`` with ``[1, 1, rows, cols]`` blocks
-    (``cols``: all of ``D`` by default)."""
+    (``cols``: all of ``D`` by default; wider, the columns past ``D`` read as zeros and
+    are not written)."""
     block = (1, 1, rows, cols or t.shape[-1])
     return GluonDescriptor(t, list(t.shape), box_strides(t), list(block),
                            _layout(block, t.dtype))
 
 
 def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        causal: bool = False, scale: float | None = None,
-                        return_lse: bool = False, out: torch.Tensor | None = None,
-                        lse: torch.Tensor | None = None, launch: bool = True,
-                        persistent: bool | None = None, pingpong: bool | None = None,
-                        flags: torch.Tensor | None = None):
-    """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k, v (B, Hk, Nk, D)``: ``o (B, Hq, Nq, D)``
-    in the input dtype, ``lse (B, Hq, Nq)`` float32 natural log (``None`` without
-    ``return_lse``). ``out`` / ``lse``: contiguous buffers to write (else allocated).
-    The caller checks :func:`eligible`. ``launch=False`` returns the kernel, its grid,
-    positional and keyword arguments instead (compile checks).
+                        causal: bool = False, left: int | None = None,
+                        right: int | None = None, softcap: float | None = None,
+                        scale: float | None = None, return_lse: bool = False,
+                        out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                        launch: bool = True, persistent: bool | None = None,
+                        pingpong: bool | None = None, flags: torch.Tensor | None = None):
+    """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``:
+    ``o (B, Hq, Nq, Dv)`` in the input dtype, ``lse (B, Hq, Nq)`` float32 natural log
+    (``None`` without ``return_lse``). ``left`` / ``right``: the bottom-right aligned
+    window (``None``: unbounded; ``causal`` folds in ``right = 0``); ``softcap``: scores
+    ``c tanh(s / c)``. ``out`` / ``lse``: contiguous buffers to write (else allocated).
+    The caller checks :func:`eligible`. ``launch=False`` returns the launches instead, a
+    tuple of ``(kernel, grid, args, kwargs)``: the Gluon kernel's first, then, when the
+    first query tiles see no key, :func:`_fill_empty_rows` (compile checks; the forward's
+    plan).
 
-    ``flags`` (causal only): int32 ``(B * Hq * ceil(Nq / 64),)``, every entry written:
-    nonzero where those 64 rows of ``o`` hold a non-finite entry. A causal diagonal tile
-    lets a hidden key's NaN or inf value through its ``P V`` (0 x NaN); the forward's
-    dispatch (:func:`.fwd.attention_forward`) follows this kernel with the strict guard
-    (:func:`.fwd.prepare_guard`) that recomputes the flagged rows. Without ``flags`` the
-    kernel's output is FlashAttention's (a hidden value of a diagonal tile may reach a
-    row). Dense calls need none: every key a tile loads is visible or, past ``Nk``, read
-    as zero by the 4-D descriptors."""
+    Query tiles whose rows see no key (with a right bound and ``Nq > Nk``, the first
+    ``m_first`` ones) are no work item of the Gluon kernel: it runs on the rows from
+    ``128 m_first`` on (views of ``q``, ``o``, the LSE and the flags; the bottom-right
+    alignment ``Nk - Nq`` moves with ``Nq``, so a row sees the same keys), and
+    :func:`_fill_empty_rows` writes the rows before with ``o = 0``, ``lse = -inf``.
+
+    ``flags`` (windowed or causal calls only): int32 ``(B * Hq * ceil(Nq / 64),)``, every
+    entry written: nonzero where those 64 rows of ``o`` hold a non-finite entry. A tile
+    on a window's edge (the causal diagonal) lets a hidden key's NaN or inf value through
+    its ``P V`` (0 x NaN); the forward's dispatch (:func:`.fwd.attention_forward`)
+    follows this kernel with the strict guard (:func:`.fwd.prepare_guard`) that
+    recomputes the flagged rows. Without ``flags`` the kernel's output is
+    FlashAttention's (a hidden value of an edge tile may reach a row). Calls without a
+    window need none: every key a tile loads is visible or, past ``Nk``, read as zero by
+    the 4-D descriptors."""
     B, Hq, Nq, D = q.shape
-    Hk, Nk = k.shape[1], k.shape[2]
+    Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    left, right = _bounds(causal, left, right)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    o = torch.empty((B, Hq, Nq, D), device=q.device, dtype=q.dtype) if out is None else out
+    if flags is not None and left is None and right is None:
+        raise ValueError("flags: only windowed or causal calls write flags")
+    o = torch.empty((B, Hq, Nq, Dv), device=q.device, dtype=q.dtype) if out is None else out
     if return_lse and lse is None:
         lse = torch.empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
     if not return_lse:
         lse = None
-    lse_arg = lse if return_lse else o
+    BD, BDV = block_dims(D, Dv)
+    block_n, o_in_q = tile_plan(BD, BDV, left is not None and right is not None)
+    tiles = item_tiles(Nq, Nk, left, right, block_n)
+    # the first query tiles whose rows see no key (only with a right bound and Nq > Nk;
+    # the last tile always sees one): not work items
+    m_first = next(m for m, n in enumerate(tiles) if n)
+    tiles = tiles[m_first:]
+    skip = m_first * BLOCK_M
+    flag_groups = -(-Nq // (BLOCK_M // 2))
+    # the rows the kernel computes: from `skip` on (views: a row sees the same keys)
+    qs, os_ = q[:, :, skip:], o[:, :, skip:]
+    ls = lse[:, :, skip:] if return_lse else None
+    fs = flags[skip // (BLOCK_M // 2):] if flags is not None else None
     if pingpong is None:
-        pingpong = pingpong_default(causal, Nq, Nk)
-    args = (_desc(q, BLOCK_M // 2), _desc(k, BLOCK_N), _desc(v, BLOCK_N),
-            _desc(o, BLOCK_M // 2), lse_arg,
+        pingpong = sum(tiles) <= PINGPONG_MAX_TILES * len(tiles)
+    if softcap is not None:
+        # base 2: c log2(e) tanh(x) = cap - 2 cap / (2^(2 log2(e) x) + 1), x = scale qk / c
+        qk_scale, cap = 2 * LOG2E * float(scale) / softcap, float(softcap) * LOG2E
+    else:
+        qk_scale, cap = float(scale) * LOG2E, 0.0
+    args = (_desc(qs, BLOCK_M // 2, BD), _desc(k, block_n, BD), _desc(v, block_n, BDV),
+            _desc(os_, BLOCK_M // 2, BDV), ls if return_lse else os_,
             lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
-            Nq, Nk, Hq, Hq // Hk, B * Hq, float(scale) * LOG2E,
-            o if flags is None else flags, 0 if flags is None else -(-Nq // (BLOCK_M // 2)))
-    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES,
-                  CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), PINGPONG=bool(pingpong),
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-                  maxnreg=MAXNREG)
-    n_m = -(-Nq // BLOCK_M)
+            Nq - skip, Nk, Hq, Hq // Hk, B * Hq, qk_scale, cap,
+            0 if left is None else int(left), 0 if right is None else int(right),
+            os_ if fs is None else fs, 0 if fs is None else flag_groups)
+    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=BD, BLOCK_DV=BDV, STAGES=STAGES,
+                  MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
+                  SOFTCAP=softcap is not None, O_IN_Q=o_in_q, RETURN_LSE=bool(return_lse),
+                  PINGPONG=bool(pingpong), CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     sms = num_sms(q)
     if persistent is None:
-        persistent = persistent_default(causal, n_m, sms)
-    grid = (min(n_m * B * Hq, sms) if persistent else n_m * B * Hq,)
+        persistent = persistent_default((left is None) != (right is None), len(tiles), sms)
+    items = len(tiles) * B * Hq
+    launches = ((_attn_fwd_ws, (min(items, sms) if persistent else items,), args, kwargs),)
+    if skip:
+        fill_args = (o, lse if return_lse else o, o if flags is None else flags, skip, Dv, Hq,
+                     *o.stride(), lse.stride(0) if return_lse else 0,
+                     lse.stride(1) if return_lse else 0, flag_groups)
+        launches += ((_fill_empty_rows, (skip // FILL_ROWS, B * Hq), fill_args,
+                      dict(BLOCK_R=FILL_ROWS, BLOCK_DV=BDV, RETURN_LSE=bool(return_lse),
+                           FLAGGED=flags is not None, num_warps=4)),)
     if not launch:
-        return _attn_fwd_ws, grid, args, kwargs
-    launcher.launch(_attn_fwd_ws, grid, args, kwargs)
+        return launches
+    for one in launches:
+        launcher.launch(*one)
     return o, lse
