@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import zlib
 from unittest import mock
 
 import pytest
@@ -424,22 +425,66 @@ def _needs_sm90():
         pytest.skip("needs an sm_90 GPU")
 
 
-def _reference(q, k, v, causal, scale):
+def _reference(q, k, v, causal, scale, window=None, softcap=None):
     from flashfold.kernels.attention.reference import naive_attention
-    return naive_attention(q, k, v, causal=causal, scale=scale, dtype=torch.float64)
+    return naive_attention(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap,
+                           dtype=torch.float64)
 
 
-def _naive_lowp(q, k, v, causal, scale):
-    """Matmuls in the input dtype, softmax in float32 (the criterion's yardstick)."""
+def _naive_lowp(q, k, v, causal, scale, window=None, softcap=None):
+    """Matmuls in the input dtype, softcap and softmax in float32 (the criterion's
+    yardstick); a row that sees no key gives 0. ``window``: ``(left, right)``, ``None``
+    or ``-1`` unbounded, bottom-right aligned like the kernels'."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s.float() / softcap)
+    left, right = (None, None) if window is None else window
+    left = None if left is None or left < 0 else left
+    right = None if right is None or right < 0 else right
     if causal:
-        nq, nk = q.shape[2], k.shape[2]
-        i = torch.arange(nq, device=q.device)[:, None]
-        j = torch.arange(nk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + nk - nq, float("-inf"))
-    return torch.softmax(s.float(), -1).to(q.dtype) @ v
+        right = 0 if right is None else min(right, 0)
+    nq, nk = q.shape[2], k.shape[2]
+    i = torch.arange(nq, device=q.device)[:, None]
+    j = torch.arange(nk, device=q.device)[None, :]
+    hidden = torch.zeros(nq, nk, dtype=torch.bool, device=q.device)
+    if right is not None:
+        hidden |= j > i + nk - nq + right
+    if left is not None:
+        hidden |= j < i + nk - nq - left
+    s = s.masked_fill(hidden, float("-inf"))
+    return torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype) @ v
+
+
+def _gluon_meets_the_criterion(q, k, v, name, causal=False, window=None, softcap=None,
+                               scale=None):
+    """``flashfold.attention`` on the Gluon path (spied: the call was planned anew and
+    went through :func:`gluon_attention_fwd`) against float64: the max error of ``o`` at
+    most twice the naive low-precision attention's plus 1e-5, every ``o`` finite, the LSE
+    within 1e-3 where a row sees a key, and a row that sees none exactly ``o = 0``, ``lse
+    = -inf``. Returns the mask of those rows."""
+    import flashfold as ff
+    from flashfold.kernels.attention import fwd, gluon_fwd
+    scale_ = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    fwd.plan_cache_clear()                 # (a replayed plan would not call the spy)
+    with mock.patch.object(gluon_fwd, "gluon_attention_fwd",
+                           wraps=gluon_fwd.gluon_attention_fwd) as spy:
+        o, lse = ff.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                              scale=scale, return_lse=True)
+    assert spy.call_count == 1, f"{name}: not the Gluon path"
+    ro, rl = _reference(q, k, v, causal, scale_, window=window, softcap=softcap)
+    err = (o.double() - ro).abs().max().item()
+    naive = (_naive_lowp(q, k, v, causal, scale_, window=window, softcap=softcap).double()
+             - ro).abs().max().item()
+    assert torch.isfinite(o).all(), name
+    assert err <= 2 * naive + 1e-5, f"{name}: err {err:.2e} > 2 x naive {naive:.2e}"
+    empty = rl == -math.inf
+    assert (lse[empty] == -math.inf).all() and (o[empty] == 0).all(), name
+    assert torch.isfinite(lse[~empty]).all(), name
+    if (~empty).any():
+        assert (lse.double() - rl)[~empty].abs().max().item() < 1e-3, name
+    return empty
 
 
 #: (B, Hq, Hk, Nq, Nk); the last two have more work items than SMs (persistent rounds)
@@ -476,26 +521,141 @@ def test_gpu_flash_criterion(case, D, causal, dtype):
     assert (lse.double() - rl).abs().max().item() < 1e-3
 
 
+#: (head_dim, head_dim of v) beyond 64 and 128: each other tile plan, 80 and 96 padded to
+#: 128 columns, 192 / 128 (DeepSeek's MLA)
+DIMS = [(32, 32), (80, 80), (96, 96), (256, 256), (192, 128)]
+#: the cases of the other head dims: one row, ragged, Nq < Nk, GQA with several rounds
+DIM_CASES = [(1, 1, 1, 1, 1), (1, 2, 1, 113, 113), (2, 4, 2, 1000, 1000), (1, 2, 1, 100, 1000),
+             (3, 40, 8, 700, 1500)]
+
+
+@pytest.mark.parametrize("case", DIM_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dims", DIMS,
+                         ids=lambda d: f"d{d[0]}" + (f"-{d[1]}" if d[1] != d[0] else ""))
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.gpu
+def test_gpu_head_dims_criterion(case, dims, causal, dtype):
+    """The tile plans of head dims other than 64 and 128 (padding columns read as zeros,
+    ``Dv != D``) on the Gluon path meet the criterion."""
+    _needs_sm90()
+    B, HQ, HK, NQ, NK = case
+    D, DV = dims
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, dims)).encode()))
+    q = torch.randn(B, HQ, NQ, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, HK, NK, DV, device="cuda", dtype=dtype, generator=g)
+    _gluon_meets_the_criterion(q, k, v, f"d{D}/{DV} {case}", causal=causal)
+
+
+#: (B, Hq, Hk, Nq, Nk) of the window and softcap numerics: GQA, Nq < Nk, Nq > Nk (rows,
+#: and with a right bound whole query tiles, that see no key), more items than SMs
+FEATURE_CASES = [(1, 1, 1, 1, 1), (2, 4, 4, 17, 17), (2, 4, 2, 1000, 1000),
+                 (1, 2, 1, 113, 1500), (1, 3, 3, 700, 300), (4, 16, 4, 1000, 1000)]
+#: (id, causal, window): a left or right side alone, both (narrower than a tile, and
+#: wide), causal with a left side (Mistral's sliding window), causal clipping a right side
+WINDOWS = [("left", False, (200, -1)), ("right", False, (-1, 150)), ("narrow", False, (40, 30)),
+           ("wide", False, (300, 500)), ("causal-left", True, (256, -1)),
+           ("causal-both", True, (100, 50))]
+
+
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: w[0])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.gpu
+def test_gpu_window_criterion(case, window, D, dtype):
+    """Sliding windows on the Gluon path (then the strict guard) meet the criterion;
+    rows that see no key (Nq > Nk with a right bound) are exactly 0 / -inf."""
+    _needs_sm90()
+    B, HQ, HK, NQ, NK = case
+    name, causal, win = window
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, name)).encode()))
+    q = torch.randn(B, HQ, NQ, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    empty = _gluon_meets_the_criterion(q, k, v, f"{name} {case}", causal=causal, window=win)
+    if case == (1, 3, 3, 700, 300) and name in ("right", "narrow", "causal-left"):
+        assert empty[..., :128].all()               # a whole query tile without keys
+
+
+#: (id, softcap, q multiplier, window): Gemma-2's cap, and a small cap the scores saturate
+SOFTCAPS = [("cap50", 50.0, 1.0, None), ("cap5-saturated", 5.0, 4.0, None),
+            ("cap50-window", 50.0, 1.0, (300, 0)), ("cap5-narrow", 5.0, 4.0, (40, 30))]
+
+
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=lambda c: c[0])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.gpu
+def test_gpu_softcap_criterion(case, softcap, D, dtype):
+    """Softcapped scores (``c tanh(s / c)``, masks after it) on the Gluon path meet the
+    criterion, alone (no flags, no guard) and with windows."""
+    _needs_sm90()
+    B, HQ, HK, NQ, NK = case
+    name, cap, mult, win = softcap
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, name)).encode()))
+    q = torch.randn(B, HQ, NQ, D, device="cuda", dtype=dtype, generator=g) * mult
+    k = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    _gluon_meets_the_criterion(q, k, v, f"{name} {case}", window=win, softcap=cap)
+
+
+@pytest.mark.parametrize("window", [(200, 0), (-1, 64), (100, 100)], ids=str)
+@pytest.mark.gpu
+def test_gpu_window_hidden_nan(window):
+    """The non-finite rule on the Gluon path with windows: a NaN value or key hidden from
+    a row inside an edge tile reaches no row that cannot see it (the kernel's flags send
+    those rows to the strict guard); rows that see it are NaN (all of o for a NaN value,
+    o and lse for a NaN key), the others equal the clean problem's, to the criterion."""
+    _needs_sm90()
+    import flashfold as ff
+    from flashfold.kernels.attention import fwd, gluon_fwd
+    g = torch.Generator(device="cuda").manual_seed(17)
+    q, k, v = (torch.randn(2, 4, 1500, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    ro, rl = _reference(q, k, v, False, 1 / math.sqrt(128), window=window)
+    naive = (_naive_lowp(q, k, v, False, 1 / math.sqrt(128), window=window).double()
+             - ro).abs().max().item()
+    k[1, 1, 1200] = float("nan")
+    v[0, 0, 700] = float("nan")
+    fwd.plan_cache_clear()
+    with mock.patch.object(gluon_fwd, "gluon_attention_fwd",
+                           wraps=gluon_fwd.gluon_attention_fwd) as spy:
+        o, lse = ff.attention(q, k, v, window=window, return_lse=True)
+    assert spy.call_count == 1
+    no, nl = _reference(q, k, v, False, 1 / math.sqrt(128), window=window)
+    assert torch.isnan(no).any() and not torch.isnan(no).all()
+    assert torch.equal(torch.isnan(o), torch.isnan(no))
+    assert torch.equal(torch.isnan(lse), torch.isnan(nl))
+    fin = ~torch.isnan(no)
+    assert (o.double()[fin] - ro[fin]).abs().max().item() <= 2 * naive + 1e-5
+    fin = ~torch.isnan(nl)
+    assert (lse.double()[fin] - rl[fin]).abs().max().item() < 1e-3
+
+
 @pytest.mark.gpu
 def test_gpu_schedules_give_the_same_bits():
     """The two grids, with and without ping-pong, run the same per-item math in another
-    order of issue: bit-identical outputs, dense and causal, with several rounds per
-    program."""
+    order of issue: bit-identical outputs, dense, causal, windowed and softcapped, with
+    several rounds per program."""
     _needs_sm90()
     from flashfold.kernels.attention.gluon_fwd import gluon_attention_fwd
     g = torch.Generator(device="cuda").manual_seed(11)
     q = torch.randn(3, 40, 700, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(3, 8, 1500, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
-    for causal in (False, True):
-        a = gluon_attention_fwd(q, k, v, causal=causal, return_lse=True, persistent=True,
-                                pingpong=False)
+    for options in ({}, {"causal": True}, {"left": 300, "right": 0},
+                    {"softcap": 30.0, "left": 200, "right": 100}):
+        a = gluon_attention_fwd(q, k, v, return_lse=True, persistent=True, pingpong=False,
+                                **options)
         for persistent in (True, False):
             for pingpong in (True, False):
-                b = gluon_attention_fwd(q, k, v, causal=causal, return_lse=True,
-                                        persistent=persistent, pingpong=pingpong)
+                b = gluon_attention_fwd(q, k, v, return_lse=True, persistent=persistent,
+                                        pingpong=pingpong, **options)
                 assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), \
-                    (causal, persistent, pingpong)
+                    (options, persistent, pingpong)
 
 
 @pytest.mark.gpu
