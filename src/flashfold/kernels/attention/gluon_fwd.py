@@ -524,14 +524,15 @@ if gluon is not None:
 def _fill_empty_rows(O, LSE, FLAGS, n_rows, dv, heads, sob, soh, som, sod, slb, slh,
                      flag_groups, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
                      RETURN_LSE: tl.constexpr, FLAGGED: tl.constexpr):
-    """Rows ``0 .. n_rows`` of every (batch, head) ``bh = program_id(1)``, which see no key
+    """Rows ``0 .. n_rows`` of every (batch, head) ``bh = program_id(0)``, which see no key
     (the first query tiles of a call with a right bound and ``Nq > Nk``): ``o = 0``,
     ``lse = -inf`` and, ``FLAGGED``, their non-finite flags (one per 64 rows, ``flag_groups``
-    per head) clear. Program ``program_id(0)`` writes ``BLOCK_R`` rows."""
-    bh = tl.program_id(1)
+    per head) clear. Program ``(bh, i)`` writes rows ``i BLOCK_R .. (i + 1) BLOCK_R`` (the
+    heads on the grid's first axis, which may exceed 65,535)."""
+    bh = tl.program_id(0)
     b = bh // heads
     h = bh % heads
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_DV)
     ptrs = (O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
             + rows.to(tl.int64)[:, None] * som + cols[None, :] * sod)
@@ -814,7 +815,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         fill_args = (o, lse if return_lse else o, o if flags is None else flags, skip, Dv, Hq,
                      *o.stride(), lse.stride(0) if return_lse else 0,
                      lse.stride(1) if return_lse else 0, flag_groups)
-        launches += ((_fill_empty_rows, (skip // FILL_ROWS, B * Hq), fill_args,
+        launches += ((_fill_empty_rows, (B * Hq, skip // FILL_ROWS), fill_args,
                       dict(BLOCK_R=FILL_ROWS, BLOCK_DV=BDV, RETURN_LSE=bool(return_lse),
                            FLAGGED=flags is not None, num_warps=4)),)
     if not launch:
