@@ -413,6 +413,32 @@ def test_dispatch_sends_calls_without_mods_or_varlen():
         assert len(calls) == len(expect)
 
 
+def test_plans_of_gluon_calls_are_replayed():
+    """The forward's plan of a Gluon call can be replayed (a plan cache made while
+    ``eligible`` is mocked true; nothing runs): a repeated signature rebuilds the launch
+    around the new call's tensors, windowed calls with their guard too; only a call whose
+    first query tiles see no key, whose launch holds a view of ``q``, is planned anew every
+    time."""
+    from flashfold.kernels import plans
+    from flashfold.kernels.attention import fwd, gluon_fwd
+    with mock.patch.object(gluon_fwd, "eligible", return_value=True):
+        for options, shape, replayed in [({}, {}, True), ({"left": 100, "right": 0}, {}, True),
+                                         ({"softcap": 30.0}, {"D": 256}, True),
+                                         ({"right": 0}, {"NQ": 400, "NK": 100}, False)]:
+            cache = plans.PlanCache("test", vars(fwd), (fwd._plan,), modules=(gluon_fwd,))
+            for _ in range(2):
+                q, k, v = _qkv(**shape)
+                inputs = (q, k, v, None, None)
+                o, lse, launches, _ = cache.planned(("key",), None, inputs, fwd._plan, *inputs,
+                                                   scale=0.1, **options)
+                kernel, grid, args, kwargs = launches[0]
+                assert kernel is gluon_fwd._attn_fwd_ws
+                assert args[0].base.data_ptr() == q[:, :, -args[7]:].data_ptr()   # this q
+                assert args[3].base.data_ptr() == o[:, :, -args[7]:].data_ptr()   # this o
+                assert len(launches) == 1 + ("right" in options) + (not replayed), launches
+            assert cache.info()["hits"] == (1 if replayed else 0), options
+
+
 # --- numerics on the GPU -------------------------------------------------------------------
 
 def _sm90():

@@ -784,10 +784,14 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     tiles = tiles[m_first:]
     skip = m_first * BLOCK_M
     flag_groups = -(-Nq // (BLOCK_M // 2))
-    # the rows the kernel computes: from `skip` on (views: a row sees the same keys)
-    qs, os_ = q[:, :, skip:], o[:, :, skip:]
-    ls = lse[:, :, skip:] if return_lse else None
-    fs = flags[skip // (BLOCK_M // 2):] if flags is not None else None
+    # the rows the kernel computes: from `skip` on (views: a row sees the same keys; the
+    # tensors themselves when nothing is skipped, so that the plan cache can replay the
+    # launch: it rebuilds views of the buffers a plan allocates, not of its inputs)
+    qs, os_, ls, fs = q, o, lse, flags
+    if skip:
+        qs, os_ = q[:, :, skip:], o[:, :, skip:]
+        ls = lse[:, :, skip:] if return_lse else None
+        fs = flags[skip // (BLOCK_M // 2):] if flags is not None else None
     if pingpong is None:
         pingpong = sum(tiles) <= PINGPONG_MAX_TILES * len(tiles)
     if softcap is not None:
