@@ -262,7 +262,8 @@ def test_item_range_matches_visibility(nq, nk, bounds, block_n):
 def test_kernel_flags_follow_the_call():
     """The constexpr flags and tile plan each call compiles to: a window's sides (causal is
     ``right = 0``), softcap, 64-key tiles and the output staged in the query buffer at
-    head_dim 256, and the scale folded for base 2 (with softcap: ``c log2 e`` and ``2
+    head_dim 256, the tile step and finalize generated from ATTENTION2, and the scale the
+    step folds with its ``log2 e`` (``scale``; with softcap ``c``, after the tanh's ``2
     log2 e scale / c``)."""
     from flashfold.kernels.attention import gluon_fwd as G
 
@@ -274,14 +275,17 @@ def test_kernel_flags_follow_the_call():
     a, k = kw(*qkv)
     assert (k["MASK_LEFT"], k["MASK_RIGHT"], k["SOFTCAP"]) == (False,) * 3
     assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (128, 128, 128, False)
-    assert a[12] == pytest.approx(G.LOG2E / math.sqrt(128))
+    assert a[12:14] == (0.0, pytest.approx(1 / math.sqrt(128)))
+    from flashfold.kernels.codegen import tile_step_functions
+    from flashfold.monoids import ATTENTION2
+    fns = tile_step_functions(ATTENTION2, scale="score", gluon=True)
+    assert k["STEP"] is fns.tile_step and k["FINALIZE"] is fns.finalize_rows
     a, k = kw(*qkv, causal=True, left=100)
     assert k["MASK_LEFT"] and k["MASK_RIGHT"] and a[14:16] == (100, 0)
     a, k = kw(*qkv, right=7)
     assert not k["MASK_LEFT"] and k["MASK_RIGHT"] and a[14:16] == (0, 7)
     a, k = kw(*qkv, softcap=50.0, scale=0.25)
-    assert k["SOFTCAP"] and a[12:14] == (pytest.approx(2 * G.LOG2E * 0.25 / 50.0),
-                                         pytest.approx(50.0 * G.LOG2E))
+    assert k["SOFTCAP"] and a[12:14] == (pytest.approx(2 * G.LOG2E * 0.25 / 50.0), 50.0)
     k = kw(*_qkv(D=96))[1]
     assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (128, 128, 128, False)
     k = kw(*_qkv(D=256))[1]

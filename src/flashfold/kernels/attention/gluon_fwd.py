@@ -78,7 +78,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...monoids import ATTENTION2
 from .. import compat, launcher
+from ..codegen import tile_step_functions
 from ..compat import (GluonDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
                       warp_specialize, warpgroup_mma, warpgroup_mma_wait)
 from ..tma import addressable, box_strides
@@ -226,34 +228,34 @@ if gluon is not None:
             it += n_kv
 
     @gluon.jit
-    def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, cap,
+    def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, step_scale,
                       BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FIRST: gl.constexpr):
+                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FIRST: gl.constexpr,
+                      STEP: gl.constexpr):
         """Key tile ``t``'s scores ``s = q k^T`` folded into the row state ``(m, l)``:
-        ``(p, m', l', alpha)`` with, in base 2, ``m' = max(m, rowmax(s))``, ``p = 2^(s -
-        m_use)``, ``l' = alpha l + rowsum(p)``, ``alpha = 2^(m - m_use)`` (the caller
-        rescales its ``acc`` by ``alpha`` and adds ``p V``), where the pivot ``m_use = m'``
-        is kept finite (``-inf -> 0``) so that a row that has seen no key stays ``(-inf,
-        0)``: no ``-inf - (-inf)``. ``FIRST``: the state is the identity ``(-inf, 0)``,
-        which the step then need not combine with (``alpha`` is not formed).
+        ``(p, m', l', alpha)`` from ``STEP``, ATTENTION2's tile step generated as a Gluon
+        function (:func:`flashfold.kernels.codegen.tile_step_functions`): in base 2,
+        ``m' = max(m, rowmax(x c log2 e))``, ``p = 2^(x c log2 e - m')``, ``l' = alpha l +
+        rowsum(p)``, ``alpha = 2^(m - m')`` with a finite pivot for a row that has seen no
+        key (the caller rescales its ``acc`` by ``alpha`` and adds ``p V``). ``FIRST``: the
+        state in is the identity ``(-inf, 0)``.
 
-        Scores: without ``SOFTCAP`` ``s * qk_scale`` (``scale log2 e``, one FMA inside the
-        ``exp2``; the row max is taken on the raw ``qk``, ``scale > 0``); with it ``c
-        tanh(scale qk / c)`` in base 2, ``cap - 2 cap / (2^(qk qk_scale) + 1)`` with ``cap =
-        c log2 e`` and ``qk_scale = 2 log2 e scale / c`` (exact limits ``+-cap``: the
-        ``exp2`` may overflow to ``inf``, whose reciprocal is 0; the reciprocal's error is
-        about one ulp). Masks apply after the softcap, on the tiles outside the unmasked
-        run ``[t_a, t_c)`` only (:func:`_tile`): key ``c`` is visible to row ``r`` iff
-        ``key_lo[r] <= c`` (``MASK_LEFT``) and ``c <= key_hi[r]`` (``MASK_RIGHT``;
-        :func:`_consumer` clamps ``key_hi`` below ``Nk``), or ``c < Nk`` without a right
-        bound. Kept as one step so that a step generated from the ATTENTION2 monoid can
-        take its place."""
+        Scores ``x c`` (``c = step_scale``): without ``SOFTCAP`` ``x = qk``, ``c = scale``
+        (the step forms ``qk (scale log2 e)`` in one FMA inside the ``exp2`` and takes the
+        row max on the raw ``qk``); with it ``x = tanh(scale qk / cap) = 1 - 2 / (2^(qk
+        qk_scale) + 1)``, ``qk_scale = 2 log2 e scale / cap``, ``c = cap`` (exact limits
+        ``+-1``: the ``exp2`` may overflow to ``inf``, whose reciprocal is 0; the
+        reciprocal's error is about one ulp). Masks apply after the softcap, on the tiles
+        outside the unmasked run ``[t_a, t_c)`` only (:func:`_tile`): key ``c`` is visible
+        to row ``r`` iff ``key_lo[r] <= c`` (``MASK_LEFT``) and ``c <= key_hi[r]``
+        (``MASK_RIGHT``; :func:`_consumer` clamps ``key_hi`` below ``Nk``), or ``c < Nk``
+        without a right bound."""
         if SOFTCAP:
             # (rcp.approx: one MUFU.RCP; a "/" is div.full, which adds range checks)
             r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
                                           [gl.exp2(s * qk_scale) + 1.0], dtype=gl.float32,
                                           is_pure=True, pack=1)
-            s = cap - (2.0 * cap) * r
+            s = 1.0 - 2.0 * r
         masked = t >= t_c
         if MASK_LEFT:
             masked = masked | (t < t_a)
@@ -266,26 +268,12 @@ if gluon is not None:
             if MASK_LEFT:
                 ok = ok & (c[None, :] >= key_lo[:, None])
             s = gl.where(ok, s, -float("inf"))
-        if SOFTCAP:
-            m_new = gl.max(s, 1)
-        else:
-            m_new = gl.max(s, 1) * qk_scale
-        if not FIRST:
-            m_new = gl.maximum(m, m_new)
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
         if FIRST:
-            alpha = m_use
-        else:
-            alpha = gl.exp2(m - m_use)
-        if SOFTCAP:
-            p = gl.exp2(s - m_use[:, None])
-        else:
-            p = gl.exp2(s * qk_scale - m_use[:, None])
-        if FIRST:
-            l = gl.sum(p, 1)
-        else:
-            l = l * alpha + gl.sum(p, 1)
-        return p, m_new, l, alpha
+            rows: gl.constexpr = gl.SliceLayout(1, s.type.layout)
+            m = gl.full([s.shape[0]], -float("inf"), gl.float32, rows)
+            l = gl.zeros([s.shape[0]], gl.float32, rows)
+        m, l, alpha, p = STEP(m, l, s, step_scale)
+        return p, m, l, alpha
 
     @gluon.jit
     def _take_turn(turn, e, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -306,10 +294,10 @@ if gluon is not None:
 
     @gluon.jit
     def _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
-              cap, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+              step_scale, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
               BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr,
-              WG: gl.constexpr, PINGPONG: gl.constexpr):
+              WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr):
         """One warpgroup's rows of one item: key tiles ``t_lo .. t_lo + n_kv`` (``n_kv >=
         1``, ring positions from ``it``) folded into ``(acc, l, m)`` by
         :func:`_softmax_tile`, with ``P V`` of tile ``j - 1`` running while the softmax of
@@ -333,8 +321,8 @@ if gluon is not None:
         mbarrier.arrive(k_empty.index(slot), count=1)
         # (FIRST: the state in is the identity, the m and l passed are not read)
         p, m, l, alpha = _softmax_tile(s, s_zero, s_zero, t_lo, t_a, t_c, key_lo, key_hi,
-                                       kv_len, qk_scale, cap, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-                                       SOFTCAP, True)
+                                       kv_len, qk_scale, step_scale, BLOCK_N, MASK_LEFT,
+                                       MASK_RIGHT, SOFTCAP, True, STEP)
         acc = gl.zeros([HALF, BLOCK_DV], gl.float32, o_layout)
 
         for j in range(1, n_kv):
@@ -352,8 +340,8 @@ if gluon is not None:
             s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, m, l, alpha = _softmax_tile(s, m, l, t_lo + j, t_a, t_c, key_lo, key_hi,
-                                           kv_len, qk_scale, cap, BLOCK_N, MASK_LEFT,
-                                           MASK_RIGHT, SOFTCAP, False)
+                                           kv_len, qk_scale, step_scale, BLOCK_N, MASK_LEFT,
+                                           MASK_RIGHT, SOFTCAP, False, STEP)
             acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -377,7 +365,8 @@ if gluon is not None:
                   BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                   O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
-                  WG: gl.constexpr, PINGPONG: gl.constexpr):
+                  WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr,
+                  FINALIZE: gl.constexpr):
         """One warpgroup's 64 query rows (half ``WG``) of each work item: fold its key
         tiles into ``(acc, l, m)`` (:func:`_fold`) -- base-2 maxima ``m`` of the scores,
         ``l = sum 2^(s - m)``, ``acc = sum 2^(s - m) v`` -- then write ``o = acc / l``
@@ -388,7 +377,7 @@ if gluon is not None:
         q_bufs, o_bufs, k_bufs, v_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
-        LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, cap = out
+        LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale = out
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -418,13 +407,16 @@ if gluon is not None:
                 key_lo = rows + (kv_len - q_len - win_left)
             mbarrier.wait(q_ready, i & 1)
             acc, l, m = _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi,
-                              kv_len, qk_scale, cap, s_zero, BLOCK_N, BLOCK_D, BLOCK_DV,
-                              STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, WG, PINGPONG)
+                              kv_len, qk_scale, step_scale, s_zero, BLOCK_N, BLOCK_D,
+                              BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, WG,
+                              PINGPONG, STEP)
             it += n_kv
 
-            # epilogue: o = acc / l (0 for a row with no visible key), lse in natural log
-            l_o = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
-            o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+            # epilogue: ATTENTION2's finalize, generated (o = acc / l, lse = (m + log2 l)
+            # ln 2; a row with no visible key, m = -inf: 0 and -inf; NaN m or l: NaN)
+            rows_o = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+            o, lse = FINALIZE(gl.convert_layout(m, gl.SliceLayout(1, o_layout)),
+                              gl.convert_layout(l, gl.SliceLayout(1, o_layout)), acc)
             tma.store_wait(0)                  # the previous item's store has read o_smem
             o_smem.reshape([HALF, BLOCK_DV]).store(o.to(dtype))
             fence_async_shared()
@@ -434,9 +426,8 @@ if gluon is not None:
                 tma.store_wait(0)
                 mbarrier.arrive(q_empty, count=1)
             if RETURN_LSE:
-                lse = gl.where(l == 0.0, -float("inf"), (m + gl.log2(l)) * 0.6931471805599453)
-                gl.store(LSE + b.to(gl.int64) * stride_lb + hq * stride_lh + rows, lse,
-                         mask=rows < q_len)
+                gl.store(LSE + b.to(gl.int64) * stride_lb + hq * stride_lh + rows_o, lse,
+                         mask=rows_o < q_len)
             if MASK_LEFT or MASK_RIGHT:
                 # the non-finite flag of these 64 rows (``flag_groups`` per head; 0: off):
                 # an edge tile's P V meets the values of hidden keys (0 x NaN), so a
@@ -444,7 +435,6 @@ if gluon is not None:
                 # after this kernel recomputes (:func:`.fwd.prepare_guard`)
                 if flag_groups != 0:
                     if r0 < q_len:
-                        rows_o = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
                         ok = (gl.abs(o) < float("inf")) | (rows_o >= q_len)[:, None]
                         bad = gl.max(gl.max(gl.where(ok, 0, 1), 1), 0)
                         gl.store(FLAGS + (b * heads_q + hq) * flag_groups + r0 // HALF, bad)
@@ -452,13 +442,14 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
-                     q_len, kv_len, heads_q, group, bh_total, qk_scale, cap, win_left,
+                     q_len, kv_len, heads_q, group, bh_total, qk_scale, step_scale, win_left,
                      win_right, FLAGS, flag_groups,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                      BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                     STEP: gl.constexpr, FINALIZE: gl.constexpr):
         """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
         programs: one item each when ``G`` is the item count, else persistent (``G`` =
         the SM count; rounds in a snake order, :func:`_rounds`), where the producer loads
@@ -498,14 +489,14 @@ if gluon is not None:
         bufs = (q_bufs, o_bufs, k_bufs, v_bufs)
         bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
         shape = (q_len, kv_len, heads_q, group, gl.cdiv(q_len, BLOCK_M), win_left, win_right)
-        out = (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, cap)
+        out = (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale)
         warp_specialize([
             (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                          STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE, 0,
-                         PINGPONG)),
+                         PINGPONG, STEP, FINALIZE)),
             (_consumer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
                          STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE, 1,
-                         PINGPONG)),
+                         PINGPONG, STEP, FINALIZE)),
             (_producer, (descs, bufs, bars, shape, out, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
                          MASK_RIGHT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -795,21 +786,23 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if pingpong is None:
         pingpong = sum(tiles) <= PINGPONG_MAX_TILES * len(tiles)
     if softcap is not None:
-        # base 2: c log2(e) tanh(x) = cap - 2 cap / (2^(2 log2(e) x) + 1), x = scale qk / c
-        qk_scale, cap = 2 * LOG2E * float(scale) / softcap, float(softcap) * LOG2E
+        # tanh(x) = 1 - 2 / (2^(2 log2(e) x) + 1), x = scale qk / c; the step multiplies by c
+        qk_scale, step_scale = 2 * LOG2E * float(scale) / softcap, float(softcap)
     else:
-        qk_scale, cap = float(scale) * LOG2E, 0.0
+        qk_scale, step_scale = 0.0, float(scale)
+    step = tile_step_functions(ATTENTION2, scale="score", gluon=True)
     args = (_desc(qs, BLOCK_M // 2, BD), _desc(k, block_n, BD), _desc(v, block_n, BDV),
             _desc(os_, BLOCK_M // 2, BDV), ls if return_lse else os_,
             lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
-            Nq - skip, Nk, Hq, Hq // Hk, B * Hq, qk_scale, cap,
+            Nq - skip, Nk, Hq, Hq // Hk, B * Hq, qk_scale, step_scale,
             0 if left is None else int(left), 0 if right is None else int(right),
             os_ if fs is None else fs, 0 if fs is None else flag_groups)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=BD, BLOCK_DV=BDV, STAGES=STAGES,
                   MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, O_IN_Q=o_in_q, RETURN_LSE=bool(return_lse),
                   PINGPONG=bool(pingpong), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+                  PRODUCER_REGS=PRODUCER_REGS, STEP=step.tile_step,
+                  FINALIZE=step.finalize_rows, num_warps=4, maxnreg=MAXNREG)
     sms = num_sms(q)
     if persistent is None:
         persistent = persistent_default((left is None) != (right is None), len(tiles), sms)
