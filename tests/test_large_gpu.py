@@ -63,9 +63,9 @@ def test_last_chunk_bounds_int32_rows_near_2_31():
 def _rows_probe(pid_ptr, out_ptr, n_split, n_inner, B1, B2, s0, s1, s2, ROWS: tl.constexpr):
     pid = tl.load(pid_ptr)
     split, row_ok, row_in, row_out, flat = K_._program_rows(
-        pid, n_split, n_inner, B1, B2, s0, s1, s2, s0, s1, s2, ROWS)
+        pid, n_split, n_inner, B1, B2, (s0,), (s1,), (s2,), s0, s1, s2, ROWS)
     r = tl.arange(0, ROWS)
-    tl.store(out_ptr + r, row_in)
+    tl.store(out_ptr + r, row_in[0])           # (input strides: a tuple, one per input)
     tl.store(out_ptr + ROWS + r, row_ok.to(tl.int64))
     tl.store(out_ptr + 2 * ROWS + r, flat)
 

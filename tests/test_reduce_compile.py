@@ -76,3 +76,35 @@ def test_prefetching_chunked_scan_keeps_vector_loads(compiled, dtype):
     want = "ld.global.v4.b32" if dtype == "float32" else "ld.global.v2.b32"
     assert want in row["loads"], row["loads"]
     assert set(row["stores"]) == {want.replace("ld.", "st.")}, row["stores"]
+
+
+@pytest.mark.parametrize("name,loads,stores", [
+    ("reduce weighted_mean 64x16384 float32", 32, None),
+    ("reduce weighted_mean 64x16384 bfloat16", 16, None),
+    ("reduce weighted_mean broadcast row 64x16384", 32, None),
+    ("reduce covariance 64x16384", 32, None),
+    ("scan linear_recurrence 1024x16384 float32", 16, 8),
+    ("scan linear_recurrence 1024x16384 bfloat16", 8, 4),
+])
+def test_several_inputs_load_16_byte_vectors(compiled, name, loads, stores):
+    """Monoids of two inputs on the hot paths: every input of the tile is read as 16-byte
+    vectors (two per element position: the loop's tile and the masked tail's, for each
+    input), the scan's output written as 16-byte vectors, no spills; a broadcast row of
+    weights (stride 0 over the rows) loads like a full input."""
+    row = compiled[(name, 0)]
+    assert row["loads"] == {"ld.global.v4.b32": loads}, row["loads"]
+    if stores is not None:
+        assert row["stores"] == {"st.global.v4.b32": stores}, row["stores"]
+    assert not row["spill_stores"], row["spill_stores"]
+
+
+def test_several_inputs_registers(compiled):
+    """Registers of the two-input variants (sm_90, Triton 3.6), for occupancy: the
+    weighted mean at most 64 (4 programs of 8 warps per SM, as SUM's 42), the recurrence
+    scan at most 96 (2 programs of 8 warps). Checked with the ptxas these budgets were
+    measured with (``compile_worker.SPILL_BUDGET_TRITON``)."""
+    from compile_worker import spill_budgets_apply
+    if not spill_budgets_apply():
+        pytest.skip("register budgets are measured with Triton 3.6's ptxas")
+    assert compiled[("reduce weighted_mean 64x16384 float32", 0)]["registers"] <= 64
+    assert compiled[("scan linear_recurrence 1024x16384 float32", 0)]["registers"] <= 96

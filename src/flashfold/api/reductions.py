@@ -14,8 +14,20 @@ On CUDA tensors these run the generated Triton kernels of
 :mod:`flashfold.kernels.reduce` (state in float32, inputs float16/bfloat16/float32 read
 through their strides, no copies); on CPU tensors the float64 reference schedules of
 :mod:`flashfold.schedules`, cast back, with the same semantics. Float outputs have the
-input's dtype, integer outputs (positions) int64. Monoids that are not commutative keep
-the order of their operands on every schedule.
+input's dtype (the inputs' promoted dtype), integer outputs (positions) int64. Monoids
+that are not commutative keep the order of their operands on every schedule.
+
+A monoid of several data inputs takes a tuple of tensors in its input order, broadcast
+to one shape (views: a broadcast input is read with stride 0, never copied). What runs
+where:
+
+========================================  ==================  ==========================
+monoid                                    CPU tensors         CUDA tensors
+========================================  ==================  ==========================
+scalar inputs (one or several), position  float64 reference   generated kernels
+inputs, int fields, several outputs
+vector inputs / fields (ATTENTION)        float64 reference   ``ValueError`` (so far)
+========================================  ==================  ==========================
 
 The conveniences follow torch's signatures and edge cases (shapes ``(..., N, ...)``):
 
@@ -155,11 +167,12 @@ def _inputs(monoid, x):
     first = next((t for i, t in zip(data, ts) if not i.vector), None)
     if first is None:
         first = ts[0][..., 0]
-    if _use_kernels(first):
-        raise ValueError(f"monoid: {monoid.name!r} has inputs {names}"
-                         f"{' (vector)' if _is_vector(monoid) else ''}; on "
+    if _is_vector(monoid) and _use_kernels(first):
+        vec = [i.name for i in data if i.vector]
+        raise ValueError(f"monoid: {monoid.name!r} has vector inputs {vec}; on "
                          f"{first.device.type} tensors reduce, scan and segment_reduce take "
-                         f"monoids of one scalar input so far (the others run on CPU tensors)")
+                         f"monoids of scalar inputs so far (vector inputs and fields run on "
+                         f"CPU tensors)")
     dtype = x[0].dtype
     for t in x[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
@@ -379,7 +392,7 @@ def _reduce_outs(monoid, x, dim, params):
     if x2.is_meta:
         outs = _meta_outs(monoid, kept, x2, params, dtype, width)
     elif _use_kernels(x2):
-        outs = _launchers().launch_reduce(monoid, x2, d, params)
+        outs = _launchers().launch_reduce(monoid, xs, d, params)
     else:
         outs = _cast(_ref.reduce_reference(monoid, xs, d, **params), x2, dtype)
     return outs, kept, keep, (kept if width is not None else None)
@@ -396,8 +409,10 @@ def reduce(monoid: Monoid, x: torch.Tensor, dim=-1, *, keepdim: bool = False, **
         data inputs a tuple of ``n`` such tensors in the monoid's input order, broadcast
         to one shape ``S`` (e.g. ``(w, x)`` for a weighted mean); a vector input has a
         trailing feature axis, ``S + (W,)`` (e.g. ATTENTION's ``(s, v)``: ``s (B, N)``,
-        ``v (B, N, W)``, ``dim=1`` gives ``softmax(s) v`` and the LSE). Several inputs
-        and vector inputs run on CPU tensors so far; on CUDA a ``ValueError`` says so.
+        ``v (B, N, W)``, ``dim=1`` gives ``softmax(s) v`` and the LSE). Several scalar
+        inputs run on the kernels on CUDA, each read through its own strides (stride 0
+        where it is broadcast); vector inputs run on CPU tensors so far (on CUDA a
+        ``ValueError`` says so).
     dim: an int, a tuple of ints (reduced as one), or ``None`` (all dims).
     keepdim: keep the reduced dims with size 1.
     params: the monoid's finalize parameters (e.g. ``correction=`` for WELFORD).
@@ -455,7 +470,7 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
             raise ValueError(f"offsets: must be non-decreasing indices in [0, {N}] (the size of "
                              f"dim {d}), got {o.tolist()[:8]}{'...' if o.numel() > 8 else ''}")
     if _use_kernels(x):
-        outs = _launchers().launch_segment_reduce(monoid, x, offsets.contiguous(), d, params)
+        outs = _launchers().launch_segment_reduce(monoid, xs, offsets.contiguous(), d, params)
     else:
         outs = _cast(_ref.segment_reduce_reference(monoid, xs, offsets, d, **params), x, dtype)
     return _pack(monoid, outs)
@@ -488,7 +503,7 @@ def _scan(monoid, x, dim, reverse, dtype, params):
     if x1.is_meta:
         outs = _meta_outs(monoid, x1.shape, x1, params, dtype or in_dtype, width)
     elif _use_kernels(x1):
-        outs = _launchers().launch_scan(monoid, x1, d, reverse, params, dtype)
+        outs = _launchers().launch_scan(monoid, xs, d, reverse, params, dtype)
     else:
         outs = _cast(_ref.scan_reference(monoid, xs, d, reverse, **params), x1,
                      dtype or in_dtype)

@@ -102,6 +102,45 @@ def plans(sms: int = SMS):
     for m in (M.LOGSUMEXP2, M.WELFORD):           # realignment: on by default, switchable
         out.append((f"reduce {m.name} 4096x12345 scalar loads",
                     reduce_(m, torch.empty(4096, 12345), 1, align_rows=False)[0]))
+    out += _several_inputs(reduce_, segment, scan)
+    return out
+
+
+def _several_inputs(reduce_, segment, scan):
+    """Monoids of several inputs (the examples): two tiles loaded per element, each
+    through its own strides (a broadcast one with stride 0)."""
+    import torch
+
+    from ... import examples as ex
+
+    wm, rec, cov = ex.WEIGHTED_MEAN, ex.LINEAR_RECURRENCE, ex.COVARIANCE
+    out = []
+    for dt in (torch.float32, torch.bfloat16):
+        tag = str(dt).replace("torch.", "")
+        two = (torch.empty(64, 16384, dtype=dt), torch.empty(64, 16384, dtype=dt))
+        out.append((f"reduce weighted_mean 64x16384 {tag}", reduce_(wm, two, 1)[0]))
+        many = (torch.empty(1024, 16384, dtype=dt), torch.empty(1024, 16384, dtype=dt))
+        out.append((f"scan linear_recurrence 1024x16384 {tag}", scan(rec, many, 1)[0]))
+    x = torch.empty(64, 16384)
+    row = torch.empty(16384).expand(64, 16384)
+    out += [
+        ("reduce weighted_mean broadcast row 64x16384", reduce_(wm, (row, x), 1)[0]),
+        ("reduce weighted_mean bf16 w 64x16384", reduce_(
+            wm, (torch.empty(64, 16384, dtype=torch.bfloat16), x), 1)[0]),
+        ("reduce covariance 64x16384", reduce_(cov, (x, x.clone()), 1)[0]),
+        ("reduce weighted_mean columns", reduce_(wm, (torch.empty(4096, 1024),) * 2, 0)[0]),
+        ("reduce linear_recurrence ordered", reduce_(rec, (x, x.clone()), 1)[0]),
+        ("reduce weighted_mean split-K 1x2^22", reduce_(
+            wm, (torch.empty(1, 2**22), torch.empty(1, 2**22)), 1)[0]),
+        ("scan linear_recurrence reverse 64x16384", scan(rec, (x, x.clone()), 1, True)[0]),
+        ("scan linear_recurrence look-back 1x2^22", scan(
+            rec, (torch.empty(1, 2**22), torch.empty(1, 2**22)), 1)[0]),
+        ("scan linear_recurrence 0-d a 1024x16384", scan(
+            rec, (torch.empty(()).expand(1024, 16384), torch.empty(1024, 16384)), 1)[0]),
+        ("segment weighted_mean 2^20x256", segment(
+            wm, (torch.empty(2**20, 256), torch.empty(2**20, 256)),
+            torch.arange(0, 2**20 + 1, 2**14), 0)[0]),
+    ]
     return out
 
 

@@ -8,11 +8,11 @@ here, next to the codegen functions, in one module per monoid (cached on disk by
 content hash of its source, like every generated module):
 
 ==================  =====================================================================
-``tile_state``      ``(x, pos, valid) -> state`` of a tile reduced over axis 0: the block
-                    lift when the monoid has one, else ``lift`` + identity on invalid
-                    lanes + ``reduce_tile`` (only used where reordering is allowed, or on
-                    an axis of length 1)
-``lift_xp``         ``(x, pos) -> state``: ``lift`` with a uniform signature
+``tile_state``      ``(*xs, pos, valid) -> state`` of a tile reduced over axis 0: the
+                    block lift when the monoid has one, else ``lift`` + identity on
+                    invalid lanes + ``reduce_tile`` (only used where reordering is
+                    allowed, or on an axis of length 1)
+``lift_xp``         ``(*xs, pos) -> state``: ``lift`` with a uniform signature
 ``combine_rev``     ``(a, b) -> b ⊕ a``, the combine with its operands swapped
 ``scan_tile_rev``   inclusive scan with ``combine_rev``: over a tile loaded in *reversed*
                     element order it gives suffix states ``x_i ⊕ x_{i+1} ⊕ ...`` without
@@ -36,6 +36,11 @@ content hash of its source, like every generated module):
 ``block_scan`` and ``scan_exact`` (None unless the monoid declares them) are the
 monoid's own generated functions.
 
+``xs`` are the tiles of the monoid's data inputs in its input order (``x`` for a monoid
+of one, ``x0, x1, ...`` for several: the templates load them as a tuple and pass
+``*xs``), already float32; the position input, if any, is ``pos``. The input count is a
+property of this module: the templates are the same for every count.
+
 States travel through the templates as tuples (``COMBINE(*acc, *s)``), which Triton 3.6
 unpacks at compile time. Float fields are float32, int fields int32 (positions are int32).
 """
@@ -55,7 +60,8 @@ from ...algebra.lower import Backend
 from ...algebra.monoid import Monoid
 from ..codegen import TRITON, TritonMonoid, _safe, jit_source, load_source, triton_monoid
 
-__all__ = ["ReduceFunctions", "reduce_functions", "RowMap", "row_map", "output_kinds"]
+__all__ = ["ReduceFunctions", "reduce_functions", "RowMap", "row_map", "output_kinds",
+           "n_inputs"]
 
 
 def _const(v, is_float: bool) -> str:
@@ -103,15 +109,21 @@ def _helpers(monoid: Monoid) -> str:
     b = [f"b{i}" for i in range(k)]
     J = ", ".join
     data = [i for i in monoid.inputs if i.domain != "position"]
-    if len(data) != 1 or data[0].vector or any(f.vector for f in fields):
-        raise ValueError(f"monoid: the reduce/scan kernels take monoids with one scalar data "
-                         f"input and scalar fields; {monoid.name!r} has inputs "
-                         f"{monoid.input_names} and fields {monoid.field_names}")
-    lift_args = J("pos" if i.domain == "position" else "x" for i in monoid.inputs)
+    if any(i.vector for i in data) or any(f.vector for f in fields):
+        raise ValueError(f"monoid: the reduce/scan kernels take monoids of scalar inputs and "
+                         f"scalar fields; {monoid.name!r} has inputs {monoid.input_names} and "
+                         f"fields {monoid.field_names} (vector inputs and fields run on CPU "
+                         f"tensors so far)")
+    names = _input_names(monoid)
+    it = iter(names)
+    call_args = ["pos" if i.domain == "position" else next(it) for i in monoid.inputs]
+    lift_args = J(call_args)
+    x_args = J(names)
+    ref = names[0]
     dt = ["tl.float32" if f else "tl.int32" for f in fl]
     ident = J(f"tl.full(ref.shape, {_const(v, f)}, {d})" for v, f, d in zip(monoid.identity, fl, dt))
     out = []
-    out.append(f"@triton.jit\ndef lift_xp(x, pos):\n    return lift({lift_args})\n")
+    out.append(f"@triton.jit\ndef lift_xp({x_args}, pos):\n    return lift({lift_args})\n")
     out.append(f"@triton.jit\ndef identity(ref):\n    return {ident},\n")
     out.append(f"@triton.jit\ndef select(mask, {J(a)}, {J(b)}):\n"
                f"    return {J(f'tl.where(mask, {p}, {q})' for p, q in zip(a, b))},\n")
@@ -135,17 +147,28 @@ def _helpers(monoid: Monoid) -> str:
     stores = "\n".join(f"    tl.store(ptrs[{i}] + offs, {x}, mask=mask)" for i, x in enumerate(xs))
     out.append(f"@triton.jit\ndef store_state(ptrs, offs, mask, {J(xs)}):\n{stores}\n")
     if monoid.block_lift is not None:
-        bl_args = J(["pos" if i.domain == "position" else "x" for i in monoid.inputs] + ["valid"])
+        bl_args = J(call_args + ["valid"])
         body = f"    return block_lift({bl_args})\n"
     else:
         body = (f"    s = lift({lift_args})\n"
-                f"    s = select(valid, *s, *identity(x))\n"
+                f"    s = select(valid, *s, *identity({ref}))\n"
                 f"    return reduce_tile(*s, 0)\n")
-    out.append(f"@triton.jit\ndef tile_state(x, pos, valid):\n{body}")
+    out.append(f"@triton.jit\ndef tile_state({x_args}, pos, valid):\n{body}")
     out.append(_fast_log2_source())
     out.append(fast_jit_source(monoid.finalize_graph, "finalize_fast",
                                [f.name for f in fields] + [p for p, _ in monoid.params]))
     return "\n\n".join(out)
+
+
+def _input_names(monoid: Monoid) -> list[str]:
+    """The generated functions' names of the data inputs: ``x``, or ``x0, x1, ...``."""
+    n = sum(i.domain != "position" for i in monoid.inputs)
+    return ["x"] if n == 1 else [f"x{j}" for j in range(n)]
+
+
+def n_inputs(monoid: Monoid) -> int:
+    """The data inputs of ``monoid`` (those a caller passes: not the position)."""
+    return sum(i.domain != "position" for i in monoid.inputs)
 
 
 @dataclass(frozen=True)
@@ -174,6 +197,8 @@ class ReduceFunctions:
     store_state: object
     has_position: bool
     path: str
+    #: data inputs (the tiles the templates load and pass as ``*xs``)
+    n_inputs: int = 1
 
 
 _CACHE: dict = {}
@@ -185,8 +210,8 @@ _KINDS_BY_ID: dict = {}
 def reduce_functions(monoid: Monoid) -> ReduceFunctions:
     """Generate (or fetch) the template helpers of ``monoid`` (see the module docstring).
 
-    Raises ``ValueError`` for monoids the reduce/scan kernels do not take (vector fields,
-    several data inputs).
+    Raises ``ValueError`` for monoids the reduce/scan kernels do not take (vector inputs
+    or fields).
     """
     hit = _BY_ID.get(id(monoid))
     if hit is not None and hit[0] is monoid:
@@ -211,7 +236,7 @@ def _reduce_functions(monoid: Monoid) -> ReduceFunctions:
         mod.tile_state, getattr(mod, "block_scan", None), getattr(mod, "scan_exact", None),
         mod.reduce_tile, mod.scan_tile, mod.scan_tile_rev, mod.identity, mod.select, mod.take,
         mod.bcast0, mod.bcast, mod.shift1, mod.load_state, mod.store_state,
-        any(i.domain == "position" for i in monoid.inputs), mod.__file__)
+        any(i.domain == "position" for i in monoid.inputs), mod.__file__, n_inputs(monoid))
     _CACHE[key] = fns
     return fns
 

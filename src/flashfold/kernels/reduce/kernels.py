@@ -9,7 +9,13 @@ Geometry shared by all templates
 The reduced (or scanned) dim has ``N`` elements at input stride ``sn``. Every other dim
 is a batch dim; after merging adjacent batch dims whose strides allow it, at most three
 remain, ``(B0, B1, B2)`` with input strides ``(s0, s1, s2)`` and output strides
-``(o0, o1, o2)``. A program owns ``ROWS`` consecutive indices of ``B2`` (``b2`` varies
+``(o0, o1, o2)``. A monoid of several data inputs reads them all through that one
+geometry (decided on their broadcast shape): ``src``, ``sn``, ``s0``, ``s1`` and ``s2``
+are tuples with one entry per input (a broadcast input has stride 0 where it repeats),
+and the loads (:func:`_offsets`, :func:`_load`) give a tuple of tiles, one per input,
+which the generated ``lift_xp`` / ``tile_state`` take as ``(*xs, pos)``; a monoid of one
+input passes tuples of one, which compile to the kernels of scalar arguments. A program
+owns ``ROWS`` consecutive indices of ``B2`` (``b2`` varies
 fastest, so rows that are contiguous in memory load as one vector) at one ``(b0, b1)``,
 and, for split-K / segments / multi-block scans, one *split* ``j`` of the reduced dim::
 
@@ -53,8 +59,9 @@ import triton.language as tl
 
 @triton.jit
 def _program_rows(pid, n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS: tl.constexpr):
-    """Decompose the program id ``pid``: (split j, row mask [ROWS], input/output row bases
-    (int64), flat row index [ROWS] of ``(b0, b1, b2)`` in ``B0·B1·B2``). The row index
+    """Decompose the program id ``pid``: (split j, row mask [ROWS], input row bases (a
+    tuple, one per input) and output row bases (int64), flat row index [ROWS] of
+    ``(b0, b1, b2)`` in ``B0·B1·B2``). The row index
     ``b2`` is int64: ``B2`` itself may pass 2^31 (a ``(2^31, 2)`` input reduced over dim 1)."""
     split = pid % n_split
     rest = pid // n_split
@@ -64,7 +71,7 @@ def _program_rows(pid, n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS: t
     b0 = outer // B1
     r64 = ib.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = r64 < B2
-    row_in = b0.to(tl.int64) * s0 + b1.to(tl.int64) * s1 + r64 * s2
+    row_in = _row_bases(b0, b1, r64, s0, s1, s2)
     row_out = b0.to(tl.int64) * o0 + b1.to(tl.int64) * o1 + r64 * o2
     flat = outer.to(tl.int64) * B2 + r64
     return split, row_ok, row_in, row_out, flat
@@ -95,7 +102,73 @@ def _row_mask(row_ok, n, hi):
 
 
 @triton.jit
-def _reduce_step(acc, src, n, off, pos0, lo, hi, row_ok, lane_last,
+def _row_bases(b0, b1, r, s0, s1, s2):
+    """Row base offsets (int64) of every input, ``b0·s0[i] + b1·s1[i] + r·s2[i]`` (a
+    tuple, one per input; ``r`` int64)."""
+    bases = (b0.to(tl.int64) * s0[0] + b1.to(tl.int64) * s1[0] + r * s2[0],)
+    for i in tl.static_range(1, len(s0)):
+        bases = bases + (b0.to(tl.int64) * s0[i] + b1.to(tl.int64) * s1[i] + r * s2[i],)
+    return bases
+
+
+@triton.jit
+def _lead(r, LEAD: tl.constexpr):
+    """``r`` [ROWS] with LEAD (0-2) leading axes of size 1."""
+    if LEAD == 2:
+        res = r[None, None, :]
+    elif LEAD == 1:
+        res = r[None, :]
+    else:
+        res = r
+    return res
+
+
+@triton.jit
+def _offsets(n, sn, row_in, LEAD: tl.constexpr):
+    """Element offsets of every input, ``n·sn[i] + row_in[i]`` (the row bases [ROWS]
+    given LEAD leading axes to broadcast against ``n``): a tuple, one per input."""
+    offs = (n * sn[0] + _lead(row_in[0], LEAD),)
+    for i in tl.static_range(1, len(sn)):
+        offs = offs + (n * sn[i] + _lead(row_in[i], LEAD),)
+    return offs
+
+
+@triton.jit
+def _load(srcs, offs, mask, MASKED: tl.constexpr):
+    """The raw tiles of every input at ``offs`` (masked lanes read 0 with MASKED): a
+    tuple, one per input, each in its own dtype."""
+    if MASKED:
+        xs = (tl.load(srcs[0] + offs[0], mask=mask, other=0.0),)
+        for i in tl.static_range(1, len(srcs)):
+            xs = xs + (tl.load(srcs[i] + offs[i], mask=mask, other=0.0),)
+    else:
+        xs = (tl.load(srcs[0] + offs[0]),)
+        for i in tl.static_range(1, len(srcs)):
+            xs = xs + (tl.load(srcs[i] + offs[i]),)
+    return xs
+
+
+@triton.jit
+def _load_rows(srcs, n, sn, row_in, mask):
+    """Element ``n`` (a scalar) of each row of every input, ``srcs[i] + n·sn[i] +
+    row_in[i]`` (masked lanes read 0): a tuple of [ROWS] values, one per input."""
+    xs = (tl.load(srcs[0] + n * sn[0] + row_in[0], mask=mask, other=0.0),)
+    for i in tl.static_range(1, len(srcs)):
+        xs = xs + (tl.load(srcs[i] + n * sn[i] + row_in[i], mask=mask, other=0.0),)
+    return xs
+
+
+@triton.jit
+def _f32(xs):
+    """Every tile of ``xs`` as float32 (states are float32, whatever the inputs)."""
+    ys = (xs[0].to(tl.float32),)
+    for i in tl.static_range(1, len(xs)):
+        ys = ys + (xs[i].to(tl.float32),)
+    return ys
+
+
+@triton.jit
+def _reduce_step(acc, src, n, offs, pos0, lo, hi, row_ok, lane_last,
                  TILE_STATE: tl.constexpr, COMBINE: tl.constexpr, REDUCE_TILE: tl.constexpr,
                  SCAN_TILE: tl.constexpr, TAKE: tl.constexpr, LOAD_STATE: tl.constexpr,
                  K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
@@ -103,7 +176,7 @@ def _reduce_step(acc, src, n, off, pos0, lo, hi, row_ok, lane_last,
                  FROM_STATES: tl.constexpr, VMASK: tl.constexpr = False, vmask=None,
                  inb=None):
     """``acc ⊕ state(tile)`` for the tile of elements ``n`` ([K, LANES, 1]) of each row,
-    at offsets ``off`` ([K, LANES, ROWS], int64) from ``src``.
+    at offsets ``offs`` ([K, LANES, ROWS], one per input) from the inputs ``src``.
 
     ``acc`` is [LANES, ROWS] per field (one accumulator per lane), or [ROWS] if ORDERED.
     With MASK_N elements ``>= hi`` are masked; positions are ``n - pos0``. With VMASK
@@ -113,10 +186,10 @@ def _reduce_step(acc, src, n, off, pos0, lo, hi, row_ok, lane_last,
     if FROM_STATES:
         # the elements are states already (second pass of split-K): masked -> identity
         m = (n < hi) & row_ok[None, None, :]
-        s = REDUCE_TILE(*LOAD_STATE(src, off, m), 0)
+        s = REDUCE_TILE(*LOAD_STATE(src, offs[0], m), 0)
     else:
         if VMASK:
-            x = tl.load(src + off, mask=vmask, other=0.0).to(tl.float32)
+            xs = _f32(_load(src, offs, vmask, True))
             valid = tl.broadcast_to(inb, [K, LANES, ROWS])
         elif MASK_N:
             inb = n < hi
@@ -124,21 +197,21 @@ def _reduce_step(acc, src, n, off, pos0, lo, hi, row_ok, lane_last,
                 m = inb & row_ok[None, None, :]
             else:
                 m = inb
-            x = tl.load(src + off, mask=m, other=0.0).to(tl.float32)
+            xs = _f32(_load(src, offs, m, True))
             valid = tl.broadcast_to(inb, [K, LANES, ROWS])
         else:
             if MASK_ROWS:
-                x = tl.load(src + off, mask=tl.broadcast_to(row_ok[None, None, :], [K, LANES, ROWS]),
-                            other=0.0).to(tl.float32)
+                xs = _f32(_load(src, offs, tl.broadcast_to(row_ok[None, None, :], [K, LANES, ROWS]),
+                                True))
             else:
-                x = tl.load(src + off).to(tl.float32)
+                xs = _f32(_load(src, offs, None, False))
             # all true (NaN too), written as a function of x: a constant `valid` folds
             # block lifts that count (WELFORD's n) into constants whose layout is not the
             # tile's, and the accumulators then change layout (through shared memory)
             # every tile; LLVM still folds this to true after layouts are assigned
-            valid = (x == x) | (x != x)
+            valid = (xs[0] == xs[0]) | (xs[0] != xs[0])
         pos = tl.broadcast_to((n - pos0).to(tl.int32), [K, LANES, ROWS])
-        s = TILE_STATE(x, pos, valid)                              # [LANES, ROWS]
+        s = TILE_STATE(*xs, pos, valid)                            # [LANES, ROWS]
     if ORDERED:
         # in-order reduction of the lanes: inclusive scan, then its last element
         s = TAKE(lane_last, 0, *SCAN_TILE(*s, 0, False))                  # [ROWS]
@@ -155,6 +228,8 @@ def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
                ALIGN: tl.constexpr = 0):
     """State of elements ``[lo, hi)`` of each of the ROWS rows (positions counted from
     ``pos0``): full tiles unmasked, then one masked tail tile. Returns fields [ROWS].
+    ``src``, ``sn``, ``row_in``: tuples, one entry per input (with FROM_STATES, ``src``
+    holds the field buffers and ``sn``, ``row_in`` one entry).
 
     ``ALIGN = v > 0`` (one contiguous row, ``sn = 1``, a row start that is not a
     multiple of ``v`` elements): the tile grid starts ``(row_in + lo) mod v`` elements
@@ -176,16 +251,17 @@ def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
     # runtime bound under NumPy >= 2.3 (int() of a 1-element array); same code either way.
     # No `+=` on tensors: the interpreter updates in place, and `start` aliases `lo`.
     if ALIGN > 0:
-        shift = tl.max(((row_in + lo) % ALIGN).to(lo.dtype), 0)          # scalar
+        tl.static_assert(len(src) == 1, "realigned rows: monoids of one input only")
+        shift = tl.max(((row_in[0] + lo) % ALIGN).to(lo.dtype), 0)       # scalar
         astart = lo - shift
-        abase = tl.multiple_of(row_in + astart, ALIGN)                  # aligned, int64
+        abase = tl.multiple_of(row_in[0] + astart, ALIGN)               # aligned, int64
         span = hi - astart
         # head tile (masked), full tiles (unmasked), tail tile (masked)
         rel = idx                                                        # [K, LANES, 1]
         vrel = rel // ALIGN * ALIGN                                      # vector start
         vmask = (vrel + ALIGN > shift) & (vrel < span)
         inb = (rel >= shift) & (rel < span)
-        acc = _reduce_step(acc, src, astart + rel, abase[None, None, :] + rel, pos0, lo, hi,
+        acc = _reduce_step(acc, src, astart + rel, (abase[None, None, :] + rel,), pos0, lo, hi,
                            row_ok, lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE,
                            TAKE, LOAD_STATE, K, LANES, ROWS, True, MASK_ROWS, ORDERED,
                            FROM_STATES, True, vmask, inb)
@@ -193,7 +269,7 @@ def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
         rel0 = span * 0 + TILE
         while rel0 < end:
             rel = rel0 + idx
-            acc = _reduce_step(acc, src, astart + rel, abase[None, None, :] + rel, pos0, lo, hi,
+            acc = _reduce_step(acc, src, astart + rel, (abase[None, None, :] + rel,), pos0, lo, hi,
                                row_ok, lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE,
                                TAKE, LOAD_STATE, K, LANES, ROWS, False, MASK_ROWS, ORDERED,
                                FROM_STATES)
@@ -201,7 +277,7 @@ def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
         if (end >= TILE) & (end < span):
             rel = end + idx
             vrel = rel // ALIGN * ALIGN
-            acc = _reduce_step(acc, src, astart + rel, abase[None, None, :] + rel, pos0, lo, hi,
+            acc = _reduce_step(acc, src, astart + rel, (abase[None, None, :] + rel,), pos0, lo, hi,
                                row_ok, lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE,
                                TAKE, LOAD_STATE, K, LANES, ROWS, True, MASK_ROWS, ORDERED,
                                FROM_STATES, True, vrel < span, rel < span)
@@ -210,13 +286,13 @@ def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
         start = lo
         while start < end:
             n = start + idx
-            acc = _reduce_step(acc, src, n, n * sn + row_in[None, None, :], pos0, lo, hi, row_ok,
+            acc = _reduce_step(acc, src, n, _offsets(n, sn, row_in, 2), pos0, lo, hi, row_ok,
                                lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE,
                                LOAD_STATE, K, LANES, ROWS, False, MASK_ROWS, ORDERED, FROM_STATES)
             start = start + TILE
         if end < hi:
             n = end + idx
-            acc = _reduce_step(acc, src, n, n * sn + row_in[None, None, :], pos0, lo, hi, row_ok,
+            acc = _reduce_step(acc, src, n, _offsets(n, sn, row_in, 2), pos0, lo, hi, row_ok,
                                lane_last, TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE,
                                LOAD_STATE, K, LANES, ROWS, True, MASK_ROWS, ORDERED, FROM_STATES)
     if ORDERED:
@@ -239,9 +315,9 @@ def _small_fold(src, lo, hi, pos0, sn, row_in, row_ok,
     for k in tl.static_range(KMAX):
         n = lo + k
         ok = n < hi
-        x = tl.load(src + n * sn + row_in, mask=_row_mask(row_ok, n, hi), other=0.0).to(tl.float32)
-        s = LIFT_XP(x, tl.broadcast_to((n - pos0).to(tl.int32), [ROWS]))
-        acc = COMBINE(*acc, *SELECT(ok, *s, *IDENTITY(x)))
+        xs = _f32(_load_rows(src, n, sn, row_in, _row_mask(row_ok, n, hi)))
+        s = LIFT_XP(*xs, tl.broadcast_to((n - pos0).to(tl.int32), [ROWS]))
+        acc = COMBINE(*acc, *SELECT(ok, *s, *IDENTITY(xs[0])))
     return acc
 
 
@@ -262,9 +338,11 @@ def reduce_kernel(src, outs, fin_args, seg_ptr,
     ``[lo, hi) = [j·chunk, min((j+1)·chunk, N))`` (split-K; ``n_split = 1``: the whole
     row) or ``[seg[j], seg[j+1])`` (SEGMENTED), and writes either
     ``finalize(state, *fin_args)`` to ``outs`` (one pointer per output) or, with
-    STATE_OUT, the state's fields to ``outs`` (one fp32/int32 buffer per field). With
-    FROM_STATES, ``src`` is a tuple of field buffers holding states (the second pass of
-    split-K) instead of input elements.
+    STATE_OUT, the state's fields to ``outs`` (one fp32/int32 buffer per field). ``src``
+    holds the inputs' pointers and ``sn``, ``s0``, ``s1``, ``s2`` their strides (tuples,
+    one entry per input). With FROM_STATES, ``src`` is a tuple of field buffers holding
+    states (the second pass of split-K) instead of input elements, and the strides are
+    tuples of one.
     """
     split, row_ok, row_in, row_out, flat = _program_rows(
         tl.program_id(0), n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
@@ -317,18 +395,19 @@ def _fold_states(acc, parts, flat, n_split, j_lo, j_hi, row_ok,
 
 
 @triton.jit
-def _scan_combine(carry, x, n, LIFT_XP: tl.constexpr, COMBINE: tl.constexpr,
+def _scan_combine(carry, xs, n, LIFT_XP: tl.constexpr, COMBINE: tl.constexpr,
                   SCAN_TILE: tl.constexpr, SCAN_TILE_REV: tl.constexpr, BCAST0: tl.constexpr,
                   BLOCK: tl.constexpr, ROWS: tl.constexpr, REVERSE: tl.constexpr):
-    """``carry ⊕ prefix`` of a loaded [BLOCK, ROWS] tile by a scan of the combine.
-    Lanes past the end come last in processing order: no prefix of a stored lane sees them."""
-    s = LIFT_XP(x, tl.broadcast_to(n.to(tl.int32), [BLOCK, ROWS]))
+    """``carry ⊕ prefix`` of a loaded [BLOCK, ROWS] tile (``xs``: one per input) by a
+    scan of the combine. Lanes past the end come last in processing order: no prefix of
+    a stored lane sees them."""
+    s = LIFT_XP(*xs, tl.broadcast_to(n.to(tl.int32), [BLOCK, ROWS]))
     if REVERSE:
         p = SCAN_TILE_REV(*s, 0)             # p_i = x_i ⊕ x_{i+1} ⊕ ... (within the tile)
-        return COMBINE(*p, *BCAST0(x, *carry))
+        return COMBINE(*p, *BCAST0(xs[0], *carry))
     else:
         p = SCAN_TILE(*s, 0, False)
-        return COMBINE(*BCAST0(x, *carry), *p)
+        return COMBINE(*BCAST0(xs[0], *carry), *p)
 
 
 @triton.jit
@@ -349,34 +428,34 @@ def _scan_step(carry, x_ptr, outs, fin_args, i, lo, hi, sn, osn, row_in, row_out
         n = hi - 1 - i                       # reversed loads: processing order = x order reversed
     else:
         n = lo + i
-    off_in = n * sn + row_in[None, :]
+    off_in = _offsets(n, sn, row_in, 1)
     off_out = n * osn + row_out[None, :]
     if MASK_N:
         m = i < hi - lo
         if MASK_ROWS:
             m = m & row_ok[None, :]
-        x = tl.load(x_ptr + off_in, mask=m, other=0.0).to(tl.float32)
+        xs = _f32(_load(x_ptr, off_in, m, True))
     else:
         if MASK_ROWS:
             m = tl.broadcast_to(row_ok[None, :], [BLOCK, ROWS])
-            x = tl.load(x_ptr + off_in, mask=m, other=0.0).to(tl.float32)
+            xs = _f32(_load(x_ptr, off_in, m, True))
         else:
-            x = tl.load(x_ptr + off_in).to(tl.float32)
+            xs = _f32(_load(x_ptr, off_in, None, False))
     if BLOCK_SCAN is not None:
         if MASK_N:
             valid = tl.broadcast_to(i < hi - lo, [BLOCK, ROWS])
         else:
             valid = tl.full([BLOCK, ROWS], 1, tl.int1)
         if REVERSE:                          # commutative: suffix ⊕ carry = carry ⊕ suffix
-            p = COMBINE(*BLOCK_SCAN(x, valid), *BCAST0(x, *carry))
+            p = COMBINE(*BLOCK_SCAN(*xs, valid), *BCAST0(xs[0], *carry))
         else:
-            p = COMBINE(*BCAST0(x, *carry), *BLOCK_SCAN(x, valid))
+            p = COMBINE(*BCAST0(xs[0], *carry), *BLOCK_SCAN(*xs, valid))
         inexact = tl.max(tl.where(valid & (SCAN_EXACT(*p)[0] == 0), 1, 0))
         if inexact > 0:
-            p = _scan_combine(carry, x, n, LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, BCAST0,
+            p = _scan_combine(carry, xs, n, LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, BCAST0,
                               BLOCK, ROWS, REVERSE)
     else:
-        p = _scan_combine(carry, x, n, LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, BCAST0,
+        p = _scan_combine(carry, xs, n, LIFT_XP, COMBINE, SCAN_TILE, SCAN_TILE_REV, BCAST0,
                           BLOCK, ROWS, REVERSE)
     f = FINALIZE(*p, *fin_args)
     for j in tl.static_range(len(outs)):
@@ -389,12 +468,9 @@ def _scan_step(carry, x_ptr, outs, fin_args, i, lo, hi, sn, osn, row_in, row_out
 
 @triton.jit
 def _lane_load(x_ptr, n, hi, sn, row_in, MASK_N: tl.constexpr):
-    """One [VEC, LANES] sub-tile of raw elements (axis 0 lives in a thread)."""
-    off = n * sn + row_in
-    if MASK_N:
-        return tl.load(x_ptr + off, mask=n < hi, other=0.0)
-    else:
-        return tl.load(x_ptr + off)
+    """One [VEC, LANES] sub-tile of raw elements of every input (axis 0 lives in a
+    thread): a tuple, one per input."""
+    return _load(x_ptr, _offsets(n, sn, row_in, 0), n < hi, MASK_N)
 
 
 @triton.jit
@@ -408,8 +484,8 @@ def _chunk_load(x_ptr, n, hi, sn, row_in, VEC: tl.constexpr, MASK_N: tl.constexp
 
 @triton.jit
 def _lane_scan(x, n, LIFT_XP: tl.constexpr, SCAN_TILE: tl.constexpr):
-    """In-thread inclusive scan of one loaded [VEC, LANES] sub-tile."""
-    return SCAN_TILE(*LIFT_XP(x.to(tl.float32), n.to(tl.int32)), 0, False)
+    """In-thread inclusive scan of one loaded [VEC, LANES] sub-tile (one per input)."""
+    return SCAN_TILE(*LIFT_XP(*_f32(x), n.to(tl.int32)), 0, False)
 
 
 @triton.jit
@@ -573,7 +649,7 @@ def lookback_scan_kernel(x_ptr, outs, fin_args, aggs, incls, flags, ticket,
     b1 = q % B1
     b0 = q // B1
     one = tl.zeros([1], tl.int64)
-    row_in = one + b0.to(tl.int64) * s0 + b1.to(tl.int64) * s1 + b2.to(tl.int64) * s2
+    row_in = _row_bases(b0, b1, one + b2.to(tl.int64), s0, s1, s2)             # [1] each
     row_out = one + b0.to(tl.int64) * o0 + b1.to(tl.int64) * o1 + b2.to(tl.int64) * o2
     lo, hi = _chunk_bounds(c, chunk, N, N64)
     total = _row_state(x_ptr, lo, hi, lo * 0, sn, row_in, one == 0,
@@ -647,8 +723,8 @@ def scan_kernel(x_ptr, outs, fin_args, parts,
             else:
                 n = lo + kk
             m = _row_mask(row_ok, kk, hi - lo)
-            x = tl.load(x_ptr + n * sn + row_in, mask=m, other=0.0).to(tl.float32)
-            s = LIFT_XP(x, tl.broadcast_to(n.to(tl.int32), [ROWS]))
+            xs = _f32(_load_rows(x_ptr, n, sn, row_in, m))
+            s = LIFT_XP(*xs, tl.broadcast_to(n.to(tl.int32), [ROWS]))
             if REVERSE:
                 carry = COMBINE(*s, *carry)
             else:
@@ -766,15 +842,18 @@ def normalize_kernel(x_ptr, y_ptr, parts, N, sn, osn, B1, B2, s0, s1, s2, o0, o1
     ``[j·chunk, (j+1)·chunk)`` with the row state folded from the chunk states ``parts``
     that a STATE_OUT pass of :func:`reduce_kernel` wrote.
     """
-    split, row_ok, row_in, row_out, flat = _program_rows(
-        tl.program_id(0), n_split, n_inner, B1, B2, s0, s1, s2, o0, o1, o2, ROWS)
+    # one input (row maps read the row they normalize): the row state's helpers take
+    # tuples of one
+    split, row_ok, rows_in, row_out, flat = _program_rows(
+        tl.program_id(0), n_split, n_inner, B1, B2, (s0,), (s1,), (s2,), o0, o1, o2, ROWS)
+    row_in = rows_in[0]
     if N64:
         lo = (split * 0).to(tl.int64)
     else:
         lo = split * 0
     if SMALL:
         # rows of at most K elements: one row per thread; the second read hits L1
-        consts = PREP(*_small_fold(x_ptr, lo, lo + N, lo, sn, row_in, row_ok,
+        consts = PREP(*_small_fold((x_ptr,), lo, lo + N, lo, (sn,), rows_in, row_ok,
                                    LIFT_XP, COMBINE, SELECT, IDENTITY, K, ROWS))
         for k in tl.static_range(K):
             n = lo + k
@@ -808,7 +887,7 @@ def normalize_kernel(x_ptr, y_ptr, parts, N, sn, osn, B1, B2, s0, s1, s2, o0, o1
         y = FMAP(x, *PREP(*st))
         tl.store(y_ptr + off_out, y[0], mask=m)
     else:
-        st = _row_state(x_ptr, lo, lo + N, lo, sn, row_in, row_ok,
+        st = _row_state((x_ptr,), lo, lo + N, lo, (sn,), rows_in, row_ok,
                         TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE, IDENTITY,
                         K, LANES, ROWS, MASK_ROWS, ORDERED, False)
         _map_range(x_ptr, y_ptr, lo, lo + N, sn, osn, row_in, row_out, row_ok,

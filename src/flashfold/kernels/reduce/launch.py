@@ -10,7 +10,11 @@ Geometry (see :mod:`.kernels`): the reduced dim ``(N, sn)``; batch dims merged w
 their strides allow, in both the input and the output, into at most three
 ``(B0, B1, B2)``. Non-contiguous inputs are read through their strides; only an input
 with more than three unmergeable batch dims is copied (``.contiguous()``), after which
-two always suffice.
+two always suffice. A monoid of several inputs takes them as a tuple of tensors of one
+shape (broadcast views): one geometry, decided on that shape, with each input's strides
+through the same merge (a dim merges only where it does for every input; a broadcast
+input has stride 0); the heuristics read the *lead* input's strides (the one broadcast
+least), tiles are sized for the widest dtype, and rows are not realigned (``ALIGN``).
 
 Performance reasoning (H200: 132 SMs, HBM3e ~4.8 TB/s, copy measured 4.25 TB/s)
 --------------------------------------------------------------------------------
@@ -136,6 +140,7 @@ checks, view and result (~3 us).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -161,44 +166,68 @@ _I31 = 2**31
 
 @dataclass(frozen=True)
 class Geometry:
-    """The reduced dim and at most three merged batch dims, with input/output strides."""
+    """The reduced dim and at most three merged batch dims, with input/output strides.
+
+    ``sn``, ``s``: the input's strides; with several inputs, the *lead* input's (the one
+    with the most non-zero strides: what the heuristics read), and ``inputs`` holds every
+    input's ``(sn, s)`` (empty for one input)."""
     N: int
     sn: int
     osn: int
     B: tuple            # (B0, B1, B2)
     s: tuple            # input strides of B
     o: tuple            # output strides of B
+    inputs: tuple = ()  # several inputs: ((sn, s) of each)
 
     @property
     def rows(self) -> int:
         return self.B[0] * self.B[1] * self.B[2]
 
+    def in_args(self) -> tuple:
+        """``(sn, s0, s1, s2)`` as the kernels take them: tuples, one entry per input."""
+        ins = self.inputs or ((self.sn, self.s),)
+        return (tuple([i[0] for i in ins]), tuple([i[1][0] for i in ins]),
+                tuple([i[1][1] for i in ins]), tuple([i[1][2] for i in ins]))
 
-def _merge(shape, in_st, out_st, dim):
-    """Batch dims (not ``dim``, size > 1) as ``[size, in_stride, out_stride]`` groups, an
-    outer dim merged into the group after it whenever both stride patterns allow it."""
-    groups: list[list[int]] = []
+    @property
+    def max_sn(self) -> int:
+        """The largest ``|sn|`` of the inputs (int32 offsets along the dim must hold it)."""
+        return max(abs(i[0]) for i in self.inputs) if self.inputs else abs(self.sn)
+
+
+def _merge(shape, in_sts, out_st, dim):
+    """Batch dims (not ``dim``, size > 1) as ``[size, in_strides, out_stride]`` groups
+    (``in_strides``: one per input of ``in_sts``), an outer dim merged into the group after
+    it whenever every stride pattern allows it (a broadcast input's stride 0 merges only
+    with another of its broadcast dims)."""
+    groups: list = []
     for i in range(len(shape)):
         if i == dim or shape[i] == 1:
             continue
+        ins = tuple([int(st[i]) for st in in_sts])
         if groups:
             size, si, so = groups[-1]
-            if si == in_st[i] * shape[i] and so == out_st[i] * shape[i]:
-                groups[-1] = [size * shape[i], in_st[i], out_st[i]]
+            if so == out_st[i] * shape[i] and all(a == b * shape[i] for a, b in zip(si, ins)):
+                groups[-1] = [size * shape[i], ins, out_st[i]]
                 continue
-        groups.append([int(shape[i]), int(in_st[i]), int(out_st[i])])
+        groups.append([int(shape[i]), ins, int(out_st[i])])
     return groups
 
 
 def geometry(shape, in_strides, out_strides, dim) -> Geometry | None:
     """Merge the batch dims of ``shape`` around ``dim``; ``None`` if more than three remain.
 
+    ``in_strides``: the input's strides, or for several inputs of that shape a list of
+    them (one per input: a group of dims merges only where it does for every input).
     ``out_strides`` has the full rank; its entry at ``dim`` is the output stride along the
     dim (scans, maps) or anything (reductions, where the dim disappears). Memoized: the
     host time of a launch matters for small problems.
     """
-    return _geometry(tuple(int(v) for v in shape), tuple(int(v) for v in in_strides),
-                     tuple(int(v) for v in out_strides), int(dim))
+    several = len(in_strides) > 0 and not isinstance(in_strides[0], int)
+    ins = (tuple(tuple(int(v) for v in st) for st in in_strides) if several else
+           (tuple(int(v) for v in in_strides),))
+    return _geometry(tuple(int(v) for v in shape), ins, tuple(int(v) for v in out_strides),
+                     int(dim))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -206,11 +235,15 @@ def _geometry(shape, in_strides, out_strides, dim) -> Geometry | None:
     groups = _merge(shape, in_strides, out_strides, dim)
     if len(groups) > 3:
         return None
+    k = len(in_strides)
     while len(groups) < 3:
-        groups.insert(0, [1, 0, 0])
+        groups.insert(0, [1, (0,) * k, 0])
     B = tuple(g[0] for g in groups)
-    return Geometry(int(shape[dim]), int(in_strides[dim]), int(out_strides[dim]), B,
-                    tuple(g[1] for g in groups), tuple(g[2] for g in groups))
+    per = tuple((int(st[dim]), tuple(g[1][j] for g in groups)) for j, st in enumerate(in_strides))
+    # the lead input: not broadcast along the dim, then the most non-zero strides
+    lead = max(range(k), key=lambda j: (per[j][0] != 0, sum(v != 0 for v in per[j][1]), -j))
+    return Geometry(int(shape[dim]), per[lead][0], int(out_strides[dim]), B, per[lead][1],
+                    tuple(g[2] for g in groups), per if k > 1 else ())
 
 
 # --- heuristics -------------------------------------------------------------------------
@@ -485,9 +518,9 @@ def fin_args(monoid: Monoid, params: dict | None) -> tuple:
     return tuple(float(values[p]) for p in names)
 
 
-def _out_dtype(kind: str, x: torch.Tensor, float_dtype=None):
+def _out_dtype(kind: str, dtype: torch.dtype, float_dtype=None):
     if kind == "f":
-        return float_dtype or x.dtype
+        return float_dtype or dtype
     return torch.bool if kind == "b" else torch.int64
 
 
@@ -518,7 +551,7 @@ def _n64(g: Geometry, *extra) -> bool:
     negative value would pass the ``n < hi`` mask), times the larger stride can reach
     2^31. Row bases, row indices and chunk starts of ``N64`` plans are int64 in the
     kernels; everything else is int32."""
-    span = (max(g.N, 1) + _N64_SLACK) * max(abs(g.sn), abs(g.osn), 1)
+    span = (max(g.N, 1) + _N64_SLACK) * max(g.max_sn, abs(g.osn), 1)
     return span >= _I31 or any(e >= _I31 for e in extra)
 
 
@@ -539,12 +572,15 @@ def _common(fns: ReduceFunctions):
                 IDENTITY=fns.identity)
 
 
-def _align(x: torch.Tensor, g: Geometry, cfg: Config, align_rows: bool = True) -> int:
+def _align(xs: tuple, g: Geometry, cfg: Config, align_rows: bool = True) -> int:
     """Vector width (elements) to realign long contiguous rows to, 0 when they already
     are or ``align_rows`` is off (the planners' default: :data:`ALIGN_ROWS`): rows whose
-    start is not a multiple of 16 bytes (4096 x 12345 fp32) load as scalars otherwise."""
-    if cfg.ROWS != 1 or cfg.LANES == 1 or g.sn != 1 or cfg.small or not align_rows:
+    start is not a multiple of 16 bytes (4096 x 12345 fp32) load as scalars otherwise.
+    Monoids of one input only (several inputs' rows need not share a misalignment)."""
+    if (cfg.ROWS != 1 or cfg.LANES == 1 or g.sn != 1 or cfg.small or not align_rows
+            or len(xs) != 1):
         return 0
+    x = xs[0]
     vec = max(1, 16 // x.element_size())
     if x.data_ptr() % 16:            # then no offset can make the addresses aligned
         return 0
@@ -563,10 +599,12 @@ ALIGN_ROWS = True
 def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split, chunk,
                    cfg: Config, *, from_states=False, state_out=False, segmented=False,
                    align_rows=True):
+    """``src``: the inputs (a tuple), or the field buffers of states (``from_states``)."""
     n_inner = -(-g.B[2] // cfg.ROWS)
     grid = (g.B[0] * g.B[1] * n_inner * n_split,)
-    args = (src, tuple(outs), tuple(fin_args), seg,
-            g.N, g.sn, g.B[1], g.B[2], *g.s, *g.o, o_split, n_inner, n_split, chunk)
+    sn, s0, s1, s2 = g.in_args()
+    args = (tuple(src), tuple(outs), tuple(fin_args), seg,
+            g.N, sn, g.B[1], g.B[2], s0, s1, s2, *g.o, o_split, n_inner, n_split, chunk)
     # in the kernel's parameter order: the launcher then passes them (and ``args``) to the
     # compiled kernel as one slice (see ``launcher._Plan``)
     kwargs = dict(TILE_STATE=fns.tile_state, COMBINE=fns.combine, REDUCE_TILE=fns.reduce_tile,
@@ -581,13 +619,52 @@ def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split,
     return Launch(K_.reduce_kernel, grid, args, kwargs)
 
 
-def _prepare(x: torch.Tensor, dim: int, out_strides_fn):
-    """Geometry of ``x`` (copied to contiguous only if >3 batch dims cannot merge)."""
-    g = geometry(x.shape, x.stride(), out_strides_fn(x), dim)
+def _prepare(xs: tuple, dim: int, out_strides_fn):
+    """``(xs, g)``: the geometry of the inputs ``xs`` (a tuple of tensors of one shape),
+    decided on their shape with each input's strides; copied to contiguous tensors only
+    if more than three batch dims cannot merge (documented; a broadcast input is then
+    materialized)."""
+    x = xs[0]
+    g = geometry(x.shape, xs[0].stride() if len(xs) == 1 else [t.stride() for t in xs],
+                 out_strides_fn(x), dim)
     if g is None:
-        x = x.contiguous()   # documented: >3 unmergeable batch dims
-        g = geometry(x.shape, x.stride(), out_strides_fn(x), dim)
-    return x, g
+        xs = tuple(t.contiguous() for t in xs)   # documented: >3 unmergeable batch dims
+        x = xs[0]
+        g = geometry(x.shape, x.stride() if len(xs) == 1 else [t.stride() for t in xs],
+                     out_strides_fn(x), dim)
+    return xs, g
+
+
+def _as_inputs(fns: ReduceFunctions, x) -> tuple:
+    """``x`` as the tuple of the monoid's data inputs: a tensor (one input) or a tuple of
+    ``fns.n_inputs`` tensors of one shape (broadcast views: the launchers take each
+    input's strides, stride 0 included), on one device. Raises ValueError naming ``x``."""
+    xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    if len(xs) != fns.n_inputs:
+        raise ValueError(f"x: {fns.monoid.name!r} takes {fns.n_inputs} data inputs, got "
+                         f"{len(xs)} tensors")
+    for j, t in enumerate(xs[1:], 1):
+        if t.shape != xs[0].shape:
+            raise ValueError(f"x[{j}]: shape {tuple(t.shape)}, but x[0] has "
+                             f"{tuple(xs[0].shape)}; the kernels take inputs of one shape "
+                             f"(expand them: broadcast views are read through their strides)")
+        if t.device != xs[0].device:
+            raise ValueError(f"x[{j}] is on {t.device}, x[0] on {xs[0].device}")
+    return xs
+
+
+def _in_dtype(xs: tuple) -> torch.dtype:
+    """The inputs' promoted dtype (the float outputs' dtype)."""
+    dtype = xs[0].dtype
+    for t in xs[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _elsize(xs: tuple) -> int:
+    """Bytes per element that tiles are sized for: the widest input's (16-byte vectors
+    of it; narrower inputs load narrower vectors)."""
+    return max(t.element_size() for t in xs)
 
 
 def _reduced_out_strides(x: torch.Tensor, dim: int):
@@ -657,25 +734,28 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None, *, sms=N
     align_rows = ALIGN_ROWS if align_rows is None else align_rows
     fns = _fns(monoid)
     fargs = fin_args(monoid, params)
-    dim = dim % x.dim()
-    x, g = _prepare(x, dim, lambda t: _reduced_out_strides(t, dim))
+    xs = _as_inputs(fns, x)
+    dim = dim % xs[0].dim()
+    xs, g = _prepare(xs, dim, lambda t: _reduced_out_strides(t, dim))
+    x = xs[0]
     out_shape = [s for i, s in enumerate(x.shape) if i != dim]
-    outs = tuple(_new(out_shape, _out_dtype(k, x), x.device) for k in output_kinds(monoid))
+    dtype = _in_dtype(xs)
+    outs = tuple(_new(out_shape, _out_dtype(k, dtype), x.device) for k in output_kinds(monoid))
     if g.rows == 0:
         return [], outs
     _check_positions(fns, g)
-    cfg = reduce_config(g, x.element_size(), _is_ordered(monoid), _costly_block(monoid),
+    cfg = reduce_config(g, _elsize(xs), _is_ordered(monoid), _costly_block(monoid),
                         len(monoid.fields))
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS)
     n_split, chunk = split_plan(g, cfg.K * cfg.LANES, n_prog, sms or num_sms(x.device))
     if n_split == 1:
-        return [_reduce_launch(fns, x, outs, fargs, x, g, 0, 1, max(g.N, 1), cfg,
+        return [_reduce_launch(fns, xs, outs, fargs, x, g, 0, 1, max(g.N, 1), cfg,
                                align_rows=align_rows)], outs
     # split-K: partial states [rows, n_split], then an in-order combine of each row's states
     parts = _state_buffers(monoid, g.rows, n_split, x.device)
     pst = _parts_strides(g, n_split)
-    gp = Geometry(g.N, g.sn, 0, g.B, g.s, pst)
-    first = _reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, cfg, state_out=True,
+    gp = dataclasses.replace(g, osn=0, o=pst)
+    first = _reduce_launch(fns, xs, parts, (), x, gp, 1, n_split, chunk, cfg, state_out=True,
                            align_rows=align_rows)
     gs = Geometry(n_split, 1, 0, g.B, pst, g.o)
     cfg2 = states_config(gs, _is_ordered(monoid))
@@ -691,18 +771,22 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
     align_rows = ALIGN_ROWS if align_rows is None else align_rows
     fns = _fns(monoid)
     fargs = fin_args(monoid, params)
+    xs = _as_inputs(fns, x)
+    x = xs[0]
     dim = dim % x.dim()
     S = offsets.numel() - 1
     out_shape = list(x.shape)
     out_shape[dim] = S
-    outs = tuple(_new(out_shape, _out_dtype(k, x), x.device) for k in output_kinds(monoid))
+    dtype = _in_dtype(xs)
+    outs = tuple(_new(out_shape, _out_dtype(k, dtype), x.device) for k in output_kinds(monoid))
     ost = _contig_strides(out_shape)
-    x, g = _prepare(x, dim, lambda t: ost)
+    xs, g = _prepare(xs, dim, lambda t: ost)
+    x = xs[0]
     if g.rows == 0 or S == 0:
         return [], outs
     # tiles sized for the average segment
-    g_avg = Geometry(max(1, g.N // S), g.sn, g.osn, g.B, g.s, g.o)
-    cfg = reduce_config(g_avg, x.element_size(), _is_ordered(monoid))
+    g_avg = dataclasses.replace(g, N=max(1, g.N // S))
+    cfg = reduce_config(g_avg, _elsize(xs), _is_ordered(monoid))
     if cfg.small:                        # segments may be longer than the average
         cfg = Config(cfg.K, 1, max(1, min(_p2(g.B[2]), _SHORT_TILE // cfg.K)), 4)
     # few segments x row blocks: narrower row blocks (down to 32) to fill the SMs (at
@@ -712,7 +796,7 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
         rows = cfg.ROWS // 2
         k = min(cfg.K * 2, max(cfg.K, 2048 // rows)) if cfg.LANES == 1 else cfg.K
         cfg = Config(k, cfg.LANES, rows, cfg.num_warps)
-    launch = _reduce_launch(fns, x, outs, fargs, offsets, g, ost[dim], S, 1, cfg,
+    launch = _reduce_launch(fns, xs, outs, fargs, offsets, g, ost[dim], S, 1, cfg,
                             segmented=True, align_rows=align_rows)
     return [launch], outs
 
@@ -729,38 +813,43 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
     lookback = LOOKBACK if lookback is None else lookback
     fns = _fns(monoid)
     fargs = fin_args(monoid, params)
+    xs = _as_inputs(fns, x)
+    x = xs[0]
     dim = dim % x.dim()
     shape = list(x.shape)
-    outs = tuple(_new(shape, _out_dtype(k, x, out_dtype), x.device)
+    dtype = _in_dtype(xs)
+    outs = tuple(_new(shape, _out_dtype(k, dtype, out_dtype), x.device)
                  for k in output_kinds(monoid))
     ost = _contig_strides(shape)
-    x, g = _prepare(x, dim, lambda t: ost)
+    xs, g = _prepare(xs, dim, lambda t: ost)
+    x = xs[0]
     if g.rows == 0 or g.N == 0:
         return [], outs
     _check_positions(fns, g)
     block_scan = fns.block_scan is not None and (not reverse or monoid.commutative)
-    cfg = config or scan_config(g, x.element_size(), bool(reverse), costly_combine(monoid),
-                                block_scan)
+    elsize = _elsize(xs)
+    cfg = config or scan_config(g, elsize, bool(reverse), costly_combine(monoid), block_scan)
     block, rows = cfg.K, cfg.ROWS
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // rows)
-    rcfg = reduce_config(g, x.element_size(), _is_ordered(monoid))
+    rcfg = reduce_config(g, elsize, _is_ordered(monoid))
     n_split, chunk = split_plan(g, max(block, rcfg.K * rcfg.LANES), n_prog,
                                 sms or num_sms(x.device))
     plan = []
     parts = ()
     if n_split > 1 and g.sn == 1 and not reverse and lookback:
-        return _plan_lookback(fns, x, outs, fargs, g, LOOKBACK_CONFIG, rcfg), outs
+        return _plan_lookback(fns, xs, outs, fargs, g, LOOKBACK_CONFIG, rcfg), outs
     if n_split > 1:
         parts = _state_buffers(monoid, g.rows, n_split, x.device)
-        gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split))
-        plan.append(_reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, rcfg,
+        gp = dataclasses.replace(g, osn=0, o=_parts_strides(g, n_split))
+        plan.append(_reduce_launch(fns, xs, parts, (), x, gp, 1, n_split, chunk, rcfg,
                                    state_out=True, align_rows=align_rows))
     else:
         chunk = max(g.N, 1)
         parts = _dummy_parts(monoid, x.device)
     n_inner = -(-g.B[2] // rows)
     grid = (g.B[0] * g.B[1] * n_inner * n_split,)
-    args = (x, outs, fargs, parts, g.N, g.sn, g.osn, g.B[1], g.B[2], *g.s, *g.o,
+    sn, s0, s1, s2 = g.in_args()
+    args = (xs, outs, fargs, parts, g.N, sn, g.osn, g.B[1], g.B[2], s0, s1, s2, *g.o,
             n_inner, n_split, chunk)
     kwargs = dict(LIFT_XP=fns.lift_xp, COMBINE=fns.combine, SCAN_TILE=fns.scan_tile,
                   SCAN_TILE_REV=fns.scan_tile_rev, TAKE=fns.take, BCAST0=fns.bcast0,
@@ -788,7 +877,7 @@ LOOKBACK_WINDOW = 32
 LOOKBACK_CONFIG = Config(4096, 1, 1, 8, vec=4)
 
 
-def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
+def _plan_lookback(fns, xs, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
     """Single-pass multi-block scan: chunks of ``LOOKBACK_TILES`` chunked-scan tiles, one
     program each, ordered by a ticket; see :func:`kernels.lookback_scan_kernel`.
 
@@ -800,12 +889,14 @@ def _plan_lookback(fns, x, outs, fargs, g: Geometry, cfg: Config, rcfg: Config):
     chunk = block * LOOKBACK_TILES
     n_chunks = -(-g.N // chunk)
     slots = g.rows * n_chunks
-    flags = _new(slots + 1, torch.int32, x.device, zero=True)            # last: the ticket
-    aggs = _state_buffers(fns.monoid, g.rows, n_chunks, x.device)
-    incls = _state_buffers(fns.monoid, g.rows, n_chunks, x.device)
+    device = xs[0].device
+    flags = _new(slots + 1, torch.int32, device, zero=True)              # last: the ticket
+    aggs = _state_buffers(fns.monoid, g.rows, n_chunks, device)
+    incls = _state_buffers(fns.monoid, g.rows, n_chunks, device)
     cap = 128 if len(fns.monoid.fields) <= 2 else None      # 4-field states would spill
-    args = (x, outs, fargs, aggs, incls, flags, flags[slots:], g.N, g.sn, g.osn, g.B[1], g.B[2],
-            *g.s, *g.o, n_chunks, chunk)
+    sn, s0, s1, s2 = g.in_args()
+    args = (xs, outs, fargs, aggs, incls, flags, flags[slots:], g.N, sn, g.osn, g.B[1], g.B[2],
+            s0, s1, s2, *g.o, n_chunks, chunk)
     kwargs = dict(TILE_STATE=fns.tile_state, LIFT_XP=fns.lift_xp, COMBINE=fns.combine,
                   REDUCE_TILE=fns.reduce_tile, SCAN_TILE=fns.scan_tile, TAKE=fns.take,
                   BCAST0=fns.bcast0, BCAST=fns.bcast, SHIFT1=fns.shift1,
@@ -830,7 +921,7 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None, *,
     dim = dim % x.dim()
     y = _new(list(x.shape), out_dtype or x.dtype, x.device)
     ost = _contig_strides(list(x.shape))
-    x, g = _prepare(x, dim, lambda t: ost)
+    (x,), g = _prepare((x,), dim, lambda t: ost)
     if g.rows == 0 or g.N == 0:
         return [], y
     _check_positions(fns, g)
@@ -845,7 +936,7 @@ def plan_normalize(rowmap: RowMap, x: torch.Tensor, dim: int, out_dtype=None, *,
             parts = _state_buffers(rowmap.monoid, g.rows, n_split, x.device)
             gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split))
             rcfg = reduce_config(g, x.element_size(), ordered)
-            plan.append(_reduce_launch(fns, x, parts, (), x, gp, 1, n_split, chunk, rcfg,
+            plan.append(_reduce_launch(fns, (x,), parts, (), x, gp, 1, n_split, chunk, rcfg,
                                        state_out=True, align_rows=align_rows))
     grid = (g.B[0] * g.B[1] * n_inner * n_split,)
     args = (x, y, parts, g.N, g.sn, g.osn, g.B[1], g.B[2], *g.s, *g.o, n_inner, n_split, chunk)
@@ -901,11 +992,24 @@ def _items(params) -> tuple:
 
 # --- launches ---------------------------------------------------------------------------
 
+def _call_inputs(x):
+    """``(inputs, signature)`` of the call's data inputs ``x`` (a tensor, or a tuple of
+    them for a monoid of several inputs) for the plan cache's key."""
+    if type(x) is tuple:
+        return x, plans.signatures(x)
+    if isinstance(x, list):
+        return _call_inputs(tuple(x))
+    return (x,), _sig(x)
+
+
 def launch_reduce(monoid, x, dim, params=None):
-    """Outputs of ``monoid`` reduced over ``dim`` of ``x`` (a tuple, batch shape)."""
-    plan, outs = _planned(("reduce", id(monoid), _sig(x), dim, _items(params)), monoid,
-                          (x,), plan_reduce, monoid, x, dim, params)
-    _run(plan, x.device)
+    """Outputs of ``monoid`` reduced over ``dim`` of ``x`` (a tuple, batch shape). ``x``:
+    a tensor, or for a monoid of several data inputs a tuple of tensors of one shape
+    (broadcast views), in the monoid's input order."""
+    xs, sig = _call_inputs(x)
+    plan, outs = _planned(("reduce", id(monoid), sig, dim, _items(params)), monoid,
+                          xs, plan_reduce, monoid, xs, dim, params)
+    _run(plan, xs[0].device)
     return outs
 
 
@@ -913,23 +1017,27 @@ def launch_segment_reduce(monoid, x, offsets, dim, params=None):
     """Outputs per segment (a tuple; ``dim`` replaced by the segments). Segments of more
     than 2^31 elements raise for monoids that read positions (:func:`_check_positions`;
     the segment lengths are read, a device sync, only when the dim itself is that long)."""
+    xs, sig = _call_inputs(x)
+    x = xs[0]
     n = x.shape[dim] if x.dim() else 1
     if n > _I31 and offsets.numel() > 1 and _fns(monoid).has_position:
         longest = int((offsets[1:] - offsets[:-1]).max())
         _check_positions(_fns(monoid), Geometry(longest, 1, 1, (1, 1, 1), (0, 0, 0), (0, 0, 0)),
                          "a segment")
-    plan, outs = _planned(("segment", id(monoid), _sig(x), _sig(offsets), dim, _items(params)),
-                          monoid, (x, offsets), plan_segment_reduce, monoid, x, offsets, dim,
+    plan, outs = _planned(("segment", id(monoid), sig, _sig(offsets), dim, _items(params)),
+                          monoid, (*xs, offsets), plan_segment_reduce, monoid, xs, offsets, dim,
                           params)
     _run(plan, x.device)
     return outs
 
 
 def launch_scan(monoid, x, dim, reverse=False, params=None, out_dtype=None):
-    """Finalized inclusive scan outputs (a tuple, shaped like ``x``)."""
-    plan, outs = _planned(("scan", id(monoid), _sig(x), dim, reverse, _items(params), out_dtype),
-                          monoid, (x,), plan_scan, monoid, x, dim, reverse, params, out_dtype)
-    _run(plan, x.device)
+    """Finalized inclusive scan outputs (a tuple, shaped like ``x``; ``x`` as for
+    :func:`launch_reduce`)."""
+    xs, sig = _call_inputs(x)
+    plan, outs = _planned(("scan", id(monoid), sig, dim, reverse, _items(params), out_dtype),
+                          monoid, xs, plan_scan, monoid, xs, dim, reverse, params, out_dtype)
+    _run(plan, xs[0].device)
     return outs
 
 
