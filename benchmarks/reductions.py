@@ -23,6 +23,16 @@ Run on the GPU machine from the repository root::
 3. (not with ``--quick``) Variants of the tile heuristics on 16K x 16K fp32 and on the
    misaligned 4096 x 12345 rows, to tune them (eager and graph times).
 
+Monoids of the example library (:mod:`flashfold.examples`), checked and timed like the
+rest: the linear recurrence ``h_t = a_t h_{t-1} + b_t`` (two inputs) scanned over
+(8 x 1536, 16384) and (8 x 1536, 65536) fp32 (``--quick``: the first) against torch's
+``associative_scan`` compiled by inductor (``combine_mode="pointwise"``; if it fails to
+compile, the error is printed once and its column stays empty; PyTorch has no stable
+loop-free form: ``cumprod(a)`` underflows long before 16K steps with ``a < 1``), and the
+weighted mean (two inputs) and the one-input affine map AFFINE_HALF at 16K x 16K against
+the copy (the weighted mean also against eager ``(w * x).sum(1) / w.sum(1)``). Their
+bytes: every input read once (+ one fp32 output written for scans).
+
 Exit status 1 if any correctness check fails.
 """
 
@@ -43,6 +53,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import flashfold as ff  # noqa: E402
+from flashfold import examples as EX  # noqa: E402
 from flashfold import monoids as M  # noqa: E402
 from flashfold.bench import graph_replay  # noqa: E402
 from flashfold.kernels.reduce import launch as L  # noqa: E402
@@ -56,6 +67,8 @@ NINF = -float("inf")
 FAILED: list[str] = []
 #: sizes (shrunk by --smoke, a CPU run of this script's logic under the interpreter)
 BIG, LONG, MANY, WIDE = 16384, 2**26, 2**20, 12345
+#: the linear recurrence's rows (batch x channels of a Mamba-like layer) and steps
+REC_ROWS, REC_STEPS = 8 * 1536, (16384, 65536)
 
 
 def sz(n):
@@ -217,6 +230,63 @@ def check_non_commutative(quick):
             close(f"MATMUL2 scan .{f} {tag}", got[k], want, torch.float32, scale)
 
 
+def recurrence_inputs(rows, steps, seed=0):
+    """``(a, b)`` of the linear recurrence: a decay ``a`` in [0.9, 1) and ``b`` ~ N(0, 1)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    a = 0.9 + 0.1 * torch.rand(rows, steps, device=DEV, generator=g)
+    return a, torch.randn(rows, steps, device=DEV, generator=g)
+
+
+def recurrence_f64(a, b):
+    """float64 ``h_t = a_t h_{t-1} + b_t`` along the last dim (a loop over the steps)."""
+    a, b = a.double(), b.double()
+    out = torch.empty_like(a)
+    h = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
+    for t in range(a.shape[1]):
+        h = torch.addcmul(b[:, t], a[:, t], h)
+        out[:, t] = h
+    return out
+
+
+def check_several_inputs(quick):
+    """The example monoids of several inputs at the benchmark's sizes: the recurrence on
+    256 of its rows (a float64 loop over the steps; every row finite), the weighted mean
+    on every row (float64 sums), AFFINE_HALF reduce and scan on 256 rows."""
+    print(" monoids of several inputs (flashfold.examples):")
+    for steps in REC_STEPS[:1] if quick else REC_STEPS:
+        a, b = recurrence_inputs(REC_ROWS, steps)
+        h = ff.scan(EX.LINEAR_RECURRENCE, (a, b), dim=-1)
+        tag = f"{REC_ROWS}x{steps}"
+        equal(f"linear recurrence scan {tag} finite", torch.isfinite(h).all().cpu(),
+              torch.tensor(True))
+        rows = torch.arange(0, REC_ROWS, max(1, REC_ROWS // 256), device=DEV)
+        want = recurrence_f64(a[rows], b[rows])
+        scale = 1.0 + recurrence_f64(a[rows], b[rows].abs())
+        close(f"linear recurrence scan {tag} (256 rows)", h[rows], want, torch.float32, scale)
+        last = ff.reduce(EX.LINEAR_RECURRENCE, (a, b), dim=-1)
+        close(f"linear recurrence reduce {tag} (256 rows)", last[rows], want[:, -1],
+              torch.float32, scale[:, -1])
+        del a, b, h
+    w = torch.rand(BIG, BIG, device=DEV) + 0.1
+    x = torch.randn(BIG, BIG, device=DEV)
+    got = ff.reduce(EX.WEIGHTED_MEAN, (w, x), dim=1)
+    sw = w.double().sum(1)
+    wx = w.double() * x.double()
+    close(f"weighted mean {BIG}x{BIG}", got, wx.sum(1) / sw, torch.float32,
+          1.0 + wx.abs().sum(1) / sw)
+    del wx
+    xr = x[:256]
+    st, prefix = numpy_sequential(EX.AFFINE_HALF, xr)
+    mag, mag_prefix = numpy_sequential(EX.AFFINE_HALF, xr.abs())
+    got = ff.reduce(EX.AFFINE_HALF, x, 1)
+    close(f"affine_half reduce .b {BIG}x{BIG} (256 rows)", got.b[:256], torch.from_numpy(st[1]),
+          torch.float32, 1.0 + torch.from_numpy(mag[1]).to(DEV))
+    got = ff.scan(EX.AFFINE_HALF, x, 1)
+    want = torch.from_numpy(np.stack([p[1] for p in prefix], -1))
+    scale = 1.0 + torch.from_numpy(np.stack([p[1] for p in mag_prefix], -1)).to(DEV)
+    close(f"affine_half scan .b {BIG}x{BIG} (256 rows)", got.b[:256], want, torch.float32, scale)
+
+
 def guarded(name, fn, *args):
     """Run a group of checks; an exception counts as a failed check, the run goes on."""
     try:
@@ -247,6 +317,7 @@ def correctness(quick):
         close("segment_reduce SUM 2^20x64, 256 segments", ff.segment_reduce(M.SUM, x, off), want,
               torch.float32, x.double().abs().sum(0).clamp_min(1))
     guarded("non-commutative", check_non_commutative, quick)
+    guarded("several inputs", check_several_inputs, quick)
 
 
 # --- timings ------------------------------------------------------------------------------
@@ -323,6 +394,7 @@ def rows(quick):
         for op in ops:
             f, t, b = table[op]
             out.append((op, lab, torch.float32, f, t, b))
+    out += several_input_rows(quick)
     if not quick:
         x = torch.randn(MANY, 256, device=DEV)
         off = torch.arange(0, MANY + 1, MANY // 256, device=DEV)       # 256 segments
@@ -330,6 +402,82 @@ def rows(quick):
                     lambda: ff.segment_reduce(M.SUM, x, off, unsafe=True),
                     lambda: torch.segment_reduce(x, "sum", offsets=off, axis=0),
                     x.numel() * 4))
+    return out
+
+
+#: the first failure to compile torch's associative_scan (printed once; its column empty)
+_SCAN_PEER_ERROR: list = []
+
+
+def torch_recurrence_scan():
+    """torch's ``associative_scan`` of the recurrence's affine maps, compiled by inductor
+    (``combine_mode="pointwise"``), as a function ``(a, b) -> h``; None where it cannot be
+    built (CPU smoke runs: inductor's CPU compile is not what is measured)."""
+    if DEV == "cpu":
+        return None
+    try:
+        from torch._higher_order_ops.associative_scan import associative_scan
+    except Exception as e:                             # noqa: BLE001 - reported once
+        _SCAN_PEER_ERROR.append(f"{type(e).__name__}: {e}")
+        return None
+
+    def combine(l, r):                                 # (earlier map, later map)
+        return l[0] * r[0], r[0] * l[1] + r[1]
+
+    @torch.compile(dynamic=False)
+    def scan(a, b):
+        return associative_scan(combine, (a, b), dim=-1, combine_mode="pointwise")[1]
+    return scan
+
+
+def _peer(fn, want):
+    """``fn`` if it runs and agrees with flashfold's output ``want`` (fp32 tolerance on the
+    recurrence's scale), else None; the first error is printed (once per run)."""
+    if fn is None:
+        return None
+    try:
+        got = fn()
+        torch.cuda.synchronize()
+        bad = float(((got.double() - want.double()).abs() / (1.0 + want.double().abs())).max())
+        if not bad < 1e-3:
+            raise AssertionError(f"differs from flashfold by {bad:.3g} (relative)")
+        return fn
+    except Exception as e:                             # noqa: BLE001 - reported once
+        if not _SCAN_PEER_ERROR:
+            print(f"  torch associative_scan (compiled): {type(e).__name__}: {str(e)[:600]}")
+        _SCAN_PEER_ERROR.append(repr(e))
+        return None
+
+
+def _none():
+    raise RuntimeError("no torch equivalent in this run")
+
+
+def several_input_rows(quick):
+    """Rows of the example monoids (see the module notes)."""
+    out = []
+    peer = torch_recurrence_scan()
+    for steps in REC_STEPS[:1] if quick else REC_STEPS:
+        a, b = recurrence_inputs(REC_ROWS, steps)
+        f = (lambda a=a, b=b: ff.scan(EX.LINEAR_RECURRENCE, (a, b), dim=-1))
+        t = _peer(peer and (lambda a=a, b=b: peer(a, b)), f()) or _none
+        out.append(("linear recurrence scan", f"{REC_ROWS}x{steps}", torch.float32, f, t,
+                    3 * a.numel() * 4))
+    if quick:
+        return out
+    w = torch.rand(BIG, BIG, device=DEV) + 0.1
+    x = torch.randn(BIG, BIG, device=DEV)
+    nb = x.numel() * 4
+    lab = f"{BIG}x{BIG}"
+    out += [
+        ("weighted mean", lab, torch.float32,
+         lambda: ff.reduce(EX.WEIGHTED_MEAN, (w, x), dim=1), lambda: (w * x).sum(1) / w.sum(1),
+         2 * nb),
+        ("affine_half reduce", lab, torch.float32, lambda: ff.reduce(EX.AFFINE_HALF, x, 1),
+         _none, nb),
+        ("affine_half scan", lab, torch.float32, lambda: ff.scan(EX.AFFINE_HALF, x, 1), _none,
+         3 * nb),
+    ]
     return out
 
 
@@ -466,10 +614,11 @@ def measure_copy():
 
 def _smoke():
     """Shrink every size and route flashfold to the kernels on CPU tensors (interpreter)."""
-    global DEV, BIG, LONG, MANY, WIDE
+    global DEV, BIG, LONG, MANY, WIDE, REC_ROWS, REC_STEPS
     from flashfold.api import reductions as api
     api._use_kernels = lambda x: True
     DEV, BIG, LONG, MANY, WIDE = "cpu", 64, 2**12, 2**9, 77
+    REC_ROWS, REC_STEPS = 6, (300, 1100)
 
 
 def main():
