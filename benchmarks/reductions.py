@@ -21,7 +21,8 @@ Run on the GPU machine from the repository root::
    call's host time exceeds its kernels' time plus do_bench's L2 flush (~0.07 ms), which
    the short rows (2^20 x 7, 4096 x 12345, 16-bit 16K reductions, dim 0) are near.
 3. (not with ``--quick``) Variants of the tile heuristics on 16K x 16K fp32 and on the
-   misaligned 4096 x 12345 rows, to tune them (eager and graph times).
+   misaligned 4096 x 12345 rows, to tune them (eager and graph times), and of the example
+   monoids' rows below.
 
 Monoids of the example library (:mod:`flashfold.examples`), checked and timed like the
 rest: the linear recurrence ``h_t = a_t h_{t-1} + b_t`` (two inputs) scanned over
@@ -584,6 +585,7 @@ def variants(copy_gbs, only=None):
         ("cumsum 12345", 2 * nw, lambda: ff.cumsum(xw, 1), "scan_config", [
             ("block scan 4096 w8 (default)", None), ("chunked 4096 w8", C(4096, 1, 1, 8, vec=4))]),
     ]
+    cases += several_input_variants()
     for op, b, fn, hook, options in cases:
         if only is not None and only not in op:
             continue
@@ -602,6 +604,35 @@ def variants(copy_gbs, only=None):
             gbs = b / ms / 1e6
             print(f"  {op:14s} {label:32s} {ms:7.3f} ms {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}%"
                   f"  graph {gms:7.3f} ms", flush=True)
+
+
+def several_input_variants():
+    """Tiles for the example monoids (see the module notes), default first: the
+    recurrence's scan, the weighted mean's reduce, and the in-order reduce of AFFINE_HALF
+    with lanes that fold a vector of consecutive elements (``VFOLD``) or one element."""
+    C = L.Config
+    a, b = recurrence_inputs(REC_ROWS, REC_STEPS[0])
+    w = torch.rand(BIG, BIG, device=DEV) + 0.1
+    x = torch.randn(BIG, BIG, device=DEV)
+    nb = x.numel() * 4
+    return [
+        ("recurrence scan", 3 * a.numel() * 4,
+         lambda: ff.scan(EX.LINEAR_RECURRENCE, (a, b), dim=-1), "scan_config", [
+             ("block scan 4096 w8 (default)", None), ("block scan 2048 w4", C(2048, 1, 1, 4)),
+             ("block scan 2048 w8", C(2048, 1, 1, 8)), ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4)),
+             ("chunked 1024 w2 prefetch", C(1024, 1, 1, 2, vec=4, prefetch=True))]),
+        ("weighted mean", 2 * nb, lambda: ff.reduce(EX.WEIGHTED_MEAN, (w, x), dim=1),
+         "reduce_config", [
+             ("K=8 L=1024 w8 (default)", None), ("K=4 L=1024 w8", C(4, 1024, 1, 8)),
+             ("K=16 L=512 w4", C(16, 512, 1, 4))]),
+        ("affine_half reduce", nb, lambda: ff.reduce(EX.AFFINE_HALF, x, 1), "VFOLD", [
+            ("vector lanes K=4 L=512 w4 (default)", None),
+            ("one-element lanes 512 x 2 rows", False)]),
+        ("affine_half reduce", nb, lambda: ff.reduce(EX.AFFINE_HALF, x, 1), "reduce_config", [
+            ("vector lanes K=4 L=512 w2", C(4, 512, 1, 2, vfold=True)),
+            ("vector lanes K=8 L=512 w4", C(8, 512, 1, 4, vfold=True)),
+            ("vector lanes K=4 L=1024 w8", C(4, 1024, 1, 8, vfold=True))]),
+    ]
 
 
 def measure_copy():

@@ -319,6 +319,11 @@ def test_reduce_branches(monoid, force, monkeypatch):
     plan, _ = L.plan_reduce(monoid, xs, 1)
     assert len(plan) == 2 and plan[1].kwargs["FROM_STATES"]
     _reduce_check(monoid, xs, 1, "split-K")
+    if ordered:                      # lanes folding a vector of consecutive elements
+        force(reduce=C(4, 8, 1, 4, vfold=True), split=(5, 24), states=C(1, 4, 1, 4))
+        plan, _ = L.plan_reduce(monoid, xs, 1)
+        assert plan[0].kwargs["VFOLD"] and plan[0].kwargs["TILE_STATE"].__name__ == "tile_fold"
+        _reduce_check(monoid, xs, 1, "vfold split-K")
 
 
 @interpreter
@@ -370,7 +375,7 @@ def test_look_back_scan(monoid, force, monkeypatch):
     inclusive prefix, so the look-back folds windows of 4 aggregates back to it."""
     ordered = not monoid.commutative
     force(scan=C(32, 1, 1, 4, vec=2), split=(3, 64),
-          reduce=C(1, 8, 1, 4) if ordered else C(2, 4, 1, 4))
+          reduce=C(4, 4, 1, 4, vfold=True) if ordered else C(2, 4, 1, 4))
     monkeypatch.setattr(L, "LOOKBACK_TILES", 2)
     xs = _bcast(monoid, (2, 333), 36)
     plan, _ = L.plan_scan(monoid, xs, 1)

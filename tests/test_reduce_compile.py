@@ -108,3 +108,17 @@ def test_several_inputs_registers(compiled):
         pytest.skip("register budgets are measured with Triton 3.6's ptxas")
     assert compiled[("reduce weighted_mean 64x16384 float32", 0)]["registers"] <= 64
     assert compiled[("scan linear_recurrence 1024x16384 float32", 0)]["registers"] <= 96
+
+
+def test_ordered_reduce_folds_vectors_in_registers(compiled):
+    """An in-order reduce (AFFINE_HALF, not commutative) of 16K-element rows: its lanes
+    fold a 16-byte vector of consecutive elements in registers, then are scanned in order
+    once per tile; against the one-element lanes (scanned once per element) it loads the
+    same 16-byte vectors and runs under half the SASS instructions per element (loop and
+    tail bodies over the elements a thread holds in a tile)."""
+    new = compiled[("reduce affine ordered 1024x16384", 0)]
+    old = compiled[("reduce affine ordered 1024x16384 one-element lanes", 0)]
+    assert set(new["loads"]) == {"ld.global.v4.b32"}, new["loads"]
+    per_new = new["sass"] / (2 * 4 * 512 // (32 * new["num_warps"]))
+    per_old = old["sass"] / (2 * 512 * 2 // (32 * old["num_warps"]))
+    assert per_new <= 32 and per_new < 0.5 * per_old, (per_new, per_old)

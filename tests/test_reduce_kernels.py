@@ -110,6 +110,47 @@ def test_lane_tiles_loop_and_tail(monoid, align, force, monkeypatch):
     check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name="lanes")
 
 
+@pytest.mark.parametrize("monoid", ORDERED, ids=lambda m: m.name)
+def test_ordered_lanes_fold_vectors_in_order(monoid, force, monkeypatch):
+    """VFOLD, the default for contiguous ordered rows: each lane folds its 4 consecutive
+    elements in registers, then the lanes are scanned in order once per tile. Rows of 130
+    (misaligned: realigned head) in tiles of 4 x 8 (4 full tiles, a tail ending inside a
+    vector); 3 rows in blocks of 2 (masked rows); split-K chunks of it; and with
+    ``VFOLD`` off the natural plan is the one-element lanes of before."""
+    x = sample(monoid, (3, 130), seed=12)
+    plan, _ = L.plan_reduce(monoid, x, 1)
+    assert plan[0].kwargs.get("VFOLD") and plan[0].kwargs["K"] == 4
+    check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name="natural")
+    force(reduce=C(4, 8, 1, 4, vfold=True))
+    assert L.plan_reduce(monoid, x, 1)[0][0].kwargs["ALIGN"] == 4
+    check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name="vfold")
+    force(reduce=C(4, 8, 2, 4, vfold=True))
+    check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name="vfold rows")
+    force(reduce=C(4, 4, 1, 4, vfold=True), split=(5, 32), states=C(1, 4, 1, 4))
+    check(monoid, L.launch_reduce(monoid, x, 1), x, 1, name="vfold split-K")
+    monkeypatch.undo()
+    monkeypatch.setattr(L, "VFOLD", False)
+    plan, _ = L.plan_reduce(monoid, x, 1)
+    assert not plan[0].kwargs.get("VFOLD") and plan[0].kwargs["K"] == 1
+
+
+def test_folding_lanes_reordered_would_break_a_non_commutative_monoid(force, monkeypatch):
+    """Negative control for VFOLD: lanes folded in order over elements that are not
+    consecutive (the tile's lane-major layout of the commutative path, ``l + k·LANES``,
+    with the in-order fold of ``tile_fold``) are caught by the check."""
+    force(reduce=C(4, 8, 1, 4, vfold=True))
+    build = L._reduce_launch
+
+    def lane_major(*a, **k):
+        launch = build(*a, **k)
+        launch.kwargs.pop("VFOLD", None)
+        return launch
+    monkeypatch.setattr(L, "_reduce_launch", lane_major)
+    x = sample(U.MATMUL2, (1, 64), seed=9) * 20
+    with pytest.raises(AssertionError):
+        check(U.MATMUL2, L.launch_reduce(U.MATMUL2, x, 1), x, 1, name="reordered")
+
+
 @pytest.mark.parametrize("monoid", ALL, ids=lambda m: m.name)
 def test_split_k_two_passes(monoid, force):
     """Few long rows: 5 chunks of 24 (+ a short one), then an in-order pass over states."""

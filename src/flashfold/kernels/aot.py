@@ -102,6 +102,11 @@ class Compiled:
     def stores(self) -> dict:
         return _count(r"st\.global[\.\w]*", self.ptx)
 
+    def sass_instructions(self) -> int:
+        """SASS instructions of the kernel (every line of its disassembly)."""
+        sass = _run_on_cubin(self.cubin, "-sass")
+        return len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
+
     def sass_counts(self, *opcodes: str) -> dict:
         """Occurrences of SASS opcodes (e.g. ``"MUFU.EX2"``, ``"SHFL"``, ``"BAR"``)."""
         sass = _run_on_cubin(self.cubin, "-sass")

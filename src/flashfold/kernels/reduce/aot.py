@@ -75,6 +75,9 @@ def plans(sms: int = SMS):
         ("reduce welford columns", reduce_(M.WELFORD, torch.empty(4096, 1024), 0)[0]),
         ("reduce affine ordered", reduce_(aff, torch.empty(512, 5000), 1)[0]),
         ("reduce affine ordered split-K", reduce_(aff, torch.empty(1, 2**22), 1)[0]),
+        ("reduce affine ordered 1024x16384", reduce_(aff, torch.empty(1024, 16384), 1)[0]),
+        ("reduce affine ordered 1024x16384 one-element lanes", reduce_(
+            aff, torch.empty(1024, 16384), 1, config=L.Config(1, 512, 2, 4))[0]),
         ("segment logsumexp2", segment(
             M.LOGSUMEXP2, torch.empty(10000, 64), torch.tensor([0, 100, 10000]), 0)[0]),
         ("scan logsumexp2 reverse", scan(M.LOGSUMEXP2, torch.empty(64, 16384), 1, True)[0]),
@@ -152,7 +155,8 @@ def main(argv=None) -> int:
         for i, launch in enumerate(plan):
             c = compile_launch(launch.kernel, launch.args, launch.kwargs)
             rows.append({"name": name, "launch": i, "kernel": c.name, "num_warps": c.num_warps,
-                         **c.resources(), "loads": c.loads(), "stores": c.stores()})
+                         **c.resources(), "loads": c.loads(), "stores": c.stores(),
+                         "sass": c.sass_instructions()})
     if "--json" in argv:
         print(json.dumps(rows))
     else:

@@ -12,6 +12,10 @@ content hash of its source, like every generated module):
                     block lift when the monoid has one, else ``lift`` + identity on
                     invalid lanes + ``reduce_tile`` (only used where reordering is
                     allowed, or on an axis of length 1)
+``tile_fold``       ``(*xs, pos, valid) -> state`` of a [K, LANES, ROWS] tile folded *in
+                    order* over axis 0 (its K consecutive elements per lane, in one
+                    thread): ``lift``, identity on invalid lanes, an inclusive scan along
+                    axis 0 and its last element (the ordered reduce's ``VFOLD`` tiles)
 ``lift_xp``         ``(*xs, pos) -> state``: ``lift`` with a uniform signature
 ``combine_rev``     ``(a, b) -> b ⊕ a``, the combine with its operands swapped
 ``scan_tile_rev``   inclusive scan with ``combine_rev``: over a tile loaded in *reversed*
@@ -154,6 +158,11 @@ def _helpers(monoid: Monoid) -> str:
                 f"    s = select(valid, *s, *identity({ref}))\n"
                 f"    return reduce_tile(*s, 0)\n")
     out.append(f"@triton.jit\ndef tile_state({x_args}, pos, valid):\n{body}")
+    out.append(f"@triton.jit\ndef tile_fold({x_args}, pos, valid):\n"
+               f"    s = lift({lift_args})\n"
+               f"    s = select(valid, *s, *identity({ref}))\n"
+               f"    last = tl.arange(0, {ref}.shape[0])[:, None, None] == {ref}.shape[0] - 1\n"
+               f"    return take(last, 0, *scan_tile(*s, 0, False))\n")
     out.append(_fast_log2_source())
     out.append(fast_jit_source(monoid.finalize_graph, "finalize_fast",
                                [f.name for f in fields] + [p for p, _ in monoid.params]))
@@ -182,6 +191,7 @@ class ReduceFunctions:
     finalize: object
     finalize_fast: object
     tile_state: object
+    tile_fold: object
     block_scan: object | None
     scan_exact: object | None
     reduce_tile: object
@@ -233,7 +243,7 @@ def _reduce_functions(monoid: Monoid) -> ReduceFunctions:
     mod = load_source(source, "reduce_" + _safe(monoid.name))
     fns = ReduceFunctions(
         monoid, base, mod.lift_xp, mod.combine, mod.combine_rev, mod.finalize, mod.finalize_fast,
-        mod.tile_state, getattr(mod, "block_scan", None), getattr(mod, "scan_exact", None),
+        mod.tile_state, mod.tile_fold, getattr(mod, "block_scan", None), getattr(mod, "scan_exact", None),
         mod.reduce_tile, mod.scan_tile, mod.scan_tile_rev, mod.identity, mod.select, mod.take,
         mod.bcast0, mod.bcast, mod.shift1, mod.load_state, mod.store_state,
         any(i.domain == "position" for i in monoid.inputs), mod.__file__, n_inputs(monoid))

@@ -27,9 +27,10 @@ elements of a lane are separate registers of one thread, loaded as ``LANES``-wid
 contiguous vectors), the ``LANES`` accumulators are combined elementwise with the
 running state, and one ``reduce_tile`` over the lanes ends the row, so the loop body
 has no cross-thread communication at all. For a monoid that is not commutative
-(``ORDERED``) the lanes are consecutive elements (``K = 1``), each tile is reduced in
-order by a scan (``tl.associative_scan`` keeps operand order; ``tl.reduce`` does not),
-and tiles are combined left to right.
+(``ORDERED``) each lane holds ``K`` *consecutive* elements (``VFOLD``: one 16-byte
+vector of a contiguous row, folded in order in the thread's registers; else ``K = 1``),
+the lanes of each tile are reduced in order by a scan (``tl.associative_scan`` keeps
+operand order; ``tl.reduce`` does not), and tiles are combined left to right.
 
 A scan tile is ``[BLOCK, ROWS]``, scanned along axis 0, with the running state of each
 row carried across tiles: ``out = carry ⊕ scan(tile)``. A reverse scan loads the tile
@@ -225,7 +226,7 @@ def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
                IDENTITY: tl.constexpr,
                K: tl.constexpr, LANES: tl.constexpr, ROWS: tl.constexpr,
                MASK_ROWS: tl.constexpr, ORDERED: tl.constexpr, FROM_STATES: tl.constexpr,
-               ALIGN: tl.constexpr = 0):
+               ALIGN: tl.constexpr = 0, VFOLD: tl.constexpr = False):
     """State of elements ``[lo, hi)`` of each of the ROWS rows (positions counted from
     ``pos0``): full tiles unmasked, then one masked tail tile. Returns fields [ROWS].
     ``src``, ``sn``, ``row_in``: tuples, one entry per input (with FROM_STATES, ``src``
@@ -239,9 +240,18 @@ def _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
     elements outside ``[lo, hi)`` are masked by ``valid``. Such a vector may reach up to
     ``v - 1`` elements past the end of the tensor, inside its 16-byte granule of the
     allocation (allocations are at least 16-byte aligned and sized).
+
+    VFOLD (ORDERED): lane ``l`` of a tile holds its ``K`` *consecutive* elements
+    ``n = t·K·LANES + l·K + k`` (one 16-byte vector for ``K = 4`` fp32), which TILE_STATE
+    (the generated ``tile_fold``) folds in order in the thread's registers; the lanes'
+    states are then scanned in order once per tile, a ``K``-th of the cross-thread work
+    of ``K = 1``.
     """
     TILE: tl.constexpr = K * LANES
-    idx = tl.arange(0, K)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
+    if VFOLD:
+        idx = tl.arange(0, K)[:, None, None] + tl.arange(0, LANES)[None, :, None] * K
+    else:
+        idx = tl.arange(0, K)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
     lane_last = tl.arange(0, LANES)[:, None] == LANES - 1
     if ORDERED:
         acc = IDENTITY(tl.zeros([ROWS], tl.float32))
@@ -331,7 +341,8 @@ def reduce_kernel(src, outs, fin_args, seg_ptr,
                   ORDERED: tl.constexpr, FROM_STATES: tl.constexpr, STATE_OUT: tl.constexpr,
                   SEGMENTED: tl.constexpr, MASK_ROWS: tl.constexpr, N64: tl.constexpr,
                   LIFT_XP: tl.constexpr = None, SELECT: tl.constexpr = None,
-                  SMALL: tl.constexpr = False, ALIGN: tl.constexpr = 0):
+                  SMALL: tl.constexpr = False, ALIGN: tl.constexpr = 0,
+                  VFOLD: tl.constexpr = False):
     """Reduce, split-K partial / combine passes and segmented reduce, one template.
 
     Program ``(rows, j)`` folds elements ``[lo, hi)`` of its rows, where
@@ -367,7 +378,7 @@ def reduce_kernel(src, outs, fin_args, seg_ptr,
     else:
         res = _row_state(src, lo, hi, pos0, sn, row_in, row_ok,
                          TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE, IDENTITY,
-                         K, LANES, ROWS, MASK_ROWS, ORDERED, FROM_STATES, ALIGN)
+                         K, LANES, ROWS, MASK_ROWS, ORDERED, FROM_STATES, ALIGN, VFOLD)
     out_off = row_out + split.to(tl.int64) * o_split
     if STATE_OUT:
         STORE_STATE(outs, out_off, row_ok, *res)
@@ -629,7 +640,7 @@ def lookback_scan_kernel(x_ptr, outs, fin_args, aggs, incls, flags, ticket,
                          SELECT: tl.constexpr, K: tl.constexpr, LANES: tl.constexpr,
                          BLOCK: tl.constexpr, VEC: tl.constexpr, W: tl.constexpr,
                          ORDERED: tl.constexpr, INCLUSIVE: tl.constexpr,
-                         N64: tl.constexpr = False):
+                         N64: tl.constexpr = False, VFOLD: tl.constexpr = False):
     """Single-pass forward scan of few long rows (decoupled look-back, Merrill & Garland).
 
     Each program takes a ticket (so chunks start in order), folds its chunk
@@ -654,7 +665,7 @@ def lookback_scan_kernel(x_ptr, outs, fin_args, aggs, incls, flags, ticket,
     lo, hi = _chunk_bounds(c, chunk, N, N64)
     total = _row_state(x_ptr, lo, hi, lo * 0, sn, row_in, one == 0,
                        TILE_STATE, COMBINE, REDUCE_TILE, SCAN_TILE, TAKE, LOAD_STATE, IDENTITY,
-                       K, LANES, 1, False, ORDERED, False)            # [1] per field
+                       K, LANES, 1, False, ORDERED, False, 0, VFOLD)  # [1] per field
     if c == 0:
         carry = IDENTITY(tl.zeros([1], tl.float32))
         _publish(incls, flags, t, 2, total, STORE_STATE)

@@ -263,7 +263,9 @@ class Config:
     """Tile ``[K, LANES, ROWS]`` (scans: ``[BLOCK=K, ROWS]``), warps, stages, register cap;
     ``vec > 0`` selects the chunked (lane-owned vectors) forward scan with that width;
     ``small`` the one-row-per-thread path for rows of at most ``K`` (<= 16) elements;
-    ``prefetch`` (chunked scans) loads the next full tile before scanning the current."""
+    ``prefetch`` (chunked scans) loads the next full tile before scanning the current;
+    ``vfold`` (ordered reductions) gives each lane ``K`` consecutive elements, folded in
+    order in registers, and scans the lanes once per tile (see ``kernels._row_state``)."""
     K: int
     LANES: int
     ROWS: int
@@ -273,6 +275,7 @@ class Config:
     vec: int = 0
     small: bool = False
     prefetch: bool = False
+    vfold: bool = False
 
 
 #: elements of a short-row tile (K x ROWS): 8 per thread at 4 warps
@@ -312,9 +315,7 @@ def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False,
     if g.sn == 1 and N <= SMALL_N:
         return Config(_p2(N), 1, _SMALL_ROWS, 4, small=True)
     if ordered:
-        lanes = min(_p2(N), 512)
-        rows = max(1, min(_p2(B2), _SHORT_TILE // lanes))
-        return Config(1, lanes, rows, 4)
+        return _ordered_config(N, B2, vec if g.sn == 1 and VFOLD else 0)
     if g.sn != 1 and g.s[2] == 1 and B2 > 1:
         # columns: rows contiguous in memory, the reduced dim strided: 4 warps over 512
         # columns (8 warps over 1024 helped sum over dim 0 of 16K x 16K, 0.263 against
@@ -335,6 +336,28 @@ def reduce_config(g: Geometry, elsize: int, ordered: bool, costly: bool = False,
     k = _p2(N)
     rows = max(1, min(_p2(B2), _SHORT_TILE // k))
     return Config(k, 1, rows, 4)
+
+
+#: ordered reductions of contiguous rows fold one 16-byte vector per lane in registers
+#: (``Config.vfold``). sm_90 SASS per element of the in-order reduce over 16K x 16K fp32
+#: (loop and tail bodies over their elements): AFFINE_HALF ~64 -> ~20, MAX_PREFIX_SUM
+#: ~70 -> ~24, the two-input recurrence ~66 -> ~24, MATMUL2 ~146 -> ~49; the lanes' scan
+#: across threads, which dominated, runs once per vector instead of once per element.
+#: Switchable (a variant of ``benchmarks/reductions.py``) until the H200 has timed both
+VFOLD = True
+
+
+def _ordered_config(N: int, B2: int, vec: int) -> Config:
+    """Tile of an in-order reduction: lanes of consecutive elements, scanned in order.
+    ``vec > 0`` (contiguous rows, :data:`VFOLD`): each lane folds ``vec`` consecutive
+    elements (one 16-byte vector) in registers first, 512 lanes of them per row."""
+    if vec and N >= 4 * vec:
+        lanes = min(_p2(N) // vec, 512)
+        rows = max(1, min(_p2(B2), 2 * _SHORT_TILE // (vec * lanes)))
+        return Config(vec, lanes, rows, 4, vfold=True)
+    lanes = min(_p2(N), 512)
+    rows = max(1, min(_p2(B2), _SHORT_TILE // lanes))
+    return Config(1, lanes, rows, 4)
 
 
 def states_config(g: Geometry, ordered: bool) -> Config:
@@ -466,7 +489,7 @@ def normalize_config(g: Geometry, elsize: int, ordered: bool) -> tuple[Config, b
     if g.sn == 1 and N <= SMALL_N:
         return Config(_p2(N), 1, _SMALL_ROWS, 4, small=True), True
     if ordered:
-        c = reduce_config(g, elsize, True)
+        c = _ordered_config(N, g.B[2], 0)         # (row maps take no VFOLD tiles)
         return c, N <= c.LANES
     if g.sn == 1 and N >= 1024:
         limit = 16384 if elsize >= 4 else 32768
@@ -607,7 +630,9 @@ def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split,
             g.N, sn, g.B[1], g.B[2], s0, s1, s2, *g.o, o_split, n_inner, n_split, chunk)
     # in the kernel's parameter order: the launcher then passes them (and ``args``) to the
     # compiled kernel as one slice (see ``launcher._Plan``)
-    kwargs = dict(TILE_STATE=fns.tile_state, COMBINE=fns.combine, REDUCE_TILE=fns.reduce_tile,
+    vfold = cfg.vfold and not from_states
+    kwargs = dict(TILE_STATE=fns.tile_fold if vfold else fns.tile_state, COMBINE=fns.combine,
+                  REDUCE_TILE=fns.reduce_tile,
                   SCAN_TILE=fns.scan_tile, TAKE=fns.take, LOAD_STATE=fns.load_state,
                   STORE_STATE=fns.store_state, IDENTITY=fns.identity, FINALIZE=fns.finalize,
                   K=cfg.K, LANES=cfg.LANES, ROWS=cfg.ROWS,
@@ -615,7 +640,8 @@ def _reduce_launch(fns, src, outs, fin_args, seg, g: Geometry, o_split, n_split,
                   STATE_OUT=state_out, SEGMENTED=segmented,
                   MASK_ROWS=g.B[2] % cfg.ROWS != 0, N64=_n64(g),
                   LIFT_XP=fns.lift_xp, SELECT=fns.select, SMALL=cfg.small and not from_states,
-                  ALIGN=0 if from_states else _align(src, g, cfg, align_rows), **_opts(cfg))
+                  ALIGN=0 if from_states else _align(src, g, cfg, align_rows),
+                  **(dict(VFOLD=True) if vfold else {}), **_opts(cfg))
     return Launch(K_.reduce_kernel, grid, args, kwargs)
 
 
@@ -723,14 +749,15 @@ def _parts_strides(g: Geometry, n_split: int):
 
 
 def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None, *, sms=None,
-                align_rows=None):
+                align_rows=None, config=None):
     """(plan, outputs): reduce ``x`` over ``dim`` (outputs have the batch shape).
 
     Every planner takes, by keyword, what its decisions depend on beyond the input, so a
     caller planning for another GPU or another variant passes it instead of setting a
     module global: ``sms``, the streaming multiprocessors the split decisions assume
     (default :func:`num_sms` of ``x.device``); ``align_rows``, realign misaligned long rows
-    (default :data:`ALIGN_ROWS`, see :func:`_align`)."""
+    (default :data:`ALIGN_ROWS`, see :func:`_align`); ``config``, the first pass's tile
+    :class:`Config` (default :func:`reduce_config`'s choice)."""
     align_rows = ALIGN_ROWS if align_rows is None else align_rows
     fns = _fns(monoid)
     fargs = fin_args(monoid, params)
@@ -744,8 +771,8 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None, *, sms=N
     if g.rows == 0:
         return [], outs
     _check_positions(fns, g)
-    cfg = reduce_config(g, _elsize(xs), _is_ordered(monoid), _costly_block(monoid),
-                        len(monoid.fields))
+    cfg = config or reduce_config(g, _elsize(xs), _is_ordered(monoid), _costly_block(monoid),
+                                  len(monoid.fields))
     n_prog = g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS)
     n_split, chunk = split_plan(g, cfg.K * cfg.LANES, n_prog, sms or num_sms(x.device))
     if n_split == 1:
@@ -897,13 +924,14 @@ def _plan_lookback(fns, xs, outs, fargs, g: Geometry, cfg: Config, rcfg: Config)
     sn, s0, s1, s2 = g.in_args()
     args = (xs, outs, fargs, aggs, incls, flags, flags[slots:], g.N, sn, g.osn, g.B[1], g.B[2],
             s0, s1, s2, *g.o, n_chunks, chunk)
-    kwargs = dict(TILE_STATE=fns.tile_state, LIFT_XP=fns.lift_xp, COMBINE=fns.combine,
+    kwargs = dict(TILE_STATE=fns.tile_fold if rcfg.vfold else fns.tile_state,
+                  LIFT_XP=fns.lift_xp, COMBINE=fns.combine,
                   REDUCE_TILE=fns.reduce_tile, SCAN_TILE=fns.scan_tile, TAKE=fns.take,
                   BCAST0=fns.bcast0, BCAST=fns.bcast, SHIFT1=fns.shift1,
                   FINALIZE=fns.finalize_fast, IDENTITY=fns.identity, LOAD_STATE=fns.load_state,
                   STORE_STATE=fns.store_state, SELECT=fns.select, K=rcfg.K, LANES=rcfg.LANES,
                   BLOCK=block, VEC=cfg.vec, W=LOOKBACK_WINDOW, ORDERED=_is_ordered(fns.monoid),
-                  INCLUSIVE=True, N64=_n64(g),
+                  INCLUSIVE=True, N64=_n64(g), **(dict(VFOLD=True) if rcfg.vfold else {}),
                   **_opts(Config(cfg.K, 1, 1, cfg.num_warps, maxnreg=cap)))
     return [Launch(K_.lookback_scan_kernel, (slots,), args, kwargs)]
 
