@@ -19,6 +19,7 @@ import flashfold as ff
 from flashfold import examples as ex
 from flashfold.api import reductions as api
 from flashfold.kernels.reduce import launch as L
+from flashfold.monoids import ATTENTION, ATTENTION2
 from flashfold.kernels.reduce import reference as R
 from flashfold.testing import assert_close
 
@@ -422,6 +423,101 @@ def test_cached_plans_read_the_new_inputs():
     assert L.plan_cache_info()["hits"] >= 2
 
 
+# --- vector inputs and fields ---------------------------------------------------------------------
+
+from flashfold import Field, Input, Monoid  # noqa: E402
+
+#: a weighted mean of vectors: a scalar weight, a vector value; a vector output and a scalar
+VEC_WMEAN = Monoid("vec_wmean", fields=("sw", Field("swx", vector=True)), identity=(0.0, 0.0),
+                   inputs=(Input("w"), Input("x", vector=True)),
+                   lift=lambda w, x: (w, w * x),
+                   combine=lambda a, b: (a.sw + b.sw, a.swx + b.swx),
+                   finalize=lambda s: (s.swx / s.sw, s.sw), outputs=("mean", "weight"),
+                   commutative=True)
+
+
+def _vec_check(got, ref, scale, name):
+    for i, (o, r) in enumerate(zip(got, ref)):
+        assert tuple(o.shape) == tuple(r.shape), (name, i, o.shape, r.shape)
+        assert o.is_contiguous(), (name, i)
+        assert_close(o, r, torch.float32, scale=scale, name=f"{name} output {i}")
+
+
+@interpreter
+@pytest.mark.parametrize("width", (8, 5, 1))
+@pytest.mark.parametrize("monoid", (ATTENTION, ATTENTION2), ids=lambda m: m.name)
+def test_attention_monoid_on_the_kernels(kernels, monoid, width):
+    """``(softmax(s) v, logsumexp s)`` over the keys, every causal prefix (forward and
+    reverse), segments (one empty), several dims: the per-feature monoid on the kernels
+    (the feature axis a batch dim, the scores broadcast along it with stride 0) against
+    the float64 reference; ``v`` broadcast over the batch."""
+    g = torch.Generator().manual_seed(50 + width)
+    s = torch.randn(3, 4, 70, generator=g) * 3
+    v = torch.randn(1, 4, 70, width, generator=g)
+    scale = 1.0 + float(v.abs().max()) + float(s.abs().max())
+    calls = {
+        "reduce": lambda: ff.reduce(monoid, (s, v), dim=2),
+        "reduce dim 0": lambda: ff.reduce(monoid, (s, v), dim=0),
+        "reduce dims (1, 2)": lambda: ff.reduce(monoid, (s, v), dim=(1, 2)),
+        "scan": lambda: ff.scan(monoid, (s, v), dim=2),
+        "reverse scan": lambda: ff.scan(monoid, (s, v), dim=2, reverse=True),
+        "segments": lambda: ff.segment_reduce(monoid, (s, v), torch.tensor([0, 0, 9, 70]),
+                                              dim=2),
+    }
+    for name, call in calls.items():
+        got = call()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(api, "_use_kernels", lambda x: False)
+            ref = call()                                     # the float64 reference, cast
+        _vec_check(got, tuple(r.double() for r in ref), scale, f"{monoid.name} {name}")
+        if name == "reduce":
+            o, lse = got
+            p = torch.softmax(s.double(), -1)
+            assert_close(o, (p[..., None] * v.double()).sum(2), torch.float32, scale=scale)
+            assert_close(lse, torch.logsumexp(s.double(), -1), torch.float32, scale=scale)
+
+
+@interpreter
+def test_vector_outputs_and_scalar_outputs_of_a_user_monoid(kernels):
+    """A vector output (the mean) and a scalar one (the weight, computed once per feature,
+    feature 0 returned as a contiguous tensor), rows and columns, a feature axis of 0."""
+    g = torch.Generator().manual_seed(60)
+    w = torch.rand(5, 40, generator=g) + 0.1
+    x = torch.randn(5, 40, 3, generator=g)
+    for dim in (1, 0):
+        mean, weight = ff.reduce(VEC_WMEAN, (w, x), dim=dim)
+        wd, xd = w.double(), x.double()
+        assert_close(mean, (wd[..., None] * xd).sum(dim) / wd.sum(dim)[..., None],
+                     torch.float32, scale=4.0)
+        assert_close(weight, wd.sum(dim), torch.float32, scale=wd.sum(dim))
+        assert weight.is_contiguous() and weight.shape == wd.sum(dim).shape
+    mean, weight = ff.scan(VEC_WMEAN, (w, x), dim=1)
+    assert_close(weight, w.double().cumsum(1), torch.float32, scale=w.double().cumsum(1))
+    assert mean.shape == (5, 40, 3)
+    mean, weight = ff.reduce(VEC_WMEAN, (w, x[..., :0]), dim=1)
+    assert mean.shape == (5, 0) and weight.shape == (5,)
+    assert_close(weight, w.double().sum(1), torch.float32, scale=w.double().sum(1))
+
+
+@interpreter
+def test_vector_monoid_plans_read_views(force):
+    """The per-feature plan reads the inputs themselves (scores broadcast along the
+    feature axis with stride 0: no copy); a forced split-K (two passes) agrees too."""
+    g = torch.Generator().manual_seed(61)
+    s, v = torch.randn(2, 300, generator=g), torch.randn(2, 300, 16, generator=g)
+    per = L._per_feature(ATTENTION2)
+    views, d, _ = L._feature_views(ATTENTION2, (s, v), 1)
+    assert views[1] is v and views[0].stride() == (300, 1, 0)
+    plan, _ = L.plan_reduce(per, views, d)
+    assert plan[0].args[0][1] is v and plan[0].args[0][0].stride()[-1] == 0
+    force(reduce=C(8, 1, 16, 4), split=(4, 80), states=C(4, 1, 16, 4))
+    plan, _ = L.plan_reduce(per, views, d)
+    assert len(plan) == 2
+    got = L.launch_reduce(ATTENTION2, (s, v), 1)
+    ref = R.reduce_reference(ATTENTION2, (s, v), 1)
+    _vec_check(got, ref, 1.0 + float(v.abs().max()) + float(s.abs().max()), "split-K")
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 def test_bad_input_names_the_argument(kernels):
@@ -439,10 +535,11 @@ def test_bad_input_names_the_argument(kernels):
         L.launch_reduce(ex.WEIGHTED_MEAN, (w, x[:1]), 1)
     with pytest.raises(ValueError, match=r"x: 'weighted_mean' takes 2 data inputs, got 1"):
         L.launch_scan(ex.WEIGHTED_MEAN, x, 1)
-    # vector inputs stay on CPU tensors: a clear error, never a silent copy
-    from flashfold.monoids import ATTENTION
-    with pytest.raises(ValueError, match=r"vector inputs \['value'\].*scalar inputs so far"):
-        ff.reduce(ATTENTION, (x, torch.randn(3, 5, 4)), dim=1)
+    # a vector monoid's launchers: the feature axis last, one shape otherwise
+    with pytest.raises(ValueError, match=r"x\[0\]: shape \(3, 5\), expected \(3, 4\)"):
+        L.launch_reduce(ATTENTION, (x, torch.randn(3, 4, 5)), 1)
+    with pytest.raises(ValueError, match=r"x: 'attention' takes 2 data inputs, got 3"):
+        L.launch_scan(ATTENTION, (x, x, x), 1)
 
 
 # --- GPU: the examples at real sizes (the H200) -----------------------------------------------------
@@ -516,3 +613,26 @@ def test_gpu_weighted_mean_16k_x_16k():
             swx[r:r + 1024] = (wd * xd).sum(dim)
             sa[r:r + 1024] = (wd * xd).abs().sum(dim)
         assert_close(got, swx / sw, "float32", scale=1.0 + sa / sw, name=name)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_attention_monoid_reduce_and_scan():
+    """ATTENTION2 over (scores, values) of 4 x 8 heads, 4096 keys, 64 features: the
+    reduce is ``(softmax(s) v, logsumexp s)``, the scan every causal prefix of 1024 keys,
+    against float64 torch."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    s = torch.randn(4, 8, 4096, device="cuda", generator=g) * 3
+    v = torch.randn(4, 8, 4096, 64, device="cuda", generator=g)
+    o, lse = ff.reduce(ATTENTION2, (s, v), dim=-1)
+    p = torch.softmax(s.double(), -1)
+    scale = 1.0 + float(v.abs().max())
+    assert_close(o, (p[..., None] * v.double()).sum(2), "float32", scale=scale, name="o")
+    assert_close(lse, torch.logsumexp(s.double(), -1), "float32", scale=10.0, name="lse")
+    s, v = s[..., :1024], v[..., :1024, :]
+    o, lse = ff.scan(ATTENTION2, (s, v), dim=-1)
+    sd = s.double()
+    causal = torch.ones(1024, 1024, dtype=torch.bool, device="cuda").tril()
+    p = torch.softmax(sd[..., None, :].expand(*s.shape, 1024).masked_fill(~causal, -float("inf")), -1)
+    assert_close(o, p @ v.double(), "float32", scale=scale, name="prefix o")
+    assert_close(lse, torch.logcumsumexp(sd, -1), "float32", scale=10.0, name="prefix lse")

@@ -251,9 +251,17 @@ def test_unordered_lanes_would_break_a_non_commutative_monoid(force, monkeypatch
         check(U.MATMUL2, L.launch_reduce(U.MATMUL2, x, 1), x, 1, name="reordered")
 
 
-def test_vector_monoids_are_rejected():
-    with pytest.raises(ValueError, match="monoid"):
+def test_vector_monoids_run_per_feature():
+    """The generated helpers take scalar inputs and fields; a monoid with vector ones runs
+    as its per-feature monoid (``launch._per_feature``; tests/test_multi_input_kernels.py)."""
+    from flashfold.kernels.reduce.generated import reduce_functions
+    with pytest.raises(ValueError, match="monoid: the reduce/scan kernels take monoids of scalar"):
+        reduce_functions(M.ATTENTION)
+    with pytest.raises(ValueError, match="x: 'attention' takes 2 data inputs, got 1"):
         L.launch_reduce(M.ATTENTION, torch.randn(2, 3), 1)
+    per = L._per_feature(M.ATTENTION)
+    assert not per.has_vector and per.field_names == M.ATTENTION.field_names
+    assert L._per_feature(M.SUM) is None
 
 
 @settings(max_examples=25, deadline=None)

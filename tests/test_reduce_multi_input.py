@@ -124,12 +124,7 @@ def test_bad_input_names_the_argument(monkeypatch):
         ff.scan(LINREC, (w, torch.arange(5)), dim=1)
     with pytest.raises(ValueError, match=r"x\[1\] \(x\) is on meta"):
         ff.reduce(WMEAN, (w, x.to("meta")), dim=1)
-    # the kernels take scalar inputs so far: a vector input is a clear error, never a
-    # silent copy (several scalar inputs run on the kernels: tests/test_multi_input_kernels.py)
-    from flashfold.monoids import ATTENTION
-    monkeypatch.setattr(R, "_use_kernels", lambda t: True)
-    with pytest.raises(ValueError, match=r"vector inputs \['value'\].*scalar inputs so far"):
-        ff.reduce(ATTENTION, (w, torch.randn(3, 5, 4)), dim=1)
+    # (the kernels' path: tests/test_multi_input_kernels.py)
 
 
 # --- vector inputs and fields: ATTENTION as a reduction over (score, value) ------------------
@@ -189,9 +184,13 @@ def test_vector_inputs_meta_and_errors(monkeypatch):
         ff.reduce(ATTENTION, (s, torch.tensor(1.0)), dim=1)
     with pytest.raises(ValueError, match="do not broadcast"):
         ff.reduce(ATTENTION, (s, torch.randn(4, 20, 6)), dim=1)
+    # the kernels take them too, with the same results (tests/test_multi_input_kernels.py)
+    want = ff.reduce(ATTENTION, (s, v), dim=1)
     monkeypatch.setattr(R, "_use_kernels", lambda t: True)
-    with pytest.raises(ValueError, match=r"vector inputs \[.value.\]; on cpu tensors"):
-        ff.reduce(ATTENTION, (s, v), dim=1)
+    got = ff.reduce(ATTENTION, (s, v), dim=1)
+    for o, r in zip(got, want):
+        assert o.shape == r.shape
+        assert_close(o, r.double(), "float32", scale=1.0 + float(v.abs().max()))
 
 
 def test_zero_dim_inputs_and_a_vector_input_first():

@@ -26,8 +26,16 @@ monoid                                    CPU tensors         CUDA tensors
 ========================================  ==================  ==========================
 scalar inputs (one or several), position  float64 reference   generated kernels
 inputs, int fields, several outputs
-vector inputs / fields (ATTENTION)        float64 reference   ``ValueError`` (so far)
+vector inputs / fields (ATTENTION)        float64 reference   generated kernels, per
+                                                              feature (see below)
 ========================================  ==================  ==========================
+
+A vector input carries a trailing feature axis ``W`` (one width for all); vector outputs
+keep it last. On CUDA such a monoid runs per feature: its graphs never mix features, so
+the kernels run it with vector values taken as scalars and the feature axis as one more
+batch dim (scalar inputs read with stride 0 along it); its scalar fields are computed
+once per feature (ATTENTION's exponentials ``W`` times), and a scalar output is taken
+from feature 0 (a copy of a ``W``-th of the vector outputs' size).
 
 The conveniences follow torch's signatures and edge cases (shapes ``(..., N, ...)``):
 
@@ -167,12 +175,6 @@ def _inputs(monoid, x):
     first = next((t for i, t in zip(data, ts) if not i.vector), None)
     if first is None:
         first = ts[0][..., 0]
-    if _is_vector(monoid) and _use_kernels(first):
-        vec = [i.name for i in data if i.vector]
-        raise ValueError(f"monoid: {monoid.name!r} has vector inputs {vec}; on "
-                         f"{first.device.type} tensors reduce, scan and segment_reduce take "
-                         f"monoids of scalar inputs so far (vector inputs and fields run on "
-                         f"CPU tensors)")
     dtype = x[0].dtype
     for t in x[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
@@ -409,10 +411,9 @@ def reduce(monoid: Monoid, x: torch.Tensor, dim=-1, *, keepdim: bool = False, **
         data inputs a tuple of ``n`` such tensors in the monoid's input order, broadcast
         to one shape ``S`` (e.g. ``(w, x)`` for a weighted mean); a vector input has a
         trailing feature axis, ``S + (W,)`` (e.g. ATTENTION's ``(s, v)``: ``s (B, N)``,
-        ``v (B, N, W)``, ``dim=1`` gives ``softmax(s) v`` and the LSE). Several scalar
-        inputs run on the kernels on CUDA, each read through its own strides (stride 0
-        where it is broadcast); vector inputs run on CPU tensors so far (on CUDA a
-        ``ValueError`` says so).
+        ``v (B, N, W)``, ``dim=1`` gives ``softmax(s) v`` and the LSE). On CUDA every
+        input is read through its own strides (stride 0 where it is broadcast), never
+        copied; vector inputs run per feature (module notes).
     dim: an int, a tuple of ints (reduced as one), or ``None`` (all dims).
     keepdim: keep the reduced dims with size 1.
     params: the monoid's finalize parameters (e.g. ``correction=`` for WELFORD).

@@ -144,6 +144,15 @@ def _several_inputs(reduce_, segment, scan):
             wm, (torch.empty(2**20, 256), torch.empty(2**20, 256)),
             torch.arange(0, 2**20 + 1, 2**14), 0)[0]),
     ]
+    # a vector input and field (ATTENTION2 over (scores, values)): the per-feature monoid,
+    # the feature axis a batch dim, the scores broadcast along it with stride 0
+    from ... import monoids as M
+    from . import launch as L
+    per = L._per_feature(M.ATTENTION2)
+    views, d, _ = L._feature_views(M.ATTENTION2, (torch.empty(64, 4096),
+                                                  torch.empty(64, 4096, 64)), 1)
+    out += [("reduce attention2 (s, v) 64x4096x64", reduce_(per, views, d)[0]),
+            ("scan attention2 (s, v) 64x4096x64", scan(per, views, d)[0])]
     return out
 
 

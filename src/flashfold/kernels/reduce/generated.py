@@ -116,8 +116,8 @@ def _helpers(monoid: Monoid) -> str:
     if any(i.vector for i in data) or any(f.vector for f in fields):
         raise ValueError(f"monoid: the reduce/scan kernels take monoids of scalar inputs and "
                          f"scalar fields; {monoid.name!r} has inputs {monoid.input_names} and "
-                         f"fields {monoid.field_names} (vector inputs and fields run on CPU "
-                         f"tensors so far)")
+                         f"fields {monoid.field_names} (a monoid with vector ones runs per "
+                         f"feature: launch._per_feature)")
     names = _input_names(monoid)
     it = iter(names)
     call_args = ["pos" if i.domain == "position" else next(it) for i in monoid.inputs]
@@ -220,8 +220,8 @@ _KINDS_BY_ID: dict = {}
 def reduce_functions(monoid: Monoid) -> ReduceFunctions:
     """Generate (or fetch) the template helpers of ``monoid`` (see the module docstring).
 
-    Raises ``ValueError`` for monoids the reduce/scan kernels do not take (vector inputs
-    or fields).
+    Raises ``ValueError`` for monoids with vector inputs or fields (the launchers run
+    those per feature, as scalar monoids: ``launch._per_feature``).
     """
     hit = _BY_ID.get(id(monoid))
     if hit is not None and hit[0] is monoid:

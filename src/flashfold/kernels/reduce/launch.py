@@ -1030,10 +1030,75 @@ def _call_inputs(x):
     return (x,), _sig(x)
 
 
+#: id -> (monoid, its per-feature monoid or None): see :func:`_per_feature`
+_PER_FEATURE: dict = {}
+
+
+def _per_feature(monoid):
+    """None for a monoid of scalar inputs and fields; for one with vector inputs or
+    fields, the same monoid with them taken as scalars (cached per monoid).
+
+    The IR has no op across the feature axis (elementwise ops broadcast scalars against
+    vectors; reductions run over the block axis only), so feature ``w`` of every vector
+    value is computed by the same graphs from feature ``w`` of the vector inputs and the
+    scalar values: the kernels run this scalar monoid with the feature axis as one more
+    batch dim (scalar inputs broadcast along it with stride 0), and the scalar fields are
+    computed once per feature."""
+    hit = _PER_FEATURE.get(id(monoid))
+    if hit is not None and hit[0] is monoid:
+        return hit[1]
+    per = None
+    if monoid.has_vector:
+        scalar = functools.partial(dataclasses.replace, vector=False)
+        per = dataclasses.replace(monoid, name=f"{monoid.name}_per_feature",
+                                  fields=tuple(map(scalar, monoid.fields)),
+                                  inputs=tuple(map(scalar, monoid.inputs)))
+    if len(_PER_FEATURE) >= PLAN_CACHE_SIZE:
+        _PER_FEATURE.clear()
+    _PER_FEATURE[id(monoid)] = (monoid, per)
+    return per
+
+
+def _feature_views(monoid, x, dim):
+    """``(views, dim, finish)`` of a monoid with vector inputs: its inputs ``x`` (scalar
+    ones of shape ``S``, vector ones ``S + (W,)``) as views of shape ``S + (W,)`` (the
+    scalar ones with stride 0 along the feature axis), ``dim`` normalized against ``S``,
+    and ``finish(outs)``, which keeps the vector outputs and takes feature 0 of each
+    scalar one (computed once per feature: a copy of a W-th of the vector outputs'
+    size). A feature axis of width 0 runs at width 1 (zeros), the vector outputs empty."""
+    data = [i for i in monoid.inputs if i.domain != "position"]
+    xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    if len(xs) != len(data):
+        raise ValueError(f"x: {monoid.name!r} takes {len(data)} data inputs, got {len(xs)} "
+                         f"tensors")
+    vec = next(t for i, t in zip(data, xs) if i.vector)
+    shape, width = tuple(vec.shape[:-1]), vec.shape[-1]
+    for j, (i, t) in enumerate(zip(data, xs)):
+        want = shape + (width,) if i.vector else shape
+        if tuple(t.shape) != want:
+            raise ValueError(f"x[{j}]: shape {tuple(t.shape)}, expected {want} (the inputs "
+                             f"broadcast to one shape, vector inputs with the feature axis "
+                             f"last)")
+    w = max(width, 1)
+    views = tuple((t if width else t.new_zeros(()).expand(*shape, 1)) if i.vector
+                  else t.unsqueeze(-1).expand(*shape, w) for i, t in zip(data, xs))
+    vector_out = [o.vector for o in monoid.finalize_graph.outputs]
+
+    def finish(outs):
+        return tuple((o if width else o[..., :0].contiguous()) if v else o[..., 0].contiguous()
+                     for o, v in zip(outs, vector_out))
+    return views, dim % max(len(shape), 1), finish
+
+
 def launch_reduce(monoid, x, dim, params=None):
     """Outputs of ``monoid`` reduced over ``dim`` of ``x`` (a tuple, batch shape). ``x``:
     a tensor, or for a monoid of several data inputs a tuple of tensors of one shape
-    (broadcast views), in the monoid's input order."""
+    (broadcast views), in the monoid's input order; vector inputs carry a trailing
+    feature axis (:func:`_per_feature`), and vector outputs too."""
+    per = _per_feature(monoid)
+    if per is not None:
+        views, dim, finish = _feature_views(monoid, x, dim)
+        return finish(launch_reduce(per, views, dim, params))
     xs, sig = _call_inputs(x)
     plan, outs = _planned(("reduce", id(monoid), sig, dim, _items(params)), monoid,
                           xs, plan_reduce, monoid, xs, dim, params)
@@ -1045,6 +1110,10 @@ def launch_segment_reduce(monoid, x, offsets, dim, params=None):
     """Outputs per segment (a tuple; ``dim`` replaced by the segments). Segments of more
     than 2^31 elements raise for monoids that read positions (:func:`_check_positions`;
     the segment lengths are read, a device sync, only when the dim itself is that long)."""
+    per = _per_feature(monoid)
+    if per is not None:
+        views, dim, finish = _feature_views(monoid, x, dim)
+        return finish(launch_segment_reduce(per, views, offsets, dim, params))
     xs, sig = _call_inputs(x)
     x = xs[0]
     n = x.shape[dim] if x.dim() else 1
@@ -1062,6 +1131,10 @@ def launch_segment_reduce(monoid, x, offsets, dim, params=None):
 def launch_scan(monoid, x, dim, reverse=False, params=None, out_dtype=None):
     """Finalized inclusive scan outputs (a tuple, shaped like ``x``; ``x`` as for
     :func:`launch_reduce`)."""
+    per = _per_feature(monoid)
+    if per is not None:
+        views, dim, finish = _feature_views(monoid, x, dim)
+        return finish(launch_scan(per, views, dim, reverse, params, out_dtype))
     xs, sig = _call_inputs(x)
     plan, outs = _planned(("scan", id(monoid), sig, dim, reverse, _items(params), out_dtype),
                           monoid, xs, plan_scan, monoid, xs, dim, reverse, params, out_dtype)
