@@ -185,7 +185,10 @@ class Geometry:
 
     def in_args(self) -> tuple:
         """``(sn, s0, s1, s2)`` as the kernels take them: tuples, one entry per input."""
-        ins = self.inputs or ((self.sn, self.s),)
+        ins = self.inputs
+        if not ins:
+            s = self.s
+            return (self.sn,), (s[0],), (s[1],), (s[2],)
         return (tuple([i[0] for i in ins]), tuple([i[1][0] for i in ins]),
                 tuple([i[1][1] for i in ins]), tuple([i[1][2] for i in ins]))
 
@@ -781,7 +784,7 @@ def plan_reduce(monoid: Monoid, x: torch.Tensor, dim: int, params=None, *, sms=N
     # split-K: partial states [rows, n_split], then an in-order combine of each row's states
     parts = _state_buffers(monoid, g.rows, n_split, x.device)
     pst = _parts_strides(g, n_split)
-    gp = dataclasses.replace(g, osn=0, o=pst)
+    gp = Geometry(g.N, g.sn, 0, g.B, g.s, pst, g.inputs)
     first = _reduce_launch(fns, xs, parts, (), x, gp, 1, n_split, chunk, cfg, state_out=True,
                            align_rows=align_rows)
     gs = Geometry(n_split, 1, 0, g.B, pst, g.o)
@@ -812,7 +815,7 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
     if g.rows == 0 or S == 0:
         return [], outs
     # tiles sized for the average segment
-    g_avg = dataclasses.replace(g, N=max(1, g.N // S))
+    g_avg = Geometry(max(1, g.N // S), g.sn, g.osn, g.B, g.s, g.o, g.inputs)
     cfg = reduce_config(g_avg, _elsize(xs), _is_ordered(monoid))
     if cfg.small:                        # segments may be longer than the average
         cfg = Config(cfg.K, 1, max(1, min(_p2(g.B[2]), _SHORT_TILE // cfg.K)), 4)
@@ -867,7 +870,7 @@ def plan_scan(monoid: Monoid, x: torch.Tensor, dim: int, reverse: bool = False, 
         return _plan_lookback(fns, xs, outs, fargs, g, LOOKBACK_CONFIG, rcfg), outs
     if n_split > 1:
         parts = _state_buffers(monoid, g.rows, n_split, x.device)
-        gp = dataclasses.replace(g, osn=0, o=_parts_strides(g, n_split))
+        gp = Geometry(g.N, g.sn, 0, g.B, g.s, _parts_strides(g, n_split), g.inputs)
         plan.append(_reduce_launch(fns, xs, parts, (), x, gp, 1, n_split, chunk, rcfg,
                                    state_out=True, align_rows=align_rows))
     else:
@@ -1094,12 +1097,15 @@ def launch_reduce(monoid, x, dim, params=None):
     """Outputs of ``monoid`` reduced over ``dim`` of ``x`` (a tuple, batch shape). ``x``:
     a tensor, or for a monoid of several data inputs a tuple of tensors of one shape
     (broadcast views), in the monoid's input order; vector inputs carry a trailing
-    feature axis (:func:`_per_feature`), and vector outputs too."""
-    per = _per_feature(monoid)
-    if per is not None:
-        views, dim, finish = _feature_views(monoid, x, dim)
-        return finish(launch_reduce(per, views, dim, params))
-    xs, sig = _call_inputs(x)
+    feature axis (:func:`_per_feature`; pass them as a tuple), and vector outputs too."""
+    if type(x) is torch.Tensor:          # one input: no per-feature lookup (host time)
+        xs, sig = (x,), _sig(x)
+    else:
+        per = _per_feature(monoid)
+        if per is not None:
+            views, dim, finish = _feature_views(monoid, x, dim)
+            return finish(launch_reduce(per, views, dim, params))
+        xs, sig = _call_inputs(x)
     plan, outs = _planned(("reduce", id(monoid), sig, dim, _items(params)), monoid,
                           xs, plan_reduce, monoid, xs, dim, params)
     _run(plan, xs[0].device)
@@ -1110,11 +1116,14 @@ def launch_segment_reduce(monoid, x, offsets, dim, params=None):
     """Outputs per segment (a tuple; ``dim`` replaced by the segments). Segments of more
     than 2^31 elements raise for monoids that read positions (:func:`_check_positions`;
     the segment lengths are read, a device sync, only when the dim itself is that long)."""
-    per = _per_feature(monoid)
-    if per is not None:
-        views, dim, finish = _feature_views(monoid, x, dim)
-        return finish(launch_segment_reduce(per, views, offsets, dim, params))
-    xs, sig = _call_inputs(x)
+    if type(x) is torch.Tensor:
+        xs, sig = (x,), _sig(x)
+    else:
+        per = _per_feature(monoid)
+        if per is not None:
+            views, dim, finish = _feature_views(monoid, x, dim)
+            return finish(launch_segment_reduce(per, views, offsets, dim, params))
+        xs, sig = _call_inputs(x)
     x = xs[0]
     n = x.shape[dim] if x.dim() else 1
     if n > _I31 and offsets.numel() > 1 and _fns(monoid).has_position:
@@ -1131,11 +1140,14 @@ def launch_segment_reduce(monoid, x, offsets, dim, params=None):
 def launch_scan(monoid, x, dim, reverse=False, params=None, out_dtype=None):
     """Finalized inclusive scan outputs (a tuple, shaped like ``x``; ``x`` as for
     :func:`launch_reduce`)."""
-    per = _per_feature(monoid)
-    if per is not None:
-        views, dim, finish = _feature_views(monoid, x, dim)
-        return finish(launch_scan(per, views, dim, reverse, params, out_dtype))
-    xs, sig = _call_inputs(x)
+    if type(x) is torch.Tensor:
+        xs, sig = (x,), _sig(x)
+    else:
+        per = _per_feature(monoid)
+        if per is not None:
+            views, dim, finish = _feature_views(monoid, x, dim)
+            return finish(launch_scan(per, views, dim, reverse, params, out_dtype))
+        xs, sig = _call_inputs(x)
     plan, outs = _planned(("scan", id(monoid), sig, dim, reverse, _items(params), out_dtype),
                           monoid, xs, plan_scan, monoid, xs, dim, reverse, params, out_dtype)
     _run(plan, xs[0].device)
