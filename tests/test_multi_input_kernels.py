@@ -412,6 +412,23 @@ def test_segments_forced_narrow_rows(monkeypatch):
 
 
 @interpreter
+@pytest.mark.parametrize("n", (20, 7), ids=("short", "small"))
+def test_ordered_segments_of_many_rows_keep_order(n):
+    """Segments of a non-commutative monoid along contiguous rows, few segments over many
+    rows (the planner narrows the row blocks to fill the SMs; segments of at most 16
+    elements on average take one-lane tiles): each lane still folds consecutive elements
+    in order."""
+    m = ex.LINEAR_RECURRENCE
+    a, b = _inputs(m, (200, 3 * n), seed=39)
+    offsets = torch.arange(0, 3 * n + 1, n)
+    want = R.segment_reduce_reference(m, (a, b), offsets, 1)
+    got = L.launch_segment_reduce(m, (a, b), offsets, 1)
+    _check(got, want, torch.float32, 1.0 + 2 * float(b.abs().sum(1).max()), "ordered segments")
+    plan, _ = L.plan_segment_reduce(m, (a, b), offsets, 1)
+    assert plan[0].kwargs["K"] > 1 and plan[0].kwargs.get("VFOLD"), plan[0].kwargs["K"]
+
+
+@interpreter
 def test_cached_plans_read_the_new_inputs():
     """A replayed plan (same signature) reads the call's own tensors, every one of them."""
     L.plan_cache_clear()

@@ -257,8 +257,10 @@ def test_vector_monoids_run_per_feature():
     from flashfold.kernels.reduce.generated import reduce_functions
     with pytest.raises(ValueError, match="monoid: the reduce/scan kernels take monoids of scalar"):
         reduce_functions(M.ATTENTION)
-    with pytest.raises(ValueError, match="x: 'attention' takes 2 data inputs, got 1"):
+    with pytest.raises(ValueError, match="runs per feature"):   # inputs come as a tuple
         L.launch_reduce(M.ATTENTION, torch.randn(2, 3), 1)
+    with pytest.raises(ValueError, match="x: 'attention' takes 2 data inputs, got 1"):
+        L.launch_reduce(M.ATTENTION, (torch.randn(2, 3),), 1)
     per = L._per_feature(M.ATTENTION)
     assert not per.has_vector and per.field_names == M.ATTENTION.field_names
     assert L._per_feature(M.SUM) is None

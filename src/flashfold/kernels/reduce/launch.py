@@ -817,6 +817,7 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
     # tiles sized for the average segment
     g_avg = Geometry(max(1, g.N // S), g.sn, g.osn, g.B, g.s, g.o, g.inputs)
     cfg = reduce_config(g_avg, _elsize(xs), _is_ordered(monoid))
+    ordered = _is_ordered(monoid)
     if cfg.small:                        # segments may be longer than the average
         cfg = Config(cfg.K, 1, max(1, min(_p2(g.B[2]), _SHORT_TILE // cfg.K)), 4)
     # few segments x row blocks: narrower row blocks (down to 32) to fill the SMs (at
@@ -825,7 +826,12 @@ def plan_segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, 
     while (cfg.ROWS > 32 and S * g.B[0] * g.B[1] * -(-g.B[2] // cfg.ROWS) < 4 * sms):
         rows = cfg.ROWS // 2
         k = min(cfg.K * 2, max(cfg.K, 2048 // rows)) if cfg.LANES == 1 else cfg.K
-        cfg = Config(k, cfg.LANES, rows, cfg.num_warps)
+        cfg = Config(k, cfg.LANES, rows, cfg.num_warps, vfold=cfg.vfold)
+    if ordered and cfg.K > 1 and not cfg.vfold:
+        # one lane of K consecutive elements (K elements per lane otherwise only come
+        # from VFOLD tiles): folded in order, not by tl.reduce
+        assert cfg.LANES == 1, cfg
+        cfg = Config(cfg.K, 1, cfg.ROWS, cfg.num_warps, vfold=True)
     launch = _reduce_launch(fns, xs, outs, fargs, offsets, g, ost[dim], S, 1, cfg,
                             segmented=True, align_rows=align_rows)
     return [launch], outs
