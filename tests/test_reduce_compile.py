@@ -28,13 +28,28 @@ def compiled():
     return {(row["name"], row["launch"]): row for row in json.loads(r.stdout.strip().splitlines()[-1])}
 
 
+#: spills accepted, each bounded so that growth shows: (variant, launch) -> bytes
+KNOWN_SPILLS_OTHER_PTXAS = {
+    # Triton 3.9's ptxas (CUDA 13) spills 8 bytes in the reduce-then-scan block scan since
+    # row maxima propagate NaN (tl.reduce over maximum(propagate_nan=ALL)); the ptxas of
+    # 3.6, the GPU machine's, spills nothing there, and the H200 measured no cost on the
+    # block scans (logcumsumexp 16K x 16K: fp32 1.000x, bf16 0.997x the time before)
+    ("scan logcumsumexp reduce-then-scan 1x2^22", 1): 8,
+}
+
+
 def test_every_variant_compiles_without_spills(compiled):
     """No spills, except the look-back scans, capped at 128 registers (two programs per
-    SM) at the price of a few spilled bytes (see launch._plan_lookback)."""
+    SM) at the price of a few spilled bytes (see launch._plan_lookback), and, with another
+    ptxas than the one the budgets were measured with, :data:`KNOWN_SPILLS_OTHER_PTXAS`."""
+    from compile_worker import spill_budgets_apply
+
     assert len(compiled) >= 30
+    known = {} if spill_budgets_apply() else KNOWN_SPILLS_OTHER_PTXAS
     spilled = {k: v["spill_stores"] for k, v in compiled.items()
                if v["spill_stores"] and not (v["kernel"] == "lookback_scan_kernel"
-                                             and v["spill_stores"] <= 64 and v["registers"] <= 128)}
+                                             and v["spill_stores"] <= 64 and v["registers"] <= 128)
+               and not v["spill_stores"] <= known.get(k, 0)}
     assert not spilled, spilled
 
 
