@@ -19,6 +19,7 @@ import flashfold as ff
 from flashfold import examples as ex
 from flashfold.api import reductions as api
 from flashfold.kernels.reduce import launch as L
+from plan_forcing import force, lookback_aggregates_only  # noqa: F401  (force: a fixture)
 from flashfold.monoids import ATTENTION, ATTENTION2
 from flashfold.kernels.reduce import reference as R
 from flashfold.testing import assert_close
@@ -257,23 +258,6 @@ def test_nonfinite_inputs_follow_the_reference(kernels):
 
 # --- every dispatch branch, forced ------------------------------------------------------------
 
-@pytest.fixture
-def force(monkeypatch):
-    def apply(reduce=None, split=None, states=None, scan=None, n64=None):
-        if reduce is not None:
-            monkeypatch.setattr(L, "reduce_config", lambda g, e, o, *a: reduce)
-        if states is not None:
-            monkeypatch.setattr(L, "states_config", lambda g, o: states)
-        if split is not None:
-            monkeypatch.setattr(L, "split_plan", lambda g, tile, n, sms, min_tiles=2: split)
-        if scan is not None:
-            monkeypatch.setattr(L, "scan_config", lambda g, e, *a: scan)
-            monkeypatch.setattr(L, "LOOKBACK_CONFIG", scan if scan.vec else C(16, 1, 1, 4, vec=2))
-        if n64 is not None:
-            monkeypatch.setattr(L, "_n64", lambda g, *e: n64)
-    return apply
-
-
 def _bcast(monoid, shape, seed):
     """The monoid's inputs, the first one broadcast along dim 0 (a stride-0 view)."""
     xs = _inputs(monoid, shape, seed=seed)
@@ -384,15 +368,7 @@ def test_look_back_scan(monoid, force, monkeypatch):
     ref = R.scan_reference(monoid, xs, 1)
     scale = 1.0 + 2 * float(xs[1].abs().sum(1).max()) if ordered else 4.0
     _check(L.launch_scan(monoid, xs, 1), ref, torch.float32, scale, "look-back")
-    monkeypatch.setattr(L, "LOOKBACK_TILES", 1)
-    monkeypatch.setattr(L, "LOOKBACK_WINDOW", 4)
-    orig = L._plan_lookback
-
-    def aggregates_only(*a, **k):
-        plan = orig(*a, **k)
-        plan[0].kwargs["INCLUSIVE"] = False
-        return plan
-    monkeypatch.setattr(L, "_plan_lookback", aggregates_only)
+    lookback_aggregates_only(monkeypatch)
     xs = _bcast(monoid, (1, 200), 37)                                    # 13 chunks
     _check(L.launch_scan(monoid, xs, 1), R.scan_reference(monoid, xs, 1), torch.float32,
            1.0 + 2 * float(xs[1].abs().sum(1).max()) if ordered else 4.0, "windows")

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import flashfold.monoids as M
 from flashfold.kernels.reduce import launch as L
+from plan_forcing import force  # noqa: F401  (a fixture)
 from flashfold.kernels.reduce import reference as R
 from flashfold.testing import assert_close
 
@@ -64,21 +65,6 @@ def check(monoid, outs, x, dim, params=None, name="", reduced=True):
         else:
             assert o.dtype == x.dtype, label
             assert_close(o, r, o.dtype, scale=scale, name=label)
-
-
-@pytest.fixture
-def force(monkeypatch):
-    """force(reduce=Config(...), split=(n_split, chunk) | None, ...)."""
-    def apply(reduce=None, split=None, states=None, n64=None):
-        if reduce is not None:
-            monkeypatch.setattr(L, "reduce_config", lambda g, e, o, *a: reduce)
-        if states is not None:
-            monkeypatch.setattr(L, "states_config", lambda g, o: states)
-        if split is not None:
-            monkeypatch.setattr(L, "split_plan", lambda g, tile, n, sms, min_tiles=2: split)
-        if n64 is not None:
-            monkeypatch.setattr(L, "_n64", lambda g, *e: n64)
-    return apply
 
 
 C = L.Config

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import flashfold as ff
 import flashfold.monoids as M
 from flashfold.kernels.reduce import launch as L
+from plan_forcing import force, lookback_aggregates_only  # noqa: F401  (force: a fixture)
 from flashfold.kernels.reduce import reference as R
 from flashfold.testing import assert_close
 
@@ -50,19 +51,6 @@ def check(monoid, outs, x, dim, reverse=False, name=""):
             assert torch.equal(o.double(), r.to(x.dtype).double()), label
         else:
             assert_close(o, r, o.dtype, scale=scale, name=label)
-
-
-@pytest.fixture
-def force(monkeypatch):
-    def apply(scan=None, split=None, reduce=None):
-        if scan is not None:
-            monkeypatch.setattr(L, "scan_config", lambda g, e, *a: scan)
-            monkeypatch.setattr(L, "LOOKBACK_CONFIG", scan if scan.vec else C(16, 1, 1, 4, vec=2))
-        if reduce is not None:
-            monkeypatch.setattr(L, "reduce_config", lambda g, e, o, *a: reduce)
-        if split is not None:
-            monkeypatch.setattr(L, "split_plan", lambda g, tile, n, sms, min_tiles=2: split)
-    return apply
 
 
 @pytest.mark.parametrize("n", (13, 37), ids=("small", "short"))
@@ -213,15 +201,7 @@ def test_look_back_walks_several_windows(force, monkeypatch):
     """Only chunk 0 publishes an inclusive prefix: every look-back folds aggregates over
     windows of 4 predecessors back to it, in order."""
     force(scan=C(16, 1, 1, 4, vec=2), split=(3, 64), reduce=C(1, 8, 1, 4))
-    monkeypatch.setattr(L, "LOOKBACK_TILES", 1)
-    monkeypatch.setattr(L, "LOOKBACK_WINDOW", 4)
-    orig = L._plan_lookback
-
-    def aggregates_only(*a, **k):
-        plan = orig(*a, **k)
-        plan[0].kwargs["INCLUSIVE"] = False
-        return plan
-    monkeypatch.setattr(L, "_plan_lookback", aggregates_only)
+    lookback_aggregates_only(monkeypatch)
     for monoid in (U.MAX_PREFIX_SUM, M.SUM):
         x = sample(monoid, (1, 200), seed=10)                      # 13 chunks
         check(monoid, L.launch_scan(monoid, x, 1), x, 1, False, "windows")

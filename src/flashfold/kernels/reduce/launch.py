@@ -1099,19 +1099,32 @@ def _feature_views(monoid, x, dim):
     return views, dim % max(len(shape), 1), finish
 
 
+def _route(monoid, x, dim):
+    """How a call's inputs ``x`` reach the kernels: ``(xs, sig, None)``, the data inputs and
+    their plan-cache signature, or ``(None, None, (per, views, dim, finish))`` for a monoid
+    with vector inputs or fields, which runs as its per-feature scalar monoid ``per`` on
+    ``views`` along ``dim`` and whose outputs ``finish`` assembles
+    (:func:`_per_feature`, :func:`_feature_views`). A single tensor skips the per-feature
+    lookup (host time of the common call)."""
+    if type(x) is torch.Tensor:
+        return (x,), _sig(x), None
+    per = _per_feature(monoid)
+    if per is not None:
+        views, dim, finish = _feature_views(monoid, x, dim)
+        return None, None, (per, views, dim, finish)
+    xs, sig = _call_inputs(x)
+    return xs, sig, None
+
+
 def launch_reduce(monoid, x, dim, params=None):
     """Outputs of ``monoid`` reduced over ``dim`` of ``x`` (a tuple, batch shape). ``x``:
     a tensor, or for a monoid of several data inputs a tuple of tensors of one shape
     (broadcast views), in the monoid's input order; vector inputs carry a trailing
     feature axis (:func:`_per_feature`; pass them as a tuple), and vector outputs too."""
-    if type(x) is torch.Tensor:          # one input: no per-feature lookup (host time)
-        xs, sig = (x,), _sig(x)
-    else:
-        per = _per_feature(monoid)
-        if per is not None:
-            views, dim, finish = _feature_views(monoid, x, dim)
-            return finish(launch_reduce(per, views, dim, params))
-        xs, sig = _call_inputs(x)
+    xs, sig, feat = _route(monoid, x, dim)
+    if feat is not None:
+        per, views, fdim, finish = feat
+        return finish(launch_reduce(per, views, fdim, params))
     plan, outs = _planned(("reduce", id(monoid), sig, dim, _items(params)), monoid,
                           xs, plan_reduce, monoid, xs, dim, params)
     _run(plan, xs[0].device)
@@ -1122,14 +1135,10 @@ def launch_segment_reduce(monoid, x, offsets, dim, params=None):
     """Outputs per segment (a tuple; ``dim`` replaced by the segments). Segments of more
     than 2^31 elements raise for monoids that read positions (:func:`_check_positions`;
     the segment lengths are read, a device sync, only when the dim itself is that long)."""
-    if type(x) is torch.Tensor:
-        xs, sig = (x,), _sig(x)
-    else:
-        per = _per_feature(monoid)
-        if per is not None:
-            views, dim, finish = _feature_views(monoid, x, dim)
-            return finish(launch_segment_reduce(per, views, offsets, dim, params))
-        xs, sig = _call_inputs(x)
+    xs, sig, feat = _route(monoid, x, dim)
+    if feat is not None:
+        per, views, fdim, finish = feat
+        return finish(launch_segment_reduce(per, views, offsets, fdim, params))
     x = xs[0]
     n = x.shape[dim] if x.dim() else 1
     if n > _I31 and offsets.numel() > 1 and _fns(monoid).has_position:
@@ -1146,14 +1155,10 @@ def launch_segment_reduce(monoid, x, offsets, dim, params=None):
 def launch_scan(monoid, x, dim, reverse=False, params=None, out_dtype=None):
     """Finalized inclusive scan outputs (a tuple, shaped like ``x``; ``x`` as for
     :func:`launch_reduce`)."""
-    if type(x) is torch.Tensor:
-        xs, sig = (x,), _sig(x)
-    else:
-        per = _per_feature(monoid)
-        if per is not None:
-            views, dim, finish = _feature_views(monoid, x, dim)
-            return finish(launch_scan(per, views, dim, reverse, params, out_dtype))
-        xs, sig = _call_inputs(x)
+    xs, sig, feat = _route(monoid, x, dim)
+    if feat is not None:
+        per, views, fdim, finish = feat
+        return finish(launch_scan(per, views, fdim, reverse, params, out_dtype))
     plan, outs = _planned(("scan", id(monoid), sig, dim, reverse, _items(params), out_dtype),
                           monoid, xs, plan_scan, monoid, xs, dim, reverse, params, out_dtype)
     _run(plan, xs[0].device)
