@@ -160,7 +160,6 @@ Why, and the host time it saves: ``docs/notes/decode.md``, "Plan cache and host 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -179,8 +178,6 @@ except ImportError:  # pragma: no cover
 from ...monoids import ATTENTION, ATTENTION2
 from .. import launcher, plans, tma
 from ..codegen import tile_step_functions, triton_monoid
-
-LOG2E = 1.0 / math.log(2.0)
 
 #: tokens per split in batch-invariant mode (a multiple of every BLOCK_N used), doubled
 #: for a sequence until its keys fit in INVARIANT_MAX_SPLITS splits (a function of the
