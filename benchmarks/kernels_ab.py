@@ -145,7 +145,7 @@ def _read(paths):
 
 def compare(before, after):
     b, a = _read(before), _read(after)
-    print(f"| row | before ms | after ms | after / before |\n|---|---:|---:|---:|")
+    print("| row | before ms | after ms | after / before |\n|---|---:|---:|---:|")
     for label in b:
         if label in a:
             print(f"| {label} | {b[label]:.4f} | {a[label]:.4f} | {a[label] / b[label]:.3f} |")

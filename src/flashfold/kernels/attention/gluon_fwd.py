@@ -230,15 +230,13 @@ if gluon is not None:
     @gluon.jit
     def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, step_scale,
                       BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, FIRST: gl.constexpr,
-                      STEP: gl.constexpr):
+                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STEP: gl.constexpr):
         """Key tile ``t``'s scores ``s = q k^T`` folded into the row state ``(m, l)``:
         ``(p, m', l', alpha)`` from ``STEP``, ATTENTION2's tile step generated as a Gluon
         function (:func:`flashfold.kernels.codegen.tile_step_functions`): in base 2,
         ``m' = max(m, rowmax(x c log2 e))``, ``p = 2^(x c log2 e - m')``, ``l' = alpha l +
         rowsum(p)``, ``alpha = 2^(m - m')`` with a finite pivot for a row that has seen no
-        key (the caller rescales its ``acc`` by ``alpha`` and adds ``p V``). ``FIRST``: the
-        state in is the identity ``(-inf, 0)``.
+        key (the caller rescales its ``acc`` by ``alpha`` and adds ``p V``).
 
         Scores ``x c`` (``c = step_scale``): without ``SOFTCAP`` ``x = qk``, ``c = scale``
         (the step forms ``qk (scale log2 e)`` in one FMA inside the ``exp2`` and takes the
@@ -268,10 +266,6 @@ if gluon is not None:
             if MASK_LEFT:
                 ok = ok & (c[None, :] >= key_lo[:, None])
             s = gl.where(ok, s, -float("inf"))
-        if FIRST:
-            rows: gl.constexpr = gl.SliceLayout(1, s.type.layout)
-            m = gl.full([s.shape[0]], -float("inf"), gl.float32, rows)
-            l = gl.zeros([s.shape[0]], gl.float32, rows)
         m, l, alpha, p = STEP(m, l, s, step_scale)
         return p, m, l, alpha
 
@@ -319,10 +313,13 @@ if gluon is not None:
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(slot), count=1)
-        # (FIRST: the state in is the identity, the m and l passed are not read)
-        p, m, l, alpha = _softmax_tile(s, s_zero, s_zero, t_lo, t_a, t_c, key_lo, key_hi,
-                                       kv_len, qk_scale, step_scale, BLOCK_N, MASK_LEFT,
-                                       MASK_RIGHT, SOFTCAP, True, STEP)
+        # from the monoid's identity (-inf, 0)
+        rows: gl.constexpr = gl.SliceLayout(1, s.type.layout)
+        m = gl.full([HALF], -float("inf"), gl.float32, rows)
+        l = gl.zeros([HALF], gl.float32, rows)
+        p, m, l, alpha = _softmax_tile(s, m, l, t_lo, t_a, t_c, key_lo, key_hi, kv_len,
+                                       qk_scale, step_scale, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                                       SOFTCAP, STEP)
         acc = gl.zeros([HALF, BLOCK_DV], gl.float32, o_layout)
 
         for j in range(1, n_kv):
@@ -341,7 +338,7 @@ if gluon is not None:
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, m, l, alpha = _softmax_tile(s, m, l, t_lo + j, t_a, t_c, key_lo, key_hi,
                                            kv_len, qk_scale, step_scale, BLOCK_N, MASK_LEFT,
-                                           MASK_RIGHT, SOFTCAP, False, STEP)
+                                           MASK_RIGHT, SOFTCAP, STEP)
             acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]

@@ -653,14 +653,13 @@ def _prepare(xs: tuple, dim: int, out_strides_fn):
     decided on their shape with each input's strides; copied to contiguous tensors only
     if more than three batch dims cannot merge (documented; a broadcast input is then
     materialized)."""
-    x = xs[0]
-    g = geometry(x.shape, xs[0].stride() if len(xs) == 1 else [t.stride() for t in xs],
-                 out_strides_fn(x), dim)
+    def geo(xs):
+        return geometry(xs[0].shape, xs[0].stride() if len(xs) == 1 else
+                        [t.stride() for t in xs], out_strides_fn(xs[0]), dim)
+    g = geo(xs)
     if g is None:
         xs = tuple(t.contiguous() for t in xs)   # documented: >3 unmergeable batch dims
-        x = xs[0]
-        g = geometry(x.shape, x.stride() if len(xs) == 1 else [t.stride() for t in xs],
-                     out_strides_fn(x), dim)
+        g = geo(xs)
     return xs, g
 
 
