@@ -593,8 +593,10 @@ def _sdpa_impl(name, w, kw, x) -> Impl:
         with sdpa_kernel([backend]):
             o = F.scaled_dot_product_attention(nested(qv), nested(kv), nested(vv), **kw)
         return o.transpose(1, 2).values()
+    # (capturing them in a CUDA graph fails and poisons the context for every later row)
     return Impl(name, f, lambda: (f(), None), (qv, kv, vv), dov,
-                common=lambda t: t.transpose(0, 1).unsqueeze(0))
+                common=lambda t: t.transpose(0, 1).unsqueeze(0),
+                not_capturable="nested tensors read their offsets on the host")
 
 
 def _fa4_impl(w, kw, x, fa4) -> Impl:
@@ -1113,6 +1115,10 @@ def _load_peers(ctx: Context, rows):
                 cfg.cache_size_limit = max(64, cfg.cache_size_limit)
                 if hasattr(cfg, "recompile_limit"):
                     cfg.recompile_limit = max(64, cfg.recompile_limit)
+                # the eager backward is timed as autograd.grad of a retained forward, which
+                # a compiled backward with donated buffers refuses
+                import torch._functorch.config as functorch_config
+                functorch_config.donated_buffer = False
                 ctx.flex = torch.compile(flex_attention, dynamic=False)
             else:
                 ctx.flex = flex_attention

@@ -39,7 +39,22 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
             ("dense-d64-one-tile-register-stores", False, "bfloat16", False, 64, None, False),
             ("dense-late-stats", False, "bfloat16", True, 128, None, None, True),
             ("causal-late-stats", True, "bfloat16", True, 128, None, None, True),
-            ("dense-persistent-late-stats", False, "bfloat16", False, 128, None, True, True)]
+            ("dense-persistent-late-stats", False, "bfloat16", False, 128, None, True, True),
+            # windows, softcap and padded head dims (the model rows: Mistral's window 4096,
+            # Phi-3's head_dim 96 with window 2047, Phi-2's 80, MiniLM's 32)
+            ("window", True, "bfloat16", None, 128, None, None, True, dict(left=300)),
+            ("window-left-only", False, "bfloat16", None, 128, None, None, True,
+             dict(left=300)),
+            ("window-two-sided", False, "bfloat16", None, 128, None, None, True,
+             dict(left=200, right=100)),
+            ("softcap", False, "bfloat16", None, 128, None, None, True, dict(softcap=30.0)),
+            ("softcap-window", True, "bfloat16", None, 128, None, None, True,
+             dict(left=300, softcap=30.0)),
+            ("d96-window", True, "bfloat16", None, 96, None, None, True, dict(left=300)),
+            ("d80", False, "bfloat16", None, 80, None, None, True),
+            ("d80-register-stores", False, "bfloat16", False, 80, None, False, True),
+            ("d32", False, "float16", None, 32, None, None),
+            ("d48-causal", True, "bfloat16", None, 48, None, None)]
 
 
 def _compile_all():
@@ -47,7 +62,8 @@ def _compile_all():
     from flashfold.kernels.aot import _run_on_cubin, compile_launch
     from flashfold.kernels.attention import gluon_bwd as G
 
-    def facts(causal, dtype, tma_store, D, pingpong, persistent, late_stats=False):
+    def facts(causal, dtype, tma_store, D, pingpong, persistent, late_stats=False,
+              features=None):
         q = torch.empty(2, 4, 1000, D, dtype=getattr(torch, dtype))
         k = torch.empty(2, 2, 1000, D, dtype=q.dtype)
         lam = torch.empty(2, 4, 1000)
@@ -56,11 +72,12 @@ def _compile_all():
                                                         causal=causal, scale=0.1, launch=False,
                                                         tma_store=tma_store, pingpong=pingpong,
                                                         persistent=persistent,
-                                                        late_stats=late_stats)
+                                                        late_stats=late_stats,
+                                                        **(features or {}))
         c = compile_launch(kernel, args, kwargs)
         sass = _run_on_cubin(c.cubin, "-sass")
         return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass, tma_store="UTMASTG" in sass,
-                    red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))))
+                    red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))), tma_store_asked=kwargs["STORE_TMA"])
 
     emit_rows(VARIANTS, facts)
 
@@ -78,7 +95,7 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     # cost 45% of the kernel's time in the first version: 363 against 641 TFLOP/s)
     assert r["tma_reduce"] and not r["red"], r["red"]
     # dK, dV leave by TMA stores exactly in the variants that ask for them
-    assert r["tma_store"] == next(v[3] for v in VARIANTS if v[0] == vid)
+    assert r["tma_store"] == r["tma_store_asked"]
 
 
 @pytest.mark.parametrize("early, late", [("dense", "dense-late-stats"),
@@ -172,11 +189,22 @@ def test_scope():
     from flashfold.kernels.attention.gluon_bwd import supported
     q, k, v = _qkv()
     assert supported(q, k, v, q) and supported(q, k, v, q, causal=True)
-    assert supported(*_qkv(D=64), _qkv(D=64)[0], causal=True)   # head_dim 64 or 128
-    assert not supported(*_qkv(D=96), _qkv(D=96)[0])
+    # head dims up to 128 (tiles of 64 or 128 columns: 80 and 96 run as 128), Dv = D
+    for d in (32, 48, 64, 80, 96, 128):
+        assert supported(*_qkv(D=d), _qkv(D=d)[0], causal=True), d
+    assert not supported(*_qkv(D=192), _qkv(D=192)[0])
+    assert not supported(*_qkv(D=256), _qkv(D=256)[0])
+    q3, k3, _ = _qkv(D=192)
+    assert not supported(q3, k3, _qkv(D=128)[2], q3)            # Dv != D
     assert not supported(*_qkv(dtype=torch.float32), _qkv(dtype=torch.float32)[0])
+    # windows and softcap, where every row sees a key (a right bound r: Nq <= Nk + r)
+    assert supported(q, k, v, q, causal=True, left=100) and supported(q, k, v, q, left=7)
+    assert supported(q, k, v, q, left=10, right=3) and supported(q, k, v, q, softcap=30.0)
+    assert not supported(q, k, v, q, softcap=0.0) and not supported(q, k, v, q, left=-1)
     q2, k2, v2 = _qkv(NQ=300, NK=200)
     assert supported(q2, k2, v2, q2) and not supported(q2, k2, v2, q2, causal=True)
+    assert supported(q2, k2, v2, q2, right=100) and not supported(q2, k2, v2, q2, right=99)
+    assert supported(q2, k2, v2, q2, left=3)
     assert not supported(q, k, v, q[:, :, :128])               # dO shaped like q
     assert not supported(q, k, v, q.transpose(2, 3).contiguous().transpose(2, 3))
 
@@ -199,14 +227,16 @@ def test_needs_the_tma_reduce_op():
                 assert gluon_bwd.eligible(q, k, v, q) is has
 
 
-def test_dispatch_sends_only_dense_and_causal_non_deterministic_calls():
-    """``prepare_backward`` builds the Gluon launch exactly for dense / causal calls in the
-    default mode without a config (``eligible`` mocked true; nothing runs)."""
+def test_dispatch_sends_non_deterministic_calls_without_mods_or_varlen():
+    """``prepare_backward`` builds the Gluon launch for dense, causal, windowed and
+    soft-capped calls in the default mode without a config, not for deterministic or
+    varlen ones (``eligible`` mocked true; nothing runs)."""
     from flashfold.kernels.attention import bwd, gluon_bwd
     calls = []
 
-    def fake(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, scale, launch):
-        calls.append(causal)
+    def fake(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, left, right, softcap, scale,
+             launch):
+        calls.append((left, right, softcap))
         assert dq_acc.dtype == torch.float32 and lam.shape == q.shape[:3]
         return ("gluon", (1,), (), {})
     q, k, v = _qkv(NQ=64, NK=64)
@@ -218,11 +248,14 @@ def test_dispatch_sends_only_dense_and_causal_non_deterministic_calls():
             return [launch[0] for launch in bwd.prepare_backward(
                 do, q, k, v, o, lse, scale=0.1, interpret=False, **kw)[3]]
         assert kernels()[1] == "gluon" and kernels(right=0)[1] == "gluon"
-        assert calls == [False, True]
-        for kw in (dict(deterministic=True), dict(atomic_dq=False), dict(left=8, right=0),
-                   dict(softcap=20.0), dict(right=4)):
+        assert kernels(left=8, right=0)[1] == "gluon" and kernels(softcap=20.0)[1] == "gluon"
+        assert calls == [(None, None, None), (None, 0, None), (8, 0, None), (None, None, 20.0)]
+        for kw in (dict(deterministic=True), dict(atomic_dq=False),
+                   dict(cu_seqlens_q=torch.tensor([0, 64], dtype=torch.int32),
+                        cu_seqlens_k=torch.tensor([0, 64], dtype=torch.int32),
+                        max_seqlen_q=64, max_seqlen_k=64)):
             assert "gluon" not in kernels(**kw), kw
-        assert calls == [False, True]
+        assert len(calls) == 4
 
 
 # --- numerics on the GPU -------------------------------------------------------------------
@@ -273,6 +306,84 @@ def test_gpu_gradients_flash_criterion(case, causal, D, dtype):
         assert err <= 2 * naive + 1e-5, f"d{name}: err {err:.2e} > 2 x naive {naive:.2e}"
 
 
+#: windows, softcap and padded head dims: (case, causal, D, window, softcap), the model
+#: rows' features at awkward sizes (Mistral's window, Phi-3's head_dim 96 with a window,
+#: Phi-2's 80, MiniLM's 32, a two-sided window, a window larger than the sequence)
+FEATURE_CASES = [
+    ((2, 4, 2, 1000, 1000), True, 128, (300, None), None),
+    ((1, 2, 1, 2049, 2049), True, 128, (128, None), None),
+    ((1, 2, 2, 700, 1500), True, 128, (257, None), None),
+    ((1, 2, 2, 1000, 1000), False, 128, (200, 100), None),
+    ((1, 2, 2, 1000, 1000), False, 128, (300, None), None),
+    ((1, 2, 2, 300, 700), False, 128, (None, 5), None),
+    ((1, 2, 2, 63, 63), True, 128, (5000, None), None),
+    ((2, 4, 2, 1000, 1000), False, 128, None, 20.0),
+    ((1, 3, 3, 1000, 1000), True, 128, (300, None), 30.0),
+    ((1, 2, 1, 1000, 1000), True, 96, (511, None), None),
+    ((1, 2, 2, 1000, 1000), False, 96, None, None),
+    ((1, 2, 2, 1000, 1000), True, 80, None, None),
+    ((2, 4, 2, 1000, 1000), False, 80, None, None),
+    ((1, 2, 2, 1000, 1000), False, 32, None, None),
+    ((1, 2, 2, 700, 1000), True, 48, (100, None), 10.0),
+]
+
+
+@pytest.mark.parametrize("case, causal, D, window, softcap", FEATURE_CASES,
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
+                         else str(x))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.gpu
+def test_gpu_window_softcap_and_padded_head_dims_flash_criterion(case, causal, D, window,
+                                                                 softcap, dtype):
+    _needs_sm90()
+    import flashfold as ff
+    from flashfold.kernels.attention import gluon_bwd
+    B, HQ, HK, NQ, NK = case
+    g = torch.Generator(device="cuda").manual_seed(hash((case, D)) % 1000)
+    q = torch.randn(B, HQ, NQ, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    do = torch.randn(B, HQ, NQ, D, device="cuda", dtype=dtype, generator=g)
+    scale = 1 / math.sqrt(D)
+    win = None if window is None else tuple(-1 if w is None else w for w in window)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with mock.patch.object(gluon_bwd, "gluon_attention_bwd",
+                           wraps=gluon_bwd.gluon_attention_bwd) as spy:
+        ff.attention(*leaves, causal=causal, window=win, softcap=softcap).backward(do)
+    assert spy.call_count == 1
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    _reference(*ref, causal, scale, window=win, softcap=softcap)[0].backward(do.double())
+    low = [t.clone().requires_grad_() for t in (q, k, v)]
+    _naive_lowp(*low, causal, scale, window=win, softcap=softcap).backward(do)
+    for name, a, r, n in zip("qkv", leaves, ref, low):
+        assert torch.isfinite(a.grad).all(), f"d{name} not finite"
+        err = (a.grad.double() - r.grad).abs().max().item()
+        naive = (n.grad.double() - r.grad).abs().max().item()
+        assert err <= 2 * naive + 1e-5, f"d{name}: err {err:.2e} > 2 x naive {naive:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_window_nonfinite_hidden_keys_reach_no_gradient():
+    """A window hides keys inside the tiles the kernel loads: a NaN in the k and v of a
+    key that no row sees, in a key tile that rows 0-83 load (keys 256-383; rows see keys
+    from r + 300 on), reaches no gradient (the flag and the strict recompute), and the
+    key's own dk, dv are 0."""
+    _needs_sm90()
+    import flashfold as ff
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, do = (torch.randn(1, 2, 1000, 128, device="cuda", dtype=torch.bfloat16,
+                               generator=g) for _ in range(4))
+    k[:, :, 290] = float("nan")
+    v[:, :, 290] = float("nan")
+    q2 = q[:, :, 500:]          # rows r see keys r + 300 .. r + 500: key 290 hidden
+    do2 = do[:, :, 500:]
+    leaves = [t.clone().requires_grad_() for t in (q2, k, v)]
+    ff.attention(*leaves, causal=True, window=(200, 0)).backward(do2)
+    dq, dk, dv = (t.grad for t in leaves)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert (dk[:, :, :300] == 0).all() and (dv[:, :, :300] == 0).all()
+
+
 @pytest.mark.gpu
 def test_gpu_agrees_with_the_triton_kernels_and_strided_layouts():
     """``(B, N, H, D)`` storage and GQA: the Gluon backward and the deterministic Triton
@@ -313,8 +424,8 @@ def _gluon_variants(causal, D, variants, nk=900):
     scale = 1 / math.sqrt(D)
     right = 0 if causal else None
     o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
-    dq, dk, dv, (pre, main, conv) = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
-                                                         right=right)
+    dq, dk, dv, launches = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale, right=right)
+    pre, main, conv = launches[:3]     # (then, causal, the strict recompute guarded by a flag)
     assert main[0] is gluon_bwd._attn_bwd_ws
     dd, lam, acc = pre[2][4], pre[2][5], pre[2][6]
     got = []

@@ -360,7 +360,8 @@ def _gluon_path(c: Case, dtype, monkeypatch, fake, lse_edit=None):
     ``(dq, dk, dv, launches, flag)`` (the flag: the preprocess's last argument)."""
     from flashfold.kernels.attention import gluon_bwd
 
-    def gluon(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, scale, launch):
+    def gluon(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, left, right, softcap, scale,
+              launch):
         return ("gluon", (1,), (dq_acc, dk, dv), {})
     monkeypatch.setattr(gluon_bwd, "eligible", lambda *a, **kw: True)
     monkeypatch.setattr(gluon_bwd, "gluon_attention_bwd", gluon)
@@ -457,7 +458,8 @@ def test_dense_gluon_calls_need_no_guard(monkeypatch):
 # --- the GPU: the Gluon path (sm_90) and the Triton paths at real sizes ---------------------------
 
 #: (id, Case keywords at real sizes, the backward's keywords): the Gluon path (bf16, d128,
-#: causal, default mode), the deterministic Triton kernels, a window and a mask_mod
+#: causal, default mode; windows, head_dim 96 padded), the deterministic Triton kernels
+#: and a mask_mod
 GPU_CASES = [
     ("causal-v", dict(NQ=1000, NK=1000, HQ=4, HK=2, D=128, right=0,
                       poison=dict(v=[((0, 1, 700), NAN)])), {}),
@@ -472,6 +474,8 @@ GPU_CASES = [
                         poison=dict(k=[((0, 0, 513), NAN)], do=[((0, 1, 77), NAN)])), {}),
     ("window", dict(NQ=1000, NK=1000, HQ=2, HK=2, D=128, left=100, right=30,
                     poison=dict(k=[((0, 0, 500), NAN)], q=[((0, 1, 250), NAN)])), {}),
+    ("window-d96", dict(NQ=1000, NK=1000, HQ=4, HK=2, D=96, left=300, right=0,
+                        poison=dict(v=[((0, 1, 290), NAN)], k=[((0, 0, 810), NAN)])), {}),
     ("key-padding", dict(B=2, NQ=600, NK=600, HQ=2, HK=2, D=128,
                          mask_mod=mods.key_padding_mask(torch.tensor([555, 300])),
                          poison=dict(k=[((0, 0, 590), NAN), ((1, 1, 400), NAN)],

@@ -181,9 +181,9 @@ _ATT_CEIL = re.compile(r"matmul 8192\^3 in this run:\s*([\d.]+)\s*TFLOP/s")
 _DEC_ROW = re.compile(r"^\s*batch\s+(\d+)\s+len\s+(\d+)\s*\(.*?\):\s*(.*)$")
 _DEC_COPY = re.compile(r"== device copy:\s*([\d.]+)\s*GB/s")
 _RED_COPY = re.compile(r"copy of 1 GiB:.*?=\s*([\d.]+)\s*GB/s")
-_RED_ROW = re.compile(r"^\s*(\S.*?)\s{2,}(\S+(?: dim \d+| /\d+)?)\s+(float32|bfloat16|float16)\s+"
+_RED_ROW = re.compile(r"^\s*(\S.*?)\s+(\d+x\d+(?: dim \d+| /\d+)?)\s+(float32|bfloat16|float16)\s+"
                       r"([\d.]+) ms\s+([\d.]+) GB/s\s*\|\s*torch\s+([\d.]+|nan) ms")
-_RED_GRAPH = re.compile(r"\|\s*graph\s+([\d.]+) ms\s+torch\s+([\d.]+) ms")
+_RED_GRAPH = re.compile(r"\|\s*graph\s+([\d.]+) ms\s+torch\s+([\d.]+|nan) ms")
 _VERSIONS = re.compile(r"torch\s+([\w.+]+),\s*triton\s+([\w.]+),\s*(NVIDIA [^,]+)")
 _DATE = re.compile(r"(20\d\d-\d\d-\d\d)")
 
@@ -363,7 +363,9 @@ def parse_reductions(text: str) -> Run:
             times["torch"] = float(tms)
         g = _RED_GRAPH.search(line)
         if g:
-            times["flashfold graph"], times["torch graph"] = float(g.group(1)), float(g.group(2))
+            times["flashfold graph"] = float(g.group(1))
+            if g.group(2) != "nan":
+                times["torch graph"] = float(g.group(2))
         key = (op, shape, dtype)
         if key not in seen:
             seen.add(key)
@@ -1059,8 +1061,10 @@ def _red_table(run: Run) -> list[str]:
         v, t, pr = r["values"], r.get("ms", {}), r.get("printed", {})
         copy = f"{100 * v['flashfold'] / run.ceiling:.1f}%" if run.ceiling else "-"
         sp = t["torch"] / t["flashfold"] if t.get("torch") and t.get("flashfold") else None
-        gsp = t["torch graph"] / t["flashfold graph"] if t.get("flashfold graph") else None
+        gsp = (t["torch graph"] / t["flashfold graph"]
+               if t.get("flashfold graph") and t.get("torch graph") else None)
         sp, gsp = pr.get("speedup", sp), pr.get("graph speedup", gsp)
+        sp, gsp = (x if x is not None and math.isfinite(x) else None for x in (sp, gsp))
         rows.append([r["op"], r["shape"], r["dtype"], _f(t.get("flashfold"), 3),
                      _f(v["flashfold"]), copy, _f(t.get("torch"), 3), _f(v.get("torch")),
                      f"{sp:.2f}x" if sp else "-", _f(t.get("flashfold graph"), 3),

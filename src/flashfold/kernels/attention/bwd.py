@@ -62,11 +62,11 @@ Kernels (one template each; constexpr flags as in :mod:`.fwd`):
   and accumulates ``dQ`` in registers, written once.
 * ``_dq_convert`` (atomic mode): ``dQ = scale * acc`` in the input dtype.
 
-On sm_90, dense and causal calls at head_dim 128 in the default mode (no softcap, mods,
-window or varlen, no explicit ``config``) run the warp-specialized Gluon kernel of
-:mod:`.gluon_bwd` between the preprocess and the conversion instead: dK, dV and a dQ
-added by TMA reduce-adds in one pass (H200, head_dim 128: 0.90-0.99x cuDNN, 1.25-1.42x
-these kernels; ``benchmarks/RESULTS.md``).
+On sm_90, calls with one head dim up to 128 in the default mode (dense, causal, windowed
+or soft-capped; no mods, varlen or explicit ``config``) run the warp-specialized Gluon
+kernel of :mod:`.gluon_bwd` between the preprocess and the conversion instead: dK, dV and
+a dQ added by TMA reduce-adds in one pass (H200, head_dim 128: 0.90-0.99x cuDNN,
+1.25-1.42x these kernels; ``benchmarks/RESULTS.md``).
 
 Modes: ``deterministic=True`` runs preprocess, dK/dV (no atomics) and the dQ kernel: every
 sum has a fixed order, so two runs are bitwise equal. The default mode adds ``dQ`` with fp32
@@ -1113,11 +1113,13 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     atomic = bool(atomic_dq) and not deterministic
     if use_tma and not tma_ok(do):
         do = do.contiguous()        # documented: e.g. the expanded (stride 0) gradient of .sum()
-    # dense or causal calls at head_dim 128 on sm_90: the warp-specialized Gluon kernel
-    # (dK, dV and the atomic dQ in one pass; gluon_bwd), unless deterministic
+    # sm_90, head dims up to 128, dense, causal, windowed or soft-capped: the
+    # warp-specialized Gluon kernel (dK, dV and the atomic dQ in one pass; gluon_bwd),
+    # unless deterministic or with mods or varlen
     use_gluon = (not deterministic and gluon_allowed and config is None
-                 and not features and left is None and right in (None, 0) and not varlen
-                 and not interp and gluon_bwd.eligible(q, k, v, do, causal=right == 0))
+                 and score_mod is None and block_mask is None and not varlen
+                 and not interp and gluon_bwd.eligible(q, k, v, do, left=left, right=right,
+                                                       softcap=softcap))
     atomic = atomic or use_gluon
     # calls that can hide keys inside the tiles they load (causal, window, mask, varlen:
     # rule 4 of the attention API's docstring) raise a flag when an output is not finite
@@ -1125,13 +1127,15 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     # gradient); the strict kernels, guarded by the flag, then recompute dq, dk, dv. The
     # Triton kernels select P and dS to 0 at hidden pairs and check dq, dk, dv in their
     # epilogues. The Gluon kernel is unchanged (its step loop and registers are tuned):
-    # in its scope (causal, Nq <= Nk: every row sees a key, every key is seen) a
-    # non-finite q, dO, dlse, lse or o of a row makes that row's dq non-finite, and a
-    # non-finite k or v of a key makes dq non-finite in the rows that see it, except a
-    # row whose visible scores are all -inf (lse = -inf); so the conversion of the dQ
+    # in its scope (every row sees a key) a non-finite q, dO, dlse, lse or o of a row
+    # makes that row's dq non-finite, and a non-finite k or v of a key makes dq
+    # non-finite in every row of the tiles that load it (visible: through dS; hidden:
+    # the pair's zero times k, or P = 0 times a NaN dP), except a row whose visible
+    # scores are all -inf (lse = -inf). Every leak (a hidden pair's zero times a
+    # non-finite input) so comes with a non-finite dq row, and the conversion of the dQ
     # accumulator flags a non-finite dq or a row with lse = -inf.
-    hides = STRICT_NONFINITE and ((right == 0) if use_gluon else (
-        left is not None or right is not None or block_mask is not None or varlen))
+    hides = STRICT_NONFINITE and (
+        left is not None or right is not None or block_mask is not None or varlen)
     flag = plans.new((1,), dtype=torch.int32, device=dev) if hides else None
     dq = _alloc((B, HQ, NQ, D), dtype=q.dtype, device=dev)
     dq_acc = plans.new((B, HQ, NQ, D), dtype=torch.float32, device=dev) if atomic else dq
@@ -1249,7 +1253,8 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     # 2. dK, dV (and the atomic dQ)
     if use_gluon:
         launches.append(gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv,
-                                                      causal=right == 0, scale=scale,
+                                                      causal=False, left=left, right=right,
+                                                      softcap=softcap, scale=scale,
                                                       launch=False))
         # (the Gluon kernel itself is unchanged: see the flag's rule above)
         launches.append(_convert_launch(dq_acc, dq, scale, flag,

@@ -59,11 +59,23 @@ by the TMA's fill): ``S = 0``, ``P = 1``, ``dP = dS = 0``, so they add nothing t
 and get ``P = 0`` (``2^{-lambda}`` could overflow); their ``dK``, ``dV`` rows are not
 written (clipped by the TMA stores, masked otherwise).
 
-Scope (:func:`supported`): fp16/bf16, head_dim 64 or 128 (the same template: at 64 the
-warpgroups own 32 dQ columns each, with no spills, a ring one stage deeper (:data:`STAGES`)
-and 133 KB of shared memory, 149 KB in persistent programs; H200, eager backward at
-0.94-1.01x cuDNN's: ``docs/notes/attention_bwd.md``, "Head_dim 64 on the Gluon kernel"),
-dense or causal with ``Nq <= Nk``, GQA, unit last stride and
+Constexpr flags of the one template: ``MASK_LEFT`` / ``MASK_RIGHT``, the window's sides
+(causal is a right side of 0; key ``c`` is visible to row ``r`` iff ``r + off - left <=
+c <= r + off + right``, ``off = Nk - Nq``): a key tile walks only the query tiles whose
+rows see one of its keys (:func:`_program`) and every step selects ``P`` to 0 at hidden
+pairs, branch-free, from two per-key row bounds; ``SOFTCAP``: scores ``s = c tanh(x
+scale / c)`` recomputed as in the forward (``tanh = 1 - 2 rc``, ``rc = 1 / (2^(x
+qk_scale) + 1)``) and ``ds/dx = scale 4 rc (1 - rc)`` folded into ``P`` once ``P^T dO``
+is issued; ``BLOCK_D`` (64 or 128, :func:`block_d`) against ``HEAD_DIM``: head dims
+below a tile width run padded (TMA reads the columns past ``D`` as zeros and clips them
+on the way out; the register stores mask them).
+
+Scope (:func:`supported`): fp16/bf16, one head dim up to 128 for q, k and v (the same
+template: at tile width 64 the warpgroups own 32 dQ columns each, with no spills, a ring
+one stage deeper (:data:`STAGES`) and 133 KB of shared memory, 149 KB in persistent
+programs; H200, eager backward at 0.94-1.01x cuDNN's: ``docs/notes/attention_bwd.md``,
+"Head_dim 64 on the Gluon kernel"), dense, causal, windowed (rows that all see a key: a
+right bound ``r`` needs ``Nq <= Nk + r``) and soft-capped, GQA, unit last stride and
 TMA-compatible strides; the default (non-deterministic) mode: the order of the dQ adds
 varies between runs, as with the Triton kernels' atomic dQ.
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
@@ -93,7 +105,7 @@ BLOCK_N = 128
 #: shared memory) but helps only d64, whose steps are half as long (H200, kernel alone, 3 /
 #: 2 stages: d64 1.00-1.04, d128 0.96-1.03, where ptxas spills 136 bytes against 112;
 #: ``docs/notes/attention_bwd.md``, "Q/dO ring depth per head dim")
-STAGES = {64: 3, 128: 2}
+STAGES = {64: 3, 128: 2}     # by block_d
 #: dense calls store dK, dV by TMA while a program has at most this many steps
 #: (see :func:`store_tma`)
 STORE_TMA_MAX_STEPS = 32
@@ -106,62 +118,69 @@ if gluon is not None:
 
     @gluon.jit
     def _program(pid, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-        """This program's key tile ``n`` of ``(b, hk)``, the first query tile that sees it
-        (``m_lo``) and where its walk over the query tiles starts (``m_0``, see
-        :func:`_query_tile`). Programs run in groups of ``wave_heads`` heads (the last
-        group may have fewer), tile-major inside a group: tile 0 of each of its heads,
-        then tile 1, ... (:func:`wave_heads`)."""
-        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+        """This program's key tile ``n`` of ``(b, hk)``, the query tiles ``[m_lo, m_hi)``
+        whose rows see a key of it (key ``c`` is visible to row ``r`` iff ``r + off - left
+        <= c <= r + off + right``, ``off = Nk - Nq``, each side only when bounded) and
+        where its walk over them starts (``m_0``, see :func:`_query_tile`). Programs run in
+        groups of ``wave_heads`` heads (the last group may have fewer), tile-major inside a
+        group: tile 0 of each of its heads, then tile 1, ... (:func:`wave_heads`)."""
+        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
         first = (pid // (wave_heads * n_n)) * wave_heads
         heads = gl.minimum(wave_heads, n_bh - first)
         r = pid - first * n_n
         n = r // heads
         bh = first + r % heads
+        n_m = gl.cdiv(q_len, BLOCK_M)
         m_lo = 0
+        m_hi = n_m
         m_0 = 0
-        if CAUSAL:
-            m_lo = gl.maximum(n * BLOCK_N - (kv_len - q_len), 0) // BLOCK_M
-        else:
-            m_0 = (n * (BLOCK_N // BLOCK_M)) % gl.cdiv(q_len, BLOCK_M)
-        return bh // heads_k, bh % heads_k, n, m_lo, m_0
+        if MASK_RIGHT:
+            m_lo = gl.maximum(n * BLOCK_N - (kv_len - q_len) - right, 0) // BLOCK_M
+        if MASK_LEFT:
+            last = gl.minimum(n * BLOCK_N + BLOCK_N, kv_len) - 1 - (kv_len - q_len) + left
+            m_hi = gl.maximum(gl.minimum(gl.maximum(last, -1) // BLOCK_M + 1, n_m), m_lo)
+        if not MASK_LEFT and not MASK_RIGHT:
+            m_0 = (n * (BLOCK_N // BLOCK_M)) % n_m
+        return bh // heads_k, bh % heads_k, n, m_lo, m_hi, m_0
 
     @gluon.jit
-    def _query_tile(i, m_lo, m_0, n_m):
-        """Query tile of step ``i`` (``m_lo <= i < n_m``): the tiles ``m_lo .. n_m - 1``
+    def _query_tile(i, m_lo, m_0, m_hi):
+        """Query tile of step ``i`` (``m_lo <= i < m_hi``): the tiles ``m_lo .. m_hi - 1``
         rotated to start at ``m_lo + m_0``. Dense programs of one head would otherwise all
         start at tile 0 and walk in lockstep, adding into the same dQ rows at the same
-        time; causal ones start at their diagonal (``m_0 = 0``), already spread (H200:
+        time; bounded ones start at their first tile (``m_0 = 0``), already spread (H200:
         dense rows +1-3% at N = 1K-16K; ``docs/notes/attention_bwd.md``, "Staggered walks
         over the query tiles")
-        With ``0 <= m_0 < n_m - m_lo`` (:func:`_program`) one subtraction wraps it: a
-        ``%`` by the traced ``n_m - m_lo`` cost an integer division per step, and in the
+        With ``0 <= m_0 < m_hi - m_lo`` (:func:`_program`) one subtraction wraps it: a
+        ``%`` by the traced ``m_hi - m_lo`` cost an integer division per step, and in the
         causal kernel (``m_0 = 0``: the identity) its registers spilled 148 -> 64 bytes."""
         x = i + m_0
-        return gl.where(x < n_m, x, x - (n_m - m_lo))
+        return gl.where(x < m_hi, x, x - (m_hi - m_lo))
 
     @gluon.jit
     def _producer_tile(t, j, descs, bufs, bars, shape, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                       MASK_RIGHT: gl.constexpr):
         """Key tile ``t``'s loads: ``K`` and ``V`` once, then ``Q``, ``dO``, ``lambda`` and
         ``D`` of every step (query head ``g`` of the group, query tile ``m``) into the
         ring, whose position ``j`` counts on across tiles; returns it."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
-        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
-        b, hk, n, m_lo, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, CAUSAL)
+        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
+        b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                             MASK_RIGHT)
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
-        n_m = gl.cdiv(q_len, BLOCK_M)
         j = gl.to_tensor(j)      # (a one-tile program passes the literal 0)
         for g in range(group):
             hq = hk * group + g
-            for i in range(m_lo, n_m):
-                m = _query_tile(i, m_lo, m_0, n_m)
+            for i in range(m_lo, m_hi):
+                m = _query_tile(i, m_lo, m_0, m_hi)
                 slot = j % STAGES
                 mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(slot), nbytes)
@@ -178,23 +197,24 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+                      STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
         """TMA loads of the program's key tile, or (``PERSISTENT``) of key tiles ``pid,
         pid + grid, ...``, each tile's ``K``, ``V`` once both consumers have released the
         previous one (``kv_empty``)."""
         if PERSISTENT:
-            q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
+            q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
             kv_empty = bars[1]
             j = 0
             r = 0
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
                 mbarrier.wait(kv_empty, (r & 1) ^ 1)
                 j = _producer_tile(t, j, descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
-                                   CAUSAL)
+                                   MASK_LEFT, MASK_RIGHT)
                 r += 1
         else:
             _producer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, BLOCK_M, BLOCK_N,
-                           STAGES, CAUSAL)
+                           STAGES, MASK_LEFT, MASK_RIGHT)
 
     @gluon.jit
     def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, buf):
@@ -223,8 +243,9 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                       SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                        LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
@@ -234,34 +255,37 @@ if gluon is not None:
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
-        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
-        DK, DV, qk_scale, scale = ptrs
+        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
+        DK, DV, qk_scale, scale, cap_log2e = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2     # columns of this warpgroup's dQ add
+        DQ_COLS: gl.constexpr = BLOCK_D // 2     # columns of this warpgroup's dQ add
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
-        acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
+        acc_layout: gl.constexpr = _wgmma_layout(BLOCK_D)
         dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
-        b, hk, n, m_lo, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, CAUSAL)
-        k_w = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
-        v_w = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=0)
-        k_cols = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
+        b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                             MASK_RIGHT)
+        k_w = k_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
+        v_w = v_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
+        k_cols = k_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
         keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-        first_key = keys - (kv_len - q_len)        # causal: row r sees key c iff c - off <= r
         key_ok = keys < kv_len
+        # the rows that see key c: first_row(c) <= r <= last_row(c) (see _program); a key
+        # past Nk has no first row
+        first_row = gl.where(key_ok, keys - (kv_len - q_len) - right, q_len + BLOCK_M)
+        last_row = keys - (kv_len - q_len) + left
         qcols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-        dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
-        n_m = gl.cdiv(q_len, BLOCK_M)
+        dk = gl.zeros([HALF, BLOCK_D], gl.float32, acc_layout)
+        dv = gl.zeros([HALF, BLOCK_D], gl.float32, acc_layout)
         mbarrier.wait(kv_ready, r & 1)
         # dQ runs a step late (see the module docstring): a tile's first step adds the
         # product of a zeroed dS buffer ("step -1", see _bwd_consumer) to its own rows,
         # which adds nothing
-        m_prev = _query_tile(m_lo, m_lo, m_0, n_m)
+        m_prev = _query_tile(m_lo, m_lo, m_0, m_hi)
         hq_prev = hk * group
         if not PERSISTENT:
             ds_bufs.index(1).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
@@ -273,12 +297,12 @@ if gluon is not None:
         # docs/notes/attention_bwd.md, "Flat GQA walk")
         for g in range(group):
             hq = hk * group + g
-            for i in range(m_lo, n_m):
-                m = _query_tile(i, m_lo, m_0, n_m)
+            for i in range(m_lo, m_hi):
+                m = _query_tile(i, m_lo, m_0, m_hi)
                 slot = j % STAGES
                 mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
-                q_s = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-                do_s = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                q_s = q_bufs.index(slot).reshape([BLOCK_M, BLOCK_D])
+                do_s = do_bufs.index(slot).reshape([BLOCK_M, BLOCK_D])
                 _take_turn(turn, j, WG, PINGPONG)     # (see pingpong_default)
                 st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)
@@ -296,13 +320,29 @@ if gluon is not None:
                 if LATE_STATS:
                     lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
-                p = gl.exp2(st * qk_scale - lam[None, :])
-                if CAUSAL:      # branch-free: a branch here doubled the live registers
-                    p = gl.where(first_key[:, None] <= m * BLOCK_M + qcols[None, :], p, 0.0)
+                if SOFTCAP:
+                    # s = cap tanh(x scale / cap), tanh = 1 - 2 rc with rc = 1 / (2^(x
+                    # qk_scale) + 1) (the forward's form); ds/dx = scale (1 - tanh^2) =
+                    # scale 4 rc (1 - rc) (exact where tanh rounds to +-1), folded into P
+                    # once P V is issued
+                    rc = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
+                                                   [gl.exp2(st * qk_scale) + 1.0],
+                                                   dtype=gl.float32, is_pure=True, pack=1)
+                    p = gl.exp2((1.0 - 2.0 * rc) * cap_log2e - lam[None, :])
+                else:
+                    p = gl.exp2(st * qk_scale - lam[None, :])
+                # branch-free masks (a branch here doubled the live registers)
+                rows = m * BLOCK_M + qcols[None, :]
+                if MASK_RIGHT:      # (keys past Nk included: see first_row)
+                    p = gl.where(first_row[:, None] <= rows, p, 0.0)
                 elif MASK_TAIL_KEYS:    # keys past Nk: P could overflow (lse far below 0)
                     p = gl.where(key_ok[:, None], p, 0.0)
+                if MASK_LEFT:
+                    p = gl.where(rows <= last_row[:, None], p, 0.0)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_s, dv, is_async=True)
+                if SOFTCAP:     # P's only other use is dS: fold ds/dx in now, rc dies
+                    p = p * (4.0 * rc * (1.0 - rc))
                 if not LATE_STATS:
                     dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
@@ -355,17 +395,19 @@ if gluon is not None:
                 mbarrier.wait(q_empty.index(s), (uses - 1) & 1)    # unused: parity 1 passes
             dk_smem = q_bufs.index(WG)
             dv_smem = do_bufs.index(WG)
-            dk_smem.reshape([HALF, HEAD_DIM]).store((dk * scale).to(dtype))
-            dv_smem.reshape([HALF, HEAD_DIM]).store(dv.to(dtype))
+            dk_smem.reshape([HALF, BLOCK_D]).store((dk * scale).to(dtype))
+            dv_smem.reshape([HALF, BLOCK_D]).store(dv.to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(DK, [b, hk, row0, 0], dk_smem)
             tma.async_copy_shared_to_global(DV, [b, hk, row0, 0], dv_smem)
         else:
             out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-            dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+            dcols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
             kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
             offs = (kv_base + out_rows)[:, None] * HEAD_DIM + dcols[None, :]
             ok = (out_rows < kv_len)[:, None]
+            if HEAD_DIM < BLOCK_D:
+                ok = ok & (dcols < HEAD_DIM)[None, :]
             gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
             gl.store(DV + offs, dv.to(dtype), mask=ok)
         if not PERSISTENT:
@@ -376,8 +418,9 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                      SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
@@ -388,7 +431,7 @@ if gluon is not None:
         a persistent one, read at every tile's first step and never written again. Each
         warpgroup zeroes the whole buffer, so neither waits for the other's zeros."""
         if PERSISTENT:
-            q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh = shape
+            q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
             bufs[4].index(2).store(gl.zeros([BLOCK_N, BLOCK_M], descs[0].dtype,
                                             _wgmma_layout(BLOCK_M)))
             fence_async_shared()
@@ -396,20 +439,23 @@ if gluon is not None:
             r = 0
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
                 j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
-                                   HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
-                                   PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)
+                                   BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                   STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
+                                   MASK_TAIL_KEYS)
                 r += 1
         else:
             _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, BLOCK_M,
-                           BLOCK_N, HEAD_DIM, STAGES, CAUSAL, STORE_TMA, WG, PINGPONG,
-                           PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)
+                           BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                           STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)
         tma.store_wait(0)
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
-                     q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, qk_scale, scale,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, STORE_TMA: gl.constexpr,
+                     q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right,
+                     qk_scale, scale, cap_log2e,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                     MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr,
                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                      LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -459,17 +505,17 @@ if gluon is not None:
         descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc)
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
         bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn)
-        shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh)
-        ptrs = (DK, DV, qk_scale, scale)
+        shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right)
+        ptrs = (DK, DV, qk_scale, scale, cap_log2e)
         warp_specialize([
-            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, 0, PINGPONG, PERSISTENT,
-                             LATE_STATS, MASK_TAIL_KEYS)),
-            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, STORE_TMA, 1, PINGPONG, PERSISTENT,
-                             LATE_STATS, MASK_TAIL_KEYS)),
-            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                             PERSISTENT)),
+            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
+                             HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 0,
+                             PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)),
+            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
+                             HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 1,
+                             PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)),
+            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
+                             MASK_RIGHT, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
         if PERSISTENT:
@@ -485,28 +531,40 @@ if gluon is not None:
                 mbarrier.invalidate(turn.index(i))
 
 
-def supported(q, k, v, do, *, causal: bool = False) -> bool:
+def block_d(head_dim: int) -> int:
+    """The kernel's tile width for ``head_dim``: 64 up to 64, else 128 (TMA reads the
+    columns past the head dim as zeros and does not write them; 80 and 96 run as 128)."""
+    return 64 if head_dim <= 64 else 128
+
+
+def supported(q, k, v, do, *, causal: bool = False, left: int | None = None,
+              right: int | None = None, softcap: float | None = None) -> bool:
     """Whether the kernel's scope covers these tensors, whatever their device: the
-    forward's (:func:`.gluon_fwd.supported`) narrowed to head_dim 64 or 128 for q, k and
-    v and, causal, ``Nq <= Nk`` (every row sees a key), with ``dO`` of ``q``'s shape and
-    dtype, TMA-compatible."""
+    forward's (:func:`.gluon_fwd.supported`) narrowed to one head dim up to 128 for q, k
+    and v (``Dv = D``) and to calls where every row sees a key (a right bound ``r``,
+    causal's 0 included: ``Nq <= Nk + r``), with ``dO`` of ``q``'s shape and dtype,
+    TMA-compatible."""
+    left, right = gluon_fwd._bounds(causal, left, right)
     return (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and do.shape == q.shape
-            and q.shape[-1] in (64, 128) and k.shape[-1] == v.shape[-1] == q.shape[-1]
-            and not (causal and q.shape[2] > k.shape[2])
-            and do.dtype == q.dtype and gluon_fwd.supported(q, k, v, causal=causal)
-            and addressable(do))
+            and q.shape[-1] <= 128 and k.shape[-1] == v.shape[-1] == q.shape[-1]
+            and not (right is not None and q.shape[2] > k.shape[2] + right)
+            and do.dtype == q.dtype and addressable(do)
+            and gluon_fwd.supported(q, k, v, left=left, right=right, softcap=softcap))
 
 
-def eligible(q, k, v, do, *, causal: bool = False) -> bool:
+def eligible(q, k, v, do, *, causal: bool = False, left: int | None = None,
+             right: int | None = None, softcap: float | None = None) -> bool:
     """:func:`supported`, :func:`.gluon_fwd.on_hopper`, and the TMA reduce op present in
-    this Triton (3.6 has it; the caller rules out windows, softcap, mods, varlen and the
-    deterministic mode)."""
-    return HAS_TMA_REDUCE and gluon_fwd.on_hopper(q) and supported(q, k, v, do, causal=causal)
+    this Triton (3.6 has it; the caller rules out mods, varlen and the deterministic
+    mode)."""
+    return HAS_TMA_REDUCE and gluon_fwd.on_hopper(q) and supported(
+        q, k, v, do, causal=causal, left=left, right=right, softcap=softcap)
 
 
-def store_tma(causal: bool, steps: int) -> bool:
+def store_tma(bounded: bool, steps: int) -> bool:
     """Whether the programs write ``dK``, ``dV`` by TMA stores (staged in the idle Q / dO
-    ring) rather than from registers, for programs of ``steps`` query tiles.
+    ring) rather than from registers, for programs of ``steps`` query tiles (``bounded``:
+    causal or windowed, whose programs are short or uneven: always).
 
     The register epilogue's 64 scattered 4-byte stores per thread take ~2.9 us of a
     program (a step takes ~2.5 us), so the TMA stores gain where programs are short; but
@@ -515,12 +573,12 @@ def store_tma(causal: bool, steps: int) -> bool:
     rule serves head_dim 64 and 128 (level at 64). Measured (H200, whole call against the
     register stores): 1K dense +2-7%, 1K causal +7-10%, 4K and 16K dense -2 to -6%;
     ``docs/notes/attention_bwd.md``, "TMA stores for causal and short dense programs"."""
-    return causal or steps <= STORE_TMA_MAX_STEPS
+    return bounded or steps <= STORE_TMA_MAX_STEPS
 
 
-def wave_heads(causal: bool, n_n: int, n_bh: int, num_sms: int) -> int:
+def wave_heads(bounded: bool, n_n: int, n_bh: int, num_sms: int) -> int:
     """Heads per group of programs (see ``_program``): 1 for dense calls (every program
-    has the same work), else the fewest heads, dividing ``n_bh``, whose key tiles together
+    has the same work), else (causal or windowed) the fewest heads, dividing ``n_bh``, whose key tiles together
     fill the GPU (``wave_heads * n_n >= num_sms``).
 
     Why: a causal key tile ``n`` of ``N`` keys has ``N / 64 - 2 n`` steps, so heavy tiles
@@ -537,7 +595,7 @@ def wave_heads(causal: bool, n_n: int, n_bh: int, num_sms: int) -> int:
     0.90-1.05, 16K 0.88-1.01 (one outlier each); groups of 64 heads lost 5% (L2), other
     group sizes were no better; ``docs/notes/attention_bwd.md``, "Program order for causal
     calls: waves of heads"."""
-    if not causal:
+    if not bounded:
         return 1
     for g in range(1, n_bh + 1):
         if n_bh % g == 0 and g * n_n >= num_sms:
@@ -547,7 +605,8 @@ def wave_heads(causal: bool, n_n: int, n_bh: int, num_sms: int) -> int:
 
 def pingpong_default(causal: bool, head_dim: int) -> bool:
     """Whether the consumer warpgroups take turns issuing each step's first products
-    (``S^T``, ``dP^T``): each waits until the other has issued its own for the step before
+    (``S^T``, ``dP^T``) in calls whose rows have a right bound (``causal``: causal or a
+    window's right side) at the tile width ``head_dim`` (:func:`block_d`): each waits until the other has issued its own for the step before
     (two mbarriers, the forward's ``_take_turn``), so that they stay half a step apart
     rather than computing their exponentials at the same time.
 
@@ -558,7 +617,7 @@ def pingpong_default(causal: bool, head_dim: int) -> bool:
     return causal and head_dim == 128
 
 
-def persistent_default(causal: bool, head_dim: int) -> bool:
+def persistent_default(bounded: bool, head_dim: int) -> bool:
     """Whether the programs are persistent: one per SM (at most one per key tile), taking
     key tiles ``pid, pid + grid, ...`` (dense calls only: causal tiles differ in work and
     keep :func:`wave_heads`' order). A tile's ``K``, ``V`` then load while the previous
@@ -568,7 +627,7 @@ def persistent_default(causal: bool, head_dim: int) -> bool:
     1.05-1.15; head_dim 128 dense 0.76-0.84, where the tile loop around the step loop makes
     ptxas spill 400 bytes (112 without); ``docs/notes/attention_bwd.md``, "Persistent
     programs at head_dim 64"."""
-    return not causal and head_dim == 64
+    return not bounded and head_dim == 64
 
 
 def late_stats_default(head_dim: int) -> bool:
@@ -583,7 +642,8 @@ def late_stats_default(head_dim: int) -> bool:
 
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
-                        launch: bool = True, tma_store: bool | None = None,
+                        left: int | None = None, right: int | None = None,
+                        softcap: float | None = None, launch: bool = True, tma_store: bool | None = None,
                         heads_per_wave: int | None = None, pingpong: bool | None = None,
                         persistent: bool | int | None = None, late_stats: bool | None = None,
                         mask_tail_keys: bool | None = None):
@@ -591,8 +651,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
     ``k, v (B, Hk, Nk, D)``, ``do`` like ``q``, from the preprocess's ``lam`` and ``dd
-    (B, Hq, Nq)`` (fp32, unit last stride, 16-byte aligned head strides: TMA tiles). The
-    caller checks :func:`eligible`. ``tma_store``: how ``dK``, ``dV`` are written (default
+    (B, Hq, Nq)`` (fp32, unit last stride, 16-byte aligned head strides: TMA tiles).
+    ``left`` / ``right``: the forward's bottom-right aligned window (``causal`` folds in
+    ``right = 0``); ``softcap``: the forward's ``c tanh(s / c)`` scores. The caller checks
+    :func:`eligible`. ``tma_store``: how ``dK``, ``dV`` are written (default
     :func:`store_tma`); ``heads_per_wave``: the program order (default :func:`wave_heads`);
     ``pingpong``: whether the consumers take turns (default :func:`pingpong_default`);
     ``persistent``: whether the programs are persistent (default
@@ -610,34 +672,47 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
+    left, right = gluon_fwd._bounds(causal, left, right)
+    bounded = left is not None or right is not None
+    BD = block_d(D)
     n_n = -(-Nk // BLOCK_N)
     if persistent is None:
-        persistent = persistent_default(causal, D)
+        persistent = persistent_default(bounded, BD)
     if tma_store is None:   # persistent programs reuse the ring at once: register stores
-        tma_store = not persistent and store_tma(causal, (Hq // Hk) * -(-Nq // BLOCK_M))
+        tma_store = not persistent and store_tma(bounded, (Hq // Hk) * -(-Nq // BLOCK_M))
     if heads_per_wave is None:
-        heads_per_wave = wave_heads(causal, n_n, B * Hk, gluon_fwd.num_sms(q))
+        heads_per_wave = wave_heads(bounded, n_n, B * Hk, gluon_fwd.num_sms(q))
     if pingpong is None:
-        pingpong = pingpong_default(causal, D)
+        pingpong = pingpong_default(right is not None, BD)
     if late_stats is None:
-        late_stats = late_stats_default(D)
+        late_stats = late_stats_default(BD)
     if mask_tail_keys is None:
         mask_tail_keys = Nk % BLOCK_N != 0
     if not mask_tail_keys and Nk % BLOCK_N:
         raise ValueError(f"mask_tail_keys=False needs Nk a multiple of {BLOCK_N} (got {Nk})")
-    if persistent and (causal or tma_store):
-        raise ValueError("persistent programs are dense and store dK, dV from registers "
-                         f"(got causal={causal}, tma_store={tma_store})")
-    out = ((_desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2)) if tma_store else (dk, dv))
-    args = (_desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(do, BLOCK_M),
-            _desc(dq_acc, BLOCK_M, D // 2), _desc(lam.unsqueeze(2), 1, BLOCK_M),
-            _desc(dd.unsqueeze(2), 1, BLOCK_M), *out, Nq, Nk, Hk, Hq // Hk, n_n,
-            heads_per_wave, B * Hk, float(scale) * LOG2E, float(scale))
-    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
-                  CAUSAL=bool(causal), STORE_TMA=bool(tma_store), PINGPONG=bool(pingpong),
-                  PERSISTENT=bool(persistent), LATE_STATS=bool(late_stats),
-                  MASK_TAIL_KEYS=bool(mask_tail_keys), CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+    if persistent and (bounded or tma_store):
+        raise ValueError("persistent programs are unbounded and store dK, dV from registers "
+                         f"(got left={left}, right={right}, tma_store={tma_store})")
+    if softcap is not None:
+        # tanh(x) = 1 - 2 / (2^(2 log2(e) x) + 1), x = scale qk / c (the forward's form)
+        qk_scale, cap_log2e = 2 * LOG2E * float(scale) / softcap, float(softcap) * LOG2E
+    else:
+        qk_scale, cap_log2e = float(scale) * LOG2E, 0.0
+    out = ((_desc(dk, BLOCK_N // 2, BD), _desc(dv, BLOCK_N // 2, BD)) if tma_store
+           else (dk, dv))
+    args = (_desc(q, BLOCK_M, BD), _desc(k, BLOCK_N, BD), _desc(v, BLOCK_N, BD),
+            _desc(do, BLOCK_M, BD), _desc(dq_acc, BLOCK_M, BD // 2),
+            _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), *out,
+            Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
+            0 if left is None else int(left), 0 if right is None else int(right),
+            qk_scale, float(scale), cap_log2e)
+    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BD, HEAD_DIM=D, STAGES=STAGES[BD],
+                  MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
+                  SOFTCAP=softcap is not None, STORE_TMA=bool(tma_store),
+                  PINGPONG=bool(pingpong), PERSISTENT=bool(persistent),
+                  LATE_STATS=bool(late_stats), MASK_TAIL_KEYS=bool(mask_tail_keys),
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+                  maxnreg=MAXNREG)
     programs = n_n * B * Hk
     if persistent:
         n_sms = gluon_fwd.num_sms(q) if persistent is True else int(persistent)
