@@ -1140,9 +1140,9 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
                 for _ in range(2))
         scale, right = 1 / math.sqrt(D), (0 if causal else None)
         o, lse = fwd.attention_forward(q, k, v, scale=scale, right=right)
-        _, dk, dv, (pre, _, _) = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
-                                                      right=right)
-        dd, lam, acc = pre[2][4:7]
+        _, dk, dv, launches = bwd.prepare_backward(do, q, k, v, o, lse, scale=scale,
+                                                   right=right)
+        dd, lam, acc = launches[0][2][4:7]     # (the preprocess's buffers)
         runs, outs = {}, {}
         for name, kw in variants.items():
             runs[name] = gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, acc, dk, dv,

@@ -32,7 +32,9 @@ compile, the error is printed once and its column stays empty; PyTorch has no st
 loop-free form: ``cumprod(a)`` underflows long before 16K steps with ``a < 1``), and the
 weighted mean (two inputs) and the one-input affine map AFFINE_HALF at 16K x 16K against
 the copy (the weighted mean also against eager ``(w * x).sum(1) / w.sum(1)``). Their
-bytes: every input read once (+ one fp32 output written for scans).
+bytes: every input read once (+ one fp32 output written for scans). After the timings,
+the recurrence against ``accelerated-scan``'s CUDA warp kernel and its Triton kernel where
+that package imports (its own ``(batch, channels, steps)`` layout, the same inputs).
 
 Exit status 1 if any correctness check fails.
 """
@@ -482,6 +484,49 @@ def several_input_rows(quick):
     return out
 
 
+def accelerated_scan_rows(quick):
+    """The linear recurrence against ``accelerated-scan`` (``pip install accelerated-scan``,
+    importable where the run happens): its CUDA warp kernel (``accelerated_scan.warp``,
+    built at import by ``torch.utils.cpp_extension``) and its Triton kernel
+    (``accelerated_scan.scalar``), on the rows' ``(8, 1536, steps)`` layout. One line per
+    implementation and length: its time, GB/s, and its time over flashfold's (above 1:
+    flashfold faster); an implementation that does not import or disagrees says why."""
+    if DEV == "cpu":
+        return
+    print("\n== linear recurrence against accelerated-scan (same inputs, fp32) ==")
+    impls = {}
+    for name in ("warp", "scalar"):
+        try:
+            mod = __import__(f"accelerated_scan.{name}", fromlist=["scan"])
+            impls[name] = mod.scan
+        except Exception as e:                         # noqa: BLE001 - reported, run goes on
+            print(f"  accelerated-scan {name}: did not import: {type(e).__name__}: "
+                  f"{str(e)[:300]}")
+    for steps in REC_STEPS[:1] if quick else REC_STEPS:
+        a, b = recurrence_inputs(REC_ROWS, steps)
+        f = (lambda a=a, b=b: ff.scan(EX.LINEAR_RECURRENCE, (a, b), dim=-1))
+        want = f()
+        ms = bench(f)
+        nb = 3 * a.numel() * 4
+        g3, t3 = a.view(8, REC_ROWS // 8, steps), b.view(8, REC_ROWS // 8, steps)
+        print(f"  flashfold            {REC_ROWS}x{steps}  {ms:8.3f} ms {nb / ms / 1e6:6.0f} GB/s")
+        for name, scan in impls.items():
+            try:
+                got = scan(g3, t3).view(REC_ROWS, steps)
+                bad = float(((got.double() - want.double()).abs()
+                             / (1.0 + want.double().abs())).max())
+                if not bad < 1e-3:
+                    raise AssertionError(f"differs from flashfold by {bad:.3g} (relative)")
+                pms = bench(lambda: scan(g3, t3))
+            except Exception as e:                     # noqa: BLE001 - reported, run goes on
+                print(f"  accelerated-scan {name} {REC_ROWS}x{steps}: {type(e).__name__}: "
+                      f"{str(e)[:300]}")
+                continue
+            print(f"  accelerated-scan {name:6s} {REC_ROWS}x{steps}  {pms:8.3f} ms "
+                  f"{nb / pms / 1e6:6.0f} GB/s | flashfold {pms / ms:.2f}x faster",
+                  flush=True)
+
+
 def timings(quick, copy_gbs):
     print("\n== timings (median of triton.testing.do_bench) ==")
     results = []
@@ -684,6 +729,7 @@ def main():
         correctness(args.quick)
         print(f"  [{time.time() - t0:.0f} s]")
     res = timings(args.quick, copy_gbs)
+    accelerated_scan_rows(args.quick)
     if not (args.quick or args.smoke or args.no_variants):
         variants(copy_gbs)
     print(f"\n== summary (copy {copy_gbs:.0f} GB/s in this run) ==")
