@@ -19,8 +19,8 @@ from flashfold import Field, Input, Monoid, ops
 from flashfold.algebra.evaluate import numpy_monoid
 from flashfold.algebra.ir import Var, trace
 from flashfold.algebra.lower import compile_graph
-from flashfold.algebra.rewrite import hoist_uniform
-from flashfold.algebra.twist import rescale_twist, tile_step
+from flashfold.algebra.rewrite import assume_above_minus_inf, hoist_uniform
+from flashfold.algebra.twist import rescale_twist, tile_step, tile_weights
 from flashfold.monoids import (ARGMAX, ATTENTION, ATTENTION2, LOGSUMEXP, LOGSUMEXP2, MAX, SUM,
                                WELFORD)
 
@@ -155,6 +155,44 @@ def test_step_without_scale_takes_the_scores_as_they_are():
     assert st.uniform == () and [v.name for v in st.graph.inputs] == ["m", "d", "score"]
 
 
+@pytest.mark.parametrize("monoid", [ATTENTION, ATTENTION2], ids=lambda m: m.name)
+@pytest.mark.parametrize("assume", [False, True])
+def test_weights_against_the_final_state_are_the_softmax(monoid, assume):
+    """``tile_weights`` against a row's log-normalizer (the backward's lambda: ``lse`` in
+    the factor's base, ``+inf`` for a row without keys) gives each element's share of the
+    finished row, ``P_j = e^(s_j - lse)``: summed over a row, 1; the same value as the
+    fold's ``g(lift_m, m) / d``; 0 for hidden scores and for rows without keys; NaN only
+    in a row whose normalizer is NaN (a NaN score makes it so)."""
+    rng = np.random.default_rng(3)
+    x = _special_rows(rng, 8, 11)[:, :]
+    x[2, 3] = 0.5                                # (NaN below, on its own row)
+    x[3, 1] = 1.0
+    x[5, 4] = math.nan
+    scale = 0.3
+    w = tile_weights(monoid, scale="score", reference_above_minus_inf=assume)
+    assert w.fields == ("d", "o") and w.tile == ("score",) and w.uniform == ("scale",)
+    ops_ = [n.op for n in w.graph.nodes()]
+    assert ("where" in ops_) is (not assume)     # the pivot's select, gone under the fact
+    s = x * scale
+    with np.errstate(all="ignore"):
+        top = np.max(np.where(np.isnan(s), -math.inf, s), axis=1, keepdims=True)
+        lse = top + np.log(np.sum(np.exp(s - top), axis=1, keepdims=True))
+        lse[0] = -math.inf                       # row 0: every score hidden
+        base = 2.0 if monoid is ATTENTION2 else math.e
+        ref = np.where(lse == -math.inf, math.inf, lse / math.log(base))
+        p, p_o = compile_graph(w.graph, "numpy")(ref.T, x.T, np.float64(scale))
+    p = p.T
+    assert np.array_equal(p, p_o.T, equal_nan=True)
+    assert np.all(p[0] == 0.0) and np.all(p[1, ::2] == 0.0)
+    assert np.isnan(p[5]).all() and not np.isnan(np.delete(p, 5, axis=0)).any()
+    with np.errstate(all="ignore"):
+        want = np.exp(s - lse)
+    ok = (lse != -math.inf)[:, 0]
+    ok[5] = False
+    np.testing.assert_allclose(p[ok], want[ok], rtol=1e-12, atol=1e-300)
+    np.testing.assert_allclose(p[ok].sum(1), 1.0, rtol=1e-12)
+
+
 # --- the generic rewrites ------------------------------------------------------------------
 
 def _graph(fn, names):
@@ -188,6 +226,18 @@ def test_hoist_uniform_multiplies_uniform_factors_first():
     assert "mul(c, 1.5)" in text and "mul(x, t0)" in text, text
 
 
+def test_assume_above_minus_inf_drops_the_pivot_only_for_named_inputs():
+    g = _graph(lambda m, r: ops.exp2(m - ops.where(r == -math.inf, 0.0, r)), ["m", "r"])
+    h = assume_above_minus_inf(g, ["r"])
+    assert [n.op for n in h.nodes() if n.op not in ("var", "const")] == ["sub", "exp2"]
+    assert assume_above_minus_inf(g, ["m"]).text() == g.text()
+    fn, fh = compile_graph(g, "numpy"), compile_graph(h, "numpy")
+    for r in (math.inf, 2.0, -1e300, math.nan):          # every value but -inf: the same
+        with np.errstate(all="ignore"):
+            a, b = fn(np.float64(1.5), np.float64(r))[0], fh(np.float64(1.5), np.float64(r))[0]
+        assert (a == b) or (np.isnan(a) and np.isnan(b)), r
+
+
 # --- lowering: the kernels' tile convention -------------------------------------------------
 
 def test_generated_step_source_broadcasts_rows_against_the_tile():
@@ -196,7 +246,12 @@ def test_generated_step_source_broadcasts_rows_against_the_tile():
     src = fns.source
     assert "def tile_step(m, d, score, scale):" in src
     assert "tl.reduce(score, 1, _max_nan)" in src and "axis=1" in src
-    assert "[:, None]" in src and src.count("tl.exp2(") == 2
+    step = src.split("def finalize_rows")[0]
+    assert "[:, None]" in step and step.count("tl.exp2(") == 2
     assert "def finalize_rows(m, d, o):" in src
+    # the backward's weights: one FMA and one exp2 per score, no select, no broadcast of
+    # the reference (the caller passes it broadcastable, transposed tiles included)
+    weights = src.split("def tile_weights(ref, score, scale):")[1]
+    assert weights.count("tl.exp2(") == 1 and "where" not in weights and "None]" not in weights
     g = tile_step_functions(ATTENTION2, scale="score", gluon=True).source
     assert "@gluon.jit" in g and "gl.reduce(score, 1, _max_nan)" in g and "tl.exp2" not in g

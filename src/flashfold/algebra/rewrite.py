@@ -15,6 +15,12 @@ each exact in real arithmetic, and apply to any graph:
   of one per element. In floating point this is exact (rounding is monotone, so the
   largest product is the product of the largest factor) and NaN propagates alike.
 
+* **range facts** (:func:`assume_above_minus_inf`): a test ``x == -inf`` of an input
+  known never to be ``-inf`` (finite, ``+inf`` or NaN: NaN compares unequal too) is
+  ``False``, and ``where(False, a, b)`` is ``b``; a factor's finite pivot of an empty
+  state, ``where(r == -inf, 0, r)``, is then ``r`` itself (the attention backward's
+  ``lambda``, ``+inf`` for a row without keys, never ``-inf``).
+
 The reassociation changes rounding (by an ulp of the product), as any kernel that folds
 a scale into ``log2 e`` does; the references compute in float64 and the kernels' results
 are held to the tolerance of their dtype.
@@ -25,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from .ir import REDUCTIONS, Graph, Node, apply, reduce_node, substitute, trace
+from .ir import REDUCTIONS, Graph, Node, apply, const, reduce_node, substitute, trace
 
 
 def _flatten_mul(n: Node, out: list) -> list:
@@ -134,4 +140,41 @@ def hoist_uniform(graph: Graph, uniform: Iterable[str] = (), positive: Iterable[
     return trace(rebuild, graph.inputs, graph.name)
 
 
-__all__ = ["hoist_uniform"]
+def assume_above_minus_inf(graph: Graph, names: Iterable[str]) -> Graph:
+    """``graph`` with the inputs ``names`` known never to be ``-inf`` (module docstring):
+    exact for every value they may take, NaN included. Same inputs and outputs."""
+    names = set(names)
+    memo: dict[int, Node] = {}
+
+    def go(n: Node) -> Node:
+        hit = memo.get(id(n))
+        if hit is not None:
+            return hit
+        if n.op in ("var", "const"):
+            out = n
+        elif n.op == "eq" and any(a.op == "var" and a.attr in names for a in n.args) \
+                and any(a.op == "const" and a.attr == -math.inf for a in n.args):
+            out = const(False)
+        elif n.op == "where":
+            c, x, y = (go(a) for a in n.args)
+            if c.op == "const" and isinstance(c.attr, bool):
+                out = x if c.attr else y
+            else:
+                out = apply("where", c, x, y)
+        elif n.op in REDUCTIONS or n.op == "csum":
+            out = reduce_node(n.op, go(n.args[0]))
+        elif n.op == "load":
+            out = substitute([n], {id(a): go(a) for a in n.args})[0]
+        else:
+            out = apply(n.op, *(go(a) for a in n.args))
+        memo[id(n)] = out
+        return out
+
+    def rebuild(*nodes):
+        mapping = {id(graph._vars[v.name]): x for v, x in zip(graph.inputs, nodes)}
+        return [go(o) for o in substitute(graph.outputs, mapping)]
+
+    return trace(rebuild, graph.inputs, graph.name)
+
+
+__all__ = ["hoist_uniform", "assume_above_minus_inf"]

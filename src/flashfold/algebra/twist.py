@@ -54,7 +54,7 @@ from . import ops
 from .ir import Graph, Node, Var, const, depends_on, inline, substitute, trace
 from .lower import compile_graph
 from .monoid import Monoid
-from .rewrite import hoist_uniform
+from .rewrite import assume_above_minus_inf, hoist_uniform
 
 
 @dataclass(frozen=True)
@@ -283,4 +283,65 @@ def tile_step(monoid: Monoid, *, scale: str | None = None) -> TileStep:
     return TileStep(monoid, graph, state, scalars, uniform, tuple(contract))
 
 
-__all__ = ["RescaleTwist", "rescale_twist", "TileStep", "tile_step"]
+@dataclass(frozen=True)
+class TileWeights:
+    """Each element's weight against a fixed reference, derived like :class:`TileStep`.
+
+    ``graph`` takes ``(ref, *tile, *uniform)`` and returns one weight per linear field
+    (field order): ``w_j = g(lift(x_j)_m, ref)`` times the field's lifted value (its
+    coefficient for a vector field; the liveness indicator dropped as in the step).
+    ``ref`` is a tile-shaped (broadcastable) value, not reduced over.
+    """
+    monoid: Monoid
+    graph: Graph
+    tile: tuple[str, ...]
+    uniform: tuple[str, ...]
+    fields: tuple[str, ...]
+
+
+def tile_weights(monoid: Monoid, *, scale: str | None = None,
+                 reference_above_minus_inf: bool = False) -> TileWeights:
+    """The weights of a tile's elements against a reference ``ref`` fixed in advance: the
+    probabilities a backward pass recomputes from a row's saved statistics.
+
+    For an exponential factor ``g(m, r) = b^{m - pivot(r)}`` a finished row's share
+    ``g(lift(x)_m, m) / d`` is ``g(lift(x)_m, m + log_b d)``: the kernel passes the row's
+    log-normalizer (ATTENTION2: ``lambda = lse log2 e``) as ``ref``, and ``P_j = 2^{x_j
+    scale log2 e - lambda}``. ``scale`` as in :func:`tile_step`;
+    ``reference_above_minus_inf``: the caller never passes ``ref = -inf`` (the backward's
+    ``lambda`` is ``+inf`` for a row without keys), which removes the pivot's select per
+    element (:func:`.rewrite.assume_above_minus_inf`). ``ValueError`` as
+    :func:`tile_step`."""
+    step = tile_step(monoid, scale=scale)         # (the same checks)
+    tw = rescale_twist(monoid)
+    scalars = step.tile
+    uniform = step.uniform
+    drop_liveness = _vanishes_at_minus_inf(tw.factor)
+
+    def weights(ref, *nodes):
+        tile = dict(zip(scalars, nodes[:len(scalars)]))
+        args = []
+        for i in monoid.inputs:
+            if i.vector:
+                args.append(const(1.0))
+            elif i.name == scale:
+                args.append(tile[i.name] * nodes[-1])
+            else:
+                args.append(tile[i.name])
+        lifted = dict(zip(monoid.field_names, inline(monoid.lift_graph, *args)))
+        ref_j = lifted[tw.ref]
+        (w,) = inline(tw.factor, ref_j, ref)
+        return [w if drop_liveness and _is_liveness(lifted[f], ref_j) else lifted[f] * w
+                for f in tw.linear]
+
+    graph = trace(weights, [Var(n) for n in ("ref",) + scalars + uniform],
+                  f"{monoid.name}.tile_weights")
+    if scale is not None:
+        graph = hoist_uniform(graph, uniform=("scale",), positive=("scale",))
+    if reference_above_minus_inf:
+        graph = assume_above_minus_inf(graph, ("ref",))
+    return TileWeights(monoid, graph, scalars, uniform, tw.linear)
+
+
+__all__ = ["RescaleTwist", "rescale_twist", "TileStep", "tile_step", "TileWeights",
+           "tile_weights"]

@@ -264,12 +264,19 @@ class TileStepFunctions:
       scalar; ``weights [rows, cols]``, to contract with the vector inputs
       (``o' = alpha[:, None] o + weights @ v``);
     * ``finalize_rows(*fields) -> outputs``: the monoid's finalize with scalar fields
-      ``[rows]`` and vector fields ``[rows, width]``.
+      ``[rows]`` and vector fields ``[rows, width]``;
+    * ``tile_weights(ref, *tile, scale) -> weights``: each element's weight against a
+      fixed reference (:func:`flashfold.algebra.twist.tile_weights`, one per linear
+      field): a backward's probabilities from the rows' saved log-normalizers. ``ref``
+      comes broadcastable against the tile (``lam[:, None]``, or ``lam[None, :]`` in a
+      transposed tile) and is never ``-inf``: a row without elements passes ``+inf``
+      (every weight 0).
 
     ``step`` is the derivation (which fields, which inputs, what is contracted)."""
     step: object
     tile_step: object
     finalize_rows: object
+    tile_weights: object
     source: str
     path: str
 
@@ -283,7 +290,7 @@ def tile_step_functions(monoid: Monoid, *, scale: str | None = None,
     functions, or ``@gluon.jit`` ones with ``gluon=True`` (for the Gluon kernels, which
     call only Gluon functions). ``scale``: the scalar input the kernel passes as ``x *
     scale`` (see :func:`~flashfold.algebra.twist.tile_step`)."""
-    from ..algebra.twist import tile_step
+    from ..algebra.twist import tile_step, tile_weights
 
     key = (monoid.name, monoid.combine_graph.key(), monoid.lift_graph.key(),
            monoid.finalize_graph.key(), scale, gluon)
@@ -304,13 +311,17 @@ def tile_step_functions(monoid: Monoid, *, scale: str | None = None,
     fin = monoid.finalize_graph
     if fin.buffers or monoid.params:
         raise ValueError(f"monoid {monoid.name!r}: a row finalize takes no params or buffers")
+    weights = tile_weights(monoid, scale=scale, reference_above_minus_inf=True)
     source = "\n\n".join([
         function(step.graph, "tile_step", tile=step.tile, uniform=step.uniform),
         function(fin, "finalize_rows", tile=vector_fields),
+        function(weights.graph, "tile_weights", tile=("ref",) + weights.tile,
+                 uniform=weights.uniform),
     ])
     mod = load_source(source, ("gluon_" if gluon else "") + "step_" + _safe(monoid.name),
                       header=_GLUON_HEADER if gluon else _HEADER)
-    fns = TileStepFunctions(step, mod.tile_step, mod.finalize_rows, source, mod.__file__)
+    fns = TileStepFunctions(step, mod.tile_step, mod.finalize_rows, mod.tile_weights, source,
+                            mod.__file__)
     _STEPS[key] = fns
     return fns
 

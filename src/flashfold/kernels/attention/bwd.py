@@ -40,7 +40,10 @@ scores: :math:`\sigma = x \cdot \mathrm{scale} \log_2 e`, one FMA) and
 for a row with no visible key (``lse = -inf``) and loads it as :math:`+\infty` past the end
 of a sequence, so :math:`P = 2^{\sigma - \infty} = 0` for every element of such rows,
 hidden (:math:`\sigma = -\infty`) or not: no :math:`-\infty - (-\infty)`, gradients 0,
-never NaN.
+never NaN. :math:`P` is not written here: it is ATTENTION2's weights against
+:math:`\lambda`, generated from the monoid (:func:`flashfold.kernels.codegen.tile_step_functions`,
+``tile_weights``) as the forward's tile step is, and inlined by every backward kernel
+(these and :mod:`.gluon_bwd`).
 
 Kernels (one template each; constexpr flags as in :mod:`.fwd`):
 
@@ -77,8 +80,8 @@ causal / right-bounded rows, head dim <= 128, no softcap / score_mod / mask_mod:
 on full rows, and the other variants would spill registers) and :data:`ATOMIC_DQ_DEFAULT`
 is on; elsewhere the default runs the deterministic kernels too.
 
-In the dK/dV kernel without softcap / score_mod, ``-D`` and ``-lambda / qk_scale`` are
-the initial accumulators of the ``dP^T`` and ``S^T`` matmuls, so no per-column vector is
+In the dK/dV kernel without softcap / score_mod, ``-D`` and ``-lambda / (scale log2 e)``
+are the initial accumulators of the ``dP^T`` and ``S^T`` matmuls, so no per-column vector is
 held across the tile (it keeps the kernel within 255 registers).
 
 Non-finite inputs (rule 4 of :mod:`flashfold.api.attention`): ``dq_i``, ``dk_j``, ``dv_j``
@@ -114,9 +117,11 @@ import triton
 import triton.language as tl
 
 from ...algebra.autodiff import derivative
+from ...monoids import ATTENTION2
 from .. import launcher, plans
+from ..codegen import tile_step_functions
 from . import gluon_bwd, gluon_fwd
-from .fwd import (LOG2E, TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
+from .fwd import (TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
                   _visible_2d, block_dims, tma_ok)
 from .mods import MAX_BUFFERS, BlockMask, TracedMod, _lists
 
@@ -127,10 +132,10 @@ from .mods import MAX_BUFFERS, BlockMask, TracedMod, _lists
 def _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
                 SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                 HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
-    """Raw ``q.k`` -> ``(sigma, dfac)``: scores in base-2 units and ``ds / dx / scale``.
+    """Raw ``q.k`` -> ``(s, dfac)``: the final scores and ``ds / dx / scale``.
 
-    Without softcap / score_mod, ``sigma`` is the raw ``qk`` (the caller applies
-    ``qk_scale = scale log2 e`` inside ``exp2``) and ``dfac`` is 1 (unused). ``qi`` /
+    Without softcap / score_mod, ``s`` is the raw ``qk`` (the caller's weights apply
+    ``qk_scale = scale``) and ``dfac`` is 1 (unused). ``qi`` /
     ``kj``: broadcastable int32 index tiles of the rows and keys.
     """
     if HAS_SOFTCAP or HAS_SCORE_MOD:
@@ -145,25 +150,26 @@ def _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
             s, dmod = grad_fn(s, b, h, qi, kj, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3)
             dfac = dfac * dmod.to(tl.float32)
             s = s.to(tl.float32)
-        return s * 1.4426950408889634, dfac
+        return s, dfac
     else:
         return qk, qk
 
 
 @triton.jit
 def _probs(qk, lam, qk_scale, softcap, b, h, qi, kj, vis,
-           grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+           grad_fn, WEIGHTS: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
            MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
-    """``(P, dfac)`` of a tile: ``P = 2^(sigma - lambda)`` (``lam`` broadcasts against
-    ``qk``: ``+inf`` for empty or out-of-range rows gives 0), *selected* to 0 where ``vis``
-    (masked tiles) hides the pair: a NaN score or lambda of a hidden pair gives 0, not
-    NaN."""
+    """``(P, dfac)`` of a tile: ``P`` = ATTENTION2's weights against ``lambda``
+    (``WEIGHTS``, generated: ``2^(s c log2 e - lambda)``, ``c = qk_scale`` on raw scores,
+    1 on final ones; ``lam`` broadcasts against ``qk``: ``+inf`` for empty or out-of-range
+    rows gives 0), *selected* to 0 where ``vis`` (masked tiles) hides the pair: a NaN
+    score or lambda of a hidden pair gives 0, not NaN."""
     s, dfac = _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
                           SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, HAS_SOFTCAP, HAS_SCORE_MOD)
     if HAS_SOFTCAP or HAS_SCORE_MOD:
-        p = tl.math.exp2(s - lam)
+        p = WEIGHTS(lam, s, 1.0)[0]
     else:
-        p = tl.math.exp2(s * qk_scale - lam)                # one FMA per score
+        p = WEIGHTS(lam, s, qk_scale)[0]                # one FMA per score
     if MASKED:
         p = tl.where(vis, p, 0.0)
     return p, dfac
@@ -247,7 +253,7 @@ def _dkdv_step(dk, dv, k, v, STRICT: tl.constexpr, i, lo, idx_ptr,
                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-               grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+               grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -291,14 +297,16 @@ def _dkdv_step(dk, dv, k, v, STRICT: tl.constexpr, i, lo, idx_ptr,
     if HAS_SOFTCAP or HAS_SCORE_MOD:
         qkT = tl.dot(k, tl.trans(q))
         pT, dfac = _probs(qkT, lam[None, :], qk_scale, softcap, b, h, offs_m[None, :],
-                          offs_n[:, None], vis, grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          offs_n[:, None], vis, grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                           MASKED, HAS_SOFTCAP, HAS_SCORE_MOD)
     else:
-        # -lambda / qk_scale rides in the accumulator: P = 2^(qk_scale (q.k - lambda / qk_scale))
-        # (no per-column lambda held across the tile; +inf rows give -inf, P = 0)
-        qkT = tl.dot(k, tl.trans(q), tl.broadcast_to((-lam / qk_scale)[None, :], [BLOCK_N, BLOCK_M]))
+        # -lambda / (qk_scale log2 e) rides in the accumulator: P = 2^(qk_scale log2 e (q.k
+        # - lambda / (qk_scale log2 e))) (no per-column lambda held across the tile; +inf
+        # rows give -inf, P = 0)
+        qkT = tl.dot(k, tl.trans(q), tl.broadcast_to(
+            (-lam * 0.6931471805599453 / qk_scale)[None, :], [BLOCK_N, BLOCK_M]))
         pT, dfac = _probs(qkT, 0.0, qk_scale, softcap, b, h, offs_m[None, :],
-                          offs_n[:, None], vis, grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          offs_n[:, None], vis, grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                           MASKED, HAS_SOFTCAP, HAS_SCORE_MOD)
     dsT = _dscores(pT, dpT, 0.0, dfac, HAS_SOFTCAP, HAS_SCORE_MOD)
     if MASKED and STRICT:
@@ -331,7 +339,7 @@ def _dkdv_loop(dk, dv, k, v, STRICT: tl.constexpr, lo, count, idx_ptr,
                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-               grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+               grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -348,7 +356,7 @@ def _dkdv_loop(dk, dv, k, v, STRICT: tl.constexpr, lo, count, idx_ptr,
                 dk, dv, k, v, STRICT, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
                 lam_base, dd_base, tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_M,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
@@ -360,7 +368,7 @@ def _dkdv_loop(dk, dv, k, v, STRICT: tl.constexpr, lo, count, idx_ptr,
                 dk, dv, k, v, STRICT, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
                 lam_base, dd_base, tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_M,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
@@ -372,7 +380,7 @@ def _dkdv_loop(dk, dv, k, v, STRICT: tl.constexpr, lo, count, idx_ptr,
 def _dq_step(dq, q, do, lam, dd, STRICT: tl.constexpr, i, lo, idx_ptr,
              desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
              offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-             grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+             grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
              mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -398,7 +406,7 @@ def _dq_step(dq, q, do, lam, dd, STRICT: tl.constexpr, i, lo, idx_ptr,
     else:
         vis = 0
     p, dfac = _probs(qk, lam[:, None], qk_scale, softcap, b, h, offs_m[:, None], offs_n[None, :],
-                     vis, grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                     vis, grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                      MASKED, HAS_SOFTCAP, HAS_SCORE_MOD)
     v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
                    BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
@@ -419,7 +427,7 @@ def _dq_step(dq, q, do, lam, dd, STRICT: tl.constexpr, i, lo, idx_ptr,
 def _dq_loop(dq, q, do, lam, dd, STRICT: tl.constexpr, lo, count, idx_ptr,
              desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
              offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-             grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+             grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
              mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -434,7 +442,7 @@ def _dq_loop(dq, q, do, lam, dd, STRICT: tl.constexpr, lo, count, idx_ptr,
             dq = _dq_step(dq, q, do, lam, dd, STRICT, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
                           tma_b, hk, k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left,
                           win_right, b, h, qk_scale, softcap,
-                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                           mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE,
                           SPARSE_N, MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
@@ -445,7 +453,7 @@ def _dq_loop(dq, q, do, lam, dd, STRICT: tl.constexpr, lo, count, idx_ptr,
             dq = _dq_step(dq, q, do, lam, dd, STRICT, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
                           tma_b, hk, k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left,
                           win_right, b, h, qk_scale, softcap,
-                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                           mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE,
                           SPARSE_N, MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
@@ -513,7 +521,7 @@ def _attn_bwd_dkdv(
     NUM_N, HK, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, scale, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_n,
-    grad_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+    grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
     mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAG,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -590,7 +598,7 @@ def _attn_bwd_dkdv(
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
                 True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
@@ -607,7 +615,7 @@ def _attn_bwd_dkdv(
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
                 FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
@@ -618,7 +626,7 @@ def _attn_bwd_dkdv(
                     desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                     tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                     offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                    grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                    grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                     mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
                     True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
@@ -630,7 +638,7 @@ def _attn_bwd_dkdv(
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
                 False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
@@ -640,7 +648,7 @@ def _attn_bwd_dkdv(
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                 mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
                 True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
@@ -651,7 +659,7 @@ def _attn_bwd_dkdv(
                     desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                     tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                     offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                    grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                    grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                     mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
                     True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
@@ -690,7 +698,7 @@ def _attn_bwd_dq(
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, scale, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
-    grad_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+    grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
     mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAG,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -759,7 +767,7 @@ def _attn_bwd_dq(
         dq = _dq_loop(dq, q, do, lam, dd, STRICT, 0, n_part * R, PART_IDX + i_off,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                      grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                      grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                       mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
                       True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
@@ -768,7 +776,7 @@ def _attn_bwd_dq(
         dq = _dq_loop(dq, q, do, lam, dd, STRICT, 0, n_full * R, FULL_IDX + i_off,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                      grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                      grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                       mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
                       FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
@@ -779,7 +787,7 @@ def _attn_bwd_dq(
         dq = _dq_loop(dq, q, do, lam, dd, STRICT, t_a * BLOCK_N, t_c - t_a, PART_IDX,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                      grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                      grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                       mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
                       False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
@@ -788,7 +796,7 @@ def _attn_bwd_dq(
             dq = _dq_loop(dq, q, do, lam, dd, STRICT, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
                           desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn,
                           svd, offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                          grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                           mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False,
                           SPARSE_N, True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
@@ -796,7 +804,7 @@ def _attn_bwd_dq(
         dq = _dq_loop(dq, q, do, lam, dd, STRICT, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                      grad_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                      grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
                       mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
                       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
                       True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
@@ -1148,7 +1156,8 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     # scale folding as in the forward
     has_softcap = softcap is not None
     has_mod = score_mod is not None
-    qk_scale = scale / softcap if has_softcap else (scale if has_mod else scale * LOG2E)
+    qk_scale = scale / softcap if has_softcap else scale
+    weights = tile_step_functions(ATTENTION2, scale="score").tile_weights
     sargs = score_mod.buffer_args(dev) if has_mod else _none_args(2 * MAX_BUFFERS)
     grad_fn = score_grad_fn(score_mod) if has_mod else None
     if block_mask is not None:
@@ -1220,7 +1229,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
             num_n, HK, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
             qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
             *cols, *col_strides,
-            grad_fn, *sargs, mask_fn, *margs, flag,
+            grad_fn, weights, *sargs, mask_fn, *margs, flag,
         ], dict(common_kw, BLOCK_M=bm, BLOCK_N=bn,
                 SPARSE_M=sparse[0] if sparse else bm, SPARSE_N=sparse[1] if sparse else bn,
                 DQ_ATOMIC=atomic, DQ_TMA=dq_tma, Q_TAIL=varlen and use_tma,
@@ -1243,7 +1252,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                 num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
                 qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
                 *rows, *row_strides,
-                grad_fn, *sargs, mask_fn, *margs, flag,
+                grad_fn, weights, *sargs, mask_fn, *margs, flag,
             ], dict(common_kw, BLOCK_M=qm, BLOCK_N=qn,
                     SPARSE_M=sparse[0] if sparse else qm, SPARSE_N=sparse[1] if sparse else qn,
                     REVERSE_M=right is not None, CHECK=check, STRICT=strict,

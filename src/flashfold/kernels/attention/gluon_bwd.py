@@ -85,7 +85,9 @@ mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
 
 from __future__ import annotations
 
+from ...monoids import ATTENTION2
 from .. import launcher
+from ..codegen import tile_step_functions
 from ..compat import HAS_TMA_REDUCE
 from ..tma import addressable
 from . import gluon_fwd
@@ -247,7 +249,8 @@ if gluon is not None:
                        STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                        SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr):
+                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
+                       WEIGHTS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
         position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
         over every step and add the previous step's dQ columns ``64 WG ..`` (see the
@@ -256,7 +259,7 @@ if gluon is not None:
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
-        DK, DV, qk_scale, scale, cap_log2e = ptrs
+        DK, DV, qk_scale, scale, step_scale = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_COLS: gl.constexpr = BLOCK_D // 2     # columns of this warpgroup's dQ add
         dtype: gl.constexpr = q_desc.dtype
@@ -320,17 +323,18 @@ if gluon is not None:
                 if LATE_STATS:
                     lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
+                # P = ATTENTION2's weights against lambda (generated: 2^(x c log2 e -
+                # lambda), c = step_scale); x = qk, c = scale, or with SOFTCAP x =
+                # tanh(scale qk / cap) = 1 - 2 rc, rc = 1 / (2^(qk qk_scale) + 1) (the
+                # forward's form), c = cap, and ds/dx = scale (1 - tanh^2) = scale 4 rc
+                # (1 - rc) (exact where tanh rounds to +-1), folded into P once P V is issued
                 if SOFTCAP:
-                    # s = cap tanh(x scale / cap), tanh = 1 - 2 rc with rc = 1 / (2^(x
-                    # qk_scale) + 1) (the forward's form); ds/dx = scale (1 - tanh^2) =
-                    # scale 4 rc (1 - rc) (exact where tanh rounds to +-1), folded into P
-                    # once P V is issued
                     rc = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
                                                    [gl.exp2(st * qk_scale) + 1.0],
                                                    dtype=gl.float32, is_pure=True, pack=1)
-                    p = gl.exp2((1.0 - 2.0 * rc) * cap_log2e - lam[None, :])
+                    p = WEIGHTS(lam[None, :], 1.0 - 2.0 * rc, step_scale)[0]
                 else:
-                    p = gl.exp2(st * qk_scale - lam[None, :])
+                    p = WEIGHTS(lam[None, :], st, step_scale)[0]
                 # branch-free masks (a branch here doubled the live registers)
                 rows = m * BLOCK_M + qcols[None, :]
                 if MASK_RIGHT:      # (keys past Nk included: see first_row)
@@ -422,7 +426,8 @@ if gluon is not None:
                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                       SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                      LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr):
+                      LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
+                      WEIGHTS: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
         key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
         counting on across tiles. The first step of a tile adds the product of a zeroed
@@ -441,24 +446,26 @@ if gluon is not None:
                 j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
                                    BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                    STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
-                                   MASK_TAIL_KEYS)
+                                   MASK_TAIL_KEYS, WEIGHTS)
                 r += 1
         else:
             _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, BLOCK_M,
                            BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                           STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)
+                           STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS,
+                           WEIGHTS)
         tma.store_wait(0)
 
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
                      q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right,
-                     qk_scale, scale, cap_log2e,
+                     qk_scale, scale, step_scale,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr,
                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                      LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                     WEIGHTS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -506,14 +513,14 @@ if gluon is not None:
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
         bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn)
         shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right)
-        ptrs = (DK, DV, qk_scale, scale, cap_log2e)
+        ptrs = (DK, DV, qk_scale, scale, step_scale)
         warp_specialize([
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
                              HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 0,
-                             PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)),
+                             PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS)),
             (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
                              HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 1,
-                             PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS)),
+                             PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS)),
             (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
                              MASK_RIGHT, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -694,10 +701,12 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         raise ValueError("persistent programs are unbounded and store dK, dV from registers "
                          f"(got left={left}, right={right}, tma_store={tma_store})")
     if softcap is not None:
-        # tanh(x) = 1 - 2 / (2^(2 log2(e) x) + 1), x = scale qk / c (the forward's form)
-        qk_scale, cap_log2e = 2 * LOG2E * float(scale) / softcap, float(softcap) * LOG2E
+        # tanh(x) = 1 - 2 / (2^(2 log2(e) x) + 1), x = scale qk / c (the forward's form);
+        # the generated weights multiply tanh by c
+        qk_scale, step_scale = 2 * LOG2E * float(scale) / softcap, float(softcap)
     else:
-        qk_scale, cap_log2e = float(scale) * LOG2E, 0.0
+        qk_scale, step_scale = 0.0, float(scale)
+    weights = tile_step_functions(ATTENTION2, scale="score", gluon=True).tile_weights
     out = ((_desc(dk, BLOCK_N // 2, BD), _desc(dv, BLOCK_N // 2, BD)) if tma_store
            else (dk, dv))
     args = (_desc(q, BLOCK_M, BD), _desc(k, BLOCK_N, BD), _desc(v, BLOCK_N, BD),
@@ -705,13 +714,13 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), *out,
             Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
             0 if left is None else int(left), 0 if right is None else int(right),
-            qk_scale, float(scale), cap_log2e)
+            qk_scale, float(scale), step_scale)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BD, HEAD_DIM=D, STAGES=STAGES[BD],
                   MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, STORE_TMA=bool(tma_store),
                   PINGPONG=bool(pingpong), PERSISTENT=bool(persistent),
                   LATE_STATS=bool(late_stats), MASK_TAIL_KEYS=bool(mask_tail_keys),
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+                  WEIGHTS=weights, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                   maxnreg=MAXNREG)
     programs = n_n * B * Hk
     if persistent:
