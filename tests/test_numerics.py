@@ -163,6 +163,17 @@ def test_cli_numerics(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 1,000 | bfloat16 | sequential |" in out
     assert (tmp_path / "numerics.png").exists() and (tmp_path / "numerics.md").exists()
+    # FP8 attention's error next to bf16's, random and outlier-heavy, rotated or not
+    fp8 = (tmp_path / "fp8.md").read_text()
+    rows = [line.split("|") for line in fp8.splitlines() if line.startswith("| random")
+            or line.startswith("| outliers")]
+    assert len(rows) == 4 and "does not rotate by default" in fp8 and "| outliers | yes |" in out
+    for cells in rows:
+        bf16_rms, fp8_rms, ratio = float(cells[3]), float(cells[5]), float(cells[9])
+        assert bf16_rms < fp8_rms and ratio <= 2.0, cells      # the issue's yardstick
+    # rotating q and k lowers the error of outlier-heavy inputs
+    out_rows = {c[2].strip(): float(c[5]) for c in rows if c[1].strip() == "outliers"}
+    assert out_rows["yes"] < out_rows["no"]
 
 
 def test_progress_lines():

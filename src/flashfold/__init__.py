@@ -32,6 +32,7 @@ _LAZY = {
     # exact attention
     **dict.fromkeys(["attention", "merge_states", "BlockMask", "create_block_mask"],
                     ".api.attention"),
+    **dict.fromkeys(["quantize_fp8", "random_rotation"], ".api.fp8"),
     **dict.fromkeys(["decode", "append_kv", "PagedKVCache"], ".api.decode"),
     # the algebra in depth
     "prove": ".algebra.proofs", "Proof": ".algebra.proofs",

@@ -313,11 +313,19 @@ def numerics(args) -> int:
     if bar is not None:
         bar.close()
     print(report.table())
+    # FP8 attention's error next to bf16's (random and outlier-heavy inputs, rotated or
+    # not): a few seconds on the CPU
+    from .error_analysis import fp8_error_table
+    fp8 = fp8_error_table(seed=args.seed)
+    fp8_md = os.path.join(args.out, "fp8.md")
+    with open(fp8_md, "w") as f:
+        f.write("# FP8 attention: error against float64\n\n" + fp8)
+    print("\n" + fp8)
     if report.png:
-        print(f"\nwrote {report.markdown} and {report.png}")
+        print(f"\nwrote {report.markdown}, {fp8_md} and {report.png}")
     else:
-        print(f"\nwrote {report.markdown} (figure skipped: matplotlib is not installed; "
-              f"{PLOT_HINT})")
+        print(f"\nwrote {report.markdown} and {fp8_md} (figure skipped: matplotlib is not "
+              f"installed; {PLOT_HINT})")
     return 0 if report.ok else 1
 
 

@@ -94,6 +94,8 @@ import torch
 from ..kernels.attention.mods import (BlockMask, TracedMod, create_block_mask, trace_mask_mod,
                                       trace_score_mod)
 # the checks shared with decode and ring attention (one rule per argument)
+from ..kernels.attention.reference import fp8_attention_reference
+from .fp8 import check_fp8_call, is_fp8
 from .validate import MAX_HEAD_DIM
 from .validate import check_bool as _check_bool
 from .validate import check_positive as _check_positive
@@ -142,7 +144,8 @@ def _use_kernel(q) -> bool:
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, score_mod=None,
               mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None, return_lse=False,
-              deterministic=False):
+              deterministic=False, q_descale=None, k_descale=None, v_descale=None,
+              out_dtype=None):
     """Exact (softmax) attention; semantics in the module docstring.
 
     Parameters
@@ -170,6 +173,14 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     return_lse: also return ``lse (B, Hq, Nq)`` float32, natural log (differentiable too).
     deterministic: bitwise reproducible gradients (the backward uses no atomics); the
         default may accumulate dQ with atomic adds (see the module docstring).
+    q_descale, k_descale, v_descale: with ``torch.float8_e4m3fn`` q, k, v (and only then),
+        float32 ``(B, Hk)`` factors (``(S, Hk)`` with ``cu_seqlens``): each tensor stands
+        for ``x8 * descale`` (:mod:`flashfold.api.fp8`; ``quantize_fp8`` makes them).
+        Forward only; no score_mod / mask_mod; statistics in fp32, ``P`` quantized to FP8
+        with its own scale (:func:`~flashfold.kernels.attention.reference.fp8_attention_reference`).
+        CPU only for now (the E4M3 GPU kernel is not built: CUDA raises
+        ``NotImplementedError``).
+    out_dtype: the output dtype of an FP8 call (bf16 by default; fp16, fp32).
 
     Returns ``o`` ``(B, Hq, Nq, Dv)`` in the input dtype (contiguous), and ``lse`` when
     ``return_lse``. Differentiable with respect to ``q``, ``k``, ``v``. On meta tensors:
@@ -180,6 +191,17 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     when a table captured by ``score_mod`` / ``mask_mod`` is shorter than the indices the
     mod forms for these sizes (:meth:`~flashfold.kernels.attention.mods.TracedMod.check_tables`).
     """
+    if any(is_fp8(t) for t in (q, k, v)):
+        return _fp8_attention(q, k, v, causal=causal, window=window, scale=scale,
+                              softcap=softcap, score_mod=score_mod, mask_mod=mask_mod,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              return_lse=return_lse, q_descale=q_descale,
+                              k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
+    for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
+                    ("v_descale", v_descale), ("out_dtype", out_dtype)):
+        if x is not None:
+            raise ValueError(f"{name} is for float8_e4m3fn q, k, v; q is "
+                             f"{getattr(q, 'dtype', type(q).__name__)}")
     compiling = torch.compiler.is_compiling()
     _check_qkv(q, k, v)
     _check_bool("causal", causal)
@@ -274,6 +296,50 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
                                    cu_k=cu_seqlens_k)
         if q.dtype == torch.float64:
             lse = lse.to(torch.float32)
+    return (o, lse) if return_lse else o
+
+
+def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_mod,
+                   cu_seqlens_q, cu_seqlens_k, return_lse, q_descale, k_descale, v_descale,
+                   out_dtype):
+    """:func:`attention` of float8_e4m3fn inputs (its docstring; :mod:`.fp8`)."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    varlen = cu_seqlens_q is not None
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if varlen and q.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens, q/k/v must have batch 1 (packed), got {q.shape[0]}")
+    n_seqs = (cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor)
+              and cu_seqlens_q.dim() == 1 else None) if varlen else q.shape[0]
+    out_dtype = check_fp8_call(q, k, v, q_descale, k_descale, v_descale, out_dtype,
+                               score_mod=score_mod, mask_mod=mask_mod, n_seqs=n_seqs)
+    _check_bool("causal", causal)
+    _check_bool("return_lse", return_lse)
+    left, right = _bounds(*_check_window(window), causal)
+    left, right = unbounded_beyond(left, k.shape[2]), unbounded_beyond(right, q.shape[2])
+    scale = _check_positive("scale", scale)
+    softcap = _check_positive("softcap", softcap)
+    meta = q.device.type == "meta"
+    if varlen:
+        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, not meta)
+        lens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, not meta)
+        if not meta and len(lens_q) != len(lens_k):
+            raise ValueError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_k "
+                             f"has {len(lens_k)}")
+    if meta:
+        o = torch.empty(q.shape[:3] + (v.shape[3],), dtype=out_dtype, device="meta")
+        return (o, torch.empty(q.shape[:3], device="meta")) if return_lse else o
+    if q.device.type == "cuda":
+        raise NotImplementedError("FP8 attention on CUDA: the E4M3 kernel is not built yet "
+                                  "(the CPU computes the reference); dequantize to bf16 "
+                                  "for the GPU kernels")
+    o, lse = fp8_attention_reference(q, k, v, q_descale, k_descale, v_descale,
+                                     window=(-1 if left is None else left,
+                                             -1 if right is None else right),
+                                     scale=scale, softcap=softcap,
+                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                     out_dtype=out_dtype)
     return (o, lse) if return_lse else o
 
 

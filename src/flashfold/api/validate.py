@@ -95,10 +95,11 @@ CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_qkv(q, k, v) -> None:
+def check_qkv(q, k, v, dtypes=None) -> None:
     """Attention's ``q (B, Hq, S, D)``, ``k (B, Hkv, L, D)``, ``v (B, Hkv, L, Dv)``: tensors
     of 4 dims, one dtype (:data:`CUDA_DTYPES` on CUDA, :data:`CPU_DTYPES` elsewhere) and one
-    device, ``Hq`` a multiple of ``Hkv`` (GQA / MQA), ``D`` and ``Dv`` in ``1 ..`` :data:`MAX_HEAD_DIM`;
+    device (``dtypes``, when given, instead), ``Hq`` a multiple of ``Hkv`` (GQA / MQA), ``D``
+    and ``Dv`` in ``1 ..`` :data:`MAX_HEAD_DIM`;
     ``TypeError`` for a type or dtype, ``ValueError`` for a shape or device, naming the
     tensor."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -111,7 +112,7 @@ def check_qkv(q, k, v) -> None:
             raise TypeError(f"{name} dtype {t.dtype} does not match q dtype {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    allowed = CUDA_DTYPES if q.device.type == "cuda" else CPU_DTYPES
+    allowed = dtypes or (CUDA_DTYPES if q.device.type == "cuda" else CPU_DTYPES)
     if q.dtype not in allowed:
         raise TypeError(f"q dtype {q.dtype} is not supported on {q.device.type}; expected one "
                         f"of {[str(d) for d in allowed]}")

@@ -290,6 +290,96 @@ def naive_attention(q, k, v, *, causal=False, window=None, scale=None, softcap=N
     return o, lse
 
 
+#: the FP8 format of q, k, v and of P, and its largest finite value (E4M3: 448)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def dequantize_fp8(x8, descale, heads_k, cu_seqlens=None, dtype=torch.float32):
+    """``x8 (B, H, N, D)`` in FP8 times its descale factors, in ``dtype``.
+
+    ``descale (B, Hk)`` float32 (with ``cu_seqlens``: ``(S, Hk)``, one row per packed
+    sequence): head ``h`` of ``x8`` takes column ``h // (H / Hk)`` (a query head its KV
+    head's factor, FlashAttention-3's convention)."""
+    x = x8.to(dtype)
+    g = x8.shape[1] // heads_k
+    f = descale.to(dtype).repeat_interleave(g, dim=1)                 # (B or S, H)
+    if cu_seqlens is None:
+        return x * f[:, :, None, None]
+    out = torch.empty_like(x)
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    for i in range(len(cu) - 1):
+        out[:, :, cu[i]:cu[i + 1]] = x[:, :, cu[i]:cu[i + 1]] * f[i][None, :, None, None]
+    return out
+
+
+def fp8_attention_reference(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False,
+                            window=None, scale=None, softcap=None, cu_seqlens_q=None,
+                            cu_seqlens_k=None, out_dtype=torch.bfloat16):
+    r"""FP8 attention as the E4M3 kernels compute it: ``(o, lse)``.
+
+    ``q8, k8, v8``: :data:`FP8` tensors (``(B, Hq, Nq, D)``, ``(B, Hk, Nk, D)``, ``(B, Hk,
+    Nk, Dv)``) standing for ``x8 * descale`` (:func:`dequantize_fp8`). In float32: scores
+    ``s = scale (q k^T)`` of the dequantized inputs (softcap, causal / window masks as
+    :func:`naive_attention`), the row statistics ``m = max_j s_ij``, ``l = sum_j
+    e^{s_ij - m}`` (fp32: the sum loses low bits fast in a narrow format), then
+
+    .. math::
+
+        P^{(8)}_{ij} = \mathrm{fp8}(e^{s_{ij} - m_i} \cdot 448), \qquad
+        o_i = rac{\mathrm{v\_descale}}{448\, l_i} \sum_j P^{(8)}_{ij} v^{(8)}_j
+
+    (P quantized with its own scale, 448 = E4M3's largest value, so ``P <= 1`` uses the
+    format's whole range; the product of two FP8 operands accumulated in fp32, as the
+    tensor cores do), ``lse = m + log l``. ``o`` in ``out_dtype``, ``lse`` float32. A row
+    without a visible key gives ``o = 0``, ``lse = -inf``; a NaN reaches the rows that see
+    it. (The kernels quantize ``P`` against the running row max of each key tile, which
+    equals this one's on the tile holding the max and lies below it elsewhere: the same
+    error bound, not the same bits.)"""
+    Hk = k8.shape[1]
+    g = q8.shape[1] // Hk
+    q = dequantize_fp8(q8, q_descale, Hk, cu_seqlens_q)
+    k = dequantize_fp8(k8, k_descale, Hk, cu_seqlens_k)
+    scale = 1.0 / math.sqrt(q8.shape[-1]) if scale is None else float(scale)
+    left, right = _bounds(window, causal)
+    B, Hq, Nq, _ = q8.shape
+    Dv = v8.shape[-1]
+    o = torch.zeros((B, Hq, Nq, Dv), dtype=torch.float32, device=q8.device)
+    lse = torch.full((B, Hq, Nq), -math.inf, dtype=torch.float32, device=q8.device)
+    vd = v_descale.to(torch.float32).repeat_interleave(g, dim=1)       # (B or S, Hq)
+    for seq, qs, ks in _segments(q8, k8, cu_seqlens_q, cu_seqlens_k):
+        qq = q[:, :, qs]
+        kk = k[:, :, ks].repeat_interleave(g, dim=1)
+        vv = v8[:, :, ks].to(torch.float32).repeat_interleave(g, dim=1)
+        nq, nk = qq.shape[2], kk.shape[2]
+        s = torch.einsum("bhid,bhjd->bhij", qq, kk) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(nq, device=q8.device)[:, None]
+        j = torch.arange(nk, device=q8.device)[None, :]
+        keep = torch.ones((nq, nk), dtype=torch.bool, device=q8.device)
+        if right is not None:
+            keep &= j - i <= (nk - nq) + right
+        if left is not None:
+            keep &= i - j <= left - (nk - nq)
+        keep = keep.expand_as(s)
+        poisoned = ((torch.isnan(s) | (s == math.inf)) & keep).any(-1)
+        s = s.masked_fill(~keep, -math.inf)
+        m = s.amax(-1)
+        empty = m == -math.inf
+        p = torch.exp(s - torch.where(empty, 0.0, m)[..., None])
+        l = p.sum(-1)
+        p8 = (p * FP8_MAX).to(FP8).to(torch.float32)
+        f = vd[:, :, None] if seq is None else vd[seq][None, :, None]
+        acc = _masked_sum(p8, vv, keep)                 # (a hidden key's NaN v adds 0)
+        oo = acc * (f / (FP8_MAX * torch.where(empty, 1.0, l)))[..., None]
+        oo = torch.where(empty[..., None], 0.0, oo)
+        row_lse = torch.where(empty, -math.inf, m + torch.log(torch.where(empty, 1.0, l)))
+        o[:, :, qs] = torch.where(poisoned[..., None], math.nan, oo)
+        lse[:, :, qs] = torch.where(poisoned, math.nan, row_lse)
+    return o.to(out_dtype), lse
+
+
 def merge_states_reference(outs, lses, compute_dtype=None):
     """Merge normalized partial results over disjoint key sets: ``(o, lse)``.
 
@@ -439,5 +529,6 @@ def backward_reference(do, q, k, v, o, lse, dlse=None, *, scale, softcap=None, l
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
-__all__ = ["attention_reference", "naive_attention", "merge_states_reference", "mod_masked",
+__all__ = ["attention_reference", "naive_attention", "merge_states_reference",
+           "fp8_attention_reference", "dequantize_fp8", "FP8", "FP8_MAX", "mod_masked",
            "backward_reference", "torch_score_grad"]
