@@ -41,6 +41,20 @@ def _inputs(B=2, HQ=4, HK=2, NQ=100, NK=120, D=64, DV=None, seed=0, outliers=Fal
     return (q8, k8, v8, qd, kd, vd), (cq, ck)
 
 
+def _hidden(nq, nk, *, causal=False, window=None):
+    """The pairs a bottom-right aligned causal mask / window hides, ``(nq, nk)``."""
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    left, right = (None, None) if window is None else window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    hidden = torch.zeros(nq, nk, dtype=torch.bool)
+    if right is not None:
+        hidden |= j > i + nk - nq + right
+    if left is not None:
+        hidden |= j < i + nk - nq - left
+    return hidden
+
+
 def _naive_fp8(q8, k8, v8, qd, kd, vd, cq, ck, **kw):
     """The naive PyTorch FP8 attention: dequantize to bf16, bf16 matmuls, softmax in
     fp32 (as :func:`naive_attention` in bf16 with fp32 softmax does)."""
@@ -62,17 +76,7 @@ def _naive_bf16(q, k, v, cq, ck, causal=False, window=None, softcap=None, scale=
         s = (q[:, :, qs] @ k[:, :, ks].transpose(-1, -2)).float() * scale
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
-        nq, nk = s.shape[-2:]
-        i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
-        left, right = (None, None) if window is None else window
-        if causal:
-            right = 0 if right is None else min(right, 0)
-        hidden = torch.zeros(nq, nk, dtype=torch.bool)
-        if right is not None:
-            hidden |= j > i + nk - nq + right
-        if left is not None:
-            hidden |= j < i + nk - nq - left
-        s = s.masked_fill(hidden, -math.inf)
+        s = s.masked_fill(_hidden(*s.shape[-2:], causal=causal, window=window), -math.inf)
         p = torch.softmax(s, -1).nan_to_num(0.0).to(torch.bfloat16)
         out[:, :, qs] = (p @ v[:, :, ks]).double()
     return out
@@ -133,16 +137,7 @@ def _p_bound(q8, k8, v8, qd, kd, vd, cq, ck, ref_lse, **kw):
         s = (q[:, :, qs] @ k[:, :, ks].transpose(-1, -2)) * scale
         if kw.get("softcap") is not None:
             s = kw["softcap"] * torch.tanh(s / kw["softcap"])
-        nq, nk = s.shape[-2:]
-        i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
-        left, right = kw.get("window") or (None, None)
-        if kw.get("causal"):
-            right = 0 if right is None else min(right, 0)
-        hidden = torch.zeros(nq, nk, dtype=torch.bool)
-        if right is not None:
-            hidden |= j > i + nk - nq + right
-        if left is not None:
-            hidden |= j < i + nk - nq - left
+        hidden = _hidden(*s.shape[-2:], causal=kw.get("causal", False), window=kw.get("window"))
         lse = ref_lse[:, :, qs]
         p = torch.exp(s - torch.where(lse == -math.inf, 0.0, lse)[..., None])
         p = p.masked_fill(hidden, 0.0)

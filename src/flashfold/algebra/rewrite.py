@@ -89,15 +89,9 @@ class _Facts:
         return hit
 
 
-def hoist_uniform(graph: Graph, uniform: Iterable[str] = (), positive: Iterable[str] = ()) -> Graph:
-    """``graph`` with the two rewrites of the module docstring applied everywhere.
-
-    ``uniform``: input names whose value is the same for every element of a tile;
-    ``positive``: the uniform inputs known to be ``> 0`` (finite). Nothing else changes:
-    the result has the same inputs and outputs, in order.
-    """
-    uniform = set(uniform) | set(positive)
-    facts = _Facts(uniform, positive)
+def _rewrite(graph: Graph, rule) -> Graph:
+    """``graph`` rebuilt bottom-up, each node by ``rule(n, go)`` (``go`` rewrites a child;
+    ``None``: rebuild the node from its rewritten children). Same inputs and outputs."""
     memo: dict[int, Node] = {}
 
     def go(n: Node) -> Node:
@@ -105,30 +99,15 @@ def hoist_uniform(graph: Graph, uniform: Iterable[str] = (), positive: Iterable[
         if hit is not None:
             return hit
         if n.op in ("var", "const"):
-            out = n
-        elif n.op == "mul":
-            factors = [go(a) for a in _flatten_mul(n, [])]
-            fixed = [f for f in factors if facts.uniform(f)]
-            moving = [f for f in factors if not facts.uniform(f)]
-            if moving and len(fixed) >= 2:
-                out = apply("mul", _product(moving), _product(fixed))
-            elif moving and fixed:
-                out = apply("mul", _product(moving), fixed[0])
+            return n
+        out = rule(n, go)
+        if out is None:
+            if n.op in REDUCTIONS or n.op == "csum":
+                out = reduce_node(n.op, go(n.args[0]))
+            elif n.op == "load":
+                out = substitute([n], {id(a): go(a) for a in n.args})[0]
             else:
-                out = _product(factors)
-        elif n.op in ("rmax", "rmin"):
-            x = go(n.args[0])
-            if x.op == "mul" and facts.uniform(x.args[1]) and facts.positive(x.args[1]) \
-                    and not facts.uniform(x.args[0]):
-                out = apply("mul", reduce_node(n.op, x.args[0]), x.args[1])
-            else:
-                out = reduce_node(n.op, x)
-        elif n.op in REDUCTIONS or n.op == "csum":
-            out = reduce_node(n.op, go(n.args[0]))
-        elif n.op == "load":
-            out = substitute([n], {id(a): go(a) for a in n.args})[0]
-        else:
-            out = apply(n.op, *(go(a) for a in n.args))
+                out = apply(n.op, *(go(a) for a in n.args))
         memo[id(n)] = out
         return out
 
@@ -140,41 +119,54 @@ def hoist_uniform(graph: Graph, uniform: Iterable[str] = (), positive: Iterable[
     return trace(rebuild, graph.inputs, graph.name)
 
 
+def hoist_uniform(graph: Graph, uniform: Iterable[str] = (), positive: Iterable[str] = ()) -> Graph:
+    """``graph`` with the two rewrites of the module docstring applied everywhere.
+
+    ``uniform``: input names whose value is the same for every element of a tile;
+    ``positive``: the uniform inputs known to be ``> 0`` (finite). Nothing else changes:
+    the result has the same inputs and outputs, in order.
+    """
+    uniform = set(uniform) | set(positive)
+    facts = _Facts(uniform, positive)
+
+    def rule(n: Node, go):
+        if n.op == "mul":
+            factors = [go(a) for a in _flatten_mul(n, [])]
+            fixed = [f for f in factors if facts.uniform(f)]
+            moving = [f for f in factors if not facts.uniform(f)]
+            if moving and len(fixed) >= 2:
+                return apply("mul", _product(moving), _product(fixed))
+            if moving and fixed:
+                return apply("mul", _product(moving), fixed[0])
+            return _product(factors)
+        if n.op in ("rmax", "rmin"):
+            x = go(n.args[0])
+            if x.op == "mul" and facts.uniform(x.args[1]) and facts.positive(x.args[1]) \
+                    and not facts.uniform(x.args[0]):
+                return apply("mul", reduce_node(n.op, x.args[0]), x.args[1])
+            return reduce_node(n.op, x)
+        return None
+
+    return _rewrite(graph, rule)
+
+
 def assume_above_minus_inf(graph: Graph, names: Iterable[str]) -> Graph:
     """``graph`` with the inputs ``names`` known never to be ``-inf`` (module docstring):
     exact for every value they may take, NaN included. Same inputs and outputs."""
     names = set(names)
-    memo: dict[int, Node] = {}
 
-    def go(n: Node) -> Node:
-        hit = memo.get(id(n))
-        if hit is not None:
-            return hit
-        if n.op in ("var", "const"):
-            out = n
-        elif n.op == "eq" and any(a.op == "var" and a.attr in names for a in n.args) \
+    def rule(n: Node, go):
+        if n.op == "eq" and any(a.op == "var" and a.attr in names for a in n.args) \
                 and any(a.op == "const" and a.attr == -math.inf for a in n.args):
-            out = const(False)
-        elif n.op == "where":
+            return const(False)
+        if n.op == "where":
             c, x, y = (go(a) for a in n.args)
             if c.op == "const" and isinstance(c.attr, bool):
-                out = x if c.attr else y
-            else:
-                out = apply("where", c, x, y)
-        elif n.op in REDUCTIONS or n.op == "csum":
-            out = reduce_node(n.op, go(n.args[0]))
-        elif n.op == "load":
-            out = substitute([n], {id(a): go(a) for a in n.args})[0]
-        else:
-            out = apply(n.op, *(go(a) for a in n.args))
-        memo[id(n)] = out
-        return out
+                return x if c.attr else y
+            return apply("where", c, x, y)
+        return None
 
-    def rebuild(*nodes):
-        mapping = {id(graph._vars[v.name]): x for v, x in zip(graph.inputs, nodes)}
-        return [go(o) for o in substitute(graph.outputs, mapping)]
-
-    return trace(rebuild, graph.inputs, graph.name)
+    return _rewrite(graph, rule)
 
 
 __all__ = ["hoist_uniform", "assume_above_minus_inf"]
