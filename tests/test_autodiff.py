@@ -205,18 +205,17 @@ def test_triton_lowering_of_score_mod_derivative(monkeypatch):
     fn = score_grad_fn(traced)
 
     @triton.jit
-    def kernel(S, V, DV, h, B0, N0, BM: tl.constexpr, BN: tl.constexpr, fn: tl.constexpr):
+    def kernel(S, V, DV, h, BUFS, BM: tl.constexpr, BN: tl.constexpr, fn: tl.constexpr):
         qi = tl.arange(0, BM)[:, None]
         kj = tl.arange(0, BN)[None, :]
         s = tl.load(S + qi * BN + kj)
-        val, d = fn(s, 0, h, qi, kj, B0, N0, None, None, None, None, None, None)
+        val, d = fn(s, 0, h, qi, kj, BUFS)
         tl.store(V + qi * BN + kj, val)
         tl.store(DV + qi * BN + kj, d)
 
     s = torch.randn(16, 16, generator=torch.Generator().manual_seed(2)) * 3
     val, dval = torch.empty_like(s), torch.empty_like(s)
-    args = traced.buffer_args("cpu")
-    kernel[(1,)](s, val, dval, 2, args[0], args[1], BM=16, BN=16, fn=fn)
+    kernel[(1,)](s, val, dval, 2, traced.buffer_args("cpu"), BM=16, BN=16, fn=fn)
     sr = s.double().requires_grad_()
     qi, kj = torch.arange(16).view(-1, 1), torch.arange(16).view(1, -1)
     want = traced.torch_fn("cpu")(sr, torch.tensor(0), torch.tensor(2), qi, kj)

@@ -123,14 +123,14 @@ from ..codegen import tile_step_functions
 from . import gluon_bwd, gluon_fwd
 from .fwd import (TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
                   _visible_2d, block_dims, tma_ok)
-from .mods import MAX_BUFFERS, BlockMask, TracedMod, _lists
+from .mods import BlockMask, TracedMod, _lists, buffer_slots
 
 
 # --- jit helpers ----------------------------------------------------------------------------
 
 @triton.jit
 def _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
-                SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                SBUF,
                 HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
     """Raw ``q.k`` -> ``(s, dfac)``: the final scores and ``ds / dx / scale``.
 
@@ -147,7 +147,7 @@ def _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
             s = qk * qk_scale
             dfac = tl.full(qk.shape, 1.0, tl.float32)
         if HAS_SCORE_MOD:
-            s, dmod = grad_fn(s, b, h, qi, kj, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3)
+            s, dmod = grad_fn(s, b, h, qi, kj, SBUF)
             dfac = dfac * dmod.to(tl.float32)
             s = s.to(tl.float32)
         return s, dfac
@@ -157,7 +157,7 @@ def _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
 
 @triton.jit
 def _probs(qk, lam, qk_scale, softcap, b, h, qi, kj, vis,
-           grad_fn, WEIGHTS: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+           grad_fn, WEIGHTS: tl.constexpr, SBUF,
            MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
     """``(P, dfac)`` of a tile: ``P`` = ATTENTION2's weights against ``lambda``
     (``WEIGHTS``, generated: ``2^(s c log2 e - lambda)``, ``c = qk_scale`` on raw scores,
@@ -165,7 +165,7 @@ def _probs(qk, lam, qk_scale, softcap, b, h, qi, kj, vis,
     rows gives 0), *selected* to 0 where ``vis`` (masked tiles) hides the pair: a NaN
     score or lambda of a hidden pair gives 0, not NaN."""
     s, dfac = _scores_bwd(qk, qk_scale, softcap, b, h, qi, kj, grad_fn,
-                          SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, HAS_SOFTCAP, HAS_SCORE_MOD)
+                          SBUF, HAS_SOFTCAP, HAS_SCORE_MOD)
     if HAS_SOFTCAP or HAS_SCORE_MOD:
         p = WEIGHTS(lam, s, 1.0)[0]
     else:
@@ -253,8 +253,8 @@ def _dkdv_step(dk, dv, k, v, STRICT: tl.constexpr, i, lo, idx_ptr,
                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-               grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-               mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+               grad_fn, WEIGHTS, SBUF,
+               mask_fn, MBUF,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                SPARSE: tl.constexpr, SPARSE_M: tl.constexpr, MASKED: tl.constexpr,
@@ -289,7 +289,7 @@ def _dkdv_step(dk, dv, k, v, STRICT: tl.constexpr, i, lo, idx_ptr,
         # hidden pairs (causal, window, mask_mod, keys past k_len, and rows past q_len,
         # which TMA reads from the next sequence in varlen calls) add exactly 0
         vis = _visible_2d(offs_m[None, :], offs_n[:, None], k_len, delta, win_left, win_right,
-                          b, h, mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          b, h, mask_fn, MBUF,
                           MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD) & row_ok[None, :]
     else:
         vis = 0
@@ -297,7 +297,7 @@ def _dkdv_step(dk, dv, k, v, STRICT: tl.constexpr, i, lo, idx_ptr,
     if HAS_SOFTCAP or HAS_SCORE_MOD:
         qkT = tl.dot(k, tl.trans(q))
         pT, dfac = _probs(qkT, lam[None, :], qk_scale, softcap, b, h, offs_m[None, :],
-                          offs_n[:, None], vis, grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          offs_n[:, None], vis, grad_fn, WEIGHTS, SBUF,
                           MASKED, HAS_SOFTCAP, HAS_SCORE_MOD)
     else:
         # -lambda / (qk_scale log2 e) rides in the accumulator: P = 2^(qk_scale log2 e (q.k
@@ -306,7 +306,7 @@ def _dkdv_step(dk, dv, k, v, STRICT: tl.constexpr, i, lo, idx_ptr,
         qkT = tl.dot(k, tl.trans(q), tl.broadcast_to(
             (-lam * 0.6931471805599453 / qk_scale)[None, :], [BLOCK_N, BLOCK_M]))
         pT, dfac = _probs(qkT, 0.0, qk_scale, softcap, b, h, offs_m[None, :],
-                          offs_n[:, None], vis, grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                          offs_n[:, None], vis, grad_fn, WEIGHTS, SBUF,
                           MASKED, HAS_SOFTCAP, HAS_SCORE_MOD)
     dsT = _dscores(pT, dpT, 0.0, dfac, HAS_SOFTCAP, HAS_SCORE_MOD)
     if MASKED and STRICT:
@@ -339,8 +339,8 @@ def _dkdv_loop(dk, dv, k, v, STRICT: tl.constexpr, lo, count, idx_ptr,
                desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-               grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-               mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+               grad_fn, WEIGHTS, SBUF,
+               mask_fn, MBUF,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                SPARSE: tl.constexpr, SPARSE_M: tl.constexpr, MASKED: tl.constexpr,
@@ -356,8 +356,8 @@ def _dkdv_loop(dk, dv, k, v, STRICT: tl.constexpr, lo, count, idx_ptr,
                 dk, dv, k, v, STRICT, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
                 lam_base, dd_base, tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                grad_fn, WEIGHTS, SBUF,
+                mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_M,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                 USE_TMA, DQ_ATOMIC, DQ_TMA)
@@ -368,8 +368,8 @@ def _dkdv_loop(dk, dv, k, v, STRICT: tl.constexpr, lo, count, idx_ptr,
                 dk, dv, k, v, STRICT, i, lo, idx_ptr, desc_q, desc_do, desc_dq, q_base, do_base, dq_base,
                 lam_base, dd_base, tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                grad_fn, WEIGHTS, SBUF,
+                mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_M,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                 USE_TMA, DQ_ATOMIC, DQ_TMA)
@@ -380,8 +380,8 @@ def _dkdv_loop(dk, dv, k, v, STRICT: tl.constexpr, lo, count, idx_ptr,
 def _dq_step(dq, q, do, lam, dd, STRICT: tl.constexpr, i, lo, idx_ptr,
              desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
              offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-             grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             grad_fn, WEIGHTS, SBUF,
+             mask_fn, MBUF,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
@@ -401,12 +401,12 @@ def _dq_step(dq, q, do, lam, dd, STRICT: tl.constexpr, i, lo, idx_ptr,
     qk = tl.dot(q, tl.trans(k))                             # [BLOCK_M, BLOCK_N]
     if MASKED:
         vis = _visible_2d(offs_m[:, None], offs_n[None, :], k_len, delta, win_left, win_right,
-                          b, h, mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          b, h, mask_fn, MBUF,
                           MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
     else:
         vis = 0
     p, dfac = _probs(qk, lam[:, None], qk_scale, softcap, b, h, offs_m[:, None], offs_n[None, :],
-                     vis, grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+                     vis, grad_fn, WEIGHTS, SBUF,
                      MASKED, HAS_SOFTCAP, HAS_SCORE_MOD)
     v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
                    BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
@@ -427,8 +427,8 @@ def _dq_step(dq, q, do, lam, dd, STRICT: tl.constexpr, i, lo, idx_ptr,
 def _dq_loop(dq, q, do, lam, dd, STRICT: tl.constexpr, lo, count, idx_ptr,
              desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
              offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-             grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             grad_fn, WEIGHTS, SBUF,
+             mask_fn, MBUF,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
@@ -442,8 +442,8 @@ def _dq_loop(dq, q, do, lam, dd, STRICT: tl.constexpr, lo, count, idx_ptr,
             dq = _dq_step(dq, q, do, lam, dd, STRICT, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
                           tma_b, hk, k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left,
                           win_right, b, h, qk_scale, softcap,
-                          grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          grad_fn, WEIGHTS, SBUF,
+                          mask_fn, MBUF,
                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE,
                           SPARSE_N, MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
                           HAS_SCORE_MOD, USE_TMA)
@@ -453,8 +453,8 @@ def _dq_loop(dq, q, do, lam, dd, STRICT: tl.constexpr, lo, count, idx_ptr,
             dq = _dq_step(dq, q, do, lam, dd, STRICT, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base,
                           tma_b, hk, k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left,
                           win_right, b, h, qk_scale, softcap,
-                          grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          grad_fn, WEIGHTS, SBUF,
+                          mask_fn, MBUF,
                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE,
                           SPARSE_N, MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
                           HAS_SCORE_MOD, USE_TMA)
@@ -521,8 +521,8 @@ def _attn_bwd_dkdv(
     NUM_N, HK, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, scale, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_n,
-    grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAG,
+    grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SBUF,
+    mask_fn: tl.constexpr, MBUF, FLAG,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
@@ -598,8 +598,8 @@ def _attn_bwd_dkdv(
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                grad_fn, WEIGHTS, SBUF,
+                mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
                 True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                 DQ_ATOMIC, DQ_TMA, INTERPRET)
@@ -615,8 +615,8 @@ def _attn_bwd_dkdv(
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                grad_fn, WEIGHTS, SBUF,
+                mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
                 FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                 USE_TMA, DQ_ATOMIC, DQ_TMA, INTERPRET)
@@ -626,8 +626,8 @@ def _attn_bwd_dkdv(
                     desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                     tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                     offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                    grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                    mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                    grad_fn, WEIGHTS, SBUF,
+                    mask_fn, MBUF,
                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_M,
                     True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                     USE_TMA, DQ_ATOMIC, DQ_TMA, INTERPRET)
@@ -638,8 +638,8 @@ def _attn_bwd_dkdv(
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                grad_fn, WEIGHTS, SBUF,
+                mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
                 False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                 DQ_ATOMIC, DQ_TMA, INTERPRET)
@@ -648,8 +648,8 @@ def _attn_bwd_dkdv(
                 desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                 tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                 offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                grad_fn, WEIGHTS, SBUF,
+                mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
                 True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                 DQ_ATOMIC, DQ_TMA, INTERPRET)
@@ -659,8 +659,8 @@ def _attn_bwd_dkdv(
                     desc_q, desc_do, desc_dq, q_base, do_base, dq_base, lam_base, dd_base,
                     tma_b, h, q_row, q_len, sqm, sqd, sdom, sdod, sdqm, sdqd,
                     offs_n, k_len, delta, win_left, win_right, b, qk_scale, softcap,
-                    grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                    mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                    grad_fn, WEIGHTS, SBUF,
+                    mask_fn, MBUF,
                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_M,
                     True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                     DQ_ATOMIC, DQ_TMA, INTERPRET)
@@ -698,8 +698,8 @@ def _attn_bwd_dq(
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, scale, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
-    grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAG,
+    grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SBUF,
+    mask_fn: tl.constexpr, MBUF, FLAG,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
@@ -767,8 +767,8 @@ def _attn_bwd_dq(
         dq = _dq_loop(dq, q, do, lam, dd, STRICT, 0, n_part * R, PART_IDX + i_off,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                      grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                      mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                      grad_fn, WEIGHTS, SBUF,
+                      mask_fn, MBUF,
                       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
                       True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                       INTERPRET)
@@ -776,8 +776,8 @@ def _attn_bwd_dq(
         dq = _dq_loop(dq, q, do, lam, dd, STRICT, 0, n_full * R, FULL_IDX + i_off,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                      grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                      mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                      grad_fn, WEIGHTS, SBUF,
+                      mask_fn, MBUF,
                       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
                       FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                       USE_TMA, INTERPRET)
@@ -787,8 +787,8 @@ def _attn_bwd_dq(
         dq = _dq_loop(dq, q, do, lam, dd, STRICT, t_a * BLOCK_N, t_c - t_a, PART_IDX,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                      grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                      mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                      grad_fn, WEIGHTS, SBUF,
+                      mask_fn, MBUF,
                       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
                       False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                       INTERPRET)
@@ -796,16 +796,16 @@ def _attn_bwd_dq(
             dq = _dq_loop(dq, q, do, lam, dd, STRICT, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
                           desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn,
                           svd, offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                          grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                          mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                          grad_fn, WEIGHTS, SBUF,
+                          mask_fn, MBUF,
                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False,
                           SPARSE_N, True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP,
                           HAS_SCORE_MOD, USE_TMA, INTERPRET)
         dq = _dq_loop(dq, q, do, lam, dd, STRICT, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
                       desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                       offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                      grad_fn, WEIGHTS, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                      mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                      grad_fn, WEIGHTS, SBUF,
+                      mask_fn, MBUF,
                       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
                       True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                       INTERPRET)
@@ -948,8 +948,8 @@ _GRAD_LOCK = threading.Lock()
 
 
 def score_grad_fn(mod: TracedMod):
-    """``@triton.jit score_grad(score, b, h, q_idx, kv_idx, B0, N0, ..., B3, N3) -> (value,
-    d value / d score)`` for a traced score_mod: the graph of
+    """``@triton.jit score_grad(score, b, h, q_idx, kv_idx, BUFS) -> (value, d value /
+    d score)`` for a traced score_mod: the graph of
     :func:`~flashfold.algebra.autodiff.derivative`, lowered to Triton (cached per
     expression). Same signature as :meth:`TracedMod.triton_fn` but two results."""
     key = mod.key
@@ -962,10 +962,8 @@ def score_grad_fn(mod: TracedMod):
         raise RuntimeError(f"derivative of {mod.name!r} reorders its captured tables")
     names = [v.name for v in graph.inputs]
     body = jit_source(graph, "body", names)
-    slots = ", ".join(f"B{i}, N{i}" for i in range(MAX_BUFFERS))
-    used = "".join(f", B{i}, N{i}" for i in range(len(mod.buffers)))
-    wrapper = (f"@triton.jit\ndef score_grad({', '.join(names)}, {slots}):\n"
-               f"    r = body({', '.join(names)}{used})\n"
+    wrapper = (f"@triton.jit\ndef score_grad({', '.join(names)}, BUFS):\n"
+               f"    r = body({', '.join(names)}{buffer_slots(len(mod.buffers))})\n"
                f"    return r[0], r[1]\n")
     module = load_source(body + "\n\n" + wrapper, "score_grad")
     with _GRAD_LOCK:
@@ -992,10 +990,6 @@ def column_lists(bm: BlockMask):
 #: NaN-filling one so that any element the kernels fail to write is caught (the plan cache
 #: is bypassed while it is swapped)
 _alloc = plans.new
-
-
-def _none_args(n):
-    return [None] * n
 
 
 def strict_config(cfg: BwdConfig) -> BwdConfig:
@@ -1158,7 +1152,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     has_mod = score_mod is not None
     qk_scale = scale / softcap if has_softcap else scale
     weights = tile_step_functions(ATTENTION2, scale="score").tile_weights
-    sargs = score_mod.buffer_args(dev) if has_mod else _none_args(2 * MAX_BUFFERS)
+    sargs = score_mod.buffer_args(dev) if has_mod else ()
     grad_fn = score_grad_fn(score_mod) if has_mod else None
     if block_mask is not None:
         bmk = block_mask
@@ -1174,7 +1168,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         sparse = bmk.BLOCK_SIZE
         mask_fn = bmk.mod.triton_fn()
     else:
-        margs = _none_args(2 * MAX_BUFFERS)
+        margs = ()
         rows = cols = [None, None, None, None]
         row_strides = col_strides = [0, 0, 0, 0, 0]
         sparse = None
@@ -1229,7 +1223,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
             num_n, HK, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
             qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
             *cols, *col_strides,
-            grad_fn, weights, *sargs, mask_fn, *margs, flag,
+            grad_fn, weights, sargs, mask_fn, margs, flag,
         ], dict(common_kw, BLOCK_M=bm, BLOCK_N=bn,
                 SPARSE_M=sparse[0] if sparse else bm, SPARSE_N=sparse[1] if sparse else bn,
                 DQ_ATOMIC=atomic, DQ_TMA=dq_tma, Q_TAIL=varlen and use_tma,
@@ -1252,7 +1246,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                 num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
                 qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
                 *rows, *row_strides,
-                grad_fn, weights, *sargs, mask_fn, *margs, flag,
+                grad_fn, weights, sargs, mask_fn, margs, flag,
             ], dict(common_kw, BLOCK_M=qm, BLOCK_N=qn,
                     SPARSE_M=sparse[0] if sparse else qm, SPARSE_N=sparse[1] if sparse else qn,
                     REVERSE_M=right is not None, CHECK=check, STRICT=strict,

@@ -92,7 +92,7 @@ from ...monoids import ATTENTION2
 from .. import launcher, plans, tma
 from ..codegen import tile_step_functions
 from . import gluon_fwd
-from .mods import MAX_BUFFERS, BlockMask, TracedMod
+from .mods import BlockMask, TracedMod
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -150,7 +150,7 @@ def _load_tile(desc, base, tma_b, tma_h, tma_row, row0, n_rows, stride_r, stride
 
 @triton.jit
 def _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
-            SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
+            SBUF,
             HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr):
     """Raw ``q.k`` -> ``(x, c)``: the scores are ``x c`` in natural units, with ``c > 0``
     the same for the whole tile, which the tile step folds into its ``log2 e`` (one FMA
@@ -164,7 +164,7 @@ def _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
         else:
             s = qk * qk_scale
         s = score_fn(s, b, h, offs_m[:, None], offs_n[None, :],
-                     SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3).to(tl.float32)
+                     SBUF).to(tl.float32)
         return s, 1.0
     elif HAS_SOFTCAP:
         return _tanh(qk * qk_scale), softcap
@@ -174,7 +174,7 @@ def _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
 
 @triton.jit
 def _visible_2d(qi, kj, k_len, delta, win_left, win_right, b, h, mask_fn,
-                MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                MBUF,
                 MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, APPLY_MASK_MOD: tl.constexpr):
     """Visibility of the pairs ``(qi, kj)`` (broadcastable 2-D int32 index tiles: query
     rows ``qi``, key columns ``kj``; the backward's transposed tiles pass ``[1, BLOCK_M]``
@@ -186,19 +186,19 @@ def _visible_2d(qi, kj, k_len, delta, win_left, win_right, b, h, mask_fn,
     if MASK_LEFT:
         vis = vis & (kj >= qi + (delta - win_left))
     if APPLY_MASK_MOD:
-        mm = mask_fn(b, h, qi, kj, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3)
+        mm = mask_fn(b, h, qi, kj, MBUF)
         vis = vis & (mm != 0)
     return vis
 
 
 @triton.jit
 def _visible(offs_m, offs_n, k_len, delta, win_left, win_right, b, h, mask_fn,
-             MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             MBUF,
              MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, APPLY_MASK_MOD: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` visibility of rows ``offs_m`` and keys ``offs_n``
     (:func:`_visible_2d` on ``offs_m[:, None]``, ``offs_n[None, :]``)."""
     return _visible_2d(offs_m[:, None], offs_n[None, :], k_len, delta, win_left, win_right, b, h,
-                       mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                       mask_fn, MBUF,
                        MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
 
 
@@ -246,8 +246,8 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
              desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len,
              skn, skd, svn, svd,
              offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-             score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             score_fn, SBUF,
+             mask_fn, MBUF,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
@@ -274,10 +274,10 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, USE_TMA)
     qk = tl.dot(q, tl.trans(k))
     s, c = _scores(qk, qk_scale, softcap, b, h, offs_m, offs_n, score_fn,
-                   SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, HAS_SOFTCAP, HAS_SCORE_MOD)
+                   SBUF, HAS_SOFTCAP, HAS_SCORE_MOD)
     if MASKED:
         vis = _visible(offs_m, offs_n, k_len, delta, win_left, win_right, b, h, mask_fn,
-                       MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                       MBUF,
                        MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
         s = tl.where(vis, s, float("-inf"))
     v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
@@ -299,8 +299,8 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
              desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len,
              skn, skd, svn, svd,
              offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-             score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-             mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+             score_fn, SBUF,
+             mask_fn, MBUF,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_DV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
@@ -319,8 +319,8 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
             acc, l_i, m_i = _kv_step(
                 acc, l_i, m_i, q, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base, tma_b, hk,
                 k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left, win_right, b, h,
-                qk_scale, softcap, score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                qk_scale, softcap, score_fn, SBUF,
+                mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                 USE_TMA, STRICT, STEP)
@@ -330,8 +330,8 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
             acc, l_i, m_i = _kv_step(
                 acc, l_i, m_i, q, i, lo, idx_ptr, desc_k, desc_v, k_base, v_base, tma_b, hk,
                 k_row, k_len, skn, skd, svn, svd, offs_m, delta, win_left, win_right, b, h,
-                qk_scale, softcap, score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                qk_scale, softcap, score_fn, SBUF,
+                mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                 USE_TMA, STRICT, STEP)
@@ -380,8 +380,8 @@ def _fwd_tile(
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
-    score_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS,
+    score_fn: tl.constexpr, SBUF,
+    mask_fn: tl.constexpr, MBUF, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
@@ -439,8 +439,8 @@ def _fwd_tile(
             acc, l_i, m_i, q, 0, n_part * R, PART_IDX + i_off,
             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
             offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-            score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-            mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+            score_fn, SBUF,
+            mask_fn, MBUF,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
             True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
             INTERPRET, STRICT, STEP)
@@ -449,8 +449,8 @@ def _fwd_tile(
             acc, l_i, m_i, q, 0, n_full * R, FULL_IDX + i_off,
             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
             offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-            score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-            mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+            score_fn, SBUF,
+            mask_fn, MBUF,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
             FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
             USE_TMA, INTERPRET, STRICT, STEP)
@@ -463,8 +463,8 @@ def _fwd_tile(
             acc, l_i, m_i, q, t_a * BLOCK_N, t_c - t_a, PART_IDX,
             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
             offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-            score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-            mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+            score_fn, SBUF,
+            mask_fn, MBUF,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
             False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
             INTERPRET, STRICT, STEP)
@@ -473,8 +473,8 @@ def _fwd_tile(
                 acc, l_i, m_i, q, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
                 desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
                 offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-                score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                score_fn, SBUF,
+                mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
                 True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
                 INTERPRET, STRICT, STEP)
@@ -482,8 +482,8 @@ def _fwd_tile(
             acc, l_i, m_i, q, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
             offs_m, delta, win_left, win_right, b, h, qk_scale, softcap,
-            score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-            mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+            score_fn, SBUF,
+            mask_fn, MBUF,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
             True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
             INTERPRET, STRICT, STEP)
@@ -520,8 +520,8 @@ def _attn_fwd(
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
-    score_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS,
+    score_fn: tl.constexpr, SBUF,
+    mask_fn: tl.constexpr, MBUF, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
@@ -552,8 +552,7 @@ def _attn_fwd(
               sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
               slb, slh, NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, qk_scale, softcap,
               win_left, win_right, PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b,
-              bi_h, bi_m, score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3, mask_fn, MB0,
-              MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+              bi_h, bi_m, score_fn, SBUF, mask_fn, MBUF, FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
               BLOCK_DV, BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT, MASK_RIGHT,
               HAS_SOFTCAP, HAS_SCORE_MOD, HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN,
               USE_TMA, RETURN_LSE, REVERSE_M, INTERPRET, STRICT, FLAGGED, STEP, FINALIZE)
@@ -573,8 +572,8 @@ def _attn_fwd_guard(
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, win_left, win_right,
     PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
-    score_fn: tl.constexpr, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-    mask_fn: tl.constexpr, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3, FLAGS,
+    score_fn: tl.constexpr, SBUF,
+    mask_fn: tl.constexpr, MBUF, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
@@ -616,8 +615,8 @@ def _attn_fwd_guard(
                               HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, qk_scale,
                               softcap, win_left, win_right, PART_NUM, PART_IDX,
                               FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
-                              score_fn, SB0, SN0, SB1, SN1, SB2, SN2, SB3, SN3,
-                              mask_fn, MB0, MN0, MB1, MN1, MB2, MN2, MB3, MN3,
+                              score_fn, SBUF,
+                              mask_fn, MBUF,
                               FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                               BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT,
                               MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
@@ -708,10 +707,6 @@ def _desc(t, block_rows, block_d):
     """A 4-D TMA descriptor over ``t (B, H, N, D)`` loading ``[1, 1, block_rows, block_d]``
     boxes (the stride of a size-1 dim is irrelevant; replaced by an aligned value)."""
     return TensorDescriptor(t, list(t.shape), tma.box_strides(t), [1, 1, block_rows, block_d])
-
-
-def _none_args(n):
-    return [None] * n
 
 
 #: allocator of the outputs (:func:`flashfold.kernels.plans.new`: ``torch.empty``, noted
@@ -866,7 +861,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     has_softcap = softcap is not None
     has_mod = score_mod is not None
     qk_scale = scale / softcap if has_softcap else scale
-    sargs = score_mod.buffer_args(q.device) if has_mod else _none_args(2 * MAX_BUFFERS)
+    sargs = score_mod.buffer_args(q.device) if has_mod else ()
     if block_mask is not None:
         bmk = block_mask
         margs = bmk.mod.buffer_args(q.device)
@@ -878,7 +873,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         sparse = bmk.BLOCK_SIZE
         mask_fn = bmk.mod.triton_fn()
     else:
-        margs = _none_args(2 * MAX_BUFFERS)
+        margs = ()
         tables = [None, None, None, None]
         strides = [0, 0, 0, 0, 0]
         sparse = (cfg.block_m, cfg.block_n)
@@ -899,8 +894,8 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         qk_scale, float(softcap) if has_softcap else 1.0,
         int(left) if left is not None else 0, int(right) if right is not None else 0,
         *tables, *strides,
-        score_mod.triton_fn() if has_mod else None, *sargs,
-        mask_fn, *margs,
+        score_mod.triton_fn() if has_mod else None, sargs,
+        mask_fn, margs,
         # one non-finite flag per program, for the guard; a varlen program past its
         # sequence returns without writing its flag, so those start at zero
         plans.new((grid[0],), dtype=torch.int32, device=q.device, zero=varlen) if flagged else None,

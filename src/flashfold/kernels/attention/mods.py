@@ -27,11 +27,12 @@ Each function is traced once (per function object) into the same IR the monoids 
   computation;
 * to one ``@triton.jit`` function with a *fixed* signature (:meth:`TracedMod.triton_fn`)::
 
-      score_fn(score, b, h, q_idx, kv_idx, B0, N0, B1, N1, B2, N2, B3, N3) -> score
-      mask_fn(b, h, q_idx, kv_idx, B0, N0, B1, N1, B2, N2, B3, N3)        -> visible
+      score_fn(score, b, h, q_idx, kv_idx, BUFS) -> score
+      mask_fn(b, h, q_idx, kv_idx, BUFS)        -> visible
 
-  ``Bi, Ni`` are the pointer and element count of captured buffer ``i`` (``None`` when
-  unused; at most :data:`MAX_BUFFERS`), so one kernel signature serves every mod. The
+  ``BUFS`` is the tuple ``(B0, N0, B1, N1, ...)`` of the pointer and element count of
+  each captured buffer (:meth:`TracedMod.buffer_args`; ``()`` for a mod without tables),
+  one kernel argument whatever the mod captures. The
   kernel calls it on a ``[BLOCK_M, BLOCK_N]`` score tile with ``q_idx`` of shape
   ``[BLOCK_M, 1]`` and ``kv_idx`` of shape ``[1, BLOCK_N]`` (int32); ``b`` and ``h``
   are scalars.
@@ -70,9 +71,6 @@ from ...algebra.ir import BOOLEAN, Graph, Var, trace
 from ...algebra.lower import function_source
 from ..torch_lower import TORCH
 
-#: captured tables a score_mod or mask_mod may read (kernel signature slots)
-MAX_BUFFERS = 4
-
 SCORE_INPUTS = (Var("score"), Var("b"), Var("h"), Var("q_idx"), Var("kv_idx"))
 MASK_INPUTS = (Var("b"), Var("h"), Var("q_idx"), Var("kv_idx"))
 
@@ -99,9 +97,6 @@ class TracedMod:
         self._torch: dict = {}
         self._triton = None
         self._lock = threading.Lock()
-        if len(graph.buffers) > MAX_BUFFERS:
-            raise ValueError(f"{kind}_mod {self.name!r} captures {len(graph.buffers)} tables; "
-                             f"at most {MAX_BUFFERS} ops.Buffer tables are supported")
         self.reads = _table_reads(graph)
         self._shapes = tuple(tuple(b.shape) for b in graph.buffers)
         self._in_range: set = set()               # sizes already checked (eager calls)
@@ -190,14 +185,14 @@ class TracedMod:
                     self._triton = _triton_wrapper(self)
         return self._triton
 
-    def buffer_args(self, device) -> list:
-        """Run-time kernel arguments ``[B0, N0, ..., B3, N3]`` for the captured tables."""
+    def buffer_args(self, device) -> tuple:
+        """The kernel argument ``BUFS = (B0, N0, B1, N1, ...)``: each captured table
+        (flattened, on ``device``) and its element count."""
         out: list = []
         for b in self.buffers:
             t = _flat_tensor(b.data, device)
             out += [t, t.numel()]
-        out += [None, None] * (MAX_BUFFERS - len(self.buffers))
-        return out
+        return tuple(out)
 
 
 def _data_ptr(data) -> int:
@@ -456,17 +451,20 @@ def trace_mask_mod(fn) -> TracedMod:
     return _trace("mask", fn, MASK_INPUTS)
 
 
+def buffer_slots(n: int) -> str:
+    """The arguments a generated body takes after its inputs, read from the kernel's
+    ``BUFS`` tuple of ``n`` tables: ``", BUFS[0], BUFS[1], ..."``."""
+    return "".join(f", BUFS[{i}]" for i in range(2 * n))
+
+
 def _triton_wrapper(mod: TracedMod):
     from ..codegen import jit_source, load_source
 
-    n = len(mod.buffers)
     names = [v.name for v in mod.graph.inputs]
     body = jit_source(mod.graph, "body", names)
-    slots = ", ".join(f"B{i}, N{i}" for i in range(MAX_BUFFERS))
-    used = "".join(f", B{i}, N{i}" for i in range(n))
     fname = "score_fn" if mod.kind == "score" else "mask_fn"
-    wrapper = (f"@triton.jit\ndef {fname}({', '.join(names)}, {slots}):\n"
-               f"    r = body({', '.join(names)}{used})\n"
+    wrapper = (f"@triton.jit\ndef {fname}({', '.join(names)}, BUFS):\n"
+               f"    r = body({', '.join(names)}{buffer_slots(len(mod.buffers))})\n"
                f"    return r[0]\n")
     module = load_source(body + "\n\n" + wrapper, f"{mod.kind}_mod")
     return getattr(module, fname)
@@ -682,4 +680,4 @@ def cached_block_mask(mod: TracedMod, *, batch, heads, q_len, kv_len, block_m, b
 
 
 __all__ = ["TracedMod", "BlockMask", "trace_score_mod", "trace_mask_mod", "create_block_mask",
-           "compute_block_mask", "cached_block_mask", "EMPTY", "PARTIAL", "FULL", "MAX_BUFFERS"]
+           "compute_block_mask", "cached_block_mask", "EMPTY", "PARTIAL", "FULL", "buffer_slots"]
