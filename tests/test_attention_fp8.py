@@ -299,6 +299,22 @@ def test_bad_fp8_input_names_the_argument(change, error, words):
         ff.attention(q, k, v, **kw)
 
 
+def test_bad_packed_sequences_are_named_before_the_descales():
+    (q8, k8, v8, qd, kd, vd), _ = _inputs(B=1, NQ=30, NK=30)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a torch.Tensor"):
+        ff.attention(q8, k8, v8, cu_seqlens_q=[0, 30], cu_seqlens_k=[0, 30], **kw)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q_descale must have shape \(2, 2\)"):
+        ff.attention(q8, k8, v8, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    two = dict(q_descale=qd.expand(2, 2), k_descale=kd.expand(2, 2), v_descale=vd.expand(2, 2))
+    short = torch.tensor([0, 10, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_k must end at the packed length 30"):
+        ff.attention(q8, k8, v8, cu_seqlens_q=cu, cu_seqlens_k=short, **two)
+    o = ff.attention(q8, k8, v8, cu_seqlens_q=cu, cu_seqlens_k=cu, **two)
+    assert o.shape == q8.shape and torch.isfinite(o).all()
+
+
 def test_e5m2_and_mixed_dtypes_are_refused():
     kw = _good()
     q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")

@@ -308,10 +308,13 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
     varlen = cu_seqlens_q is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
-    if varlen and q.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens, q/k/v must have batch 1 (packed), got {q.shape[0]}")
-    n_seqs = (cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor)
-              and cu_seqlens_q.dim() == 1 else None) if varlen else q.shape[0]
+    if varlen:
+        if q.dim() != 4 or q.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens, q/k/v must have batch 1 (packed), got shape "
+                             f"{tuple(q.shape)}")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            _check_cu(name, cu, None, q.device, values=False)      # (no value read yet)
+    n_seqs = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     out_dtype = check_fp8_call(q, k, v, q_descale, k_descale, v_descale, out_dtype,
                                score_mod=score_mod, mask_mod=mask_mod, n_seqs=n_seqs)
     _check_bool("causal", causal)
