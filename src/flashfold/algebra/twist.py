@@ -195,6 +195,16 @@ def _is_liveness(n: Node, ref_j: Node) -> bool:
             and not isinstance(ref_j.args[1].attr, bool) and 0 < ref_j.args[1].attr < math.inf)
 
 
+def _lift_tile(monoid: Monoid, tile: dict, scale: str | None, scale_node) -> dict:
+    """``monoid``'s lift of one tile element, traced: each field by name, from the scalar
+    inputs ``tile`` (the one named ``scale`` times ``scale_node``) and 1 for each vector
+    input (the coefficient of ``v``: its lifts are linear in it, checked by the caller)."""
+    args = [const(1.0) if i.vector else
+            tile[i.name] * scale_node if i.name == scale else tile[i.name]
+            for i in monoid.inputs]
+    return dict(zip(monoid.field_names, inline(monoid.lift_graph, *args)))
+
+
 @dataclass(frozen=True)
 class TileStep:
     """The derived tile step of a rescale-twisted monoid (module docstring).
@@ -252,15 +262,7 @@ def tile_step(monoid: Monoid, *, scale: str | None = None) -> TileStep:
     def step(*nodes):
         st = dict(zip(state, nodes[:len(state)]))
         tile = dict(zip(scalars, nodes[len(state):len(state) + len(scalars)]))
-        args = []
-        for i in monoid.inputs:
-            if i.vector:
-                args.append(const(1.0))          # the coefficient of v (linear, checked)
-            elif i.name == scale:
-                args.append(tile[i.name] * nodes[-1])
-            else:
-                args.append(tile[i.name])
-        lifted = dict(zip(monoid.field_names, inline(lift, *args)))
+        lifted = _lift_tile(monoid, tile, scale, nodes[-1])
         ref_j = lifted[tw.ref]
         r = ops.maximum(st[tw.ref], ops.reduce_max(ref_j))
         (alpha,) = inline(tw.factor, st[tw.ref], r)
@@ -320,15 +322,7 @@ def tile_weights(monoid: Monoid, *, scale: str | None = None,
 
     def weights(ref, *nodes):
         tile = dict(zip(scalars, nodes[:len(scalars)]))
-        args = []
-        for i in monoid.inputs:
-            if i.vector:
-                args.append(const(1.0))
-            elif i.name == scale:
-                args.append(tile[i.name] * nodes[-1])
-            else:
-                args.append(tile[i.name])
-        lifted = dict(zip(monoid.field_names, inline(monoid.lift_graph, *args)))
+        lifted = _lift_tile(monoid, tile, scale, nodes[-1])
         ref_j = lifted[tw.ref]
         (w,) = inline(tw.factor, ref_j, ref)
         return [w if drop_liveness and _is_liveness(lifted[f], ref_j) else lifted[f] * w

@@ -81,6 +81,17 @@ def _bounds(window, causal):
     return left, right
 
 
+def _window_keep(i, j, nq, nk, left, right):
+    """``(nq, nk)`` bool: the pairs of rows ``i [nq, 1]`` and keys ``j [1, nk]`` inside the
+    bottom-right aligned window (``None``: that side unbounded)."""
+    keep = torch.ones((nq, nk), dtype=torch.bool, device=i.device)
+    if right is not None:
+        keep &= j - i <= (nk - nq) + right
+    if left is not None:
+        keep &= i - j <= left - (nk - nq)
+    return keep
+
+
 def _segments(q, k, cu_seqlens_q, cu_seqlens_k):
     """(batch index, q rows slice, k rows slice) per sequence; batch index None = all."""
     if cu_seqlens_q is None:
@@ -269,11 +280,7 @@ def naive_attention(q, k, v, *, causal=False, window=None, scale=None, softcap=N
         raw = s
         if score_mod is not None:
             s = torch.as_tensor(score_mod(s, bb, hh, i, j)).to(dtype).expand_as(s)
-        keep = torch.ones((nq, nk), dtype=torch.bool, device=dev)
-        if right is not None:
-            keep &= j - i <= (nk - nq) + right
-        if left is not None:
-            keep &= i - j <= left - (nk - nq)
+        keep = _window_keep(i, j, nq, nk, left, right)
         keep = keep.expand_as(s)
         if mask_mod is not None:
             mm = torch.as_tensor(mask_mod(bb, hh, i, j))
@@ -357,11 +364,7 @@ def fp8_attention_reference(q8, k8, v8, q_descale, k_descale, v_descale, *, caus
             s = softcap * torch.tanh(s / softcap)
         i = torch.arange(nq, device=q8.device)[:, None]
         j = torch.arange(nk, device=q8.device)[None, :]
-        keep = torch.ones((nq, nk), dtype=torch.bool, device=q8.device)
-        if right is not None:
-            keep &= j - i <= (nk - nq) + right
-        if left is not None:
-            keep &= i - j <= left - (nk - nq)
+        keep = _window_keep(i, j, nq, nk, left, right)
         keep = keep.expand_as(s)
         poisoned = ((torch.isnan(s) | (s == math.inf)) & keep).any(-1)
         s = s.masked_fill(~keep, -math.inf)
