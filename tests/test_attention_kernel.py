@@ -156,6 +156,23 @@ def test_kernel_score_mod_with_six_tables(kernel):
                      name=f"d{name}")
 
 
+def test_captured_tables_are_moved_to_the_device_once_per_version():
+    """A table captured on the host reaches the kernel as one device copy, made on the first
+    call and reused (a copy on every call synchronised each eager call and broke CUDA-graph
+    capture); writing to the table in place makes the next call copy it again."""
+    from flashfold.kernels.attention.mods import trace_score_mod
+    mod = trace_score_mod(mods.alibi(4))
+    (table,) = [b.data for b in mod.buffers]
+    first = mod.buffer_args("meta")
+    assert first[0].device.type == "meta" and first[1] == table.numel()
+    assert mod.buffer_args("meta")[0] is first[0]
+    here = mod.buffer_args("cpu")
+    table.mul_(2)                                  # an in-place write bumps the version
+    again = mod.buffer_args("cpu")
+    assert again is not here and torch.equal(again[0], table.reshape(-1))
+    assert mod.buffer_args("meta")[0] is not first[0]
+
+
 @pytest.mark.parametrize("extra", [{}, {"causal": True}, {"window": (20, 3)}],
                          ids=["exact-full-tiles", "causal-masks-full-tiles", "window-masks-full-tiles"])
 def test_kernel_precomputed_block_mask(kernel, extra):

@@ -5,8 +5,8 @@ A repeated signature replays the launches recorded for it instead of running its
 code again. The replayed plan must compute what a fresh one computes with the new call's
 tensors (bitwise: same kernels, same arguments), allocate new outputs and gradients on
 every call, and be bypassed while a global its planner reads (in its module, or in the
-Gluon modules it consults) is patched, and for score_mod / block-mask calls (their tables
-are not replayable). Runs the kernels under the interpreter on CPU machines.
+Gluon modules it consults) is patched. A score_mod or block mask is part of the signature
+by identity, its tables inputs of the plan. Runs the kernels under the interpreter on CPU machines.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flashfold import mods
 from flashfold.api import attention as api
 from flashfold.kernels.attention import bwd, fwd, gluon_bwd, gluon_fwd
 
-from test_attention_cases import Shape, make_qkv
+from test_attention_cases import Shape, make_qkv, varlen_inputs
 
 # These tests run the kernels under TRITON_INTERPRET on CPU tensors (as
 # test_attention_backward_kernel.py does); on a CUDA machine the same cached paths are
@@ -117,7 +117,63 @@ def test_a_patched_planner_global_bypasses_the_cache(monkeypatch, family, module
     assert family.plan_cache_info() == {"hits": 0, "misses": 0, "size": 0}
 
 
-def test_score_mods_are_planned_on_every_call():
-    for _ in range(2):
-        _grads(*_inputs(0), causal=True, score_mod=mods.alibi(2))
-    assert fwd.plan_cache_info() == bwd.plan_cache_info() == {"hits": 0, "misses": 0, "size": 0}
+def test_mods_replay_with_the_tables_of_the_call():
+    """A score_mod and a block mask enter the plan's signature by identity and their
+    tables as inputs: the second call with the same mods replays, bitwise what a fresh
+    plan computes; a table written in place between calls is read as it is now; another
+    mod object is another plan."""
+    from flashfold.ops import Buffer
+    table = torch.tensor([0.5, -0.25])
+    bias = lambda s, b, h, qi, kj: s + Buffer(table)[h]  # noqa: E731
+    bm = flashfold.create_block_mask(mods.prefix_lm_mask(9), None, None, 40, 40, device="cpu",
+                                     BLOCK_SIZE=16)
+    kw = dict(score_mod=bias, mask_mod=bm)
+    inputs = _inputs(0)
+    first = _grads(*inputs, **kw)
+    table.mul_(-3.0)                                     # read by the replay, not the first
+    replayed = _grads(*inputs, **kw)
+    assert fwd.plan_cache_info()["hits"] == bwd.plan_cache_info()["hits"] == 1
+    fwd.plan_cache_clear()
+    bwd.plan_cache_clear()
+    fresh = _grads(*inputs, **kw)
+    assert fwd.plan_cache_info()["hits"] == bwd.plan_cache_info()["hits"] == 0
+    for a, b, c in zip(replayed, fresh, first):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c)
+    _grads(*inputs, score_mod=lambda s, b, h, qi, kj: s + Buffer(table)[h], mask_mod=bm)
+    assert fwd.plan_cache_info()["misses"] == bwd.plan_cache_info()["misses"] == 2
+
+
+def test_one_cu_seqlens_for_queries_and_keys_is_replayed():
+    """Self-attention over packed sequences passes one ``cu_seqlens`` tensor for queries
+    and keys: planned once with that aliasing and replayed (bitwise a fresh plan's), while
+    a call with two equal but distinct offset tensors is another plan."""
+    lens = [7, 0, 19, 12]
+    q, k, v, cu, _ = varlen_inputs(lens, lens, 2, 1, 32, torch.float32, seed=3)
+    kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    first = flashfold.attention(q, k, v, **kw)
+    again = flashfold.attention(q, k, v, **kw)
+    assert fwd.plan_cache_info() == {"hits": 1, "misses": 1, "size": 1}
+    assert torch.equal(first, again)
+    two = flashfold.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu.clone())
+    assert fwd.plan_cache_info() == {"hits": 1, "misses": 2, "size": 2}
+    assert torch.equal(first, two)
+
+
+def test_a_packed_call_reads_its_offsets_once(monkeypatch):
+    """The offsets drive the launch grid, so the call reads them on the host (one sync):
+    the API validates them once, and the forward and the backward reuse what it read; an
+    in-place write to the offsets is read again."""
+    lens = [7, 0, 19, 12]
+    q, k, v, cu, _ = varlen_inputs(lens, lens, 2, 1, 32, torch.float32, seed=4)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist",
+                        lambda t: reads.append(t) or real(t))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = flashfold.attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    o.sum().backward()
+    assert sum(t is cu for t in reads) == 1
+    cu[2:] += 0                                          # a write: the version moves on
+    flashfold.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert sum(t is cu for t in reads) == 2

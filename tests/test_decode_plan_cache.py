@@ -6,8 +6,8 @@ launches: a hit, with outputs bitwise equal to the same call with the cache off,
 output tensors every call, and the new call's tensors (q, caches, lengths, block table)
 read, never an earlier call's; every part of the signature misses when it changes; the
 API's tensor checks run once per signature, and an invalid call raises every time; TMA
-descriptors are rebuilt around the new caches; patched heuristics, the environment
-switch and an input passed twice bypass the cache; entries hold no tensor of a call.
+descriptors are rebuilt around the new caches; patched heuristics and the environment
+switch bypass the cache; an input passed twice is planned with its aliasing; entries hold no tensor of a call.
 Tests that only look at the plans replace the launches with a recorder (no kernel runs).
 """
 
@@ -316,16 +316,19 @@ def test_the_api_checks_run_once_per_signature_and_invalid_calls_always_raise(
     assert counts() == (2, 3)
 
 
-def test_an_input_passed_twice_is_not_cached(launches):
-    """``k`` as ``v`` too: the plan cannot tell which of the two a later call's tensor
-    goes to, so the signature stays uncached; a later call with two caches is built."""
+def test_an_input_passed_twice_is_planned_with_its_aliasing(launches):
+    """``k`` as ``v`` too: one slot for both, and which places share a tensor is part of
+    the key; the replay puts the new call's one tensor in both places, and a later call
+    with two caches is another plan that reads each of them."""
     x = inputs("contiguous", 1, [40, 64], seed=1)
     decode(Inputs(x.q, x.k, x.k, x.lens, None))
-    decode(Inputs(x.q, x.k, x.k, x.lens, None))
-    assert counts() == (0, 2) and list(splitkv._CACHE.entries.values()) == [False]
+    y = inputs("contiguous", 1, [40, 64], seed=2)
+    decode(Inputs(y.q, y.k, y.k, y.lens, None))
+    args = launches[-1][2]
+    assert args[1] is y.k and args[2] is y.k and counts() == (1, 1)
     decode(x)
     args = launches[-1][2]
-    assert args[1] is x.k and args[2] is x.v and counts() == (0, 3)
+    assert args[1] is x.k and args[2] is x.v and counts() == (1, 2)
 
 
 def test_patched_heuristics_and_the_switch_bypass_the_cache(launches, monkeypatch):

@@ -309,20 +309,30 @@ class Graph:
         return "\n".join(lines)
 
     def key(self) -> str:
-        """A stable content hash (used to cache generated source on disk)."""
-        return hashlib.sha256(self.text().encode()).hexdigest()[:16]
+        """A stable content hash (used to cache generated source on disk), computed once
+        per graph (a graph is immutable; kernel plans key on it on every call)."""
+        k = self.__dict__.get("_key")
+        if k is None:
+            k = hashlib.sha256(self.text().encode()).hexdigest()[:16]
+            object.__setattr__(self, "_key", k)
+        return k
 
     def uses_reductions(self) -> bool:
         return any(n.op in REDUCTIONS or n.op in SCANS for n in self.nodes())
 
     @property
     def buffers(self) -> tuple:
-        """Captured :class:`Buffer` objects, in order of first use."""
-        out: list = []
-        for n in self.nodes():
-            if n.op == "load" and all(b is not n.attr for b in out):
-                out.append(n.attr)
-        return tuple(out)
+        """Captured :class:`Buffer` objects, in order of first use (found once per graph,
+        as :meth:`key`)."""
+        out = self.__dict__.get("_buffers")
+        if out is None:
+            found: list = []
+            for n in self.nodes():
+                if n.op == "load" and all(b is not n.attr for b in found):
+                    found.append(n.attr)
+            out = tuple(found)
+            object.__setattr__(self, "_buffers", out)
+        return out
 
 
 def trace(fn: Callable, inputs: Sequence[Var], name: str,

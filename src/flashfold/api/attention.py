@@ -125,7 +125,10 @@ def _check_cu(name, cu, total, device, values=True):
         raise ValueError(f"{name} must be non-decreasing")
     if vals[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {vals[-1]}")
-    return [b - a for a, b in zip(vals, vals[1:])]
+    lens = [b - a for a, b in zip(vals, vals[1:])]
+    from ..kernels.attention.autograd import remember_lengths
+    remember_lengths(cu, lens)                  # the kernels' host code reads no more
+    return lens
 
 
 def _bounds(left, right, causal):
@@ -225,7 +228,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         if q.shape[0] != 1:
             raise ValueError(f"with cu_seqlens, q/k/v must have batch 1 (packed), got {q.shape[0]}")
         lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, values)
-        lens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, values)
+        lens_k = (lens_q if cu_seqlens_k is cu_seqlens_q and k.shape[2] == q.shape[2]
+                  else _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, values))
         if values and len(lens_q) != len(lens_k):
             raise ValueError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_k has "
                              f"{len(lens_k)}")
@@ -326,7 +330,8 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
     meta = q.device.type == "meta"
     if varlen:
         lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, not meta)
-        lens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, not meta)
+        lens_k = (lens_q if cu_seqlens_k is cu_seqlens_q and k.shape[2] == q.shape[2]
+                  else _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, not meta))
         if not meta and len(lens_q) != len(lens_k):
             raise ValueError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_k "
                              f"has {len(lens_k)}")

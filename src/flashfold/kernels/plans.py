@@ -18,9 +18,10 @@ Each family (``kernels/reduce/launch.py``, ``kernels/decode/splitkv.py``,
 * the *key* of each call: every property of the call that its planner reads (tensors by
   :func:`signature`; host values by value; an object held by identity is passed as the
   ``owner``, which the entry keeps alive so that its id cannot be reused);
-* the *inputs*: the call's tensors that the plan may hold, put back on a replay (an input
-  passed twice in one call, e.g. ``v`` as ``k``, makes that plan unreplayable: a later
-  call may pass two tensors there);
+* the *inputs*: the call's tensors that the plan may hold, put back on a replay. One
+  tensor passed in several places (``v`` as ``k``, one ``cu_seqlens`` for queries and
+  keys) holds one slot; which places share a tensor is part of the key
+  (:func:`_aliasing`), so a later call with two tensors there is another plan;
 * its *planners*: functions whose module globals (heuristics, switches, constants, found
   from their code: :func:`read_by`) are watched; while any of them differs from what it
   was when the cache was made (a test monkeypatched it) the cache is bypassed.
@@ -182,7 +183,7 @@ class PlanCache:
         of it. An unhashable key is not cached."""
         if not self.caching():
             return build(*args, **kwargs)
-        key = (key, launcher.env("TRITON_INTERPRET"))
+        key = (key, _aliasing(inputs), launcher.env("TRITON_INTERPRET"))
         entries = self.entries
         try:
             entry = entries.get(key)
@@ -204,6 +205,17 @@ class PlanCache:
             entries.clear()
         entries[key] = entry
         return result
+
+
+def _aliasing(inputs) -> tuple | None:
+    """Which inputs are one tensor: ``None`` when all differ (the common case, one set
+    built), else for each input the index of its first place."""
+    ids = [id(t) for t in inputs if t is not None]
+    if len(set(ids)) == len(ids):
+        return None
+    first: dict = {}
+    return tuple(None if t is None else first.setdefault(id(t), i)
+                 for i, t in enumerate(inputs))
 
 
 class _Unreplayable(Exception):
@@ -235,12 +247,13 @@ class _Entry:
     def capture(cls, owner, inputs, fresh, result):
         """The entry of ``result``, a plan just built from ``inputs``, with ``fresh`` the
         buffers (and whether zeroed) it allocated; ``False`` when it holds a tensor that
-        is none of those, a view into a buffer or a :func:`constant`, or when an input
-        is passed twice."""
+        is none of those, a view into a buffer or a :func:`constant`. A tensor passed as
+        several inputs takes the slot of its first place (the key holds the aliasing)."""
         n_in = len(inputs)
-        slots = {id(t): i for i, t in enumerate(inputs) if t is not None}
-        if len(slots) != sum(t is not None for t in inputs):
-            return False
+        slots: dict = {}
+        for i, t in enumerate(inputs):
+            if t is not None:
+                slots.setdefault(id(t), i)
         makes = []
         for t, zero in fresh:
             slots[id(t)] = n_in + len(makes)

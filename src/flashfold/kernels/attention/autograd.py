@@ -163,7 +163,25 @@ def mods_entry(key: str) -> ModsEntry | None:
 
 # --- forward and backward implementations ----------------------------------------------------
 
+#: id(cu_seqlens) -> (weak reference, version, lengths): the lengths that
+#: :func:`flashfold.attention` validated (:func:`remember_lengths`), so that the forward
+#: and the backward of the call do not read them from the device again (each read is a
+#: host sync). An in-place write to the offsets bumps their version and forces a read.
+_LENGTHS: dict = {}
+_LENGTHS_SIZE = 64
+
+
+def remember_lengths(cu, lens):
+    """Note that ``cu`` (at its current version) holds the sequence lengths ``lens``."""
+    if len(_LENGTHS) >= _LENGTHS_SIZE:
+        _LENGTHS.clear()
+    _LENGTHS[id(cu)] = (weakref.ref(cu), cu._version, lens)
+
+
 def _lengths(cu):
+    hit = _LENGTHS.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1] == cu._version:
+        return hit[2]
     vals = cu.tolist()
     return [b - a for a, b in zip(vals, vals[1:])]
 
@@ -427,5 +445,6 @@ def attention_op(q, k, v, *, key: str, scale: float, softcap=None, left=None, ri
 
 
 __all__ = ["attention_op", "register_mods", "entry_tables", "attn_fwd", "attn_bwd",
+           "remember_lengths",
            "forward_impl", "backward_impl",
            "kernel_forward", "kernel_backward", "ModsEntry"]

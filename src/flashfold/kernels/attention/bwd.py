@@ -123,7 +123,7 @@ from ..codegen import tile_step_functions
 from . import gluon_bwd, gluon_fwd
 from .fwd import (TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
                   _visible_2d, block_dims, tma_ok)
-from .mods import BlockMask, TracedMod, _lists, buffer_slots
+from .mods import BlockMask, TracedMod, _lists, buffer_slots, plan_tables
 
 
 # --- jit helpers ----------------------------------------------------------------------------
@@ -1030,8 +1030,9 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
     ``block_mask`` must have block sizes that the tiles divide (the launcher shrinks the
     tiles to fit).
 
-    A call without ``score_mod`` and ``block_mask`` replays the launches planned for the
-    same signature (:data:`_CACHE`, see :mod:`flashfold.kernels.plans`): its host code
+    A call replays the launches planned for the same signature (:data:`_CACHE`, see
+    :mod:`flashfold.kernels.plans`; a score_mod or block mask by identity, its tables as
+    inputs of the plan, as in the forward): its host code
     (checks, dispatch, configuration, allocation, TMA descriptors) cost more than the
     kernels at N = 1K causal (H200: ~0.5-0.85 ms of host time per eager backward against
     0.54 ms on the GPU; ``docs/notes/host_time.md``, "Attention").
@@ -1041,18 +1042,19 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    full_needs_mask=full_needs_mask, deterministic=deterministic,
                    atomic_dq=atomic_dq, config=config)
-    if score_mod is not None or block_mask is not None:    # (their tables: not replayable)
-        dq, dk, dv, launches = prepare_backward(do, q, k, v, o, lse, score_mod=score_mod,
-                                                block_mask=block_mask, **options)
-        memos = (None,) * len(launches)
-    else:
-        inputs = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k)
-        # what _plan reads: the tensors' signatures, the options, the Gluon switch
-        key = (plans.signatures(inputs), scale, softcap, left,
-               right, max_seqlen_q, max_seqlen_k, full_needs_mask, deterministic, atomic_dq,
-               config, launcher.env("FLASHFOLD_GLUON"))
-        dq, dk, dv, launches, memos = _CACHE.planned(key, None, inputs, _plan, *inputs[:6],
-                                                     **options)
+    inputs = (do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k)
+    # the mods' tables (and the block mask's per-key-block lists) are inputs of the plan
+    # too; the mods themselves are held by identity
+    tables = plan_tables(score_mod, block_mask, q.device)
+    if block_mask is not None:
+        tables += column_lists(block_mask)
+    # what _plan reads: the tensors' signatures, the options, the mods, the Gluon switch
+    key = (plans.signatures(inputs + tables), scale, softcap, left,
+           right, max_seqlen_q, max_seqlen_k, full_needs_mask, deterministic, atomic_dq,
+           config, id(score_mod), id(block_mask), launcher.env("FLASHFOLD_GLUON"))
+    dq, dk, dv, launches, memos = _CACHE.planned(key, (score_mod, block_mask), inputs + tables,
+                                                 _plan, *inputs[:6], score_mod=score_mod,
+                                                 block_mask=block_mask, **options)
     for (kernel, grid, args, kwargs), memo in zip(launches, memos):
         launcher.launch(kernel, grid, args, kwargs, memo)
     return dq, dk, dv

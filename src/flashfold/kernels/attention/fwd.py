@@ -92,7 +92,7 @@ from ...monoids import ATTENTION2
 from .. import launcher, plans, tma
 from ..codegen import tile_step_functions
 from . import gluon_fwd
-from .mods import BlockMask, TracedMod
+from .mods import BlockMask, TracedMod, plan_tables
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -732,9 +732,10 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     table was computed for these lengths and this window), else the kernel also applies
     bounds and window masks inside FULL tiles. ``config`` overrides the heuristic.
 
-    A call without ``score_mod`` and ``block_mask`` replays the launch planned for the
-    same signature (:data:`_CACHE`, see :mod:`flashfold.kernels.plans`), as the backward
-    does: the checks, dispatch, allocation and TMA descriptors cost ~135 us of host time
+    A call replays the launch planned for the same signature (:data:`_CACHE`, see
+    :mod:`flashfold.kernels.plans`), as the backward does; a score_mod or block mask enters
+    the signature by identity and its tables as inputs of the plan
+    (:func:`.mods.plan_tables`). The checks, dispatch, allocation and TMA descriptors cost ~135 us of host time
     per call on the dev machine, and an eager forward + backward at N = 1K causal was
     host-bound on the H200 (0.85x cuDNN at head_dim 128, 0.51x at 64, against 1.01x and
     0.96x from CUDA graphs; ``docs/notes/host_time.md``, "Attention").
@@ -742,16 +743,16 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     options = dict(scale=scale, softcap=softcap, left=left, right=right,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
                    full_needs_mask=full_needs_mask, config=config)
-    if score_mod is not None or block_mask is not None:    # (their tables: not replayable)
-        o, lse, launch, memo = _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, score_mod=score_mod,
-                                     block_mask=block_mask, **options)
-    else:
-        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
-        # what _plan reads: the tensors' signatures, the options, the Gluon switch
-        key = (plans.signatures(inputs), scale, softcap, left,
-               right, max_seqlen_q, max_seqlen_k, return_lse, full_needs_mask, config,
-               launcher.env("FLASHFOLD_GLUON"))
-        o, lse, launch, memo = _CACHE.planned(key, None, inputs, _plan, *inputs, **options)
+    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    # the mods' tables are inputs of the plan too; the mods themselves are held by identity
+    tables = plan_tables(score_mod, block_mask, q.device)
+    # what _plan reads: the tensors' signatures, the options, the mods, the Gluon switch
+    key = (plans.signatures(inputs + tables), scale, softcap, left,
+           right, max_seqlen_q, max_seqlen_k, return_lse, full_needs_mask, config,
+           id(score_mod), id(block_mask), launcher.env("FLASHFOLD_GLUON"))
+    o, lse, launch, memo = _CACHE.planned(key, (score_mod, block_mask), inputs + tables, _plan,
+                                          *inputs, score_mod=score_mod, block_mask=block_mask,
+                                          **options)
     for one, one_memo in zip(launch, memo):
         launcher.launch(*one, one_memo)
     return o, lse

@@ -95,6 +95,7 @@ class TracedMod:
         self.name = getattr(fn, "__name__", kind + "_mod")
         self.key = graph.key()
         self._torch: dict = {}
+        self._args: dict = {}
         self._triton = None
         self._lock = threading.Lock()
         self.reads = _table_reads(graph)
@@ -187,12 +188,36 @@ class TracedMod:
 
     def buffer_args(self, device) -> tuple:
         """The kernel argument ``BUFS = (B0, N0, B1, N1, ...)``: each captured table
-        (flattened, on ``device``) and its element count."""
-        out: list = []
-        for b in self.buffers:
-            t = _flat_tensor(b.data, device)
-            out += [t, t.numel()]
-        return tuple(out)
+        (flattened, on ``device``) and its element count.
+
+        Cached per device and tables' version (:meth:`buffer_versions`), like
+        :meth:`torch_fn`: a table captured on the host is copied to the device once, not on
+        every call (a per-call copy synchronised each eager call and could not be captured
+        in a CUDA graph); writing to the table in place bumps its version and recopies it.
+        """
+        key = (str(device), self.buffer_versions())
+        out = self._args.get(key)
+        if out is None:
+            flat = [_flat_tensor(b.data, device) for b in self.buffers]
+            out = tuple(x for t in flat for x in (t, t.numel()))
+            self._args = {key: out}                # keep only the latest tables' version
+        return out
+
+
+def plan_tables(score_mod: TracedMod | None, block_mask: "BlockMask | None", device) -> tuple:
+    """The tensors that a planned attention launch holds for its mods: the score_mod's
+    tables, the block mask's four tile lists and its mask_mod's tables (the kernel
+    arguments, as :meth:`TracedMod.buffer_args` caches them). A plan cache takes them as
+    inputs of the plan, so that a replay reads the call's tables
+    (:mod:`flashfold.kernels.plans`)."""
+    out: tuple = ()
+    if score_mod is not None:
+        out += score_mod.buffer_args(device)[0::2]
+    if block_mask is not None:
+        bm = block_mask
+        out += (bm.partial_num, bm.partial_idx, bm.full_num, bm.full_idx)
+        out += bm.mod.buffer_args(device)[0::2]
+    return out
 
 
 def _data_ptr(data) -> int:
