@@ -7,6 +7,7 @@ Run (H200, from the repository root)::
     PYTHONPATH=src python benchmarks/decode.py --check-only
     PYTHONPATH=src python benchmarks/decode.py --tune     # splits / tile configs at the targets
     PYTHONPATH=src python benchmarks/decode.py --tune-invariant  # batch_invariant's cost, by row
+    PYTHONPATH=src python benchmarks/decode.py --fp8      # E4M3 caches against bf16 (~1 min)
 
 1. Correctness at real sizes (bf16, 32 query / 8 KV heads, head_dim 128): lengths 0, 1,
    ragged and full, q_len 1 and 4 (speculative), softcap, window, left padding (a first
@@ -37,6 +38,16 @@ Run (H200, from the repository root)::
    also times ``flashfold lpad``: the same cache left-padded (sequence ``b`` starts at
    ``b * length / (4 * batch)``, up to 25% padding, ``cache_start``), in GB/s of the keys
    it attends to (its own bytes), next to the row's unpadded flashfold figure.
+
+``--fp8``: decoding over E4M3 caches (``torch.float8_e4m3fn``, per-(sequence, kv head)
+descales: each head's largest magnitude / 448). Checks first, on a bf16 cache with a few
+large key channels: the FP8 decode's max error against the float64 decode of the
+*unquantized* cache must be at most twice a naive FP8 decode's (the cache dequantized to
+bf16, then as :func:`naive_bf16`), plus 1e-5; no NaN; batch-invariant mode bitwise equal
+to the same sequence alone. Then flashfold FP8 against flashfold bf16 on the same tokens
+(graph replays after a read flush, contiguous and pages of 64): the time ratio (tokens per
+second), and the FP8 call's bytes read (K and V at one byte per element) over the device
+copy's rate. No peer in this environment decodes over an FP8 cache (SDPA takes none).
 """
 
 from __future__ import annotations
@@ -583,6 +594,105 @@ def run_tune_splits():
         torch.cuda.empty_cache()
 
 
+FP8_ROWS = [(8, 8192), (8, 32768), (8, 131072), (1, 131072), (64, 8192), (64, 32768)]
+
+
+def _fp8_cache(c: Cache):
+    """E4M3 copies of ``c``'s K and V (contiguous and its paged copies) and the descales."""
+    from flashfold.api.decode import quantize_fp8_cache
+    kd = c.k.float().abs().amax(dim=(2, 3)) / 448
+    vd = c.v.float().abs().amax(dim=(2, 3)) / 448
+    k8, v8 = quantize_fp8_cache(c.k, kd), quantize_fp8_cache(c.v, vd)
+    paged = {}
+    for p, (kp, vp, table) in c.paged.items():
+        # page rows of sequence b hold its tokens: quantize each page with its owner's scales
+        owner = torch.full((kp.shape[0],), -1, dtype=torch.long, device=DEV)
+        owner[table.long().flatten()] = torch.arange(table.shape[0], device=DEV).repeat_interleave(
+            table.shape[1])
+        sk = kd[owner.clamp(min=0)][:, None, :, None]
+        sv = vd[owner.clamp(min=0)][:, None, :, None]
+        paged[p] = ((kp.float() / sk).clamp(-448, 448).to(torch.float8_e4m3fn),
+                    (vp.float() / sv).clamp(-448, 448).to(torch.float8_e4m3fn), table)
+    return k8, v8, kd, vd, paged
+
+
+def run_fp8(chk: Checker, quick=False):
+    print("== FP8 (E4M3) caches: correctness (criterion: err vs float64 of the unquantized "
+          "cache <= 2 x a naive FP8 decode's)")
+    for name, c in (("full 8K, batch 8", Cache(8, 8192, pages=(64,), seed=11)),
+                    ("ragged incl. 0 and 1", Cache(6, 8192, [0, 1, 777, 8192, 5000, 64],
+                                                   pages=(64,), seed=12))):
+        c.k[..., :4] *= 8                                  # a few large channels
+        c.paged = {p: c._pages(p, 11) for p in c.paged}
+        k8, v8, kd, vd, paged = _fp8_cache(c)
+        exact, _ = decode_reference(c.q, c.k, c.v, c.lens, compute_dtype=torch.float64)
+        deq = Cache.__new__(Cache)
+        deq.__dict__.update(c.__dict__)
+        deq.k = (k8.float() * kd[:, :, None, None]).to(DT)
+        deq.v = (v8.float() * vd[:, :, None, None]).to(DT)
+        naive = (naive_bf16(deq).double() - exact).abs().max().item()
+        for page in (None, 64):
+            for inv in (False, True):
+                if page is None:
+                    o = ff.decode(c.q, k8, v8, c.lens, batch_invariant=inv, k_descale=kd,
+                                  v_descale=vd)
+                else:
+                    kp, vp, table = paged[page]
+                    o = ff.decode(c.q, kp, vp, c.lens, block_table=table, batch_invariant=inv,
+                                  k_descale=kd, v_descale=vd)
+                err = (o.double() - exact).abs().max().item()
+                layout = "contiguous" if page is None else f"paged{page}"
+                chk.ok(err <= 2 * naive + 1e-5 and not torch.isnan(o).any().item(),
+                       f"fp8 {name:22s} {layout:10s} {'invariant' if inv else 'default  '} "
+                       f"err {err:.2e} <= 2 x naive FP8 {naive:.2e}")
+        alone = ff.decode(c.q[2:3], k8[2:3], v8[2:3], c.lens[2:3], batch_invariant=True,
+                          k_descale=kd[2:3], v_descale=vd[2:3])
+        inside = ff.decode(c.q, k8, v8, c.lens, batch_invariant=True, k_descale=kd,
+                           v_descale=vd)[2:3]
+        chk.ok(torch.equal(alone, inside), f"fp8 {name:22s} batch_invariant: sequence 2 alone "
+               f"== inside the batch, bitwise")
+        del c, k8, v8, paged
+        torch.cuda.empty_cache()
+    copy = copy_gbps()
+    print(f"== device copy: {copy:.0f} GB/s (read + write bytes)")
+    print("== FP8 against bf16, flashfold, graph replays after a read flush (32/8 heads, "
+          "head_dim 128, q_len 1)")
+    hdr = (f"{'batch':>5} {'len':>6} | {'bf16 us':>8} {'fp8 us':>8} {'speedup':>7} "
+           f"{'fp8 GB/s':>8} {'% copy':>6} | {'bf16 p64':>8} {'fp8 p64':>8} {'speedup':>7}")
+    rows = []
+    for batch, length in (FP8_ROWS[:2] if quick else FP8_ROWS):
+        c = Cache(batch, length, pages=(64,), seed=13)
+        k8, v8, kd, vd, paged = _fp8_cache(c)
+        kp, vp, table = c.paged[64]
+        k8p, v8p, _ = paged[64]
+        t = {
+            "bf16": timed(lambda: ff.decode(c.q, c.k, c.v, c.lens), True, clean=True),
+            "fp8": timed(lambda: ff.decode(c.q, k8, v8, c.lens, k_descale=kd, v_descale=vd),
+                         True, clean=True),
+            "bf16 p64": timed(lambda: ff.decode(c.q, kp, vp, c.lens, block_table=table),
+                              True, clean=True),
+            "fp8 p64": timed(lambda: ff.decode(c.q, k8p, v8p, c.lens, block_table=table,
+                                               k_descale=kd, v_descale=vd), True, clean=True),
+        }
+        fp8_bytes = 2 * batch * HKV * length * D
+        rows.append((batch, length, t, fp8_bytes / t["fp8"] / 1e6))
+        del c, k8, v8, paged, kp, vp, k8p, v8p
+        torch.cuda.empty_cache()
+    print(hdr)
+    print("-" * len(hdr))
+    for batch, length, t, gbps in rows:
+        print(f"{batch:5d} {length:6d} | {1e3 * t['bf16']:8.1f} {1e3 * t['fp8']:8.1f} "
+              f"{t['bf16'] / t['fp8']:7.2f} {gbps:8.0f} {100 * gbps / copy:6.1f} | "
+              f"{1e3 * t['bf16 p64']:8.1f} {1e3 * t['fp8 p64']:8.1f} "
+              f"{t['bf16 p64'] / t['fp8 p64']:7.2f}")
+    print()
+    for batch, length, t, gbps in rows:
+        sp = t["bf16"] / t["fp8"]
+        print(f"  target: batch {batch} len {length}: fp8 >= 1.8x bf16 tokens/s: "
+              f"{'PASS' if sp >= 1.8 else 'FAIL'} ({sp:.2f}x); K/V read >= 90% of copy: "
+              f"{'PASS' if gbps >= 0.9 * copy else 'FAIL'} ({100 * gbps / copy:.1f}%)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -593,6 +703,8 @@ def main():
     ap.add_argument("--tune-invariant", action="store_true",
                     help="where batch_invariant's cost goes, on the rows where it is largest")
     ap.add_argument("--no-graphs", action="store_true", help="time eagerly only (no CUDA graphs)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="E4M3 caches: checks, then FP8 against bf16 (the docstring)")
     args = ap.parse_args()
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(),
           f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs")
@@ -607,6 +719,17 @@ def main():
         run_tune_splits()
         return 0
     chk = Checker()
+    if args.fp8:
+        try:
+            run_fp8(chk, args.quick)
+        except Exception:                                          # noqa: BLE001
+            traceback.print_exc()
+            chk.failures.append("exception during the FP8 run")
+        print(f"== checks: {'all passed' if not chk.failures else f'{len(chk.failures)} FAILED'}")
+        for f in chk.failures:
+            print("   FAILED:", f)
+        print(f"total {time.time() - t0:.0f}s")
+        return 1 if chk.failures else 0
     try:
         run_checks(chk, args.quick)
     except Exception:                                              # noqa: BLE001

@@ -23,14 +23,17 @@ SCRIPT = textwrap.dedent(r'''
     from flashfold.kernels.aot import compile_launch
 
     def variant(name, dtype=torch.bfloat16, hq=32, hkv=8, q_len=1, d=128, page=None,
-                splits=4, batch=2, **kw):
+                splits=4, batch=2, fp8=False, **kw):
         q = torch.zeros(batch, hq, q_len, d, dtype=dtype)
+        kv = torch.float8_e4m3fn if fp8 else dtype
         if page is None:
-            k = torch.zeros(batch, hkv, 1024, d, dtype=dtype)
+            k = torch.zeros(batch, hkv, 1024, d, dtype=kv)
             table = None
         else:
-            k = torch.zeros(batch * 1024 // page, page, hkv, d, dtype=dtype)
+            k = torch.zeros(batch * 1024 // page, page, hkv, d, dtype=kv)
             table = torch.zeros(batch, 1024 // page, dtype=torch.int32)
+        if fp8:
+            kw["k_descale"] = kw["v_descale"] = torch.ones(batch, hkv)
         lens = torch.full((batch,), 1000, dtype=torch.int32)
         if not kw.get("batch_invariant"):
             kw["num_splits"] = splits
@@ -44,7 +47,7 @@ SCRIPT = textwrap.dedent(r'''
                 continue
             info = compile_launch(kernel, spec[1], spec[2])
             # K/V tile buffers: memdescs of >= 3 dims (stage x tile) in the data dtype
-            bufs = [int(n) for n in re.findall(r"memdesc<(\d+)x\d+x\d+(?:x\d+)*x(?:bf16|f16|f32)",
+            bufs = [int(n) for n in re.findall(r"memdesc<(\d+)x\d+x\d+(?:x\d+)*x(?:bf16|f16|f32|f8E4M3FN)",
                                                info.ttgir)]
             # copies left in flight at a loop's first wait (async_wait num): the software
             # pipeline overlaps the next tiles' loads with this tile's math only if > 0
@@ -94,6 +97,12 @@ SCRIPT = textwrap.dedent(r'''
         # value check and its rare sanitized P V, through TMA and in fixed splits
         variant("q4_tma", q_len=4, tma=True),
         variant("invariant_q4_window", batch_invariant=True, q_len=4, window=(100, None)),
+        # E4M3 caches: tiles widened to bf16 as they are loaded, descales folded in
+        variant("fp8", fp8=True),
+        variant("fp8_paged16_q4_window_softcap", fp8=True, page=16, q_len=4,
+                window=(100, None), softcap=30.0),
+        variant("fp8_tma", fp8=True, tma=True),
+        variant("invariant_fp8", fp8=True, batch_invariant=True),
     ]
     print(json.dumps(dict(cases)))
 ''')
@@ -111,7 +120,7 @@ def compiled():
 
 
 def test_every_variant_compiles_without_spills(compiled):
-    assert len(compiled) == 21
+    assert len(compiled) == 25
     for name, kernels in compiled.items():
         for kind, info in kernels.items():
             if spill_budgets_apply():
@@ -120,7 +129,8 @@ def test_every_variant_compiles_without_spills(compiled):
             assert 0 < info["registers"] <= 255, (name, kind, info)
 
 
-TMA = {"contiguous_tma", "paged64_tma", "invariant_tma", "paged64_start_tma", "q4_tma"}
+TMA = {"contiguous_tma", "paged64_tma", "invariant_tma", "paged64_start_tma", "q4_tma",
+       "fp8_tma"}
 
 
 def test_split_kernel_pipelines_kv(compiled):

@@ -57,6 +57,12 @@ MAX_Q_LEN = 16
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CPU_DTYPES = _GPU_DTYPES + (torch.float64,)
+#: the 8-bit cache format: E4M3 (largest finite value 448), with per-(sequence, kv head)
+#: descales; the other FP8 formats are refused by name
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz",
+                                                "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 # --- validation -------------------------------------------------------------------------
@@ -80,7 +86,8 @@ def _window(window, capacity=None):
 def _layout(q, k_cache, v_cache, cache_seqlens, block_table, dtypes=None, names=None):
     """Validate shapes/dtypes/devices; returns (heads_kv, page_size or None, capacity).
     ``names`` renames arguments in the messages (``{"q": "k_new"}``: a stand-in query
-    built from another argument)."""
+    built from another argument). The cache holds ``q``'s dtype, or E4M3 (:data:`FP8`,
+    both caches; the descales are checked by :func:`_descales`)."""
     n = {"q": "q", "k_cache": "k_cache", "v_cache": "v_cache", "cache_seqlens": "cache_seqlens",
          "block_table": "block_table", **(names or {})}
     qn = n["q"]
@@ -93,8 +100,16 @@ def _layout(q, k_cache, v_cache, cache_seqlens, block_table, dtypes=None, names=
         raise TypeError(f"{qn}: dtype must be one of {[str(d) for d in ok]} on {dev.type}, "
                         f"got {q.dtype}")
     for x, name in ((k_cache, n["k_cache"]), (v_cache, n["v_cache"])):
+        if x.dtype in _OTHER_FP8:
+            raise TypeError(f"{name}: {x.dtype} caches are not supported; the 8-bit cache "
+                            f"format is torch.float8_e4m3fn")
+        if x.dtype == FP8 and k_cache.dtype == v_cache.dtype:
+            continue
         if x.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {x.dtype} differs from {qn}'s {q.dtype}")
+            raise TypeError(f"{name}: dtype {x.dtype} differs from {qn}'s {q.dtype}"
+                            + (" (an 8-bit cache needs both k_cache and v_cache in "
+                               "float8_e4m3fn)" if FP8 in (k_cache.dtype, v_cache.dtype)
+                               else ""))
         if x.device != dev:
             raise ValueError(f"{name}: on {x.device}, {qn} on {dev}")
     if q.ndim != 4:
@@ -150,6 +165,30 @@ def _layout(q, k_cache, v_cache, cache_seqlens, block_table, dtypes=None, names=
     if cache_seqlens.shape != (batch,):
         raise ValueError(f"{sn}: expected shape ({batch},), got {tuple(cache_seqlens.shape)}")
     return heads_kv, page_size, capacity
+
+
+def _descales(k_cache, v_cache, k_descale, v_descale, batch, heads_kv, dev):
+    """Validate the descales of an E4M3 cache: float32 ``(batch, heads_kv)`` on the
+    cache's device, both required with an 8-bit cache and refused without one."""
+    fp8 = k_cache.dtype == FP8
+    for x, name in ((k_descale, "k_descale"), (v_descale, "v_descale")):
+        if x is None:
+            if fp8:
+                raise ValueError(f"{name}: required with a float8_e4m3fn cache (the factor "
+                                 f"that turns the stored values back into real ones, "
+                                 f"float32 (batch, heads_kv))")
+            continue
+        _tensor(x, name)
+        if not fp8:
+            raise ValueError(f"{name}: only with a float8_e4m3fn cache, got a {k_cache.dtype} "
+                             f"cache")
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name}: dtype must be torch.float32, got {x.dtype}")
+        if x.device != dev:
+            raise ValueError(f"{name}: on {x.device}, the cache on {dev}")
+        if x.shape != (batch, heads_kv):
+            raise ValueError(f"{name}: expected shape (batch={batch}, heads_kv={heads_kv}), "
+                             f"got {tuple(x.shape)}")
 
 
 def _cache_start(cache_start, batch, dev):
@@ -230,11 +269,14 @@ def _capacity(k_cache, block_table):
     return block_table.shape[1] * k_cache.shape[1] if block_table.dim() == 2 else None
 
 
-def _check_tensors(q, k_cache, v_cache, cache_seqlens, block_table, cache_start):
-    """The checks of :func:`decode`'s tensors (``_layout``, ``_cache_start``): they read
-    only what a plan key holds of them (shapes, dtypes, devices)."""
-    _layout(q, k_cache, v_cache, cache_seqlens, block_table)
+def _check_tensors(q, k_cache, v_cache, cache_seqlens, block_table, cache_start,
+                   k_descale=None, v_descale=None):
+    """The checks of :func:`decode`'s tensors (``_layout``, ``_cache_start``,
+    ``_descales``): they read only what a plan key holds of them (shapes, dtypes,
+    devices)."""
+    heads_kv, _, _ = _layout(q, k_cache, v_cache, cache_seqlens, block_table)
     _cache_start(cache_start, q.shape[0], q.device)
+    _descales(k_cache, v_cache, k_descale, v_descale, q.shape[0], heads_kv, q.device)
 
 
 def _use_kernels(q: torch.Tensor) -> bool:
@@ -274,13 +316,15 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            window: tuple[int | None, int | None] | None = None,
            cache_start: torch.Tensor | None = None, num_splits: int | None = None,
            batch_invariant: bool = False, return_lse: bool = False,
-           max_seqlen: int | None = None, check_lengths: bool | None = None):
+           max_seqlen: int | None = None, check_lengths: bool | None = None,
+           k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None):
     r"""Attention of a few new query tokens per sequence against a KV cache (split-KV).
 
     Args:
         q: ``(batch, heads_q, q_len, head_dim)``, ``1 <= q_len <= 16``; float16, bfloat16
             or float32 (float64 too on the CPU). Any strides.
-        k_cache, v_cache: the cache, same dtype and device as ``q``, any strides, either
+        k_cache, v_cache: the cache, same dtype and device as ``q`` (or both
+            ``torch.float8_e4m3fn``, with ``k_descale`` / ``v_descale``), any strides, either
             *contiguous* ``(batch, heads_kv, max_len, head_dim)`` (``block_table=None``) or
             *paged* ``(num_pages, page_size, heads_kv, head_dim)``. ``heads_q`` must be a
             multiple of ``heads_kv`` (GQA / MQA: query head ``h`` reads key/value head
@@ -331,6 +375,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             is on the CPU; on CUDA the check needs a device synchronisation (and cannot run
             inside a CUDA graph), so it is off unless requested, and the kernels clamp
             lengths to ``[0, capacity]``.
+        k_descale, v_descale: with an E4M3 cache (``torch.float8_e4m3fn``; :func:`append_kv`
+            writes one), float32 ``(batch, heads_kv)``: key ``j`` of sequence ``b``, head
+            ``h`` is ``k_descale[b, h] * k_cache[..]`` (values likewise; positive finite
+            factors). The kernel widens each tile to ``q``'s dtype as it loads it
+            (values times their descale, the keys' descale folded into the score scale),
+            so the statistics and the output are computed as for a 16-bit cache, reading
+            half the bytes. Not allowed with other caches.
 
     Returns:
         ``o`` of shape ``(batch, heads_q, q_len, head_dim)`` in ``q.dtype`` (contiguous),
@@ -358,10 +409,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                            num_splits=num_splits,
                                            batch_invariant=batch_invariant,
                                            max_seqlen=max_seqlen, cache_start=cache_start,
+                                           k_descale=k_descale, v_descale=v_descale,
                                            check=_check_tensors)
         return (o, lse) if return_lse else o
     heads_kv, page_size, capacity = _layout(q, k_cache, v_cache, cache_seqlens, block_table)
     cache_start = _cache_start(cache_start, q.shape[0], q.device)
+    _descales(k_cache, v_cache, k_descale, v_descale, q.shape[0], heads_kv, q.device)
     scale, softcap, win = _options(q.shape[-1], scale, softcap, window, num_splits,
                                    batch_invariant, max_seqlen, return_lse, capacity)
     if is_meta(q):
@@ -380,12 +433,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                            scale=scale, softcap=softcap, window=win,
                                            num_splits=num_splits,
                                            batch_invariant=batch_invariant,
-                                           max_seqlen=max_seqlen, cache_start=cache_start)
+                                           max_seqlen=max_seqlen, cache_start=cache_start,
+                                           k_descale=k_descale, v_descale=v_descale)
     else:
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
         o, lse = decode_reference(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
                                   softcap=softcap, window=win, cache_start=cache_start,
-                                  compute_dtype=cd)
+                                  compute_dtype=cd, k_descale=k_descale, v_descale=v_descale)
         o, lse = o.to(q.dtype), lse.to(torch.float32)
     return (o, lse) if return_lse else o
 
@@ -393,11 +447,16 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
               v_new: torch.Tensor, cache_seqlens: torch.Tensor,
               block_table: torch.Tensor | None = None, *,
-              check_lengths: bool | None = None) -> torch.Tensor:
+              check_lengths: bool | None = None, k_descale: torch.Tensor | None = None,
+              v_descale: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``n_new`` new tokens per sequence into the cache, in place, after the cached ones.
 
     ``k_new``, ``v_new``: ``(batch, heads_kv, n_new, head_dim)`` (the SDPA layout of ``q``),
-    same dtype and device as the cache. Token ``j`` of sequence ``b`` goes to position
+    same dtype and device as the cache; into an E4M3 cache (``torch.float8_e4m3fn``), any
+    16/32/64-bit float dtype, quantized on write with the sequence's descales
+    (``k_descale``, ``v_descale``: float32 ``(batch, heads_kv)``, as :func:`decode` takes
+    them): ``k_new / k_descale[b, h]`` rounded to E4M3, finite values beyond the format's
+    range saturated to +-448, infinities and NaN stored as NaN (E4M3 has no infinity). Token ``j`` of sequence ``b`` goes to position
     ``cache_seqlens[b] + j``: ``k_cache[b, :, pos]`` (contiguous) or slot ``pos %
     page_size`` of page ``block_table[b, pos // page_size]`` (paged; the pages must already
     be assigned in ``block_table``).
@@ -419,20 +478,28 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
         raise ValueError(f"v_new: shape {tuple(v_new.shape)} differs from k_new's "
                          f"{tuple(k_new.shape)}")
     batch, heads_kv, n_new, head_dim = k_new.shape
-    if k_cache.dtype not in _CPU_DTYPES:
-        raise TypeError(f"k_cache: unsupported dtype {k_cache.dtype}")
+    fp8 = k_cache.dtype == FP8
+    if k_cache.dtype not in _CPU_DTYPES and not fp8:
+        raise TypeError(f"k_cache: unsupported dtype {k_cache.dtype}"
+                        + ("; the 8-bit cache format is torch.float8_e4m3fn"
+                           if k_cache.dtype in _OTHER_FP8 else ""))
     # validate the cache against a stand-in query of the same batch, heads and head_dim
-    probe = torch.empty((batch, heads_kv, 1, head_dim), dtype=k_cache.dtype,
+    probe = torch.empty((batch, heads_kv, 1, head_dim),
+                        dtype=k_new.dtype if fp8 and k_new.dtype in _CPU_DTYPES else k_cache.dtype,
                         device=k_cache.device)
     got_heads, page_size, capacity = _layout(probe, k_cache, v_cache, cache_seqlens, block_table,
                                              dtypes=_CPU_DTYPES, names={"q": "k_new"})
     if got_heads != heads_kv:
         raise ValueError(f"k_new: heads_kv {heads_kv} differs from the cache's {got_heads}")
     for x, name in ((k_new, "k_new"), (v_new, "v_new")):
-        if x.dtype != k_cache.dtype:
+        if fp8 and x.dtype not in _CPU_DTYPES:
+            raise TypeError(f"{name}: dtype must be one of {[str(d) for d in _CPU_DTYPES]} "
+                            f"(quantized on write into the float8_e4m3fn cache), got {x.dtype}")
+        if not fp8 and x.dtype != k_cache.dtype:
             raise TypeError(f"{name}: dtype {x.dtype} differs from the cache's {k_cache.dtype}")
         if x.device != k_cache.device:
             raise ValueError(f"{name}: on {x.device}, the cache on {k_cache.device}")
+    _descales(k_cache, v_cache, k_descale, v_descale, batch, heads_kv, k_cache.device)
     if check_lengths and is_meta(cache_seqlens):
         raise no_values("cache_seqlens", "check_lengths=True")
     if check_lengths is None:
@@ -443,6 +510,8 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
         return cache_seqlens.clone()
     pos = cache_seqlens.to(torch.int64)[:, None] + torch.arange(n_new, device=k_cache.device)
     rows = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, n_new)
+    if fp8:
+        k_new, v_new = quantize_fp8_cache(k_new, k_descale), quantize_fp8_cache(v_new, v_descale)
     kn, vn = k_new.transpose(1, 2), v_new.transpose(1, 2)            # (batch, n_new, Hkv, D)
     if block_table is None:
         k_cache.transpose(1, 2)[rows, pos] = kn                      # (batch, L, Hkv, D) view
@@ -454,6 +523,15 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     return cache_seqlens + n_new
 
 
+def quantize_fp8_cache(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(batch, heads_kv, n, head_dim)`` as E4M3 cache entries for the descales
+    ``(batch, heads_kv)``: ``x / descale`` rounded to nearest, finite values beyond +-448
+    saturated, infinities and NaN stored as NaN (E4M3 has no infinity)."""
+    y = x.to(torch.float32) / descale.to(torch.float32)[:, :, None, None]
+    y = torch.where(torch.isinf(y), torch.full_like(y, math.nan), y.clamp(-FP8_MAX, FP8_MAX))
+    return y.to(FP8)
+
+
 class PagedKVCache:
     """A paged KV cache with its block table and lengths (a convenience around
     :func:`append_kv` and :func:`decode`).
@@ -462,11 +540,14 @@ class PagedKVCache:
     ``block_table``: ``(batch, max_pages)`` int32; ``seqlens``: ``(batch,)`` int32. Page
     assignment is static: :meth:`allocate` gives every sequence ``ceil(max_len /
     page_size)`` pages (in a seeded random order when ``shuffle``, to exercise the
-    gather). :meth:`append` updates ``seqlens``.
+    gather). :meth:`append` updates ``seqlens``. An E4M3 cache (pages of
+    ``torch.float8_e4m3fn``) carries its descales ``k_descale``, ``v_descale`` (float32
+    ``(batch, heads_kv)``), which :meth:`append` quantizes with and :meth:`decode` reads.
     """
 
     def __init__(self, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-                 seqlens: torch.Tensor):
+                 seqlens: torch.Tensor, k_descale: torch.Tensor | None = None,
+                 v_descale: torch.Tensor | None = None):
         for x, name in ((k_pages, "k_pages"), (v_pages, "v_pages"), (block_table, "block_table"),
                         (seqlens, "seqlens")):
             if not isinstance(x, torch.Tensor):
@@ -482,19 +563,26 @@ class PagedKVCache:
                              f"{tuple(block_table.shape)}")
         # the cache against a stand-in query of its batch, heads and head dim
         probe = torch.empty((block_table.shape[0], k_pages.shape[2], 1, k_pages.shape[3]),
-                            dtype=k_pages.dtype, device=k_pages.device)
-        _layout(probe, k_pages, v_pages, seqlens, block_table,
-                names={"q": "k_pages", "k_cache": "k_pages", "v_cache": "v_pages",
-                       "cache_seqlens": "seqlens"})
+                            dtype=torch.bfloat16 if k_pages.dtype == FP8 else k_pages.dtype,
+                            device=k_pages.device)
+        heads_kv, _, _ = _layout(probe, k_pages, v_pages, seqlens, block_table,
+                                 names={"q": "k_pages", "k_cache": "k_pages",
+                                        "v_cache": "v_pages", "cache_seqlens": "seqlens"})
+        _descales(k_pages, v_pages, k_descale, v_descale, block_table.shape[0], heads_kv,
+                  k_pages.device)
         self.k_pages, self.v_pages, self.block_table, self.seqlens = (k_pages, v_pages,
                                                                       block_table, seqlens)
+        self.k_descale, self.v_descale = k_descale, v_descale
 
     @classmethod
     def allocate(cls, batch: int, max_len: int, heads_kv: int, head_dim: int, *,
                  page_size: int = 16, dtype: torch.dtype = torch.bfloat16, device=None,
-                 shuffle: bool = False, seed: int = 0) -> "PagedKVCache":
+                 shuffle: bool = False, seed: int = 0, k_descale: torch.Tensor | None = None,
+                 v_descale: torch.Tensor | None = None) -> "PagedKVCache":
         """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (``batch``,
-        ``max_len``, ``heads_kv``, ``page_size`` ints >= 1, ``1 <= head_dim <= 256``)."""
+        ``max_len``, ``heads_kv``, ``page_size`` ints >= 1, ``1 <= head_dim <= 256``).
+        ``dtype=torch.float8_e4m3fn`` makes an E4M3 cache with the given descales (default:
+        ones, float32 ``(batch, heads_kv)``)."""
         for name, x in (("batch", batch), ("max_len", max_len), ("heads_kv", heads_kv),
                         ("head_dim", head_dim), ("page_size", page_size), ("seed", seed)):
             if isinstance(x, bool) or not isinstance(x, int):
@@ -505,8 +593,9 @@ class PagedKVCache:
             raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
-        if dtype not in _CPU_DTYPES:
-            raise TypeError(f"dtype must be one of {[str(d) for d in _CPU_DTYPES]}, got {dtype}")
+        if dtype not in _CPU_DTYPES + (FP8,):
+            raise TypeError(f"dtype must be one of {[str(d) for d in _CPU_DTYPES + (FP8,)]}, "
+                            f"got {dtype}")
         check_bool("shuffle", shuffle)
         per_seq = -(-max_len // page_size)
         n_pages = batch * per_seq
@@ -514,8 +603,12 @@ class PagedKVCache:
                  if shuffle else torch.arange(n_pages))
         table = order.view(batch, per_seq).to(torch.int32).to(device)
         k = torch.zeros(n_pages, page_size, heads_kv, head_dim, dtype=dtype, device=device)
+        if dtype == FP8:
+            ones = torch.ones(batch, heads_kv, dtype=torch.float32, device=device)
+            k_descale = ones if k_descale is None else k_descale
+            v_descale = ones.clone() if v_descale is None else v_descale
         return cls(k, torch.zeros_like(k), table,
-                   torch.zeros(batch, dtype=torch.int32, device=device))
+                   torch.zeros(batch, dtype=torch.int32, device=device), k_descale, v_descale)
 
     @property
     def page_size(self) -> int:
@@ -528,13 +621,15 @@ class PagedKVCache:
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, **kwargs) -> torch.Tensor:
         """:func:`append_kv` into this cache; updates and returns ``seqlens``."""
         self.seqlens = append_kv(self.k_pages, self.v_pages, k_new, v_new, self.seqlens,
-                                 self.block_table, **kwargs).to(self.seqlens.dtype)
+                                 self.block_table, k_descale=self.k_descale,
+                                 v_descale=self.v_descale, **kwargs).to(self.seqlens.dtype)
         return self.seqlens
 
     def decode(self, q: torch.Tensor, **kwargs):
         """:func:`decode` against this cache (keyword arguments pass through)."""
         return decode(q, self.k_pages, self.v_pages, self.seqlens,
-                      block_table=self.block_table, **kwargs)
+                      block_table=self.block_table, k_descale=self.k_descale,
+                      v_descale=self.v_descale, **kwargs)
 
     def __repr__(self) -> str:
         n, p, h, d = self.k_pages.shape

@@ -117,7 +117,9 @@ def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float | None = None, softcap: float | None = None,
                      window: tuple[int | None, int | None] | None = None,
                      cache_start: torch.Tensor | None = None,
-                     compute_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+                     compute_dtype: torch.dtype = torch.float64,
+                     k_descale: torch.Tensor | None = None,
+                     v_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``q`` (batch, heads_q, q_len, head_dim) against the cache, one sequence at a time.
 
     ``cache_start``: optional ``(batch,)`` first key of each sequence (clamped to ``[0,
@@ -125,7 +127,10 @@ def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tests, float32 for the public CPU path) and returns ``(o, lse)`` in that dtype: ``o``
     of shape (batch, heads_q, q_len, head_dim), ``lse`` (natural log) of shape (batch,
     heads_q, q_len). See the module docstring for the visibility rule; inputs are assumed
-    validated (:func:`flashfold.decode` does that).
+    validated (:func:`flashfold.decode` does that). An E4M3 cache comes with ``k_descale``,
+    ``v_descale`` ``(batch, heads_kv)``: sequence ``b``'s keys of head ``h`` are
+    dequantized to ``k_descale[b, h]`` times their stored value (values likewise), in
+    ``compute_dtype``, before anything else.
     """
     batch, heads_q, q_len, head_dim = q.shape
     heads_kv = k_cache.shape[1] if block_table is None else k_cache.shape[2]
@@ -142,8 +147,12 @@ def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         n, a = lens[b], firsts[b]                                     # keys [a, n)
         if n == a:
             continue
-        k = k.to(compute_dtype).repeat_interleave(group, dim=0)       # (heads_q, n - a, D)
-        v = v.to(compute_dtype).repeat_interleave(group, dim=0)
+        k, v = k.to(compute_dtype), v.to(compute_dtype)              # (heads_kv, n - a, D)
+        if k_descale is not None:
+            k = k * k_descale[b].to(compute_dtype)[:, None, None]
+            v = v * v_descale[b].to(compute_dtype)[:, None, None]
+        k = k.repeat_interleave(group, dim=0)                         # (heads_q, n - a, D)
+        v = v.repeat_interleave(group, dim=0)
         s = q[b].to(compute_dtype) @ k.transpose(-1, -2) * scale      # (heads_q, q_len, n - a)
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)

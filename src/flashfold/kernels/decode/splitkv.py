@@ -268,10 +268,12 @@ def _finalize(m, d, o, FINALIZE: tl.constexpr):
 @triton.jit
 def _partial_keys(q, m, l, acc, pos, b, lo, hi, seqlen, k_base, v_base, BT,
                   stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-                  stride_btb, stride_btp, win_left, step_scale, cap_in, STEP: tl.constexpr,
+                  stride_btb, stride_btp, win_left, step_scale, cap_in, v_scale,
+                  STEP: tl.constexpr,
                   Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     """Fold into the base-2 state ``(m, d, o)`` the *partial* keys among ``[lo, hi)`` (a
     masked tile's keys, or a program's): the keys that some query rows see and others do
     not, after the first row's causal bound (``seqlen - q_len + 1 .. seqlen - 1``) and,
@@ -315,6 +317,8 @@ def _partial_keys(q, m, l, acc, pos, b, lo, hi, seqlen, k_base, v_base, BT,
                 k_row = b * stride_kb + keys.to(tl.int64) * stride_kn
             k = tl.load(k_base + k_row[:, None] + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)   # [16, BD]
+            if KV_FP8:      # (the key's descale is folded into the score scale)
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # [BM, 16]
             if SOFTCAP:
                 s = _tanh(s * cap_in)                # the step multiplies by the cap
@@ -345,6 +349,8 @@ def _partial_keys(q, m, l, acc, pos, b, lo, hi, seqlen, k_base, v_base, BT,
                     val = tl.load(v_base + v_row1 + offs_d * stride_vd,
                                   mask=d_ok & (key + offs_d * 0 < last), other=0.0)
                     val = val.to(tl.float32)                                  # [BD]
+                    if KV_FP8:
+                        val = val * v_scale
                     finite = tl.abs(val) < float("inf")
                     col = offs_t[None, :] == j
                     p_j = tl.sum(tl.where(col, p, 0.0), 1)                    # [BM]
@@ -445,13 +451,14 @@ def _kv_rows(BT, b, n0, kstart, end, stride_btb, stride_btp,
 def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K_DESC, V_DESC,
              k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
              stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-             stride_btp, win_left, step_scale, cap_in, STEP: tl.constexpr, FINALIZE: tl.constexpr,
+             stride_btp, win_left, step_scale, cap_in, v_scale, STEP: tl.constexpr,
+             FINALIZE: tl.constexpr,
              COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
              BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
              USE_TMA: tl.constexpr, MASKED: tl.constexpr, FLUSH: tl.constexpr,
              FOLD: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-             HAS_START: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             HAS_START: tl.constexpr, KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold the key tile ``[n0, n0 + BLOCK_N)`` into the base-2 state ``(m, d, o)``.
 
     Paged caches: the tile's page numbers are read here too; the software pipeliner puts
@@ -464,7 +471,11 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
     its own tiles, whichever program and key range it is part of. With ``FOLD``
     (batch-invariant, one program per sequence) the split's state is instead folded into
     the run state ``(rm, rd, ro)`` (natural-log units) with :func:`_fold`, the merge
-    kernel's step: the same bits without writing or merging partials."""
+    kernel's step: the same bits without writing or merging partials.
+
+    ``KV_FP8``: the cache holds E4M3 keys and values; a tile is widened to ``q``'s dtype
+    as it is loaded, the values times ``v_scale`` (their descale), and the keys' descale
+    is folded into the score scale by the caller."""
     CLIP_START: tl.constexpr = MASKED and HAS_START
     offs_n = n0 + tl.arange(0, BLOCK_N)                                  # [BN] key positions
     offs_d = tl.arange(0, BLOCK_D)
@@ -490,6 +501,9 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
         else:
             k = K_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
             v = V_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if MASKED:  # rows outside [kstart, end) hold whatever the cache holds (0 * NaN = NaN)
             v = tl.where(n_ok[:, None], v, 0.0)
     else:
@@ -507,6 +521,9 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
                     other=0.0, eviction_policy="evict_first")           # [BN, BD]
         v = tl.load(v_base + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_ok,
                     other=0.0, eviction_policy="evict_first")           # [BN, BD]
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)           # [BM, BN]
     if SOFTCAP:
         s = _tanh(s * cap_in)                      # scores cap tanh(scale qk / cap)
@@ -523,8 +540,8 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
             q, m_new, l_i, acc, pos, b, tl.maximum(n0, kstart), tl.minimum(n0 + BLOCK_N, end),
             seqlen, k_base, v_base, BT,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, step_scale, cap_in, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
-            BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, DOT_PRECISION)
+            stride_btp, win_left, step_scale, cap_in, v_scale, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
+            BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, KV_FP8, DOT_PRECISION)
     if FLUSH or FOLD:
         done = ((n0 + BLOCK_N - base) % split_size == 0) | (n0 + BLOCK_N >= end)
         if done:
@@ -546,13 +563,14 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
 def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base,
             split_size, start, end, seqlen, kstart,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, step_scale, cap_in, STEP: tl.constexpr, FINALIZE: tl.constexpr,
+            stride_btp, win_left, step_scale, cap_in, v_scale, STEP: tl.constexpr,
+            FINALIZE: tl.constexpr,
             COMBINE: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
             PAGED: tl.constexpr, USE_TMA: tl.constexpr, FLUSH: tl.constexpr, FOLD: tl.constexpr,
             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, HAS_START: tl.constexpr,
-            NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            KV_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Base-2 state ``(m, d, o)`` of the rows ``q`` [BM, BD] over the keys ``[start, end)``
     (``start`` a multiple of BLOCK_N; no key when ``start >= end``); with ``FLUSH`` the
     partial of every fixed split is written on the way, with ``FOLD`` folded into the run
@@ -595,9 +613,10 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_r
                     V_DESC,
                     k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
                     stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-                    stride_btb, stride_btp, win_left, step_scale, cap_in, STEP, FINALIZE,
-                    COMBINE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED, USE_TMA,
-                    run != 1, FLUSH, FOLD, SOFTCAP, WINDOW, HAS_START, DOT_PRECISION)
+                    stride_btb, stride_btp, win_left, step_scale, cap_in, v_scale, STEP,
+                    FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
+                    USE_TMA, run != 1, FLUSH, FOLD, SOFTCAP, WINDOW, HAS_START, KV_FP8,
+                    DOT_PRECISION)
     return m_i, l_i, acc, rm, rd, ro
 
 
@@ -605,12 +624,13 @@ def _attend(q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_r
 
 @triton.jit
 def _splitkv_kernel(
-        Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP, LSEP, DP,
+        Q, K, V, K_DESC, V_DESC, BT, SEQ, START, O, LSE, OP, LSEP, DP, KD, VD,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_btb, stride_btp,
         stride_ob, stride_oh, stride_om, stride_od,
+        stride_kdb, stride_kdh, stride_vdb, stride_vdh,
         heads_kv, capacity, n_splits, ws_splits, split_size, win_left,
         step_scale, cap_in,
         STEP: tl.constexpr, FINALIZE: tl.constexpr, COMBINE: tl.constexpr,
@@ -618,8 +638,8 @@ def _splitkv_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
         FIXED_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-        HAS_START: tl.constexpr, WRITE_FINAL: tl.constexpr, NUM_STAGES: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+        HAS_START: tl.constexpr, WRITE_FINAL: tl.constexpr, KV_FP8: tl.constexpr,
+        NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:       # the merge kernel may be scheduled once every split program has begun
         gdc_launch_dependents()
     ROWS: tl.constexpr = GROUP * Q_LEN
@@ -636,6 +656,16 @@ def _splitkv_kernel(
         kstart = seqlen * 0
     base, size, n_used, first_tile = _split_plan(seqlen, kstart, win_left, n_splits,
                                                  split_size, Q_LEN, BLOCK_N, FIXED_SPLIT)
+    v_scale = step_scale * 0.0 + 1.0
+    if KV_FP8:
+        # the sequence's descales: the keys' folded into the score scale (inside the
+        # tanh with a softcap), the values' applied to each value tile as it is widened
+        k_scale = tl.load(KD + b * stride_kdb + h * stride_kdh)
+        v_scale = tl.load(VD + b * stride_vdb + h * stride_vdh)
+        if SOFTCAP:
+            cap_in = cap_in * k_scale
+        else:
+            step_scale = step_scale * k_scale
 
     # the group's query rows: row r is query head h * GROUP + r // Q_LEN, token r % Q_LEN
     rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BM]
@@ -673,18 +703,18 @@ def _splitkv_kernel(
     m_i, l_i, acc, rm, rd, ro = _attend(
         q, pos, b, h, K_DESC, V_DESC, k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base,
         size, start, end, seqlen, kstart, stride_kb, stride_kn, stride_kd, stride_vb,
-        stride_vn, stride_vd, stride_btb, stride_btp, win_left, step_scale, cap_in,
+        stride_vn, stride_vd, stride_btb, stride_btp, win_left, step_scale, cap_in, v_scale,
         STEP, FINALIZE, COMBINE, Q_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, PAGE_SIZE, PAGED,
-        USE_TMA, FIXED_SPLIT and not WRITE_FINAL, FOLD, SOFTCAP, WINDOW, HAS_START, NUM_STAGES,
-        DOT_PRECISION)
+        USE_TMA, FIXED_SPLIT and not WRITE_FINAL, FOLD, SOFTCAP, WINDOW, HAS_START, KV_FP8,
+        NUM_STAGES, DOT_PRECISION)
     if Q_LEN > 1 and not FIXED_SPLIT:
         # the partial keys of the program's range, which its masked tiles left out (a
         # program is one split here: they may come last)
         m_i, l_i, acc = _partial_keys(
             q, m_i, l_i, acc, pos, b, tl.maximum(start, kstart), end, seqlen, k_base, v_base,
             BT, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, step_scale, cap_in, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
-            BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, DOT_PRECISION)
+            stride_btp, win_left, step_scale, cap_in, v_scale, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
+            BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, KV_FP8, DOT_PRECISION)
     if WRITE_FINAL or not FIXED_SPLIT:
         # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
         if FOLD:
@@ -1031,7 +1061,8 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             num_splits: int | None = None, batch_invariant: bool = False,
             max_seqlen: int | None = None, cache_start: torch.Tensor | None = None,
             config: DecodeConfig | None = None, invariant_split: int = INVARIANT_SPLIT,
-            pdl: bool | None = None, tma: bool | None = None) -> Launch:
+            pdl: bool | None = None, tma: bool | None = None, k_descale=None,
+            v_descale=None) -> Launch:
     """Plan the splits, allocate the outputs and workspace, and bind the kernel arguments
     (arguments as :func:`splitkv_decode`)."""
     batch, heads_q, q_len, head_dim = q.shape
@@ -1088,11 +1119,14 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_desc, v_desc = k_cache, v_cache
     # scores x c for the step (:func:`_kv_step`): (tanh(qk scale / cap), cap) or (qk, scale)
     step_scale, cap_in = (softcap, scale / softcap) if softcap else (scale, 0.0)
+    fp8 = k_descale is not None
+    descales = (k_descale, v_descale) if fp8 else (cache_seqlens, cache_seqlens)
+    descale_strides = (*k_descale.stride(), *v_descale.stride()) if fp8 else (0, 0, 0, 0)
     split = ((batch * heads_kv * p.m_blocks, p.n_splits),
              (q, k_cache, v_cache, k_desc, v_desc, block_table if paged else cache_seqlens,
               cache_seqlens, cache_seqlens if cache_start is None else cache_start,
-              out, lse, op, lsep, dp,
-              *q.stride(), *sk, *sv, *sbt, *out.stride(),
+              out, lse, op, lsep, dp, *descales,
+              *q.stride(), *sk, *sv, *sbt, *out.stride(), *descale_strides,
               heads_kv, capacity, p.n_splits, p.ws_splits, p.split_size, win_left,
               step_scale, cap_in),
              dict(STEP=_step_fns().tile_step, FINALIZE=tm.finalize, COMBINE=tm.combine,
@@ -1102,7 +1136,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   FIXED_SPLIT=batch_invariant,
                   SOFTCAP=bool(softcap), WINDOW=left is not None,
                   HAS_START=cache_start is not None, WRITE_FINAL=p.write_final,
-                  NUM_STAGES=stages,
+                  KV_FP8=fp8, NUM_STAGES=stages,
                   USE_PDL=pdl and not p.write_final,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   **_exact_ops(batch_invariant),
@@ -1132,6 +1166,7 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    max_seqlen: int | None = None, cache_start: torch.Tensor | None = None,
                    config: DecodeConfig | None = None, invariant_split: int = INVARIANT_SPLIT,
                    pdl: bool | None = None, tma: bool | None = None,
+                   k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
                    check=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``).
 
@@ -1143,9 +1178,11 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     sm_90+ unless ``FLASHFOLD_DECODE_PDL=0``), ``tma`` the K/V loads through TMA
     descriptors (default: on Hopper for caches TMA can address of at least
     :data:`TMA_MIN_BYTES`, unless ``FLASHFOLD_DECODE_TMA=0``; both paths give the same
-    values) -- benchmarks and tests. ``check``: the caller's checks of the tensors (the
-    public API's), called as ``check(q, k_cache, v_cache, cache_seqlens, block_table,
-    cache_start)`` before a plan is built; a call that replays a cached plan does not
+    values) -- benchmarks and tests. ``k_descale``, ``v_descale``: float32 ``(batch,
+    heads_kv)`` with an E4M3 cache (``torch.float8_e4m3fn``; a key is ``k_descale[b, h]``
+    times its stored value, a value likewise), else None. ``check``: the caller's checks
+    of the tensors (the public API's), called as ``check(q, k_cache, v_cache,
+    cache_seqlens, block_table, cache_start, k_descale, v_descale)`` before a plan is built; a call that replays a cached plan does not
     call it again, so it may read no more of them than their signatures (see "Plan
     cache"). Returns ``(o, lse)``: ``o`` (batch, heads_q, q_len, head_dim) in
     ``q.dtype``, ``lse`` (batch, heads_q, q_len) float32; new tensors on every call.
@@ -1154,10 +1191,13 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # what prepare reads: the tensors' signatures, the options, the PDL / TMA switches
     key = (sig(q), sig(k_cache), sig(v_cache), sig(cache_seqlens),
            None if block_table is None else sig(block_table),
-           None if cache_start is None else sig(cache_start), scale, softcap, window,
+           None if cache_start is None else sig(cache_start),
+           None if k_descale is None else sig(k_descale),
+           None if v_descale is None else sig(v_descale), scale, softcap, window,
            num_splits, batch_invariant, max_seqlen, config, invariant_split, pdl, tma,
            launcher.env("FLASHFOLD_DECODE_PDL"), launcher.env("FLASHFOLD_DECODE_TMA"), check)
-    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, cache_start)
+    inputs = (q, k_cache, v_cache, cache_seqlens, block_table, cache_start, k_descale,
+              v_descale)
     return _CACHE.planned(key, None, inputs, _checked_prepare, check, *inputs, scale=scale,
                           softcap=softcap, window=window, num_splits=num_splits,
                           batch_invariant=batch_invariant, max_seqlen=max_seqlen,
@@ -1166,12 +1206,13 @@ def splitkv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _checked_prepare(check, q, k_cache, v_cache, cache_seqlens, block_table, cache_start,
-                     **options) -> Launch:
+                     k_descale, v_descale, **options) -> Launch:
     """``check`` the tensors (if given), then :func:`prepare` the launches."""
     if check is not None:
-        check(q, k_cache, v_cache, cache_seqlens, block_table, cache_start)
+        check(q, k_cache, v_cache, cache_seqlens, block_table, cache_start, k_descale,
+              v_descale)
     return prepare(q, k_cache, v_cache, cache_seqlens, block_table, cache_start=cache_start,
-                   **options)
+                   k_descale=k_descale, v_descale=v_descale, **options)
 
 
 # --- plan cache -------------------------------------------------------------------------
