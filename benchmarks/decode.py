@@ -8,6 +8,7 @@ Run (H200, from the repository root)::
     PYTHONPATH=src python benchmarks/decode.py --tune     # splits / tile configs at the targets
     PYTHONPATH=src python benchmarks/decode.py --tune-invariant  # batch_invariant's cost, by row
     PYTHONPATH=src python benchmarks/decode.py --fp8      # E4M3 caches against bf16 (~1 min)
+    PYTHONPATH=src python benchmarks/decode.py --fp8-tune # E4M3: split-kernel configurations
 
 1. Correctness at real sizes (bf16, 32 query / 8 KV heads, head_dim 128): lengths 0, 1,
    ragged and full, q_len 1 and 4 (speculative), softcap, window, left padding (a first
@@ -693,6 +694,32 @@ def run_fp8(chk: Checker, quick=False):
               f"{'PASS' if gbps >= 0.9 * copy else 'FAIL'} ({100 * gbps / copy:.1f}%)")
 
 
+def run_fp8_tune():
+    """The split kernel's tiles over E4M3 caches (TMA or pointers, 64 or 128 keys per tile,
+    3 or 5 stages) at two rows, against the bf16 default, graph replays after a read flush."""
+    from flashfold.api.decode import quantize_fp8_cache
+    scale = 1 / math.sqrt(D)
+    for batch, length in [(8, 32768), (64, 8192)]:
+        c = Cache(batch, length)
+        kd = c.k.float().abs().amax(dim=(2, 3)) / 448
+        vd = c.v.float().abs().amax(dim=(2, 3)) / 448
+        k8, v8 = quantize_fp8_cache(c.k, kd), quantize_fp8_cache(c.v, vd)
+        base = timed(lambda: splitkv.splitkv_decode(c.q, c.k, c.v, c.lens, scale=scale), True,
+                     clean=True)
+        print(f"== {batch} x {length}: bf16 default {base * 1e3:.1f} us", flush=True)
+        for tma in (False, True):
+            for bn in (64, 128):
+                for stages in (3, 5):
+                    cfg = splitkv.DecodeConfig(block_n=bn, num_warps=4, num_stages=stages)
+                    t = timed(lambda: splitkv.splitkv_decode(
+                        c.q, k8, v8, c.lens, scale=scale, config=cfg, tma=tma, k_descale=kd,
+                        v_descale=vd), True, clean=True)
+                    print(f"   fp8 tma={tma} block_n={bn} stages={stages}: {t * 1e3:.1f} us  "
+                          f"speedup {base / t:.2f}", flush=True)
+        del c, k8, v8
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -705,6 +732,8 @@ def main():
     ap.add_argument("--no-graphs", action="store_true", help="time eagerly only (no CUDA graphs)")
     ap.add_argument("--fp8", action="store_true",
                     help="E4M3 caches: checks, then FP8 against bf16 (the docstring)")
+    ap.add_argument("--fp8-tune", action="store_true",
+                    help="E4M3 caches: split-kernel tiles at two rows, against bf16")
     args = ap.parse_args()
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(),
           f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs")
@@ -717,6 +746,9 @@ def main():
         return 0
     if args.tune_splits:
         run_tune_splits()
+        return 0
+    if args.fp8_tune:
+        run_fp8_tune()
         return 0
     chk = Checker()
     if args.fp8:

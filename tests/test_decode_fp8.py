@@ -42,7 +42,8 @@ def quantized(case, paged, spread=True):
     ``spread``, so that a swapped index shows); returns ``(k8, v8, table, kd, vd)``."""
     k, v = case.k.float(), case.v.float()
     B, H = k.shape[:2]
-    f = (1.0 + torch.arange(B * H, dtype=torch.float32).view(B, H) / 3) if spread else 1.0
+    f = (1.0 + torch.arange(B * H, dtype=torch.float32, device=k.device).view(B, H) / 3
+         if spread else 1.0)
     kd = (k.abs().amax(dim=(2, 3)) / 448 * f).to(DEVICE)
     vd = (v.abs().amax(dim=(2, 3)) / 448 * f.T.reshape(B, H) if spread else
           v.abs().amax(dim=(2, 3)) / 448).to(DEVICE)
