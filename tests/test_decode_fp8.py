@@ -19,9 +19,6 @@ from flashfold.testing import assert_close
 from test_decode_common import make_case, strict_interpreter_masks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-#: the 16-bit query dtype of the kernel tests: bfloat16 on a GPU; float16 under the
-#: interpreter, whose tl.dot reads bfloat16 operands as their integer bits
-BF16 = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
 
 @pytest.fixture(autouse=True)
@@ -82,11 +79,11 @@ def test_reference_dequantizes_each_sequence_and_head_with_its_own_descale():
 
 
 @pytest.mark.parametrize("dtype, layout, splits, q_len, mods", [
-    (BF16, "contiguous", 1, 1, {}),
-    (BF16, "contiguous", 3, 2, {}),
-    (BF16, "paged8", 2, 1, {}),
+    (torch.bfloat16, "contiguous", 1, 1, {}),
+    (torch.bfloat16, "contiguous", 3, 2, {}),
+    (torch.bfloat16, "paged8", 2, 1, {}),
     (torch.float16, "paged64", 3, 3, {"window": (20, None)}),
-    (BF16, "paged8", 2, 2, {"softcap": 2.0, "scale": 0.5}),
+    (torch.bfloat16, "paged8", 2, 2, {"softcap": 2.0, "scale": 0.5}),
     (torch.float32, "contiguous", 2, 1, {}),
 ], ids=["bf16-one-split", "bf16-q2", "bf16-paged", "fp16-paged64-window", "softcap", "fp32-q"])
 def test_kernel_matches_the_reference_of_the_dequantized_cache(dtype, layout, splits, q_len, mods):
@@ -104,16 +101,33 @@ def test_kernel_matches_the_reference_of_the_dequantized_cache(dtype, layout, sp
     assert not torch.isnan(o).any()
 
 
+def test_queries_beyond_the_fp16_range():
+    """The kernel multiplies fp16 operands (E4M3 widens to fp16 exactly): a bfloat16 query
+    with entries beyond fp16's 65504 is divided by a power of two first (exact), so it
+    neither overflows nor loses the row."""
+    case = make_case([40, 90], heads_q=4, heads_kv=2, q_len=1, head_dim=32, capacity=96,
+                     dtype=torch.bfloat16, device=DEVICE, seed=2)
+    case.q[0, 1] *= 3e5
+    case.q[1] *= 1e-3
+    k8, v8, _, kd, vd = quantized(case, False)
+    o, lse = ff.decode(case.q, k8, v8, case.seqlens, scale=1e-6, return_lse=True,
+                       k_descale=kd, v_descale=vd)
+    ro, rl = reference(case, k8, v8, None, kd, vd, scale=1e-6)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    assert_close(o, ro, torch.bfloat16, name="o")
+    assert_close(lse, rl, "float32", name="lse")
+
+
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_tma_and_pointers_read_the_same_values(tma):
     case = make_case([3, 64, 190], heads_q=4, heads_kv=2, q_len=1, head_dim=32, capacity=256,
-                     dtype=BF16, device=DEVICE, seed=5)
+                     dtype=torch.bfloat16, device=DEVICE, seed=5)
     k8, v8, _, kd, vd = quantized(case, False)
     launch = splitkv.prepare(case.q, k8, v8, case.seqlens, scale=0.2, num_splits=2, tma=tma,
                              k_descale=kd, v_descale=vd)
     o, lse = launch.run()
     ro, rl = reference(case, k8, v8, None, kd, vd, scale=0.2)
-    assert_close(o, ro, BF16, name="o")
+    assert_close(o, ro, torch.bfloat16, name="o")
     assert_close(lse, rl, "float32", name="lse")
 
 
@@ -123,26 +137,26 @@ def test_error_against_float64_is_within_twice_a_naive_fp8_implementation():
     cache dequantized to bf16, bf16 matmuls, softmax in float32)."""
     g = torch.Generator().manual_seed(9)
     B, Hq, Hk, L, D = 2, 8, 2, 300, 64
-    q = torch.randn(B, Hq, 1, D, generator=g).to(BF16).to(DEVICE)
+    q = torch.randn(B, Hq, 1, D, generator=g).to(torch.bfloat16).to(DEVICE)
     k = torch.randn(B, Hk, L, D, generator=g)
     k[..., :4] *= 8                                      # a few large channels
     v = torch.randn(B, Hk, L, D, generator=g)
-    k, v = k.to(BF16).to(DEVICE), v.to(BF16).to(DEVICE)
+    k, v = k.to(torch.bfloat16).to(DEVICE), v.to(torch.bfloat16).to(DEVICE)
     lens = torch.tensor([L, 173], dtype=torch.int32, device=DEVICE)
     kd = k.float().abs().amax(dim=(2, 3)) / 448
     vd = v.float().abs().amax(dim=(2, 3)) / 448
     k8, v8 = quantize_fp8_cache(k, kd), quantize_fp8_cache(v, vd)
     o = ff.decode(q, k8, v8, lens, k_descale=kd, v_descale=vd)
     exact, _ = decode_reference(q.double(), k.double(), v.double(), lens)
-    kn = (k8.float() * kd[:, :, None, None]).to(BF16)
-    vn = (v8.float() * vd[:, :, None, None]).to(BF16)
+    kn = (k8.float() * kd[:, :, None, None]).to(torch.bfloat16)
+    vn = (v8.float() * vd[:, :, None, None]).to(torch.bfloat16)
     naive = torch.zeros_like(exact)
     for b in range(B):
         n = int(lens[b])
         kb = kn[b, :, :n].repeat_interleave(Hq // Hk, 0)
         vb = vn[b, :, :n].repeat_interleave(Hq // Hk, 0)
         s = (q[b] @ kb.transpose(-1, -2)).float() / math.sqrt(D)
-        naive[b] = (torch.softmax(s, -1).to(BF16) @ vb).double()
+        naive[b] = (torch.softmax(s, -1).to(torch.bfloat16) @ vb).double()
     err = (o.double() - exact).abs().max().item()
     naive_err = (naive - exact).abs().max().item()
     assert err <= 2 * naive_err, (err, naive_err)
@@ -159,16 +173,16 @@ def test_append_quantizes_on_write_and_decode_reads_it_back():
     kd = torch.tensor([[0.01, 0.02], [0.03, 0.04]], device=DEVICE)
     vd = torch.tensor([[0.05, 0.01], [0.02, 0.03]], device=DEVICE)
     lens = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
-    k_new = torch.randn(B, Hk, 7, D, generator=g).to(BF16).to(DEVICE)
-    v_new = torch.randn(B, Hk, 7, D, generator=g).to(BF16).to(DEVICE)
+    k_new = torch.randn(B, Hk, 7, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    v_new = torch.randn(B, Hk, 7, D, generator=g).to(torch.bfloat16).to(DEVICE)
     lens2 = ff.append_kv(kc, vc, k_new, v_new, lens, k_descale=kd, v_descale=vd)
     assert lens2.tolist() == [7, 12]
     want = quantize_fp8_cache(k_new, kd)
     assert torch.equal(kc[0, :, :7].view(torch.uint8), want[0].view(torch.uint8))
-    q = torch.randn(B, Hq, 1, D, generator=g).to(BF16).to(DEVICE)
+    q = torch.randn(B, Hq, 1, D, generator=g).to(torch.bfloat16).to(DEVICE)
     o = ff.decode(q, kc, vc, lens2, k_descale=kd, v_descale=vd)
     ro, _ = decode_reference(q.double(), kc, vc, lens2, k_descale=kd, v_descale=vd)
-    assert_close(o, ro, BF16, name="o")
+    assert_close(o, ro, torch.bfloat16, name="o")
     edge = torch.tensor([1e9, -1e9, math.inf, math.nan, 1.0], device=DEVICE)
     x = edge.view(1, 1, 5, 1).expand(1, 1, 5, 2)
     stored = quantize_fp8_cache(x, torch.ones(1, 1, device=DEVICE)).float()[0, 0, :, 0]
@@ -184,19 +198,19 @@ def test_paged_cache_of_fp8_pages():
     cache.k_descale.fill_(0.02)
     cache.v_descale.fill_(0.01)
     for n in (13, 9):
-        k = torch.randn(2, 2, n, 32, generator=g).to(BF16).to(DEVICE)
+        k = torch.randn(2, 2, n, 32, generator=g).to(torch.bfloat16).to(DEVICE)
         cache.append(k, -k)
-    q = torch.randn(2, 4, 1, 32, generator=g).to(BF16).to(DEVICE)
+    q = torch.randn(2, 4, 1, 32, generator=g).to(torch.bfloat16).to(DEVICE)
     o = cache.decode(q)
     ro, _ = decode_reference(q.double(), cache.k_pages, cache.v_pages, cache.seqlens,
                              cache.block_table, k_descale=cache.k_descale,
                              v_descale=cache.v_descale)
-    assert_close(o, ro, BF16, name="o")
+    assert_close(o, ro, torch.bfloat16, name="o")
 
 
 def test_batch_invariant_fp8_is_bitwise_the_same_in_any_batch():
     case = make_case([700, 40, 333], heads_q=4, heads_kv=2, q_len=1, head_dim=32,
-                     capacity=704, dtype=BF16, device=DEVICE, seed=8)
+                     capacity=704, dtype=torch.bfloat16, device=DEVICE, seed=8)
     k8, v8, _, kd, vd = quantized(case, False)
     both = ff.decode(case.q, k8, v8, case.seqlens, batch_invariant=True, k_descale=kd,
                      v_descale=vd)

@@ -268,8 +268,7 @@ def _finalize(m, d, o, FINALIZE: tl.constexpr):
 @triton.jit
 def _partial_keys(q, m, l, acc, pos, b, lo, hi, seqlen, k_base, v_base, BT,
                   stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-                  stride_btb, stride_btp, win_left, step_scale, cap_in, v_scale,
-                  STEP: tl.constexpr,
+                  stride_btb, stride_btp, win_left, step_scale, cap_in, STEP: tl.constexpr,
                   Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
                   SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
@@ -317,7 +316,7 @@ def _partial_keys(q, m, l, acc, pos, b, lo, hi, seqlen, k_base, v_base, BT,
                 k_row = b * stride_kb + keys.to(tl.int64) * stride_kn
             k = tl.load(k_base + k_row[:, None] + offs_d[None, :] * stride_kd,
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)   # [16, BD]
-            if KV_FP8:      # (the key's descale is folded into the score scale)
+            if KV_FP8:      # E4M3 -> q's operand dtype, exactly (descales applied outside)
                 k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)    # [BM, 16]
             if SOFTCAP:
@@ -349,8 +348,6 @@ def _partial_keys(q, m, l, acc, pos, b, lo, hi, seqlen, k_base, v_base, BT,
                     val = tl.load(v_base + v_row1 + offs_d * stride_vd,
                                   mask=d_ok & (key + offs_d * 0 < last), other=0.0)
                     val = val.to(tl.float32)                                  # [BD]
-                    if KV_FP8:
-                        val = val * v_scale
                     finite = tl.abs(val) < float("inf")
                     col = offs_t[None, :] == j
                     p_j = tl.sum(tl.where(col, p, 0.0), 1)                    # [BM]
@@ -473,9 +470,10 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
     the run state ``(rm, rd, ro)`` (natural-log units) with :func:`_fold`, the merge
     kernel's step: the same bits without writing or merging partials.
 
-    ``KV_FP8``: the cache holds E4M3 keys and values; a tile is widened to ``q``'s dtype
-    as it is loaded, the values times ``v_scale`` (their descale), and the keys' descale
-    is folded into the score scale by the caller."""
+    ``KV_FP8``: the cache holds E4M3 keys and values; a tile is widened to ``q``'s
+    operand dtype as it is loaded (fp16, or fp32 for fp32 queries: exact), the keys'
+    descale is folded into the score scale by the caller, and ``o`` stays in units of the
+    stored values: a split's raw state is written times ``v_scale`` (their descale)."""
     CLIP_START: tl.constexpr = MASKED and HAS_START
     offs_n = n0 + tl.arange(0, BLOCK_N)                                  # [BN] key positions
     offs_d = tl.arange(0, BLOCK_D)
@@ -503,7 +501,7 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
             v = V_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
         if KV_FP8:
             k = k.to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            v = v.to(q.dtype)
         if MASKED:  # rows outside [kstart, end) hold whatever the cache holds (0 * NaN = NaN)
             v = tl.where(n_ok[:, None], v, 0.0)
     else:
@@ -523,7 +521,7 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
                     other=0.0, eviction_policy="evict_first")           # [BN, BD]
         if KV_FP8:
             k = k.to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)           # [BM, BN]
     if SOFTCAP:
         s = _tanh(s * cap_in)                      # scores cap tanh(scale qk / cap)
@@ -540,7 +538,7 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
             q, m_new, l_i, acc, pos, b, tl.maximum(n0, kstart), tl.minimum(n0 + BLOCK_N, end),
             seqlen, k_base, v_base, BT,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, step_scale, cap_in, v_scale, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
+            stride_btp, win_left, step_scale, cap_in, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
             BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, KV_FP8, DOT_PRECISION)
     if FLUSH or FOLD:
         done = ((n0 + BLOCK_N - base) % split_size == 0) | (n0 + BLOCK_N >= end)
@@ -549,7 +547,8 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
                 rm, rd, ro = _fold(rm, rd, ro, m_new[:, None], l_i[:, None], acc, COMBINE)
             else:
                 ws = ws_row + (n0 - base) // split_size                  # [BM] int64
-                tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                raw = acc * v_scale if KV_FP8 else acc
+                tl.store(OP + ws[:, None] * HEAD_DIM + offs_d[None, :], raw,
                          mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
                 tl.store(LSEP + ws, m_new, mask=row_ok)
                 tl.store(DP + ws, l_i, mask=row_ok)
@@ -659,7 +658,7 @@ def _splitkv_kernel(
     v_scale = step_scale * 0.0 + 1.0
     if KV_FP8:
         # the sequence's descales: the keys' folded into the score scale (inside the
-        # tanh with a softcap), the values' applied to each value tile as it is widened
+        # tanh with a softcap), the values' into the outputs (o is linear in V)
         k_scale = tl.load(KD + b * stride_kdb + h * stride_kdh)
         v_scale = tl.load(VD + b * stride_vdb + h * stride_vdh)
         if SOFTCAP:
@@ -678,6 +677,18 @@ def _splitkv_kernel(
     q = tl.load(Q + b * stride_qb + hq[:, None] * stride_qh + qi[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)       # [BM, BD]
+    if KV_FP8 and Q.dtype.element_ty != tl.float32:
+        # E4M3 widens to fp16 exactly, one conversion per two entries (to bf16 it took
+        # three instructions per entry through fp32): a 16-bit q becomes fp16 as well,
+        # divided by a power of two that keeps its largest entry below 2^16 (exact), which
+        # the score scale multiplies back
+        qmax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        shift = tl.exp2(tl.maximum(tl.ceil(tl.log2(qmax)) - 15.0, 0.0))
+        q = (q.to(tl.float32) / shift).to(tl.float16)
+        if SOFTCAP:
+            cap_in = cap_in * shift
+        else:
+            step_scale = step_scale * shift
     k_base = K + h * stride_kh
     v_base = V + h * stride_vh
     ws_row = ((b * (heads_kv * GROUP) + hq) * Q_LEN + qi) * ws_splits   # [BM] int64
@@ -713,7 +724,7 @@ def _splitkv_kernel(
         m_i, l_i, acc = _partial_keys(
             q, m_i, l_i, acc, pos, b, tl.maximum(start, kstart), end, seqlen, k_base, v_base,
             BT, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
-            stride_btp, win_left, step_scale, cap_in, v_scale, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
+            stride_btp, win_left, step_scale, cap_in, STEP, Q_LEN, HEAD_DIM, BLOCK_N,
             BLOCK_D, PAGE_SIZE, PAGED, SOFTCAP, WINDOW, KV_FP8, DOT_PRECISION)
     if WRITE_FINAL or not FIXED_SPLIT:
         # the monoid's finalize in natural-log units: (o / d, m + log d); (0, -inf) if empty
@@ -721,6 +732,8 @@ def _splitkv_kernel(
             out, lse = _finalize(rm, rd, ro, FINALIZE)
         else:
             out, lse = _finalize(m_i[:, None] * 0.6931471805599453, l_i[:, None], acc, FINALIZE)
+        if KV_FP8:
+            out = out * v_scale
         if WRITE_FINAL:
             tl.store(O + b * stride_ob + hq[:, None] * stride_oh + qi[:, None] * stride_om
                      + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
