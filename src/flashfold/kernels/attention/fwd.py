@@ -375,11 +375,10 @@ def _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
 @triton.jit
 def _fwd_tile(
     b, h, start_m, flag_idx,
-    Q, K, V, O, LSE, desc_q, desc_k, desc_v,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, slb, slh,
+    Q, K, V, O, LSE, desc_q, desc_k, desc_v, SQ, SK, SV, SO, SL,
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, win_left, win_right,
-    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
+    TABLES, bn_b, bn_h, bi_b, bi_h, bi_m,
     score_fn: tl.constexpr, SBUF,
     mask_fn: tl.constexpr, MBUF, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -396,6 +395,12 @@ def _fwd_tile(
     ``FLAGS[flag_idx]``: 1 if the tile's ``o`` holds a non-finite entry, else 0. The
     arguments as :func:`_attn_fwd`'s. A varlen tile past its sequence's end must not be
     passed (the kernels return before)."""
+    sqb, sqh, sqm, sqd = SQ[0], SQ[1], SQ[2], SQ[3]
+    skb, skh, skn, skd = SK[0], SK[1], SK[2], SK[3]
+    svb, svh, svn, svd = SV[0], SV[1], SV[2], SV[3]
+    sob, soh, som, sod = SO[0], SO[1], SO[2], SO[3]
+    slb, slh = SL[0], SL[1]
+    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX = TABLES[0], TABLES[1], TABLES[2], TABLES[3]
     hk = h // GROUP
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
@@ -515,11 +520,10 @@ def _fwd_tile(
 @triton.jit(do_not_specialize=["NUM_M", "HQ", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
                                "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_m"])
 def _attn_fwd(
-    Q, K, V, O, LSE, desc_q, desc_k, desc_v,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, slb, slh,
+    Q, K, V, O, LSE, desc_q, desc_k, desc_v, SQ, SK, SV, SO, SL,
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, win_left, win_right,
-    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
+    TABLES, bn_b, bn_h, bi_b, bi_h, bi_m,
     score_fn: tl.constexpr, SBUF,
     mask_fn: tl.constexpr, MBUF, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -548,11 +552,9 @@ def _attn_fwd(
     if IS_VARLEN:
         if start_m >= tl.load(CU_Q + b + 1) - tl.load(CU_Q + b):
             return
-    _fwd_tile(b, h, start_m, bh * NUM_M + mt, Q, K, V, O, LSE, desc_q, desc_k, desc_v, sqb,
-              sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-              slb, slh, NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, qk_scale, softcap,
-              win_left, win_right, PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b,
-              bi_h, bi_m, score_fn, SBUF, mask_fn, MBUF, FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+    _fwd_tile(b, h, start_m, bh * NUM_M + mt, Q, K, V, O, LSE, desc_q, desc_k, desc_v, SQ,
+              SK, SV, SO, SL, NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, qk_scale, softcap,
+              win_left, win_right, TABLES, bn_b, bn_h, bi_b, bi_h, bi_m, score_fn, SBUF, mask_fn, MBUF, FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
               BLOCK_DV, BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT, MASK_RIGHT,
               HAS_SOFTCAP, HAS_SCORE_MOD, HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN,
               USE_TMA, RETURN_LSE, REVERSE_M, INTERPRET, STRICT, FLAGGED, STEP, FINALIZE)
@@ -567,11 +569,10 @@ FLAG_ROWS = 64
                                "bi_h", "bi_m"])
 def _attn_fwd_guard(
     GFLAGS, N_FLAGS, FLAG_TILES,
-    Q, K, V, O, LSE, desc_q, desc_k, desc_v,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, slb, slh,
+    Q, K, V, O, LSE, desc_q, desc_k, desc_v, SQ, SK, SV, SO, SL,
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, win_left, win_right,
-    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
+    TABLES, bn_b, bn_h, bi_b, bi_h, bi_m,
     score_fn: tl.constexpr, SBUF,
     mask_fn: tl.constexpr, MBUF, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -610,12 +611,9 @@ def _attn_fwd_guard(
                 start_m = (f % FLAG_TILES) * FLAG_ROWS + sub * BLOCK_M
                 if start_m < q_len:
                     _fwd_tile(b, h, start_m, 0, Q, K, V, O, LSE, desc_q, desc_k,
-                              desc_v, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb,
-                              svh, svn, svd, sob, soh, som, sod, slb, slh, NUM_M,
-                              HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, qk_scale,
-                              softcap, win_left, win_right, PART_NUM, PART_IDX,
-                              FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
-                              score_fn, SBUF,
+                              desc_v, SQ, SK, SV, SO, SL, NUM_M, HQ, GROUP, SEQ_Q,
+                              SEQ_K, CU_Q, CU_K, qk_scale, softcap, win_left, win_right,
+                              TABLES, bn_b, bn_h, bi_b, bi_h, bi_m, score_fn, SBUF,
                               mask_fn, MBUF,
                               FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                               BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT,
@@ -882,19 +880,15 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         mask_fn = None
     num_m = -(-seq_q // cfg.block_m)
     grid = (num_m * n_seq * HQ,)
-    zb = 0 if varlen else None
+    def rows(t):       # (batch, head, row, dim) strides; packed sequences: batch stride 0
+        return (0 if varlen else t.stride(0), *t.stride()[1:])
     args = [
-        q, k, v, o, lse, desc_q, desc_k, desc_v,
-        zb if varlen else q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-        zb if varlen else k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        zb if varlen else v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        zb if varlen else o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        (zb if varlen else lse.stride(0)) if return_lse else 0,
-        lse.stride(1) if return_lse else 0,
+        q, k, v, o, lse, desc_q, desc_k, desc_v, rows(q), rows(k), rows(v), rows(o),
+        ((0 if varlen else lse.stride(0)), lse.stride(1)) if return_lse else (0, 0),
         num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
         qk_scale, float(softcap) if has_softcap else 1.0,
         int(left) if left is not None else 0, int(right) if right is not None else 0,
-        *tables, *strides,
+        tuple(tables), *strides,
         score_mod.triton_fn() if has_mod else None, sargs,
         mask_fn, margs,
         # one non-finite flag per program, for the guard; a varlen program past its
