@@ -515,12 +515,10 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
                                "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_n"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, DK, DV, DQ_ACC, LAM, DD,
-    desc_q, desc_k, desc_v, desc_do, desc_dq,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, sdqb, sdqh, sdqm, sdqd, slb, slh,
+    desc_q, desc_k, desc_v, desc_do, desc_dq, SQ, SK, SV, SDO, SDK, SDV, SDQ, SL,
     NUM_N, HK, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, scale, win_left, win_right,
-    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_n,
+    TABLES, bn_b, bn_h, bi_b, bi_h, bi_n,
     grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SBUF,
     mask_fn: tl.constexpr, MBUF, FLAG,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -537,6 +535,15 @@ def _attn_bwd_dkdv(
     if STRICT:      # the strict recompute: only when the first pass raised the flag
         if tl.load(FLAG) == 0:
             return
+    sqb, sqh, sqm, sqd = SQ[0], SQ[1], SQ[2], SQ[3]
+    skb, skh, skn, skd = SK[0], SK[1], SK[2], SK[3]
+    svb, svh, svn, svd = SV[0], SV[1], SV[2], SV[3]
+    sdob, sdoh, sdom, sdod = SDO[0], SDO[1], SDO[2], SDO[3]
+    sdkb, sdkh, sdkn, sdkd = SDK[0], SDK[1], SDK[2], SDK[3]
+    sdvb, sdvh, sdvn, sdvd = SDV[0], SDV[1], SDV[2], SDV[3]
+    sdqb, sdqh, sdqm, sdqd = SDQ[0], SDQ[1], SDQ[2], SDQ[3]
+    slb, slh = SL[0], SL[1]
+    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX = TABLES[0], TABLES[1], TABLES[2], TABLES[3]
     pid = tl.program_id(0)
     bh = pid // NUM_N
     start_n = (pid % NUM_N) * BLOCK_N
@@ -692,12 +699,10 @@ def _attn_bwd_dkdv(
                                "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_m"])
 def _attn_bwd_dq(
     Q, K, V, DO, DQ, LAM, DD,
-    desc_q, desc_k, desc_v, desc_do,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-    sdqb, sdqh, sdqm, sdqd, slb, slh,
+    desc_q, desc_k, desc_v, desc_do, SQ, SK, SV, SDO, SDQ, SL,
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, scale, win_left, win_right,
-    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX, bn_b, bn_h, bi_b, bi_h, bi_m,
+    TABLES, bn_b, bn_h, bi_b, bi_h, bi_m,
     grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SBUF,
     mask_fn: tl.constexpr, MBUF, FLAG,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -712,6 +717,13 @@ def _attn_bwd_dq(
     if STRICT:      # the strict recompute: only when the first pass raised the flag
         if tl.load(FLAG) == 0:
             return
+    sqb, sqh, sqm, sqd = SQ[0], SQ[1], SQ[2], SQ[3]
+    skb, skh, skn, skd = SK[0], SK[1], SK[2], SK[3]
+    svb, svh, svn, svd = SV[0], SV[1], SV[2], SV[3]
+    sdob, sdoh, sdom, sdod = SDO[0], SDO[1], SDO[2], SDO[3]
+    sdqb, sdqh, sdqm, sdqd = SDQ[0], SDQ[1], SDQ[2], SDQ[3]
+    slb, slh = SL[0], SL[1]
+    PART_NUM, PART_IDX, FULL_NUM, FULL_IDX = TABLES[0], TABLES[1], TABLES[2], TABLES[3]
     pid = tl.program_id(0)
     bh = pid // NUM_M
     mt = pid % NUM_M
@@ -1176,18 +1188,15 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         sparse = None
         full_needs_mask = False
         mask_fn = None
-    zb = 0 if varlen else None
+    def rows_of(t):    # (batch, head, row, dim) strides; packed sequences: batch stride 0
+        return (0 if varlen else t.stride(0), *t.stride()[1:])
     common_kw = dict(
         HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV,
         MASK_LEFT=left is not None, MASK_RIGHT=right is not None, HAS_SOFTCAP=has_softcap,
         HAS_SCORE_MOD=has_mod, HAS_BLOCK_MASK=block_mask is not None,
         FULL_NEEDS_MASK=full_needs_mask, IS_VARLEN=varlen, USE_TMA=use_tma, INTERPRET=interp)
     win = [int(left) if left is not None else 0, int(right) if right is not None else 0]
-    strides_in = [
-        zb if varlen else q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-        zb if varlen else k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        zb if varlen else v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        zb if varlen else do.stride(0), do.stride(1), do.stride(2), do.stride(3)]
+    strides_in = [rows_of(q), rows_of(k), rows_of(v), rows_of(do)]
     launches = []
 
     # 1. preprocess: D, lambda (and zero the dQ accumulator)
@@ -1201,7 +1210,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     ], dict(HEAD_DIM=D, HEAD_DIM_V=DV, BLOCK_D=BD, BLOCK_DV=BDV, BLOCK_M=pm,
             HAS_DLSE=dlse is not None, ZERO_DQ=atomic, HAS_FLAG=flag is not None,
             num_warps=4)))
-    lam_strides = [zb if varlen else lam.stride(0), lam.stride(1)]
+    lam_strides = (0 if varlen else lam.stride(0), lam.stride(1))
 
     def triton_pass(cfg, atomic, dq_tma, check, strict):
         """The Triton kernels' launches: dK/dV (with the atomic dQ, or then the dQ kernel);
@@ -1218,13 +1227,10 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         num_n = -(-seq_k // bn)
         launches.append((_attn_bwd_dkdv, (num_n * n_seq * HK,), [
             q, k, v, do, dk, dv, acc, lam, dd, *descs, *strides_in,
-            zb if varlen else dk.stride(0), dk.stride(1), dk.stride(2), dk.stride(3),
-            zb if varlen else dv.stride(0), dv.stride(1), dv.stride(2), dv.stride(3),
-            zb if varlen else acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
-            *lam_strides,
+            rows_of(dk), rows_of(dv), rows_of(acc), lam_strides,
             num_n, HK, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
             qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
-            *cols, *col_strides,
+            tuple(cols), *col_strides,
             grad_fn, weights, sargs, mask_fn, margs, flag,
         ], dict(common_kw, BLOCK_M=bm, BLOCK_N=bn,
                 SPARSE_M=sparse[0] if sparse else bm, SPARSE_N=sparse[1] if sparse else bn,
@@ -1242,12 +1248,10 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                 descs = [q, k, v, do]
             num_m = -(-seq_q // qm)
             launches.append((_attn_bwd_dq, (num_m * n_seq * HQ,), [
-                q, k, v, do, dq, lam, dd, *descs, *strides_in,
-                zb if varlen else dq.stride(0), dq.stride(1), dq.stride(2), dq.stride(3),
-                *lam_strides,
+                q, k, v, do, dq, lam, dd, *descs, *strides_in, rows_of(dq), lam_strides,
                 num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
                 qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
-                *rows, *row_strides,
+                tuple(rows), *row_strides,
                 grad_fn, weights, sargs, mask_fn, margs, flag,
             ], dict(common_kw, BLOCK_M=qm, BLOCK_N=qn,
                     SPARSE_M=sparse[0] if sparse else qm, SPARSE_N=sparse[1] if sparse else qn,
