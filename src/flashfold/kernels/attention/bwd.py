@@ -65,6 +65,12 @@ Kernels (one template each; constexpr flags as in :mod:`.fwd`):
   and accumulates ``dQ`` in registers, written once.
 * ``_dq_convert`` (atomic mode): ``dQ = scale * acc`` in the input dtype.
 
+The dK/dV and dQ kernels take their arguments as the forward's (:func:`.fwd._attn_fwd`):
+each tensor's (batch, head, row, dim) strides as one tuple next to it (``SQ``, ``SK``,
+``SV``, ``SDO``, ``SDK``, ``SDV``, ``SDQ``; ``SL`` the statistics' (batch, head)), the
+block mask's four tables as one (``TABLES``, columns for dK/dV, rows for dQ), the
+per-call sizes as separate scalars (not specialized).
+
 On sm_90, calls with one head dim up to 128 in the default mode (dense, causal, windowed
 or soft-capped; no mods, varlen or explicit ``config``) run the warp-specialized Gluon
 kernel of :mod:`.gluon_bwd` between the preprocess and the conversion instead: dK, dV and

@@ -535,7 +535,13 @@ def _attn_fwd(
     REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
     STRICT: tl.constexpr, FLAGGED: tl.constexpr, STEP: tl.constexpr, FINALIZE: tl.constexpr,
 ):
-    """One program per (query tile, batch x head) (:func:`_fwd_tile`). ``STRICT``: masked
+    """One program per (query tile, batch x head) (:func:`_fwd_tile`). Arguments: the
+    tensors and their TMA descriptors; ``SQ``, ``SK``, ``SV``, ``SO``: each one's (batch,
+    head, row, dim) strides (batch stride 0 for packed sequences), ``SL``: the LSE's
+    (batch, head); the per-call sizes (not specialized); scales and window bounds;
+    ``TABLES``: the block mask's (partial counts, partial indices, full counts, full
+    indices) and their five strides; each mod's function (constexpr) and tables (``SBUF``,
+    ``MBUF``: :func:`.mods.TracedMod.buffer_args`); then the constexpr flags. ``STRICT``: masked
     tiles leave hidden keys out of ``P V`` whatever their values (:func:`_pv_strict`).
     ``FLAGGED``: each tile writes its non-finite flag, ``FLAGS[bh NUM_M + m]`` (tile ``m``
     of batch x head ``bh``), for the guard (:func:`_attn_fwd_guard`)."""
