@@ -118,6 +118,23 @@ def test_queries_beyond_the_fp16_range():
     assert_close(lse, rl, "float32", name="lse")
 
 
+def test_a_non_finite_query_entry_reaches_its_own_row_only():
+    """The power-of-two divisor of the query tile is taken over its finite entries: a NaN
+    or an inf in one query row makes that row NaN and leaves the group's other rows as
+    the reference computes them."""
+    case = make_case([60, 70], heads_q=4, heads_kv=1, q_len=2, head_dim=32, capacity=72,
+                     dtype=torch.bfloat16, device=DEVICE, seed=4)
+    case.q[0, 1, 0, 3] = math.nan
+    case.q[1, 2, 1, 5] = math.inf
+    k8, v8, _, kd, vd = quantized(case, False)
+    o = ff.decode(case.q, k8, v8, case.seqlens, k_descale=kd, v_descale=vd)
+    ro, _ = reference(case, k8, v8, None, kd, vd)
+    bad = torch.zeros(o.shape[:3], dtype=torch.bool, device=DEVICE)
+    bad[0, 1, 0] = bad[1, 2, 1] = True
+    assert torch.isnan(o[bad]).all()
+    assert_close(o[~bad], ro[~bad], torch.bfloat16, name="o of the other rows")
+
+
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_tma_and_pointers_read_the_same_values(tma):
     case = make_case([3, 64, 190], heads_q=4, heads_kv=2, q_len=1, head_dim=32, capacity=256,

@@ -682,7 +682,9 @@ def _splitkv_kernel(
         # three instructions per entry through fp32): a 16-bit q becomes fp16 as well,
         # divided by a power of two that keeps its largest entry below 2^16 (exact), which
         # the score scale multiplies back
-        qmax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        # (over the finite entries: a NaN or inf query entry reaches its own row only)
+        qa = tl.abs(q.to(tl.float32))
+        qmax = tl.max(tl.max(tl.where(qa < float("inf"), qa, 0.0), 1), 0)
         shift = tl.exp2(tl.maximum(tl.ceil(tl.log2(qmax)) - 15.0, 0.0))
         q = (q.to(tl.float32) / shift).to(tl.float16)
         if SOFTCAP:
