@@ -610,10 +610,11 @@ def _fp8_cache(c: Cache):
         owner = torch.full((kp.shape[0],), -1, dtype=torch.long, device=DEV)
         owner[table.long().flatten()] = torch.arange(table.shape[0], device=DEV).repeat_interleave(
             table.shape[1])
-        sk = kd[owner.clamp(min=0)][:, None, :, None]
-        sv = vd[owner.clamp(min=0)][:, None, :, None]
-        paged[p] = ((kp.float() / sk).clamp(-448, 448).to(torch.float8_e4m3fn),
-                    (vp.float() / sv).clamp(-448, 448).to(torch.float8_e4m3fn), table)
+        owner = owner.clamp(min=0)
+
+        def pages8(x, d):        # (pages, page, heads, D) with its owners' descales
+            return quantize_fp8_cache(x.transpose(1, 2), d[owner]).transpose(1, 2).contiguous()
+        paged[p] = (pages8(kp, kd), pages8(vp, vd), table)
     return k8, v8, kd, vd, paged
 
 
