@@ -275,6 +275,8 @@ def test_other_formats_and_mixed_caches_are_refused_by_name():
                      k_descale=ones, v_descale=ones)
 
 
+# real sizes need the GPU (the interpreter would take hours); CI has none, the device
+# machine runs it with ``-m gpu``, as the other gpu-marked tests
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
