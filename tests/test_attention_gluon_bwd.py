@@ -54,7 +54,18 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
             ("d80", False, "bfloat16", None, 80, None, None, True),
             ("d80-register-stores", False, "bfloat16", False, 80, None, False, True),
             ("d32", False, "float16", None, 32, None, None),
-            ("d48-causal", True, "bfloat16", None, 48, None, None)]
+            ("d48-causal", True, "bfloat16", None, 48, None, None),
+            # the WIDE variant (head dims past 128, Dv != D): Gemma's 256 with softcap and
+            # window, DeepSeek's MLA (192 / 128), an awkward 160
+            ("wide-d256", False, "bfloat16", None, 256, None, None),
+            ("wide-d256-causal", True, "bfloat16", None, 256, None, None),
+            ("wide-d256-window-softcap", True, "bfloat16", None, 256, None, None, True,
+             dict(left=300, softcap=50.0)),
+            ("wide-d256-two-sided-fp16", False, "float16", None, 256, None, None, True,
+             dict(left=200, right=100)),
+            ("wide-mla", False, "bfloat16", None, 192, None, None, True, None, 128),
+            ("wide-mla-causal", True, "bfloat16", None, 192, None, None, True, None, 128),
+            ("wide-d160-causal", True, "bfloat16", None, 160, None, None)]
 
 
 def _compile_all():
@@ -63,12 +74,14 @@ def _compile_all():
     from flashfold.kernels.attention import gluon_bwd as G
 
     def facts(causal, dtype, tma_store, D, pingpong, persistent, late_stats=False,
-              features=None):
+              features=None, dv=None):
         q = torch.empty(2, 4, 1000, D, dtype=getattr(torch, dtype))
         k = torch.empty(2, 2, 1000, D, dtype=q.dtype)
+        v = torch.empty(2, 2, 1000, dv or D, dtype=q.dtype)
+        do = torch.empty(2, 4, 1000, dv or D, dtype=q.dtype)
         lam = torch.empty(2, 4, 1000)
         acc = torch.empty(2, 4, 1000, D)
-        kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k,
+        kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, v, do, lam, lam, acc, k, v,
                                                         causal=causal, scale=0.1, launch=False,
                                                         tma_store=tma_store, pingpong=pingpong,
                                                         persistent=persistent,
@@ -189,13 +202,17 @@ def test_scope():
     from flashfold.kernels.attention.gluon_bwd import supported
     q, k, v = _qkv()
     assert supported(q, k, v, q) and supported(q, k, v, q, causal=True)
-    # head dims up to 128 (tiles of 64 or 128 columns: 80 and 96 run as 128), Dv = D
-    for d in (32, 48, 64, 80, 96, 128):
+    # the forward's head dims: D = Dv up to 256 (tiles of 64, 128 or 256 columns: 80 and
+    # 96 run as 128, 160 and 192 as 256, in the WIDE variant past 128), and D in 129-256
+    # with Dv in 65-128 (MLA: WIDE), dO shaped like the output
+    for d in (32, 48, 64, 80, 96, 128, 160, 192, 256):
         assert supported(*_qkv(D=d), _qkv(D=d)[0], causal=True), d
-    assert not supported(*_qkv(D=192), _qkv(D=192)[0])
-    assert not supported(*_qkv(D=256), _qkv(D=256)[0])
     q3, k3, _ = _qkv(D=192)
-    assert not supported(q3, k3, _qkv(D=128)[2], q3)            # Dv != D
+    v3 = _qkv(D=128)[2]
+    assert supported(q3, k3, v3, torch.randn(1, 4, 256, 128, dtype=q3.dtype))
+    assert not supported(q3, k3, v3, q3)                        # dO shaped like q, not o
+    assert not supported(*_qkv(D=128)[:2], _qkv(D=64)[2], _qkv(D=128)[0][..., :64])
+    assert not supported(*_qkv(D=512)[:3], _qkv(D=512)[0])
     assert not supported(*_qkv(dtype=torch.float32), _qkv(dtype=torch.float32)[0])
     # windows and softcap, where every row sees a key (a right bound r: Nq <= Nk + r)
     assert supported(q, k, v, q, causal=True, left=100) and supported(q, k, v, q, left=7)
@@ -349,6 +366,55 @@ def test_gpu_window_softcap_and_padded_head_dims_flash_criterion(case, causal, D
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with mock.patch.object(gluon_bwd, "gluon_attention_bwd",
                            wraps=gluon_bwd.gluon_attention_bwd) as spy:
+        ff.attention(*leaves, causal=causal, window=win, softcap=softcap).backward(do)
+    assert spy.call_count == 1
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    _reference(*ref, causal, scale, window=win, softcap=softcap)[0].backward(do.double())
+    low = [t.clone().requires_grad_() for t in (q, k, v)]
+    _naive_lowp(*low, causal, scale, window=win, softcap=softcap).backward(do)
+    for name, a, r, n in zip("qkv", leaves, ref, low):
+        assert torch.isfinite(a.grad).all(), f"d{name} not finite"
+        err = (a.grad.double() - r.grad).abs().max().item()
+        naive = (n.grad.double() - r.grad).abs().max().item()
+        assert err <= 2 * naive + 1e-5, f"d{name}: err {err:.2e} > 2 x naive {naive:.2e}"
+
+
+#: the WIDE variant: (case, causal, D, Dv, window, softcap), Gemma's head_dim 256 (with its
+#: softcap and window), DeepSeek's MLA (192 / 128), 192 and an awkward 160 at awkward sizes
+WIDE_CASES = [
+    ((1, 1, 1, 1, 1), False, 256, 256, None, None),
+    ((2, 4, 2, 1000, 1000), False, 256, 256, None, None),
+    ((2, 4, 2, 1000, 1000), True, 256, 256, None, None),
+    ((1, 2, 2, 2049, 2049), True, 192, 128, None, None),
+    ((3, 8, 2, 700, 1500), False, 192, 128, None, None),
+    ((1, 2, 1, 113, 113), True, 192, 192, None, None),
+    ((1, 2, 2, 100, 1000), True, 160, 160, None, None),
+    ((2, 4, 2, 1000, 1000), True, 256, 256, (300, None), 50.0),
+    ((1, 2, 2, 1000, 1000), False, 256, 256, (200, 100), None),
+    ((1, 2, 2, 300, 200), False, 256, 128, None, None),
+    ((1, 3, 3, 256, 300), False, 256, 128, None, 30.0),
+]
+
+
+@pytest.mark.parametrize("case, causal, D, DV, window, softcap", WIDE_CASES,
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
+                         else str(x))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.gpu
+def test_gpu_wide_head_dims_flash_criterion(case, causal, D, DV, window, softcap, dtype):
+    _needs_sm90()
+    import flashfold as ff
+    from flashfold.kernels.attention import gluon_bwd
+    B, HQ, HK, NQ, NK = case
+    g = torch.Generator(device="cuda").manual_seed(hash((case, D, DV)) % 1000)
+    q = torch.randn(B, HQ, NQ, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, HK, NK, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, HK, NK, DV, device="cuda", dtype=dtype, generator=g)
+    do = torch.randn(B, HQ, NQ, DV, device="cuda", dtype=dtype, generator=g)
+    scale = 1 / math.sqrt(D)
+    win = None if window is None else tuple(-1 if w is None else w for w in window)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with mock.patch.object(gluon_bwd, "_wide_launch", wraps=gluon_bwd._wide_launch) as spy:
         ff.attention(*leaves, causal=causal, window=win, softcap=softcap).backward(do)
     assert spy.call_count == 1
     ref = [t.double().requires_grad_() for t in (q, k, v)]

@@ -70,12 +70,26 @@ is issued; ``BLOCK_D`` (64 or 128, :func:`block_d`) against ``HEAD_DIM``: head d
 below a tile width run padded (TMA reads the columns past ``D`` as zeros and clips them
 on the way out; the register stores mask them).
 
-Scope (:func:`supported`): fp16/bf16, one head dim up to 128 for q, k and v (the same
+``WIDE`` (head dims past 128, and ``Dv != D``: Gemma's 256, DeepSeek's MLA 192 / 128,
+:func:`wide`): two 64 x 256 fp32 accumulators per warpgroup do not fit its 240 registers,
+so the warpgroups split the work by output instead of by keys. A program owns
+:data:`WIDE_BLOCK_N` = 64 keys; per step of 64 query rows each warpgroup computes the
+``S^T`` and ``dP^T`` columns of its 32 rows (64 keys x 32 queries) and stores its halves of
+``P^T`` and ``dS^T`` to shared memory; once both halves are there (``ds_ready``, two
+buffers, ``ds_empty``), warpgroup 0 adds ``dS^T Q`` into all of ``dK`` and warpgroup 1
+``P^T dO`` into all of ``dV``, and each computes dQ columns ``dS K[:, cols]`` in 64-column
+pieces (warpgroup 0 up to ``DQ_SPLIT``, warpgroup 1 the rest: :func:`wide_plan` balances
+the two) added by TMA reduce-adds as above. dK and dV leave from registers. The Q / dO
+ring has two stages, one at 256 / 256 (shared memory: :func:`wide_plan`). A 192-wide head
+dim runs in 256-wide tiles whose products stop at column 192.
+
+Scope (:func:`supported`): fp16/bf16, the forward's head dims (``D = Dv`` up to 256, ``D``
+in 129-256 with ``Dv`` in 65-128); up to 128 with ``Dv = D`` the tiles above (the same
 template: at tile width 64 the warpgroups own 32 dQ columns each, with no spills, a ring
 one stage deeper (:data:`STAGES`) and 133 KB of shared memory, 149 KB in persistent
 programs; H200, eager backward at 0.94-1.01x cuDNN's: ``docs/notes/attention_bwd.md``,
-"Head_dim 64 on the Gluon kernel"), dense, causal, windowed (rows that all see a key: a
-right bound ``r`` needs ``Nq <= Nk + r``) and soft-capped, GQA, unit last stride and
+"Head_dim 64 on the Gluon kernel"), past that ``WIDE``; dense, causal, windowed (rows
+that all see a key: a right bound ``r`` needs ``Nq <= Nk + r``) and soft-capped, GQA, unit last stride and
 TMA-compatible strides; the default (non-deterministic) mode: the order of the dQ adds
 varies between runs, as with the Triton kernels' atomic dQ.
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
@@ -108,12 +122,16 @@ BLOCK_N = 128
 #: 2 stages: d64 1.00-1.04, d128 0.96-1.03, where ptxas spills 136 bytes against 112;
 #: ``docs/notes/attention_bwd.md``, "Q/dO ring depth per head dim")
 STAGES = {64: 3, 128: 2}     # by block_d
+#: keys per program of the WIDE variant (:func:`wide`)
+WIDE_BLOCK_N = 64
+#: shared memory a program may use (sm_90: 227 KB), less what the barriers take
+SHARED_BYTES = 227 * 1024 - 256
 #: dense calls store dK, dV by TMA while a program has at most this many steps
 #: (see :func:`store_tma`)
 STORE_TMA_MAX_STEPS = 32
 
-__all__ = ["supported", "eligible", "gluon_attention_bwd", "store_tma", "wave_heads",
-           "pingpong_default", "persistent_default", "late_stats_default", "BLOCK_M", "BLOCK_N"]
+__all__ = ["supported", "eligible", "gluon_attention_bwd", "store_tma", "wave_heads", "wide",
+           "wide_plan", "pingpong_default", "persistent_default", "late_stats_default", "BLOCK_M", "BLOCK_N"]
 
 
 if gluon is not None:
@@ -232,16 +250,16 @@ if gluon is not None:
                              use_acc=False, is_async=True)
 
     @gluon.jit
-    def _dq_add(dq_desc, dq_bufs, dq, b, hq, m, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr,
-                WG: gl.constexpr):
-        """``dQ_acc[b, hq, 64 m .., 64 WG ..] += dq`` by a TMA reduce-add from the
-        warpgroup's staging buffer (rows past Nq clipped), once the previous add has read
-        the buffer."""
+    def _dq_add(dq_desc, dq_bufs, dq, b, hq, m, col, BLOCK_M: gl.constexpr,
+                DQ_COLS: gl.constexpr, WG: gl.constexpr):
+        """``dQ_acc[b, hq, 64 m .., col ..] += dq`` by a TMA reduce-add from the
+        warpgroup's staging buffer (rows past Nq and columns past D clipped), once the
+        previous add has read the buffer."""
         dq_smem = dq_bufs.index(WG)
         tma.store_wait(0)
         dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, WG * DQ_COLS], dq_smem)
+        _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, col], dq_smem)
 
     @gluon.jit
     def _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
@@ -374,7 +392,8 @@ if gluon is not None:
                 dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
                 dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
                 mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
-                _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
+                _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, WG * DQ_COLS, BLOCK_M, DQ_COLS,
+                WG)
                 dk = warpgroup_mma_wait(0, deps=[dk])
                 mbarrier.arrive(q_empty.index(slot), count=1)
                 m_prev = m
@@ -417,7 +436,8 @@ if gluon is not None:
         if not PERSISTENT:
             dq = warpgroup_mma_wait(0, deps=[dq])
             mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
-        _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, BLOCK_M, DQ_COLS, WG)
+        _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, WG * DQ_COLS, BLOCK_M, DQ_COLS,
+                WG)
         return j
 
     @gluon.jit
@@ -456,6 +476,188 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
+    def _wide_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+                       DQ_SPLIT: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
+                       MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr):
+        """The ``WIDE`` variant's warpgroup ``WG`` (see the module docstring): of each
+        step's 64 x 64 ``S^T`` and ``dP^T`` it computes the query columns ``32 WG ..``
+        and stores their ``P^T`` and ``dS^T`` into the step's shared buffers; once both
+        halves are there, warpgroup 0 adds ``dS^T Q`` into ``dK`` and warpgroup 1 ``P^T
+        dO`` into ``dV`` (whole rows: each accumulator lives in one warpgroup), and each
+        adds its dQ columns (0 .. DQ_SPLIT, DQ_SPLIT .. BLOCK_D), ``dS K[:, cols]``, in
+        64-column pieces. Finally warpgroup 0 writes ``dK``, warpgroup 1 ``dV``."""
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
+        k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
+        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
+        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
+        DK, DV, qk_scale, scale, step_scale = ptrs
+        HALF: gl.constexpr = BLOCK_M // 2       # query columns of this warpgroup's S^T
+        DQ_COLS: gl.constexpr = 64              # columns of one dQ piece
+        if WG == 0:
+            OUT_COLS: gl.constexpr = BLOCK_D
+            OUT_DIM: gl.constexpr = HEAD_DIM
+            DQ_LO: gl.constexpr = 0
+            DQ_HI: gl.constexpr = DQ_SPLIT
+        else:
+            OUT_COLS: gl.constexpr = BLOCK_DV
+            OUT_DIM: gl.constexpr = HEAD_DIM_V
+            DQ_LO: gl.constexpr = DQ_SPLIT
+            DQ_HI: gl.constexpr = (HEAD_DIM + DQ_COLS - 1) // DQ_COLS * DQ_COLS
+        # a 192-wide head dim in a 256-wide tile: the products stop at column 192 (S^T
+        # and dP^T as 128 + 64 columns of the reduction, dK / dV as accumulators of 128
+        # and 64 columns) instead of multiplying 64 columns of zeros
+        S_A: gl.constexpr = 128 if (HEAD_DIM + 63) // 64 == 3 else BLOCK_D
+        P_A: gl.constexpr = 128 if (HEAD_DIM_V + 63) // 64 == 3 else BLOCK_DV
+        OUT_A: gl.constexpr = 128 if (OUT_DIM + 63) // 64 == 3 else OUT_COLS
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = _wgmma_layout(HALF)
+        acc_layout: gl.constexpr = _wgmma_layout(OUT_A)
+        acc2_layout: gl.constexpr = _wgmma_layout(64)
+        dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
+        b, hk, n, m_lo, m_hi, m_0 = _program(gl.program_id(0), shape, BLOCK_M, BLOCK_N,
+                                             MASK_LEFT, MASK_RIGHT)
+        k_t = k_smem.reshape([BLOCK_N, BLOCK_D])
+        v_t = v_smem.reshape([BLOCK_N, BLOCK_DV])
+        keys = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        key_ok = keys < kv_len
+        first_row = gl.where(key_ok, keys - (kv_len - q_len) - right, q_len + BLOCK_M)
+        last_row = keys - (kv_len - q_len) + left
+        qcols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_N, HALF], gl.float32, s_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        acc = gl.zeros([BLOCK_N, OUT_A], gl.float32, acc_layout)
+        if OUT_A < OUT_COLS:
+            acc2 = gl.zeros([BLOCK_N, 64], gl.float32, acc2_layout)
+        mbarrier.wait(kv_ready, 0)
+        j = 0
+        for g in range(group):
+            hq = hk * group + g
+            for i in range(m_lo, m_hi):
+                m = _query_tile(i, m_lo, m_0, m_hi)
+                slot = j % STAGES
+                mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
+                q_s = q_bufs.index(slot).reshape([BLOCK_M, BLOCK_D])
+                do_s = do_bufs.index(slot).reshape([BLOCK_M, BLOCK_DV])
+                st, dpt = _wide_scores(k_t, v_t, q_bufs.index(slot), do_bufs.index(slot),
+                                       s_zero, BLOCK_M, BLOCK_D, BLOCK_DV, S_A, P_A, HALF, WG)
+                st = warpgroup_mma_wait(1, deps=[st])
+                lam = lam_bufs.index(slot).reshape([BLOCK_M]).slice(WG * HALF, HALF).load(
+                    gl.SliceLayout(0, s_layout))
+                # P and ds/dx as in _consumer_tile
+                if SOFTCAP:
+                    rc = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
+                                                   [gl.exp2(st * qk_scale) + 1.0],
+                                                   dtype=gl.float32, is_pure=True, pack=1)
+                    p = WEIGHTS(lam[None, :], 1.0 - 2.0 * rc, step_scale)[0]
+                else:
+                    p = WEIGHTS(lam[None, :], st, step_scale)[0]
+                rows = m * BLOCK_M + qcols[None, :]
+                if MASK_RIGHT:
+                    p = gl.where(first_row[:, None] <= rows, p, 0.0)
+                elif MASK_TAIL_KEYS:
+                    p = gl.where(key_ok[:, None], p, 0.0)
+                if MASK_LEFT:
+                    p = gl.where(rows <= last_row[:, None], p, 0.0)
+                pb = p.to(dtype)
+                if SOFTCAP:
+                    p = p * (4.0 * rc * (1.0 - rc))
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                dd = dd_bufs.index(slot).reshape([BLOCK_M]).slice(WG * HALF, HALF).load(
+                    gl.SliceLayout(0, s_layout))
+                ds = p * (dpt - dd[None, :])
+                # this warpgroup's halves of P^T (buffer 2 + j % 2) and dS^T (j % 2), once
+                # both warpgroups' products of step j - 2 have read them
+                buf = j % 2
+                mbarrier.wait(ds_empty.index(buf), ((j // 2) & 1) ^ 1)
+                ds_bufs.index(2 + buf).slice(WG * HALF, HALF, dim=1).store(pb)
+                ds_bufs.index(buf).slice(WG * HALF, HALF, dim=1).store(ds.to(dtype))
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+                mbarrier.wait(ds_ready.index(buf), (j // 2) & 1)
+                ds_t = ds_bufs.index(buf)
+                # the first dQ piece, then dK (or dV) behind it, then the other pieces
+                dq = warpgroup_mma(ds_t.permute((1, 0)), k_t.slice(DQ_LO, DQ_COLS, dim=1),
+                                   dq_zero, use_acc=False, is_async=True)
+                if WG == 0:
+                    a_s = ds_t
+                    b_s = q_s
+                else:
+                    a_s = ds_bufs.index(2 + buf)
+                    b_s = do_s
+                acc = warpgroup_mma(a_s, b_s.slice(0, OUT_A, dim=1), acc, is_async=True)
+                if OUT_A < OUT_COLS:
+                    acc2 = warpgroup_mma(a_s, b_s.slice(OUT_A, 64, dim=1), acc2,
+                                         is_async=True)
+                    dq = warpgroup_mma_wait(2, deps=[dq])
+                else:
+                    dq = warpgroup_mma_wait(1, deps=[dq])
+                _dq_add(dq_desc, dq_bufs, dq, b, hq, m, DQ_LO, BLOCK_M, DQ_COLS, WG)
+                for c in gl.static_range(DQ_LO + DQ_COLS, DQ_HI, DQ_COLS):   # (< HEAD_DIM)
+                    dq = warpgroup_mma(ds_t.permute((1, 0)), k_t.slice(c, DQ_COLS, dim=1),
+                                       dq_zero, use_acc=False, is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=[dq])
+                    _dq_add(dq_desc, dq_bufs, dq, b, hq, m, c, BLOCK_M, DQ_COLS, WG)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                if OUT_A < OUT_COLS:
+                    acc2 = warpgroup_mma_wait(0, deps=[acc2])
+                mbarrier.arrive(ds_empty.index(buf), count=1)
+                mbarrier.arrive(q_empty.index(slot), count=1)
+                j += 1
+
+        # dK = scale * sum dS^T Q (warpgroup 0), dV = sum P^T dO (warpgroup 1)
+        kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
+        if WG == 0:
+            out = DK
+            acc = acc * scale
+            if OUT_A < OUT_COLS:
+                acc2 = acc2 * scale
+        else:
+            out = DV
+        _store_rows(out, acc, kv_base, n * BLOCK_N, 0, kv_len, OUT_DIM, BLOCK_N, OUT_A,
+                    acc_layout)
+        if OUT_A < OUT_COLS:
+            _store_rows(out, acc2, kv_base, n * BLOCK_N, OUT_A, kv_len, OUT_DIM, BLOCK_N, 64,
+                        acc2_layout)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _wide_scores(k_t, v_t, q_buf, do_buf, s_zero, BLOCK_M: gl.constexpr,
+                     BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, S_A: gl.constexpr,
+                     P_A: gl.constexpr, HALF: gl.constexpr, WG: gl.constexpr):
+        """Issue ``S^T = K Q_h^T`` and ``dP^T = V dO_h^T`` (async) for this warpgroup's
+        query rows ``h`` of the ring slot ``q_buf`` / ``do_buf``, the reduction over the
+        head dim stopping at ``S_A + 64`` / ``P_A + 64`` where that is short of the tile."""
+        q_h = q_buf.reshape([BLOCK_M, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
+        do_h = do_buf.reshape([BLOCK_M, BLOCK_DV]).slice(WG * HALF, HALF, dim=0)
+        st = warpgroup_mma(k_t.slice(0, S_A, dim=1), q_h.slice(0, S_A, dim=1).permute((1, 0)),
+                           s_zero, use_acc=False, is_async=True)
+        if S_A < BLOCK_D:
+            st = warpgroup_mma(k_t.slice(S_A, 64, dim=1),
+                               q_h.slice(S_A, 64, dim=1).permute((1, 0)), st, is_async=True)
+        dpt = warpgroup_mma(v_t.slice(0, P_A, dim=1),
+                            do_h.slice(0, P_A, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                            is_async=True)
+        if P_A < BLOCK_DV:
+            dpt = warpgroup_mma(v_t.slice(P_A, 64, dim=1),
+                                do_h.slice(P_A, 64, dim=1).permute((1, 0)), dpt,
+                                is_async=True)
+        return st, dpt
+
+    @gluon.jit
+    def _store_rows(out, acc, kv_base, row0, col0, kv_len, DIM: gl.constexpr,
+                    ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+        """``out[kv_base + row0 .., col0 ..] = acc`` (input dtype) for ``out`` of row
+        length ``DIM``, rows past ``kv_len`` and columns past ``DIM`` masked."""
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        offs = (kv_base + rows)[:, None] * DIM + cols[None, :]
+        ok = (rows < kv_len)[:, None] & (cols < DIM)[None, :]
+        gl.store(out + offs, acc.to(out.dtype.element_ty), mask=ok)
+
+    @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
                      q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right,
                      qk_scale, scale, step_scale,
@@ -465,7 +667,9 @@ if gluon is not None:
                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                      LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
                      WEIGHTS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, WIDE: gl.constexpr = False,
+                     BLOCK_DV: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
+                     DQ_SPLIT: gl.constexpr = 0):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -478,9 +682,14 @@ if gluon is not None:
                                            q_desc.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
                                             do_desc.layout)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
-                                                                        dtype)
-        DS_BUFS: gl.constexpr = 3 if PERSISTENT else 2      # (see _bwd_consumer)
+        if WIDE:    # dS^T and P^T, two each, stored by halves of 32 query columns
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64,
+                                                           element_bitwidth=16, rank=2)
+            DS_BUFS: gl.constexpr = 4
+        else:
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [BLOCK_N, BLOCK_M], dtype)
+            DS_BUFS: gl.constexpr = 3 if PERSISTENT else 2      # (see _bwd_consumer)
         ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUFS, BLOCK_N, BLOCK_M], ds_layout)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
                                             dq_desc.layout)
@@ -514,16 +723,30 @@ if gluon is not None:
         bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn)
         shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right)
         ptrs = (DK, DV, qk_scale, scale, step_scale)
-        warp_specialize([
-            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
-                             HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 0,
-                             PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS)),
-            (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
-                             HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 1,
-                             PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS)),
-            (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
-                             MASK_RIGHT, PERSISTENT)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if WIDE:
+            warp_specialize([
+                (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
+                                  BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT, STAGES,
+                                  MASK_LEFT, MASK_RIGHT, SOFTCAP, 0, MASK_TAIL_KEYS,
+                                  WEIGHTS)),
+                (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
+                                  BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT, STAGES,
+                                  MASK_LEFT, MASK_RIGHT, SOFTCAP, 1, MASK_TAIL_KEYS,
+                                  WEIGHTS)),
+                (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
+                                 MASK_LEFT, MASK_RIGHT, False)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            warp_specialize([
+                (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
+                                 HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 0,
+                                 PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS)),
+                (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
+                                 HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 1,
+                                 PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS)),
+                (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
+                                 MASK_RIGHT, PERSISTENT)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
         if PERSISTENT:
             mbarrier.invalidate(kv_empty)
@@ -544,16 +767,37 @@ def block_d(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128
 
 
+def wide(head_dim: int, head_dim_v: int) -> bool:
+    """Whether a call runs the ``WIDE`` variant: head dims past 128, or ``Dv != D``."""
+    return not (head_dim == head_dim_v and head_dim <= 128)
+
+
+def wide_plan(head_dim: int, head_dim_v: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_D, BLOCK_DV, DQ_SPLIT, STAGES)`` of the ``WIDE`` variant: the forward's
+    tile widths (:func:`.gluon_fwd.block_dims`, powers of two: TMA reads the columns past
+    the head dims as zeros), the dQ column where warpgroup 1's pieces start (a multiple
+    of 64 near ``BLOCK_DV / 2``, so that ``BLOCK_D + DQ_SPLIT`` and ``BLOCK_DV + D -
+    DQ_SPLIT`` output columns, the two warpgroups' products, are about equal), and the
+    depth of the Q / dO ring: two stages where they fit in shared memory, else one (256 /
+    256: K, V 64 KB, the P / dS buffers and dQ staging 64 KB, one stage of Q and dO 64
+    KB)."""
+    bd, bdv = gluon_fwd.block_dims(head_dim, max(head_dim_v, 64))
+    split = min(max(64, (bdv // 2) // 64 * 64), bd - 64)
+    fixed = 2 * WIDE_BLOCK_N * (bd + bdv) + 4 * WIDE_BLOCK_N * BLOCK_M * 2 + 2 * BLOCK_M * 64 * 4
+    stage = 2 * BLOCK_M * (bd + bdv) + 2 * 4 * BLOCK_M
+    return bd, bdv, split, 2 if fixed + 2 * stage <= SHARED_BYTES else 1
+
+
 def supported(q, k, v, do, *, causal: bool = False, left: int | None = None,
               right: int | None = None, softcap: float | None = None) -> bool:
     """Whether the kernel's scope covers these tensors, whatever their device: the
-    forward's (:func:`.gluon_fwd.supported`) narrowed to one head dim up to 128 for q, k
-    and v (``Dv = D``) and to calls where every row sees a key (a right bound ``r``,
-    causal's 0 included: ``Nq <= Nk + r``), with ``dO`` of ``q``'s shape and dtype,
-    TMA-compatible."""
+    forward's (:func:`.gluon_fwd.supported`: ``D = Dv`` up to 256, or ``D`` in 129-256
+    with ``Dv`` in 65-128) narrowed to calls where every row sees a key (a right bound
+    ``r``, causal's 0 included: ``Nq <= Nk + r``), with ``dO`` of ``v``'s shape in ``q``'s
+    dtype, TMA-compatible."""
     left, right = gluon_fwd._bounds(causal, left, right)
-    return (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and do.shape == q.shape
-            and q.shape[-1] <= 128 and k.shape[-1] == v.shape[-1] == q.shape[-1]
+    return (q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+            and do.shape == (*q.shape[:-1], v.shape[-1])
             and not (right is not None and q.shape[2] > k.shape[2] + right)
             and do.dtype == q.dtype and addressable(do)
             and gluon_fwd.supported(q, k, v, left=left, right=right, softcap=softcap))
@@ -678,9 +922,19 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     instructions).
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
-    Hk, Nk = k.shape[1], k.shape[2]
+    Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
     left, right = gluon_fwd._bounds(causal, left, right)
     bounded = left is not None or right is not None
+    weights = tile_step_functions(ATTENTION2, scale="score", gluon=True).tile_weights
+    if softcap is not None:
+        # tanh(x) = 1 - 2 / (2^(2 log2(e) x) + 1), x = scale qk / c (the forward's form);
+        # the generated weights multiply tanh by c
+        qk_scale, step_scale = 2 * LOG2E * float(scale) / softcap, float(softcap)
+    else:
+        qk_scale, step_scale = 0.0, float(scale)
+    if wide(D, DV):
+        return _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap,
+                            scale, qk_scale, step_scale, weights, heads_per_wave, launch)
     BD = block_d(D)
     n_n = -(-Nk // BLOCK_N)
     if persistent is None:
@@ -700,13 +954,6 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     if persistent and (bounded or tma_store):
         raise ValueError("persistent programs are unbounded and store dK, dV from registers "
                          f"(got left={left}, right={right}, tma_store={tma_store})")
-    if softcap is not None:
-        # tanh(x) = 1 - 2 / (2^(2 log2(e) x) + 1), x = scale qk / c (the forward's form);
-        # the generated weights multiply tanh by c
-        qk_scale, step_scale = 2 * LOG2E * float(scale) / softcap, float(softcap)
-    else:
-        qk_scale, step_scale = 0.0, float(scale)
-    weights = tile_step_functions(ATTENTION2, scale="score", gluon=True).tile_weights
     out = ((_desc(dk, BLOCK_N // 2, BD), _desc(dv, BLOCK_N // 2, BD)) if tma_store
            else (dk, dv))
     args = (_desc(q, BLOCK_M, BD), _desc(k, BLOCK_N, BD), _desc(v, BLOCK_N, BD),
@@ -727,6 +974,37 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         n_sms = gluon_fwd.num_sms(q) if persistent is True else int(persistent)
         programs = min(programs, n_sms)
     grid = (programs,)
+    if not launch:
+        return _attn_bwd_ws, grid, args, kwargs
+    launcher.launch(_attn_bwd_ws, grid, args, kwargs)
+    return dq_acc, dk, dv
+
+
+def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, scale, qk_scale,
+                 step_scale, weights, heads_per_wave, launch):
+    """:func:`gluon_attention_bwd` for the ``WIDE`` variant (:func:`wide_plan`): programs
+    of :data:`WIDE_BLOCK_N` keys, dK and dV stored from registers."""
+    B, Hq, Nq, D = q.shape
+    Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
+    bounded = left is not None or right is not None
+    BD, BDV, split, stages = wide_plan(D, DV)
+    n_n = -(-Nk // WIDE_BLOCK_N)
+    if heads_per_wave is None:
+        heads_per_wave = wave_heads(bounded, n_n, B * Hk, gluon_fwd.num_sms(q))
+    args = (_desc(q, BLOCK_M, BD), _desc(k, WIDE_BLOCK_N, BD), _desc(v, WIDE_BLOCK_N, BDV),
+            _desc(do, BLOCK_M, BDV), _desc(dq_acc, BLOCK_M, 64),
+            _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv,
+            Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
+            0 if left is None else int(left), 0 if right is None else int(right),
+            qk_scale, float(scale), step_scale)
+    kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=WIDE_BLOCK_N, BLOCK_D=BD, HEAD_DIM=D,
+                  STAGES=stages, MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
+                  SOFTCAP=softcap is not None, STORE_TMA=False, PINGPONG=False,
+                  PERSISTENT=False, LATE_STATS=True,
+                  MASK_TAIL_KEYS=Nk % WIDE_BLOCK_N != 0, WEIGHTS=weights,
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, WIDE=True,
+                  BLOCK_DV=BDV, HEAD_DIM_V=DV, DQ_SPLIT=split, num_warps=4, maxnreg=MAXNREG)
+    grid = (n_n * B * Hk,)
     if not launch:
         return _attn_bwd_ws, grid, args, kwargs
     launcher.launch(_attn_bwd_ws, grid, args, kwargs)
