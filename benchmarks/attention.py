@@ -35,7 +35,7 @@ Run (H200, from the repository root)::
    NaN-poisoned gradients) plus dlse and deterministic-mode cases; ``deterministic=True``
    twice -> bitwise equal gradients; ``torch.compile(fullgraph=True)`` (inductor) of a
    module calling flashfold.attention against eager; then backward alone and forward +
-   backward TFLOP/s against SDPA flash and cuDNN (bf16, H=16, 16K tokens, d64/d128,
+   backward TFLOP/s against SDPA flash and cuDNN (bf16, H=16, 16K tokens, d64/d128 and d256,
    N 1K/4K/16K, causal and not), with a final table of ratios.
 4. ``--bwd-kernels``: the GPU time of each kernel of one eager backward (torch.profiler,
    10 calls), flashfold against cuDNN, on the same grid: kernel times do not move with
@@ -843,6 +843,8 @@ def speed_bwd(quick: bool, grid=None, tokens=16384, H=16, dtype=torch.bfloat16):
     peers = {"cudnn": _sdpa_train("CUDNN_ATTENTION"), "flash": _sdpa_train("FLASH_ATTENTION")}
     if grid is None:
         grid = [(D, N, c) for D in (64, 128) for N in (1024, 4096, 16384) for c in (False, True)]
+        # head_dim 256 (Gemma): the Gluon template's WIDE variant
+        grid += [(256, N, c) for N in (4096, 16384) for c in (False, True)]
         if quick:
             grid = [(128, 4096, False), (128, 4096, True), (128, 16384, True)]
     rows, errors = [], {}

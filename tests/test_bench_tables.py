@@ -226,6 +226,20 @@ def test_the_workload_tables_come_from_the_workload_log(logs):
     sub = bench.parse(WORKLOADS.replace("rows all", "rows 'gemma'").replace(
         "directions fwd+bwd", "directions fwd"), "x.log")[0]
     assert sub.quick and sub.command.endswith("workloads.py --rows 'gemma' --fwd-only")
+    assert not any("--budget" in v for v in run.verdicts)      # every peer ran
+
+
+def test_rows_whose_peers_the_budget_left_untimed_are_named():
+    text = WORKLOADS.replace(
+        "   check flashfold vs FA4: ok: o 3.1e-03",
+        "   warm: flashfold 2.0s, cudnn skipped (time budget), flex skipped (time budget)\n"
+        "   check flashfold vs FA4: ok: o 3.1e-03").replace(
+        "-- [3/3] minilm-padding: MiniLM | d32 12 heads key padding 64-512 N512 B32\n",
+        "-- [3/3] minilm-padding: MiniLM | d32 12 heads key padding 64-512 N512 B32\n"
+        "   warm: flashfold 1.0s, fa4 skipped (time budget)\n")
+    run = bench.parse(text, "x.log")[0]
+    assert run.verdicts[-1] == ("peers not timed (the run's --budget ran out first): "
+                                "llama-4k, minilm-padding")
 
 
 def test_latest_full_run_wins_over_a_later_quick_one_and_an_older_full_one(logs):

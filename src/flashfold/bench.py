@@ -570,12 +570,22 @@ _VERDICTS = {"attention": (r"^== correctness: \d+/\d+", r"^total .*correctness")
 def _verdicts(kind: str, text: str) -> list[str]:
     pats = [re.compile(p) for p in _VERDICTS.get(kind, ())]
     out = []
+    row, over_budget = None, []
     for line in text.splitlines():
         if any(p.search(line) for p in pats):
             line = line.strip()
             if kind == "ring":                   # the check's verdict and layout, not its errors
                 line = " ".join(line.split()[:3])
             out.append(line)
+        elif kind == "workloads":               # rows whose peers the --budget left untimed
+            head = re.match(r"^-- \[\d+/\d+\] (\S+):", line)
+            if head:
+                row = head.group(1)
+            elif "skipped (time budget)" in line and row and row not in over_budget:
+                over_budget.append(row)
+    if over_budget:
+        out.append("peers not timed (the run's --budget ran out first): "
+                   + ", ".join(over_budget))
     return out
 
 

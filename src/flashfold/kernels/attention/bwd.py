@@ -71,11 +71,13 @@ each tensor's (batch, head, row, dim) strides as one tuple next to it (``SQ``, `
 block mask's four tables as one (``TABLES``, columns for dK/dV, rows for dQ), the
 per-call sizes as separate scalars (not specialized).
 
-On sm_90, calls with one head dim up to 128 in the default mode (dense, causal, windowed
-or soft-capped; no mods, varlen or explicit ``config``) run the warp-specialized Gluon
-kernel of :mod:`.gluon_bwd` between the preprocess and the conversion instead: dK, dV and
-a dQ added by TMA reduce-adds in one pass (H200, head_dim 128: 0.90-0.99x cuDNN,
-1.25-1.42x these kernels; ``benchmarks/RESULTS.md``).
+On sm_90, calls with the Gluon forward's head dims (up to 256; MLA's 192/128) in the
+default mode (dense, causal, windowed or soft-capped; no mods, varlen or explicit
+``config``) run the warp-specialized Gluon kernel of :mod:`.gluon_bwd` between the
+preprocess and the conversion instead: dK, dV and a dQ added by TMA reduce-adds in one
+pass (H200, head_dim 128: 0.93-1.04x cuDNN, 1.25-1.42x these kernels; head_dim 256 and
+MLA, its WIDE variant: 1.7-2.2x FlexAttention on Gemma's rows, 0.67-0.77x cuDNN;
+``benchmarks/RESULTS.md``, ``docs/notes/attention_bwd.md``).
 
 Modes: ``deterministic=True`` runs preprocess, dK/dV (no atomics) and the dQ kernel: every
 sum has a fixed order, so two runs are bitwise equal. The default mode adds ``dQ`` with fp32
@@ -1135,7 +1137,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     atomic = bool(atomic_dq) and not deterministic
     if use_tma and not tma_ok(do):
         do = do.contiguous()        # documented: e.g. the expanded (stride 0) gradient of .sum()
-    # sm_90, head dims up to 128, dense, causal, windowed or soft-capped: the
+    # sm_90, the Gluon forward's head dims, dense, causal, windowed or soft-capped: the
     # warp-specialized Gluon kernel (dK, dV and the atomic dQ in one pass; gluon_bwd),
     # unless deterministic or with mods or varlen
     use_gluon = (not deterministic and gluon_allowed and config is None

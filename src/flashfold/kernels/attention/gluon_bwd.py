@@ -262,6 +262,38 @@ if gluon is not None:
         _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, col], dq_smem)
 
     @gluon.jit
+    def _probs(st, lam, row0, qcols, first_row, last_row, key_ok, qk_scale, step_scale,
+               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+               MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr):
+        """``(P^T, rc)`` of a step's scores ``st`` (keys x queries ``row0 + qcols``)
+        against the rows' ``lambda``: ATTENTION2's weights (generated: ``2^(x c log2 e -
+        lambda)``, ``c = step_scale``); ``x = qk``, ``c = scale``, or with ``SOFTCAP`` ``x =
+        tanh(scale qk / cap) = 1 - 2 rc``, ``rc = 1 / (2^(qk qk_scale) + 1)`` (the
+        forward's form), ``c = cap``, and ``ds/dx = scale (1 - tanh^2) = scale 4 rc (1 -
+        rc)`` (exact where tanh rounds to +-1), which the caller folds into ``P`` once ``P``
+        has gone to its product (``rc`` is ``st`` without softcap). ``P = 0`` at hidden
+        pairs, branch-free (a branch here doubled the live registers): keys before a
+        row's window or after its right bound (keys past Nk included: see
+        ``first_row``), or, unbounded, keys past Nk (``MASK_TAIL_KEYS``: ``P`` could
+        overflow there, the lse far below 0)."""
+        rc = st
+        if SOFTCAP:
+            rc = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
+                                           [gl.exp2(st * qk_scale) + 1.0],
+                                           dtype=gl.float32, is_pure=True, pack=1)
+            p = WEIGHTS(lam[None, :], 1.0 - 2.0 * rc, step_scale)[0]
+        else:
+            p = WEIGHTS(lam[None, :], st, step_scale)[0]
+        rows = row0 + qcols[None, :]
+        if MASK_RIGHT:
+            p = gl.where(first_row[:, None] <= rows, p, 0.0)
+        elif MASK_TAIL_KEYS:
+            p = gl.where(key_ok[:, None], p, 0.0)
+        if MASK_LEFT:
+            p = gl.where(rows <= last_row[:, None], p, 0.0)
+        return p, rc
+
+    @gluon.jit
     def _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
                        STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
@@ -341,26 +373,9 @@ if gluon is not None:
                 if LATE_STATS:
                     lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
-                # P = ATTENTION2's weights against lambda (generated: 2^(x c log2 e -
-                # lambda), c = step_scale); x = qk, c = scale, or with SOFTCAP x =
-                # tanh(scale qk / cap) = 1 - 2 rc, rc = 1 / (2^(qk qk_scale) + 1) (the
-                # forward's form), c = cap, and ds/dx = scale (1 - tanh^2) = scale 4 rc
-                # (1 - rc) (exact where tanh rounds to +-1), folded into P once P V is issued
-                if SOFTCAP:
-                    rc = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
-                                                   [gl.exp2(st * qk_scale) + 1.0],
-                                                   dtype=gl.float32, is_pure=True, pack=1)
-                    p = WEIGHTS(lam[None, :], 1.0 - 2.0 * rc, step_scale)[0]
-                else:
-                    p = WEIGHTS(lam[None, :], st, step_scale)[0]
-                # branch-free masks (a branch here doubled the live registers)
-                rows = m * BLOCK_M + qcols[None, :]
-                if MASK_RIGHT:      # (keys past Nk included: see first_row)
-                    p = gl.where(first_row[:, None] <= rows, p, 0.0)
-                elif MASK_TAIL_KEYS:    # keys past Nk: P could overflow (lse far below 0)
-                    p = gl.where(key_ok[:, None], p, 0.0)
-                if MASK_LEFT:
-                    p = gl.where(rows <= last_row[:, None], p, 0.0)
+                p, rc = _probs(st, lam, m * BLOCK_M, qcols, first_row, last_row, key_ok,
+                               qk_scale, step_scale, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                               MASK_TAIL_KEYS, WEIGHTS)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_s, dv, is_async=True)
                 if SOFTCAP:     # P's only other use is dS: fold ds/dx in now, rc dies
@@ -546,21 +561,9 @@ if gluon is not None:
                 st = warpgroup_mma_wait(1, deps=[st])
                 lam = lam_bufs.index(slot).reshape([BLOCK_M]).slice(WG * HALF, HALF).load(
                     gl.SliceLayout(0, s_layout))
-                # P and ds/dx as in _consumer_tile
-                if SOFTCAP:
-                    rc = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
-                                                   [gl.exp2(st * qk_scale) + 1.0],
-                                                   dtype=gl.float32, is_pure=True, pack=1)
-                    p = WEIGHTS(lam[None, :], 1.0 - 2.0 * rc, step_scale)[0]
-                else:
-                    p = WEIGHTS(lam[None, :], st, step_scale)[0]
-                rows = m * BLOCK_M + qcols[None, :]
-                if MASK_RIGHT:
-                    p = gl.where(first_row[:, None] <= rows, p, 0.0)
-                elif MASK_TAIL_KEYS:
-                    p = gl.where(key_ok[:, None], p, 0.0)
-                if MASK_LEFT:
-                    p = gl.where(rows <= last_row[:, None], p, 0.0)
+                p, rc = _probs(st, lam, m * BLOCK_M, qcols, first_row, last_row, key_ok,
+                               qk_scale, step_scale, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                               MASK_TAIL_KEYS, WEIGHTS)
                 pb = p.to(dtype)
                 if SOFTCAP:
                     p = p * (4.0 * rc * (1.0 - rc))
