@@ -400,6 +400,8 @@ WIDE_CASES = [
     ((1, 2, 2, 1000, 1000), False, 256, 256, (200, 100), None),
     ((1, 2, 2, 300, 200), False, 256, 128, None, None),
     ((1, 3, 3, 256, 300), False, 256, 128, None, 30.0),
+    ((1, 8, 1, 63, 63), True, 192, 128, None, None),              # GQA 8:1, N = 63
+    ((1, 2, 2, 100, 1000), False, 256, 256, (50, None), None),    # key tiles no row sees
 ]
 
 
