@@ -208,14 +208,14 @@ def test_scope():
 
 
 def test_backward_scope_narrows_the_forwards():
-    """The Gluon backward takes the forward's scope narrowed to what it handles: one head
-    dim up to 128 for q, k and v, and every row seeing a key when the rows have a right
-    bound."""
+    """The Gluon backward takes the forward's scope (its head dims, 256 and MLA's 192/128
+    in the WIDE variant) narrowed to calls where every row sees a key when the rows have
+    a right bound."""
     from flashfold.kernels.attention.gluon_bwd import supported
-    for d in (32, 96, 128):
+    for d in (32, 96, 128, 192, 256):
         q, k, v = _qkv(D=d)
         assert supported(q, k, v, q), d
-    q, k, v = _qkv(D=256)
+    q, k, v = _qkv(D=512)
     assert not supported(q, k, v, q)
     q, k, v = _qkv(NQ=300, NK=200)
     assert supported(q, k, v, q) and not supported(q, k, v, q, causal=True)
