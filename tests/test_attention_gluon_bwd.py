@@ -226,6 +226,26 @@ def test_scope():
     assert not supported(q, k, v, q.transpose(2, 3).contiguous().transpose(2, 3))
 
 
+def test_wide_variant_plan_and_its_options():
+    """The WIDE variant's tiles (:func:`wide_plan`): power-of-two widths, the dQ split
+    that evens the warpgroups' output columns, two ring stages where they fit in shared
+    memory; the narrow tiles' options are refused, not ignored."""
+    from flashfold.kernels.attention import gluon_bwd as G
+    assert not G.wide(128, 128) and not G.wide(64, 64)
+    assert G.wide(192, 128) and G.wide(256, 256) and G.wide(160, 160)
+    assert G.wide_plan(192, 128) == (256, 128, 64, 2)          # MLA
+    assert G.wide_plan(256, 256) == (256, 256, 128, 1)         # Gemma: one stage fits
+    assert G.wide_plan(192, 192) == (256, 256, 128, 1)
+    assert G.wide_plan(256, 128) == (256, 128, 64, 2)
+    grid, kw = _host_launch(256, 1000)
+    assert kw["WIDE"] and kw["BLOCK_N"] == G.WIDE_BLOCK_N and grid == (16 * 2,)
+    q = torch.empty(1, 2, 100, 256, dtype=torch.bfloat16)
+    lam, acc = torch.empty(1, 2, 100), torch.empty(1, 2, 100, 256)
+    with pytest.raises(ValueError, match="persistent, pingpong"):
+        G.gluon_attention_bwd(q, q, q, q, lam, lam, acc, q, q, causal=False, scale=0.1,
+                              launch=False, pingpong=True, persistent=False)
+
+
 def test_not_on_cpu_tensors():
     from flashfold.kernels.attention.gluon_bwd import eligible
     q, k, v = _qkv()

@@ -936,6 +936,12 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     else:
         qk_scale, step_scale = 0.0, float(scale)
     if wide(D, DV):
+        knobs = dict(tma_store=tma_store, pingpong=pingpong, persistent=persistent,
+                     late_stats=late_stats, mask_tail_keys=mask_tail_keys)
+        asked = sorted(name for name, value in knobs.items() if value is not None)
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: options of the head_dim <= 128 tiles; the "
+                             f"WIDE variant (D={D}, Dv={DV}) has none")
         return _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap,
                             scale, qk_scale, step_scale, weights, heads_per_wave, launch)
     BD = block_d(D)
