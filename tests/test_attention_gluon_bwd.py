@@ -57,15 +57,16 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
             ("d48-causal", True, "bfloat16", None, 48, None, None),
             # the WIDE variant (head dims past 128, Dv != D): Gemma's 256 with softcap and
             # window, DeepSeek's MLA (192 / 128), an awkward 160
-            ("wide-d256", False, "bfloat16", None, 256, None, None),
-            ("wide-d256-causal", True, "bfloat16", None, 256, None, None),
-            ("wide-d256-window-softcap", True, "bfloat16", None, 256, None, None, True,
+            # (no tile options: None)
+            ("wide-d256", False, "bfloat16", None, 256, None, None, None),
+            ("wide-d256-causal", True, "bfloat16", None, 256, None, None, None),
+            ("wide-d256-window-softcap", True, "bfloat16", None, 256, None, None, None,
              dict(left=300, softcap=50.0)),
-            ("wide-d256-two-sided-fp16", False, "float16", None, 256, None, None, True,
+            ("wide-d256-two-sided-fp16", False, "float16", None, 256, None, None, None,
              dict(left=200, right=100)),
-            ("wide-mla", False, "bfloat16", None, 192, None, None, True, None, 128),
-            ("wide-mla-causal", True, "bfloat16", None, 192, None, None, True, None, 128),
-            ("wide-d160-causal", True, "bfloat16", None, 160, None, None)]
+            ("wide-mla", False, "bfloat16", None, 192, None, None, None, None, 128),
+            ("wide-mla-causal", True, "bfloat16", None, 192, None, None, None, None, 128),
+            ("wide-d160-causal", True, "bfloat16", None, 160, None, None, None)]
 
 
 def _compile_all():
