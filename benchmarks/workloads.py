@@ -72,12 +72,15 @@ after Ctrl-C / SIGINT).
 
 Run on the H200, from the repository root, in two device calls made back to back (the
 machine stays warm 30 s between calls). The peers' archives come from
-``bash /work/shared/peers/fetch.sh .peers`` run here (``.peers/`` is ignored by git);
-together they are over the 64 MiB one call may carry, hence two steps:
+``bash /work/shared/peers/fetch.sh .peers`` and ``bash benchmarks/peers_core.sh .peers``
+(the CuTeDSL's Python package, ``cutlass.cute``, which fetch.sh's archives lack) run here
+(``.peers/`` is ignored by git); together they are over the 64 MiB one call may carry,
+hence two steps:
 
-1. carry ``.peers/cutlass_cu13.tar.xz.part0`` and ``.peers/fa4_quack_small.tar.xz``::
+1. carry ``.peers/cutlass_cu13.tar.xz.part0``, ``.peers/fa4_quack_small.tar.xz`` and
+   ``.peers/cutlass_core.tar.xz``::
 
-       mkdir -p /tmp/site /tmp/peers && cp .peers/cutlass_cu13.tar.xz.part0 /tmp/peers/ && tar -xJf .peers/fa4_quack_small.tar.xz -C /tmp/site && ls /tmp/site
+       mkdir -p /tmp/site /tmp/peers && cp .peers/cutlass_cu13.tar.xz.part0 /tmp/peers/ && tar -xJf .peers/fa4_quack_small.tar.xz -C /tmp/site && tar -xJf .peers/cutlass_core.tar.xz -C /tmp/site && ls /tmp/site
 
 2. carry ``.peers/cutlass_cu13.tar.xz.part1`` (should the machine have gone cold between
    the calls, the unpacking fails, says so, and the run goes on without FA4)::
