@@ -34,7 +34,9 @@ weighted mean (two inputs) and the one-input affine map AFFINE_HALF at 16K x 16K
 the copy (the weighted mean also against eager ``(w * x).sum(1) / w.sum(1)``). Their
 bytes: every input read once (+ one fp32 output written for scans). After the timings,
 the recurrence against ``accelerated-scan``'s CUDA warp kernel and its Triton kernel where
-that package imports (its own ``(batch, channels, steps)`` layout, the same inputs).
+that package imports (its own ``(batch, channels, steps)`` layout, the same inputs), and
+softmax against QuACK's CuTeDSL kernel where ``quack`` imports (``PYTHONPATH`` with the
+peers' site folder, unpacked as ``benchmarks/workloads.py`` says).
 
 Exit status 1 if any correctness check fails.
 """
@@ -527,6 +529,48 @@ def accelerated_scan_rows(quick):
                   flush=True)
 
 
+def quack_rows(quick):
+    """Softmax against QuACK (``quack-kernels``, the CuTeDSL row reductions; its archives
+    unpacked into a site folder on ``PYTHONPATH`` as ``benchmarks/workloads.py`` says):
+    ``quack.softmax.softmax_fwd`` (rows of a 2-D tensor, one output allocated per call, as
+    ``ff.softmax``) on the rows' shapes, same inputs. One line per shape and dtype: both
+    times, GB/s (input + output bytes) and QuACK's time over flashfold's (above 1:
+    flashfold faster); a QuACK that does not import, fails or disagrees says why."""
+    if DEV == "cpu":
+        return
+    print("\n== softmax against QuACK (same inputs) ==")
+    try:
+        from quack.softmax import softmax_fwd
+    except Exception as e:                             # noqa: BLE001 - reported, run goes on
+        print(f"  quack: did not import: {type(e).__name__}: {str(e)[:300]}")
+        return
+    shapes = [(BIG, BIG)] if quick else [(BIG, BIG), (MANY, 7), (BIG // 4, WIDE), (4, 2**17)]
+    dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
+    for shape in shapes:
+        for dt in dtypes:
+            x = torch.randn(*shape, device=DEV, dtype=dt)
+            f = (lambda x=x: ff.softmax(x, 1))
+            want = f()
+            ms = bench(f)
+            nb = 2 * x.numel() * x.element_size()
+            lab = f"{shape[0]}x{shape[1]}"
+            try:
+                got = softmax_fwd(x)
+                # each within the dtype's tolerance of the true softmax: twice it apart
+                atol, rtol = TOLERANCES[str(dt)[6:]]
+                gap = (got.double() - want.double()).abs() - 2 * (atol + rtol * want.double().abs())
+                if not bool((gap <= 0).all()):
+                    raise AssertionError(f"differs from flashfold by up to "
+                                         f"{float((got.double() - want.double()).abs().max()):.3g}")
+                qms = bench(lambda x=x: softmax_fwd(x))
+            except Exception as e:                     # noqa: BLE001 - reported, run goes on
+                print(f"  quack softmax {lab} {str(dt)[6:]}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            print(f"  softmax {lab:14s} {str(dt)[6:]:9s} flashfold {ms:8.3f} ms "
+                  f"{nb / ms / 1e6:6.0f} GB/s | quack {qms:8.3f} ms {nb / qms / 1e6:6.0f} GB/s "
+                  f"| flashfold {qms / ms:.2f}x faster", flush=True)
+
+
 def timings(quick, copy_gbs):
     print("\n== timings (median of triton.testing.do_bench) ==")
     results = []
@@ -730,6 +774,7 @@ def main():
         print(f"  [{time.time() - t0:.0f} s]")
     res = timings(args.quick, copy_gbs)
     accelerated_scan_rows(args.quick)
+    quack_rows(args.quick)
     if not (args.quick or args.smoke or args.no_variants):
         variants(copy_gbs)
     print(f"\n== summary (copy {copy_gbs:.0f} GB/s in this run) ==")
