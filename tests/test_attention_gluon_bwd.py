@@ -66,7 +66,20 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
              dict(left=200, right=100)),
             ("wide-mla", False, "bfloat16", None, 192, None, None, None, None, 128),
             ("wide-mla-causal", True, "bfloat16", None, 192, None, None, None, None, 128),
-            ("wide-d160-causal", True, "bfloat16", None, 160, None, None, None)]
+            ("wide-d160-causal", True, "bfloat16", None, 160, None, None, None),
+            # deterministic calls: dQ added in a fixed order by two writer warps
+            ("det-dense", False, "bfloat16", None, 128, None, None, None,
+             dict(deterministic=True)),
+            ("det-causal", True, "bfloat16", None, 128, None, None, None,
+             dict(deterministic=True)),
+            ("det-d64-window", True, "bfloat16", None, 64, None, None, None,
+             dict(deterministic=True, left=300)),
+            ("det-softcap-two-sided", False, "float16", None, 96, None, None, None,
+             dict(deterministic=True, left=200, right=100, softcap=30.0)),
+            ("det-wide-d256-causal", True, "bfloat16", None, 256, None, None, None,
+             dict(deterministic=True)),
+            ("det-wide-mla", False, "bfloat16", None, 192, None, None, None,
+             dict(deterministic=True), 128)]
 
 
 def _compile_all():
@@ -91,7 +104,8 @@ def _compile_all():
         c = compile_launch(kernel, args, kwargs)
         sass = _run_on_cubin(c.cubin, "-sass")
         return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass, tma_store="UTMASTG" in sass,
-                    red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))), tma_store_asked=kwargs["STORE_TMA"])
+                    red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))), tma_store_asked=kwargs["STORE_TMA"],
+                    det=kwargs["DETERMINISTIC"], spin="ld.acquire.gpu" in c.ptx)
 
     emit_rows(VARIANTS, facts)
 
@@ -106,8 +120,11 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     r = compiled.get(vid)
     assert_warp_specialized(r, vid)
     # dQ is added by TMA reduce-adds of whole tiles, not by per-thread atomics (those
-    # cost 45% of the kernel's time in the first version: 363 against 641 TFLOP/s)
-    assert r["tma_reduce"] and not r["red"], r["red"]
+    # cost 45% of the kernel's time in the first version: 363 against 641 TFLOP/s); a
+    # deterministic call's only atomics are its writers' counter releases
+    assert r["tma_reduce"]
+    assert r["red"] == (["REDG.E.ADD.S32.STRONG.GPU"] if r["det"] else []), r["red"]
+    assert r["spin"] == r["det"]       # the writers wait for their turn
     # dK, dV leave by TMA stores exactly in the variants that ask for them
     assert r["tma_store"] == r["tma_store_asked"]
 
@@ -265,16 +282,17 @@ def test_needs_the_tma_reduce_op():
                 assert gluon_bwd.eligible(q, k, v, q) is has
 
 
-def test_dispatch_sends_non_deterministic_calls_without_mods_or_varlen():
+def test_dispatch_sends_calls_without_mods_or_varlen():
     """``prepare_backward`` builds the Gluon launch for dense, causal, windowed and
-    soft-capped calls in the default mode without a config, not for deterministic or
-    varlen ones (``eligible`` mocked true; nothing runs)."""
+    soft-capped calls without a config, deterministic or not (the flag passed on), not
+    for varlen ones or with ``atomic_dq=False`` (``eligible`` mocked true; nothing
+    runs)."""
     from flashfold.kernels.attention import bwd, gluon_bwd
     calls = []
 
     def fake(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, left, right, softcap, scale,
-             launch):
-        calls.append((left, right, softcap))
+             deterministic, launch):
+        calls.append((left, right, softcap, deterministic))
         assert dq_acc.dtype == torch.float32 and lam.shape == q.shape[:3]
         return ("gluon", (1,), (), {})
     q, k, v = _qkv(NQ=64, NK=64)
@@ -287,13 +305,15 @@ def test_dispatch_sends_non_deterministic_calls_without_mods_or_varlen():
                 do, q, k, v, o, lse, scale=0.1, interpret=False, **kw)[3]]
         assert kernels()[1] == "gluon" and kernels(right=0)[1] == "gluon"
         assert kernels(left=8, right=0)[1] == "gluon" and kernels(softcap=20.0)[1] == "gluon"
-        assert calls == [(None, None, None), (None, 0, None), (8, 0, None), (None, None, 20.0)]
-        for kw in (dict(deterministic=True), dict(atomic_dq=False),
+        assert kernels(right=0, deterministic=True)[1] == "gluon"
+        assert calls == [(None, None, None, False), (None, 0, None, False),
+                         (8, 0, None, False), (None, None, 20.0, False), (None, 0, None, True)]
+        for kw in (dict(atomic_dq=False),
                    dict(cu_seqlens_q=torch.tensor([0, 64], dtype=torch.int32),
                         cu_seqlens_k=torch.tensor([0, 64], dtype=torch.int32),
                         max_seqlen_q=64, max_seqlen_k=64)):
             assert "gluon" not in kernels(**kw), kw
-        assert len(calls) == 4
+        assert len(calls) == 5
 
 
 # --- numerics on the GPU -------------------------------------------------------------------
@@ -378,10 +398,11 @@ def test_gpu_window_softcap_and_padded_head_dims_flash_criterion(case, causal, D
                            hash((case, D)) % 1000, gluon_bwd, "gluon_attention_bwd")
 
 
-def _check_gluon_gradients(case, causal, D, DV, window, softcap, dtype, seed, module, entry):
+def _check_gluon_gradients(case, causal, D, DV, window, softcap, dtype, seed, module, entry,
+                           deterministic=False):
     """dQ, dK, dV of one call through ``module.entry`` (asserted called once) within
     FlashAttention's criterion: at most 2x a naive low-precision backward's error against
-    float64 autograd."""
+    float64 autograd; ``deterministic``: two more backward passes give the same bits."""
     _needs_sm90()
     import flashfold as ff
     B, HQ, HK, NQ, NK = case
@@ -394,8 +415,15 @@ def _check_gluon_gradients(case, causal, D, DV, window, softcap, dtype, seed, mo
     win = None if window is None else tuple(-1 if w is None else w for w in window)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with mock.patch.object(module, entry, wraps=getattr(module, entry)) as spy:
-        ff.attention(*leaves, causal=causal, window=win, softcap=softcap).backward(do)
+        out = ff.attention(*leaves, causal=causal, window=win, softcap=softcap,
+                           deterministic=deterministic)
+        out.backward(do, retain_graph=deterministic)
     assert spy.call_count == 1
+    if deterministic:
+        for _ in range(2):
+            again = torch.autograd.grad(out, leaves, do, retain_graph=True)
+            for name, a, b in zip("qkv", leaves, again):
+                assert torch.equal(a.grad, b), f"d{name} differs between runs"
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     _reference(*ref, causal, scale, window=win, softcap=softcap)[0].backward(do.double())
     low = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -435,6 +463,39 @@ def test_gpu_wide_head_dims_flash_criterion(case, causal, D, DV, window, softcap
     from flashfold.kernels.attention import gluon_bwd
     _check_gluon_gradients(case, causal, D, DV, window, softcap, dtype,
                            hash((case, D, DV)) % 1000, gluon_bwd, "_wide_launch")
+
+
+#: deterministic calls (dQ adds in a fixed order): dense, causal, every window shape,
+#: softcap, GQA, tails, more keys than rows, both variants
+DETERMINISTIC_CASES = [
+    ((1, 1, 1, 1, 1), False, 128, 128, None, None),
+    ((2, 4, 2, 1000, 1000), False, 128, 128, None, None),
+    ((2, 4, 2, 1000, 1000), True, 128, 128, None, None),
+    ((1, 2, 1, 2049, 2049), True, 64, 64, None, None),
+    ((3, 8, 2, 700, 1500), False, 64, 64, None, None),
+    ((1, 2, 2, 700, 1500), True, 128, 128, (257, None), None),
+    ((1, 2, 2, 1000, 1000), False, 128, 128, (200, 100), None),
+    ((1, 2, 2, 1000, 1000), False, 128, 128, (300, None), None),
+    ((1, 2, 2, 300, 700), False, 96, 96, (None, 5), None),
+    ((1, 3, 3, 1000, 1000), True, 128, 128, (300, None), 30.0),
+    ((1, 8, 1, 4096, 4096), True, 128, 128, None, None),
+    ((2, 4, 2, 1000, 1000), True, 256, 256, None, None),
+    ((1, 2, 2, 2049, 2049), True, 192, 128, None, None),
+    ((3, 8, 2, 700, 1500), False, 192, 128, None, None),
+    ((2, 4, 2, 1000, 1000), True, 256, 256, (300, None), 50.0),
+    ((1, 2, 2, 100, 1000), False, 256, 256, (50, None), None),
+]
+
+
+@pytest.mark.parametrize("case, causal, D, DV, window, softcap", DETERMINISTIC_CASES,
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
+                         else str(x))
+@pytest.mark.gpu
+def test_gpu_deterministic_bitwise_and_flash_criterion(case, causal, D, DV, window, softcap):
+    from flashfold.kernels.attention import gluon_bwd
+    _check_gluon_gradients(case, causal, D, DV, window, softcap, torch.bfloat16,
+                           hash((case, D, DV, 1)) % 1000, gluon_bwd, "gluon_attention_bwd",
+                           deterministic=True)
 
 
 @pytest.mark.gpu

@@ -79,10 +79,12 @@ without graph breaks (mods: create them once outside the compiled step; a new mo
 function object recompiles). Gradients of a score_mod flow through its traced expression
 (:func:`flashfold.algebra.autodiff.derivative`); captured tables get no gradient; double
 backward is not supported. ``deterministic=True`` gives bitwise reproducible gradients
-(no atomics); by default, on sm_90 for causal (or right-bounded window) attention with head
-dim <= 128 and no softcap / score_mod / mask_mod, dQ is accumulated with fp32 atomic adds
-(TMA reduce-add), whose order varies between runs (last-bit differences only); every other
-case is deterministic by default as well.
+(dQ summed in a fixed order; on sm_90 without mods or varlen at 0.75-0.96x the default's
+speed, H200). By default, on sm_90, dQ is accumulated with fp32 reduce-adds whose order
+varies between runs (last-bit differences only): without mods or varlen always, with them
+where the Triton kernels' configuration picks atomics (causal or right-bounded rows, head
+dim <= 128, no softcap / score_mod / mask_mod); every other case is deterministic by
+default as well.
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         (both or neither); sequence ``s`` is rows ``cu[s]:cu[s+1]``; masks and the causal
         alignment apply per sequence.
     return_lse: also return ``lse (B, Hq, Nq)`` float32, natural log (differentiable too).
-    deterministic: bitwise reproducible gradients (the backward uses no atomics); the
+    deterministic: bitwise reproducible gradients (dQ summed in a fixed order); the
         default may accumulate dQ with atomic adds (see the module docstring).
     q_descale, k_descale, v_descale: with ``torch.float8_e4m3fn`` q, k, v (and only then),
         float32 ``(B, Hk)`` factors (``(S, Hk)`` with ``cu_seqlens``): each tensor stands

@@ -79,8 +79,10 @@ pass (H200, head_dim 128: 0.93-1.04x cuDNN, 1.25-1.42x these kernels; head_dim 2
 MLA, its WIDE variant: 1.7-2.2x FlexAttention on Gemma's rows, 0.67-0.77x cuDNN;
 ``benchmarks/RESULTS.md``, ``docs/notes/attention_bwd.md``).
 
-Modes: ``deterministic=True`` runs preprocess, dK/dV (no atomics) and the dQ kernel: every
-sum has a fixed order, so two runs are bitwise equal. The default mode adds ``dQ`` with fp32
+Modes: ``deterministic=True`` gives bitwise equal runs: in the Gluon kernel's scope its
+``DETERMINISTIC`` variant (dQ added in a fixed order, 0.75-0.96x the default mode's time on
+the H200); elsewhere preprocess, dK/dV (no atomics) and the dQ kernel, where every sum has
+a fixed order. The Triton kernels' default mode adds ``dQ`` with fp32
 atomics from the dK/dV kernel (5 matmuls per tile pair instead of 7), whose order varies
 from run to run (last-bit differences), where the configuration picks it (sm_90 with TMA,
 causal / right-bounded rows, head dim <= 128, no softcap / score_mod / mask_mod:
@@ -1138,9 +1140,9 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     if use_tma and not tma_ok(do):
         do = do.contiguous()        # documented: e.g. the expanded (stride 0) gradient of .sum()
     # sm_90, the Gluon forward's head dims, dense, causal, windowed or soft-capped: the
-    # warp-specialized Gluon kernel (dK, dV and the atomic dQ in one pass; gluon_bwd),
-    # unless deterministic or with mods or varlen
-    use_gluon = (not deterministic and gluon_allowed and config is None
+    # warp-specialized Gluon kernel (dK, dV and the dQ adds in one pass, in a fixed order
+    # when deterministic; gluon_bwd), unless with mods or varlen
+    use_gluon = (gluon_allowed and config is None
                  and score_mod is None and block_mask is None and not varlen
                  and not interp and gluon_bwd.eligible(q, k, v, do, left=left, right=right,
                                                        softcap=softcap))
@@ -1272,6 +1274,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         launches.append(gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv,
                                                       causal=False, left=left, right=right,
                                                       softcap=softcap, scale=scale,
+                                                      deterministic=deterministic,
                                                       launch=False))
         # (the Gluon kernel itself is unchanged: see the flag's rule above)
         launches.append(_convert_launch(dq_acc, dq, scale, flag,

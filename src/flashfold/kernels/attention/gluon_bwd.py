@@ -89,9 +89,26 @@ template: at tile width 64 the warpgroups own 32 dQ columns each, with no spills
 one stage deeper (:data:`STAGES`) and 133 KB of shared memory, 149 KB in persistent
 programs; H200, eager backward at 0.94-1.01x cuDNN's: ``docs/notes/attention_bwd.md``,
 "Head_dim 64 on the Gluon kernel"), past that ``WIDE``; dense, causal, windowed (rows
-that all see a key: a right bound ``r`` needs ``Nq <= Nk + r``) and soft-capped, GQA, unit last stride and
-TMA-compatible strides; the default (non-deterministic) mode: the order of the dQ adds
-varies between runs, as with the Triton kernels' atomic dQ.
+that all see a key: a right bound ``r`` needs ``Nq <= Nk + r``) and soft-capped, GQA, unit
+last stride and TMA-compatible strides. By default the order of the dQ adds varies between
+runs (last-bit differences), as with the Triton kernels' atomic dQ.
+
+``DETERMINISTIC`` (``deterministic=True``): the same kernel adds dQ in a fixed order, so
+that two runs are bitwise equal. Each query tile's column block has a counter
+(:func:`dq_counters`); the key tiles that see the tile add into it in the order of their
+index, each once the one before has completed its add (:func:`_dq_order`). The consumers
+hand each dQ piece to a writer warp of their own (:func:`_dq_hand`, :func:`_dq_writer`:
+two more 24-register warps), which waits for the turn, issues the TMA reduce-add and
+releases the counter once the add is written; the consumers never wait on global memory.
+Programs start in the order they wait in (tile-major), walks are not staggered, and
+right-bounded walks go down from their last query tile, so every program of a head
+reaches a query tile at the same step and runs one add's latency behind the one before
+(deadlock-free however few programs fit). One program per key tile (not persistent).
+H200, eager backward against the default mode, bf16: head_dim 128 0.92-0.96, head_dim 64
+causal 0.96, dense 0.83 (the default's persistent programs), 256 causal 0.81, MLA 0.75
+(``docs/notes/attention_bwd.md``, "Deterministic backward: dQ adds in turn"); the Triton
+deterministic kernels it replaces ran at 0.65-0.78x the default.
+
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
 ``FLASHFOLD_GLUON=0`` turns this path off with the forward's. GPU only (no interpreter
 mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
@@ -99,8 +116,10 @@ mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
 
 from __future__ import annotations
 
+import torch
+
 from ...monoids import ATTENTION2
-from .. import launcher
+from .. import launcher, plans
 from ..codegen import tile_step_functions
 from ..compat import HAS_TMA_REDUCE
 from ..tma import addressable
@@ -138,13 +157,16 @@ if gluon is not None:
 
     @gluon.jit
     def _program(pid, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                 DETERMINISTIC: gl.constexpr = False):
         """This program's key tile ``n`` of ``(b, hk)``, the query tiles ``[m_lo, m_hi)``
         whose rows see a key of it (key ``c`` is visible to row ``r`` iff ``r + off - left
         <= c <= r + off + right``, ``off = Nk - Nq``, each side only when bounded) and
         where its walk over them starts (``m_0``, see :func:`_query_tile`). Programs run in
         groups of ``wave_heads`` heads (the last group may have fewer), tile-major inside a
-        group: tile 0 of each of its heads, then tile 1, ... (:func:`wave_heads`)."""
+        group: tile 0 of each of its heads, then tile 1, ... (:func:`wave_heads`).
+        ``DETERMINISTIC`` walks start at their first tile (``m_0 = 0``; see
+        :func:`_query_tile`)."""
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
         first = (pid // (wave_heads * n_n)) * wave_heads
         heads = gl.minimum(wave_heads, n_bh - first)
@@ -159,13 +181,16 @@ if gluon is not None:
             m_lo = gl.maximum(n * BLOCK_N - (kv_len - q_len) - right, 0) // BLOCK_M
         if MASK_LEFT:
             last = gl.minimum(n * BLOCK_N + BLOCK_N, kv_len) - 1 - (kv_len - q_len) + left
-            m_hi = gl.maximum(gl.minimum(gl.maximum(last, -1) // BLOCK_M + 1, n_m), m_lo)
-        if not MASK_LEFT and not MASK_RIGHT:
+            # (Triton's // truncates toward zero: a key tile that no row sees, last < 0,
+            # gets no step)
+            m_hi = gl.maximum(gl.minimum((gl.maximum(last, -BLOCK_M) + BLOCK_M) // BLOCK_M,
+                                         n_m), m_lo)
+        if not MASK_LEFT and not MASK_RIGHT and not DETERMINISTIC:
             m_0 = (n * (BLOCK_N // BLOCK_M)) % n_m
         return bh // heads_k, bh % heads_k, n, m_lo, m_hi, m_0
 
     @gluon.jit
-    def _query_tile(i, m_lo, m_0, m_hi):
+    def _query_tile(i, m_lo, m_0, m_hi, DOWN: gl.constexpr = False):
         """Query tile of step ``i`` (``m_lo <= i < m_hi``): the tiles ``m_lo .. m_hi - 1``
         rotated to start at ``m_lo + m_0``. Dense programs of one head would otherwise all
         start at tile 0 and walk in lockstep, adding into the same dQ rows at the same
@@ -174,23 +199,28 @@ if gluon is not None:
         over the query tiles")
         With ``0 <= m_0 < m_hi - m_lo`` (:func:`_program`) one subtraction wraps it: a
         ``%`` by the traced ``m_hi - m_lo`` cost an integer division per step, and in the
-        causal kernel (``m_0 = 0``: the identity) its registers spilled 148 -> 64 bytes."""
+        causal kernel (``m_0 = 0``: the identity) its registers spilled 148 -> 64 bytes.
+        ``DOWN`` (deterministic calls with a right bound): the tiles from ``m_hi - 1``
+        down to ``m_lo``, so that every program of a head reaches a query tile at the
+        same step (see :func:`_dq_order`)."""
+        if DOWN:
+            return m_lo + m_hi - 1 - i
         x = i + m_0
         return gl.where(x < m_hi, x, x - (m_hi - m_lo))
 
     @gluon.jit
     def _producer_tile(t, j, descs, bufs, bars, shape, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr):
+                       MASK_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr):
         """Key tile ``t``'s loads: ``K`` and ``V`` once, then ``Q``, ``dO``, ``lambda`` and
         ``D`` of every step (query head ``g`` of the group, query tile ``m``) into the
         ring, whose position ``j`` counts on across tiles; returns it."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
+        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
         b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                             MASK_RIGHT)
+                                             MASK_RIGHT, DETERMINISTIC)
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -200,7 +230,7 @@ if gluon is not None:
         for g in range(group):
             hq = hk * group + g
             for i in range(m_lo, m_hi):
-                m = _query_tile(i, m_lo, m_0, m_hi)
+                m = _query_tile(i, m_lo, m_0, m_hi, DETERMINISTIC and MASK_RIGHT)
                 slot = j % STAGES
                 mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(slot), nbytes)
@@ -218,7 +248,7 @@ if gluon is not None:
     @gluon.jit
     def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
+                      PERSISTENT: gl.constexpr, DETERMINISTIC: gl.constexpr):
         """TMA loads of the program's key tile, or (``PERSISTENT``) of key tiles ``pid,
         pid + grid, ...``, each tile's ``K``, ``V`` once both consumers have released the
         previous one (``kv_empty``)."""
@@ -230,11 +260,11 @@ if gluon is not None:
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
                 mbarrier.wait(kv_empty, (r & 1) ^ 1)
                 j = _producer_tile(t, j, descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
-                                   MASK_LEFT, MASK_RIGHT)
+                                   MASK_LEFT, MASK_RIGHT, DETERMINISTIC)
                 r += 1
         else:
             _producer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, BLOCK_M, BLOCK_N,
-                           STAGES, MASK_LEFT, MASK_RIGHT)
+                           STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC)
 
     @gluon.jit
     def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, buf):
@@ -260,6 +290,101 @@ if gluon is not None:
         dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
         fence_async_shared()
         _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, col], dq_smem)
+
+    @gluon.jit
+    def _dq_order(b, hq, n, m, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  MASK_LEFT: gl.constexpr, WG: gl.constexpr):
+        """``DETERMINISTIC``: the index of the counter of the adds into dQ tile ``(b, hq,
+        m)``'s columns of warpgroup ``WG`` (in ``SEM``, int32 ``(B, Hq, n_m, 2)``, zeroed:
+        :func:`dq_counters`) and this program's turn, ``n - n_lo(m)``: the key tiles that
+        see the tile's rows, ``n_lo(m) .. n_hi(m)`` (contiguous: the walks' bounds rise
+        with ``n``), add in the order of ``n``, each once the one before has completed
+        its add (:func:`_dq_release`). The sum's order is then fixed: bitwise
+        reproducible.
+
+        Programs start in the order of ``n`` (one key tile per program, heads in
+        ``wave_heads`` groups, tile-major), so a program only waits for programs that
+        started before it (no deadlock however few fit on the GPU), and the walks reach
+        a query tile at the same step in every program of a head (dense and
+        left-bounded walks start at their first tile, right-bounded ones walk down from
+        their last: :func:`_query_tile`), so ``n`` runs a step behind ``n - 1`` after
+        the first wave's ramp and then waits no more."""
+        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
+        n_lo = 0
+        if MASK_LEFT:
+            n_lo = gl.maximum((m * BLOCK_M + kv_len - q_len - left) // BLOCK_N, 0)
+        slot = ((b * heads_k * group + hq) * gl.cdiv(q_len, BLOCK_M) + m) * 2 + WG
+        return slot, n - n_lo
+
+    @gluon.jit
+    def _dq_wait(ptr, turn):
+        """Spin until the counter at ``ptr`` reaches ``turn`` (``ld.acquire.gpu``)."""
+        return gl.inline_asm_elementwise(
+            "{\n.reg .pred p;\n$$spin${:uid}:\nld.acquire.gpu.global.b32 $0, [$1];\n"
+            "setp.ne.s32 p, $0, $2;\n@p bra $$spin${:uid};\n}",
+            "=r,l,r", [ptr, turn], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _dq_release(ptr):
+        """Once this warp's TMA adds have completed (written, not only read from shared
+        memory: ``cp.async.bulk.wait_group 0`` in the lane that issued them), add 1 to
+        the counter at ``ptr``: lane 0, release at GPU scope, after the warp's lanes have
+        met (``bar.warp.sync``)."""
+        gl.inline_asm_elementwise(
+            "{\n.reg .pred p;\n.reg .b32 t;\ncp.async.bulk.wait_group 0;\n"
+            "bar.warp.sync -1;\nfence.proxy.async.global;\nmov.u32 t, %laneid;\n"
+            "setp.eq.u32 p, t, 0;\n@p red.release.gpu.global.add.s32 [$1], 1;\n"
+            "mov.u32 $0, 0;\n}",
+            "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _dq_hand(dq_bufs, dq_sync, dq, k, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr,
+                 WG: gl.constexpr):
+        """``DETERMINISTIC``: hand this warpgroup's ``k``-th dQ piece to its writer warp
+        (:func:`_dq_writer`) through the warpgroup's staging buffer, once the writer's
+        add has read the previous one (``dq_sync``: ``WG`` full, ``2 + WG`` empty)."""
+        mbarrier.wait(dq_sync.index(2 + WG), (k & 1) ^ 1)
+        dq_bufs.index(WG).reshape([BLOCK_M, DQ_COLS]).store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_sync.index(WG), count=1)
+
+    @gluon.jit
+    def _dq_writer(descs, bufs, bars, shape, SEM, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                   COL_LO: gl.constexpr, COL_HI: gl.constexpr, DQ_COLS: gl.constexpr,
+                   ZERO_FIRST: gl.constexpr, WG: gl.constexpr):
+        """``DETERMINISTIC``: the warp that adds warpgroup ``WG``'s dQ pieces (columns
+        ``COL_LO .. COL_HI`` of each query tile of the program's walk, ``DQ_COLS`` at a
+        time) into ``dQ_acc``: per tile, it waits for its turn (:func:`_dq_order`), adds
+        each piece by a TMA reduce-add as the warpgroup hands it over (:func:`_dq_hand`),
+        frees the buffer once read, and releases the counter once the adds have
+        completed. The consumers never wait on global memory; a program's lag behind
+        the one before is an add's latency. ``ZERO_FIRST``: the first piece is step 0's
+        zeros (see :func:`_consumer_tile`), taken and not added."""
+        dq_desc = descs[4]
+        dq_bufs = bufs[5]
+        dq_sync = bars[7]
+        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
+        b, hk, n, m_lo, m_hi, m_0 = _program(gl.program_id(0), shape, BLOCK_M, BLOCK_N,
+                                             MASK_LEFT, MASK_RIGHT, True)
+        k = 0
+        if ZERO_FIRST:
+            mbarrier.wait(dq_sync.index(WG), 0)
+            mbarrier.arrive(dq_sync.index(2 + WG), count=1)
+            k = 1
+        for g in range(group):
+            hq = hk * group + g
+            for i in range(m_lo, m_hi):
+                m = _query_tile(i, m_lo, m_0, m_hi, MASK_RIGHT)
+                ctr, turn = _dq_order(b, hq, n, m, shape, BLOCK_M, BLOCK_N, MASK_LEFT, WG)
+                _dq_wait(SEM + ctr, turn)
+                for col in gl.static_range(COL_LO, COL_HI, DQ_COLS):
+                    mbarrier.wait(dq_sync.index(WG), k & 1)
+                    _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, col], dq_bufs.index(WG))
+                    tma.store_wait(0)
+                    mbarrier.arrive(dq_sync.index(2 + WG), count=1)
+                    k += 1
+                _dq_release(SEM + ctr)
 
     @gluon.jit
     def _probs(st, lam, row0, qcols, first_row, last_row, key_ok, qk_scale, step_scale,
@@ -300,18 +425,21 @@ if gluon is not None:
                        SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                        LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
-                       WEIGHTS: gl.constexpr):
+                       WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
         position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
         over every step and add the previous step's dQ columns ``64 WG ..`` (see the
-        module docstring), then write ``dK``, ``dV`` and add the last step's dQ."""
+        module docstring), then write ``dK``, ``dV`` and add the last step's dQ.
+        ``DETERMINISTIC`` (one tile per program): the dQ pieces go to the writer warp
+        (:func:`_dq_hand`), which adds them in turn."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
+        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
-        DK, DV, qk_scale, scale, step_scale = ptrs
+        DK, DV, qk_scale, scale, step_scale, SEM = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_COLS: gl.constexpr = BLOCK_D // 2     # columns of this warpgroup's dQ add
+        DOWN: gl.constexpr = DETERMINISTIC and MASK_RIGHT
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
         acc_layout: gl.constexpr = _wgmma_layout(BLOCK_D)
@@ -319,7 +447,7 @@ if gluon is not None:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
         b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                             MASK_RIGHT)
+                                             MASK_RIGHT, DETERMINISTIC)
         k_w = k_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
         v_w = v_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
         k_cols = k_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
@@ -338,7 +466,7 @@ if gluon is not None:
         # dQ runs a step late (see the module docstring): a tile's first step adds the
         # product of a zeroed dS buffer ("step -1", see _bwd_consumer) to its own rows,
         # which adds nothing
-        m_prev = _query_tile(m_lo, m_lo, m_0, m_hi)
+        m_prev = _query_tile(m_lo, m_lo, m_0, m_hi, DOWN)
         hq_prev = hk * group
         if not PERSISTENT:
             ds_bufs.index(1).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
@@ -351,7 +479,7 @@ if gluon is not None:
         for g in range(group):
             hq = hk * group + g
             for i in range(m_lo, m_hi):
-                m = _query_tile(i, m_lo, m_0, m_hi)
+                m = _query_tile(i, m_lo, m_0, m_hi, DOWN)
                 slot = j % STAGES
                 mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
                 q_s = q_bufs.index(slot).reshape([BLOCK_M, BLOCK_D])
@@ -407,8 +535,11 @@ if gluon is not None:
                 dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
                 dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
                 mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
-                _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, WG * DQ_COLS, BLOCK_M, DQ_COLS,
-                WG)
+                if DETERMINISTIC:   # (step 0 hands over zeros: the writer drops them)
+                    _dq_hand(dq_bufs, dq_sync, dq, j, BLOCK_M, DQ_COLS, WG)
+                else:
+                    _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, WG * DQ_COLS, BLOCK_M,
+                            DQ_COLS, WG)
                 dk = warpgroup_mma_wait(0, deps=[dk])
                 mbarrier.arrive(q_empty.index(slot), count=1)
                 m_prev = m
@@ -451,8 +582,11 @@ if gluon is not None:
         if not PERSISTENT:
             dq = warpgroup_mma_wait(0, deps=[dq])
             mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
-        _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, WG * DQ_COLS, BLOCK_M, DQ_COLS,
-                WG)
+        if DETERMINISTIC:
+            _dq_hand(dq_bufs, dq_sync, dq, j, BLOCK_M, DQ_COLS, WG)
+        else:
+            _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, WG * DQ_COLS, BLOCK_M,
+                    DQ_COLS, WG)
         return j
 
     @gluon.jit
@@ -462,7 +596,7 @@ if gluon is not None:
                       SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
-                      WEIGHTS: gl.constexpr):
+                      WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
         key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
         counting on across tiles. The first step of a tile adds the product of a zeroed
@@ -481,13 +615,13 @@ if gluon is not None:
                 j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
                                    BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                    STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
-                                   MASK_TAIL_KEYS, WEIGHTS)
+                                   MASK_TAIL_KEYS, WEIGHTS, False)
                 r += 1
         else:
             _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, BLOCK_M,
                            BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                            STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS,
-                           WEIGHTS)
+                           WEIGHTS, DETERMINISTIC)
         tma.store_wait(0)
 
     @gluon.jit
@@ -496,19 +630,21 @@ if gluon is not None:
                        HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                        DQ_SPLIT: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
-                       MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr):
+                       MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
+                       DETERMINISTIC: gl.constexpr):
         """The ``WIDE`` variant's warpgroup ``WG`` (see the module docstring): of each
         step's 64 x 64 ``S^T`` and ``dP^T`` it computes the query columns ``32 WG ..``
         and stores their ``P^T`` and ``dS^T`` into the step's shared buffers; once both
         halves are there, warpgroup 0 adds ``dS^T Q`` into ``dK`` and warpgroup 1 ``P^T
         dO`` into ``dV`` (whole rows: each accumulator lives in one warpgroup), and each
         adds its dQ columns (0 .. DQ_SPLIT, DQ_SPLIT .. BLOCK_D), ``dS K[:, cols]``, in
-        64-column pieces. Finally warpgroup 0 writes ``dK``, warpgroup 1 ``dV``."""
+        64-column pieces. Finally warpgroup 0 writes ``dK``, warpgroup 1 ``dV``.
+        ``DETERMINISTIC``: the pieces go to the writer warps (:func:`_dq_hand`)."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
-        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn = bars
+        kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync = bars
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
-        DK, DV, qk_scale, scale, step_scale = ptrs
+        DK, DV, qk_scale, scale, step_scale, SEM = ptrs
         HALF: gl.constexpr = BLOCK_M // 2       # query columns of this warpgroup's S^T
         DQ_COLS: gl.constexpr = 64              # columns of one dQ piece
         if WG == 0:
@@ -533,7 +669,8 @@ if gluon is not None:
         acc2_layout: gl.constexpr = _wgmma_layout(64)
         dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
         b, hk, n, m_lo, m_hi, m_0 = _program(gl.program_id(0), shape, BLOCK_M, BLOCK_N,
-                                             MASK_LEFT, MASK_RIGHT)
+                                             MASK_LEFT, MASK_RIGHT, DETERMINISTIC)
+        k = 0               # DETERMINISTIC: dQ pieces handed over
         k_t = k_smem.reshape([BLOCK_N, BLOCK_D])
         v_t = v_smem.reshape([BLOCK_N, BLOCK_DV])
         keys = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -551,7 +688,7 @@ if gluon is not None:
         for g in range(group):
             hq = hk * group + g
             for i in range(m_lo, m_hi):
-                m = _query_tile(i, m_lo, m_0, m_hi)
+                m = _query_tile(i, m_lo, m_0, m_hi, DETERMINISTIC and MASK_RIGHT)
                 slot = j % STAGES
                 mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
                 q_s = q_bufs.index(slot).reshape([BLOCK_M, BLOCK_D])
@@ -597,12 +734,20 @@ if gluon is not None:
                     dq = warpgroup_mma_wait(2, deps=[dq])
                 else:
                     dq = warpgroup_mma_wait(1, deps=[dq])
-                _dq_add(dq_desc, dq_bufs, dq, b, hq, m, DQ_LO, BLOCK_M, DQ_COLS, WG)
+                if DETERMINISTIC:
+                    _dq_hand(dq_bufs, dq_sync, dq, k, BLOCK_M, DQ_COLS, WG)
+                    k += 1
+                else:
+                    _dq_add(dq_desc, dq_bufs, dq, b, hq, m, DQ_LO, BLOCK_M, DQ_COLS, WG)
                 for c in gl.static_range(DQ_LO + DQ_COLS, DQ_HI, DQ_COLS):   # (< HEAD_DIM)
                     dq = warpgroup_mma(ds_t.permute((1, 0)), k_t.slice(c, DQ_COLS, dim=1),
                                        dq_zero, use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(0, deps=[dq])
-                    _dq_add(dq_desc, dq_bufs, dq, b, hq, m, c, BLOCK_M, DQ_COLS, WG)
+                    if DETERMINISTIC:
+                        _dq_hand(dq_bufs, dq_sync, dq, k, BLOCK_M, DQ_COLS, WG)
+                        k += 1
+                    else:
+                        _dq_add(dq_desc, dq_bufs, dq, b, hq, m, c, BLOCK_M, DQ_COLS, WG)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 if OUT_A < OUT_COLS:
                     acc2 = warpgroup_mma_wait(0, deps=[acc2])
@@ -663,21 +808,23 @@ if gluon is not None:
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
                      q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right,
-                     qk_scale, scale, step_scale,
+                     qk_scale, scale, step_scale, SEM,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr,
                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                      LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
                      WEIGHTS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, WIDE: gl.constexpr = False,
+                     PRODUCER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr = False,
+                     WIDE: gl.constexpr = False,
                      BLOCK_DV: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
                      DQ_SPLIT: gl.constexpr = 0):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
         in the idle ring and stored by TMA), else pointers (stored from registers; see
-        :func:`store_tma`)."""
+        :func:`store_tma`). ``SEM``: the dQ tiles' add counters of ``DETERMINISTIC`` calls
+        (:func:`_dq_order`), else unused."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -707,6 +854,11 @@ if gluon is not None:
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # DETERMINISTIC: the dQ staging buffers' hand-overs, full (WG) and empty (2 + WG)
+        dq_sync = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        if DETERMINISTIC:
+            for i in gl.static_range(4):
+                mbarrier.init(dq_sync.index(i), count=1)
         mbarrier.init(kv_ready, count=1)
         if PERSISTENT:
             mbarrier.init(kv_empty, count=2)
@@ -723,33 +875,82 @@ if gluon is not None:
 
         descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc)
         bufs = (k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs)
-        bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn)
+        bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync)
         shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right)
-        ptrs = (DK, DV, qk_scale, scale, step_scale)
+        ptrs = (DK, DV, qk_scale, scale, step_scale, SEM)
+        # the writers' dQ columns (DETERMINISTIC): warpgroup 0 adds 0 .. SPLIT, 1 SPLIT .. END
         if WIDE:
-            warp_specialize([
-                (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
-                                  BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT, STAGES,
-                                  MASK_LEFT, MASK_RIGHT, SOFTCAP, 0, MASK_TAIL_KEYS,
-                                  WEIGHTS)),
-                (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
-                                  BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT, STAGES,
-                                  MASK_LEFT, MASK_RIGHT, SOFTCAP, 1, MASK_TAIL_KEYS,
-                                  WEIGHTS)),
-                (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
-                                 MASK_LEFT, MASK_RIGHT, False)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            DQ_COLS: gl.constexpr = 64
+            SPLIT: gl.constexpr = DQ_SPLIT
+            END: gl.constexpr = (HEAD_DIM + 63) // 64 * 64
         else:
-            warp_specialize([
-                (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
-                                 HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 0,
-                                 PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS)),
-                (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
-                                 HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA, 1,
-                                 PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS)),
-                (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
-                                 MASK_RIGHT, PERSISTENT)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            DQ_COLS: gl.constexpr = BLOCK_D // 2
+            SPLIT: gl.constexpr = BLOCK_D // 2
+            END: gl.constexpr = BLOCK_D
+        # (the partitions' arguments are written out: a tuple holding a function, WEIGHTS,
+        # or constexprs is not a value in Gluon)
+        if WIDE:
+            p_args = (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
+                      MASK_RIGHT, False, DETERMINISTIC)
+            if DETERMINISTIC:   # and one writer warp per consumer warpgroup (_dq_writer)
+                warp_specialize([
+                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                      BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
+                                      STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 0,
+                                      MASK_TAIL_KEYS, WEIGHTS, True)),
+                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                      BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
+                                      STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
+                                      MASK_TAIL_KEYS, WEIGHTS, True)),
+                    (_bwd_producer, p_args),
+                    (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                  MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
+                    (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                  MASK_RIGHT, SPLIT, END, DQ_COLS, not WIDE, 1)),
+                ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+            else:
+                warp_specialize([
+                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                      BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
+                                      STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 0,
+                                      MASK_TAIL_KEYS, WEIGHTS, False)),
+                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                      BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
+                                      STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
+                                      MASK_TAIL_KEYS, WEIGHTS, False)),
+                    (_bwd_producer, p_args),
+                ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            p_args = (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
+                      MASK_RIGHT, PERSISTENT, DETERMINISTIC)
+            if DETERMINISTIC:
+                warp_specialize([
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
+                                     SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT, LATE_STATS,
+                                     MASK_TAIL_KEYS, WEIGHTS, True)),
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
+                                     SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT, LATE_STATS,
+                                     MASK_TAIL_KEYS, WEIGHTS, True)),
+                    (_bwd_producer, p_args),
+                    (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                  MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
+                    (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                  MASK_RIGHT, SPLIT, END, DQ_COLS, not WIDE, 1)),
+                ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+            else:
+                warp_specialize([
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
+                                     SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT, LATE_STATS,
+                                     MASK_TAIL_KEYS, WEIGHTS, False)),
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
+                                     SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT, LATE_STATS,
+                                     MASK_TAIL_KEYS, WEIGHTS, False)),
+                    (_bwd_producer, p_args),
+                ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
         if PERSISTENT:
             mbarrier.invalidate(kv_empty)
@@ -762,6 +963,9 @@ if gluon is not None:
         if PINGPONG:
             for i in gl.static_range(2):
                 mbarrier.invalidate(turn.index(i))
+        if DETERMINISTIC:
+            for i in gl.static_range(4):
+                mbarrier.invalidate(dq_sync.index(i))
 
 
 def block_d(head_dim: int) -> int:
@@ -809,8 +1013,7 @@ def supported(q, k, v, do, *, causal: bool = False, left: int | None = None,
 def eligible(q, k, v, do, *, causal: bool = False, left: int | None = None,
              right: int | None = None, softcap: float | None = None) -> bool:
     """:func:`supported`, :func:`.gluon_fwd.on_hopper`, and the TMA reduce op present in
-    this Triton (3.6 has it; the caller rules out mods, varlen and the deterministic
-    mode)."""
+    this Triton (3.6 has it; the caller rules out mods and varlen)."""
     return HAS_TMA_REDUCE and gluon_fwd.on_hopper(q) and supported(
         q, k, v, do, causal=causal, left=left, right=right, softcap=softcap)
 
@@ -895,12 +1098,21 @@ def late_stats_default(head_dim: int) -> bool:
     return head_dim == 128
 
 
+def dq_counters(q):
+    """A deterministic call's dQ add counters (``_dq_order``): int32 ``(B, Hq, ceil(Nq /
+    64), 2)``, one per query tile and warpgroup, zeroed, on ``q``'s device (a plan
+    buffer: replays allocate it zeroed again)."""
+    B, Hq, Nq = q.shape[:3]
+    return plans.new((B, Hq, -(-Nq // BLOCK_M), 2), dtype=torch.int32, device=q.device,
+                     zero=True)
+
+
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         left: int | None = None, right: int | None = None,
                         softcap: float | None = None, launch: bool = True, tma_store: bool | None = None,
                         heads_per_wave: int | None = None, pingpong: bool | None = None,
                         persistent: bool | int | None = None, late_stats: bool | None = None,
-                        mask_tail_keys: bool | None = None):
+                        mask_tail_keys: bool | None = None, deterministic: bool = False):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -923,6 +1135,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     ``P`` of keys past ``Nk`` (default: only when ``Nk`` is not a multiple of ``BLOCK_N``,
     the only case that has such keys; the select was 32 of a head_dim-64 step's 403
     instructions).
+    ``deterministic``: the dQ adds into each query tile in a fixed order (the programs of
+    its key tiles in turn, ``_dq_order``, counted in :func:`dq_counters`), so that
+    ``dq_acc`` is bitwise reproducible; one program per key tile (not persistent), walks
+    not staggered.
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
@@ -935,6 +1151,11 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         qk_scale, step_scale = 2 * LOG2E * float(scale) / softcap, float(softcap)
     else:
         qk_scale, step_scale = 0.0, float(scale)
+    if deterministic:
+        if persistent:
+            raise ValueError("persistent: deterministic calls run one program per key tile")
+        persistent = None if wide(q.shape[-1], v.shape[-1]) else False
+    counters = dq_counters(q) if deterministic else None
     if wide(D, DV):
         knobs = dict(tma_store=tma_store, pingpong=pingpong, persistent=persistent,
                      late_stats=late_stats, mask_tail_keys=mask_tail_keys)
@@ -943,7 +1164,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             raise ValueError(f"{', '.join(asked)}: options of the head_dim <= 128 tiles; the "
                              f"WIDE variant (D={D}, Dv={DV}) has none")
         return _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap,
-                            scale, qk_scale, step_scale, weights, heads_per_wave, launch)
+                            scale, qk_scale, step_scale, weights, heads_per_wave, counters,
+                            launch)
     BD = block_d(D)
     n_n = -(-Nk // BLOCK_N)
     if persistent is None:
@@ -970,14 +1192,14 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), *out,
             Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
             0 if left is None else int(left), 0 if right is None else int(right),
-            qk_scale, float(scale), step_scale)
+            qk_scale, float(scale), step_scale, counters)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BD, HEAD_DIM=D, STAGES=STAGES[BD],
                   MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, STORE_TMA=bool(tma_store),
                   PINGPONG=bool(pingpong), PERSISTENT=bool(persistent),
                   LATE_STATS=bool(late_stats), MASK_TAIL_KEYS=bool(mask_tail_keys),
-                  WEIGHTS=weights, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-                  maxnreg=MAXNREG)
+                  WEIGHTS=weights, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                  DETERMINISTIC=counters is not None, num_warps=4, maxnreg=MAXNREG)
     programs = n_n * B * Hk
     if persistent:
         n_sms = gluon_fwd.num_sms(q) if persistent is True else int(persistent)
@@ -990,7 +1212,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
 
 
 def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, scale, qk_scale,
-                 step_scale, weights, heads_per_wave, launch):
+                 step_scale, weights, heads_per_wave, counters, launch):
     """:func:`gluon_attention_bwd` for the ``WIDE`` variant (:func:`wide_plan`): programs
     of :data:`WIDE_BLOCK_N` keys, dK and dV stored from registers."""
     B, Hq, Nq, D = q.shape
@@ -1005,13 +1227,14 @@ def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, sca
             _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv,
             Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
             0 if left is None else int(left), 0 if right is None else int(right),
-            qk_scale, float(scale), step_scale)
+            qk_scale, float(scale), step_scale, counters)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=WIDE_BLOCK_N, BLOCK_D=BD, HEAD_DIM=D,
                   STAGES=stages, MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, STORE_TMA=False, PINGPONG=False,
                   PERSISTENT=False, LATE_STATS=True,
                   MASK_TAIL_KEYS=Nk % WIDE_BLOCK_N != 0, WEIGHTS=weights,
-                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, WIDE=True,
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                  DETERMINISTIC=counters is not None, WIDE=True,
                   BLOCK_DV=BDV, HEAD_DIM_V=DV, DQ_SPLIT=split, num_warps=4, maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
     if not launch:
