@@ -339,6 +339,12 @@ def bench(fn):
 GRAPHS = True
 
 
+def _cell(x, fmt, unit=""):
+    """A summary cell: ``x`` formatted, or ``-`` where it was not measured (NaN: graphs
+    off, or torch has no such op)."""
+    return f"{x:{fmt}}{unit}" if math.isfinite(x) else "-"
+
+
 def bench_graph(fn):
     """Median ms of ``fn`` captured once in a CUDA graph and replayed by do_bench (L2
     flushed between replays as for the eager time): the kernels' time without the host's.
@@ -790,7 +796,8 @@ def main():
         if gsp < 1.0:
             slower_graph.append(f"{op} {lab} {dt}")
         print(f"| {op} | {lab} | {dt} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_gbs:.1f}% | "
-              f"{tms:.3f} | {tgbs:.0f} | {sp:.2f}x | {gms:.3f} | {tgms:.3f} | {gsp:.2f}x |")
+              f"{_cell(tms, '.3f')} | {_cell(tgbs, '.0f')} | {_cell(sp, '.2f', 'x')} | "
+              f"{_cell(gms, '.3f')} | {_cell(tgms, '.3f')} | {_cell(gsp, '.2f', 'x')} |")
     print(f"\nrows slower than torch: {slower or 'none'}")
     if GRAPHS and not args.smoke:
         print(f"rows slower than torch from CUDA graphs (kernel time only): {slower_graph or 'none'}")

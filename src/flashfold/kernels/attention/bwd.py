@@ -80,8 +80,8 @@ MLA, its WIDE variant: 1.7-2.2x FlexAttention on Gemma's rows, 0.67-0.77x cuDNN;
 ``benchmarks/RESULTS.md``, ``docs/notes/attention_bwd.md``).
 
 Modes: ``deterministic=True`` gives bitwise equal runs: in the Gluon kernel's scope its
-``DETERMINISTIC`` variant (dQ added in a fixed order, 0.75-0.96x the default mode's time on
-the H200); elsewhere preprocess, dK/dV (no atomics) and the dQ kernel, where every sum has
+``DETERMINISTIC`` variant (dQ added in a fixed order, 0.75-0.96x the default mode's speed
+on the H200); elsewhere preprocess, dK/dV (no atomics) and the dQ kernel, where every sum has
 a fixed order. The Triton kernels' default mode adds ``dQ`` with fp32
 atomics from the dK/dV kernel (5 matmuls per tile pair instead of 7), whose order varies
 from run to run (last-bit differences), where the configuration picks it (sm_90 with TMA,

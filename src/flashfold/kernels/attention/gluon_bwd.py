@@ -104,8 +104,9 @@ Programs start in the order they wait in (tile-major), walks are not staggered, 
 right-bounded walks go down from their last query tile, so every program of a head
 reaches a query tile at the same step and runs one add's latency behind the one before
 (deadlock-free however few programs fit). One program per key tile (not persistent).
-H200, eager backward against the default mode, bf16: head_dim 128 0.92-0.96, head_dim 64
-causal 0.96, dense 0.83 (the default's persistent programs), 256 causal 0.81, MLA 0.75
+H200, eager backward against the default mode, bf16: head_dim 128 0.92-0.95 (GQA 32:8
+causal 0.84, 1K x16 causal 0.86), head_dim 64 causal 0.96, dense 0.83 (the default's
+persistent programs), 256 causal 0.81, MLA 0.75
 (``docs/notes/attention_bwd.md``, "Deterministic backward: dQ adds in turn"); the Triton
 deterministic kernels it replaces ran at 0.65-0.78x the default.
 
