@@ -10,6 +10,8 @@ print one line and exit non-zero, without a traceback.
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -227,6 +229,31 @@ def test_the_workload_tables_come_from_the_workload_log(logs):
         "directions fwd+bwd", "directions fwd"), "x.log")[0]
     assert sub.quick and sub.command.endswith("workloads.py --rows 'gemma' --fwd-only")
     assert not any("--budget" in v for v in run.verdicts)      # every peer ran
+
+
+def test_later_runs_with_more_peers_get_tables_of_their_own(tmp_path):
+    """A grid run without FA4 keeps its table; a later ``--rows`` run that timed FA4 gets a
+    section of its own after it (each ratio from one run); a later run with no new peer
+    gets none."""
+    no_fa4 = re.sub(r"fa4 \d+( \([\d.]+\))?", "fa4 -", WORKLOADS)
+    subset = WORKLOADS.replace("rows all", "rows 'llama-4k'")
+    files = {"2026-12-02_h200_workloads.log": no_fa4,
+             "2026-12-02_h200_workloads_rows.log": subset,
+             "2026-12-03_h200_workloads_again.log": no_fa4.replace("rows all", "rows 'x'")}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    runs = [r for p in sorted(tmp_path.glob("*.log")) for r in bench.parse_file(str(p))]
+    chosen = bench.latest(runs)
+    assert os.path.basename(chosen["workloads"].source) == "2026-12-02_h200_workloads.log"
+    extra = bench.supplements(runs, chosen)["workloads"]
+    assert [os.path.basename(r.source) for r in extra] == ["2026-12-02_h200_workloads_rows.log"]
+    sec = _section(bench.results_markdown(runs), "Attention workloads (models)")
+    head, _, more = sec.partition("### Rows measured again with FA4")
+    assert "| 0.912 | 603 | 571 | 310 | - | - | cuDNN 571 |" in head
+    assert "logs/2026-12-02_h200_workloads_rows.log" in more
+    assert "workloads.py --rows 'llama-4k'" in more
+    assert "| 0.912 | 603 | 571 | 310 | 622 | - | FA4 622 | 0.97 |" in more
+    assert "2026-12-03" not in sec
 
 
 def test_rows_whose_peers_the_budget_left_untimed_are_named():

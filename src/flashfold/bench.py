@@ -969,6 +969,29 @@ def latest(runs: list[Run]) -> dict[str, Run]:
     return {k: best[k][1] for k in FAMILIES if k in best}
 
 
+def _peers_measured(run: Run) -> set:
+    """The implementations other than flashfold that have a number in some row of ``run``."""
+    return {k for r in run.rows for k, v in r.get("values", {}).items()
+            if v and k != "flashfold"}
+
+
+def supplements(runs: list[Run], chosen: dict[str, Run]) -> dict[str, list[Run]]:
+    """Per workloads table (the family whose rows name their peers), the runs of the same
+    day or later that measured a peer its run did not (e.g. ``--rows`` runs with
+    FlashAttention-4 after a grid without it), oldest first: the page shows each as a table
+    of its own, so every ratio still comes from one run."""
+    out = {}
+    for kind, run in chosen.items():
+        if kind != "workloads":
+            continue
+        have = _peers_measured(run)
+        extra = [r for r in runs if r.kind == kind and r is not run
+                 and (r.date or "") >= (run.date or "") and _peers_measured(r) - have]
+        if extra:
+            out[kind] = sorted(extra, key=lambda r: (r.date or "", os.path.basename(r.source)))
+    return out
+
+
 def _f(v, digits: int = 0) -> str:
     if v is None or v != v:
         return "-"
@@ -1190,8 +1213,10 @@ def results_markdown(runs: list[Run], logs_dir: str = "logs") -> str:
     """RESULTS.md: one table per family (:data:`FAMILIES`) from its latest run
     (:func:`latest`), each with its date, device, software versions, command and log, the
     ratios against every peer the run measured, and the rows where flashfold is below its
-    main peer."""
+    main peer; after the workloads table, the later runs that measured more peers
+    (:func:`supplements`)."""
     chosen = latest(runs)
+    later = supplements(runs, chosen)
     for run in chosen.values():         # the backward's roof: the forward's matmul, same day
         if run.kind == "attention_bwd" and not run.ceiling:
             fwd = [r for r in runs if r.kind == "attention" and r.ceiling and
@@ -1226,6 +1251,21 @@ def results_markdown(runs: list[Run], logs_dir: str = "logs") -> str:
         out += ["", *table(run)]
         if run.verdicts:
             out += ["", "The run's own checks, as printed:", "", "```", *run.verdicts, "```"]
+        for extra in later.get(kind, ()):
+            names = ", ".join(sorted(WORKLOAD_IMPLS.get(k, k) for k in
+                                     _peers_measured(extra) - _peers_measured(run)))
+            out += ["", f"### Rows measured again with {names}", "",
+                    f"{extra.date or 'date not recorded'} · "
+                    f"{extra.device or 'device not recorded'} · "
+                    f"{extra.software or 'versions not recorded'} · log "
+                    f"`{logs_dir}/{os.path.basename(extra.source)}`", "",
+                    "```", extra.command, "```", "",
+                    f"Rows of the grid above, timed again with every peer, {names} "
+                    "included, in one run.", "",
+                    *table(extra)]
+            if extra.verdicts:
+                out += ["", "The run's own checks, as printed:", "", "```", *extra.verdicts,
+                        "```"]
     return "\n".join(out) + "\n"
 
 
