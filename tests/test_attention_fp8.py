@@ -329,6 +329,11 @@ def test_fp8_with_requires_grad_is_refused():
     q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
     with pytest.raises(ValueError, match="forward-only"):
         ff.attention(q, k.clone().requires_grad_(), v, **kw)
+    # nor a descale factor: no gradient flows to it (the CPU reference would compute one)
+    for name in ("q_descale", "k_descale", "v_descale"):
+        bad = dict(kw, **{name: kw[name].clone().requires_grad_()})
+        with pytest.raises(ValueError, match=f"{name} requires grad"):
+            ff.attention(q, k, v, **bad)
 
 
 def test_descales_without_fp8_inputs_are_refused():

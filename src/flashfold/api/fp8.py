@@ -123,6 +123,9 @@ def check_fp8_call(q, k, v, q_descale, k_descale, v_descale, out_dtype, *, score
                              f"KV heads), got {tuple(d.shape)}")
         if d.device != q.device:
             raise ValueError(f"{name} is on {d.device} but q is on {q.device}")
+        if d.requires_grad:
+            raise ValueError(f"{name} requires grad: FP8 attention is forward-only (no "
+                             f"gradient for the descale factors); detach it")
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got "
