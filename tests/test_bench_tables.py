@@ -123,6 +123,14 @@ total 412s; checks FAILED
 
 QUICK_WORKLOADS = WORKLOADS.replace("grid full", "grid quick").replace("| 603 |", "| 700 |")
 
+DETERMINISTIC = """$ PYTHONPATH=src python benchmarks/deterministic_bwd.py
+torch 2.11.0+cu130, triton 3.6.0, NVIDIA H200, python 3.12.3
+== deterministic=True against the default backward (bf16, eager, do_bench median)
+  d128 dense 4K x4                           | default   2.704 ms  508 TFLOP/s (runs equal: False) | deterministic   2.858 ms  481 TFLOP/s (runs equal: True) | det/default 0.946 | max diff 2.0e-03 | ok
+  MLA qk192 v128 causal 4K x4                | default   2.779 ms  309 TFLOP/s (runs equal: False) | deterministic   3.721 ms  231 TFLOP/s (runs equal: True) | det/default 0.747 | max diff 2.9e-03 | ok
+checks PASSED
+"""
+
 
 @pytest.fixture
 def logs(tmp_path):
@@ -138,6 +146,7 @@ def logs(tmp_path):
              "2026-11-29_h200_transformers_timing.log": TRANSFORMERS,
              "2026-12-02_h200_workloads.log": WORKLOADS,
              "2026-12-03_h200_workloads_quick.log": QUICK_WORKLOADS,
+             "2026-12-02_h200_deterministic_bwd.log": DETERMINISTIC,
              "2026-11-30_h200_notes.log": "nothing a parser knows\n"}
     for name, text in files.items():
         (d / name).write_text(text)
@@ -254,6 +263,20 @@ def test_later_runs_with_more_peers_get_tables_of_their_own(tmp_path):
     assert "workloads.py --rows 'llama-4k'" in more
     assert "| 0.912 | 603 | 571 | 310 | 622 | - | FA4 622 | 0.97 |" in more
     assert "2026-12-03" not in sec
+
+
+
+
+def test_the_deterministic_backward_has_a_table():
+    run, = bench.parse(DETERMINISTIC, "2026-12-02_h200_deterministic_bwd.log")
+    assert run.kind == "deterministic" and len(run.rows) == 2 and not run.quick
+    assert run.device == "NVIDIA H200" and run.software == "torch 2.11.0+cu130, triton 3.6.0"
+    assert run.command == "PYTHONPATH=src python benchmarks/deterministic_bwd.py"
+    assert run.rows[1]["ratio"] == 0.747 and run.rows[1]["equal"] == (False, True)
+    assert run.verdicts == ["checks PASSED"]
+    sec = _section(bench.results_markdown([run]), "Deterministic backward")
+    assert "| d128 dense 4K x4 | 2.704 | 508 | 2.858 | 481 | 0.95 | no, yes |" in sec
+    assert "Below the target of 0.90x the default: MLA qk192 v128 causal 4K x4 0.75." in sec
 
 
 def test_rows_whose_peers_the_budget_left_untimed_are_named():

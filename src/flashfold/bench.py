@@ -490,9 +490,33 @@ def parse_workloads(text: str) -> Run:
     return run
 
 
+_DET_ROW = re.compile(
+    r"^\s+(.+?)\s+\| default\s+([\d.]+) ms\s+(\d+) TFLOP/s \(runs equal: (\w+)\) \| "
+    r"deterministic\s+([\d.]+) ms\s+(\d+) TFLOP/s \(runs equal: (\w+)\) \| det/default "
+    r"([\d.]+) \| max diff (\S+) \| (\w+)")
+
+
+def parse_deterministic(text: str) -> Run:
+    """The rows of ``benchmarks/deterministic_bwd.py``: per shape, the default and the
+    ``deterministic=True`` backward's time and TFLOP/s in one process, whether each mode's
+    two runs gave the same bits, and the printed ratio."""
+    run = Run("deterministic")
+    for line in text.splitlines():
+        r = _DET_ROW.match(line)
+        if r:
+            run.rows.append({"case": r.group(1), "values": {"flashfold": float(r.group(3)),
+                                                             "det": float(r.group(6))},
+                             "ms": {"flashfold": float(r.group(2)), "det": float(r.group(5))},
+                             "equal": (r.group(4) == "True", r.group(7) == "True"),
+                             "ratio": float(r.group(8)), "check": r.group(10)})
+    _device_info(text, run)
+    return run
+
+
 PARSERS = {"attention": parse_attention, "attention_bwd": parse_attention_backward,
            "decode": parse_decode, "reductions": parse_reductions, "ring": parse_ring,
-           "transformers": parse_transformers, "workloads": parse_workloads}
+           "transformers": parse_transformers, "workloads": parse_workloads,
+           "deterministic": parse_deterministic}
 
 #: the line of a log that describes each benchmark's grid (kept as ``Run.setup``)
 _SETUP = {"attention": "== speed", "attention_bwd": "== backward speed", "decode": "== timing",
@@ -539,6 +563,8 @@ def command_of(run: Run, text: str) -> str:
         return f"{base}ring.py{quick}"
     if run.kind == "transformers":
         return f"{base}transformers_gpu.py" + ("" if "== correctness" in text else " --timing-only")
+    if run.kind == "deterministic":
+        return f"{base}deterministic_bwd.py"
     if run.kind == "workloads":
         rows = re.search(r"rows '(.*?)'", run.setup)
         return ("PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:src python "
@@ -564,7 +590,8 @@ _VERDICTS = {"attention": (r"^== correctness: \d+/\d+", r"^total .*correctness")
              "reductions": (r"^rows slower than torch", r"^correctness failures"),
              "ring": (r"^\s+ok\s|^\s+BAD\s|^\s+FAIL",),
              "transformers": (r"^all checks passed|^\s*FAIL",),
-             "workloads": (r"^== checks: \d+/\d+", r"^varlen / equal", r"^total .*checks")}
+             "workloads": (r"^== checks: \d+/\d+", r"^varlen / equal", r"^total .*checks"),
+             "deterministic": (r"^checks (PASSED|FAILED)",)}
 
 
 def _verdicts(kind: str, text: str) -> list[str]:
@@ -954,7 +981,8 @@ def render(runs: list[Run], out: str, prefix: str = "") -> dict[str, dict]:
 FAMILIES = {"attention": "Attention forward", "attention_bwd": "Attention backward",
             "decode": "Decoding against a KV cache", "reductions": "Reductions and scans",
             "ring": "Ring attention across GPUs", "transformers": "Hugging Face transformers",
-            "workloads": "Attention workloads (models)"}
+            "workloads": "Attention workloads (models)",
+            "deterministic": "Deterministic backward"}
 
 
 def latest(runs: list[Run]) -> dict[str, Run]:
@@ -1165,6 +1193,21 @@ def _wl_table(run: Run) -> list[str]:
     return out[1:]
 
 
+def _det_table(run: Run) -> list[str]:
+    head = ["case", "default ms", "default TFLOP/s", "deterministic ms",
+            "deterministic TFLOP/s", "det / default", "bitwise equal runs (default, det)"]
+    rows, low = [], []
+    for r in run.rows:
+        eq = ", ".join("yes" if e else "no" for e in r["equal"])
+        rows.append([r["case"], _f(r["ms"]["flashfold"], 3), _f(r["values"]["flashfold"]),
+                     _f(r["ms"]["det"], 3), _f(r["values"]["det"]), f"{r['ratio']:.2f}", eq])
+        low.append((r["case"], r["ratio"]))
+    below = [f"{c} {x:.2f}" for c, x in low if x < 0.9]
+    return _table(head, rows, keys=1) + [
+        "", "Below the target of 0.90x the default: " + ("; ".join(below) if below else "none")
+        + "."]
+
+
 _FAMILY_TEXT = {
     "attention": ("TFLOP/s = 4·B·H·D·(visible query-key pairs) / time (dense causal counts "
                   "N²/2); bf16, 16 heads, B·N = 16K tokens, eager calls. Peers: SDPA's cuDNN, "
@@ -1200,6 +1243,13 @@ _FAMILY_TEXT = {
                   "N²/2); backward 2.5x, forward + backward 3.5x. Ratio to best = flashfold's "
                   "TFLOP/s / the best peer's (above 1: flashfold faster); a failed check is "
                   "marked in the flashfold cell.", _wl_table),
+    "deterministic": ("`deterministic=True` against the default backward of the same call, "
+                      "both in one process: bf16, eager `torch.autograd.grad` of a retained "
+                      "forward, do_bench median; TFLOP/s = 2.5 x the forward's 2·B·Hq·"
+                      "(visible pairs)·(D + Dv). Each deterministic call ran twice and gave "
+                      "the same bits (the default's runs differ in the last bits: its dQ "
+                      "adds come in any order). det / default = the default's time / "
+                      "deterministic's (target 0.90 or above).", _det_table),
 }
 
 
