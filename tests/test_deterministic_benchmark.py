@@ -1,0 +1,35 @@
+"""``benchmarks/deterministic_bwd.py`` on the CPU: its FLOP count and its refusal to run
+without a GPU (the timings themselves run on the H200)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "deterministic_bwd.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("deterministic_bwd", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_flops_count_the_visible_pairs(bench):
+    B, H, N, D, DV = 2, 3, 10, 64, 32
+    dense = bench.flops(B, H, N, D, DV, False, None)
+    assert dense == 2.5 * 2 * B * H * N * N * (D + DV)
+    # causal: row i sees i + 1 keys; a window (3, 0) at most 4
+    assert bench.flops(B, H, N, D, DV, True, None) == dense * (N + 1) / 2 / N
+    pairs = sum(min(i + 1, 4) for i in range(N))
+    assert bench.flops(B, H, N, D, DV, True, (3, 0)) == pytest.approx(dense * pairs / N / N)
+
+
+def test_rows_name_their_shapes_and_a_cpu_run_refuses(bench, monkeypatch, capsys):
+    assert all(len(r) == 9 and r[1] * r[2] * r[4] > 0 and r[2] % r[3] == 0 for r in bench.ROWS)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 2
+    assert "needs a GPU" in capsys.readouterr().out
