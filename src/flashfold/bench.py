@@ -1168,29 +1168,35 @@ _WL_TITLES = {("fwd", "eager"): "Forward, eager", ("fwd", "graph"): "Forward, CU
 
 
 def _wl_table(run: Run) -> list[str]:
-    """One table per direction and mode, rows in the run's order, with the rows below the
-    best peer after each."""
+    """One row per workload row, one column per direction and mode (forward eager,
+    forward from a CUDA graph, backward eager, forward + backward from a graph): flashfold's
+    TFLOP/s, the best peer's and the ratio (``-``: not measured), then the cells below the
+    best peer in one sentence. Every peer's number is in the log."""
     peers = [k for k in WORKLOAD_IMPLS if k != "flashfold"]
-    head = ["model", "shape", "flashfold ms", "TFLOP/s"] + [WORKLOAD_IMPLS[k] for k in peers] + \
-        ["best peer", "ratio to best"]
-    out = []
-    for (direction, mode), title in _WL_TITLES.items():
-        mine = [r for r in run.rows if (r["direction"], r["mode"]) == (direction, mode)]
-        if not mine:
-            continue
-        rows, low = [], []
-        for r in mine:
+    cols = [key for key in _WL_TITLES if any((r["direction"], r["mode"]) == key
+                                                for r in run.rows)]
+    by_row: dict = {}
+    for r in run.rows:
+        by_row.setdefault((r["model"], r["shape"]), {})[(r["direction"], r["mode"])] = r
+    rows, low = [], []
+    for (model, shape), cells in by_row.items():
+        line = [model, shape]
+        for key in cols:
+            r = cells.get(key)
+            if r is None:
+                line.append("-")
+                continue
             v = r["values"]
             best = max((k for k in peers if v.get(k)), key=lambda k: v[k], default=None)
+            ratio = _ratio(v.get("flashfold"), v.get(best) if best else None, r["ratio"])
             failed = "" if r["check"] == "ok" else f" ({r['check'].lower()})"
-            rows.append([r["model"], r["shape"], _f(r["ms"], 3), _f(v.get("flashfold")) + failed]
-                        + [_f(v.get(k)) for k in peers]
-                        + [f"{WORKLOAD_IMPLS[best]} {_f(v[best])}" if best else "-",
-                           _ratio(v.get("flashfold"), v.get(best) if best else None, r["ratio"])])
-            low.append((f"{r['model']} {r['shape']}", r["ratio"]))
-        out += ["", f"**{title}**", "", *_table(head, rows, keys=2), "",
-                *_below(low, "the best peer")]
-    return out[1:]
+            peer = f"{WORKLOAD_IMPLS[best]} {_f(v[best])}" if best else "-"
+            line.append(f"{_f(v.get('flashfold'))}{failed} · {peer} · {ratio}")
+            title = _WL_TITLES[key]
+            low.append((f"{model} {shape} ({title[0].lower()}{title[1:]})", r["ratio"]))
+        rows.append(line)
+    head = ["model", "shape"] + [_WL_TITLES[key] for key in cols]
+    return [*_table(head, rows, keys=2), "", *_below(low, "the best peer")]
 
 
 def _det_table(run: Run) -> list[str]:
@@ -1241,8 +1247,9 @@ _FAMILY_TEXT = {
                   "(visible query-key pairs) / time, D̄ = (D_qk + D_v) / 2, pairs counted "
                   "exactly for windows, documents, varlen, padding and prefix-LM (dense causal: "
                   "N²/2); backward 2.5x, forward + backward 3.5x. Ratio to best = flashfold's "
-                  "TFLOP/s / the best peer's (above 1: flashfold faster); a failed check is "
-                  "marked in the flashfold cell.", _wl_table),
+                  "TFLOP/s / the best peer's (above 1: flashfold faster); a cell reads "
+                  "flashfold's TFLOP/s · the best peer and its TFLOP/s · the ratio, a failed "
+                  "check marked after flashfold's number.", _wl_table),
     "deterministic": ("`deterministic=True` against the default backward of the same call, "
                       "both in one process: bf16, eager `torch.autograd.grad` of a retained "
                       "forward, do_bench median; TFLOP/s = 2.5 x the forward's 2·B·Hq·"
