@@ -308,8 +308,8 @@ if gluon is not None:
         started before it (no deadlock however few fit on the GPU), and the walks reach
         a query tile at the same step in every program of a head (dense and
         left-bounded walks start at their first tile, right-bounded ones walk down from
-        their last: :func:`_query_tile`), so ``n`` runs a step behind ``n - 1`` after
-        the first wave's ramp and then waits no more."""
+        their last: :func:`_query_tile`), so ``n`` runs an add's latency behind ``n - 1``
+        after the first wave's ramp and then waits no more."""
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
         n_lo = 0
         if MASK_LEFT:
@@ -855,11 +855,14 @@ if gluon is not None:
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # DETERMINISTIC: the dQ staging buffers' hand-overs, full (WG) and empty (2 + WG)
-        dq_sync = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        # DETERMINISTIC: the dQ staging buffers' hand-overs, full (WG) and empty (2 + WG);
+        # unused otherwise (a placeholder, no shared memory)
         if DETERMINISTIC:
+            dq_sync = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(4):
                 mbarrier.init(dq_sync.index(i), count=1)
+        else:
+            dq_sync = turn
         mbarrier.init(kv_ready, count=1)
         if PERSISTENT:
             mbarrier.init(kv_empty, count=2)
@@ -888,11 +891,10 @@ if gluon is not None:
             DQ_COLS: gl.constexpr = BLOCK_D // 2
             SPLIT: gl.constexpr = BLOCK_D // 2
             END: gl.constexpr = BLOCK_D
-        # (the partitions' arguments are written out: a tuple holding a function, WEIGHTS,
-        # or constexprs is not a value in Gluon)
+        # (the partitions' arguments are written out: in a tuple variable a function
+        # (WEIGHTS) is no value, and constexprs become runtime values that the partitions
+        # then receive through shared memory)
         if WIDE:
-            p_args = (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
-                      MASK_RIGHT, False, DETERMINISTIC)
             if DETERMINISTIC:   # and one writer warp per consumer warpgroup (_dq_writer)
                 warp_specialize([
                     (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
@@ -903,7 +905,8 @@ if gluon is not None:
                                       BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
                                       STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
                                       MASK_TAIL_KEYS, WEIGHTS, True)),
-                    (_bwd_producer, p_args),
+                    (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
+                                     MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
                                   MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
@@ -919,11 +922,10 @@ if gluon is not None:
                                       BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
                                       STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
                                       MASK_TAIL_KEYS, WEIGHTS, False)),
-                    (_bwd_producer, p_args),
+                    (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
+                                     MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
-            p_args = (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES, MASK_LEFT,
-                      MASK_RIGHT, PERSISTENT, DETERMINISTIC)
             if DETERMINISTIC:
                 warp_specialize([
                     (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
@@ -934,7 +936,8 @@ if gluon is not None:
                                      BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                                      SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT, LATE_STATS,
                                      MASK_TAIL_KEYS, WEIGHTS, True)),
-                    (_bwd_producer, p_args),
+                    (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
+                                     MASK_LEFT, MASK_RIGHT, PERSISTENT, DETERMINISTIC)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
                                   MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
@@ -950,7 +953,8 @@ if gluon is not None:
                                      BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                                      SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT, LATE_STATS,
                                      MASK_TAIL_KEYS, WEIGHTS, False)),
-                    (_bwd_producer, p_args),
+                    (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
+                                     MASK_LEFT, MASK_RIGHT, PERSISTENT, DETERMINISTIC)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
         if PERSISTENT:
