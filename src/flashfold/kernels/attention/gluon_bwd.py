@@ -1156,10 +1156,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         qk_scale, step_scale = 2 * LOG2E * float(scale) / softcap, float(softcap)
     else:
         qk_scale, step_scale = 0.0, float(scale)
-    if deterministic:
-        if persistent:
-            raise ValueError("persistent: deterministic calls run one program per key tile")
-        persistent = None if wide(q.shape[-1], v.shape[-1]) else False
+    if deterministic and persistent:
+        raise ValueError("persistent: deterministic calls run one program per key tile")
     counters = dq_counters(q) if deterministic else None
     if wide(D, DV):
         knobs = dict(tma_store=tma_store, pingpong=pingpong, persistent=persistent,
@@ -1174,7 +1172,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     BD = block_d(D)
     n_n = -(-Nk // BLOCK_N)
     if persistent is None:
-        persistent = persistent_default(bounded, BD)
+        persistent = not deterministic and persistent_default(bounded, BD)
     if tma_store is None:   # persistent programs reuse the ring at once: register stores
         tma_store = not persistent and store_tma(bounded, (Hq // Hk) * -(-Nq // BLOCK_M))
     if heads_per_wave is None:
