@@ -82,7 +82,21 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
             ("d192-128-lse", 192, 128, {}, True, "bfloat16", True),
             ("d192-128-causal", 192, 128, {"causal": True}, False, "bfloat16", True),
             ("d192-128-causal-window-lse", 192, 128, {"causal": True, "left": 300}, True,
+             "bfloat16", True),
+            # varlen (packed sequences of 100, 600 and 300 rows): persistent over the
+            # sequences' tile slots, ragged tiles stored from registers
+            ("d128-varlen-causal-lse", 128, 128, {"varlen": True, "causal": True}, True,
+             "bfloat16", True),
+            ("d128-varlen", 128, 128, {"varlen": True}, False, "float16", True),
+            ("d64-varlen-window-lse", 64, 64, {"varlen": True, "left": 100, "right": 20}, True,
+             "bfloat16", False),
+            ("d256-varlen-softcap-causal-lse", 256, 256,
+             {"varlen": True, "causal": True, "softcap": 50.0}, True, "bfloat16", True),
+            ("d192-128-varlen-causal", 192, 128, {"varlen": True, "causal": True}, False,
              "bfloat16", True)]
+
+#: the packed sequences of the "-varlen" variants
+VARLEN_CU = [0, 100, 700, 1000]
 
 
 def _key_loops(sass: str):
@@ -112,9 +126,18 @@ def _compile_all():
     def facts(d, dv, options, lse, dtype, pingpong):
         options = dict(options)
         nk = options.pop("nk", 1000)
-        q = torch.empty(2, 4, 1000, d, dtype=getattr(torch, dtype))
-        k = torch.empty(2, 2, nk, d, dtype=q.dtype)
-        v = torch.empty(2, 2, nk, dv, dtype=q.dtype)
+        batch = 2
+        if options.pop("varlen", False):
+            cu = torch.tensor(VARLEN_CU, dtype=torch.int32)
+            longest = int((cu[1:] - cu[:-1]).max())
+            options.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                           max_seqlen_k=longest,
+                           flags=torch.zeros((len(cu) - 1) * 4 * -(-longest // 64),
+                                             dtype=torch.int32))
+            batch = 1
+        q = torch.empty(batch, 4, 1000, d, dtype=getattr(torch, dtype))
+        k = torch.empty(batch, 2, nk, d, dtype=q.dtype)
+        v = torch.empty(batch, 2, nk, dv, dtype=q.dtype)
         (kernel, _, args, kwargs), *fill = G.gluon_attention_fwd(
             q, k, v, return_lse=lse, launch=False, pingpong=pingpong, **options)
         c = compile_launch(kernel, args, kwargs)
@@ -124,7 +147,7 @@ def _compile_all():
         return dict(**ws_facts(c), key_loops=loops,
                     local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)],
                     constexprs={n: kwargs[n] for n in ("MASK_LEFT", "MASK_RIGHT", "SOFTCAP",
-                                                       "O_IN_Q", "BLOCK_N")},
+                                                       "O_IN_Q", "BLOCK_N", "VARLEN")},
                     skipped_rows=1000 - args[7], fill_launches=len(fill))
 
     emit_rows(VARIANTS, facts)
@@ -153,6 +176,7 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     two_sided_256 = vid.startswith("d256") and ("-window" in vid)
     assert r["constexprs"]["O_IN_Q"] == (vid.startswith("d256") and not two_sided_256), vid
     assert (r["constexprs"]["BLOCK_N"] == 32) == two_sided_256, r["constexprs"]
+    assert r["constexprs"]["VARLEN"] == ("-varlen" in vid), r["constexprs"]
     assert not r["local_in_loops"], f"{vid}: local memory in the key loop at {r['local_in_loops']}"
     assert r["spill"] <= 256, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
 
@@ -380,30 +404,39 @@ def test_not_on_cpu_tensors():
     assert not eligible(*_qkv())
 
 
-def test_dispatch_sends_calls_without_mods_or_varlen():
+def test_dispatch_sends_calls_without_mods():
     """``attention_forward`` takes the Gluon path exactly for calls without score_mod,
-    block mask, varlen or a forced config (``eligible`` mocked true: the call is recorded,
-    not run), with its window and softcap; a call with a window (causal too) writes the
-    non-finite flags and is followed by the strict Triton guard, one without a window
-    is launched alone."""
+    block mask or a forced config (``eligible`` mocked true: the call is recorded, not
+    run), with its window, softcap and packed sequences; a call with a window (causal
+    too) or packed sequences writes the non-finite flags (zeroed for varlen, one per 64
+    rows of each sequence's longest length) and is followed by the strict Triton guard,
+    one without either is launched alone."""
     from flashfold.kernels.attention import fwd, gluon_fwd
     from flashfold.kernels.attention.mods import trace_score_mod
     calls = []
 
     def fake(q, k, v, *, scale, softcap, left, right, return_lse, out, lse, launch,
-             flags=None):
+             flags=None, **varlen):
         assert not launch                     # (the forward's plan launches it)
-        calls.append((left, right, softcap, flags is not None))
+        calls.append((left, right, softcap, flags is not None,
+                      varlen.get("max_seqlen_q"), None if flags is None else flags.numel()))
         return (("gluon", (1,), (), {}),)
     q, k, v = _qkv(NQ=64, NK=64, D=64, dtype=torch.float32)
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34, max_seqlen_k=34)
     with mock.patch.object(gluon_fwd, "eligible", return_value=True), \
             mock.patch.object(gluon_fwd, "gluon_attention_fwd", side_effect=fake), \
             mock.patch.object(fwd.launcher, "launch") as launch:
-        expect = [((), (None, None, None, False)), ({"right": 0}, (None, 0, None, True)),
-                  ({"left": 16, "right": 0}, (16, 0, None, True)),
-                  ({"left": 16}, (16, None, None, True)), ({"right": 4}, (None, 4, None, True)),
-                  ({"softcap": 20.0}, (None, None, 20.0, False)),
-                  ({"softcap": 20.0, "left": 8, "right": 8}, (8, 8, 20.0, True))]
+        expect = [((), (None, None, None, False, None, None)),
+                  ({"right": 0}, (None, 0, None, True, None, 4)),
+                  ({"left": 16, "right": 0}, (16, 0, None, True, None, 4)),
+                  ({"left": 16}, (16, None, None, True, None, 4)),
+                  ({"right": 4}, (None, 4, None, True, None, 4)),
+                  ({"softcap": 20.0}, (None, None, 20.0, False, None, None)),
+                  ({"softcap": 20.0, "left": 8, "right": 8}, (8, 8, 20.0, True, None, 4)),
+                  # 2 sequences x 4 heads x ceil(34 / 64)
+                  (packed, (None, None, None, True, 34, 8)),
+                  (dict(packed, right=0), (None, 0, None, True, 34, 8))]
         for options, call in expect:
             launch.reset_mock()
             fwd.attention_forward(q, k, v, scale=0.1, **dict(options))
@@ -411,10 +444,8 @@ def test_dispatch_sends_calls_without_mods_or_varlen():
             kernels = [c.args[0] for c in launch.call_args_list]
             assert kernels == (["gluon", fwd._attn_fwd_guard] if call[3] else ["gluon"]), options
         assert len(calls) == len(expect)
-        cu = torch.tensor([0, 30, 64], dtype=torch.int32)
         others = [dict(config=fwd.default_config(q, 64, 64)),
-                  dict(score_mod=trace_score_mod(lambda s, b, h, i, j: s * 0.5)),
-                  dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34, max_seqlen_k=34)]
+                  dict(score_mod=trace_score_mod(lambda s, b, h, i, j: s * 0.5))]
         for options in others:
             fwd.attention_forward(q, k, v, scale=0.1, **options)
         assert len(calls) == len(expect)
@@ -735,6 +766,163 @@ def test_gpu_backward_through_the_gluon_forward():
             err = (a.grad.double() - r.grad).abs().max().item()
             naive = (n.grad.double() - r.grad).abs().max().item()
             assert err <= 2 * naive + 1e-5, f"grad err {err:.2e} > 2 x naive {naive:.2e}"
+
+
+# --- packed sequences (varlen) on the GPU --------------------------------------------------
+
+#: (id, query lengths, key lengths or None (the same), Hq, Hk): awkward lengths (1, 63,
+#: 2049), empty sequences, more rows than keys and the reverse, GQA 8:1, and Llama-like
+#: packed documents with many tile slots per head
+VARLEN_CASES = [("one-row", [1], None, 2, 2), ("awkward", [63, 1000, 2049], None, 4, 2),
+                ("empties", [0, 5, 0, 300, 0], None, 2, 1),
+                ("cross", [300, 1, 700, 130], [100, 500, 0, 1300], 4, 4),
+                ("gqa8", [129, 640, 255], None, 16, 2),
+                ("docs", [181, 1286, 640, 900, 77, 1024, 333, 512], None, 8, 2)]
+#: (id, causal, window, softcap)
+VARLEN_FEATURES = [("dense", False, None, None), ("causal", True, None, None),
+                   ("window", False, (100, 30), None), ("causal-left", True, (256, 0), None),
+                   ("softcap-causal", True, None, 30.0)]
+
+
+def _packed(lens_q, lens_k, HQ, HK, D, DV, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(1, HQ, sum(lens_q), D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(1, HK, sum(lens_k), D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(1, HK, sum(lens_k), DV, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, cu_q, cu_k
+
+
+def _per_sequence(q, k, v, cu_q, cu_k, fn, dv):
+    """``fn(q_s, k_s, v_s) -> (o, lse)`` of each packed sequence, concatenated (a sequence
+    without keys: o = 0, lse = -inf)."""
+    os_, ls = [], []
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        qs = q[:, :, cq[i]:cq[i + 1]]
+        if cq[i + 1] == cq[i]:
+            continue
+        if ck[i + 1] == ck[i]:
+            os_.append(torch.zeros(*qs.shape[:3], dv, dtype=torch.float64, device=q.device))
+            ls.append(torch.full(qs.shape[:3], -math.inf, dtype=torch.float64, device=q.device))
+            continue
+        o, lse = fn(qs, k[:, :, ck[i]:ck[i + 1]], v[:, :, ck[i]:ck[i + 1]])
+        os_.append(o.double())
+        ls.append(None if lse is None else lse.double())
+    return torch.cat(os_, 2), (None if ls[0] is None else torch.cat(ls, 2))
+
+
+def _varlen_meets_the_criterion(q, k, v, cu_q, cu_k, name, causal, window, softcap):
+    import flashfold as ff
+    from flashfold.kernels.attention import fwd, gluon_fwd
+    scale = 1 / math.sqrt(q.shape[-1])
+    fwd.plan_cache_clear()
+    with mock.patch.object(gluon_fwd, "_varlen_launches",
+                           wraps=gluon_fwd._varlen_launches) as spy:
+        o, lse = ff.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    assert spy.call_count == 1, f"{name}: not the Gluon path"
+    ro, rl = _per_sequence(q, k, v, cu_q, cu_k,
+                           lambda a, b, c: _reference(a, b, c, causal, scale, window=window,
+                                                      softcap=softcap), v.shape[-1])
+    naive, _ = _per_sequence(q, k, v, cu_q, cu_k,
+                             lambda a, b, c: (_naive_lowp(a, b, c, causal, scale, window=window,
+                                                          softcap=softcap), None), v.shape[-1])
+    err = (o.double() - ro).abs().max().item()
+    bound = (naive - ro).abs().max().item()
+    assert torch.isfinite(o).all(), name
+    assert err <= 2 * bound + 1e-5, f"{name}: err {err:.2e} > 2 x naive {bound:.2e}"
+    empty = rl == -math.inf
+    assert (lse[empty] == -math.inf).all() and (o[empty] == 0).all(), name
+    assert torch.isfinite(lse[~empty]).all(), name
+    if (~empty).any():
+        assert (lse.double() - rl)[~empty].abs().max().item() < 1e-3, name
+    return o, lse
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("feature", VARLEN_FEATURES, ids=lambda f: f[0])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128)], ids=lambda d: f"d{d[0]}")
+@pytest.mark.gpu
+def test_gpu_varlen_criterion(case, feature, dims):
+    """Packed sequences on the Gluon path (bf16) meet the criterion against each
+    sequence's float64 attention, every feature of the template; rows that see no key
+    (empty key sequences; causal with more rows than keys) give exactly 0 / -inf."""
+    _needs_sm90()
+    name, lens_q, lens_k, HQ, HK = case
+    fname, causal, window, softcap = feature
+    lens_k = lens_q if lens_k is None else lens_k
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, HQ, HK, *dims, torch.bfloat16,
+                                  zlib.crc32(repr((name, fname, dims)).encode()))
+    _varlen_meets_the_criterion(q, k, v, cu_q, cu_k, f"{name} {fname}", causal, window, softcap)
+
+
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128), (96, 96)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.gpu
+def test_gpu_varlen_head_dims(dims, causal, dtype):
+    """The wide tile plans (head_dim 256 with its output in the query buffer, 192 / 128,
+    96 padded to 128) on packed sequences: the ragged tiles' register stores write only
+    their rows and columns."""
+    _needs_sm90()
+    lens = [63, 1000, 0, 2049, 1]
+    q, k, v, cu_q, cu_k = _packed(lens, lens, 4, 2, *dims, dtype, 23)
+    _varlen_meets_the_criterion(q, k, v, cu_q, cu_k, f"{dims}", causal, None, None)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_nan_stays_in_its_sequence():
+    """A NaN value at the start of one packed sequence, which the tiles of the sequence
+    before read past its end: the rows of that sequence that see the key are NaN, no row
+    of any other sequence is (the flags send the leaking tiles to the strict guard), and
+    the rest equal the clean problem's."""
+    _needs_sm90()
+    import flashfold as ff
+    lens = [300, 700, 200]
+    q, k, v, cu_q, cu_k = _packed(lens, lens, 4, 2, 128, 128, torch.bfloat16, 29)
+    scale = 1 / math.sqrt(128)
+    ro, _ = _per_sequence(q, k, v, cu_q, cu_k,
+                          lambda a, b, c: _reference(a, b, c, True, scale), 128)
+    naive, _ = _per_sequence(q, k, v, cu_q, cu_k,
+                             lambda a, b, c: (_naive_lowp(a, b, c, True, scale), None), 128)
+    bound = (naive - ro).abs().max().item()
+    v[0, 1, 300] = float("nan")                  # the second sequence's first key
+    o = ff.attention(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    nan_rows = torch.isnan(o).any(-1)[0]         # (Hq, N)
+    # heads 2 and 3 read KV head 1; in the second sequence every row sees its first key
+    assert nan_rows[2:, 300:1000].all() and not nan_rows[:2].any()
+    assert not nan_rows[:, :300].any() and not nan_rows[:, 1000:].any()
+    keep = ~torch.isnan(o)
+    assert (o.double()[keep] - ro[keep]).abs().max().item() <= 2 * bound + 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_equals_the_triton_template_and_padded_batches():
+    """Packed equal lengths against the same batch unpacked (the Gluon kernel on both:
+    the same per-item math, so the same bits), and against the Triton template's varlen
+    (``FLASHFOLD_GLUON=0``) to the criterion's scale."""
+    _needs_sm90()
+    import flashfold as ff
+    g = torch.Generator(device="cuda").manual_seed(31)
+    q, k, v = (torch.randn(3, 8, 700, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    packed = [t.transpose(0, 1).reshape(1, 8, 2100, 128) for t in (q, k, v)]
+    cu = torch.tensor([0, 700, 1400, 2100], device="cuda", dtype=torch.int32)
+    for causal in (False, True):
+        ro, _ = _reference(q, k, v, causal, 1 / math.sqrt(128))
+        bound = (_naive_lowp(q, k, v, causal, 1 / math.sqrt(128)).double() - ro).abs().max().item()
+        o, lse = ff.attention(q, k, v, causal=causal, return_lse=True)
+        op, lp = ff.attention(*packed, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                              return_lse=True)
+        assert torch.equal(op.reshape(8, 3, 700, 128).transpose(0, 1), o)
+        assert torch.equal(lp.reshape(8, 3, 700).transpose(0, 1), lse)
+        with mock.patch.dict(os.environ, {"FLASHFOLD_GLUON": "0"}):
+            ot, lt = ff.attention(*packed, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                  return_lse=True)
+        assert (op.double() - ot.double()).abs().max().item() <= 2 * bound + 1e-5
+        assert (lp - lt).abs().max().item() < 1e-4
 
 
 if __name__ == "__main__":

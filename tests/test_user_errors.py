@@ -7,6 +7,8 @@ windows wider than any sequence, and decode's scalar options (the same checks as
 attention's)."""
 
 import math
+import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -346,3 +348,32 @@ def test_valid_decode_options_still_work():
                           window=(2, 0), causal=True, return_lse=True)
     assert_close(o[:1], ro, "float64", name="o")
     assert_close(lse[:1], rl, "float32", name="lse")
+
+
+def test_packed_offsets_are_read_once_per_version():
+    """``cu_seqlens`` values drive the launch, and reading them is a host sync: a tensor
+    validated once is not read again (the layers of a model share one), until an in-place
+    write bumps its version, after which the new values are checked again; the cached
+    lengths still have to match the packed length of the call."""
+    q, k, v = (torch.randn(1, 2, 10, 16) for _ in range(3))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    o1 = ff.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    reads = []
+    real = torch.Tensor.tolist
+
+    def spy(t):
+        # (the CPU reference that computes the call reads the offsets too: count the
+        # validation's reads, which a kernel call would wait for)
+        reads.append(t is cu and sys._getframe(1).f_code.co_name == "_check_cu")
+        return real(t)
+    with mock.patch.object(torch.Tensor, "tolist", spy):
+        o2 = ff.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        assert not any(reads)
+        assert torch.equal(o1, o2)
+        with pytest.raises(ValueError, match="must end at the packed length 9"):
+            ff.attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], cu_seqlens_q=cu,
+                         cu_seqlens_k=cu)
+        cu[1] = 11                                   # in place: a new version, read again
+        with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+            ff.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        assert any(reads)

@@ -120,6 +120,14 @@ def _check_cu(name, cu, total, device, values=True):
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
     if not values:                              # under torch.compile: no host sync here
         return None
+    from ..kernels.attention.autograd import known_lengths, remember_lengths
+    lens = known_lengths(cu)
+    if lens is not None:
+        # validated before at this version (an in-place write bumps it): no host sync, so
+        # that the layers of a model sharing one cu_seqlens read it once
+        if sum(lens) != total:
+            raise ValueError(f"{name} must end at the packed length {total}, got {sum(lens)}")
+        return lens
     vals = cu.tolist()                          # one host sync: lengths drive the launch grid
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {vals[0]}")
@@ -128,7 +136,6 @@ def _check_cu(name, cu, total, device, values=True):
     if vals[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {vals[-1]}")
     lens = [b - a for a, b in zip(vals, vals[1:])]
-    from ..kernels.attention.autograd import remember_lengths
     remember_lengths(cu, lens)                  # the kernels' host code reads no more
     return lens
 
@@ -174,7 +181,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         positions inside the sequence.
     cu_seqlens_q, cu_seqlens_k: int32 ``(S + 1,)`` offsets of ``S`` packed sequences
         (both or neither); sequence ``s`` is rows ``cu[s]:cu[s+1]``; masks and the causal
-        alignment apply per sequence.
+        alignment apply per sequence. Their values are read on the host (a sync) and
+        checked once per tensor and version: calls passing the same tensor again (the
+        layers of a model) read nothing until an in-place write changes it.
     return_lse: also return ``lse (B, Hq, Nq)`` float32, natural log (differentiable too).
     deterministic: bitwise reproducible gradients (dQ summed in a fixed order); the
         default may accumulate dQ with atomic adds (see the module docstring).

@@ -178,10 +178,19 @@ def remember_lengths(cu, lens):
     _LENGTHS[id(cu)] = (weakref.ref(cu), cu._version, lens)
 
 
-def _lengths(cu):
+def known_lengths(cu):
+    """The lengths :func:`remember_lengths` noted for ``cu`` at its current version, else
+    None."""
     hit = _LENGTHS.get(id(cu))
     if hit is not None and hit[0]() is cu and hit[1] == cu._version:
         return hit[2]
+    return None
+
+
+def _lengths(cu):
+    lens = known_lengths(cu)
+    if lens is not None:
+        return lens
     vals = cu.tolist()
     return [b - a for a, b in zip(vals, vals[1:])]
 

@@ -769,31 +769,40 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
     ``(kernel, grid, args, kwargs)`` (none, one or two) and one launcher memo for each,
     shared by the replays of the plan (:func:`flashfold.kernels.launcher.launch`).
 
-    Dispatch: on Hopper, calls without score_mod, mask_mod (block mask) or varlen run the
-    Gluon kernel (:func:`.gluon_fwd.eligible`: dense, causal, windows, softcap, head dims
-    of its tile plans), everything else the Triton template (:func:`prepare_forward`).
+    Dispatch: on Hopper, calls without score_mod or mask_mod (block mask) run the Gluon
+    kernel (:func:`.gluon_fwd.eligible`: dense, causal, windows, softcap, varlen, head
+    dims of its tile plans), everything else the Triton template (:func:`prepare_forward`).
     While :data:`STRICT_HIDDEN`, calls whose masked tiles can hold hidden keys are flagged
-    and followed by the strict guard (:func:`prepare_guard`): Gluon with a window or
-    causal (the tiles on a window's edges); Triton with a window, mask_mod, score_mod or
-    varlen."""
-    if (score_mod is None and block_mask is None and cu_seqlens_q is None and config is None
+    and followed by the strict guard (:func:`prepare_guard`): Gluon with a window, causal
+    or varlen (the tiles on a window's edges; a packed sequence's tiles read the next
+    one's keys); Triton with a window, mask_mod, score_mod or varlen."""
+    varlen = cu_seqlens_q is not None
+    if (score_mod is None and block_mask is None and config is None
             and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
                                    softcap=softcap)):
         B, HQ, NQ = q.shape[:3]
         o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
         bounds = dict(scale=scale, softcap=softcap, left=left, right=right)
-        if (left is None and right is None) or not STRICT_HIDDEN:
+        if varlen:
+            bounds.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        if not varlen and ((left is None and right is None) or not STRICT_HIDDEN):
             launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
                                                      lse=lse, launch=False, **bounds)
             return o, lse, launches, tuple([None] for _ in launches)
         # a window (causal too): its edge tiles hold hidden keys, whose values the Gluon
-        # kernel's P V meets (0 x NaN); its flags tell the guard which rows to recompute
-        # strictly (scratch, not an output: plans.new, not the swappable output allocator)
-        flags = plans.new((B * HQ * -(-NQ // FLAG_ROWS),), dtype=torch.int32, device=q.device)
+        # kernel's P V meets (0 x NaN); packed sequences: the next sequence's keys too. Its
+        # flags tell the guard which rows to recompute strictly (scratch, not an output:
+        # plans.new, not the swappable output allocator; zeroed for varlen, whose kernel
+        # writes only the flags of rows that exist)
+        n_seq, rows = (cu_seqlens_q.shape[0] - 1, max_seqlen_q) if varlen else (B, NQ)
+        flags = plans.new((n_seq * HQ * -(-rows // FLAG_ROWS),), dtype=torch.int32,
+                          device=q.device, zero=varlen)
         launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
                                                  lse=lse, launch=False, flags=flags, **bounds)
-        launches += (prepare_guard(q, k, v, o, lse, flags, **bounds),)
+        if STRICT_HIDDEN:
+            launches += (prepare_guard(q, k, v, o, lse, flags, **bounds),)
         return o, lse, launches, tuple([None] for _ in launches)
     options = dict(scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
                    block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
