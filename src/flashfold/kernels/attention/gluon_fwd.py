@@ -394,6 +394,22 @@ if gluon is not None:
                 it += n_kv
 
     @gluon.jit
+    def _columns(c0, BLOCK_N: gl.constexpr):
+        """``c0 + [0, BLOCK_N)``, a key tile's column indices in the slice of its scores'
+        wgmma layout, formed as ``(c0 + lane part) + register part``. A thread holds the
+        ``BLOCK_N / 4`` columns ``8 g + 2 (lane % 4) + e``; written ``c0 + arange``, the
+        compiler hoists their loop-invariant ``lane part + constant`` out of the key loop,
+        where they hold as many registers or spill into it (Triton 3.9's ptxas spilled
+        them into the key loops of the packed-sequence variants). The sum ``c0 + lane
+        part`` is kept opaque (one ``add``), so that the constants are added inside the
+        loop. (Exact whichever bits the lanes own: the two parts split ``arange``'s
+        bits.)"""
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _wgmma_layout(BLOCK_N)))
+        base = gl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r", [cols & 6, c0],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+        return base + (cols & ~6)
+
+    @gluon.jit
     def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, step_scale,
                       BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STEP: gl.constexpr):
@@ -424,7 +440,7 @@ if gluon is not None:
         if MASK_LEFT:
             masked = masked | (t < t_a)
         if masked:
-            c = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            c = _columns(t * BLOCK_N, BLOCK_N)
             if MASK_RIGHT:
                 ok = c[None, :] <= key_hi[:, None]
             else:
