@@ -1,5 +1,11 @@
 """What the Tensor Memory Accelerator (Hopper's bulk tensor copies) can address, and the
-strides a descriptor gets: the rule shared by the attention, decode and Gluon kernels."""
+strides a descriptor gets: the rule shared by the attention, decode and Gluon kernels.
+
+A kernel has one more rule to keep, at run time: the start coordinate of a box along the
+innermost dim times the element size must be a multiple of 16 bytes (otherwise an
+illegal instruction). Tiles along an outer dim (rows of ``(B, H, N, D)``, the innermost
+coordinate 0) keep it; a box along the rows of a per-row statistic (``(B, H, 1, N)``
+fp32) keeps it only if the tile's first row is a multiple of 4."""
 
 from __future__ import annotations
 
