@@ -404,10 +404,12 @@ if gluon is not None:
         part`` is kept opaque (one ``add``), so that the constants are added inside the
         loop. (Exact whichever bits the lanes own: the two parts split ``arange``'s
         bits.)"""
+        LANE_BITS: gl.constexpr = 6        # (the bits of 2 (lane % 4))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _wgmma_layout(BLOCK_N)))
-        base = gl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r", [cols & 6, c0],
-                                         dtype=gl.int32, is_pure=True, pack=1)
-        return base + (cols & ~6)
+        base = gl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r",
+                                         [cols & LANE_BITS, c0], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+        return base + (cols & ~LANE_BITS)
 
     @gluon.jit
     def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, step_scale,
