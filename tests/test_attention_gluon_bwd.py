@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import zlib
 from unittest import mock
 
 import pytest
@@ -79,7 +80,18 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
             ("det-wide-d256-causal", True, "bfloat16", None, 256, None, None, None,
              dict(deterministic=True)),
             ("det-wide-mla", False, "bfloat16", None, 192, None, None, None,
-             dict(deterministic=True), 128)]
+             dict(deterministic=True), 128),
+            # packed sequences (of 100, 600 and 300 rows): one program per key-tile slot,
+            # dK and dV from registers (no tile options: None)
+            ("varlen-causal", True, "bfloat16", None, 128, None, None, None,
+             dict(varlen=True)),
+            ("varlen-dense-fp16", False, "float16", None, 128, None, None, None,
+             dict(varlen=True)),
+            ("varlen-d64-window-softcap", False, "bfloat16", None, 64, None, None, None,
+             dict(varlen=True, left=100, right=20, softcap=30.0))]
+
+#: the packed sequences of the "varlen-" variants
+VARLEN_CU = [0, 100, 700, 1000]
 
 
 def _compile_all():
@@ -89,23 +101,30 @@ def _compile_all():
 
     def facts(causal, dtype, tma_store, D, pingpong, persistent, late_stats=False,
               features=None, dv=None):
-        q = torch.empty(2, 4, 1000, D, dtype=getattr(torch, dtype))
-        k = torch.empty(2, 2, 1000, D, dtype=q.dtype)
-        v = torch.empty(2, 2, 1000, dv or D, dtype=q.dtype)
-        do = torch.empty(2, 4, 1000, dv or D, dtype=q.dtype)
-        lam = torch.empty(2, 4, 1000)
-        acc = torch.empty(2, 4, 1000, D)
+        features = dict(features or {})
+        batch = 2
+        if features.pop("varlen", False):
+            cu = torch.tensor(VARLEN_CU, dtype=torch.int32)
+            features.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+            batch = 1
+        q = torch.empty(batch, 4, 1000, D, dtype=getattr(torch, dtype))
+        k = torch.empty(batch, 2, 1000, D, dtype=q.dtype)
+        v = torch.empty(batch, 2, 1000, dv or D, dtype=q.dtype)
+        do = torch.empty(batch, 4, 1000, dv or D, dtype=q.dtype)
+        lam = torch.empty(batch, 4, 1000)
+        acc = torch.empty(batch, 4, 1000, D)
         kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, v, do, lam, lam, acc, k, v,
                                                         causal=causal, scale=0.1, launch=False,
                                                         tma_store=tma_store, pingpong=pingpong,
                                                         persistent=persistent,
                                                         late_stats=late_stats,
-                                                        **(features or {}))
+                                                        **features)
         c = compile_launch(kernel, args, kwargs)
         sass = _run_on_cubin(c.cubin, "-sass")
         return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass, tma_store="UTMASTG" in sass,
                     red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))), tma_store_asked=kwargs["STORE_TMA"],
-                    det=kwargs["DETERMINISTIC"], spin="ld.acquire.gpu" in c.ptx)
+                    det=kwargs["DETERMINISTIC"], spin="ld.acquire.gpu" in c.ptx,
+                    varlen=kwargs.get("VARLEN", False))
 
     emit_rows(VARIANTS, facts)
 
@@ -127,6 +146,7 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert r["spin"] == r["det"]       # the writers wait for their turn
     # dK, dV leave by TMA stores exactly in the variants that ask for them
     assert r["tma_store"] == r["tma_store_asked"]
+    assert r["varlen"] == vid.startswith("varlen-") and not (r["varlen"] and r["tma_store"])
 
 
 @pytest.mark.parametrize("early, late", [("dense", "dense-late-stats"),
@@ -282,17 +302,19 @@ def test_needs_the_tma_reduce_op():
                 assert gluon_bwd.eligible(q, k, v, q) is has
 
 
-def test_dispatch_sends_calls_without_mods_or_varlen():
+def test_dispatch_sends_calls_without_mods():
     """``prepare_backward`` builds the Gluon launch for dense, causal, windowed and
-    soft-capped calls without a config, deterministic or not (the flag passed on), not
-    for varlen ones or with ``atomic_dq=False`` (``eligible`` mocked true; nothing
-    runs)."""
+    soft-capped calls without a config, deterministic or not (the flag passed on), and
+    for packed sequences in the varlen scope (one offsets tensor for both sides under a
+    right bound, not deterministic, head dims up to 128: the offsets passed on); not with
+    other offsets under a right bound, deterministic varlen or ``atomic_dq=False``
+    (``eligible`` mocked true; nothing runs)."""
     from flashfold.kernels.attention import bwd, gluon_bwd
     calls = []
 
     def fake(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, left, right, softcap, scale,
-             deterministic, launch):
-        calls.append((left, right, softcap, deterministic))
+             deterministic, launch, cu_seqlens_q=None, cu_seqlens_k=None):
+        calls.append((left, right, softcap, deterministic, cu_seqlens_q is not None))
         assert dq_acc.dtype == torch.float32 and lam.shape == q.shape[:3]
         return ("gluon", (1,), (), {})
     q, k, v = _qkv(NQ=64, NK=64)
@@ -306,14 +328,19 @@ def test_dispatch_sends_calls_without_mods_or_varlen():
         assert kernels()[1] == "gluon" and kernels(right=0)[1] == "gluon"
         assert kernels(left=8, right=0)[1] == "gluon" and kernels(softcap=20.0)[1] == "gluon"
         assert kernels(right=0, deterministic=True)[1] == "gluon"
-        assert calls == [(None, None, None, False), (None, 0, None, False),
-                         (8, 0, None, False), (None, None, 20.0, False), (None, 0, None, True)]
-        for kw in (dict(atomic_dq=False),
-                   dict(cu_seqlens_q=torch.tensor([0, 64], dtype=torch.int32),
-                        cu_seqlens_k=torch.tensor([0, 64], dtype=torch.int32),
-                        max_seqlen_q=64, max_seqlen_k=64)):
+        cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+        packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34, max_seqlen_k=34)
+        assert kernels(right=0, **packed)[1] == "gluon" and kernels(**packed)[1] == "gluon"
+        assert calls == [(None, None, None, False, False), (None, 0, None, False, False),
+                         (8, 0, None, False, False), (None, None, 20.0, False, False),
+                         (None, 0, None, True, False), (None, 0, None, False, True),
+                         (None, None, None, False, True)]
+        other = dict(packed, cu_seqlens_k=cu.clone())
+        for kw in (dict(atomic_dq=False), dict(packed, deterministic=True),
+                   dict(other, right=0)):
             assert "gluon" not in kernels(**kw), kw
-        assert len(calls) == 5
+        assert kernels(**other)[1] == "gluon"        # (no right bound: any offsets)
+        assert len(calls) == 8
 
 
 # --- numerics on the GPU -------------------------------------------------------------------
@@ -664,6 +691,98 @@ def test_gpu_fully_masked_and_empty_rows_give_zero_gradients():
     dq, dk, dv = bwd.attention_backward(do, q, k, v, o, lse, scale=1 / math.sqrt(128))
     for t in (dq, dk, dv):
         assert torch.isfinite(t).all() and t.abs().max().item() == 0.0
+
+
+#: packed sequences: (id, lengths, Hq, Hk): awkward lengths (1, 63, 2049), an empty
+#: sequence, GQA 8:1, Llama-like documents
+VARLEN_CASES = [("one-row", [1], 2, 2), ("awkward", [63, 1000, 2049], 4, 2),
+                ("empty", [0, 5, 300, 0, 129], 2, 1), ("gqa8", [129, 640, 255], 16, 2),
+                ("docs", [181, 1286, 640, 900, 77, 1024, 333, 512], 8, 2)]
+#: (id, causal, window, softcap)
+VARLEN_FEATURES = [("dense", False, None, None), ("causal", True, None, None),
+                   ("window", False, (100, 30), None), ("causal-left", True, (256, None), None),
+                   ("softcap-causal", True, None, 30.0)]
+
+
+def _packed_grads(lens, HQ, HK, D, causal, window, softcap, seed, nan_key=None):
+    """Gradients of a packed call through the Gluon backward (asserted: the offsets reach
+    ``gluon_attention_bwd``), and per sequence the float64 and the naive low-precision
+    ones (concatenated)."""
+    import flashfold as ff
+    from flashfold.kernels.attention import gluon_bwd
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    N = sum(lens)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(1, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    do = torch.randn(1, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    if nan_key is not None:
+        v[0, :, nan_key] = float("nan")
+    scale = 1 / math.sqrt(D)
+    win = None if window is None else tuple(-1 if w is None else w for w in window)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with mock.patch.object(gluon_bwd, "gluon_attention_bwd",
+                           wraps=gluon_bwd.gluon_attention_bwd) as spy:
+        ff.attention(*leaves, causal=causal, window=win, softcap=softcap, cu_seqlens_q=cu,
+                     cu_seqlens_k=cu).backward(do)
+    assert spy.call_count == 1 and spy.call_args.kwargs["cu_seqlens_q"] is cu
+    got = [t.grad for t in leaves]
+    refs, lows = [[], [], []], [[], [], []]
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        if a == b:
+            continue
+        part = [t[:, :, a:b] for t in (q, k, v)]
+        ref = [t.double().requires_grad_() for t in part]
+        _reference(*ref, causal, scale, window=win, softcap=softcap)[0].backward(
+            do[:, :, a:b].double())
+        low = [t.clone().requires_grad_() for t in part]
+        _naive_lowp(*low, causal, scale, window=win, softcap=softcap).backward(do[:, :, a:b])
+        for i in range(3):
+            refs[i].append(ref[i].grad)
+            lows[i].append(low[i].grad.double())
+    return got, [torch.cat(r, 2) for r in refs], [torch.cat(x, 2) for x in lows], bounds
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("feature", VARLEN_FEATURES, ids=lambda f: f[0])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.gpu
+def test_gpu_varlen_gradients_flash_criterion(case, feature, D):
+    """Packed sequences on the Gluon backward (bf16): dQ, dK, dV against each sequence's
+    float64 autograd within FlashAttention's criterion; a tile that reads the next
+    sequence's rows or keys adds nothing of them."""
+    _needs_sm90()
+    name, lens, HQ, HK = case
+    fname, causal, window, softcap = feature
+    got, ref, low, _ = _packed_grads(lens, HQ, HK, D, causal, window, softcap,
+                                     zlib.crc32(repr((name, fname, D)).encode()))
+    for n, a, r, lo in zip("qkv", got, ref, low):
+        assert torch.isfinite(a).all(), f"d{n} not finite"
+        err = (a.double() - r).abs().max().item()
+        naive = (lo - r).abs().max().item()
+        assert err <= 2 * naive + 1e-5, f"{name} {fname} d{n}: err {err:.2e} > 2 x {naive:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_nan_stays_in_its_sequence():
+    """A NaN value of the second packed sequence's first key, which the first sequence's
+    last key tile and query tiles read past their end: no gradient of the first or third
+    sequence is NaN, they meet the criterion, and the second sequence's gradients have
+    NaN (its rows see the key)."""
+    _needs_sm90()
+    lens = [300, 700, 200]
+    got, ref, low, b = _packed_grads(lens, 4, 2, 128, True, None, None, 41, nan_key=300)
+    for n, a, r, lo in zip("qkv", got, ref, low):
+        inner = a[:, :, b[1]:b[2]]
+        assert torch.isnan(inner).any() or n == "v", f"d{n}: the NaN key reached nothing"
+        for lo_, hi_ in ((b[0], b[1]), (b[2], b[3])):
+            part = a[:, :, lo_:hi_].double()
+            assert torch.isfinite(part).all(), f"d{n} of another sequence is not finite"
+            err = (part - r[:, :, lo_:hi_]).abs().max().item()
+            naive = (lo[:, :, lo_:hi_] - r[:, :, lo_:hi_]).abs().max().item()
+            assert err <= 2 * naive + 1e-5, f"d{n}: err {err:.2e} > 2 x {naive:.2e}"
 
 
 def test_wave_heads_groups_causal_heads_to_fill_a_wave():

@@ -1139,13 +1139,16 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     atomic = bool(atomic_dq) and not deterministic
     if use_tma and not tma_ok(do):
         do = do.contiguous()        # documented: e.g. the expanded (stride 0) gradient of .sum()
-    # sm_90, the Gluon forward's head dims, dense, causal, windowed or soft-capped: the
-    # warp-specialized Gluon kernel (dK, dV and the dQ adds in one pass, in a fixed order
-    # when deterministic; gluon_bwd), unless with mods or varlen
+    # sm_90, the Gluon forward's head dims, dense, causal, windowed or soft-capped, packed
+    # sequences in its varlen scope: the warp-specialized Gluon kernel (dK, dV and the dQ
+    # adds in one pass, in a fixed order when deterministic; gluon_bwd), unless with mods
     use_gluon = (gluon_allowed and config is None
-                 and score_mod is None and block_mask is None and not varlen
+                 and score_mod is None and block_mask is None
                  and not interp and gluon_bwd.eligible(q, k, v, do, left=left, right=right,
-                                                       softcap=softcap))
+                                                       softcap=softcap)
+                 and (not varlen or gluon_bwd.supported_varlen(
+                     q, k, v, do, cu_seqlens_q, cu_seqlens_k, deterministic=deterministic,
+                     left=left, right=right, softcap=softcap)))
     atomic = atomic or use_gluon
     # calls that can hide keys inside the tiles they load (causal, window, mask, varlen:
     # rule 4 of the attention API's docstring) raise a flag when an output is not finite
@@ -1275,6 +1278,8 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                                                       causal=False, left=left, right=right,
                                                       softcap=softcap, scale=scale,
                                                       deterministic=deterministic,
+                                                      cu_seqlens_q=cu_seqlens_q,
+                                                      cu_seqlens_k=cu_seqlens_k,
                                                       launch=False))
         # (the Gluon kernel itself is unchanged: see the flag's rule above)
         launches.append(_convert_launch(dq_acc, dq, scale, flag,

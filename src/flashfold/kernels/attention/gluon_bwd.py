@@ -131,7 +131,8 @@ if gluon is not None:
     from ..compat import (fence_async_shared, gl, mbarrier, tma, warp_specialize,
                           warpgroup_mma, warpgroup_mma_wait)
     from ..compat import tma_reduce_add as _tma_reduce_add
-    from .gluon_fwd import _pass_turn, _take_turn, _wgmma_layout
+    from .gluon_fwd import (_pass_turn, _take_turn, _wgmma_layout, seq_lookup_finish,
+                            seq_lookup_issue)
 
 #: query rows per step (one wgmma N of the transposed tiles)
 BLOCK_M = 64
@@ -157,23 +158,14 @@ __all__ = ["supported", "eligible", "gluon_attention_bwd", "store_tma", "wave_he
 if gluon is not None:
 
     @gluon.jit
-    def _program(pid, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                 DETERMINISTIC: gl.constexpr = False):
-        """This program's key tile ``n`` of ``(b, hk)``, the query tiles ``[m_lo, m_hi)``
-        whose rows see a key of it (key ``c`` is visible to row ``r`` iff ``r + off - left
-        <= c <= r + off + right``, ``off = Nk - Nq``, each side only when bounded) and
-        where its walk over them starts (``m_0``, see :func:`_query_tile`). Programs run in
-        groups of ``wave_heads`` heads (the last group may have fewer), tile-major inside a
-        group: tile 0 of each of its heads, then tile 1, ... (:func:`wave_heads`).
-        ``DETERMINISTIC`` walks start at their first tile (``m_0 = 0``; see
-        :func:`_query_tile`)."""
-        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
-        first = (pid // (wave_heads * n_n)) * wave_heads
-        heads = gl.minimum(wave_heads, n_bh - first)
-        r = pid - first * n_n
-        n = r // heads
-        bh = first + r % heads
+    def _query_range(n, q_len, kv_len, left, right, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                     DETERMINISTIC: gl.constexpr):
+        """Key tile ``n``'s query tiles ``[m_lo, m_hi)`` whose rows see a key of it (key
+        ``c`` is visible to row ``r`` iff ``r + off - left <= c <= r + off + right``, ``off =
+        Nk - Nq``, each side only when bounded) and where its walk over them starts
+        (``m_0``, see :func:`_query_tile`; ``DETERMINISTIC`` walks start at their first
+        tile)."""
         n_m = gl.cdiv(q_len, BLOCK_M)
         m_lo = 0
         m_hi = n_m
@@ -188,7 +180,50 @@ if gluon is not None:
                                          n_m), m_lo)
         if not MASK_LEFT and not MASK_RIGHT and not DETERMINISTIC:
             m_0 = (n * (BLOCK_N // BLOCK_M)) % n_m
+        return m_lo, m_hi, m_0
+
+    @gluon.jit
+    def _program(pid, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                 DETERMINISTIC: gl.constexpr = False):
+        """This program's key tile ``n`` of ``(b, hk)``, the query tiles ``[m_lo, m_hi)``
+        whose rows see a key of it and where its walk over them starts (``m_0``):
+        :func:`_query_range`. Programs run in groups of ``wave_heads`` heads (the last
+        group may have fewer), tile-major inside a group: tile 0 of each of its heads,
+        then tile 1, ... (:func:`wave_heads`)."""
+        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
+        first = (pid // (wave_heads * n_n)) * wave_heads
+        heads = gl.minimum(wave_heads, n_bh - first)
+        r = pid - first * n_n
+        n = r // heads
+        bh = first + r % heads
+        m_lo, m_hi, m_0 = _query_range(n, q_len, kv_len, left, right, BLOCK_M, BLOCK_N,
+                                       MASK_LEFT, MASK_RIGHT, DETERMINISTIC)
         return bh // heads_k, bh % heads_k, n, m_lo, m_hi, m_0
+
+    @gluon.jit
+    def _varlen_program(pid, shape, seqs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                        WARPS: gl.constexpr):
+        """``VARLEN``: program ``pid``'s key tile of packed sequences, ``(valid, hk, n,
+        m_lo, m_hi, m_0, qs, ks, q_len, kv_len)``: slot ``u = pid % n_n`` of KV head ``hk
+        = pid // n_n`` (slots as the forward's, over the keys: ``cu_k[s] // BLOCK_N + s +
+        n``, :func:`.gluon_fwd.varlen_slots`; consecutive programs take consecutive key
+        tiles of a sequence, which read the same query tiles), its sequence's rows ``qs
+        ..`` and keys ``ks ..`` and lengths, and its query range (:func:`_query_range`);
+        ``valid`` is false for a slot past its sequence's key tiles. Every partition looks
+        the slot up (one program, one tile)."""
+        n_n = shape[4]
+        left = shape[7]
+        right = shape[8]
+        CU_Q, CU_K, n_seqs, levels, top = seqs
+        hk = pid // n_n
+        s, ks, kv_len, qs, q_len, n = seq_lookup_finish(
+            seq_lookup_issue(pid % n_n, CU_K, CU_Q, n_seqs, levels, top, BLOCK_N, WARPS),
+            n_seqs, BLOCK_N, WARPS)
+        m_lo, m_hi, m_0 = _query_range(n, q_len, kv_len, left, right, BLOCK_M, BLOCK_N,
+                                       MASK_LEFT, MASK_RIGHT, False)
+        return n < gl.cdiv(kv_len, BLOCK_N), hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len
 
     @gluon.jit
     def _query_tile(i, m_lo, m_0, m_hi, DOWN: gl.constexpr = False):
@@ -210,23 +245,46 @@ if gluon is not None:
         return gl.where(x < m_hi, x, x - (m_hi - m_lo))
 
     @gluon.jit
-    def _producer_tile(t, j, descs, bufs, bars, shape, BLOCK_M: gl.constexpr,
+    def _producer_tile(t, j, descs, bufs, bars, shape, seqs, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
-                       MASK_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                       MASK_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                       VARLEN: gl.constexpr):
         """Key tile ``t``'s loads: ``K`` and ``V`` once, then ``Q``, ``dO``, ``lambda`` and
         ``D`` of every step (query head ``g`` of the group, query tile ``m``) into the
-        ring, whose position ``j`` counts on across tiles; returns it."""
+        ring, whose position ``j`` counts on across tiles; returns it. ``VARLEN``: the
+        tile of a packed sequence (:func:`_varlen_program`), rows and keys from its
+        offsets; none for a slot past its sequence."""
+        if VARLEN:
+            valid, hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len = _varlen_program(
+                t, shape, seqs, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, 1)
+            j = gl.to_tensor(j)
+            if valid:
+                j = _producer_steps(0, hk, n, m_lo, m_hi, m_0, qs, ks, j, descs, bufs, bars,
+                                    shape, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, DETERMINISTIC)
+        else:
+            b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                                 MASK_RIGHT, DETERMINISTIC)
+            j = _producer_steps(b, hk, n, m_lo, m_hi, m_0, 0, 0, j, descs, bufs, bars, shape,
+                                BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, DETERMINISTIC)
+        return j
+
+    @gluon.jit
+    def _producer_steps(b, hk, n, m_lo, m_hi, m_0, qs, ks, j, descs, bufs, bars, shape,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        MASK_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr):
+        """:func:`_producer_tile`'s loads of key tile ``n`` of ``(b, hk)`` (rows from ``qs``
+        and keys from ``ks``); returns the ring position."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync = bars
-        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
-        b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                             MASK_RIGHT, DETERMINISTIC)
+        group = shape[3]
         nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lam_desc.block_type.nbytes + dd_desc.block_type.nbytes)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, n * BLOCK_N, 0], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [b, hk, n * BLOCK_N, 0], kv_ready, v_smem)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, ks + n * BLOCK_N, 0], kv_ready,
+                                        k_smem)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, ks + n * BLOCK_N, 0], kv_ready,
+                                        v_smem)
         j = gl.to_tensor(j)      # (a one-tile program passes the literal 0)
         for g in range(group):
             hq = hk * group + g
@@ -235,21 +293,23 @@ if gluon is not None:
                 slot = j % STAGES
                 mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(slot), nbytes)
-                tma.async_copy_global_to_shared(q_desc, [b, hq, m * BLOCK_M, 0],
+                row = qs + m * BLOCK_M
+                tma.async_copy_global_to_shared(q_desc, [b, hq, row, 0],
                                                 q_ready.index(slot), q_bufs.index(slot))
-                tma.async_copy_global_to_shared(do_desc, [b, hq, m * BLOCK_M, 0],
+                tma.async_copy_global_to_shared(do_desc, [b, hq, row, 0],
                                                 q_ready.index(slot), do_bufs.index(slot))
-                tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, m * BLOCK_M],
+                tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, row],
                                                 q_ready.index(slot), lam_bufs.index(slot))
-                tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, m * BLOCK_M],
+                tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, row],
                                                 q_ready.index(slot), dd_bufs.index(slot))
                 j += 1
         return j
 
     @gluon.jit
-    def _bwd_producer(descs, bufs, bars, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                      PERSISTENT: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    def _bwd_producer(descs, bufs, bars, shape, seqs, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                      MASK_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
+                      DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr):
         """TMA loads of the program's key tile, or (``PERSISTENT``) of key tiles ``pid,
         pid + grid, ...``, each tile's ``K``, ``V`` once both consumers have released the
         previous one (``kv_empty``)."""
@@ -260,12 +320,12 @@ if gluon is not None:
             r = 0
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
                 mbarrier.wait(kv_empty, (r & 1) ^ 1)
-                j = _producer_tile(t, j, descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
-                                   MASK_LEFT, MASK_RIGHT, DETERMINISTIC)
+                j = _producer_tile(t, j, descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N,
+                                   STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC, False)
                 r += 1
         else:
-            _producer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, BLOCK_M, BLOCK_N,
-                           STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC)
+            _producer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, seqs, BLOCK_M,
+                           BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC, VARLEN)
 
     @gluon.jit
     def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, buf):
@@ -281,16 +341,16 @@ if gluon is not None:
                              use_acc=False, is_async=True)
 
     @gluon.jit
-    def _dq_add(dq_desc, dq_bufs, dq, b, hq, m, col, BLOCK_M: gl.constexpr,
+    def _dq_add(dq_desc, dq_bufs, dq, b, hq, row, col, BLOCK_M: gl.constexpr,
                 DQ_COLS: gl.constexpr, WG: gl.constexpr):
-        """``dQ_acc[b, hq, 64 m .., col ..] += dq`` by a TMA reduce-add from the
+        """``dQ_acc[b, hq, row .., col ..] += dq`` by a TMA reduce-add from the
         warpgroup's staging buffer (rows past Nq and columns past D clipped), once the
         previous add has read the buffer."""
         dq_smem = dq_bufs.index(WG)
         tma.store_wait(0)
         dq_smem.reshape([BLOCK_M, DQ_COLS]).store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [b, hq, m * BLOCK_M, col], dq_smem)
+        _tma_reduce_add(dq_desc, [b, hq, row, col], dq_smem)
 
     @gluon.jit
     def _dq_order(b, hq, n, m, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -389,8 +449,9 @@ if gluon is not None:
 
     @gluon.jit
     def _probs(st, lam, row0, qcols, first_row, last_row, key_ok, qk_scale, step_scale,
-               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-               MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr):
+               q_len, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+               SOFTCAP: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
+               VARLEN: gl.constexpr = False):
         """``(P^T, rc)`` of a step's scores ``st`` (keys x queries ``row0 + qcols``)
         against the rows' ``lambda``: ATTENTION2's weights (generated: ``2^(x c log2 e -
         lambda)``, ``c = step_scale``); ``x = qk``, ``c = scale``, or with ``SOFTCAP`` ``x =
@@ -401,7 +462,8 @@ if gluon is not None:
         pairs, branch-free (a branch here doubled the live registers): keys before a
         row's window or after its right bound (keys past Nk included: see
         ``first_row``), or, unbounded, keys past Nk (``MASK_TAIL_KEYS``: ``P`` could
-        overflow there, the lse far below 0)."""
+        overflow there, the lse far below 0); ``VARLEN``: also rows past ``q_len``, the
+        next sequence's (a dense call's rows past Nq read as zeros and add nothing)."""
         rc = st
         if SOFTCAP:
             rc = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
@@ -417,26 +479,63 @@ if gluon is not None:
             p = gl.where(key_ok[:, None], p, 0.0)
         if MASK_LEFT:
             p = gl.where(rows <= last_row[:, None], p, 0.0)
+        if VARLEN:
+            p = gl.where(rows < q_len, p, 0.0)
         return p, rc
 
     @gluon.jit
-    def _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
+    def _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, seqs, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
                        STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                        SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                        LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
-                       WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                       WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                       VARLEN: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
         position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
         over every step and add the previous step's dQ columns ``64 WG ..`` (see the
         module docstring), then write ``dK``, ``dV`` and add the last step's dQ.
         ``DETERMINISTIC`` (one tile per program): the dQ pieces go to the writer warp
-        (:func:`_dq_hand`), which adds them in turn."""
+        (:func:`_dq_hand`), which adds them in turn. ``VARLEN``: the tile of a packed
+        sequence (:func:`_varlen_program`; nothing for a slot past its sequence), its
+        dK, dV stored from registers."""
+        if VARLEN:
+            valid, hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len = _varlen_program(
+                t, shape, seqs, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, 4)
+            j = gl.to_tensor(j)
+            if valid:
+                j = _consumer_steps(0, hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len, j, r,
+                                    descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                    BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
+                                    SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
+                                    MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, True)
+        else:
+            b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                                 MASK_RIGHT, DETERMINISTIC)
+            j = _consumer_steps(b, hk, n, m_lo, m_hi, m_0, 0, 0, shape[0], shape[1], j, r,
+                                descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
+                                HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA,
+                                WG, PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS,
+                                DETERMINISTIC, False)
+        return j
+
+    @gluon.jit
+    def _consumer_steps(b, hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len, j, r, descs, bufs,
+                        bars, shape, ptrs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                        SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
+                        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                        LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
+                        WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                        VARLEN: gl.constexpr):
+        """:func:`_consumer_tile`'s work on its key tile ``n`` of ``(b, hk)`` (rows from
+        ``qs`` and keys from ``ks`` of a sequence of ``q_len`` rows and ``kv_len`` keys;
+        query tiles ``m_lo .. m_hi`` from ``m_0``); returns the ring position."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync = bars
-        q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
+        _, _, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
         DK, DV, qk_scale, scale, step_scale, SEM = ptrs
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_COLS: gl.constexpr = BLOCK_D // 2     # columns of this warpgroup's dQ add
@@ -447,15 +546,14 @@ if gluon is not None:
         dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)
-        b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                             MASK_RIGHT, DETERMINISTIC)
         k_w = k_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
         v_w = v_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
         k_cols = k_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
-        keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+        keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF,
+                                                   layout=gl.SliceLayout(1, s_layout))
         key_ok = keys < kv_len
-        # the rows that see key c: first_row(c) <= r <= last_row(c) (see _program); a key
-        # past Nk has no first row
+        # the rows that see key c: first_row(c) <= r <= last_row(c) (see _program); a
+        # key past Nk has no first row
         first_row = gl.where(key_ok, keys - (kv_len - q_len) - right, q_len + BLOCK_M)
         last_row = keys - (kv_len - q_len) + left
         qcols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -503,8 +601,8 @@ if gluon is not None:
                     lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
                 p, rc = _probs(st, lam, m * BLOCK_M, qcols, first_row, last_row, key_ok,
-                               qk_scale, step_scale, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                               MASK_TAIL_KEYS, WEIGHTS)
+                               qk_scale, step_scale, q_len, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                               MASK_TAIL_KEYS, WEIGHTS, VARLEN)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_s, dv, is_async=True)
                 if SOFTCAP:     # P's only other use is dS: fold ds/dx in now, rc dies
@@ -539,8 +637,8 @@ if gluon is not None:
                 if DETERMINISTIC:   # (step 0 hands over zeros: the writer drops them)
                     _dq_hand(dq_bufs, dq_sync, dq, j, BLOCK_M, DQ_COLS, WG)
                 else:
-                    _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, WG * DQ_COLS, BLOCK_M,
-                            DQ_COLS, WG)
+                    _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, qs + m_prev * BLOCK_M,
+                            WG * DQ_COLS, BLOCK_M, DQ_COLS, WG)
                 dk = warpgroup_mma_wait(0, deps=[dk])
                 mbarrier.arrive(q_empty.index(slot), count=1)
                 m_prev = m
@@ -573,7 +671,10 @@ if gluon is not None:
         else:
             out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
             dcols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
-            kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
+            if VARLEN:
+                kv_base = hk.to(gl.int64) * shape[1] + ks
+            else:
+                kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
             offs = (kv_base + out_rows)[:, None] * HEAD_DIM + dcols[None, :]
             ok = (out_rows < kv_len)[:, None]
             if HEAD_DIM < BLOCK_D:
@@ -586,18 +687,19 @@ if gluon is not None:
         if DETERMINISTIC:
             _dq_hand(dq_bufs, dq_sync, dq, j, BLOCK_M, DQ_COLS, WG)
         else:
-            _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, m_prev, WG * DQ_COLS, BLOCK_M,
-                    DQ_COLS, WG)
+            _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, qs + m_prev * BLOCK_M, WG * DQ_COLS,
+                    BLOCK_M, DQ_COLS, WG)
         return j
 
     @gluon.jit
-    def _bwd_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
+    def _bwd_consumer(descs, bufs, bars, shape, ptrs, seqs, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                       SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
-                      WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                      WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                      VARLEN: gl.constexpr):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
         key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
         counting on across tiles. The first step of a tile adds the product of a zeroed
@@ -613,16 +715,16 @@ if gluon is not None:
             j = 0
             r = 0
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
-                j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
-                                   BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                   STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
-                                   MASK_TAIL_KEYS, WEIGHTS, False)
+                j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, seqs, BLOCK_M,
+                                   BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
+                                   SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
+                                   MASK_TAIL_KEYS, WEIGHTS, False, False)
                 r += 1
         else:
-            _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, BLOCK_M,
-                           BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                           STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS,
-                           WEIGHTS, DETERMINISTIC)
+            _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, seqs,
+                           BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
+                           SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
+                           MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, VARLEN)
         tma.store_wait(0)
 
     @gluon.jit
@@ -700,7 +802,7 @@ if gluon is not None:
                 lam = lam_bufs.index(slot).reshape([BLOCK_M]).slice(WG * HALF, HALF).load(
                     gl.SliceLayout(0, s_layout))
                 p, rc = _probs(st, lam, m * BLOCK_M, qcols, first_row, last_row, key_ok,
-                               qk_scale, step_scale, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                               qk_scale, step_scale, q_len, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                MASK_TAIL_KEYS, WEIGHTS)
                 pb = p.to(dtype)
                 if SOFTCAP:
@@ -739,7 +841,8 @@ if gluon is not None:
                     _dq_hand(dq_bufs, dq_sync, dq, k, BLOCK_M, DQ_COLS, WG)
                     k += 1
                 else:
-                    _dq_add(dq_desc, dq_bufs, dq, b, hq, m, DQ_LO, BLOCK_M, DQ_COLS, WG)
+                    _dq_add(dq_desc, dq_bufs, dq, b, hq, m * BLOCK_M, DQ_LO, BLOCK_M,
+                            DQ_COLS, WG)
                 for c in gl.static_range(DQ_LO + DQ_COLS, DQ_HI, DQ_COLS):   # (< HEAD_DIM)
                     dq = warpgroup_mma(ds_t.permute((1, 0)), k_t.slice(c, DQ_COLS, dim=1),
                                        dq_zero, use_acc=False, is_async=True)
@@ -748,7 +851,8 @@ if gluon is not None:
                         _dq_hand(dq_bufs, dq_sync, dq, k, BLOCK_M, DQ_COLS, WG)
                         k += 1
                     else:
-                        _dq_add(dq_desc, dq_bufs, dq, b, hq, m, c, BLOCK_M, DQ_COLS, WG)
+                        _dq_add(dq_desc, dq_bufs, dq, b, hq, m * BLOCK_M, c, BLOCK_M,
+                                DQ_COLS, WG)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 if OUT_A < OUT_COLS:
                     acc2 = warpgroup_mma_wait(0, deps=[acc2])
@@ -809,7 +913,8 @@ if gluon is not None:
     @gluon.jit
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
                      q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right,
-                     qk_scale, scale, step_scale, SEM,
+                     qk_scale, scale, step_scale, SEM, CU_Q, CU_K, n_seqs, search_levels,
+                     search_top,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr,
@@ -819,7 +924,7 @@ if gluon is not None:
                      PRODUCER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr = False,
                      WIDE: gl.constexpr = False,
                      BLOCK_DV: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
-                     DQ_SPLIT: gl.constexpr = 0):
+                     DQ_SPLIT: gl.constexpr = 0, VARLEN: gl.constexpr = False):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -882,6 +987,7 @@ if gluon is not None:
         bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync)
         shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right)
         ptrs = (DK, DV, qk_scale, scale, step_scale, SEM)
+        seqs = (CU_Q, CU_K, n_seqs, search_levels, search_top)
         # the writers' dQ columns (DETERMINISTIC): warpgroup 0 adds 0 .. SPLIT, 1 SPLIT .. END
         if WIDE:
             DQ_COLS: gl.constexpr = 64
@@ -905,8 +1011,8 @@ if gluon is not None:
                                       BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
                                       STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
                                       MASK_TAIL_KEYS, WEIGHTS, True)),
-                    (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
-                                     MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC)),
+                    (_bwd_producer, (descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N, STAGES,
+                                     MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC, False)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
                                   MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
@@ -922,22 +1028,23 @@ if gluon is not None:
                                       BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
                                       STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
                                       MASK_TAIL_KEYS, WEIGHTS, False)),
-                    (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
-                                     MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC)),
+                    (_bwd_producer, (descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N, STAGES,
+                                     MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC, False)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             if DETERMINISTIC:
                 warp_specialize([
-                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, BLOCK_M, BLOCK_N,
                                      BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                                      SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT, LATE_STATS,
-                                     MASK_TAIL_KEYS, WEIGHTS, True)),
-                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                     MASK_TAIL_KEYS, WEIGHTS, True, VARLEN)),
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, BLOCK_M, BLOCK_N,
                                      BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                                      SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT, LATE_STATS,
-                                     MASK_TAIL_KEYS, WEIGHTS, True)),
-                    (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
-                                     MASK_LEFT, MASK_RIGHT, PERSISTENT, DETERMINISTIC)),
+                                     MASK_TAIL_KEYS, WEIGHTS, True, VARLEN)),
+                    (_bwd_producer, (descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N, STAGES,
+                                     MASK_LEFT, MASK_RIGHT, PERSISTENT, DETERMINISTIC,
+                                     VARLEN)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
                                   MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
@@ -945,16 +1052,17 @@ if gluon is not None:
                 ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
             else:
                 warp_specialize([
-                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, BLOCK_M, BLOCK_N,
                                      BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                                      SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT, LATE_STATS,
-                                     MASK_TAIL_KEYS, WEIGHTS, False)),
-                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                     MASK_TAIL_KEYS, WEIGHTS, False, VARLEN)),
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, BLOCK_M, BLOCK_N,
                                      BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                                      SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT, LATE_STATS,
-                                     MASK_TAIL_KEYS, WEIGHTS, False)),
-                    (_bwd_producer, (descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
-                                     MASK_LEFT, MASK_RIGHT, PERSISTENT, DETERMINISTIC)),
+                                     MASK_TAIL_KEYS, WEIGHTS, False, VARLEN)),
+                    (_bwd_producer, (descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N, STAGES,
+                                     MASK_LEFT, MASK_RIGHT, PERSISTENT, DETERMINISTIC,
+                                     VARLEN)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
         if PERSISTENT:
@@ -1018,9 +1126,23 @@ def supported(q, k, v, do, *, causal: bool = False, left: int | None = None,
 def eligible(q, k, v, do, *, causal: bool = False, left: int | None = None,
              right: int | None = None, softcap: float | None = None) -> bool:
     """:func:`supported`, :func:`.gluon_fwd.on_hopper`, and the TMA reduce op present in
-    this Triton (3.6 has it; the caller rules out mods and varlen)."""
+    this Triton (3.6 has it; the caller rules out mods, and checks
+    :func:`supported_varlen` for packed sequences)."""
     return HAS_TMA_REDUCE and gluon_fwd.on_hopper(q) and supported(
         q, k, v, do, causal=causal, left=left, right=right, softcap=softcap)
+
+
+def supported_varlen(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *, deterministic: bool,
+                     left: int | None = None, right: int | None = None,
+                     softcap: float | None = None) -> bool:
+    """Whether packed sequences run this kernel (``VARLEN``): :func:`supported` of the
+    packed tensors (a batch of one), head dims up to 128 with ``Dv = D`` (not ``WIDE``),
+    not deterministic, and every row seeing a key under a right bound, which the same
+    offsets for queries and keys guarantee (``cu_seqlens_q is cu_seqlens_k``; other
+    offsets with a right bound take the Triton kernels, whose rule needs no lengths)."""
+    return (q.shape[0] == 1 and not deterministic and not wide(q.shape[-1], v.shape[-1])
+            and (right is None or cu_seqlens_q is cu_seqlens_k)
+            and supported(q, k, v, do, left=left, right=right, softcap=softcap))
 
 
 def store_tma(bounded: bool, steps: int) -> bool:
@@ -1112,12 +1234,17 @@ def dq_counters(q):
                      zero=True)
 
 
+#: the sequence arguments of a call without packed sequences (unused)
+_NO_SEQS = (None, None, 0, 0, 0)
+
+
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         left: int | None = None, right: int | None = None,
                         softcap: float | None = None, launch: bool = True, tma_store: bool | None = None,
                         heads_per_wave: int | None = None, pingpong: bool | None = None,
                         persistent: bool | int | None = None, late_stats: bool | None = None,
-                        mask_tail_keys: bool | None = None, deterministic: bool = False):
+                        mask_tail_keys: bool | None = None, deterministic: bool = False,
+                        cu_seqlens_q=None, cu_seqlens_k=None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -1144,6 +1271,11 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     its key tiles in turn, ``_dq_order``, counted in :func:`dq_counters`), so that
     ``dq_acc`` is bitwise reproducible; one program per key tile (not persistent), walks
     not staggered.
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``(S + 1,)``, tensors of a batch of one):
+    packed sequences (``VARLEN``; head dims up to 128, not deterministic, one program
+    per key-tile slot, :func:`_varlen_program`; dK, dV from registers; ``lam`` and ``dd``
+    of the forward's rows, which tiles also read past a sequence's end: ``P`` is zeroed
+    there). The caller checks :func:`supported_varlen`.
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
@@ -1159,6 +1291,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     if deterministic and persistent:
         raise ValueError("persistent: deterministic calls run one program per key tile")
     counters = dq_counters(q) if deterministic else None
+    varlen = cu_seqlens_q is not None
+    if varlen and (wide(D, DV) or deterministic or persistent or tma_store):
+        raise ValueError("cu_seqlens: packed sequences run the head_dim <= 128 tiles, one "
+                         "program per key tile, dK and dV from registers, not deterministic")
     if wide(D, DV):
         knobs = dict(tma_store=tma_store, pingpong=pingpong, persistent=persistent,
                      late_stats=late_stats, mask_tail_keys=mask_tail_keys)
@@ -1171,6 +1307,17 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                             launch)
     BD = block_d(D)
     n_n = -(-Nk // BLOCK_N)
+    seqs = _NO_SEQS
+    if varlen:
+        n_seqs = cu_seqlens_q.shape[0] - 1
+        n_n = gluon_fwd.varlen_slots(Nk, n_seqs)       # key-tile slots per KV head
+        levels = max(gluon_fwd.search_levels(n_seqs), 1)
+        seqs = (cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1))
+        persistent = tma_store = False
+        # keys past a sequence's end are the next sequence's: always masked
+        mask_tail_keys = True if mask_tail_keys is None else mask_tail_keys
+        if not mask_tail_keys:
+            raise ValueError("mask_tail_keys: packed sequences mask the keys past each end")
     if persistent is None:
         persistent = not deterministic and persistent_default(bounded, BD)
     if tma_store is None:   # persistent programs reuse the ring at once: register stores
@@ -1195,14 +1342,15 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), *out,
             Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
             0 if left is None else int(left), 0 if right is None else int(right),
-            qk_scale, float(scale), step_scale, counters)
+            qk_scale, float(scale), step_scale, counters, *seqs)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BD, HEAD_DIM=D, STAGES=STAGES[BD],
                   MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, STORE_TMA=bool(tma_store),
                   PINGPONG=bool(pingpong), PERSISTENT=bool(persistent),
                   LATE_STATS=bool(late_stats), MASK_TAIL_KEYS=bool(mask_tail_keys),
                   WEIGHTS=weights, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                  DETERMINISTIC=counters is not None, num_warps=4, maxnreg=MAXNREG)
+                  DETERMINISTIC=counters is not None, VARLEN=varlen, num_warps=4,
+                  maxnreg=MAXNREG)
     programs = n_n * B * Hk
     if persistent:
         n_sms = gluon_fwd.num_sms(q) if persistent is True else int(persistent)
@@ -1230,7 +1378,7 @@ def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, sca
             _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv,
             Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
             0 if left is None else int(left), 0 if right is None else int(right),
-            qk_scale, float(scale), step_scale, counters)
+            qk_scale, float(scale), step_scale, counters, *_NO_SEQS)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=WIDE_BLOCK_N, BLOCK_D=BD, HEAD_DIM=D,
                   STAGES=stages, MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, STORE_TMA=False, PINGPONG=False,

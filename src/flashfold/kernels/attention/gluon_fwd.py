@@ -222,44 +222,71 @@ if gluon is not None:
         return b, hq, hq // group, q0, t_lo, n_kv, t_a, t_c
 
     @gluon.jit
-    def _lookup_issue(i, n_m, group, seqs, BLOCK_M: gl.constexpr):
-        """The first half of the producer's lookup of round ``i``'s item of packed
-        sequences (:func:`_lookup_finish` completes it): ``(hq, u, lo, cq, cq1, ck,
-        ck1)``, the slot ``u`` of query head ``hq`` (item ``t = (hk n_m + u) group + g``,
-        ``hq = hk group + g``: the query heads of a KV group on the same slot run
-        together, reading the same key and value tiles), and the 32
-        sequences ``lo + lane`` among which the slot's lies, with their offsets
-        ``cu_q[j]``, ``cu_q[j + 1]``, ``cu_k[j]``, ``cu_k[j + 1]`` (loads still in flight:
-        the producer issues them before loading the previous item and reads them after).
+    def seq_lookup_issue(u, CU_A, CU_B, n_seqs, levels, top, BLOCK: gl.constexpr,
+                         WARPS: gl.constexpr):
+        """The first half of the lookup of slot ``u`` of packed sequences
+        (:func:`seq_lookup_finish` completes it), tiled by ``BLOCK`` rows of the offsets
+        ``CU_A`` (``CU_B``: the other side's): ``(u, lo, ca, ca1, cb, cb1)``, the 32
+        sequences ``lo + lane`` among which the slot's lies and their offsets ``CU_A[j]``,
+        ``CU_A[j + 1]``, ``CU_B[j]``, ``CU_B[j + 1]`` (loads that may still be in flight:
+        a caller can issue them early and finish later). ``WARPS``: the calling
+        partition's warps.
 
-        Sequence ``s`` holds the slots ``u = cu_q[s] // BLOCK_M + s + m``, ``m <
-        ceil(len_s / BLOCK_M)`` (:func:`varlen_slots`; they never overlap), so the slot's
-        sequence is the last whose first slot is at most ``u``: a 32-way search over
-        ``CU_Q``, ``levels - 1`` rounds of 32 loads at once from a stride ``top =
-        32^(levels - 1)`` narrowing the range 32 times each (none up to 32 sequences, one
-        up to 1024), then the last 32 candidates."""
-        CU_Q, CU_K, n_seqs, levels, top, info = seqs
-        t = _item_index(i)
-        g = t % group
-        r = t // group
-        u = r % n_m
-        bh = (r // n_m) * group + g
-        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        Sequence ``s`` holds the slots ``u = CU_A[s] // BLOCK + s + m``, ``m <
+        ceil(len_s / BLOCK)`` (:func:`varlen_slots`; they never overlap), so the slot's
+        sequence is the last whose first slot is at most ``u``: a 32-way search,
+        ``levels - 1`` rounds of 32 loads at once from a stride ``top = 32^(levels - 1)``
+        narrowing the range 32 times each (none up to 32 sequences, one up to 1024), then
+        the last 32 candidates."""
+        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
         lo = u * 0
         step = top
         for _ in range(levels - 1):
             idx = lo + lanes * step
             ok = idx < n_seqs
-            first = gl.load(CU_Q + idx, mask=ok, other=0) // BLOCK_M + idx
+            first = gl.load(CU_A + idx, mask=ok, other=0) // BLOCK + idx
             lo = lo + (gl.sum((ok & (first <= u)).to(gl.int32), 0) - 1) * step
             step = step // 32
         idx = lo + lanes
         ok = idx < n_seqs
-        cq = gl.load(CU_Q + idx, mask=ok, other=0)
-        cq1 = gl.load(CU_Q + idx + 1, mask=ok, other=0)
-        ck = gl.load(CU_K + idx, mask=ok, other=0)
-        ck1 = gl.load(CU_K + idx + 1, mask=ok, other=0)
-        return bh, u, lo, cq, cq1, ck, ck1
+        ca = gl.load(CU_A + idx, mask=ok, other=0)
+        ca1 = gl.load(CU_A + idx + 1, mask=ok, other=0)
+        cb = gl.load(CU_B + idx, mask=ok, other=0)
+        cb1 = gl.load(CU_B + idx + 1, mask=ok, other=0)
+        return u, lo, ca, ca1, cb, cb1
+
+    @gluon.jit
+    def seq_lookup_finish(pending, n_seqs, BLOCK: gl.constexpr, WARPS: gl.constexpr):
+        """The sequence of a slot (:func:`seq_lookup_issue`): ``(s, a0, a_len, b0, b_len,
+        m)``, its offsets and lengths on both sides and the slot's tile ``m`` of it (a
+        slot past the sequence's tiles has ``m >= ceil(a_len / BLOCK)``)."""
+        u, lo, ca, ca1, cb, cb1 = pending
+        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+        idx = lo + lanes
+        hit = (idx < n_seqs) & (ca // BLOCK + idx <= u)
+        c = gl.sum(hit.to(gl.int32), 0) - 1          # the sequence's lane
+        pick = lanes == c
+        a0 = gl.sum(gl.where(pick, ca, 0), 0)
+        a_len = gl.sum(gl.where(pick, ca1, 0), 0) - a0
+        b0 = gl.sum(gl.where(pick, cb, 0), 0)
+        b_len = gl.sum(gl.where(pick, cb1, 0), 0) - b0
+        s = lo + c
+        return s, a0, a_len, b0, b_len, u - (a0 // BLOCK + s)
+
+    @gluon.jit
+    def _lookup_issue(i, n_m, group, seqs, BLOCK_M: gl.constexpr):
+        """The producer's lookup of round ``i``'s item of packed sequences, issued
+        (:func:`_lookup_finish` completes it): ``(hq, pending)``, the query head and the
+        pending lookup (:func:`seq_lookup_issue`) of slot ``u``, item ``t = (hk n_m + u)
+        group + g``, ``hq = hk group + g``: the query heads of a KV group on the same slot
+        run together, reading the same key and value tiles. The producer issues it before
+        loading the previous item and reads it after."""
+        CU_Q, CU_K, n_seqs, levels, top, info = seqs
+        t = _item_index(i)
+        g = t % group
+        r = t // group
+        hq = (r // n_m) * group + g
+        return hq, seq_lookup_issue(r % n_m, CU_Q, CU_K, n_seqs, levels, top, BLOCK_M, 1)
 
     @gluon.jit
     def _lookup_finish(pending, n_seqs, BLOCK_M: gl.constexpr, MASK_RIGHT: gl.constexpr):
@@ -267,23 +294,13 @@ if gluon is not None:
         m)``, query tile ``m`` of sequence ``s`` (``m < 0``: the slot holds no item), its
         rows ``qs ..`` in ``q`` and keys ``ks ..`` in ``k``; ``m`` runs backwards with a
         right bound (heaviest first)."""
-        bh, u, lo, cq, cq1, ck, ck1 = pending
-        lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        idx = lo + lanes
-        hit = (idx < n_seqs) & (cq // BLOCK_M + idx <= u)
-        c = gl.sum(hit.to(gl.int32), 0) - 1          # the sequence's lane
-        pick = lanes == c
-        qs = gl.sum(gl.where(pick, cq, 0), 0)
-        q_len = gl.sum(gl.where(pick, cq1, 0), 0) - qs
-        ks = gl.sum(gl.where(pick, ck, 0), 0)
-        kv_len = gl.sum(gl.where(pick, ck1, 0), 0) - ks
-        s = lo + c
-        m = u - (qs // BLOCK_M + s)
+        hq, lookup = pending
+        s, qs, q_len, ks, kv_len, m = seq_lookup_finish(lookup, n_seqs, BLOCK_M, 1)
         n_tiles = gl.cdiv(q_len, BLOCK_M)
         if MASK_RIGHT:
             m = n_tiles - 1 - m           # (negative for the slots past the tiles)
         m = gl.where(m < n_tiles, m, -1)
-        return bh, s, qs, q_len, ks, kv_len, m
+        return hq, s, qs, q_len, ks, kv_len, m
 
     @gluon.jit
     def _hand_item(info, hq, s, qs, q_len, ks, kv_len, m):
