@@ -302,6 +302,30 @@ def test_needs_the_tma_reduce_op():
                 assert gluon_bwd.eligible(q, k, v, q) is has
 
 
+@pytest.mark.parametrize("lens", [[63, 1000, 2049], [1, 0, 2, 3, 5], [100, 600, 300], [0]])
+def test_packed_statistics_start_aligned_and_apart(lens):
+    """``stats_rows``: each sequence's statistics in order from a multiple of 4 (TMA's
+    16-byte rule for the start of a box's innermost dim; the kernel's ``_stats_start``:
+    ``4 (ceil(cu[s] / 4) + s)``), no two sequences' rows in the same place, and rows past
+    the last offset after the last sequence's."""
+    from flashfold.kernels.attention.gluon_bwd import stats_rows
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T = cu[-1] + 3                                     # (3 rows past the last sequence)
+    x = torch.arange(1, 2 * T + 1, dtype=torch.float32).reshape(1, 2, T)
+    y = stats_rows(x, torch.tensor(cu, dtype=torch.int32))
+    assert y.shape == (1, 2, T + 4 * len(lens) + 4)
+    starts = [4 * (-(-c // 4) + s) for s, c in enumerate(cu[:-1])]
+    for s, st in enumerate(starts):
+        assert st % 4 == 0
+        assert torch.equal(y[..., st:st + lens[s]], x[..., cu[s]:cu[s + 1]])
+    last = starts[-1] + lens[-1]
+    assert torch.equal(y[..., last:last + 3], x[..., cu[-1]:])
+    # every row once, nothing else written
+    assert int((y != 0).sum()) == x.numel()
+
+
 def test_dispatch_sends_calls_without_mods():
     """``prepare_backward`` builds the Gluon launch for dense, causal, windowed and
     soft-capped calls without a config, deterministic or not (the flag passed on), and

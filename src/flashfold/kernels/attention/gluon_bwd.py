@@ -206,13 +206,13 @@ if gluon is not None:
                         MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                         WARPS: gl.constexpr):
         """``VARLEN``: program ``pid``'s key tile of packed sequences, ``(valid, hk, n,
-        m_lo, m_hi, m_0, qs, ks, q_len, kv_len)``: slot ``u = pid % n_n`` of KV head ``hk
+        m_lo, m_hi, m_0, s, qs, ks, q_len, kv_len)``: slot ``u = pid % n_n`` of KV head ``hk
         = pid // n_n`` (slots as the forward's, over the keys: ``cu_k[s] // BLOCK_N + s +
         n``, :func:`.gluon_fwd.varlen_slots`; consecutive programs take consecutive key
         tiles of a sequence, which read the same query tiles), its sequence's rows ``qs
         ..`` and keys ``ks ..`` and lengths, and its query range (:func:`_query_range`);
         ``valid`` is false for a slot past its sequence's key tiles. Every partition looks
-        the slot up (one program, one tile)."""
+        the slot up (one program, one tile); ``s`` is the sequence."""
         n_n = shape[4]
         left = shape[7]
         right = shape[8]
@@ -223,7 +223,14 @@ if gluon is not None:
             n_seqs, BLOCK_N, WARPS)
         m_lo, m_hi, m_0 = _query_range(n, q_len, kv_len, left, right, BLOCK_M, BLOCK_N,
                                        MASK_LEFT, MASK_RIGHT, False)
-        return n < gl.cdiv(kv_len, BLOCK_N), hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len
+        return n < gl.cdiv(kv_len, BLOCK_N), hk, n, m_lo, m_hi, m_0, s, qs, ks, q_len, kv_len
+
+    @gluon.jit
+    def _stats_start(s, qs):
+        """``VARLEN``: where sequence ``s`` (rows from ``qs``) starts in the row
+        statistics (:func:`stats_rows`): a multiple of 4, as TMA needs the start of a
+        box's innermost dim 16-byte aligned."""
+        return 4 * ((qs + 3) // 4 + s)
 
     @gluon.jit
     def _query_tile(i, m_lo, m_0, m_hi, DOWN: gl.constexpr = False):
@@ -255,25 +262,27 @@ if gluon is not None:
         tile of a packed sequence (:func:`_varlen_program`), rows and keys from its
         offsets; none for a slot past its sequence."""
         if VARLEN:
-            valid, hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len = _varlen_program(
+            valid, hk, n, m_lo, m_hi, m_0, s, qs, ks, q_len, kv_len = _varlen_program(
                 t, shape, seqs, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, 1)
             j = gl.to_tensor(j)
             if valid:
-                j = _producer_steps(0, hk, n, m_lo, m_hi, m_0, qs, ks, j, descs, bufs, bars,
-                                    shape, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, DETERMINISTIC)
+                j = _producer_steps(0, hk, n, m_lo, m_hi, m_0, qs, ks, _stats_start(s, qs), j,
+                                    descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
+                                    MASK_RIGHT, DETERMINISTIC)
         else:
             b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
                                                  MASK_RIGHT, DETERMINISTIC)
-            j = _producer_steps(b, hk, n, m_lo, m_hi, m_0, 0, 0, j, descs, bufs, bars, shape,
-                                BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, DETERMINISTIC)
+            j = _producer_steps(b, hk, n, m_lo, m_hi, m_0, 0, 0, 0, j, descs, bufs, bars,
+                                shape, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, DETERMINISTIC)
         return j
 
     @gluon.jit
-    def _producer_steps(b, hk, n, m_lo, m_hi, m_0, qs, ks, j, descs, bufs, bars, shape,
+    def _producer_steps(b, hk, n, m_lo, m_hi, m_0, qs, ks, ls, j, descs, bufs, bars, shape,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         MASK_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr):
-        """:func:`_producer_tile`'s loads of key tile ``n`` of ``(b, hk)`` (rows from ``qs``
-        and keys from ``ks``); returns the ring position."""
+        """:func:`_producer_tile`'s loads of key tile ``n`` of ``(b, hk)`` (rows from ``qs``,
+        keys from ``ks``, row statistics from ``ls``: :func:`_stats_start`); returns the
+        ring position."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync = bars
@@ -298,9 +307,9 @@ if gluon is not None:
                                                 q_ready.index(slot), q_bufs.index(slot))
                 tma.async_copy_global_to_shared(do_desc, [b, hq, row, 0],
                                                 q_ready.index(slot), do_bufs.index(slot))
-                tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, row],
+                tma.async_copy_global_to_shared(lam_desc, [b, hq, 0, ls + m * BLOCK_M],
                                                 q_ready.index(slot), lam_bufs.index(slot))
-                tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, row],
+                tma.async_copy_global_to_shared(dd_desc, [b, hq, 0, ls + m * BLOCK_M],
                                                 q_ready.index(slot), dd_bufs.index(slot))
                 j += 1
         return j
@@ -501,7 +510,7 @@ if gluon is not None:
         sequence (:func:`_varlen_program`; nothing for a slot past its sequence), its
         dK, dV stored from registers."""
         if VARLEN:
-            valid, hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len = _varlen_program(
+            valid, hk, n, m_lo, m_hi, m_0, s, qs, ks, q_len, kv_len = _varlen_program(
                 t, shape, seqs, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, 4)
             j = gl.to_tensor(j)
             if valid:
@@ -1238,6 +1247,25 @@ def dq_counters(q):
 _NO_SEQS = (None, None, 0, 0, 0)
 
 
+def stats_rows(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Packed sequences' row statistics ``x (1, H, T)`` (fp32: ``lambda`` or ``D``) laid
+    out for the kernel: ``(1, H, T + 4 S + 4)``, sequence ``s`` (rows ``cu[s] ..``) from
+    ``4 (ceil(cu[s] / 4) + s)`` on (:func:`_stats_start`), zeros between. A packed
+    tile's first row is any row, but TMA needs the start of a box's innermost dim (here
+    the rows) 16-byte aligned. Rows past ``cu[S]`` follow the last sequence's. No host
+    sync."""
+    n, T = cu_seqlens.shape[0] - 1, x.shape[-1]
+    out = x.new_zeros(*x.shape[:-1], T + 4 * n + 4)
+    if n == 0:
+        return out
+    cu = cu_seqlens.to(torch.int64)
+    rows = torch.arange(T, device=x.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=n - 1)
+    start = cu[:-1]
+    shift = 4 * ((start + 3) // 4 + torch.arange(n, device=x.device)) - start
+    return out.index_copy_(-1, rows + shift[seq], x)
+
+
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         left: int | None = None, right: int | None = None,
                         softcap: float | None = None, launch: bool = True, tma_store: bool | None = None,
@@ -1274,8 +1302,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``(S + 1,)``, tensors of a batch of one):
     packed sequences (``VARLEN``; head dims up to 128, not deterministic, one program
     per key-tile slot, :func:`_varlen_program`; dK, dV from registers; ``lam`` and ``dd``
-    of the forward's rows, which tiles also read past a sequence's end: ``P`` is zeroed
-    there). The caller checks :func:`supported_varlen`.
+    of the forward's rows, copied apart per sequence for TMA, :func:`stats_rows`; tiles
+    also read rows past a sequence's end: ``P`` is zeroed there). The caller checks :func:`supported_varlen`.
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
@@ -1309,6 +1337,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     n_n = -(-Nk // BLOCK_N)
     seqs = _NO_SEQS
     if varlen:
+        lam, dd = stats_rows(lam, cu_seqlens_q), stats_rows(dd, cu_seqlens_q)
         n_seqs = cu_seqlens_q.shape[0] - 1
         n_n = gluon_fwd.varlen_slots(Nk, n_seqs)       # key-tile slots per KV head
         levels = max(gluon_fwd.search_levels(n_seqs), 1)
