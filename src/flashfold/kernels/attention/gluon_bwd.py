@@ -531,8 +531,9 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer_steps(b, hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len, j, r, descs, bufs,
-                        bars, shape, ptrs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                        bars, shape, ptrs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                        MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                         SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                         PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                         LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
@@ -1303,7 +1304,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     packed sequences (``VARLEN``; head dims up to 128, not deterministic, one program
     per key-tile slot, :func:`_varlen_program`; dK, dV from registers; ``lam`` and ``dd``
     of the forward's rows, copied apart per sequence for TMA, :func:`stats_rows`; tiles
-    also read rows past a sequence's end: ``P`` is zeroed there). The caller checks :func:`supported_varlen`.
+    also read rows past a sequence's end: ``P`` is zeroed there). The caller checks
+    :func:`supported_varlen`.
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
