@@ -314,7 +314,8 @@ def test_packed_statistics_start_aligned_and_apart(lens):
         cu.append(cu[-1] + n)
     T = cu[-1] + 3                                     # (3 rows past the last sequence)
     x = torch.arange(1, 2 * T + 1, dtype=torch.float32).reshape(1, 2, T)
-    y = stats_rows(x, torch.tensor(cu, dtype=torch.int32))
+    y, y2 = stats_rows((x, -x), torch.tensor(cu, dtype=torch.int32))
+    assert torch.equal(y2, -y)
     assert y.shape == (1, 2, T + 4 * len(lens) + 4)
     starts = [4 * (-(-c // 4) + s) for s, c in enumerate(cu[:-1])]
     for s, st in enumerate(starts):

@@ -1248,23 +1248,23 @@ def dq_counters(q):
 _NO_SEQS = (None, None, 0, 0, 0)
 
 
-def stats_rows(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Packed sequences' row statistics ``x (1, H, T)`` (fp32: ``lambda`` or ``D``) laid
-    out for the kernel: ``(1, H, T + 4 S + 4)``, sequence ``s`` (rows ``cu[s] ..``) from
+def stats_rows(stats: tuple[torch.Tensor, ...], cu_seqlens: torch.Tensor) -> tuple:
+    """Packed sequences' row statistics ``x (1, H, T)`` (fp32: ``lambda``, ``D``) laid out
+    for the kernel: ``(1, H, T + 4 S + 4)`` each, sequence ``s`` (rows ``cu[s] ..``) from
     ``4 (ceil(cu[s] / 4) + s)`` on (:func:`_stats_start`), zeros between. A packed
     tile's first row is any row, but TMA needs the start of a box's innermost dim (here
     the rows) 16-byte aligned. Rows past ``cu[S]`` follow the last sequence's. No host
     sync."""
-    n, T = cu_seqlens.shape[0] - 1, x.shape[-1]
-    out = x.new_zeros(*x.shape[:-1], T + 4 * n + 4)
+    n, T = cu_seqlens.shape[0] - 1, stats[0].shape[-1]
+    outs = tuple(x.new_zeros(*x.shape[:-1], T + 4 * n + 4) for x in stats)
     if n == 0:
-        return out
+        return outs
     cu = cu_seqlens.to(torch.int64)
-    rows = torch.arange(T, device=x.device)
+    rows = torch.arange(T, device=cu.device)
     seq = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=n - 1)
     start = cu[:-1]
-    shift = 4 * ((start + 3) // 4 + torch.arange(n, device=x.device)) - start
-    return out.index_copy_(-1, rows + shift[seq], x)
+    dst = rows + (4 * ((start + 3) // 4 + torch.arange(n, device=cu.device)) - start)[seq]
+    return tuple(out.index_copy_(-1, dst, x) for out, x in zip(outs, stats))
 
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
@@ -1339,7 +1339,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     n_n = -(-Nk // BLOCK_N)
     seqs = _NO_SEQS
     if varlen:
-        lam, dd = stats_rows(lam, cu_seqlens_q), stats_rows(dd, cu_seqlens_q)
+        lam, dd = stats_rows((lam, dd), cu_seqlens_q)
         n_seqs = cu_seqlens_q.shape[0] - 1
         n_n = gluon_fwd.varlen_slots(Nk, n_seqs)       # key-tile slots per KV head
         levels = max(gluon_fwd.search_levels(n_seqs), 1)
