@@ -112,6 +112,8 @@ def _compile_all():
         v = torch.empty(batch, 2, 1000, dv or D, dtype=q.dtype)
         do = torch.empty(batch, 4, 1000, dv or D, dtype=q.dtype)
         lam = torch.empty(batch, 4, 1000)
+        if "cu_seqlens_q" in features:      # (laid out apart: stats_rows)
+            lam = torch.empty(1, 4, G.stats_length(1000, len(VARLEN_CU) - 1))
         acc = torch.empty(batch, 4, 1000, D)
         kernel, _, args, kwargs = G.gluon_attention_bwd(q, k, v, do, lam, lam, acc, k, v,
                                                         causal=causal, scale=0.1, launch=False,
@@ -304,19 +306,25 @@ def test_needs_the_tma_reduce_op():
 
 @pytest.mark.parametrize("lens", [[63, 1000, 2049], [1, 0, 2, 3, 5], [100, 600, 300], [0]])
 def test_packed_statistics_start_aligned_and_apart(lens):
-    """``stats_rows``: each sequence's statistics in order from a multiple of 4 (TMA's
-    16-byte rule for the start of a box's innermost dim; the kernel's ``_stats_start``:
-    ``4 (ceil(cu[s] / 4) + s)``), no two sequences' rows in the same place, and rows past
-    the last offset after the last sequence's."""
+    """``stats_rows`` (its copy kernel under the interpreter): each sequence's statistics
+    in order from a multiple of 4 (TMA's 16-byte rule for the start of a box's innermost
+    dim; the kernel's ``_stats_start``: ``4 (ceil(cu[s] / 4) + s)``), no two sequences'
+    rows in the same place, rows past the last offset after the last sequence's, zeros
+    elsewhere (over a buffer of NaN), and a row length of a multiple of 4 (TMA's 16-byte
+    stride)."""
+    from flashfold.kernels import plans
     from flashfold.kernels.attention.gluon_bwd import stats_rows
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
     T = cu[-1] + 3                                     # (3 rows past the last sequence)
     x = torch.arange(1, 2 * T + 1, dtype=torch.float32).reshape(1, 2, T)
-    y, y2 = stats_rows((x, -x), torch.tensor(cu, dtype=torch.int32))
+    def nan_buffer(shape, dtype, device, zero=False):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    with mock.patch.object(plans, "new", side_effect=nan_buffer):
+        y, y2 = stats_rows(x, -x, torch.tensor(cu, dtype=torch.int32))
     assert torch.equal(y2, -y)
-    assert y.shape == (1, 2, T + 4 * len(lens) + 4)
+    assert y.shape == (1, 2, 4 * (-(-T // 4) + len(lens) + 1)) and y.shape[-1] % 4 == 0
     starts = [4 * (-(-c // 4) + s) for s, c in enumerate(cu[:-1])]
     for s, st in enumerate(starts):
         assert st % 4 == 0
@@ -339,8 +347,10 @@ def test_dispatch_sends_calls_without_mods():
 
     def fake(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, left, right, softcap, scale,
              deterministic, launch, cu_seqlens_q=None, cu_seqlens_k=None):
-        calls.append((left, right, softcap, deterministic, cu_seqlens_q is not None))
-        assert dq_acc.dtype == torch.float32 and lam.shape == q.shape[:3]
+        packed = cu_seqlens_q is not None
+        calls.append((left, right, softcap, deterministic, packed))
+        rows = gluon_bwd.stats_length(64, 2) if packed else 64     # (laid out apart)
+        assert dq_acc.dtype == torch.float32 and lam.shape == dd.shape == (*q.shape[:2], rows)
         return ("gluon", (1,), (), {})
     q, k, v = _qkv(NQ=64, NK=64)
     do = torch.randn_like(q)
@@ -355,7 +365,9 @@ def test_dispatch_sends_calls_without_mods():
         assert kernels(right=0, deterministic=True)[1] == "gluon"
         cu = torch.tensor([0, 30, 64], dtype=torch.int32)
         packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34, max_seqlen_k=34)
-        assert kernels(right=0, **packed)[1] == "gluon" and kernels(**packed)[1] == "gluon"
+        copy_then_gluon = [gluon_bwd._stats_apart, "gluon"]
+        assert kernels(right=0, **packed)[1:3] == copy_then_gluon
+        assert kernels(**packed)[1:3] == copy_then_gluon
         assert calls == [(None, None, None, False, False), (None, 0, None, False, False),
                          (8, 0, None, False, False), (None, None, 20.0, False, False),
                          (None, 0, None, True, False), (None, 0, None, False, True),
@@ -364,7 +376,7 @@ def test_dispatch_sends_calls_without_mods():
         for kw in (dict(atomic_dq=False), dict(packed, deterministic=True),
                    dict(other, right=0)):
             assert "gluon" not in kernels(**kw), kw
-        assert kernels(**other)[1] == "gluon"        # (no right bound: any offsets)
+        assert kernels(**other)[1:3] == copy_then_gluon     # (no right bound: any offsets)
         assert len(calls) == 8
 
 
@@ -788,6 +800,20 @@ def test_gpu_varlen_gradients_flash_criterion(case, feature, D):
         err = (a.double() - r).abs().max().item()
         naive = (lo - r).abs().max().item()
         assert err <= 2 * naive + 1e-5, f"{name} {fname} d{n}: err {err:.2e} > 2 x {naive:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_replayed_plan_follows_the_offsets():
+    """Two calls of the same shapes with other offsets (the second replays the first's
+    plan, whose statistics copy then places rows by the new offsets' values): both within
+    the criterion."""
+    _needs_sm90()
+    for seed, lens in enumerate(([181, 1286, 640, 93], [640, 93, 181, 1286])):
+        got, ref, low, _ = _packed_grads(lens, 4, 2, 128, True, None, None, 50 + seed)
+        for n, a, r, lo in zip("qkv", got, ref, low):
+            err = (a.double() - r).abs().max().item()
+            naive = (lo - r).abs().max().item()
+            assert err <= 2 * naive + 1e-5, f"{lens} d{n}: err {err:.2e} > 2 x {naive:.2e}"
 
 
 @pytest.mark.gpu

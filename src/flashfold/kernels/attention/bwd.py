@@ -1274,7 +1274,11 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
 
     # 2. dK, dV (and the atomic dQ)
     if use_gluon:
-        launches.append(gluon_bwd.gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv,
+        lam_g, dd_g = lam, dd
+        if varlen:      # the statistics apart per sequence (TMA alignment), copied on the GPU
+            lam_g, dd_g, copy = gluon_bwd.stats_rows_launch(lam, dd, cu_seqlens_q)
+            launches.append(copy)
+        launches.append(gluon_bwd.gluon_attention_bwd(q, k, v, do, lam_g, dd_g, dq_acc, dk, dv,
                                                       causal=False, left=left, right=right,
                                                       softcap=softcap, scale=scale,
                                                       deterministic=deterministic,

@@ -118,6 +118,8 @@ mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from ...monoids import ATTENTION2
 from .. import launcher, plans
@@ -1248,23 +1250,72 @@ def dq_counters(q):
 _NO_SEQS = (None, None, 0, 0, 0)
 
 
-def stats_rows(stats: tuple[torch.Tensor, ...], cu_seqlens: torch.Tensor) -> tuple:
-    """Packed sequences' row statistics ``x (1, H, T)`` (fp32: ``lambda``, ``D``) laid out
-    for the kernel: ``(1, H, T + 4 S + 4)`` each, sequence ``s`` (rows ``cu[s] ..``) from
-    ``4 (ceil(cu[s] / 4) + s)`` on (:func:`_stats_start`), zeros between. A packed
-    tile's first row is any row, but TMA needs the start of a box's innermost dim (here
-    the rows) 16-byte aligned. Rows past ``cu[S]`` follow the last sequence's. No host
-    sync."""
-    n, T = cu_seqlens.shape[0] - 1, stats[0].shape[-1]
-    outs = tuple(x.new_zeros(*x.shape[:-1], T + 4 * n + 4) for x in stats)
-    if n == 0:
-        return outs
-    cu = cu_seqlens.to(torch.int64)
-    rows = torch.arange(T, device=cu.device)
-    seq = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=n - 1)
-    start = cu[:-1]
-    dst = rows + (4 * ((start + 3) // 4 + torch.arange(n, device=cu.device)) - start)[seq]
-    return tuple(out.index_copy_(-1, dst, x) for out, x in zip(outs, stats))
+def stats_length(T: int, n_seqs: int) -> int:
+    """The length of :func:`stats_rows`' rows for ``T`` packed rows of ``n_seqs``
+    sequences: room for every sequence from its aligned start, and a multiple of 4 (TMA:
+    the row stride 16-byte aligned)."""
+    return 4 * (-(-T // 4) + n_seqs + 1)
+
+
+@triton.jit
+def _stats_apart(LAM, DD, LAM_OUT, DD_OUT, CU, T, L, n_seqs, n_halvings,
+                 stride_h, stride_h_out, BLOCK: tl.constexpr):
+    """One program per ``BLOCK`` places of one head's rows of :func:`stats_rows`: place
+    ``p`` takes row ``cu[s] + p - start(s)`` of the sequence ``s`` whose start
+    ``start(s) = 4 (ceil(cu[s] / 4) + s)`` is the last at or before ``p`` (found by
+    ``n_halvings`` halvings of ``[0, n_seqs - 1]``), 0 past that sequence's end (past
+    ``T`` for the last sequence)."""
+    h = tl.program_id(1)
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = lo + (n_seqs - 1)
+    for _ in range(n_halvings):
+        mid = (lo + hi + 1) // 2
+        c = tl.load(CU + mid)
+        before = 4 * ((c + 3) // 4 + mid) <= p
+        lo = tl.where(before, mid, lo)
+        hi = tl.where(before, hi, mid - 1)
+    c = tl.load(CU + lo)
+    row = c + p - 4 * ((c + 3) // 4 + lo)
+    end = tl.load(CU + lo + 1, mask=lo < n_seqs - 1, other=T)
+    inside = (row < end) & (row < T)
+    a = tl.load(LAM + h * stride_h + row, mask=inside, other=0.0)
+    b = tl.load(DD + h * stride_h + row, mask=inside, other=0.0)
+    keep = p < L
+    tl.store(LAM_OUT + h * stride_h_out + p, a, mask=keep)
+    tl.store(DD_OUT + h * stride_h_out + p, b, mask=keep)
+
+
+def stats_rows_launch(lam, dd, cu_seqlens):
+    """The packed sequences' row statistics ``lam``, ``dd (1, H, T)`` (fp32, unit last
+    stride, one head stride) laid out for the kernel: returns ``(lam_out, dd_out, launch)``,
+    ``(1, H, stats_length(T, S))`` each (plan buffers) and the launch of
+    ``_stats_apart`` that fills them. Sequence ``s`` (rows ``cu[s] ..``) starts at ``4
+    (ceil(cu[s] / 4) + s)`` (:func:`_stats_start`), zeros between: a packed tile's first
+    row is any row, but TMA needs the start of a box's innermost dim (here the rows)
+    16-byte aligned. Rows past ``cu[S]`` follow the last sequence's. The places depend on
+    the offsets' values, so the copy is a launch (a plan replays it), with no host sync."""
+    H, T = lam.shape[1], lam.shape[-1]
+    n = cu_seqlens.shape[0] - 1
+    if n < 1:
+        raise ValueError("cu_seqlens: needs at least one sequence (shape (S + 1,), S >= 1)")
+    if lam.stride() != dd.stride() or lam.stride(-1) != 1:
+        raise ValueError("lam, dd: one layout with unit last stride expected")
+    L = stats_length(T, n)
+    outs = [plans.new((1, H, L), dtype=torch.float32, device=lam.device) for _ in range(2)]
+    block = 1024
+    grid = (-(-L // block), H)
+    launch = (_stats_apart, grid,
+              [lam, dd, *outs, cu_seqlens, T, L, n, (n - 1).bit_length(), lam.stride(1), L],
+              dict(BLOCK=block, num_warps=4))
+    return outs[0], outs[1], launch
+
+
+def stats_rows(lam, dd, cu_seqlens):
+    """:func:`stats_rows_launch`, launched: the laid-out ``(lam_out, dd_out)``."""
+    lam_out, dd_out, (kernel, grid, args, kwargs) = stats_rows_launch(lam, dd, cu_seqlens)
+    launcher.launch(kernel, grid, args, kwargs)
+    return lam_out, dd_out
 
 
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
@@ -1303,9 +1354,9 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``(S + 1,)``, tensors of a batch of one):
     packed sequences (``VARLEN``; head dims up to 128, not deterministic, one program
     per key-tile slot, :func:`_varlen_program`; dK, dV from registers; ``lam`` and ``dd``
-    of the forward's rows, copied apart per sequence for TMA, :func:`stats_rows`; tiles
-    also read rows past a sequence's end: ``P`` is zeroed there). The caller checks
-    :func:`supported_varlen`.
+    given laid out apart per sequence for TMA, ``(1, Hq, stats_length(Nq, S))``:
+    :func:`stats_rows`; tiles also read rows past a sequence's end: ``P`` is zeroed
+    there). The caller checks :func:`supported_varlen`.
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
@@ -1339,8 +1390,12 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     n_n = -(-Nk // BLOCK_N)
     seqs = _NO_SEQS
     if varlen:
-        lam, dd = stats_rows((lam, dd), cu_seqlens_q)
         n_seqs = cu_seqlens_q.shape[0] - 1
+        laid_out = (B, Hq, stats_length(Nq, n_seqs))
+        if lam.shape != laid_out or dd.shape != laid_out:
+            raise ValueError(f"lam, dd: packed sequences' statistics laid out by stats_rows "
+                             f"{laid_out} expected (got {tuple(lam.shape)}, "
+                             f"{tuple(dd.shape)})")
         n_n = gluon_fwd.varlen_slots(Nk, n_seqs)       # key-tile slots per KV head
         levels = max(gluon_fwd.search_levels(n_seqs), 1)
         seqs = (cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1))
