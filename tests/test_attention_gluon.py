@@ -16,6 +16,7 @@ Triton template; gradients through autograd.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -93,7 +94,30 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
             ("d256-varlen-softcap-causal-lse", 256, 256,
              {"varlen": True, "causal": True, "softcap": 50.0}, True, "bfloat16", True),
             ("d192-128-varlen-causal", 192, 128, {"varlen": True, "causal": True}, False,
-             "bfloat16", True)]
+             "bfloat16", True),
+            # score_mods traced into the kernel: ALiBi (a table of slopes), a relative bias
+            # (no table), alone and with the other features
+            ("d128-mod-alibi", 128, 128, {"mod": "alibi"}, False, "bfloat16", True),
+            ("d128-mod-alibi-causal-lse", 128, 128, {"mod": "alibi", "causal": True}, True,
+             "bfloat16", True),
+            ("d64-mod-relative-softcap-lse", 64, 64, {"mod": "relative", "softcap": 30.0},
+             True, "float16", True),
+            ("d128-varlen-mod-alibi-causal-lse", 128, 128,
+             {"varlen": True, "mod": "alibi", "causal": True}, True, "bfloat16", True),
+            ("d256-mod-alibi-causal-window", 256, 256,
+             {"mod": "alibi", "causal": True, "left": 300}, False, "bfloat16", True)]
+
+
+def _score_mod(name, heads):
+    """The traced score_mods of the "-mod-" variants and tests."""
+    from flashfold import mods, ops
+    from flashfold.kernels.attention.mods import trace_score_mod
+    if name == "alibi":
+        return trace_score_mod(mods.alibi(heads))
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + 0.01 * ops.to_float(kv_idx - q_idx)
+    return trace_score_mod(relative)
 
 #: the packed sequences of the "-varlen" variants
 VARLEN_CU = [0, 100, 700, 1000]
@@ -126,6 +150,8 @@ def _compile_all():
     def facts(d, dv, options, lse, dtype, pingpong):
         options = dict(options)
         nk = options.pop("nk", 1000)
+        if "mod" in options:
+            options["score_mod"] = _score_mod(options.pop("mod"), 4)
         batch = 2
         if options.pop("varlen", False):
             cu = torch.tensor(VARLEN_CU, dtype=torch.int32)
@@ -148,6 +174,7 @@ def _compile_all():
                     local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)],
                     constexprs={n: kwargs[n] for n in ("MASK_LEFT", "MASK_RIGHT", "SOFTCAP",
                                                        "O_IN_Q", "BLOCK_N", "VARLEN")},
+                    score_mod=kwargs["SCORE_MOD"] is not None,
                     skipped_rows=1000 - args[7], fill_launches=len(fill))
 
     emit_rows(VARIANTS, facts)
@@ -177,6 +204,7 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert r["constexprs"]["O_IN_Q"] == (vid.startswith("d256") and not two_sided_256), vid
     assert (r["constexprs"]["BLOCK_N"] == 32) == two_sided_256, r["constexprs"]
     assert r["constexprs"]["VARLEN"] == ("-varlen" in vid), r["constexprs"]
+    assert r["score_mod"] == ("-mod-" in vid), r
     assert not r["local_in_loops"], f"{vid}: local memory in the key loop at {r['local_in_loops']}"
     assert r["spill"] <= 256, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
 
@@ -404,13 +432,14 @@ def test_not_on_cpu_tensors():
     assert not eligible(*_qkv())
 
 
-def test_dispatch_sends_calls_without_mods():
-    """``attention_forward`` takes the Gluon path exactly for calls without score_mod,
-    block mask or a forced config (``eligible`` mocked true: the call is recorded, not
-    run), with its window, softcap and packed sequences; a call with a window (causal
-    too) or packed sequences writes the non-finite flags (zeroed for varlen, one per 64
-    rows of each sequence's longest length) and is followed by the strict Triton guard,
-    one without either is launched alone."""
+def test_dispatch_sends_calls_without_mask_mods():
+    """``attention_forward`` takes the Gluon path exactly for calls without block mask or
+    a forced config, with at most a score_mod that Gluon can lower (``eligible`` mocked
+    true: the call is recorded, not run), with its window, softcap and packed sequences;
+    a call with a window (causal too), a score_mod or packed sequences writes the
+    non-finite flags (zeroed for varlen, one per 64 rows of each sequence's longest
+    length) and is followed by the strict Triton guard, one without is launched alone."""
+    from flashfold import ops
     from flashfold.kernels.attention import fwd, gluon_fwd
     from flashfold.kernels.attention.mods import trace_score_mod
     calls = []
@@ -419,11 +448,13 @@ def test_dispatch_sends_calls_without_mods():
              flags=None, **varlen):
         assert not launch                     # (the forward's plan launches it)
         calls.append((left, right, softcap, flags is not None,
-                      varlen.get("max_seqlen_q"), None if flags is None else flags.numel()))
+                      varlen.get("max_seqlen_q"), None if flags is None else flags.numel(),
+                      varlen.get("score_mod")))
         return (("gluon", (1,), (), {}),)
     q, k, v = _qkv(NQ=64, NK=64, D=64, dtype=torch.float32)
     cu = torch.tensor([0, 30, 64], dtype=torch.int32)
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34, max_seqlen_k=34)
+    half = trace_score_mod(lambda s, b, h, i, j: s * 0.5)
     with mock.patch.object(gluon_fwd, "eligible", return_value=True), \
             mock.patch.object(gluon_fwd, "gluon_attention_fwd", side_effect=fake), \
             mock.patch.object(fwd.launcher, "launch") as launch:
@@ -436,7 +467,10 @@ def test_dispatch_sends_calls_without_mods():
                   ({"softcap": 20.0, "left": 8, "right": 8}, (8, 8, 20.0, True, None, 4)),
                   # 2 sequences x 4 heads x ceil(34 / 64)
                   (packed, (None, None, None, True, 34, 8)),
-                  (dict(packed, right=0), (None, 0, None, True, 34, 8))]
+                  (dict(packed, right=0), (None, 0, None, True, 34, 8)),
+                  ({"score_mod": half}, (None, None, None, True, None, 4)),
+                  (dict(packed, score_mod=half), (None, None, None, True, 34, 8))]
+        expect = [(o, c + (dict(o).get("score_mod"),)) for o, c in expect]
         for options, call in expect:
             launch.reset_mock()
             fwd.attention_forward(q, k, v, scale=0.1, **dict(options))
@@ -444,8 +478,9 @@ def test_dispatch_sends_calls_without_mods():
             kernels = [c.args[0] for c in launch.call_args_list]
             assert kernels == (["gluon", fwd._attn_fwd_guard] if call[3] else ["gluon"]), options
         assert len(calls) == len(expect)
+        # (Gluon has no tanh)
         others = [dict(config=fwd.default_config(q, 64, 64)),
-                  dict(score_mod=trace_score_mod(lambda s, b, h, i, j: s * 0.5))]
+                  dict(score_mod=trace_score_mod(lambda s, b, h, i, j: ops.tanh(s)))]
         for options in others:
             fwd.attention_forward(q, k, v, scale=0.1, **options)
         assert len(calls) == len(expect)
@@ -491,21 +526,28 @@ def _needs_sm90():
         pytest.skip("needs an sm_90 GPU")
 
 
-def _reference(q, k, v, causal, scale, window=None, softcap=None):
+def _reference(q, k, v, causal, scale, window=None, softcap=None, score_mod=None):
+    """float64 attention; ``score_mod``: a traced score_mod (its torch lowering)."""
     from flashfold.kernels.attention.reference import naive_attention
+    fn = score_mod.torch_fn(q.device) if score_mod is not None else None
     return naive_attention(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap,
-                           dtype=torch.float64)
+                           score_mod=fn, dtype=torch.float64)
 
 
-def _naive_lowp(q, k, v, causal, scale, window=None, softcap=None):
-    """Matmuls in the input dtype, softcap and softmax in float32 (the criterion's
-    yardstick); a row that sees no key gives 0. ``window``: ``(left, right)``, ``None``
-    or ``-1`` unbounded, bottom-right aligned like the kernels'."""
+def _naive_lowp(q, k, v, causal, scale, window=None, softcap=None, score_mod=None):
+    """Matmuls in the input dtype, softcap, score_mod and softmax in float32 (the
+    criterion's yardstick); a row that sees no key gives 0. ``window``: ``(left, right)``,
+    ``None`` or ``-1`` unbounded, bottom-right aligned like the kernels'."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s.float() / softcap)
+    if score_mod is not None:
+        ar = functools.partial(torch.arange, device=q.device)
+        s = score_mod.torch_fn(q.device)(s.float(), ar(q.shape[0])[:, None, None, None],
+                                         ar(q.shape[1])[None, :, None, None],
+                                         ar(q.shape[2])[:, None], ar(k.shape[2])[None, :])
     left, right = (None, None) if window is None else window
     left = None if left is None or left < 0 else left
     right = None if right is None or right < 0 else right
@@ -524,7 +566,7 @@ def _naive_lowp(q, k, v, causal, scale, window=None, softcap=None):
 
 
 def _gluon_meets_the_criterion(q, k, v, name, causal=False, window=None, softcap=None,
-                               scale=None):
+                               scale=None, score_mod=None):
     """``flashfold.attention`` on the Gluon path (spied: the call was planned anew and
     went through :func:`gluon_attention_fwd`) against float64: the max error of ``o`` at
     most twice the naive low-precision attention's plus 1e-5, every ``o`` finite, the LSE
@@ -537,11 +579,12 @@ def _gluon_meets_the_criterion(q, k, v, name, causal=False, window=None, softcap
     with mock.patch.object(gluon_fwd, "gluon_attention_fwd",
                            wraps=gluon_fwd.gluon_attention_fwd) as spy:
         o, lse = ff.attention(q, k, v, causal=causal, window=window, softcap=softcap,
-                              scale=scale, return_lse=True)
+                              scale=scale, return_lse=True,
+                              score_mod=score_mod.fn if score_mod is not None else None)
     assert spy.call_count == 1, f"{name}: not the Gluon path"
-    ro, rl = _reference(q, k, v, causal, scale_, window=window, softcap=softcap)
-    naive = (_naive_lowp(q, k, v, causal, scale_, window=window, softcap=softcap).double()
-             - ro).abs().max().item()
+    mod = dict(window=window, softcap=softcap, score_mod=score_mod)
+    ro, rl = _reference(q, k, v, causal, scale_, **mod)
+    naive = (_naive_lowp(q, k, v, causal, scale_, **mod).double() - ro).abs().max().item()
     return _meets_the_criterion(o, lse, ro, rl, naive, name)
 
 
@@ -820,7 +863,8 @@ def _per_sequence(q, k, v, cu_q, cu_k, fn, dv):
     return torch.cat(os_, 2), (None if ls[0] is None else torch.cat(ls, 2))
 
 
-def _varlen_meets_the_criterion(q, k, v, cu_q, cu_k, name, causal, window, softcap):
+def _varlen_meets_the_criterion(q, k, v, cu_q, cu_k, name, causal, window, softcap,
+                                score_mod=None):
     import flashfold as ff
     from flashfold.kernels.attention import fwd, gluon_fwd
     scale = 1 / math.sqrt(q.shape[-1])
@@ -828,14 +872,17 @@ def _varlen_meets_the_criterion(q, k, v, cu_q, cu_k, name, causal, window, softc
     with mock.patch.object(gluon_fwd, "_varlen_launches",
                            wraps=gluon_fwd._varlen_launches) as spy:
         o, lse = ff.attention(q, k, v, causal=causal, window=window, softcap=softcap,
-                              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+                              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True,
+                              score_mod=score_mod.fn if score_mod is not None else None)
     assert spy.call_count == 1, f"{name}: not the Gluon path"
+    # (each sequence as a batch of one: a score_mod here must not read b)
+    mod = dict(window=window, softcap=softcap, score_mod=score_mod)
     ro, rl = _per_sequence(q, k, v, cu_q, cu_k,
-                           lambda a, b, c: _reference(a, b, c, causal, scale, window=window,
-                                                      softcap=softcap), v.shape[-1])
+                           lambda a, b, c: _reference(a, b, c, causal, scale, **mod),
+                           v.shape[-1])
     naive, _ = _per_sequence(q, k, v, cu_q, cu_k,
-                             lambda a, b, c: (_naive_lowp(a, b, c, causal, scale, window=window,
-                                                          softcap=softcap), None), v.shape[-1])
+                             lambda a, b, c: (_naive_lowp(a, b, c, causal, scale, **mod), None),
+                             v.shape[-1])
     _meets_the_criterion(o, lse, ro, rl, (naive - ro).abs().max().item(), name)
     return o, lse
 
@@ -869,6 +916,83 @@ def test_gpu_varlen_head_dims(dims, causal, dtype):
     lens = [63, 1000, 0, 2049, 1]
     q, k, v, cu_q, cu_k = _packed(lens, lens, 4, 2, *dims, dtype, 23)
     _varlen_meets_the_criterion(q, k, v, cu_q, cu_k, f"{dims}", causal, None, None)
+
+
+#: (B, Hq, Hk, Nq, Nk) of the score_mod tests: the last with more query rows than keys
+#: (causal: the first query tiles see no key and are not work items, so the kernel's rows
+#: start at a later position, which the mod's q_idx must not lose)
+MOD_CASES = [(1, 2, 1, 113, 113), (2, 4, 2, 1000, 1000), (1, 2, 2, 2049, 2049),
+             (1, 2, 1, 100, 1000), (1, 4, 4, 1000, 300)]
+#: (id, causal, window, softcap)
+MOD_FEATURES = [("dense", False, None, None), ("causal", True, None, None),
+                ("window", False, (100, 30), None), ("softcap-causal", True, None, 30.0)]
+
+
+#: (case, head_dim): every case at 64, 128 and 256 but the rows without keys (128 only)
+MOD_GRID = [(c, D) for c in MOD_CASES for D in (64, 128, 256) if c[3] <= c[4] or D == 128]
+
+
+@pytest.mark.parametrize("case, D", MOD_GRID, ids=lambda c: "x".join(map(str, c))
+                         if isinstance(c, tuple) else f"d{c}")
+@pytest.mark.parametrize("feature", MOD_FEATURES, ids=lambda f: f[0])
+@pytest.mark.parametrize("mod", ["alibi", "relative"])
+@pytest.mark.gpu
+def test_gpu_score_mod_criterion(case, D, feature, mod):
+    """A score_mod traced into the Gluon kernel (bf16) meets the criterion against the
+    float64 attention with the same mod (applied after the softcap, before the masks, to
+    the natural-log scores at the rows' and keys' own positions)."""
+    _needs_sm90()
+    B, HQ, HK, NQ, NK = case
+    fname, causal, window, softcap = feature
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, fname, mod, D)).encode()))
+    q = torch.randn(B, HQ, NQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, HK, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, HK, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    _gluon_meets_the_criterion(q, k, v, f"{mod} {fname}", causal, window, softcap,
+                               score_mod=_score_mod(mod, HQ))
+
+
+@pytest.mark.parametrize("feature", VARLEN_FEATURES, ids=lambda f: f[0])
+@pytest.mark.gpu
+def test_gpu_varlen_score_mod_criterion(feature):
+    """ALiBi on packed sequences: positions inside each sequence."""
+    _needs_sm90()
+    fname, causal, window, softcap = feature
+    lens = [181, 1286, 0, 640, 63]
+    q, k, v, cu_q, cu_k = _packed(lens, lens, 8, 2, 128, 128, torch.bfloat16, 37)
+    _varlen_meets_the_criterion(q, k, v, cu_q, cu_k, f"alibi {fname}", causal, window,
+                                softcap, score_mod=_score_mod("alibi", 8))
+
+
+@pytest.mark.gpu
+def test_gpu_score_mod_nan_and_hidden_keys():
+    """A NaN slope of one head reaches that head's rows only (all NaN, never a number); a
+    score_mod that hides keys with -inf keeps a hidden key's NaN value out of every row
+    (the flags send the tiles to the strict guard), as a mask would."""
+    _needs_sm90()
+    import flashfold as ff
+    from flashfold import mods, ops
+    g = torch.Generator(device="cuda").manual_seed(43)
+    q, k, v = (torch.randn(2, 4, 700, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    slopes = mods.alibi_slopes(4).clone()
+    slopes[1] = float("nan")
+    o = ff.attention(q, k, v, causal=True, score_mod=mods.alibi(4, slopes))
+    assert torch.isnan(o[:, 1]).all() and torch.isfinite(o[:, [0, 2, 3]]).all()
+
+    def hide_future(score, b, h, q_idx, kv_idx):
+        return ops.where(kv_idx <= q_idx, score, float("-inf"))
+    clean = ff.attention(q, k, v, causal=True)
+    v[:, :, 500] = float("nan")
+    o = ff.attention(q, k, v, score_mod=hide_future)
+    assert torch.isnan(o[:, :, 500:]).all(-1).all()
+    scale = 1 / math.sqrt(128)
+    ro, _ = _reference(q[:, :, :500], k[:, :, :500], v[:, :, :500], True, scale)
+    bound = (_naive_lowp(q[:, :, :500], k[:, :, :500], v[:, :, :500], True, scale).double()
+             - ro).abs().max().item()
+    assert (o[:, :, :500].double() - ro).abs().max().item() <= 2 * bound + 1e-5
+    assert (o[:, :, :500].double() - clean[:, :, :500].double()).abs().max().item() \
+        <= 2 * bound + 1e-5
 
 
 @pytest.mark.gpu

@@ -769,25 +769,28 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
     ``(kernel, grid, args, kwargs)`` (none, one or two) and one launcher memo for each,
     shared by the replays of the plan (:func:`flashfold.kernels.launcher.launch`).
 
-    Dispatch: on Hopper, calls without score_mod or mask_mod (block mask) run the Gluon
+    Dispatch: on Hopper, calls without a mask_mod (block mask) and with at most a
+    score_mod that Gluon can lower (:attr:`.mods.TracedMod.gluon_ok`) run the Gluon
     kernel (:func:`.gluon_fwd.eligible`: dense, causal, windows, softcap, varlen, head
     dims of its tile plans), everything else the Triton template (:func:`prepare_forward`).
     While :data:`STRICT_HIDDEN`, calls whose masked tiles can hold hidden keys are flagged
-    and followed by the strict guard (:func:`prepare_guard`): Gluon with a window, causal
-    or varlen (the tiles on a window's edges; a packed sequence's tiles read the next
-    one's keys); Triton with a window, mask_mod, score_mod or varlen."""
+    and followed by the strict guard (:func:`prepare_guard`): with a window, causal,
+    score_mod or varlen (the tiles on a window's edges; keys a score_mod hides; a packed
+    sequence's tiles read the next one's keys); on Triton also with a mask_mod."""
     varlen = cu_seqlens_q is not None
-    if (score_mod is None and block_mask is None and config is None
+    if ((score_mod is None or score_mod.gluon_ok) and block_mask is None and config is None
             and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
                                    softcap=softcap)):
         B, HQ, NQ = q.shape[:3]
         o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
-        bounds = dict(scale=scale, softcap=softcap, left=left, right=right)
+        bounds = dict(scale=scale, softcap=softcap, left=left, right=right,
+                      score_mod=score_mod)
         if varlen:
             bounds.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        if not varlen and ((left is None and right is None) or not STRICT_HIDDEN):
+        hides = left is not None or right is not None or score_mod is not None
+        if not varlen and (not hides or not STRICT_HIDDEN):
             launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
                                                      lse=lse, launch=False, **bounds)
             return o, lse, launches, tuple([None] for _ in launches)

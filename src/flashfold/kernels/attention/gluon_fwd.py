@@ -429,9 +429,10 @@ if gluon is not None:
         return base + (cols & ~LANE_BITS)
 
     @gluon.jit
-    def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, step_scale,
+    def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, step_scale, mod,
                       BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STEP: gl.constexpr):
+                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STEP: gl.constexpr,
+                      SCORE_MOD: gl.constexpr):
         """Key tile ``t``'s scores ``s = q k^T`` folded into the row state ``(m, l)``:
         ``(p, m', l', alpha)`` from ``STEP``, ATTENTION2's tile step generated as a Gluon
         function (:func:`flashfold.kernels.codegen.tile_step_functions`): in base 2,
@@ -448,13 +449,23 @@ if gluon is not None:
         outside the unmasked run ``[t_a, t_c)`` only (:func:`_tile`): key ``c`` is visible
         to row ``r`` iff ``key_lo[r] <= c`` (``MASK_LEFT``) and ``c <= key_hi[r]``
         (``MASK_RIGHT``; :func:`_consumer` clamps ``key_hi`` below ``Nk``), or ``c < Nk``
-        without a right bound."""
+        without a right bound.
+
+        ``SCORE_MOD`` (a traced score_mod's Gluon function, or None) applies after the
+        softcap and before the masks, to the scores in natural-log units ``x c'`` (``c' =
+        mod_scale``: the scale or the cap; the caller passes ``step_scale = 1``), with
+        ``mod = (b, h, q_idx [HALF], BUFS, mod_scale)`` and the key positions of tile
+        ``t``."""
         if SOFTCAP:
             # (rcp.approx: one MUFU.RCP; a "/" is div.full, which adds range checks)
             r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
                                           [gl.exp2(s * qk_scale) + 1.0], dtype=gl.float32,
                                           is_pure=True, pack=1)
             s = 1.0 - 2.0 * r
+        if SCORE_MOD is not None:
+            b, hq, q_idx, mod_bufs, mod_scale = mod
+            kv_idx = _columns(t * BLOCK_N, BLOCK_N)
+            s = SCORE_MOD(s * mod_scale, b, hq, q_idx[:, None], kv_idx[None, :], mod_bufs)
         masked = t >= t_c
         if MASK_LEFT:
             masked = masked | (t < t_a)
@@ -489,10 +500,11 @@ if gluon is not None:
 
     @gluon.jit
     def _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
-              step_scale, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+              step_scale, mod, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
               BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr,
-              WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr):
+              WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr,
+              SCORE_MOD: gl.constexpr):
         """One warpgroup's rows of one item: key tiles ``t_lo .. t_lo + n_kv`` (``n_kv >=
         1``, ring positions from ``it``) folded into ``(acc, l, m)`` by
         :func:`_softmax_tile`, with ``P V`` of tile ``j - 1`` running while the softmax of
@@ -519,8 +531,8 @@ if gluon is not None:
         m = gl.full([HALF], -float("inf"), gl.float32, rows)
         l = gl.zeros([HALF], gl.float32, rows)
         p, m, l, alpha = _softmax_tile(s, m, l, t_lo, t_a, t_c, key_lo, key_hi, kv_len,
-                                       qk_scale, step_scale, BLOCK_N, MASK_LEFT, MASK_RIGHT,
-                                       SOFTCAP, STEP)
+                                       qk_scale, step_scale, mod, BLOCK_N, MASK_LEFT,
+                                       MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD)
         acc = gl.zeros([HALF, BLOCK_DV], gl.float32, o_layout)
 
         for j in range(1, n_kv):
@@ -538,8 +550,8 @@ if gluon is not None:
             s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, m, l, alpha = _softmax_tile(s, m, l, t_lo + j, t_a, t_c, key_lo, key_hi,
-                                           kv_len, qk_scale, step_scale, BLOCK_N, MASK_LEFT,
-                                           MASK_RIGHT, SOFTCAP, STEP)
+                                           kv_len, qk_scale, step_scale, mod, BLOCK_N,
+                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD)
             acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -580,7 +592,7 @@ if gluon is not None:
                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                       SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                       VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                      STEP: gl.constexpr, FINALIZE: gl.constexpr):
+                      STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr):
         """One warpgroup's rows of one work item (query tile at row ``q0`` of head ``(b,
         hq)``, the ``k_i``-th item this program takes, its key tiles from ring position
         ``it``): wait for its query tile (``VARLEN``: the caller has), fold, then the
@@ -588,7 +600,7 @@ if gluon is not None:
         q_desc, k_desc, v_desc, o_desc = descs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale,
-         O, stride_oh, stride_on, dv) = out
+         O, stride_oh, stride_on, dv, mod_bufs, mod_scale, row0) = out
         win_left, win_right, heads_q = win
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -608,9 +620,12 @@ if gluon is not None:
         if not VARLEN:
             # (varlen: the caller waited, to read the item the producer handed)
             mbarrier.wait(q_ready, k_i & 1)
+        # a score_mod's arguments (query positions: of the call's rows, from row0 on)
+        mod = (b, hq, rows + row0, mod_bufs, mod_scale)
         acc, l, m = _fold(q, bufs, bars, it, k_i, t_lo, n_kv, t_a, t_c, key_lo, key_hi,
-                          kv_len, qk_scale, step_scale, s_zero, BLOCK_N, BLOCK_D, BLOCK_DV,
-                          STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, WG, PINGPONG, STEP)
+                          kv_len, qk_scale, step_scale, mod, s_zero, BLOCK_N, BLOCK_D,
+                          BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, WG,
+                          PINGPONG, STEP, SCORE_MOD)
 
         # epilogue: ATTENTION2's finalize, generated (o = acc / l, lse = (m + log2 l) ln 2;
         # a row with no visible key, m = -inf: 0 and -inf; NaN m or l: NaN)
@@ -636,11 +651,12 @@ if gluon is not None:
         if RETURN_LSE:
             gl.store(LSE + b.to(gl.int64) * stride_lb + hq * stride_lh + qs + rows_o, lse,
                      mask=rows_o < q_len)
-        if MASK_LEFT or MASK_RIGHT or VARLEN:
+        if MASK_LEFT or MASK_RIGHT or VARLEN or SCORE_MOD is not None:
             # the non-finite flag of these 64 rows (``flag_groups`` per head; 0: off): an
             # edge tile's P V meets the values of hidden keys (0 x NaN; packed, the next
-            # sequence's too), so a non-finite o may be a leak, which the strict Triton
-            # guard launched after this kernel recomputes (:func:`.fwd.prepare_guard`)
+            # sequence's too; keys a score_mod hides), so a non-finite o may be a leak,
+            # which the strict Triton guard launched after this kernel recomputes
+            # (:func:`.fwd.prepare_guard`)
             if flag_groups != 0:
                 if r0 < q_len:
                     ok = (gl.abs(o) < float("inf")) | (rows_o >= q_len)[:, None]
@@ -653,7 +669,7 @@ if gluon is not None:
                   STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                   VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                  STEP: gl.constexpr, FINALIZE: gl.constexpr):
+                  STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr):
         """One warpgroup's 64 query rows (half ``WG``) of each work item
         (:func:`_consume_item`): fold its key tiles into ``(acc, l, m)`` (:func:`_fold`)
         -- base-2 maxima ``m`` of the scores, ``l = sum 2^(s - m)``, ``acc = sum 2^(s -
@@ -689,7 +705,7 @@ if gluon is not None:
                               hq, qs, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M,
                               BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT,
                               SOFTCAP, O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP,
-                              FINALIZE)
+                              FINALIZE, SCORE_MOD)
                 it += n_kv
                 done += 1
                 mbarrier.wait(q_ready, done & 1)
@@ -702,7 +718,8 @@ if gluon is not None:
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, i, b, hq,
                               0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
                               BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                              O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE)
+                              O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
+                              SCORE_MOD)
                 it += n_kv
         tma.store_wait(0)
 
@@ -710,13 +727,14 @@ if gluon is not None:
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
                      q_len, kv_len, heads_q, group, bh_total, qk_scale, step_scale, win_left,
                      win_right, FLAGS, flag_groups, O, stride_oh, stride_on, dv, CU_Q, CU_K,
-                     n_seqs, search_levels, search_top,
+                     n_seqs, search_levels, search_top, MOD_BUFS, mod_scale, row0,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                      BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
                      VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, STEP: gl.constexpr, FINALIZE: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, STEP: gl.constexpr, FINALIZE: gl.constexpr,
+                     SCORE_MOD: gl.constexpr):
         """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
         programs: one item each when ``G`` is the item count, else persistent (``G`` =
         the SM count; rounds in a snake order, :func:`_rounds`), where the producer loads
@@ -768,14 +786,14 @@ if gluon is not None:
             info = q_ready                 # (unused)
         seqs = (CU_Q, CU_K, n_seqs, search_levels, search_top, info)
         out = (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale,
-               O, stride_oh, stride_on, dv)
+               O, stride_oh, stride_on, dv, MOD_BUFS, mod_scale, row0)
         warp_specialize([
             (_consumer, (descs, bufs, bars, shape, seqs, out, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
-                         VARLEN, 0, PINGPONG, STEP, FINALIZE)),
+                         VARLEN, 0, PINGPONG, STEP, FINALIZE, SCORE_MOD)),
             (_consumer, (descs, bufs, bars, shape, seqs, out, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
-                         VARLEN, 1, PINGPONG, STEP, FINALIZE)),
+                         VARLEN, 1, PINGPONG, STEP, FINALIZE, SCORE_MOD)),
             (_producer, (descs, bufs, bars, shape, seqs, out, BLOCK_M, BLOCK_N, STAGES,
                          MASK_LEFT, MASK_RIGHT, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1001,16 +1019,23 @@ def _desc(t: torch.Tensor, rows: int, cols: int | None = None):
                            _layout(block, t.dtype))
 
 
-def _scales(scale: float, softcap: float | None) -> tuple[float, float]:
-    """The kernel's ``(qk_scale, step_scale)`` (:func:`_softmax_tile`)."""
+def _scales(scale: float, softcap: float | None, score_mod=None, device=None) -> tuple:
+    """The kernel's ``(qk_scale, step_scale)`` (:func:`_softmax_tile`) and its score_mod
+    arguments ``(MOD_BUFS, mod_scale)``: with a score_mod the scores reach it in natural-log
+    units (times ``mod_scale``) and the step takes them as they come (``step_scale =
+    1``)."""
     if softcap is not None:
         # tanh(x) = 1 - 2 / (2^(2 log2(e) x) + 1), x = scale qk / c; the step multiplies by c
-        return 2 * LOG2E * float(scale) / softcap, float(softcap)
-    return 0.0, float(scale)
+        qk_scale, step_scale = 2 * LOG2E * float(scale) / softcap, float(softcap)
+    else:
+        qk_scale, step_scale = 0.0, float(scale)
+    if score_mod is None:
+        return qk_scale, step_scale, (), 1.0
+    return qk_scale, 1.0, score_mod.buffer_args(device), step_scale
 
 
 def _constexprs(block_n, block_d, block_dv, left, right, softcap, o_in_q, return_lse,
-                pingpong, *, varlen: bool) -> dict:
+                pingpong, *, varlen: bool, score_mod=None) -> dict:
     """The template's flags and launch options of a call."""
     step = tile_step_functions(ATTENTION2, scale="score", gluon=True)
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
@@ -1018,7 +1043,9 @@ def _constexprs(block_n, block_d, block_dv, left, right, softcap, o_in_q, return
                 SOFTCAP=softcap is not None, O_IN_Q=o_in_q, RETURN_LSE=bool(return_lse),
                 PINGPONG=bool(pingpong), VARLEN=varlen, CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, STEP=step.tile_step,
-                FINALIZE=step.finalize_rows, num_warps=4, maxnreg=MAXNREG)
+                FINALIZE=step.finalize_rows,
+                SCORE_MOD=score_mod.gluon_fn() if score_mod is not None else None,
+                num_warps=4, maxnreg=MAXNREG)
 
 
 def varlen_slots(total_q: int, n_seqs: int) -> int:
@@ -1043,7 +1070,7 @@ def search_levels(n_seqs: int) -> int:
 
 def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse, out, lse,
                      launch, pingpong, persistent, flags, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k):
+                     max_seqlen_q, max_seqlen_k, score_mod):
     """:func:`gluon_attention_fwd` of packed sequences (its docstring)."""
     _, Hq, Nq, D = q.shape
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -1069,15 +1096,16 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
         # (the items of the longest sequence stand for all)
         pingpong = pingpong_default(False, max_seqlen_q, max_seqlen_k, left, right, block_n)
     levels = max(search_levels(n_seqs), 1)
+    scales = _scales(scale, softcap, score_mod, q.device)
     args = (_desc(q, BLOCK_M // 2, BD), _desc(k, block_n, BD), _desc(v, block_n, BDV),
             _desc(o, BLOCK_M // 2, BDV), lse if return_lse else o,
             0, lse.stride(1) if return_lse else 0,
-            Nq, Nk, Hq, Hq // Hk, Hq, *_scales(scale, softcap),
+            Nq, Nk, Hq, Hq // Hk, Hq, *scales[:2],
             0 if left is None else int(left), 0 if right is None else int(right),
             flags, flag_groups, o, o.stride(1), o.stride(2), Dv,
-            cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1))
+            cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1), *scales[2:], 0)
     kwargs = _constexprs(block_n, BD, BDV, left, right, softcap, o_in_q, return_lse, pingpong,
-                         varlen=True)
+                         varlen=True, score_mod=score_mod)
     slots, sms = varlen_slots(Nq, n_seqs) * Hq, num_sms(q)
     if persistent is None:
         # the dense rule, the longest sequence's query tiles standing for all
@@ -1099,7 +1127,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         pingpong: bool | None = None, flags: torch.Tensor | None = None,
                         cu_seqlens_q: torch.Tensor | None = None,
                         cu_seqlens_k: torch.Tensor | None = None,
-                        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None):
+                        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                        score_mod=None):
     """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``:
     ``o (B, Hq, Nq, Dv)`` in the input dtype, ``lse (B, Hq, Nq)`` float32 natural log
     (``None`` without ``return_lse``). ``left`` / ``right``: the bottom-right aligned
@@ -1136,7 +1165,12 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     sequence read the next one's rows and keys (masked, not written): ``flags``
     (required, zeroed, ``(S * Hq * ceil(max_seqlen_q / 64),)``) mark the 64-row groups
     where such a key's non-finite value reached ``o``, for the strict guard; no rows
-    are skipped on the host (rows that see no key take one masked key tile)."""
+    are skipped on the host (rows that see no key take one masked key tile).
+
+    ``score_mod`` (a :class:`~.mods.TracedMod` of kind ``"score"`` with
+    :attr:`~.mods.TracedMod.gluon_ok`): applied to every visible score in the kernel
+    (:func:`_softmax_tile`); ``flags`` mark its rows too (a score_mod's ``-inf`` hides
+    keys as a window does)."""
     varlen = cu_seqlens_q is not None
     if varlen:
         return _varlen_launches(q, k, v, causal=causal, left=left, right=right,
@@ -1144,14 +1178,15 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                 lse=lse, launch=launch, pingpong=pingpong,
                                 persistent=persistent, flags=flags,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                score_mod=score_mod)
     B, Hq, Nq, D = q.shape
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     left, right = _bounds(causal, left, right)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    if flags is not None and left is None and right is None:
-        raise ValueError("flags: only windowed or causal calls write flags")
+    if flags is not None and left is None and right is None and score_mod is None:
+        raise ValueError("flags: only windowed, causal or score_mod calls write flags")
     o = torch.empty((B, Hq, Nq, Dv), device=q.device, dtype=q.dtype) if out is None else out
     if return_lse and lse is None:
         lse = torch.empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
@@ -1176,16 +1211,19 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         fs = flags[skip // (BLOCK_M // 2):] if flags is not None else None
     if pingpong is None:
         pingpong = sum(tiles) <= PINGPONG_MAX_TILES * len(tiles)
+    scales = _scales(scale, softcap, score_mod, q.device)
     args = (_desc(qs, BLOCK_M // 2, BD), _desc(k, block_n, BD), _desc(v, block_n, BDV),
             _desc(os_, BLOCK_M // 2, BDV), ls if return_lse else os_,
             lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
-            Nq - skip, Nk, Hq, Hq // Hk, B * Hq, *_scales(scale, softcap),
+            Nq - skip, Nk, Hq, Hq // Hk, B * Hq, *scales[:2],
             0 if left is None else int(left), 0 if right is None else int(right),
             os_ if fs is None else fs, 0 if fs is None else flag_groups,
             # (varlen only: the ragged tiles' stores, the sequences)
-            os_, 0, 0, 0, os_, os_, 0, 0, 0)
+            os_, 0, 0, 0, os_, os_, 0, 0, 0,
+            # (the score_mod's tables and scale; the first row's position)
+            *scales[2:], skip)
     kwargs = _constexprs(block_n, BD, BDV, left, right, softcap, o_in_q, return_lse, pingpong,
-                         varlen=False)
+                         varlen=False, score_mod=score_mod)
     sms = num_sms(q)
     if persistent is None:
         persistent = persistent_default((left is None) != (right is None), len(tiles), sms)

@@ -97,6 +97,7 @@ class TracedMod:
         self._torch: dict = {}
         self._args: dict = {}
         self._triton = None
+        self._gluon = None
         self._lock = threading.Lock()
         self.reads = _table_reads(graph)
         self._shapes = tuple(tuple(b.shape) for b in graph.buffers)
@@ -186,6 +187,27 @@ class TracedMod:
                     self._triton = _triton_wrapper(self)
         return self._triton
 
+    # gluon ------------------------------------------------------------------------
+    @property
+    def gluon_ok(self) -> bool:
+        """Whether the Gluon lowering covers every operation of the expression (the Gluon
+        language has no ``tanh``, ``sigmoid`` or ``cumsum``: a mod using them runs on the
+        Triton kernels)."""
+        from ..codegen import GLUON
+        return _used_ops(self.graph) <= set(GLUON.templates) | {"var", "const"}
+
+    def gluon_fn(self):
+        """The ``@gluon.jit`` function with the fixed signature of :meth:`triton_fn` (the
+        Gluon kernels call only Gluon functions); needs :attr:`gluon_ok`."""
+        if not self.gluon_ok:
+            raise ValueError(f"{self.kind}_mod {self.name!r}: uses an operation that Gluon "
+                             f"lacks ({sorted(_used_ops(self.graph))})")
+        if self._gluon is None:
+            with self._lock:
+                if self._gluon is None:
+                    self._gluon = _triton_wrapper(self, gluon=True)
+        return self._gluon
+
     def buffer_args(self, device) -> tuple:
         """The kernel argument ``BUFS = (B0, N0, B1, N1, ...)``: each captured table
         (flattened, on ``device``) and its element count.
@@ -237,17 +259,26 @@ def _flat_tensor(data, device):
     return t.reshape(-1)
 
 
-def _used_vars(graph: Graph) -> set:
-    seen, out, stack = set(), set(), list(graph.outputs)
+def _nodes(graph: Graph) -> list:
+    """The nodes that the expression's outputs depend on, each once."""
+    seen, out, stack = set(), [], list(graph.outputs)
     while stack:
         n = stack.pop()
         if id(n) in seen:
             continue
         seen.add(id(n))
-        if n.op == "var":
-            out.add(n.attr)
+        out.append(n)
         stack.extend(n.args)
     return out
+
+
+def _used_ops(graph: Graph) -> set:
+    """The operations of the expression's outputs."""
+    return {n.op for n in _nodes(graph)}
+
+
+def _used_vars(graph: Graph) -> set:
+    return {n.attr for n in _nodes(graph) if n.op == "var"}
 
 
 # --- table bounds ---------------------------------------------------------------------
@@ -482,16 +513,18 @@ def buffer_slots(n: int) -> str:
     return "".join(f", BUFS[{i}]" for i in range(2 * n))
 
 
-def _triton_wrapper(mod: TracedMod):
-    from ..codegen import jit_source, load_source
+def _triton_wrapper(mod: TracedMod, gluon: bool = False):
+    from ..codegen import _GLUON_HEADER, _HEADER, GLUON, TRITON, jit_source, load_source
 
     names = [v.name for v in mod.graph.inputs]
-    body = jit_source(mod.graph, "body", names)
+    body = jit_source(mod.graph, "body", names, backend=GLUON if gluon else TRITON)
     fname = "score_fn" if mod.kind == "score" else "mask_fn"
-    wrapper = (f"@triton.jit\ndef {fname}({', '.join(names)}, BUFS):\n"
+    deco = "@gluon.jit" if gluon else "@triton.jit"
+    wrapper = (f"{deco}\ndef {fname}({', '.join(names)}, BUFS):\n"
                f"    r = body({', '.join(names)}{buffer_slots(len(mod.buffers))})\n"
                f"    return r[0]\n")
-    module = load_source(body + "\n\n" + wrapper, f"{mod.kind}_mod")
+    module = load_source(body + "\n\n" + wrapper, ("gluon_" if gluon else "") + f"{mod.kind}_mod",
+                         header=_GLUON_HEADER if gluon else _HEADER)
     return getattr(module, fname)
 
 
