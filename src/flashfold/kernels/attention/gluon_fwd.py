@@ -429,6 +429,19 @@ if gluon is not None:
         return base + (cols & ~LANE_BITS)
 
     @gluon.jit
+    def _rows(r0, t, HALF: gl.constexpr, BLOCK_N: gl.constexpr):
+        """``r0 + [0, HALF)``, a warpgroup's row positions in the slice of its scores'
+        wgmma layout, as values of key tile ``t``: ``(r0 + lane part)`` behind an opaque
+        ``add`` that also reads ``t``, plus the register part (bit 3: a thread's two
+        rows are 8 apart). What a mod computes from the rows alone (e.g. the addresses of
+        a table's entries) is then formed in the key loop instead of hoisted out of it,
+        where it held registers through the loop or spilled into it."""
+        rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, _wgmma_layout(BLOCK_N)))
+        base = gl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r,r", [rows & ~8, r0, t],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+        return base + (rows & 8)
+
+    @gluon.jit
     def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, step_scale, mod,
                       BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STEP: gl.constexpr,
@@ -454,8 +467,8 @@ if gluon is not None:
         ``SCORE_MOD`` (a traced score_mod's Gluon function, or None) applies after the
         softcap and before the masks, to the scores in natural-log units ``x c'`` (``c' =
         mod_scale``: the scale or the cap; the caller passes ``step_scale = 1``), with
-        ``mod = (b, h, q_idx [HALF], BUFS, mod_scale)`` and the key positions of tile
-        ``t``."""
+        ``mod = (b, h, r0, BUFS, mod_scale)``, the rows' positions from ``r0``
+        (:func:`_rows`) and the key positions of tile ``t``."""
         if SOFTCAP:
             # (rcp.approx: one MUFU.RCP; a "/" is div.full, which adds range checks)
             r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
@@ -463,7 +476,8 @@ if gluon is not None:
                                           is_pure=True, pack=1)
             s = 1.0 - 2.0 * r
         if SCORE_MOD is not None:
-            b, hq, q_idx, mod_bufs, mod_scale = mod
+            b, hq, r0, mod_bufs, mod_scale = mod
+            q_idx = _rows(r0, t, s.shape[0], BLOCK_N)
             kv_idx = _columns(t * BLOCK_N, BLOCK_N)
             s = SCORE_MOD(s * mod_scale, b, hq, q_idx[:, None], kv_idx[None, :], mod_bufs)
         masked = t >= t_c
@@ -621,7 +635,7 @@ if gluon is not None:
             # (varlen: the caller waited, to read the item the producer handed)
             mbarrier.wait(q_ready, k_i & 1)
         # a score_mod's arguments (query positions: of the call's rows, from row0 on)
-        mod = (b, hq, rows + row0, mod_bufs, mod_scale)
+        mod = (b, hq, r0 + row0, mod_bufs, mod_scale)
         acc, l, m = _fold(q, bufs, bars, it, k_i, t_lo, n_kv, t_a, t_c, key_lo, key_hi,
                           kv_len, qk_scale, step_scale, mod, s_zero, BLOCK_N, BLOCK_D,
                           BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, WG,
