@@ -437,9 +437,11 @@ if gluon is not None:
         a table's entries) is then formed in the key loop instead of hoisted out of it,
         where it held registers through the loop or spilled into it."""
         rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, _wgmma_layout(BLOCK_N)))
-        base = gl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r,r", [rows & ~8, r0, t],
-                                         dtype=gl.int32, is_pure=True, pack=1)
-        return base + (rows & 8)
+        REGISTER_BIT: gl.constexpr = 8     # (a thread's second row)
+        base = gl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r,r",
+                                         [rows & ~REGISTER_BIT, r0, t], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+        return base + (rows & REGISTER_BIT)
 
     @gluon.jit
     def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, step_scale, mod,
