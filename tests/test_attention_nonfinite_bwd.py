@@ -361,8 +361,8 @@ def _gluon_path(c: Case, dtype, monkeypatch, fake, lse_edit=None):
     from flashfold.kernels.attention import gluon_bwd
 
     def gluon(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, left, right, softcap, scale,
-              deterministic, launch):
-        assert not deterministic
+              deterministic, launch, cu_seqlens_q=None, cu_seqlens_k=None):
+        assert not deterministic and cu_seqlens_q is None and cu_seqlens_k is None
         return ("gluon", (1,), (dq_acc, dk, dv), {})
     monkeypatch.setattr(gluon_bwd, "eligible", lambda *a, **kw: True)
     monkeypatch.setattr(gluon_bwd, "gluon_attention_bwd", gluon)
