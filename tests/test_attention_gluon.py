@@ -105,7 +105,27 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
             ("d128-varlen-mod-alibi-causal-lse", 128, 128,
              {"varlen": True, "mod": "alibi", "causal": True}, True, "bfloat16", True),
             ("d256-mod-alibi-causal-window", 256, 256,
-             {"mod": "alibi", "causal": True, "left": 300}, False, "bfloat16", True)]
+             {"mod": "alibi", "causal": True, "left": 300}, False, "bfloat16", True),
+            # block masks walked by the kernel: a document mask (a table), prefix-LM (no
+            # table), with ALiBi; 128 x 128 blocks over 64-key tiles at head_dim 256
+            ("d128-mask-documents-causal-lse", 128, 128, {"mask": "documents", "causal": True},
+             True, "bfloat16", True),
+            ("d64-mask-prefix", 64, 64, {"mask": "prefix"}, False, "bfloat16", True),
+            ("d128-mask-documents-mod-alibi-causal-lse", 128, 128,
+             {"mask": "documents", "mod": "alibi", "causal": True}, True, "bfloat16", True),
+            ("d256-mask-prefix-softcap", 256, 256, {"mask": "prefix", "softcap": 50.0}, False,
+             "bfloat16", True)]
+
+
+def _block_mask(name, nq, nk):
+    """The block masks of the "-mask-" variants and tests (broadcast over b and h)."""
+    import flashfold as ff
+    from flashfold import mods
+    if name == "documents":
+        docs = torch.arange(max(nq, nk)) * 7 // max(nq, nk)       # 7 documents
+        return ff.create_block_mask(mods.document_mask(docs), None, None, nq, nk,
+                                    device="cpu")
+    return ff.create_block_mask(mods.prefix_lm_mask(300), None, None, nq, nk, device="cpu")
 
 
 def _score_mod(name, heads):
@@ -152,6 +172,8 @@ def _compile_all():
         nk = options.pop("nk", 1000)
         if "mod" in options:
             options["score_mod"] = _score_mod(options.pop("mod"), 4)
+        if "mask" in options:
+            options["block_mask"] = _block_mask(options.pop("mask"), 1000, nk)
         batch = 2
         if options.pop("varlen", False):
             cu = torch.tensor(VARLEN_CU, dtype=torch.int32)
@@ -175,6 +197,7 @@ def _compile_all():
                     constexprs={n: kwargs[n] for n in ("MASK_LEFT", "MASK_RIGHT", "SOFTCAP",
                                                        "O_IN_Q", "BLOCK_N", "VARLEN")},
                     score_mod=kwargs["SCORE_MOD"] is not None,
+                    block_mask=kwargs["MASK_FN"] is not None, split=kwargs["SPLIT"],
                     skipped_rows=1000 - args[7], fill_launches=len(fill))
 
     emit_rows(VARIANTS, facts)
@@ -205,6 +228,8 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert (r["constexprs"]["BLOCK_N"] == 32) == two_sided_256, r["constexprs"]
     assert r["constexprs"]["VARLEN"] == ("-varlen" in vid), r["constexprs"]
     assert r["score_mod"] == ("-mod-" in vid), r
+    assert r["block_mask"] == ("-mask-" in vid), r
+    assert r["split"] == (2 if vid.startswith("d256-mask") else 1), r
     assert not r["local_in_loops"], f"{vid}: local memory in the key loop at {r['local_in_loops']}"
     assert r["spill"] <= 256, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
 
@@ -432,14 +457,16 @@ def test_not_on_cpu_tensors():
     assert not eligible(*_qkv())
 
 
-def test_dispatch_sends_calls_without_mask_mods():
-    """``attention_forward`` takes the Gluon path exactly for calls without block mask or
-    a forced config, with at most a score_mod that Gluon can lower (``eligible`` mocked
-    true: the call is recorded, not run), with its window, softcap and packed sequences;
-    a call with a window (causal too), a score_mod or packed sequences writes the
-    non-finite flags (zeroed for varlen, one per 64 rows of each sequence's longest
-    length) and is followed by the strict Triton guard, one without is launched alone."""
-    from flashfold import ops
+def test_dispatch_sends_calls_the_template_lowers():
+    """``attention_forward`` takes the Gluon path exactly for calls without a forced
+    config, with at most a score_mod and a block mask that Gluon can lower (the block
+    mask on dense calls, its blocks whole tiles; ``eligible`` mocked true: the call is
+    recorded, not run), with its window, softcap and packed sequences; a call with a
+    window (causal too), a mod or packed sequences writes the non-finite flags (zeroed
+    for varlen, one per 64 rows of each sequence's longest length) and is followed by the
+    strict Triton guard, one without is launched alone."""
+    import flashfold as ff
+    from flashfold import mods, ops
     from flashfold.kernels.attention import fwd, gluon_fwd
     from flashfold.kernels.attention.mods import trace_score_mod
     calls = []
@@ -449,12 +476,15 @@ def test_dispatch_sends_calls_without_mask_mods():
         assert not launch                     # (the forward's plan launches it)
         calls.append((left, right, softcap, flags is not None,
                       varlen.get("max_seqlen_q"), None if flags is None else flags.numel(),
-                      varlen.get("score_mod")))
+                      varlen.get("score_mod"), varlen.get("block_mask")))
         return (("gluon", (1,), (), {}),)
     q, k, v = _qkv(NQ=64, NK=64, D=64, dtype=torch.float32)
     cu = torch.tensor([0, 30, 64], dtype=torch.int32)
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34, max_seqlen_k=34)
     half = trace_score_mod(lambda s, b, h, i, j: s * 0.5)
+    prefix = ff.create_block_mask(mods.prefix_lm_mask(20), None, None, 64, 64, device="cpu")
+    small = ff.create_block_mask(mods.prefix_lm_mask(20), None, None, 64, 64, device="cpu",
+                                 BLOCK_SIZE=64)
     with mock.patch.object(gluon_fwd, "eligible", return_value=True), \
             mock.patch.object(gluon_fwd, "gluon_attention_fwd", side_effect=fake), \
             mock.patch.object(fwd.launcher, "launch") as launch:
@@ -469,8 +499,10 @@ def test_dispatch_sends_calls_without_mask_mods():
                   (packed, (None, None, None, True, 34, 8)),
                   (dict(packed, right=0), (None, 0, None, True, 34, 8)),
                   ({"score_mod": half}, (None, None, None, True, None, 4)),
-                  (dict(packed, score_mod=half), (None, None, None, True, 34, 8))]
-        expect = [(o, c + (dict(o).get("score_mod"),)) for o, c in expect]
+                  (dict(packed, score_mod=half), (None, None, None, True, 34, 8)),
+                  ({"block_mask": prefix, "score_mod": half}, (None, None, None, True, None, 4))]
+        expect = [(o, c + (dict(o).get("score_mod"), dict(o).get("block_mask")))
+                  for o, c in expect]
         for options, call in expect:
             launch.reset_mock()
             fwd.attention_forward(q, k, v, scale=0.1, **dict(options))
@@ -479,11 +511,37 @@ def test_dispatch_sends_calls_without_mask_mods():
             assert kernels == (["gluon", fwd._attn_fwd_guard] if call[3] else ["gluon"]), options
         assert len(calls) == len(expect)
         # (Gluon has no tanh)
+        # (Gluon has no tanh; 64-row blocks are not whole query tiles; packed sequences
+        # take the Triton kernel's block masks)
         others = [dict(config=fwd.default_config(q, 64, 64)),
-                  dict(score_mod=trace_score_mod(lambda s, b, h, i, j: ops.tanh(s)))]
+                  dict(score_mod=trace_score_mod(lambda s, b, h, i, j: ops.tanh(s))),
+                  dict(block_mask=small), dict(packed, block_mask=prefix)]
         for options in others:
             fwd.attention_forward(q, k, v, scale=0.1, **options)
         assert len(calls) == len(expect)
+
+
+def test_callable_mask_mods_get_tables_of_the_kernel_that_runs():
+    """A callable mask_mod's block table has the tiles of the kernel the call will run:
+    the Gluon kernel's 128 query rows and its plan's key tile where it is eligible (64 at
+    head_dim 256, 32 there with both window sides), else the Triton template's."""
+    from flashfold import ops
+    from flashfold.kernels.attention import fwd, gluon_fwd
+    from flashfold.kernels.attention.mods import trace_mask_mod, trace_score_mod
+    mask = trace_mask_mod(lambda b, h, i, j: j <= i)
+    q, k, v = _qkv(D=64)
+    with mock.patch.object(gluon_fwd, "eligible", return_value=True):
+        assert fwd.mask_tiles(q, k, v, scale=0.1, mask_mod=mask) == (128, 128)
+        q2, k2, v2 = _qkv(D=256)
+        assert fwd.mask_tiles(q2, k2, v2, scale=0.1, mask_mod=mask) == (128, 64)
+        assert fwd.mask_tiles(q2, k2, v2, scale=0.1, mask_mod=mask, left=8, right=8) == (128, 32)
+        tanh = trace_score_mod(lambda s, b, h, i, j: ops.tanh(s))
+        triton = fwd.default_config(q, 64, 64)
+        for kw in (dict(score_mod=tanh), dict(varlen=True)):
+            assert fwd.mask_tiles(q, k, v, scale=0.1, mask_mod=mask, **kw) == (
+                triton.block_m, triton.block_n), kw
+    assert fwd.mask_tiles(q, k, v, scale=0.1, mask_mod=mask) == (triton.block_m,
+                                                                 triton.block_n)
 
 
 def test_plans_of_gluon_calls_are_replayed():
@@ -526,15 +584,19 @@ def _needs_sm90():
         pytest.skip("needs an sm_90 GPU")
 
 
-def _reference(q, k, v, causal, scale, window=None, softcap=None, score_mod=None):
-    """float64 attention; ``score_mod``: a traced score_mod (its torch lowering)."""
+def _reference(q, k, v, causal, scale, window=None, softcap=None, score_mod=None,
+               mask_mod=None):
+    """float64 attention; ``score_mod`` / ``mask_mod``: traced mods (their torch
+    lowerings)."""
     from flashfold.kernels.attention.reference import naive_attention
     fn = score_mod.torch_fn(q.device) if score_mod is not None else None
+    mask = mask_mod.torch_fn(q.device) if mask_mod is not None else None
     return naive_attention(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap,
-                           score_mod=fn, dtype=torch.float64)
+                           score_mod=fn, mask_mod=mask, dtype=torch.float64)
 
 
-def _naive_lowp(q, k, v, causal, scale, window=None, softcap=None, score_mod=None):
+def _naive_lowp(q, k, v, causal, scale, window=None, softcap=None, score_mod=None,
+                mask_mod=None):
     """Matmuls in the input dtype, softcap, score_mod and softmax in float32 (the
     criterion's yardstick); a row that sees no key gives 0. ``window``: ``(left, right)``,
     ``None`` or ``-1`` unbounded, bottom-right aligned like the kernels'."""
@@ -561,12 +623,16 @@ def _naive_lowp(q, k, v, causal, scale, window=None, softcap=None, score_mod=Non
         hidden |= j > i + nk - nq + right
     if left is not None:
         hidden |= j < i + nk - nq - left
+    if mask_mod is not None:
+        ar = functools.partial(torch.arange, device=q.device)
+        hidden = hidden | ~mask_mod.torch_fn(q.device)(
+            ar(q.shape[0])[:, None, None, None], ar(q.shape[1])[None, :, None, None], i, j)
     s = s.masked_fill(hidden, float("-inf"))
     return torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype) @ v
 
 
 def _gluon_meets_the_criterion(q, k, v, name, causal=False, window=None, softcap=None,
-                               scale=None, score_mod=None):
+                               scale=None, score_mod=None, mask_mod=None):
     """``flashfold.attention`` on the Gluon path (spied: the call was planned anew and
     went through :func:`gluon_attention_fwd`) against float64: the max error of ``o`` at
     most twice the naive low-precision attention's plus 1e-5, every ``o`` finite, the LSE
@@ -580,9 +646,12 @@ def _gluon_meets_the_criterion(q, k, v, name, causal=False, window=None, softcap
                            wraps=gluon_fwd.gluon_attention_fwd) as spy:
         o, lse = ff.attention(q, k, v, causal=causal, window=window, softcap=softcap,
                               scale=scale, return_lse=True,
-                              score_mod=score_mod.fn if score_mod is not None else None)
+                              score_mod=score_mod.fn if score_mod is not None else None,
+                              mask_mod=mask_mod.fn if mask_mod is not None else None)
     assert spy.call_count == 1, f"{name}: not the Gluon path"
-    mod = dict(window=window, softcap=softcap, score_mod=score_mod)
+    if mask_mod is not None:
+        assert spy.call_args.kwargs["block_mask"] is not None, f"{name}: no block mask walked"
+    mod = dict(window=window, softcap=softcap, score_mod=score_mod, mask_mod=mask_mod)
     ro, rl = _reference(q, k, v, causal, scale_, **mod)
     naive = (_naive_lowp(q, k, v, causal, scale_, **mod).double() - ro).abs().max().item()
     return _meets_the_criterion(o, lse, ro, rl, naive, name)
@@ -950,6 +1019,50 @@ def test_gpu_score_mod_criterion(case, D, feature, mod):
     v = torch.randn(B, HK, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
     _gluon_meets_the_criterion(q, k, v, f"{mod} {fname}", causal, window, softcap,
                                score_mod=_score_mod(mod, HQ))
+
+
+#: the mask_mods of the block-mask tests: (id, causal, mask_mod(device, nq, nk))
+MASK_FEATURES = [("documents-causal", True), ("prefix", False), ("documents", False),
+                 ("rows-from-200", False)]
+
+
+def _mask_mod(name, nq, nk):
+    """A traced mask_mod on the GPU: 7 documents over the positions, prefix-LM with a
+    300-key prefix, or rows before 200 seeing nothing (whole empty blocks)."""
+    from flashfold import mods
+    from flashfold.kernels.attention.mods import trace_mask_mod
+    if name.startswith("documents"):
+        docs = torch.arange(max(nq, nk), device="cuda") * 7 // max(nq, nk)
+        return trace_mask_mod(mods.document_mask(docs))
+    if name == "prefix":
+        return trace_mask_mod(mods.prefix_lm_mask(300))
+
+    def rows_from_200(b, h, q_idx, kv_idx):
+        return q_idx >= 200
+    return trace_mask_mod(rows_from_200)
+
+
+@pytest.mark.parametrize("case, D", MOD_GRID, ids=lambda c: "x".join(map(str, c))
+                         if isinstance(c, tuple) else f"d{c}")
+@pytest.mark.parametrize("feature", MASK_FEATURES, ids=lambda f: f[0])
+@pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
+@pytest.mark.gpu
+def test_gpu_block_mask_criterion(case, D, feature, alibi):
+    """A mask_mod walked as a block mask by the Gluon kernel (PARTIAL blocks masked by the
+    traced mask, FULL ones not, empty ones never loaded; rows whose blocks are all empty
+    give 0 / -inf), alone and with ALiBi, meets the criterion against float64."""
+    _needs_sm90()
+    B, HQ, HK, NQ, NK = case
+    name, causal = feature
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, name, D)).encode()))
+    q = torch.randn(B, HQ, NQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, HK, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, HK, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    empty = _gluon_meets_the_criterion(
+        q, k, v, f"{name} alibi={alibi}", causal, mask_mod=_mask_mod(name, NQ, NK),
+        score_mod=_score_mod("alibi", HQ) if alibi else None)
+    if name == "rows-from-200":
+        assert empty[:, :, :min(200, NQ)].all() and not empty[:, :, 200:].any()
 
 
 @pytest.mark.parametrize("feature", VARLEN_FEATURES, ids=lambda f: f[0])

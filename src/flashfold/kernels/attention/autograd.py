@@ -222,10 +222,12 @@ def kernel_forward(q, k, v, *, scale, softcap, left, right, score: TracedMod | N
         # user tables know only their own bounds: apply ours inside FULL tiles when needed
         full_needs_mask = varlen or left is not None or right is not None
     elif mask is not None:
-        cfg = fwd.default_config(q, q.shape[3], DV, causal=right is not None)
+        block_m, block_n = fwd.mask_tiles(q, k, v, scale=scale, softcap=softcap, left=left,
+                                          right=right, score_mod=score, mask_mod=mask,
+                                          varlen=varlen)
         block_mask = cached_block_mask(
-            mask, batch=n_seq, heads=HQ, q_len=seq_q, kv_len=seq_k, block_m=cfg.block_m,
-            block_n=cfg.block_n, device=q.device, lens_q=lens_q, lens_k=lens_k,
+            mask, batch=n_seq, heads=HQ, q_len=seq_q, kv_len=seq_k, block_m=block_m,
+            block_n=block_n, device=q.device, lens_q=lens_q, lens_k=lens_k,
             left=left, right=right)
         full_needs_mask = False                 # exact for these lengths and window
     with launcher.on_device(q.device):

@@ -762,6 +762,19 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     return o, lse
 
 
+def mask_tiles(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
+               mask_mod=None, varlen=False) -> tuple[int, int]:
+    """The tiles ``(block_m, block_n)`` of the block table that the forward builds for a
+    callable ``mask_mod``: the Gluon kernel's query tile and its plan's key tile where the
+    call will run it (:func:`_plan`'s dispatch), else the Triton template's tiles."""
+    if (not varlen and (score_mod is None or score_mod.gluon_ok) and mask_mod.gluon_ok
+            and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
+                                   softcap=softcap)):
+        return gluon_fwd.query_tile_and_key_tile(q, v, left, right)
+    cfg = default_config(q, q.shape[3], v.shape[3], causal=right is not None)
+    return cfg.block_m, cfg.block_n
+
+
 def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None, right=None,
           score_mod=None, block_mask=None, max_seqlen_q=None, max_seqlen_k=None,
           return_lse=True, full_needs_mask=True, config=None):
@@ -769,27 +782,31 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
     ``(kernel, grid, args, kwargs)`` (none, one or two) and one launcher memo for each,
     shared by the replays of the plan (:func:`flashfold.kernels.launcher.launch`).
 
-    Dispatch: on Hopper, calls without a mask_mod (block mask) and with at most a
-    score_mod that Gluon can lower (:attr:`.mods.TracedMod.gluon_ok`) run the Gluon
-    kernel (:func:`.gluon_fwd.eligible`: dense, causal, windows, softcap, varlen, head
-    dims of its tile plans), everything else the Triton template (:func:`prepare_forward`).
+    Dispatch: on Hopper, calls with at most a score_mod and a block mask that Gluon can
+    lower (:attr:`.mods.TracedMod.gluon_ok`; the block mask on dense calls, its blocks
+    whole tiles: :func:`.gluon_fwd.fits_block_mask`) run the Gluon kernel
+    (:func:`.gluon_fwd.eligible`: dense, causal, windows, softcap, varlen, head dims of
+    its tile plans), everything else the Triton template (:func:`prepare_forward`).
     While :data:`STRICT_HIDDEN`, calls whose masked tiles can hold hidden keys are flagged
     and followed by the strict guard (:func:`prepare_guard`): with a window, causal,
-    score_mod or varlen (the tiles on a window's edges; keys a score_mod hides; a packed
-    sequence's tiles read the next one's keys); on Triton also with a mask_mod."""
+    score_mod, mask_mod or varlen (the tiles on a window's edges; keys a mod hides; a
+    packed sequence's tiles read the next one's keys)."""
     varlen = cu_seqlens_q is not None
-    if ((score_mod is None or score_mod.gluon_ok) and block_mask is None and config is None
+    if (config is None and (score_mod is None or score_mod.gluon_ok)
             and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
-                                   softcap=softcap)):
+                                   softcap=softcap)
+            and (block_mask is None or (not varlen and gluon_fwd.fits_block_mask(
+                q, v, block_mask, left, right)))):
         B, HQ, NQ = q.shape[:3]
         o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
         bounds = dict(scale=scale, softcap=softcap, left=left, right=right,
-                      score_mod=score_mod)
+                      score_mod=score_mod, block_mask=block_mask)
         if varlen:
             bounds.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        hides = left is not None or right is not None or score_mod is not None
+        hides = (left is not None or right is not None or score_mod is not None
+                 or block_mask is not None)
         if not varlen and (not hides or not STRICT_HIDDEN):
             launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
                                                      lse=lse, launch=False, **bounds)
@@ -805,7 +822,8 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
         launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
                                                  lse=lse, launch=False, flags=flags, **bounds)
         if STRICT_HIDDEN:
-            launches += (prepare_guard(q, k, v, o, lse, flags, **bounds),)
+            launches += (prepare_guard(q, k, v, o, lse, flags, full_needs_mask=full_needs_mask,
+                                       **bounds),)
         return o, lse, launches, tuple([None] for _ in launches)
     options = dict(scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
                    block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -201,15 +201,23 @@ if gluon is not None:
         return t_lo, n_kv, t_a, t_c
 
     @gluon.jit
-    def _tile(i, shape, bh_total, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    def _tile(i, shape, bh_total, bm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_FN: gl.constexpr,
+              SPARSE_M: gl.constexpr, SPLIT: gl.constexpr):
         """This program's item of round ``i`` of ``B`` sequences of ``Nq`` rows:
-        ``(b, hq, hk, q0, t_lo, n_kv, t_a, t_c)``, query tile ``m`` (first row ``q0``) of
-        head ``(b, hq)``, its key/value head ``hk`` and its key tiles
+        ``(b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk)``, query tile ``m`` (first row
+        ``q0``) of head ``(b, hq)``, its key/value head ``hk`` and its key tiles
         (:func:`_key_tiles`). ``m`` runs backwards with a right bound (heaviest first).
         The producer and both consumers call this with the same ``i``, so they walk the
         same tiles. Every item sees a key (the host launches the kernel on the query rows
-        from the first tile that does: :func:`gluon_attention_fwd`)."""
+        from the first tile that does: :func:`gluon_attention_fwd`), unless a block mask
+        hides them all.
+
+        With a block mask (``MASK_FN``; ``bm``: its lists, :func:`_block_mask_args`) the
+        item walks the PARTIAL then the FULL key blocks of its row of blocks, ``SPLIT``
+        tiles each (:func:`_walk`): ``n_kv = SPLIT (partial + full)``, at least one tile
+        (a row of blocks without any: one tile, masked whole); ``walk = (partial, full,
+        base)``, the counts and the row's offset in the index lists."""
         q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
         bh, m = _slot(i, n_m)
         if MASK_RIGHT:
@@ -219,7 +227,36 @@ if gluon is not None:
         q0 = m * BLOCK_M
         t_lo, n_kv, t_a, t_c = _key_tiles(q0, q_len, kv_len, win_left, win_right, BLOCK_M,
                                           BLOCK_N, MASK_LEFT, MASK_RIGHT)
-        return b, hq, hq // group, q0, t_lo, n_kv, t_a, t_c
+        walk = (0, 0, 0)
+        if MASK_FN is not None:
+            PN, PI, FN, FI, rs_b, rs_h, is_b, is_h, n_n, row0 = bm
+            r = (q0 + row0) // SPARSE_M
+            row = b * rs_b + hq * rs_h + r
+            partial = gl.load(PN + row)
+            full = gl.load(FN + row)
+            walk = (partial, full, b * is_b + hq * is_h + r * n_n)
+            n_kv = gl.maximum((partial + full) * SPLIT, 1)
+        return b, hq, hq // group, q0, t_lo, n_kv, t_a, t_c, walk
+
+    @gluon.jit
+    def _walk(bm, walk, t_lo, j, MASK_FN: gl.constexpr, SPLIT: gl.constexpr):
+        """Key tile ``j`` of an item: ``(t, kind)``, its index and kind: ``t_lo + j``,
+        FULL (0) without a block mask; with one, sub-tile ``j % SPLIT`` of the item's
+        ``j // SPLIT``-th listed block (PARTIAL (1) blocks first, then FULL ones), or
+        tile 0 hidden whole (2) past the lists (an item without blocks)."""
+        t = t_lo + j
+        kind = j * 0
+        if MASK_FN is not None:
+            PN, PI, FN, FI, rs_b, rs_h, is_b, is_h, n_n, row0 = bm
+            partial, full, base = walk
+            e = j // SPLIT
+            in_partial = e < partial
+            in_full = (e >= partial) & (e < partial + full)
+            idx = gl.where(in_partial, gl.load(PI + base + e, mask=in_partial, other=0),
+                           gl.load(FI + base + e - partial, mask=in_full, other=0))
+            t = idx * SPLIT + j % SPLIT
+            kind = gl.where(in_partial, 1, gl.where(in_full, 0, 2))
+        return t, kind
 
     @gluon.jit
     def seq_lookup_issue(u, CU_A, CU_B, n_seqs, levels, top, BLOCK: gl.constexpr,
@@ -328,14 +365,42 @@ if gluon is not None:
         return hq, s, qs, q_len, ks, kv_len, m
 
     @gluon.jit
-    def _load_item(descs, bufs, bars, coords_q, hk, k0, t_lo, n_kv, it,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _hand_walk(dst, t, kind):
+        """The producer's note of a ring slot's key tile ``t`` and ``kind`` (:func:`_walk`)
+        for the consumers (:func:`_take_walk`): they need not walk the lists themselves,
+        whose pointers and counts would hold registers through their key loops."""
+        j = gl.arange(0, 2, layout=gl.BlockedLayout([2], [32], [1], [0]))
+        dst.store(gl.where(j == 0, t, kind))
+
+    @gluon.jit
+    def _take_walk(src):
+        """A consumer's read of a ring slot's ``(t, kind)`` (:func:`_hand_walk`)."""
+        layout: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+        vals = src.load(layout)
+        j = gl.arange(0, 2, layout=layout)
+        return gl.sum(gl.where(j == 0, vals, 0), 0), gl.sum(gl.where(j == 1, vals, 0), 0)
+
+    @gluon.jit
+    def _ring_tile(walk_bufs, slot, t_lo, j, MASK_FN: gl.constexpr):
+        """A consumer's key tile ``j`` of an item in ring ``slot``: ``(t, kind)``,
+        ``t_lo + j`` and FULL without a block mask, else the producer's note."""
+        if MASK_FN is not None:
+            t, kind = _take_walk(walk_bufs.index(slot))
+        else:
+            t = t_lo + j
+            kind = 0
+        return t, kind
+
+    @gluon.jit
+    def _load_item(descs, bufs, bars, coords_q, hk, k0, t_lo, n_kv, it, bm, walk,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   MASK_FN: gl.constexpr, SPLIT: gl.constexpr):
         """The TMA loads of one item: its two query halves (``coords_q``: the first's
-        ``[b, hq, row]``), then key and value tiles ``t_lo .. t_lo + n_kv`` (rows from
-        ``k0``) into their rings from position ``it``. The caller has waited for
-        ``q_empty``."""
+        ``[b, hq, row]``), then key and value tiles ``t_lo .. t_lo + n_kv`` (or the block
+        mask's walk, :func:`_walk`; rows from ``k0``) into their rings from position
+        ``it``. The caller has waited for ``q_empty``."""
         q_desc, k_desc, v_desc, o_desc = descs
-        q_bufs, o_bufs, k_bufs, v_bufs = bufs
+        q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         b, hq, r = coords_q
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
@@ -345,8 +410,13 @@ if gluon is not None:
         for j in range(n_kv):
             slot = (it + j) % STAGES
             phase = ((it + j) // STAGES) & 1
-            n0 = k0 + (t_lo + j) * BLOCK_N
+            t, kind = _walk(bm, walk, t_lo, j, MASK_FN, SPLIT)
+            n0 = k0 + t * BLOCK_N
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            if MASK_FN is not None:
+                # the tile and its kind for the consumers, visible to them through the
+                # release of the k_ready arrive below and their acquiring wait
+                _hand_walk(walk_bufs.index(slot), t, kind)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0],
                                             k_ready.index(slot), k_bufs.index(slot))
@@ -356,9 +426,10 @@ if gluon is not None:
                                             v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
-    def _producer(descs, bufs, bars, shape, seqs, out, BLOCK_M: gl.constexpr,
+    def _producer(descs, bufs, bars, shape, seqs, out, bm, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
-                  MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+                  MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, MASK_FN: gl.constexpr,
+                  SPARSE_M: gl.constexpr, SPLIT: gl.constexpr):
         """TMA loads, work item after work item (:func:`_load_item`): the two query halves
         once both consumer warpgroups have released the previous ones (``q_empty``), then
         the item's key and value tiles into their rings, whose slot and phase count on
@@ -395,7 +466,8 @@ if gluon is not None:
                     mbarrier.wait(q_empty, (done & 1) ^ 1)
                     _hand_item(info, hq, s, qs, q_len, ks, kv_len, m)
                     _load_item(descs, bufs, bars, (0, hq, qs + m * BLOCK_M), hq // group, ks,
-                               t_lo, n_kv, it, BLOCK_M, BLOCK_N, STAGES)
+                               t_lo, n_kv, it, bm, (0, 0, 0), BLOCK_M, BLOCK_N, STAGES,
+                               None, 1)
                     it += n_kv
                     done += 1
             mbarrier.wait(q_empty, (done & 1) ^ 1)
@@ -403,11 +475,12 @@ if gluon is not None:
             mbarrier.arrive(q_ready, count=1)
         else:
             for i in range(rounds):
-                b, hq, hk, q0, t_lo, n_kv, t_a, t_c = _tile(i, shape, out[4], BLOCK_M,
-                                                            BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk = _tile(
+                    i, shape, out[4], bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_FN,
+                    SPARSE_M, SPLIT)
                 mbarrier.wait(q_empty, (i & 1) ^ 1)
-                _load_item(descs, bufs, bars, (b, hq, q0), hk, 0, t_lo, n_kv, it, BLOCK_M,
-                           BLOCK_N, STAGES)
+                _load_item(descs, bufs, bars, (b, hq, q0), hk, 0, t_lo, n_kv, it, bm, walk,
+                           BLOCK_M, BLOCK_N, STAGES, MASK_FN, SPLIT)
                 it += n_kv
 
     @gluon.jit
@@ -444,10 +517,10 @@ if gluon is not None:
         return base + (rows & REGISTER_BIT)
 
     @gluon.jit
-    def _softmax_tile(s, m, l, t, t_a, t_c, key_lo, key_hi, kv_len, qk_scale, step_scale, mod,
-                      BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+    def _softmax_tile(s, m, l, t, kind, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
+                      step_scale, mod, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STEP: gl.constexpr,
-                      SCORE_MOD: gl.constexpr):
+                      SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr):
         """Key tile ``t``'s scores ``s = q k^T`` folded into the row state ``(m, l)``:
         ``(p, m', l', alpha)`` from ``STEP``, ATTENTION2's tile step generated as a Gluon
         function (:func:`flashfold.kernels.codegen.tile_step_functions`): in base 2,
@@ -469,22 +542,27 @@ if gluon is not None:
         ``SCORE_MOD`` (a traced score_mod's Gluon function, or None) applies after the
         softcap and before the masks, to the scores in natural-log units ``x c'`` (``c' =
         mod_scale``: the scale or the cap; the caller passes ``step_scale = 1``), with
-        ``mod = (b, h, r0, BUFS, mod_scale)``, the rows' positions from ``r0``
-        (:func:`_rows`) and the key positions of tile ``t``."""
+        ``mod = (b, h, r0, BUFS, mod_scale, MASK_BUFS)``, the rows' positions from ``r0``
+        (:func:`_rows`) and the key positions of tile ``t``. ``MASK_FN`` (a block mask's
+        mask_mod): tile ``t`` of ``kind`` (:func:`_walk`) FULL is masked as without,
+        PARTIAL also where ``MASK_FN(b, h, q_idx, kv_idx, MASK_BUFS)`` is false, and hidden
+        whole past the lists."""
         if SOFTCAP:
             # (rcp.approx: one MUFU.RCP; a "/" is div.full, which adds range checks)
             r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
                                           [gl.exp2(s * qk_scale) + 1.0], dtype=gl.float32,
                                           is_pure=True, pack=1)
             s = 1.0 - 2.0 * r
+        b, hq, r0, mod_bufs, mod_scale, mask_bufs = mod
+        q_idx = _rows(r0, t, s.shape[0], BLOCK_N)
         if SCORE_MOD is not None:
-            b, hq, r0, mod_bufs, mod_scale = mod
-            q_idx = _rows(r0, t, s.shape[0], BLOCK_N)
             kv_idx = _columns(t * BLOCK_N, BLOCK_N)
             s = SCORE_MOD(s * mod_scale, b, hq, q_idx[:, None], kv_idx[None, :], mod_bufs)
         masked = t >= t_c
         if MASK_LEFT:
             masked = masked | (t < t_a)
+        if MASK_FN is not None:
+            masked = masked | (kind != 0)
         if masked:
             c = _columns(t * BLOCK_N, BLOCK_N)
             if MASK_RIGHT:
@@ -493,6 +571,9 @@ if gluon is not None:
                 ok = c[None, :] < kv_len
             if MASK_LEFT:
                 ok = ok & (c[None, :] >= key_lo[:, None])
+            if MASK_FN is not None:
+                vis = MASK_FN(b, hq, q_idx[:, None], c[None, :], mask_bufs) != 0
+                ok = ok & ((kind == 0) | ((kind == 1) & vis))
             s = gl.where(ok, s, -float("inf"))
         m, l, alpha, p = STEP(m, l, s, step_scale)
         return p, m, l, alpha
@@ -516,17 +597,17 @@ if gluon is not None:
 
     @gluon.jit
     def _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
-              step_scale, mod, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+              step_scale, mod, bm, walk, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
               BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr,
-              SCORE_MOD: gl.constexpr):
+              SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr, SPLIT: gl.constexpr):
         """One warpgroup's rows of one item: key tiles ``t_lo .. t_lo + n_kv`` (``n_kv >=
         1``, ring positions from ``it``) folded into ``(acc, l, m)`` by
         :func:`_softmax_tile`, with ``P V`` of tile ``j - 1`` running while the softmax of
         tile ``j`` is computed. Releases the query tile (``q_empty``) after the last ``S``
         unless the output is staged in it (``O_IN_Q``: the epilogue releases it)."""
-        q_bufs, o_bufs, k_bufs, v_bufs = bufs
+        q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         dtype: gl.constexpr = q.dtype
         HALF: gl.constexpr = s_zero.shape[0]
@@ -536,6 +617,7 @@ if gluon is not None:
         # key tile 0: S, then its softmax (nothing to overlap with yet)
         slot = it % STAGES
         mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+        t, kind = _ring_tile(walk_bufs, slot, t_lo, 0, MASK_FN)
         _take_turn(turn, it + i, WG, PINGPONG)
         s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
                           s_zero, use_acc=False, is_async=True)
@@ -546,15 +628,16 @@ if gluon is not None:
         rows: gl.constexpr = gl.SliceLayout(1, s.type.layout)
         m = gl.full([HALF], -float("inf"), gl.float32, rows)
         l = gl.zeros([HALF], gl.float32, rows)
-        p, m, l, alpha = _softmax_tile(s, m, l, t_lo, t_a, t_c, key_lo, key_hi, kv_len,
+        p, m, l, alpha = _softmax_tile(s, m, l, t, kind, t_a, t_c, key_lo, key_hi, kv_len,
                                        qk_scale, step_scale, mod, BLOCK_N, MASK_LEFT,
-                                       MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD)
+                                       MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD, MASK_FN)
         acc = gl.zeros([HALF, BLOCK_DV], gl.float32, o_layout)
 
         for j in range(1, n_kv):
             slot = (it + j) % STAGES
             prev = (it + j - 1) % STAGES
             mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
+            t, kind = _ring_tile(walk_bufs, slot, t_lo, j, MASK_FN)
             _take_turn(turn, it + j + i, WG, PINGPONG)
             s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
                               s_zero, use_acc=False, is_async=True)
@@ -565,9 +648,10 @@ if gluon is not None:
             _pass_turn(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
             mbarrier.arrive(k_empty.index(slot), count=1)
-            p, m, l, alpha = _softmax_tile(s, m, l, t_lo + j, t_a, t_c, key_lo, key_hi,
+            p, m, l, alpha = _softmax_tile(s, m, l, t, kind, t_a, t_c, key_lo, key_hi,
                                            kv_len, qk_scale, step_scale, mod, BLOCK_N,
-                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD)
+                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD,
+                                           MASK_FN)
             acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -603,12 +687,13 @@ if gluon is not None:
 
     @gluon.jit
     def _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, k_i, b, hq, qs,
-                      q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M: gl.constexpr,
+                      q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, bm, walk, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                       SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                       VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                      STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr):
+                      STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr,
+                      MASK_FN: gl.constexpr, SPLIT: gl.constexpr):
         """One warpgroup's rows of one work item (query tile at row ``q0`` of head ``(b,
         hq)``, the ``k_i``-th item this program takes, its key tiles from ring position
         ``it``): wait for its query tile (``VARLEN``: the caller has), fold, then the
@@ -616,7 +701,7 @@ if gluon is not None:
         q_desc, k_desc, v_desc, o_desc = descs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale,
-         O, stride_oh, stride_on, dv, mod_bufs, mod_scale, row0) = out
+         O, stride_oh, stride_on, dv, mod_bufs, mod_scale, row0, mask_bufs) = out
         win_left, win_right, heads_q = win
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -637,11 +722,11 @@ if gluon is not None:
             # (varlen: the caller waited, to read the item the producer handed)
             mbarrier.wait(q_ready, k_i & 1)
         # a score_mod's arguments (query positions: of the call's rows, from row0 on)
-        mod = (b, hq, r0 + row0, mod_bufs, mod_scale)
+        mod = (b, hq, r0 + row0, mod_bufs, mod_scale, mask_bufs)
         acc, l, m = _fold(q, bufs, bars, it, k_i, t_lo, n_kv, t_a, t_c, key_lo, key_hi,
-                          kv_len, qk_scale, step_scale, mod, s_zero, BLOCK_N, BLOCK_D,
-                          BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, WG,
-                          PINGPONG, STEP, SCORE_MOD)
+                          kv_len, qk_scale, step_scale, mod, bm, walk, s_zero, BLOCK_N,
+                          BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
+                          WG, PINGPONG, STEP, SCORE_MOD, MASK_FN, SPLIT)
 
         # epilogue: ATTENTION2's finalize, generated (o = acc / l, lse = (m + log2 l) ln 2;
         # a row with no visible key, m = -inf: 0 and -inf; NaN m or l: NaN)
@@ -667,7 +752,7 @@ if gluon is not None:
         if RETURN_LSE:
             gl.store(LSE + b.to(gl.int64) * stride_lb + hq * stride_lh + qs + rows_o, lse,
                      mask=rows_o < q_len)
-        if MASK_LEFT or MASK_RIGHT or VARLEN or SCORE_MOD is not None:
+        if MASK_LEFT or MASK_RIGHT or VARLEN or SCORE_MOD is not None or MASK_FN is not None:
             # the non-finite flag of these 64 rows (``flag_groups`` per head; 0: off): an
             # edge tile's P V meets the values of hidden keys (0 x NaN; packed, the next
             # sequence's too; keys a score_mod hides), so a non-finite o may be a leak,
@@ -680,12 +765,13 @@ if gluon is not None:
                     gl.store(FLAGS + (b * heads_q + hq) * flag_groups + r0 // HALF, bad)
 
     @gluon.jit
-    def _consumer(descs, bufs, bars, shape, seqs, out, BLOCK_M: gl.constexpr,
+    def _consumer(descs, bufs, bars, shape, seqs, out, bm, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                   STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                   VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                  STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr):
+                  STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr,
+                  MASK_FN: gl.constexpr, SPARSE_M: gl.constexpr, SPLIT: gl.constexpr):
         """One warpgroup's 64 query rows (half ``WG``) of each work item
         (:func:`_consume_item`): fold its key tiles into ``(acc, l, m)`` (:func:`_fold`)
         -- base-2 maxima ``m`` of the scores, ``l = sum 2^(s - m)``, ``acc = sum 2^(s -
@@ -694,7 +780,7 @@ if gluon is not None:
         ``o = 0``, ``lse = -inf`` (``l = 0``). ``VARLEN``: the items come from the
         producer (:func:`_take_item`) until ``m = -1``; a half that ends past its
         sequence is written by masked stores from registers."""
-        q_bufs, o_bufs, k_bufs, v_bufs = bufs
+        q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs = bufs
         q_ready = bars[0]
         q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
         bh_total = out[4]
@@ -718,10 +804,10 @@ if gluon is not None:
                                                   BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
                 n_kv = gl.maximum(n_kv, 1)        # (as the producer: rows without keys)
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, done, s,
-                              hq, qs, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M,
-                              BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT,
-                              SOFTCAP, O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP,
-                              FINALIZE, SCORE_MOD)
+                              hq, qs, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, bm, (0, 0, 0),
+                              BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT,
+                              MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG,
+                              STEP, FINALIZE, SCORE_MOD, None, 1)
                 it += n_kv
                 done += 1
                 mbarrier.wait(q_ready, done & 1)
@@ -729,13 +815,14 @@ if gluon is not None:
         else:
             rounds = _rounds(shape, bh_total)
             for i in range(rounds):
-                b, hq, hk, q0, t_lo, n_kv, t_a, t_c = _tile(i, shape, bh_total, BLOCK_M,
-                                                            BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk = _tile(
+                    i, shape, bh_total, bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_FN,
+                    SPARSE_M, SPLIT)
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, i, b, hq,
-                              0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
-                              BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                              O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
-                              SCORE_MOD)
+                              0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, bm, walk, BLOCK_M,
+                              BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT,
+                              SOFTCAP, O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP,
+                              FINALIZE, SCORE_MOD, MASK_FN, SPLIT)
                 it += n_kv
         tma.store_wait(0)
 
@@ -743,14 +830,15 @@ if gluon is not None:
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
                      q_len, kv_len, heads_q, group, bh_total, qk_scale, step_scale, win_left,
                      win_right, FLAGS, flag_groups, O, stride_oh, stride_on, dv, CU_Q, CU_K,
-                     n_seqs, search_levels, search_top, MOD_BUFS, mod_scale, row0,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                     n_seqs, search_levels, search_top, MOD_BUFS, mod_scale, row0, BM,
+                     MASK_BUFS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                      BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
                      VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, STEP: gl.constexpr, FINALIZE: gl.constexpr,
-                     SCORE_MOD: gl.constexpr):
+                     SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr, SPARSE_M: gl.constexpr,
+                     SPLIT: gl.constexpr):
         """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
         programs: one item each when ``G`` is the item count, else persistent (``G`` =
         the SM count; rounds in a snake order, :func:`_rounds`), where the producer loads
@@ -787,7 +875,13 @@ if gluon is not None:
             mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 issues first
 
         descs = (q_desc, k_desc, v_desc, o_desc)
-        bufs = (q_bufs, o_bufs, k_bufs, v_bufs)
+        if MASK_FN is not None:
+            # each ring slot's key tile and kind (_walk), from the producer
+            walk_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, 2], gl.SwizzledSharedLayout(
+                1, 1, 1, [0]))
+        else:
+            walk_bufs = q_ready            # (unused)
+        bufs = (q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs)
         bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
         if VARLEN:
             n_m = q_len // BLOCK_M + n_seqs          # slots (see _tile)
@@ -802,16 +896,18 @@ if gluon is not None:
             info = q_ready                 # (unused)
         seqs = (CU_Q, CU_K, n_seqs, search_levels, search_top, info)
         out = (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale,
-               O, stride_oh, stride_on, dv, MOD_BUFS, mod_scale, row0)
+               O, stride_oh, stride_on, dv, MOD_BUFS, mod_scale, row0, MASK_BUFS)
         warp_specialize([
-            (_consumer, (descs, bufs, bars, shape, seqs, out, BLOCK_M, BLOCK_N, BLOCK_D,
+            (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
-                         VARLEN, 0, PINGPONG, STEP, FINALIZE, SCORE_MOD)),
-            (_consumer, (descs, bufs, bars, shape, seqs, out, BLOCK_M, BLOCK_N, BLOCK_D,
+                         VARLEN, 0, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN, SPARSE_M,
+                         SPLIT)),
+            (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
-                         VARLEN, 1, PINGPONG, STEP, FINALIZE, SCORE_MOD)),
-            (_producer, (descs, bufs, bars, shape, seqs, out, BLOCK_M, BLOCK_N, STAGES,
-                         MASK_LEFT, MASK_RIGHT, VARLEN)),
+                         VARLEN, 1, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN, SPARSE_M,
+                         SPLIT)),
+            (_producer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, STAGES,
+                         MASK_LEFT, MASK_RIGHT, VARLEN, MASK_FN, SPARSE_M, SPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
@@ -1051,7 +1147,7 @@ def _scales(scale: float, softcap: float | None, score_mod=None, device=None) ->
 
 
 def _constexprs(block_n, block_d, block_dv, left, right, softcap, o_in_q, return_lse,
-                pingpong, *, varlen: bool, score_mod=None) -> dict:
+                pingpong, *, varlen: bool, score_mod=None, block_mask=None) -> dict:
     """The template's flags and launch options of a call."""
     step = tile_step_functions(ATTENTION2, scale="score", gluon=True)
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
@@ -1061,7 +1157,45 @@ def _constexprs(block_n, block_d, block_dv, left, right, softcap, o_in_q, return
                 PRODUCER_REGS=PRODUCER_REGS, STEP=step.tile_step,
                 FINALIZE=step.finalize_rows,
                 SCORE_MOD=score_mod.gluon_fn() if score_mod is not None else None,
+                MASK_FN=block_mask.mod.gluon_fn() if block_mask is not None else None,
+                SPARSE_M=block_mask.BLOCK_SIZE[0] if block_mask is not None else BLOCK_M,
+                SPLIT=block_mask.BLOCK_SIZE[1] // block_n if block_mask is not None else 1,
                 num_warps=4, maxnreg=MAXNREG)
+
+
+def query_tile_and_key_tile(q, v, left: int | None = None,
+                            right: int | None = None) -> tuple[int, int]:
+    """The kernel's tiles for a call: ``(BLOCK_M, block_n)``, 128 query rows and the key
+    tile of its plan (:func:`tile_plan`)."""
+    block_n, _ = tile_plan(*block_dims(q.shape[-1], v.shape[-1]),
+                           left is not None and right is not None)
+    return BLOCK_M, block_n
+
+
+def fits_block_mask(q, v, block_mask, left: int | None = None,
+                    right: int | None = None) -> bool:
+    """Whether the kernel walks ``block_mask``'s lists (:func:`_walk`): its mask_mod
+    lowers to Gluon and its blocks are whole tiles, rows a multiple of the 128-row query
+    tiles and keys of the call's key tiles (:func:`query_tile_and_key_tile`;
+    FlexAttention's and :func:`~.mods.create_block_mask`'s default 128 x 128 fits every
+    plan)."""
+    sm, sn = block_mask.BLOCK_SIZE
+    block_m, block_n = query_tile_and_key_tile(q, v, left, right)
+    return block_mask.mod.gluon_ok and sm % block_m == 0 and sn % block_n == 0
+
+
+def _block_mask_args(block_mask, device, row0: int) -> tuple:
+    """The kernel's ``BM`` (:func:`_tile`): the block mask's four lists, the strides of
+    a ``(b, h)`` row of counts and of index lists (0 along a dim the mask broadcasts),
+    the blocks per row of index lists, and the position of the kernel's first row; and
+    ``MASK_BUFS``, its mask_mod's tables. ``()`` twice without one."""
+    if block_mask is None:
+        return (), ()
+    Bm, Hm, nM, nN = block_mask.state.shape
+    bm = (block_mask.partial_num, block_mask.partial_idx, block_mask.full_num,
+          block_mask.full_idx, Hm * nM if Bm > 1 else 0, nM if Hm > 1 else 0,
+          Hm * nM * nN if Bm > 1 else 0, nM * nN if Hm > 1 else 0, nN, row0)
+    return bm, block_mask.mod.buffer_args(device)
 
 
 def varlen_slots(total_q: int, n_seqs: int) -> int:
@@ -1119,7 +1253,8 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
             Nq, Nk, Hq, Hq // Hk, Hq, *scales[:2],
             0 if left is None else int(left), 0 if right is None else int(right),
             flags, flag_groups, o, o.stride(1), o.stride(2), Dv,
-            cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1), *scales[2:], 0)
+            cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1), *scales[2:], 0,
+            *_block_mask_args(None, q.device, 0))
     kwargs = _constexprs(block_n, BD, BDV, left, right, softcap, o_in_q, return_lse, pingpong,
                          varlen=True, score_mod=score_mod)
     slots, sms = varlen_slots(Nq, n_seqs) * Hq, num_sms(q)
@@ -1144,7 +1279,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         cu_seqlens_q: torch.Tensor | None = None,
                         cu_seqlens_k: torch.Tensor | None = None,
                         max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                        score_mod=None):
+                        score_mod=None, block_mask=None):
     """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``:
     ``o (B, Hq, Nq, Dv)`` in the input dtype, ``lse (B, Hq, Nq)`` float32 natural log
     (``None`` without ``return_lse``). ``left`` / ``right``: the bottom-right aligned
@@ -1186,8 +1321,12 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``score_mod`` (a :class:`~.mods.TracedMod` of kind ``"score"`` with
     :attr:`~.mods.TracedMod.gluon_ok`): applied to every visible score in the kernel
     (:func:`_softmax_tile`); ``flags`` mark its rows too (a score_mod's ``-inf`` hides
-    keys as a window does)."""
+    keys as a window does). ``block_mask`` (:class:`~.mods.BlockMask`, dense calls,
+    :func:`fits_block_mask`): each item walks its row's PARTIAL and FULL key blocks
+    only, evaluating the mask_mod in the PARTIAL ones (``flags`` as with a window)."""
     varlen = cu_seqlens_q is not None
+    if varlen and block_mask is not None:
+        raise ValueError("block_mask: packed sequences take the Triton kernels' block masks")
     if varlen:
         return _varlen_launches(q, k, v, causal=causal, left=left, right=right,
                                 softcap=softcap, scale=scale, return_lse=return_lse, out=out,
@@ -1201,8 +1340,10 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     left, right = _bounds(causal, left, right)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    if flags is not None and left is None and right is None and score_mod is None:
-        raise ValueError("flags: only windowed, causal or score_mod calls write flags")
+    if (flags is not None and left is None and right is None and score_mod is None
+            and block_mask is None):
+        raise ValueError("flags: only windowed, causal, score_mod or block-mask calls write "
+                         "flags")
     o = torch.empty((B, Hq, Nq, Dv), device=q.device, dtype=q.dtype) if out is None else out
     if return_lse and lse is None:
         lse = torch.empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
@@ -1236,13 +1377,17 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             os_ if fs is None else fs, 0 if fs is None else flag_groups,
             # (varlen only: the ragged tiles' stores, the sequences)
             os_, 0, 0, 0, os_, os_, 0, 0, 0,
-            # (the score_mod's tables and scale; the first row's position)
-            *scales[2:], skip)
+            # (the score_mod's tables and scale; the first row's position; the block mask)
+            *scales[2:], skip, *_block_mask_args(block_mask, q.device, skip))
     kwargs = _constexprs(block_n, BD, BDV, left, right, softcap, o_in_q, return_lse, pingpong,
-                         varlen=False, score_mod=score_mod)
+                         varlen=False, score_mod=score_mod, block_mask=block_mask)
     sms = num_sms(q)
     if persistent is None:
-        persistent = persistent_default((left is None) != (right is None), len(tiles), sms)
+        # a block mask's items differ in work, which the persistent snake order does not
+        # even out: one program per item (H200, d128 causal document mask, 8 documents in
+        # 4K: 261-264 us against 296-348 persistent; docs/notes/attention_fwd.md)
+        persistent = block_mask is None and persistent_default(
+            (left is None) != (right is None), len(tiles), sms)
     items = len(tiles) * B * Hq
     launches = ((_attn_fwd_ws, (min(items, sms) if persistent else items,), args, kwargs),)
     if skip:

@@ -192,9 +192,11 @@ class TracedMod:
     def gluon_ok(self) -> bool:
         """Whether the Gluon lowering covers every operation of the expression (the Gluon
         language has no ``tanh``, ``sigmoid`` or ``cumsum``: a mod using them runs on the
-        Triton kernels)."""
+        Triton kernels), and a mask_mod's output is not a constant."""
         from ..codegen import GLUON
-        return _used_ops(self.graph) <= set(GLUON.templates) | {"var", "const"}
+        # (a mask_mod's constant output would broadcast against the scalar b: no layout)
+        constant = self.kind == "mask" and any(n.op == "const" for n in self.graph.outputs)
+        return not constant and _used_ops(self.graph) <= set(GLUON.templates) | {"var", "const"}
 
     def gluon_fn(self):
         """The ``@gluon.jit`` function with the fixed signature of :meth:`triton_fn` (the
