@@ -106,15 +106,16 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
              {"varlen": True, "mod": "alibi", "causal": True}, True, "bfloat16", True),
             ("d256-mod-alibi-causal-window", 256, 256,
              {"mod": "alibi", "causal": True, "left": 300}, False, "bfloat16", True),
-            # block masks walked by the kernel: a document mask (a table), prefix-LM (no
-            # table), with ALiBi; 128 x 128 blocks over 64-key tiles at head_dim 256
+            # block masks walked by the kernel: a document mask (a table of int32 ids: int64
+            # ids spill into the key loop on Triton 3.9, docs/notes/attention_fwd.md),
+            # prefix-LM (no table), with ALiBi; 128 x 256 blocks, two key tiles each
             ("d128-mask-documents-causal-lse", 128, 128, {"mask": "documents", "causal": True},
              True, "bfloat16", True),
             ("d64-mask-prefix", 64, 64, {"mask": "prefix"}, False, "bfloat16", True),
             ("d128-mask-documents-mod-alibi-causal-lse", 128, 128,
              {"mask": "documents", "mod": "alibi", "causal": True}, True, "bfloat16", True),
-            ("d256-mask-prefix-softcap", 256, 256, {"mask": "prefix", "softcap": 50.0}, False,
-             "bfloat16", True)]
+            ("d128-mask-prefix-256-blocks-softcap", 128, 128,
+             {"mask": "prefix-256-blocks", "softcap": 50.0}, False, "bfloat16", True)]
 
 
 def _block_mask(name, nq, nk):
@@ -122,10 +123,12 @@ def _block_mask(name, nq, nk):
     import flashfold as ff
     from flashfold import mods
     if name == "documents":
-        docs = torch.arange(max(nq, nk)) * 7 // max(nq, nk)       # 7 documents
+        docs = (torch.arange(max(nq, nk)) * 7 // max(nq, nk)).to(torch.int32)  # 7 documents
         return ff.create_block_mask(mods.document_mask(docs), None, None, nq, nk,
                                     device="cpu")
-    return ff.create_block_mask(mods.prefix_lm_mask(300), None, None, nq, nk, device="cpu")
+    blocks = (128, 256) if name == "prefix-256-blocks" else 128
+    return ff.create_block_mask(mods.prefix_lm_mask(300), None, None, nq, nk, device="cpu",
+                                BLOCK_SIZE=blocks)
 
 
 def _score_mod(name, heads):
@@ -229,7 +232,7 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert r["constexprs"]["VARLEN"] == ("-varlen" in vid), r["constexprs"]
     assert r["score_mod"] == ("-mod-" in vid), r
     assert r["block_mask"] == ("-mask-" in vid), r
-    assert r["split"] == (2 if vid.startswith("d256-mask") else 1), r
+    assert r["split"] == (2 if "-256-blocks" in vid else 1), r
     assert not r["local_in_loops"], f"{vid}: local memory in the key loop at {r['local_in_loops']}"
     assert r["spill"] <= 256, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
 
@@ -523,20 +526,23 @@ def test_dispatch_sends_calls_the_template_lowers():
 
 def test_callable_mask_mods_get_tables_of_the_kernel_that_runs():
     """A callable mask_mod's block table has the tiles of the kernel the call will run:
-    the Gluon kernel's 128 query rows and its plan's key tile where it is eligible (64 at
-    head_dim 256, 32 there with both window sides), else the Triton template's."""
+    the Gluon kernel's 128 query rows and its plan's 128-key tile where it walks block
+    masks (eligible, q/k tiles up to 128 wide: head_dim 96 too), else the Triton
+    template's (head_dim 256, a score_mod Gluon cannot lower, packed sequences)."""
     from flashfold import ops
     from flashfold.kernels.attention import fwd, gluon_fwd
     from flashfold.kernels.attention.mods import trace_mask_mod, trace_score_mod
     mask = trace_mask_mod(lambda b, h, i, j: j <= i)
     q, k, v = _qkv(D=64)
+    triton = fwd.default_config(q, 64, 64)
     with mock.patch.object(gluon_fwd, "eligible", return_value=True):
         assert fwd.mask_tiles(q, k, v, scale=0.1, mask_mod=mask) == (128, 128)
+        assert fwd.mask_tiles(*_qkv(D=96), scale=0.1, mask_mod=mask) == (128, 128)
         q2, k2, v2 = _qkv(D=256)
-        assert fwd.mask_tiles(q2, k2, v2, scale=0.1, mask_mod=mask) == (128, 64)
-        assert fwd.mask_tiles(q2, k2, v2, scale=0.1, mask_mod=mask, left=8, right=8) == (128, 32)
+        wide = fwd.default_config(q2, 256, 256)
+        assert fwd.mask_tiles(q2, k2, v2, scale=0.1, mask_mod=mask) == (wide.block_m,
+                                                                        wide.block_n)
         tanh = trace_score_mod(lambda s, b, h, i, j: ops.tanh(s))
-        triton = fwd.default_config(q, 64, 64)
         for kw in (dict(score_mod=tanh), dict(varlen=True)):
             assert fwd.mask_tiles(q, k, v, scale=0.1, mask_mod=mask, **kw) == (
                 triton.block_m, triton.block_n), kw
@@ -1042,8 +1048,8 @@ def _mask_mod(name, nq, nk):
     return trace_mask_mod(rows_from_200)
 
 
-@pytest.mark.parametrize("case, D", MOD_GRID, ids=lambda c: "x".join(map(str, c))
-                         if isinstance(c, tuple) else f"d{c}")
+@pytest.mark.parametrize("case, D", [(c, D) for c, D in MOD_GRID if D <= 128],
+                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"d{c}")
 @pytest.mark.parametrize("feature", MASK_FEATURES, ids=lambda f: f[0])
 @pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
 @pytest.mark.gpu

@@ -767,10 +767,12 @@ def mask_tiles(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod
     """The tiles ``(block_m, block_n)`` of the block table that the forward builds for a
     callable ``mask_mod``: the Gluon kernel's query tile and its plan's key tile where the
     call will run it (:func:`_plan`'s dispatch), else the Triton template's tiles."""
-    if (not varlen and (score_mod is None or score_mod.gluon_ok) and mask_mod.gluon_ok
+    if (not varlen and (score_mod is None or score_mod.gluon_ok)
             and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
                                    softcap=softcap)):
-        return gluon_fwd.query_tile_and_key_tile(q, v, left, right)
+        tiles = gluon_fwd.block_mask_tiles(q, v, mask_mod, left, right)
+        if tiles is not None:
+            return tiles
     cfg = default_config(q, q.shape[3], v.shape[3], causal=right is not None)
     return cfg.block_m, cfg.block_n
 

@@ -203,7 +203,7 @@ if gluon is not None:
     @gluon.jit
     def _tile(i, shape, bh_total, bm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_FN: gl.constexpr,
-              SPARSE_M: gl.constexpr, SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr):
         """This program's item of round ``i`` of ``B`` sequences of ``Nq`` rows:
         ``(b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk)``, query tile ``m`` (first row
         ``q0``) of head ``(b, hq)``, its key/value head ``hk`` and its key tiles
@@ -230,7 +230,7 @@ if gluon is not None:
         walk = (0, 0, 0)
         if MASK_FN is not None:
             PN, PI, FN, FI, rs_b, rs_h, is_b, is_h, n_n, row0 = bm
-            r = (q0 + row0) // SPARSE_M
+            r = (q0 + row0) // BLOCK_M
             row = b * rs_b + hq * rs_h + r
             partial = gl.load(PN + row)
             full = gl.load(FN + row)
@@ -429,7 +429,7 @@ if gluon is not None:
     def _producer(descs, bufs, bars, shape, seqs, out, bm, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                   MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, MASK_FN: gl.constexpr,
-                  SPARSE_M: gl.constexpr, SPLIT: gl.constexpr):
+                  SPLIT: gl.constexpr):
         """TMA loads, work item after work item (:func:`_load_item`): the two query halves
         once both consumer warpgroups have released the previous ones (``q_empty``), then
         the item's key and value tiles into their rings, whose slot and phase count on
@@ -477,7 +477,7 @@ if gluon is not None:
             for i in range(rounds):
                 b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk = _tile(
                     i, shape, out[4], bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_FN,
-                    SPARSE_M, SPLIT)
+                    SPLIT)
                 mbarrier.wait(q_empty, (i & 1) ^ 1)
                 _load_item(descs, bufs, bars, (b, hq, q0), hk, 0, t_lo, n_kv, it, bm, walk,
                            BLOCK_M, BLOCK_N, STAGES, MASK_FN, SPLIT)
@@ -771,7 +771,7 @@ if gluon is not None:
                   SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                   VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                   STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr,
-                  MASK_FN: gl.constexpr, SPARSE_M: gl.constexpr, SPLIT: gl.constexpr):
+                  MASK_FN: gl.constexpr, SPLIT: gl.constexpr):
         """One warpgroup's 64 query rows (half ``WG``) of each work item
         (:func:`_consume_item`): fold its key tiles into ``(acc, l, m)`` (:func:`_fold`)
         -- base-2 maxima ``m`` of the scores, ``l = sum 2^(s - m)``, ``acc = sum 2^(s -
@@ -817,7 +817,7 @@ if gluon is not None:
             for i in range(rounds):
                 b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk = _tile(
                     i, shape, bh_total, bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_FN,
-                    SPARSE_M, SPLIT)
+                    SPLIT)
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, i, b, hq,
                               0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, bm, walk, BLOCK_M,
                               BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT,
@@ -837,7 +837,7 @@ if gluon is not None:
                      O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
                      VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, STEP: gl.constexpr, FINALIZE: gl.constexpr,
-                     SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr, SPARSE_M: gl.constexpr,
+                     SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr,
                      SPLIT: gl.constexpr):
         """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
         programs: one item each when ``G`` is the item count, else persistent (``G`` =
@@ -900,14 +900,14 @@ if gluon is not None:
         warp_specialize([
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
-                         VARLEN, 0, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN, SPARSE_M,
+                         VARLEN, 0, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
                          SPLIT)),
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
-                         VARLEN, 1, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN, SPARSE_M,
+                         VARLEN, 1, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
                          SPLIT)),
             (_producer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, STAGES,
-                         MASK_LEFT, MASK_RIGHT, VARLEN, MASK_FN, SPARSE_M, SPLIT)),
+                         MASK_LEFT, MASK_RIGHT, VARLEN, MASK_FN, SPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
@@ -1158,30 +1158,35 @@ def _constexprs(block_n, block_d, block_dv, left, right, softcap, o_in_q, return
                 FINALIZE=step.finalize_rows,
                 SCORE_MOD=score_mod.gluon_fn() if score_mod is not None else None,
                 MASK_FN=block_mask.mod.gluon_fn() if block_mask is not None else None,
-                SPARSE_M=block_mask.BLOCK_SIZE[0] if block_mask is not None else BLOCK_M,
                 SPLIT=block_mask.BLOCK_SIZE[1] // block_n if block_mask is not None else 1,
                 num_warps=4, maxnreg=MAXNREG)
 
 
-def query_tile_and_key_tile(q, v, left: int | None = None,
-                            right: int | None = None) -> tuple[int, int]:
-    """The kernel's tiles for a call: ``(BLOCK_M, block_n)``, 128 query rows and the key
-    tile of its plan (:func:`tile_plan`)."""
-    block_n, _ = tile_plan(*block_dims(q.shape[-1], v.shape[-1]),
-                           left is not None and right is not None)
-    return BLOCK_M, block_n
+#: the widest q/k tile whose calls walk block masks: the 256-wide plans' key loops spill
+#: with a mask_mod on Triton 3.9 (docs/notes/attention_fwd.md, "Block masks")
+BLOCK_MASK_MAX_D = 128
+
+
+def block_mask_tiles(q, v, mask_mod, left: int | None = None,
+                     right: int | None = None) -> tuple[int, int] | None:
+    """The tiles ``(BLOCK_M, block_n)`` whose multiples a block table must have for the
+    kernel to walk it (:func:`_walk`): 128 query rows and the key tile of the call's plan
+    (:func:`tile_plan`); None where the kernel walks none: a ``mask_mod`` (traced) that
+    Gluon cannot lower, or q/k tiles wider than :data:`BLOCK_MASK_MAX_D`."""
+    block_d, block_dv = block_dims(q.shape[-1], v.shape[-1])
+    if not mask_mod.gluon_ok or block_d > BLOCK_MASK_MAX_D:
+        return None
+    return BLOCK_M, tile_plan(block_d, block_dv, left is not None and right is not None)[0]
 
 
 def fits_block_mask(q, v, block_mask, left: int | None = None,
                     right: int | None = None) -> bool:
-    """Whether the kernel walks ``block_mask``'s lists (:func:`_walk`): its mask_mod
-    lowers to Gluon and its blocks are whole tiles, rows a multiple of the 128-row query
-    tiles and keys of the call's key tiles (:func:`query_tile_and_key_tile`;
-    FlexAttention's and :func:`~.mods.create_block_mask`'s default 128 x 128 fits every
-    plan)."""
+    """Whether the kernel walks ``block_mask``'s lists: blocks of the 128 query rows of
+    :func:`block_mask_tiles` and a multiple of its key tile (FlexAttention's and
+    :func:`~.mods.create_block_mask`'s default 128 x 128 fits every such call)."""
+    tiles = block_mask_tiles(q, v, block_mask.mod, left, right)
     sm, sn = block_mask.BLOCK_SIZE
-    block_m, block_n = query_tile_and_key_tile(q, v, left, right)
-    return block_mask.mod.gluon_ok and sm % block_m == 0 and sn % block_n == 0
+    return tiles is not None and sm == tiles[0] and sn % tiles[1] == 0
 
 
 def _block_mask_args(block_mask, device, row0: int) -> tuple:
