@@ -762,14 +762,21 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     return o, lse
 
 
+def _gluon_runs(q, k, v, *, scale, softcap, left, right, score_mod, config=None) -> bool:
+    """The Gluon side of the forward's dispatch (:func:`_plan`), a block mask apart: no
+    forced Triton config, a score_mod Gluon can lower, and :func:`.gluon_fwd.eligible`."""
+    return (config is None and (score_mod is None or score_mod.gluon_ok)
+            and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
+                                   softcap=softcap))
+
+
 def mask_tiles(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
                mask_mod=None, varlen=False) -> tuple[int, int]:
     """The tiles ``(block_m, block_n)`` of the block table that the forward builds for a
     callable ``mask_mod``: the Gluon kernel's query tile and its plan's key tile where the
     call will run it (:func:`_plan`'s dispatch), else the Triton template's tiles."""
-    if (not varlen and (score_mod is None or score_mod.gluon_ok)
-            and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
-                                   softcap=softcap)):
+    if not varlen and _gluon_runs(q, k, v, scale=scale, softcap=softcap, left=left,
+                                  right=right, score_mod=score_mod):
         tiles = gluon_fwd.block_mask_tiles(q, v, mask_mod, left, right)
         if tiles is not None:
             return tiles
@@ -794,9 +801,8 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
     score_mod, mask_mod or varlen (the tiles on a window's edges; keys a mod hides; a
     packed sequence's tiles read the next one's keys)."""
     varlen = cu_seqlens_q is not None
-    if (config is None and (score_mod is None or score_mod.gluon_ok)
-            and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
-                                   softcap=softcap)
+    if (_gluon_runs(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
+                    score_mod=score_mod, config=config)
             and (block_mask is None or (not varlen and gluon_fwd.fits_block_mask(
                 q, v, block_mask, left, right)))):
         B, HQ, NQ = q.shape[:3]

@@ -597,11 +597,11 @@ if gluon is not None:
 
     @gluon.jit
     def _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
-              step_scale, mod, bm, walk, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+              step_scale, mod, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
               BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr,
-              SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr, SPLIT: gl.constexpr):
+              SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr):
         """One warpgroup's rows of one item: key tiles ``t_lo .. t_lo + n_kv`` (``n_kv >=
         1``, ring positions from ``it``) folded into ``(acc, l, m)`` by
         :func:`_softmax_tile`, with ``P V`` of tile ``j - 1`` running while the softmax of
@@ -687,13 +687,13 @@ if gluon is not None:
 
     @gluon.jit
     def _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, k_i, b, hq, qs,
-                      q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, bm, walk, BLOCK_M: gl.constexpr,
+                      q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                       SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                       VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr,
-                      MASK_FN: gl.constexpr, SPLIT: gl.constexpr):
+                      MASK_FN: gl.constexpr):
         """One warpgroup's rows of one work item (query tile at row ``q0`` of head ``(b,
         hq)``, the ``k_i``-th item this program takes, its key tiles from ring position
         ``it``): wait for its query tile (``VARLEN``: the caller has), fold, then the
@@ -724,9 +724,9 @@ if gluon is not None:
         # a score_mod's arguments (query positions: of the call's rows, from row0 on)
         mod = (b, hq, r0 + row0, mod_bufs, mod_scale, mask_bufs)
         acc, l, m = _fold(q, bufs, bars, it, k_i, t_lo, n_kv, t_a, t_c, key_lo, key_hi,
-                          kv_len, qk_scale, step_scale, mod, bm, walk, s_zero, BLOCK_N,
+                          kv_len, qk_scale, step_scale, mod, s_zero, BLOCK_N,
                           BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
-                          WG, PINGPONG, STEP, SCORE_MOD, MASK_FN, SPLIT)
+                          WG, PINGPONG, STEP, SCORE_MOD, MASK_FN)
 
         # epilogue: ATTENTION2's finalize, generated (o = acc / l, lse = (m + log2 l) ln 2;
         # a row with no visible key, m = -inf: 0 and -inf; NaN m or l: NaN)
@@ -804,10 +804,10 @@ if gluon is not None:
                                                   BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
                 n_kv = gl.maximum(n_kv, 1)        # (as the producer: rows without keys)
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, done, s,
-                              hq, qs, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, bm, (0, 0, 0),
-                              BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT,
-                              MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG,
-                              STEP, FINALIZE, SCORE_MOD, None, 1)
+                              hq, qs, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M,
+                              BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT,
+                              SOFTCAP, O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP,
+                              FINALIZE, SCORE_MOD, None)
                 it += n_kv
                 done += 1
                 mbarrier.wait(q_ready, done & 1)
@@ -815,14 +815,16 @@ if gluon is not None:
         else:
             rounds = _rounds(shape, bh_total)
             for i in range(rounds):
-                b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk = _tile(
+                # (the walk's lists are the producer's: the consumers take each tile from
+                # its note, _ring_tile)
+                b, hq, hk, q0, t_lo, n_kv, t_a, t_c, _ = _tile(
                     i, shape, bh_total, bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_FN,
                     SPLIT)
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, i, b, hq,
-                              0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, bm, walk, BLOCK_M,
-                              BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT,
-                              SOFTCAP, O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP,
-                              FINALIZE, SCORE_MOD, MASK_FN, SPLIT)
+                              0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
+                              BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                              O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
+                              SCORE_MOD, MASK_FN)
                 it += n_kv
         tma.store_wait(0)
 
