@@ -69,6 +69,8 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
             ("d32-causal", 32, 32, {"causal": True}, False, "float16", True),
             ("d80-lse", 80, 80, {}, True, "bfloat16", True),
             ("d96-causal", 96, 96, {"causal": True}, False, "bfloat16", True),
+            ("d96-causal-window", 96, 96, {"causal": True, "left": 300}, False, "bfloat16",
+             True),
             ("d256", 256, 256, {}, False, "bfloat16", True),
             ("d256-causal-lse", 256, 256, {"causal": True}, True, "bfloat16", True),
             ("d256-softcap-causal-lse", 256, 256, {"softcap": 50.0, "causal": True}, True,
@@ -84,6 +86,7 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
             ("d192-128-causal", 192, 128, {"causal": True}, False, "bfloat16", True),
             ("d192-128-causal-window-lse", 192, 128, {"causal": True, "left": 300}, True,
              "bfloat16", True),
+            ("d192-128-left", 192, 128, {"left": 300}, False, "bfloat16", True),
             # varlen (packed sequences of 100, 600 and 300 rows): persistent over the
             # sequences' tile slots, ragged tiles stored from registers
             ("d128-varlen-causal-lse", 128, 128, {"varlen": True, "causal": True}, True,
@@ -242,6 +245,31 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
 def _qkv(B=1, HQ=4, HK=2, NQ=256, NK=256, D=128, dtype=torch.bfloat16):
     return (torch.randn(B, HQ, NQ, D, dtype=dtype), torch.randn(B, HK, NK, D, dtype=dtype),
             torch.randn(B, HK, NK, D, dtype=dtype))
+
+
+def test_qk_chunks():
+    """Head dims between powers of two run as two power-of-two column chunks of q and k
+    (no padding at 80, 96, 192), where the chunks' width has a tile plan; the chunks cover
+    the head dim, each at least one wgmma K step (16) wide."""
+    from flashfold.kernels.attention.gluon_fwd import (TILE_PLANS, _plan, block_dims,
+                                                       qk_chunks)
+    assert qk_chunks(192, 128) == (128, 64) and qk_chunks(96, 96) == (64, 32)
+    assert qk_chunks(80, 80) == (64, 16) and qk_chunks(72, 72) == (64, 16)
+    assert qk_chunks(160, 128) == (128, 64)
+    # both window sides at 192 / 128: the 256-wide plan (the chunked one spilled)
+    assert qk_chunks(192, 128, two_sided=True) == (256, 0)
+    assert qk_chunks(96, 96, two_sided=True) == (64, 32)
+    for d, dv in ((64, 64), (128, 128), (256, 256), (32, 32), (112, 112), (192, 192)):
+        assert qk_chunks(d, dv) == (block_dims(d, dv)[0], 0), d
+    for d in range(17, 257):
+        for dv in (d, 128):
+            if block_dims(d, dv) not in TILE_PLANS:
+                continue
+            lo, hi = qk_chunks(d, dv)
+            assert lo + hi >= d and lo & (lo - 1) == 0 and (hi == 0 or hi & (hi - 1) == 0)
+            assert hi == 0 or (16 <= hi < lo and lo + hi < block_dims(d, dv)[0])
+            plan = _plan(d, dv, None, 0)
+            assert plan[:2] == (lo, hi) and (lo + hi, plan[2]) in TILE_PLANS
 
 
 def test_scope():
@@ -712,9 +740,10 @@ def test_gpu_flash_criterion(case, D, causal, dtype):
     assert (lse.double() - rl).abs().max().item() < 1e-3
 
 
-#: (head_dim, head_dim of v) beyond 64 and 128: each other tile plan, 80 and 96 padded to
-#: 128 columns, 192 / 128 (DeepSeek's MLA)
-DIMS = [(32, 32), (80, 80), (96, 96), (256, 256), (192, 128)]
+#: (head_dim, head_dim of v) beyond 64 and 128: each other tile plan; q/k in two column
+#: chunks (80 = 64 + 16, 96 = 64 + 32, 192 / 128, DeepSeek's MLA, 128 + 64), and with the
+#: second chunk padded (72 as 64 + 16, 160 / 128 as 128 + 64)
+DIMS = [(32, 32), (80, 80), (96, 96), (256, 256), (192, 128), (72, 72), (160, 128)]
 #: the cases of the other head dims: one row, ragged, Nq < Nk, GQA with several rounds
 DIM_CASES = [(1, 1, 1, 1, 1), (1, 2, 1, 113, 113), (2, 4, 2, 1000, 1000), (1, 2, 1, 100, 1000),
              (3, 40, 8, 700, 1500)]

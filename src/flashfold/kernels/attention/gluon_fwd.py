@@ -62,9 +62,11 @@ so the epilogue flags non-finite rows for the strict guard as with a window.
 Constexpr flags of the one template: ``MASK_LEFT`` / ``MASK_RIGHT`` (the window's sides,
 bottom-right aligned as :func:`.fwd._visible_2d` defines them; causal is ``right = 0``;
 each is masked only on the tiles that cross it), ``SOFTCAP`` (``s = c tanh(scale qk /
-c)``, before the masks), ``BLOCK_D`` / ``BLOCK_DV`` (tile widths: the head dims' next
-powers of two, TMA reading the padding columns as zeros and not writing them),
-``BLOCK_N`` and ``O_IN_Q`` (the tile plan: :data:`TILE_PLANS`, :func:`tile_plan`),
+c)``, before the masks), ``BLOCK_D`` / ``BLOCK_D2`` / ``BLOCK_DV`` (tile widths: q and k
+in one or two power-of-two column chunks, :func:`qk_chunks`, ``S`` summed over both; v's
+the next power of two of ``Dv``; TMA reads columns past a head dim as zeros and does
+not write them), ``BLOCK_N`` and ``O_IN_Q`` (the tile plan: :data:`TILE_PLANS`,
+:func:`tile_plan`),
 ``RETURN_LSE``, ``PINGPONG``, ``VARLEN``.
 
 Scope (:func:`supported`; the dispatcher in :mod:`.fwd` sends mods and block masks to
@@ -393,17 +395,27 @@ if gluon is not None:
 
     @gluon.jit
     def _load_item(descs, bufs, bars, coords_q, hk, k0, t_lo, n_kv, it, bm, walk,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   MASK_FN: gl.constexpr, SPLIT: gl.constexpr):
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                   BLOCK_D2: gl.constexpr, STAGES: gl.constexpr, MASK_FN: gl.constexpr,
+                   SPLIT: gl.constexpr):
         """The TMA loads of one item: its two query halves (``coords_q``: the first's
         ``[b, hq, row]``), then key and value tiles ``t_lo .. t_lo + n_kv`` (or the block
         mask's walk, :func:`_walk`; rows from ``k0``) into their rings from position
-        ``it``. The caller has waited for ``q_empty``."""
-        q_desc, k_desc, v_desc, o_desc = descs
-        q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs = bufs
+        ``it``; with ``BLOCK_D2`` each query half and key tile in two column chunks (its
+        first ``BLOCK_D`` columns, then ``BLOCK_D2`` more), on one barrier. The caller has
+        waited for ``q_empty``."""
+        q_desc, k_desc, v_desc, o_desc, q2_desc, k2_desc = descs
+        q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs, q2_bufs, k2_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         b, hq, r = coords_q
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        if BLOCK_D2 > 0:
+            mbarrier.expect(q_ready, 2 * (q_desc.block_type.nbytes + q2_desc.block_type.nbytes))
+            tma.async_copy_global_to_shared(q2_desc, [b, hq, r, BLOCK_D], q_ready,
+                                            q2_bufs.index(0))
+            tma.async_copy_global_to_shared(q2_desc, [b, hq, r + BLOCK_M // 2, BLOCK_D],
+                                            q_ready, q2_bufs.index(1))
+        else:
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, hq, r, 0], q_ready, q_bufs.index(0))
         tma.async_copy_global_to_shared(q_desc, [b, hq, r + BLOCK_M // 2, 0], q_ready,
                                         q_bufs.index(1))
@@ -417,7 +429,13 @@ if gluon is not None:
                 # the tile and its kind for the consumers, visible to them through the
                 # release of the k_ready arrive below and their acquiring wait
                 _hand_walk(walk_bufs.index(slot), t, kind)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            if BLOCK_D2 > 0:
+                mbarrier.expect(k_ready.index(slot),
+                                k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k2_desc, [b, hk, n0, BLOCK_D],
+                                                k_ready.index(slot), k2_bufs.index(slot))
+            else:
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0],
                                             k_ready.index(slot), k_bufs.index(slot))
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
@@ -427,7 +445,8 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(descs, bufs, bars, shape, seqs, out, bm, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+                  STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                   MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, MASK_FN: gl.constexpr,
                   SPLIT: gl.constexpr):
         """TMA loads, work item after work item (:func:`_load_item`): the two query halves
@@ -466,8 +485,8 @@ if gluon is not None:
                     mbarrier.wait(q_empty, (done & 1) ^ 1)
                     _hand_item(info, hq, s, qs, q_len, ks, kv_len, m)
                     _load_item(descs, bufs, bars, (0, hq, qs + m * BLOCK_M), hq // group, ks,
-                               t_lo, n_kv, it, bm, (0, 0, 0), BLOCK_M, BLOCK_N, STAGES,
-                               None, 1)
+                               t_lo, n_kv, it, bm, (0, 0, 0), BLOCK_M, BLOCK_N, BLOCK_D,
+                               BLOCK_D2, STAGES, None, 1)
                     it += n_kv
                     done += 1
             mbarrier.wait(q_empty, (done & 1) ^ 1)
@@ -480,7 +499,7 @@ if gluon is not None:
                     SPLIT)
                 mbarrier.wait(q_empty, (i & 1) ^ 1)
                 _load_item(descs, bufs, bars, (b, hq, q0), hk, 0, t_lo, n_kv, it, bm, walk,
-                           BLOCK_M, BLOCK_N, STAGES, MASK_FN, SPLIT)
+                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, STAGES, MASK_FN, SPLIT)
                 it += n_kv
 
     @gluon.jit
@@ -596,9 +615,31 @@ if gluon is not None:
             mbarrier.arrive(turn.index(1 - WG), count=1)
 
     @gluon.jit
+    def _scores(q, k_bufs, k2_bufs, slot, pos, s_zero, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr):
+        """``S = Q K^T`` of warpgroup ``WG``'s query rows (``q``: the query buffers, both
+        column chunks) and ring slot ``slot`` (ring position ``pos``), issued
+        (asynchronous): one wgmma group per column chunk, so a ``warpgroup_mma_wait`` that
+        leaves only later groups in flight has ``S`` whole. The query buffer is indexed
+        by ``WG + (pos >> 31)`` (``pos >= 0``: ``WG``), which the compiler cannot fold:
+        the query's wgmma descriptors, one 64-bit value per K step, are then formed in the
+        key loop instead of hoisted out of it, where at 128 + 64 columns Triton 3.9's
+        ptxas kept one in local memory."""
+        HALF: gl.constexpr = s_zero.shape[0]
+        wg = WG + (pos >> 31)
+        s = warpgroup_mma(q[0].index(wg).reshape([HALF, BLOCK_D]),
+                          k_bufs.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
+                          s_zero, use_acc=False, is_async=True)
+        if BLOCK_D2 > 0:
+            s = warpgroup_mma(q[1].index(wg).reshape([HALF, BLOCK_D2]),
+                              k2_bufs.index(slot).reshape([BLOCK_N, BLOCK_D2]).permute((1, 0)),
+                              s, is_async=True)
+        return s
+
+    @gluon.jit
     def _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
               step_scale, mod, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-              BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+              BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr,
               SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr):
@@ -606,10 +647,11 @@ if gluon is not None:
         1``, ring positions from ``it``) folded into ``(acc, l, m)`` by
         :func:`_softmax_tile`, with ``P V`` of tile ``j - 1`` running while the softmax of
         tile ``j`` is computed. Releases the query tile (``q_empty``) after the last ``S``
-        unless the output is staged in it (``O_IN_Q``: the epilogue releases it)."""
-        q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs = bufs
+        unless the output is staged in it (``O_IN_Q``: the epilogue releases it). ``q``:
+        the query buffers ``(columns 0 .. BLOCK_D, the next BLOCK_D2)`` (:func:`_scores`)."""
+        q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs, q2_bufs, k2_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-        dtype: gl.constexpr = q.dtype
+        dtype: gl.constexpr = q[0].dtype
         HALF: gl.constexpr = s_zero.shape[0]
         o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -619,8 +661,7 @@ if gluon is not None:
         mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
         t, kind = _ring_tile(walk_bufs, slot, t_lo, 0, MASK_FN)
         _take_turn(turn, it + i, WG, PINGPONG)
-        s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
-                          s_zero, use_acc=False, is_async=True)
+        s = _scores(q, k_bufs, k2_bufs, slot, it, s_zero, WG, BLOCK_N, BLOCK_D, BLOCK_D2)
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(slot), count=1)
@@ -639,8 +680,8 @@ if gluon is not None:
             mbarrier.wait(k_ready.index(slot), ((it + j) // STAGES) & 1)
             t, kind = _ring_tile(walk_bufs, slot, t_lo, j, MASK_FN)
             _take_turn(turn, it + j + i, WG, PINGPONG)
-            s = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)),
-                              s_zero, use_acc=False, is_async=True)
+            s = _scores(q, k_bufs, k2_bufs, slot, it + j, s_zero, WG, BLOCK_N, BLOCK_D,
+                        BLOCK_D2)
             mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
             pa = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(pa, v_bufs.index(prev).reshape([BLOCK_N, BLOCK_DV]), acc,
@@ -688,7 +729,8 @@ if gluon is not None:
     @gluon.jit
     def _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, k_i, b, hq, qs,
                       q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+                      BLOCK_DV: gl.constexpr,
                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                       SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                       VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
@@ -698,7 +740,7 @@ if gluon is not None:
         hq)``, the ``k_i``-th item this program takes, its key tiles from ring position
         ``it``): wait for its query tile (``VARLEN``: the caller has), fold, then the
         epilogue."""
-        q_desc, k_desc, v_desc, o_desc = descs
+        q_desc, k_desc, v_desc, o_desc, q2_desc, k2_desc = descs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale,
          O, stride_oh, stride_on, dv, mod_bufs, mod_scale, row0, mask_bufs) = out
@@ -725,7 +767,7 @@ if gluon is not None:
         mod = (b, hq, r0 + row0, mod_bufs, mod_scale, mask_bufs)
         acc, l, m = _fold(q, bufs, bars, it, k_i, t_lo, n_kv, t_a, t_c, key_lo, key_hi,
                           kv_len, qk_scale, step_scale, mod, s_zero, BLOCK_N,
-                          BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
+                          BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
                           WG, PINGPONG, STEP, SCORE_MOD, MASK_FN)
 
         # epilogue: ATTENTION2's finalize, generated (o = acc / l, lse = (m + log2 l) ln 2;
@@ -766,7 +808,8 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(descs, bufs, bars, shape, seqs, out, bm, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
+                  BLOCK_DV: gl.constexpr,
                   STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                   VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
@@ -780,12 +823,12 @@ if gluon is not None:
         ``o = 0``, ``lse = -inf`` (``l = 0``). ``VARLEN``: the items come from the
         producer (:func:`_take_item`) until ``m = -1``; a half that ends past its
         sequence is written by masked stores from registers."""
-        q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs = bufs
+        q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs, q2_bufs, k2_bufs = bufs
         q_ready = bars[0]
         q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
         bh_total = out[4]
         HALF: gl.constexpr = BLOCK_M // 2
-        q = q_bufs.index(WG).reshape([HALF, BLOCK_D])
+        q = (q_bufs, q2_bufs)
         if O_IN_Q:
             o_smem = q_bufs.index(WG)
         else:
@@ -805,7 +848,7 @@ if gluon is not None:
                 n_kv = gl.maximum(n_kv, 1)        # (as the producer: rows without keys)
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, done, s,
                               hq, qs, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M,
-                              BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT,
+                              BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT,
                               SOFTCAP, O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP,
                               FINALIZE, SCORE_MOD, None)
                 it += n_kv
@@ -822,19 +865,19 @@ if gluon is not None:
                     SPLIT)
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, i, b, hq,
                               0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
-                              BLOCK_D, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                              BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                               O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
                               SCORE_MOD, MASK_FN)
                 it += n_kv
         tma.store_wait(0)
 
     @gluon.jit
-    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
+    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, q2_desc, k2_desc, LSE, stride_lb, stride_lh,
                      q_len, kv_len, heads_q, group, bh_total, qk_scale, step_scale, win_left,
                      win_right, FLAGS, flag_groups, O, stride_oh, stride_on, dv, CU_Q, CU_K,
                      n_seqs, search_levels, search_top, MOD_BUFS, mod_scale, row0, BM,
                      MASK_BUFS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                     BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                     BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
                      VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -857,6 +900,15 @@ if gluon is not None:
                                                o_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        if BLOCK_D2 > 0:
+            # the queries' and keys' second column chunk (q2_desc, k2_desc)
+            q2_bufs = gl.allocate_shared_memory(dtype, [2] + q2_desc.block_type.shape,
+                                                q2_desc.layout)
+            k2_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k2_desc.block_type.shape,
+                                                k2_desc.layout)
+        else:
+            q2_bufs = q_bufs               # (unused)
+            k2_bufs = k_bufs
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -876,14 +928,14 @@ if gluon is not None:
         if PINGPONG:
             mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 issues first
 
-        descs = (q_desc, k_desc, v_desc, o_desc)
+        descs = (q_desc, k_desc, v_desc, o_desc, q2_desc, k2_desc)
         if MASK_FN is not None:
             # each ring slot's key tile and kind (_walk), from the producer
             walk_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, 2], gl.SwizzledSharedLayout(
                 1, 1, 1, [0]))
         else:
             walk_bufs = q_ready            # (unused)
-        bufs = (q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs)
+        bufs = (q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs, q2_bufs, k2_bufs)
         bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
         if VARLEN:
             n_m = q_len // BLOCK_M + n_seqs          # slots (see _tile)
@@ -901,14 +953,15 @@ if gluon is not None:
                O, stride_oh, stride_on, dv, MOD_BUFS, mod_scale, row0, MASK_BUFS)
         warp_specialize([
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
-                         BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
+                         BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
                          VARLEN, 0, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
                          SPLIT)),
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
-                         BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
+                         BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
                          VARLEN, 1, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
                          SPLIT)),
-            (_producer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, STAGES,
+            (_producer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
+                         BLOCK_D2, STAGES,
                          MASK_LEFT, MASK_RIGHT, VARLEN, MASK_FN, SPLIT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(q_ready)
@@ -971,22 +1024,52 @@ def block_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 #: 256-wide ``V`` the output goes out through the query buffer (64 + 128 + 64 KB would
 #: exceed 227 KB). Every plan here is compiled for sm_90 by the CPU suite.
 TILE_PLANS = {(32, 32): (128, False), (64, 64): (128, False), (128, 128): (128, False),
-              (256, 256): (64, True), (256, 128): (64, False)}
-#: the plan of 256-wide ``Q``, ``K`` and ``V`` when a window bounds both sides: 32-key
-#: tiles, the output through buffers of its own (64 + 64 + 64 KB). With 64-key tiles the
-#: two bounds' masks were the registers too many: Triton 3.9's ptxas (CUDA 13) kept 2-16
+              (256, 256): (64, True), (256, 128): (64, False),
+              # q/k in two column chunks (:func:`qk_chunks`): the registers of the 128-wide
+              # plan; at 192 (DeepSeek's MLA, 128 + 64) shared memory holds 48 KB of
+              # queries and 2 x 80 KB of keys and values, so the output goes out through
+              # the first query chunk (as wide as v)
+              (80, 128): (128, False), (96, 128): (128, False), (192, 128): (128, True)}
+#: the plans of calls whose window bounds both sides, where they differ (None: no such
+#: plan, :func:`qk_chunks` pads instead). 256-wide ``Q``, ``K`` and ``V``: 32-key tiles,
+#: the output through buffers of its own (64 + 64 + 64 KB). With 64-key tiles the two
+#: bounds' masks were the registers too many: Triton 3.9's ptxas (CUDA 13) kept 2-16
 #: words in local memory inside the key loop (3.6's none); 32-key tiles spill nothing on
 #: either. The price: each ``S`` wgmma reads a 64 x 16 slice of ``Q`` from shared memory
-#: per 32 keys instead of 64 (shared-memory traffic ~1.2x the tensor time, against ~1.0x)
-TILE_PLAN_256_WINDOW = (32, False)
+#: per 32 keys instead of 64 (shared-memory traffic ~1.2x the tensor time, against
+#: ~1.0x). q/k as 128 + 64 columns: both masks kept 16 words in local memory inside the
+#: key loops on Triton 3.6 (260 bytes of spills), so such calls run the 256-wide plan.
+TWO_SIDED_PLANS = {(256, 256): (32, False), (192, 128): None}
 
 
-def tile_plan(block_d: int, block_dv: int, two_sided: bool) -> tuple[int, bool]:
-    """``(BLOCK_N, O_IN_Q)`` of a call (:data:`TILE_PLANS`; ``two_sided``: a window
-    bounds both sides, causal with a left bound included)."""
-    if two_sided and (block_d, block_dv) == (256, 256):
-        return TILE_PLAN_256_WINDOW
-    return TILE_PLANS[(block_d, block_dv)]
+def qk_chunks(head_dim: int, head_dim_v: int, two_sided: bool = False) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_D2)``: the q/k tile's column chunks. A register tensor and a TMA
+    box are powers of two wide, so a head dim between two powers runs as a power-of-two
+    chunk of ``BLOCK_D`` columns and a second of ``BLOCK_D2`` (a power of two, at least
+    16: one wgmma K step; the least that covers the head dim and has a plan of that
+    width, :func:`tile_plan`), read at column ``BLOCK_D`` and multiplied into the same
+    scores (192 = 128 + 64, 96 = 64 + 32, 80 = 64 + 16; 160 as 128 + 64); else the
+    next power of two (``BLOCK_D2 = 0``). Either way TMA reads columns past the head dim
+    as zeros. The
+    padding cost ``S = Q K^T`` 33% more work at 192 and 96, 60% at 80."""
+    block_d, block_dv = block_dims(head_dim, head_dim_v)
+    lo = block_d // 2
+    if head_dim > lo >= 16:
+        hi = max(16, block_dims(head_dim - lo, 1)[0])
+        while hi < lo:
+            if tile_plan(lo + hi, block_dv, two_sided) is not None:
+                return lo, hi
+            hi *= 2
+    return block_d, 0
+
+
+def tile_plan(block_d: int, block_dv: int, two_sided: bool) -> tuple[int, bool] | None:
+    """``(BLOCK_N, O_IN_Q)`` of a call (:data:`TILE_PLANS`, :data:`TWO_SIDED_PLANS`;
+    ``block_d``: the q/k tile's width, both chunks of :func:`qk_chunks`; ``two_sided``: a
+    window bounds both sides, causal with a left bound included); None: no plan."""
+    if two_sided and (block_d, block_dv) in TWO_SIDED_PLANS:
+        return TWO_SIDED_PLANS[(block_d, block_dv)]
+    return TILE_PLANS.get((block_d, block_dv))
 
 
 def _bounds(causal: bool, left: int | None, right: int | None):
@@ -1133,6 +1216,25 @@ def _desc(t: torch.Tensor, rows: int, cols: int | None = None):
                            _layout(block, t.dtype))
 
 
+def _plan(D: int, Dv: int, left, right) -> tuple[int, int, int, int, bool]:
+    """``(BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N, O_IN_Q)`` of a call (:func:`qk_chunks`,
+    :func:`tile_plan`)."""
+    two_sided = left is not None and right is not None
+    bd, bd2 = qk_chunks(D, Dv, two_sided)
+    bdv = block_dims(D, Dv)[1]
+    return (bd, bd2, bdv, *tile_plan(bd + bd2, bdv, two_sided))
+
+
+def _descs(q, k, v, o, plan) -> tuple:
+    """The kernel's six TMA descriptors of a plan (:func:`_plan`): ``q``, ``k``, ``v``,
+    ``o``, then the queries' and keys' second column chunks (with ``BLOCK_D2 = 0`` the
+    first ones again, unread)."""
+    bd, bd2, bdv, block_n, _ = plan
+    qd, kd = _desc(q, BLOCK_M // 2, bd), _desc(k, block_n, bd)
+    return (qd, kd, _desc(v, block_n, bdv), _desc(o, BLOCK_M // 2, bdv),
+            _desc(q, BLOCK_M // 2, bd2) if bd2 else qd, _desc(k, block_n, bd2) if bd2 else kd)
+
+
 def _scales(scale: float, softcap: float | None, score_mod=None, device=None) -> tuple:
     """The kernel's ``(qk_scale, step_scale)`` (:func:`_softmax_tile`) and its score_mod
     arguments ``(MOD_BUFS, mod_scale)``: with a score_mod the scores reach it in natural-log
@@ -1148,11 +1250,13 @@ def _scales(scale: float, softcap: float | None, score_mod=None, device=None) ->
     return qk_scale, 1.0, score_mod.buffer_args(device), step_scale
 
 
-def _constexprs(block_n, block_d, block_dv, left, right, softcap, o_in_q, return_lse,
-                pingpong, *, varlen: bool, score_mod=None, block_mask=None) -> dict:
-    """The template's flags and launch options of a call."""
+def _constexprs(plan, left, right, softcap, return_lse, pingpong, *, varlen: bool,
+                score_mod=None, block_mask=None) -> dict:
+    """The template's flags and launch options of a call (``plan``: :func:`_plan`)."""
     step = tile_step_functions(ATTENTION2, scale="score", gluon=True)
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+    block_d, block_d2, block_dv, block_n, o_in_q = plan
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_D2=block_d2,
+                BLOCK_DV=block_dv,
                 STAGES=STAGES, MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                 SOFTCAP=softcap is not None, O_IN_Q=o_in_q, RETURN_LSE=bool(return_lse),
                 PINGPONG=bool(pingpong), VARLEN=varlen, CONSUMER_REGS=CONSUMER_REGS,
@@ -1175,10 +1279,10 @@ def block_mask_tiles(q, v, mask_mod, left: int | None = None,
     kernel to walk it (:func:`_walk`): 128 query rows and the key tile of the call's plan
     (:func:`tile_plan`); None where the kernel walks none: a ``mask_mod`` (traced) that
     Gluon cannot lower, or q/k tiles wider than :data:`BLOCK_MASK_MAX_D`."""
-    block_d, block_dv = block_dims(q.shape[-1], v.shape[-1])
-    if not mask_mod.gluon_ok or block_d > BLOCK_MASK_MAX_D:
+    plan = _plan(q.shape[-1], v.shape[-1], left, right)
+    if not mask_mod.gluon_ok or plan[0] + plan[1] > BLOCK_MASK_MAX_D:
         return None
-    return BLOCK_M, tile_plan(block_d, block_dv, left is not None and right is not None)[0]
+    return BLOCK_M, plan[3]
 
 
 def fits_block_mask(q, v, block_mask, left: int | None = None,
@@ -1247,23 +1351,22 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
         lse = torch.empty((1, Hq, Nq), device=q.device, dtype=torch.float32)
     if not return_lse:
         lse = None
-    BD, BDV = block_dims(D, Dv)
-    block_n, o_in_q = tile_plan(BD, BDV, left is not None and right is not None)
+    plan = _plan(D, Dv, left, right)
+    block_n = plan[3]
     if pingpong is None:
         # (the items of the longest sequence stand for all)
         pingpong = pingpong_default(False, max_seqlen_q, max_seqlen_k, left, right, block_n)
     levels = max(search_levels(n_seqs), 1)
     scales = _scales(scale, softcap, score_mod, q.device)
-    args = (_desc(q, BLOCK_M // 2, BD), _desc(k, block_n, BD), _desc(v, block_n, BDV),
-            _desc(o, BLOCK_M // 2, BDV), lse if return_lse else o,
+    args = (*_descs(q, k, v, o, plan), lse if return_lse else o,
             0, lse.stride(1) if return_lse else 0,
             Nq, Nk, Hq, Hq // Hk, Hq, *scales[:2],
             0 if left is None else int(left), 0 if right is None else int(right),
             flags, flag_groups, o, o.stride(1), o.stride(2), Dv,
             cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1), *scales[2:], 0,
             *_block_mask_args(None, q.device, 0))
-    kwargs = _constexprs(block_n, BD, BDV, left, right, softcap, o_in_q, return_lse, pingpong,
-                         varlen=True, score_mod=score_mod)
+    kwargs = _constexprs(plan, left, right, softcap, return_lse, pingpong, varlen=True,
+                         score_mod=score_mod)
     slots, sms = varlen_slots(Nq, n_seqs) * Hq, num_sms(q)
     if persistent is None:
         # the dense rule, the longest sequence's query tiles standing for all
@@ -1356,8 +1459,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         lse = torch.empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
     if not return_lse:
         lse = None
-    BD, BDV = block_dims(D, Dv)
-    block_n, o_in_q = tile_plan(BD, BDV, left is not None and right is not None)
+    plan = _plan(D, Dv, left, right)
+    block_n, BDV = plan[3], plan[2]
     tiles = item_tiles(Nq, Nk, left, right, block_n)
     # the first query tiles whose rows see no key (only with a right bound and Nq > Nk;
     # the last tile always sees one): not work items
@@ -1376,8 +1479,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if pingpong is None:
         pingpong = sum(tiles) <= PINGPONG_MAX_TILES * len(tiles)
     scales = _scales(scale, softcap, score_mod, q.device)
-    args = (_desc(qs, BLOCK_M // 2, BD), _desc(k, block_n, BD), _desc(v, block_n, BDV),
-            _desc(os_, BLOCK_M // 2, BDV), ls if return_lse else os_,
+    args = (*_descs(qs, k, v, os_, plan), ls if return_lse else os_,
             lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
             Nq - skip, Nk, Hq, Hq // Hk, B * Hq, *scales[:2],
             0 if left is None else int(left), 0 if right is None else int(right),
@@ -1386,8 +1488,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             os_, 0, 0, 0, os_, os_, 0, 0, 0,
             # (the score_mod's tables and scale; the first row's position; the block mask)
             *scales[2:], skip, *_block_mask_args(block_mask, q.device, skip))
-    kwargs = _constexprs(block_n, BD, BDV, left, right, softcap, o_in_q, return_lse, pingpong,
-                         varlen=False, score_mod=score_mod, block_mask=block_mask)
+    kwargs = _constexprs(plan, left, right, softcap, return_lse, pingpong, varlen=False,
+                         score_mod=score_mod, block_mask=block_mask)
     sms = num_sms(q)
     if persistent is None:
         # a block mask's items differ in work, which the persistent snake order does not
