@@ -204,7 +204,7 @@ def _compile_all():
                                                        "O_IN_Q", "BLOCK_N", "VARLEN")},
                     score_mod=kwargs["SCORE_MOD"] is not None,
                     block_mask=kwargs["MASK_FN"] is not None, split=kwargs["SPLIT"],
-                    skipped_rows=1000 - args[7], fill_launches=len(fill))
+                    skipped_rows=1000 - args[9], fill_launches=len(fill))
 
     emit_rows(VARIANTS, facts)
 
@@ -226,12 +226,11 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     # HGMMA per key tile): allowed, and bounded here so that growth is seen
     assert len(r["key_loops"]) == 2, r["key_loops"]
     # the variant is what its name says (the "-empty" ones start at a later query tile;
-    # head_dim 256 stages its output in the query buffer, but with both window sides
-    # bounded, which takes 32-key tiles)
+    # head_dim 256, and 192 / 128 in two chunks, stage the output in the query buffer;
+    # 64-key tiles at 256)
     assert (r["skipped_rows"] > 0) == ("-empty" in vid) == (r["fill_launches"] == 1), r
-    two_sided_256 = vid.startswith("d256") and ("-window" in vid)
-    assert r["constexprs"]["O_IN_Q"] == (vid.startswith("d256") and not two_sided_256), vid
-    assert (r["constexprs"]["BLOCK_N"] == 32) == two_sided_256, r["constexprs"]
+    assert r["constexprs"]["O_IN_Q"] == vid.startswith(("d256", "d192-128")), vid
+    assert (r["constexprs"]["BLOCK_N"] == 64) == vid.startswith("d256"), r["constexprs"]
     assert r["constexprs"]["VARLEN"] == ("-varlen" in vid), r["constexprs"]
     assert r["score_mod"] == ("-mod-" in vid), r
     assert r["block_mask"] == ("-mask-" in vid), r
@@ -256,9 +255,6 @@ def test_qk_chunks():
     assert qk_chunks(192, 128) == (128, 64) and qk_chunks(96, 96) == (64, 32)
     assert qk_chunks(80, 80) == (64, 16) and qk_chunks(72, 72) == (64, 16)
     assert qk_chunks(160, 128) == (128, 64)
-    # both window sides at 192 / 128: the 256-wide plan (the chunked one spilled)
-    assert qk_chunks(192, 128, two_sided=True) == (256, 0)
-    assert qk_chunks(96, 96, two_sided=True) == (64, 32)
     for d, dv in ((64, 64), (128, 128), (256, 256), (32, 32), (112, 112), (192, 192)):
         assert qk_chunks(d, dv) == (block_dims(d, dv)[0], 0), d
     for d in range(17, 257):
@@ -268,7 +264,7 @@ def test_qk_chunks():
             lo, hi = qk_chunks(d, dv)
             assert lo + hi >= d and lo & (lo - 1) == 0 and (hi == 0 or hi & (hi - 1) == 0)
             assert hi == 0 or (16 <= hi < lo and lo + hi < block_dims(d, dv)[0])
-            plan = _plan(d, dv, None, 0)
+            plan = _plan(d, dv)
             assert plan[:2] == (lo, hi) and (lo + hi, plan[2]) in TILE_PLANS
 
 
@@ -386,29 +382,33 @@ def test_kernel_flags_follow_the_call():
     a, k = kw(*qkv)
     assert (k["MASK_LEFT"], k["MASK_RIGHT"], k["SOFTCAP"]) == (False,) * 3
     assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (128, 128, 128, False)
-    assert a[12:14] == (0.0, pytest.approx(1 / math.sqrt(128)))
+    assert a[14:16] == (0.0, pytest.approx(1 / math.sqrt(128)))
     from flashfold.kernels.codegen import tile_step_functions
     from flashfold.monoids import ATTENTION2
     fns = tile_step_functions(ATTENTION2, scale="score", gluon=True)
     assert k["STEP"] is fns.tile_step and k["FINALIZE"] is fns.finalize_rows
     a, k = kw(*qkv, causal=True, left=100)
-    assert k["MASK_LEFT"] and k["MASK_RIGHT"] and a[14:16] == (100, 0)
+    assert k["MASK_LEFT"] and k["MASK_RIGHT"] and a[16:18] == (100, 0)
     a, k = kw(*qkv, right=7)
-    assert not k["MASK_LEFT"] and k["MASK_RIGHT"] and a[14:16] == (0, 7)
+    assert not k["MASK_LEFT"] and k["MASK_RIGHT"] and a[16:18] == (0, 7)
     a, k = kw(*qkv, softcap=50.0, scale=0.25)
-    assert k["SOFTCAP"] and a[12:14] == (pytest.approx(2 * G.LOG2E * 0.25 / 50.0), 50.0)
-    k = kw(*_qkv(D=96))[1]
-    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (128, 128, 128, False)
+    assert k["SOFTCAP"] and a[14:16] == (pytest.approx(2 * G.LOG2E * 0.25 / 50.0), 50.0)
+    assert k["BLOCK_D2"] == 0 and a[4] is a[0] and a[5] is a[1]    # (one chunk: unread)
+    a, k = kw(*_qkv(D=96))                                   # q/k in chunks of 64 and 32
+    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_D2"], k["BLOCK_DV"], k["O_IN_Q"]) == (
+        128, 64, 32, 128, False)
+    assert [d.block_shape[-1] for d in a[:6]] == [64, 64, 128, 128, 32, 32]
     k = kw(*_qkv(D=256))[1]
     assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (64, 256, 256, True)
     for one_side in ({"causal": True}, {"left": 100}, {"right": 100}):
         assert kw(*_qkv(D=256), **one_side)[1]["BLOCK_N"] == 64
-    k = kw(*_qkv(D=256), causal=True, left=100)[1]            # both sides: 32-key tiles
-    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (32, 256, 256, False)
+    k = kw(*_qkv(D=256), causal=True, left=100)[1]            # both sides too
+    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (64, 256, 256, True)
     q, kk, _ = _qkv(D=192)
-    args, k = kw(q, kk, _qkv(D=128)[2], return_lse=True)
-    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], k["O_IN_Q"]) == (64, 256, 128, False)
-    assert args[4].shape == (1, 4, 256)                               # the LSE
+    args, k = kw(q, kk, _qkv(D=128)[2], return_lse=True)     # MLA: 128 + 64, 128-key tiles
+    assert (k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_D2"], k["BLOCK_DV"], k["O_IN_Q"]) == (
+        128, 128, 64, 128, True)
+    assert args[6].shape == (1, 4, 256)                               # the LSE
     with pytest.raises(ValueError, match="flags"):
         G.gluon_attention_fwd(*qkv, launch=False, flags=torch.zeros(16, dtype=torch.int32))
 
@@ -435,13 +435,13 @@ def test_query_tiles_without_keys_are_filled_not_computed(lse, flagged):
     main, fill = G.gluon_attention_fwd(q, k, v, left=3, right=10, return_lse=lse, out=o,
                                        lse=out_lse, flags=flags, launch=False)
     args = main[2]
-    assert args[7] == 400 - 256                                       # the kernel's Nq
+    assert args[9] == 400 - 256                                       # the kernel's Nq
     assert args[0].base.data_ptr() == q[:, :, 256:].data_ptr()        # q from row 256
     assert args[3].base.data_ptr() == o[:, :, 256:].data_ptr()
     if lse:
-        assert args[4].data_ptr() == out_lse[:, :, 256:].data_ptr()
+        assert args[6].data_ptr() == out_lse[:, :, 256:].data_ptr()
     if flagged:
-        assert args[16].data_ptr() == flags[4:].data_ptr() and args[17] == 7
+        assert args[18].data_ptr() == flags[4:].data_ptr() and args[19] == 7
     kernel, grid, fargs, fkw = fill
     kernel[grid](*fargs, **fkw)
     assert (o[:, :, :256] == 0).all() and (o[:, :, 256:] == 7).all()
@@ -598,8 +598,8 @@ def test_plans_of_gluon_calls_are_replayed():
                                                    scale=0.1, **options)
                 kernel, grid, args, kwargs = launches[0]
                 assert kernel is gluon_fwd._attn_fwd_ws
-                assert args[0].base.data_ptr() == q[:, :, -args[7]:].data_ptr()   # this q
-                assert args[3].base.data_ptr() == o[:, :, -args[7]:].data_ptr()   # this o
+                assert args[0].base.data_ptr() == q[:, :, -args[9]:].data_ptr()   # this q
+                assert args[3].base.data_ptr() == o[:, :, -args[9]:].data_ptr()   # this o
                 assert len(launches) == 1 + ("right" in options) + (not replayed), launches
             assert cache.info()["hits"] == (1 if replayed else 0), options
 

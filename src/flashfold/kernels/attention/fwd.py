@@ -777,7 +777,7 @@ def mask_tiles(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod
     call will run it (:func:`_plan`'s dispatch), else the Triton template's tiles."""
     if not varlen and _gluon_runs(q, k, v, scale=scale, softcap=softcap, left=left,
                                   right=right, score_mod=score_mod):
-        tiles = gluon_fwd.block_mask_tiles(q, v, mask_mod, left, right)
+        tiles = gluon_fwd.block_mask_tiles(q, v, mask_mod)
         if tiles is not None:
             return tiles
     cfg = default_config(q, q.shape[3], v.shape[3], causal=right is not None)
@@ -804,7 +804,7 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
     if (_gluon_runs(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
                     score_mod=score_mod, config=config)
             and (block_mask is None or (not varlen and gluon_fwd.fits_block_mask(
-                q, v, block_mask, left, right)))):
+                q, v, block_mask)))):
         B, HQ, NQ = q.shape[:3]
         o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None

@@ -1030,19 +1030,9 @@ TILE_PLANS = {(32, 32): (128, False), (64, 64): (128, False), (128, 128): (128, 
               # queries and 2 x 80 KB of keys and values, so the output goes out through
               # the first query chunk (as wide as v)
               (80, 128): (128, False), (96, 128): (128, False), (192, 128): (128, True)}
-#: the plans of calls whose window bounds both sides, where they differ (None: no such
-#: plan, :func:`qk_chunks` pads instead). 256-wide ``Q``, ``K`` and ``V``: 32-key tiles,
-#: the output through buffers of its own (64 + 64 + 64 KB). With 64-key tiles the two
-#: bounds' masks were the registers too many: Triton 3.9's ptxas (CUDA 13) kept 2-16
-#: words in local memory inside the key loop (3.6's none); 32-key tiles spill nothing on
-#: either. The price: each ``S`` wgmma reads a 64 x 16 slice of ``Q`` from shared memory
-#: per 32 keys instead of 64 (shared-memory traffic ~1.2x the tensor time, against
-#: ~1.0x). q/k as 128 + 64 columns: both masks kept 16 words in local memory inside the
-#: key loops on Triton 3.6 (260 bytes of spills), so such calls run the 256-wide plan.
-TWO_SIDED_PLANS = {(256, 256): (32, False), (192, 128): None}
 
 
-def qk_chunks(head_dim: int, head_dim_v: int, two_sided: bool = False) -> tuple[int, int]:
+def qk_chunks(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     """``(BLOCK_D, BLOCK_D2)``: the q/k tile's column chunks. A register tensor and a TMA
     box are powers of two wide, so a head dim between two powers runs as a power-of-two
     chunk of ``BLOCK_D`` columns and a second of ``BLOCK_D2`` (a power of two, at least
@@ -1050,25 +1040,21 @@ def qk_chunks(head_dim: int, head_dim_v: int, two_sided: bool = False) -> tuple[
     width, :func:`tile_plan`), read at column ``BLOCK_D`` and multiplied into the same
     scores (192 = 128 + 64, 96 = 64 + 32, 80 = 64 + 16; 160 as 128 + 64); else the
     next power of two (``BLOCK_D2 = 0``). Either way TMA reads columns past the head dim
-    as zeros. The
-    padding cost ``S = Q K^T`` 33% more work at 192 and 96, 60% at 80."""
+    as zeros. The padding cost ``S = Q K^T`` 33% more work at 192 and 96, 60% at 80."""
     block_d, block_dv = block_dims(head_dim, head_dim_v)
     lo = block_d // 2
     if head_dim > lo >= 16:
         hi = max(16, block_dims(head_dim - lo, 1)[0])
         while hi < lo:
-            if tile_plan(lo + hi, block_dv, two_sided) is not None:
+            if tile_plan(lo + hi, block_dv) is not None:
                 return lo, hi
             hi *= 2
     return block_d, 0
 
 
-def tile_plan(block_d: int, block_dv: int, two_sided: bool) -> tuple[int, bool] | None:
-    """``(BLOCK_N, O_IN_Q)`` of a call (:data:`TILE_PLANS`, :data:`TWO_SIDED_PLANS`;
-    ``block_d``: the q/k tile's width, both chunks of :func:`qk_chunks`; ``two_sided``: a
-    window bounds both sides, causal with a left bound included); None: no plan."""
-    if two_sided and (block_d, block_dv) in TWO_SIDED_PLANS:
-        return TWO_SIDED_PLANS[(block_d, block_dv)]
+def tile_plan(block_d: int, block_dv: int) -> tuple[int, bool] | None:
+    """``(BLOCK_N, O_IN_Q)`` of a call (:data:`TILE_PLANS`; ``block_d``: the q/k tile's
+    width, both chunks of :func:`qk_chunks`); None: no plan."""
     return TILE_PLANS.get((block_d, block_dv))
 
 
@@ -1216,13 +1202,12 @@ def _desc(t: torch.Tensor, rows: int, cols: int | None = None):
                            _layout(block, t.dtype))
 
 
-def _plan(D: int, Dv: int, left, right) -> tuple[int, int, int, int, bool]:
+def _plan(D: int, Dv: int) -> tuple[int, int, int, int, bool]:
     """``(BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N, O_IN_Q)`` of a call (:func:`qk_chunks`,
     :func:`tile_plan`)."""
-    two_sided = left is not None and right is not None
-    bd, bd2 = qk_chunks(D, Dv, two_sided)
+    bd, bd2 = qk_chunks(D, Dv)
     bdv = block_dims(D, Dv)[1]
-    return (bd, bd2, bdv, *tile_plan(bd + bd2, bdv, two_sided))
+    return (bd, bd2, bdv, *tile_plan(bd + bd2, bdv))
 
 
 def _descs(q, k, v, o, plan) -> tuple:
@@ -1273,24 +1258,22 @@ def _constexprs(plan, left, right, softcap, return_lse, pingpong, *, varlen: boo
 BLOCK_MASK_MAX_D = 128
 
 
-def block_mask_tiles(q, v, mask_mod, left: int | None = None,
-                     right: int | None = None) -> tuple[int, int] | None:
+def block_mask_tiles(q, v, mask_mod) -> tuple[int, int] | None:
     """The tiles ``(BLOCK_M, block_n)`` whose multiples a block table must have for the
     kernel to walk it (:func:`_walk`): 128 query rows and the key tile of the call's plan
     (:func:`tile_plan`); None where the kernel walks none: a ``mask_mod`` (traced) that
     Gluon cannot lower, or q/k tiles wider than :data:`BLOCK_MASK_MAX_D`."""
-    plan = _plan(q.shape[-1], v.shape[-1], left, right)
+    plan = _plan(q.shape[-1], v.shape[-1])
     if not mask_mod.gluon_ok or plan[0] + plan[1] > BLOCK_MASK_MAX_D:
         return None
     return BLOCK_M, plan[3]
 
 
-def fits_block_mask(q, v, block_mask, left: int | None = None,
-                    right: int | None = None) -> bool:
+def fits_block_mask(q, v, block_mask) -> bool:
     """Whether the kernel walks ``block_mask``'s lists: blocks of the 128 query rows of
     :func:`block_mask_tiles` and a multiple of its key tile (FlexAttention's and
     :func:`~.mods.create_block_mask`'s default 128 x 128 fits every such call)."""
-    tiles = block_mask_tiles(q, v, block_mask.mod, left, right)
+    tiles = block_mask_tiles(q, v, block_mask.mod)
     sm, sn = block_mask.BLOCK_SIZE
     return tiles is not None and sm == tiles[0] and sn % tiles[1] == 0
 
@@ -1351,7 +1334,7 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
         lse = torch.empty((1, Hq, Nq), device=q.device, dtype=torch.float32)
     if not return_lse:
         lse = None
-    plan = _plan(D, Dv, left, right)
+    plan = _plan(D, Dv)
     block_n = plan[3]
     if pingpong is None:
         # (the items of the longest sequence stand for all)
@@ -1459,7 +1442,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         lse = torch.empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
     if not return_lse:
         lse = None
-    plan = _plan(D, Dv, left, right)
+    plan = _plan(D, Dv)
     block_n, BDV = plan[3], plan[2]
     tiles = item_tiles(Nq, Nk, left, right, block_n)
     # the first query tiles whose rows see no key (only with a right bound and Nq > Nk;
