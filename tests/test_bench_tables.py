@@ -218,7 +218,10 @@ def test_the_workload_tables_come_from_the_workload_log(logs):
     # one table: a column per direction and mode the log has (no forward + backward here)
     head = ("| model | shape | Forward, eager | Forward, CUDA graph replay | Backward alone, "
             "eager |")
-    assert sec.count(head) == 1 and "Forward + backward" not in sec
+    # (the later quick run's rows follow as a table of their own)
+    main, _, later = sec.partition("### Rows measured again")
+    assert main.count(head) == 1 and "Forward + backward" not in main
+    assert "workloads.py --quick" in later
     # flashfold's TFLOP/s, the best peer by name and the run's own ratio (0.97)
     assert ("| Llama-3 8B / Qwen2.5 training | d128 32:8 causal N4096 B4 | 603 · FA4 622 · 0.97 "
             "| 611 · FA4 600 · 1.02 | 529 · FA4 510 · 1.04 |") in sec
@@ -240,28 +243,33 @@ def test_the_workload_tables_come_from_the_workload_log(logs):
 
 
 def test_later_runs_with_more_peers_get_tables_of_their_own(tmp_path):
-    """A grid run without FA4 keeps its table; a later ``--rows`` run that timed FA4 gets a
-    section of its own after it (each ratio from one run); a later run with no new peer
-    gets none."""
+    """A grid run without FA4 keeps its table; each later ``--rows`` run gets a section of
+    its own after it, oldest first (each ratio from one run): one that timed FA4 says so,
+    one with no new peer is a re-measurement; an earlier run gets none."""
     no_fa4 = re.sub(r"fa4 \d+( \([\d.]+\))?", "fa4 -", WORKLOADS)
     subset = WORKLOADS.replace("rows all", "rows 'llama-4k'")
     files = {"2026-12-02_h200_workloads.log": no_fa4,
              "2026-12-02_h200_workloads_rows.log": subset,
-             "2026-12-03_h200_workloads_again.log": no_fa4.replace("rows all", "rows 'x'")}
+             "2026-12-03_h200_workloads_again.log": no_fa4.replace("rows all", "rows 'x'"),
+             "2026-12-01_h200_workloads_rows.log": subset}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     runs = [r for p in sorted(tmp_path.glob("*.log")) for r in bench.parse_file(str(p))]
     chosen = bench.latest(runs)
     assert os.path.basename(chosen["workloads"].source) == "2026-12-02_h200_workloads.log"
     extra = bench.supplements(runs, chosen)["workloads"]
-    assert [os.path.basename(r.source) for r in extra] == ["2026-12-02_h200_workloads_rows.log"]
+    assert [os.path.basename(r.source) for r in extra] == [
+        "2026-12-02_h200_workloads_rows.log", "2026-12-03_h200_workloads_again.log"]
     sec = _section(bench.results_markdown(runs), "Attention workloads (models)")
     head, _, more = sec.partition("### Rows measured again with FA4")
     assert "| 603 · cuDNN 571 · " in head and "FA4" not in head.split("Below")[0]
+    more, _, again = more.partition("### Rows measured again\n")
     assert "logs/2026-12-02_h200_workloads_rows.log" in more
     assert "workloads.py --rows 'llama-4k'" in more
     assert "| 603 · FA4 622 · 0.97 |" in more
-    assert "2026-12-03" not in sec
+    assert "logs/2026-12-03_h200_workloads_again.log" in again and "timed again in a later" \
+        in again and "| 603 · cuDNN 571 · " in again
+    assert "2026-12-01" not in sec
 
 
 

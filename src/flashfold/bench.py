@@ -1004,17 +1004,18 @@ def _peers_measured(run: Run) -> set:
 
 
 def supplements(runs: list[Run], chosen: dict[str, Run]) -> dict[str, list[Run]]:
-    """Per workloads table (the family whose rows name their peers), the runs of the same
-    day or later that measured a peer its run did not (e.g. ``--rows`` runs with
-    FlashAttention-4 after a grid without it), oldest first: the page shows each as a table
-    of its own, so every ratio still comes from one run."""
+    """Per workloads table (the family whose rows name their peers), the runs after it
+    (a later date, or the same date and a later log name) that timed some of its rows
+    again: ``--rows`` runs with a peer the grid lacked (e.g. FlashAttention-4), or after a
+    kernel change to those rows; oldest first. The page shows each as a table of its own,
+    so every ratio still comes from one run."""
     out = {}
     for kind, run in chosen.items():
         if kind != "workloads":
             continue
-        have = _peers_measured(run)
-        extra = [r for r in runs if r.kind == kind and r is not run
-                 and (r.date or "") >= (run.date or "") and _peers_measured(r) - have]
+        after = (run.date or "", os.path.basename(run.source))
+        extra = [r for r in runs if r.kind == kind and r is not run and r.rows
+                 and (r.date or "", os.path.basename(r.source)) > after]
         if extra:
             out[kind] = sorted(extra, key=lambda r: (r.date or "", os.path.basename(r.source)))
     return out
@@ -1311,14 +1312,16 @@ def results_markdown(runs: list[Run], logs_dir: str = "logs") -> str:
         for extra in later.get(kind, ()):
             names = ", ".join(sorted(WORKLOAD_IMPLS.get(k, k) for k in
                                      _peers_measured(extra) - _peers_measured(run)))
-            out += ["", f"### Rows measured again with {names}", "",
+            why = (f"timed again with every peer, {names} included, in one run" if names
+                   else "timed again in a later run (the tree of that run), every peer "
+                        "in the same run")
+            out += ["", "### Rows measured again" + (f" with {names}" if names else ""), "",
                     f"{extra.date or 'date not recorded'} · "
                     f"{extra.device or 'device not recorded'} · "
                     f"{extra.software or 'versions not recorded'} · log "
                     f"`{logs_dir}/{os.path.basename(extra.source)}`", "",
                     "```", extra.command, "```", "",
-                    f"Rows of the grid above, timed again with every peer, {names} "
-                    "included, in one run.", "",
+                    f"Rows of the grid above, {why}.", "",
                     *table(extra)]
             if extra.verdicts:
                 out += ["", "The run's own checks, as printed:", "", "```", *extra.verdicts,
