@@ -28,7 +28,7 @@ Triton template's ceiling"). Three partitions per program (``gl.warp_specialize`
 
   where the softmax of a tile (mask, row max, ``exp2``, row sum, rescale factor) is one
   step, :func:`_softmax_tile`. Then it writes ``o = acc / l`` through its own shared-
-  memory buffer (at head_dim 256, but with both window sides, its query buffer) and a TMA
+  memory buffer (at head_dim 256 and at 192 / 128, its query buffer) and a TMA
   store. With a window (causal too) the epilogue also writes one int32 flag per 64 rows,
   nonzero where ``o`` holds a non-finite entry: an edge tile's ``P V`` meets hidden
   keys' values (``0 x NaN``), and the strict Triton guard that follows recomputes the
