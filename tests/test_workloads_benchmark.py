@@ -247,3 +247,15 @@ def test_smoke_rows_keep_the_shape_of_their_rows(wl):
         assert (s.window is None) == (w.window is None) and (s.docs is None) == (w.docs is None)
         assert s.pairs() > 0 and (not s.docs or sum(s.docs) == s.N)
     assert replace(wl.grid()[0], N=8).pairs() == 4 * 32
+
+
+def test_peer_check_names_an_outlier_only_against_two_agreeing_peers(wl):
+    """Check (2) follows the first peer; where it alone disagrees, flashfold passes only if
+    at least two other peers ran and it agrees with all of them (the first is named)."""
+    assert wl.peer_verdict([]) == (True, "")
+    assert wl.peer_verdict([("fa4", True), ("cudnn", False)]) == (True, "")
+    ok, why = wl.peer_verdict([("fa4", False), ("cudnn", True), ("flash", True)])
+    assert ok and "FA4 differs" in why and "cuDNN, FA2" in why
+    assert wl.peer_verdict([("fa4", False), ("cudnn", True)]) == (False, "")
+    assert wl.peer_verdict([("fa4", False), ("cudnn", True), ("flash", False)]) == (False, "")
+    assert wl.peer_verdict([("fa4", False)]) == (False, "")
