@@ -639,7 +639,8 @@ if gluon is not None:
     @gluon.jit
     def _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
               step_scale, mod, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-              BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+              BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
+              MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr,
               SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr):
@@ -767,7 +768,8 @@ if gluon is not None:
         mod = (b, hq, r0 + row0, mod_bufs, mod_scale, mask_bufs)
         acc, l, m = _fold(q, bufs, bars, it, k_i, t_lo, n_kv, t_a, t_c, key_lo, key_hi,
                           kv_len, qk_scale, step_scale, mod, s_zero, BLOCK_N,
-                          BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
+                          BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                          O_IN_Q,
                           WG, PINGPONG, STEP, SCORE_MOD, MASK_FN)
 
         # epilogue: ATTENTION2's finalize, generated (o = acc / l, lse = (m + log2 l) ln 2;
@@ -877,7 +879,8 @@ if gluon is not None:
                      win_right, FLAGS, flag_groups, O, stride_oh, stride_on, dv, CU_Q, CU_K,
                      n_seqs, search_levels, search_top, MOD_BUFS, mod_scale, row0, BM,
                      MASK_BUFS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                     BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                     BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
+                     MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                      O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
                      VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -953,11 +956,13 @@ if gluon is not None:
                O, stride_oh, stride_on, dv, MOD_BUFS, mod_scale, row0, MASK_BUFS)
         warp_specialize([
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
-                         BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
+                         BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
+                         RETURN_LSE,
                          VARLEN, 0, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
                          SPLIT)),
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
-                         BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q, RETURN_LSE,
+                         BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
+                         RETURN_LSE,
                          VARLEN, 1, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
                          SPLIT)),
             (_producer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
