@@ -118,7 +118,14 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
             ("d128-mask-documents-mod-alibi-causal-lse", 128, 128,
              {"mask": "documents", "mod": "alibi", "causal": True}, True, "bfloat16", True),
             ("d128-mask-prefix-256-blocks-softcap", 128, 128,
-             {"mask": "prefix-256-blocks", "softcap": 50.0}, False, "bfloat16", True)]
+             {"mask": "prefix-256-blocks", "softcap": 50.0}, False, "bfloat16", True),
+            # q/k in two column chunks with the other features
+            ("d96-mask-documents-causal-lse", 96, 96, {"mask": "documents", "causal": True},
+             True, "bfloat16", True),
+            ("d80-mod-alibi-softcap", 80, 80, {"mod": "alibi", "softcap": 30.0}, False,
+             "bfloat16", True),
+            ("d96-varlen-window-lse", 96, 96, {"varlen": True, "left": 100, "right": 20},
+             True, "bfloat16", False)]
 
 
 def _block_mask(name, nq, nk):
@@ -1032,8 +1039,9 @@ MOD_FEATURES = [("dense", False, None, None), ("causal", True, None, None),
                 ("window", False, (100, 30), None), ("softcap-causal", True, None, 30.0)]
 
 
-#: (case, head_dim): every case at 64, 128 and 256 but the rows without keys (128 only)
-MOD_GRID = [(c, D) for c in MOD_CASES for D in (64, 128, 256) if c[3] <= c[4] or D == 128]
+#: (case, head_dim): every case at 64, 96 (q/k in two column chunks), 128 and 256 but the
+#: rows without keys (128 only)
+MOD_GRID = [(c, D) for c in MOD_CASES for D in (64, 96, 128, 256) if c[3] <= c[4] or D == 128]
 
 
 @pytest.mark.parametrize("case, D", MOD_GRID, ids=lambda c: "x".join(map(str, c))
