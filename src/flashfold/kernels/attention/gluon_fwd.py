@@ -66,8 +66,7 @@ c)``, before the masks), ``BLOCK_D`` / ``BLOCK_D2`` / ``BLOCK_DV`` (tile widths:
 in one or two power-of-two column chunks, :func:`qk_chunks`, ``S`` summed over both; v's
 the next power of two of ``Dv``; TMA reads columns past a head dim as zeros and does
 not write them), ``BLOCK_N`` and ``O_IN_Q`` (the tile plan: :data:`TILE_PLANS`,
-:func:`tile_plan`),
-``RETURN_LSE``, ``PINGPONG``, ``VARLEN``.
+:func:`_plan`), ``RETURN_LSE``, ``PINGPONG``, ``VARLEN``.
 
 Scope (:func:`supported`; the dispatcher in :mod:`.fwd` sends mods and block masks to
 the Triton template): fp16/bf16, head_dim 17-256 (``Dv = D``, or ``D`` in
@@ -1042,7 +1041,7 @@ def qk_chunks(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     box are powers of two wide, so a head dim between two powers runs as a power-of-two
     chunk of ``BLOCK_D`` columns and a second of ``BLOCK_D2`` (a power of two, at least
     16: one wgmma K step; the least that covers the head dim and has a plan of that
-    width, :func:`tile_plan`), read at column ``BLOCK_D`` and multiplied into the same
+    width in :data:`TILE_PLANS`), read at column ``BLOCK_D`` and multiplied into the same
     scores (192 = 128 + 64, 96 = 64 + 32, 80 = 64 + 16; 160 as 128 + 64); else the
     next power of two (``BLOCK_D2 = 0``). Either way TMA reads columns past the head dim
     as zeros. The padding cost ``S = Q K^T`` 33% more work at 192 and 96, 60% at 80."""
@@ -1051,16 +1050,10 @@ def qk_chunks(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     if head_dim > lo >= 16:
         hi = max(16, block_dims(head_dim - lo, 1)[0])
         while hi < lo:
-            if tile_plan(lo + hi, block_dv) is not None:
+            if (lo + hi, block_dv) in TILE_PLANS:
                 return lo, hi
             hi *= 2
     return block_d, 0
-
-
-def tile_plan(block_d: int, block_dv: int) -> tuple[int, bool] | None:
-    """``(BLOCK_N, O_IN_Q)`` of a call (:data:`TILE_PLANS`; ``block_d``: the q/k tile's
-    width, both chunks of :func:`qk_chunks`); None: no plan."""
-    return TILE_PLANS.get((block_d, block_dv))
 
 
 def _bounds(causal: bool, left: int | None, right: int | None):
@@ -1209,10 +1202,10 @@ def _desc(t: torch.Tensor, rows: int, cols: int | None = None):
 
 def _plan(D: int, Dv: int) -> tuple[int, int, int, int, bool]:
     """``(BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N, O_IN_Q)`` of a call (:func:`qk_chunks`,
-    :func:`tile_plan`)."""
+    :data:`TILE_PLANS`, keyed by q/k's width over both chunks and v's)."""
     bd, bd2 = qk_chunks(D, Dv)
     bdv = block_dims(D, Dv)[1]
-    return (bd, bd2, bdv, *tile_plan(bd + bd2, bdv))
+    return (bd, bd2, bdv, *TILE_PLANS[(bd + bd2, bdv)])
 
 
 def _descs(q, k, v, o, plan) -> tuple:
@@ -1266,7 +1259,7 @@ BLOCK_MASK_MAX_D = 128
 def block_mask_tiles(q, v, mask_mod) -> tuple[int, int] | None:
     """The tiles ``(BLOCK_M, block_n)`` whose multiples a block table must have for the
     kernel to walk it (:func:`_walk`): 128 query rows and the key tile of the call's plan
-    (:func:`tile_plan`); None where the kernel walks none: a ``mask_mod`` (traced) that
+    (:func:`_plan`); None where the kernel walks none: a ``mask_mod`` (traced) that
     Gluon cannot lower, or q/k tiles wider than :data:`BLOCK_MASK_MAX_D`."""
     plan = _plan(q.shape[-1], v.shape[-1])
     if not mask_mod.gluon_ok or plan[0] + plan[1] > BLOCK_MASK_MAX_D:
