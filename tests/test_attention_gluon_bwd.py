@@ -88,7 +88,39 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
             ("varlen-dense-fp16", False, "float16", None, 128, None, None, None,
              dict(varlen=True)),
             ("varlen-d64-window-softcap", False, "bfloat16", None, 64, None, None, None,
-             dict(varlen=True, left=100, right=20, softcap=30.0))]
+             dict(varlen=True, left=100, right=20, softcap=30.0)),
+            # score_mod and block masks (the workload grid's mod rows: ALiBi, prefix-LM,
+            # causal documents), traced into the kernel
+            ("mod-alibi-causal", True, "bfloat16", None, 128, None, None, None,
+             dict(mods="alibi")),
+            ("mod-alibi-softcap-d64", False, "float16", None, 64, None, None, None,
+             dict(mods="alibi", softcap=30.0)),
+            ("mod-alibi-det", True, "bfloat16", None, 128, None, None, None,
+             dict(mods="alibi", deterministic=True)),
+            ("mask-prefix-lm", False, "bfloat16", None, 128, None, None, None,
+             dict(mods="prefix")),
+            ("mask-documents-d64", False, "bfloat16", None, 64, None, None, None,
+             dict(mods="documents")),
+            ("mask-documents-alibi", False, "bfloat16", None, 128, None, None, None,
+             dict(mods="documents+alibi"))]
+
+
+def _mods(which: str, B: int, H: int, N: int) -> dict:
+    """The ``score_mod`` / ``block_mask`` keywords of a compile variant's ``mods``:
+    ``alibi``, ``prefix`` (prefix-LM, 300 rows), ``documents`` (causal, four documents),
+    joined by ``+``."""
+    import flashfold as ff
+    from flashfold import mods
+    from flashfold.kernels.attention.mods import trace_score_mod
+    out = {}
+    for part in which.split("+"):
+        if part == "alibi":
+            out["score_mod"] = trace_score_mod(mods.alibi(H))
+        else:
+            mm = (mods.prefix_lm_mask(300) if part == "prefix" else mods.and_masks(
+                mods.causal_mask, mods.document_mask(torch.arange(N) * 4 // N)))
+            out["block_mask"] = ff.create_block_mask(mm, None, None, N, N, device="cpu")
+    return out
 
 #: the packed sequences of the "varlen-" variants
 VARLEN_CU = [0, 100, 700, 1000]
@@ -103,6 +135,8 @@ def _compile_all():
               features=None, dv=None):
         features = dict(features or {})
         batch = 2
+        if "mods" in features:
+            features.update(_mods(features.pop("mods"), batch, 4, 1000))
         if features.pop("varlen", False):
             cu = torch.tensor(VARLEN_CU, dtype=torch.int32)
             features.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
@@ -335,19 +369,28 @@ def test_packed_statistics_start_aligned_and_apart(lens):
     assert int((y != 0).sum()) == x.numel()
 
 
-def test_dispatch_sends_calls_without_mods():
+def test_dispatch_sends_calls_in_the_kernels_scope():
     """``prepare_backward`` builds the Gluon launch for dense, causal, windowed and
     soft-capped calls without a config, deterministic or not (the flag passed on), and
     for packed sequences in the varlen scope (one offsets tensor for both sides under a
     right bound, not deterministic, head dims up to 128: the offsets passed on); not with
     other offsets under a right bound, deterministic varlen or ``atomic_dq=False``
-    (``eligible`` mocked true; nothing runs)."""
+    (``eligible`` mocked true; nothing runs). Mods: a score_mod (deterministic too), a
+    block mask of 128 x 128 blocks on a call without bounds (passed on); not a block mask
+    under a causal bound, deterministic, or in 64-row blocks."""
+    import flashfold as ff
+    from flashfold import mods
     from flashfold.kernels.attention import bwd, gluon_bwd
+    from flashfold.kernels.attention.mods import trace_score_mod
     calls = []
 
     def fake(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, left, right, softcap, scale,
-             deterministic, launch, cu_seqlens_q=None, cu_seqlens_k=None):
+             deterministic, launch, cu_seqlens_q=None, cu_seqlens_k=None, score_mod=None,
+             block_mask=None):
         packed = cu_seqlens_q is not None
+        if score_mod is not None or block_mask is not None:
+            calls.append((score_mod is not None, block_mask is not None, deterministic))
+            return ("gluon", (1,), (), {})
         calls.append((left, right, softcap, deterministic, packed))
         rows = gluon_bwd.stats_length(64, 2) if packed else 64     # (laid out apart)
         assert dq_acc.dtype == torch.float32 and lam.shape == dd.shape == (*q.shape[:2], rows)
@@ -378,6 +421,20 @@ def test_dispatch_sends_calls_without_mods():
             assert "gluon" not in kernels(**kw), kw
         assert kernels(**other)[1:3] == copy_then_gluon     # (no right bound: any offsets)
         assert len(calls) == 8
+        alibi = trace_score_mod(mods.alibi(q.shape[1]))
+        prefix = mods.prefix_lm_mask(16)
+        square = ff.create_block_mask(prefix, None, None, 64, 64, device="cpu")
+        small = ff.create_block_mask(prefix, None, None, 64, 64, device="cpu", BLOCK_SIZE=64)
+        assert kernels(score_mod=alibi, right=0)[1] == "gluon"
+        assert kernels(score_mod=alibi, deterministic=True)[1] == "gluon"
+        assert kernels(block_mask=square)[1] == "gluon"
+        assert kernels(block_mask=square, score_mod=alibi)[1] == "gluon"
+        assert calls[8:] == [(True, False, False), (True, False, True), (False, True, False),
+                             (True, True, False)]
+        for kw in (dict(block_mask=square, right=0), dict(block_mask=square, deterministic=True),
+                   dict(block_mask=small), dict(score_mod=alibi, **packed)):
+            assert "gluon" not in kernels(**kw), kw
+        assert len(calls) == 12
 
 
 # --- numerics on the GPU -------------------------------------------------------------------
@@ -560,6 +617,72 @@ def test_gpu_deterministic_bitwise_and_flash_criterion(case, causal, D, DV, wind
     _check_gluon_gradients(case, causal, D, DV, window, softcap, torch.bfloat16,
                            hash((case, D, DV, 1)) % 1000, gluon_bwd, "gluon_attention_bwd",
                            deterministic=True)
+
+
+#: score_mods and block masks in the kernel: (B, Hq, Hk, Nq, Nk) x head dims, and the
+#: features (id, causal, softcap, score_mod, mask_mod) of the forward's mod tests
+#: (``tests/test_attention_gluon.py``): ALiBi and a relative bias, dense, causal and
+#: soft-capped; causal documents, prefix-LM, documents, rows before 200 seeing nothing
+#: (fully masked rows: zero gradients), and a block mask with ALiBi
+MOD_BWD_CASES = [((1, 2, 1, 113, 113), 128), ((2, 4, 2, 1000, 1000), 128),
+                 ((1, 2, 2, 2049, 2049), 64), ((1, 2, 1, 100, 1000), 128),
+                 ((2, 4, 2, 1000, 1000), 64), ((1, 2, 2, 1000, 1000), 96)]
+MOD_BWD_FEATURES = [("alibi-dense", False, None, "alibi", None),
+                    ("alibi-causal", True, None, "alibi", None),
+                    ("relative-softcap-causal", True, 30.0, "relative", None),
+                    ("documents-causal", False, None, None, "documents-causal"),
+                    ("prefix", False, None, None, "prefix"),
+                    ("documents", False, None, None, "documents"),
+                    ("rows-from-200", False, None, None, "rows-from-200"),
+                    ("prefix-alibi", False, None, "alibi", "prefix")]
+
+
+@pytest.mark.parametrize("case, D", MOD_BWD_CASES, ids=lambda c: "x".join(map(str, c))
+                         if isinstance(c, tuple) else f"d{c}")
+@pytest.mark.parametrize("feature", MOD_BWD_FEATURES, ids=lambda f: f[0])
+@pytest.mark.gpu
+def test_gpu_mods_flash_criterion(case, D, feature):
+    """A score_mod (with its derivative) and a block mask walked by key tile in the Gluon
+    backward (bf16): dQ, dK, dV within FlashAttention's criterion against float64
+    autograd of the attention with the same mods; every gradient finite."""
+    _needs_sm90()
+    import flashfold as ff
+    from flashfold.kernels.attention import bwd, gluon_bwd
+    from test_attention_gluon import _mask_mod, _score_mod
+    B, HQ, HK, NQ, NK = case
+    name, causal, softcap, smod, mmod = feature
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, name, D)).encode()))
+    q, do = (torch.randn(B, HQ, NQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+             for _ in range(2))
+    k, v = (torch.randn(B, HK, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    score_mod = _score_mod(smod, HQ) if smod else None
+    mask_mod = _mask_mod(mmod.replace("-causal", ""), NQ, NK) if mmod else None
+    if mmod == "documents-causal":
+        from flashfold import mods
+        from flashfold.kernels.attention.mods import trace_mask_mod
+        mask_mod = trace_mask_mod(mods.and_masks(mods.causal_mask, mask_mod.fn))
+    scale = 1 / math.sqrt(D)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    bwd.plan_cache_clear()
+    with mock.patch.object(gluon_bwd, "gluon_attention_bwd",
+                           wraps=gluon_bwd.gluon_attention_bwd) as spy:
+        ff.attention(*leaves, causal=causal, softcap=softcap,
+                     score_mod=score_mod.fn if score_mod is not None else None,
+                     mask_mod=mask_mod.fn if mask_mod is not None else None).backward(do)
+    assert spy.call_count == 1, f"{name}: not the Gluon backward"
+    assert (spy.call_args.kwargs["score_mod"] is not None) == (score_mod is not None)
+    assert (spy.call_args.kwargs["block_mask"] is not None) == (mask_mod is not None)
+    mods_ = dict(softcap=softcap, score_mod=score_mod, mask_mod=mask_mod)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    _reference(*ref, causal, scale, **mods_)[0].backward(do.double())
+    low = [t.clone().requires_grad_() for t in (q, k, v)]
+    _naive_lowp(*low, causal, scale, **mods_).backward(do)
+    for x, a, r, n in zip("qkv", leaves, ref, low):
+        assert torch.isfinite(a.grad).all(), f"{name}: d{x} not finite"
+        err = (a.grad.double() - r.grad).abs().max().item()
+        naive = (n.grad.double() - r.grad).abs().max().item()
+        assert err <= 2 * naive + 1e-5, f"{name}: d{x} err {err:.2e} > 2 x naive {naive:.2e}"
 
 
 @pytest.mark.gpu

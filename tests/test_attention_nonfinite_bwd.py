@@ -361,8 +361,10 @@ def _gluon_path(c: Case, dtype, monkeypatch, fake, lse_edit=None):
     from flashfold.kernels.attention import gluon_bwd
 
     def gluon(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal, left, right, softcap, scale,
-              deterministic, launch, cu_seqlens_q=None, cu_seqlens_k=None):
+              deterministic, launch, cu_seqlens_q=None, cu_seqlens_k=None, score_mod=None,
+              block_mask=None):
         assert not deterministic and cu_seqlens_q is None and cu_seqlens_k is None
+        assert score_mod is None and block_mask is None
         return ("gluon", (1,), (dq_acc, dk, dv), {})
     monkeypatch.setattr(gluon_bwd, "eligible", lambda *a, **kw: True)
     monkeypatch.setattr(gluon_bwd, "gluon_attention_bwd", gluon)

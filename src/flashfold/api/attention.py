@@ -79,12 +79,13 @@ without graph breaks (mods: create them once outside the compiled step; a new mo
 function object recompiles). Gradients of a score_mod flow through its traced expression
 (:func:`flashfold.algebra.autodiff.derivative`); captured tables get no gradient; double
 backward is not supported. ``deterministic=True`` gives bitwise reproducible gradients
-(dQ summed in a fixed order; on sm_90 without mods or varlen at 0.75-0.96x the default's
-speed, H200). By default, on sm_90, dQ is accumulated with fp32 reduce-adds whose order
-varies between runs (last-bit differences only): without mods or varlen always, with them
-where the Triton kernels' configuration picks atomics (causal or right-bounded rows, head
-dim <= 128, no softcap / score_mod / mask_mod); every other case is deterministic by
-default as well.
+(dQ summed in a fixed order; on sm_90 without a mask_mod or varlen at 0.75-0.96x the
+default's speed, H200). By default, on sm_90, dQ is accumulated with fp32 reduce-adds
+whose order varies between runs (last-bit differences only): in the Gluon backward's
+scope always (every call but packed sequences with mods, head dims past 128 with mods,
+and mask_mods with a window or causal bound), elsewhere where the Triton kernels'
+configuration picks atomics (causal or right-bounded rows, head dim <= 128, no softcap /
+score_mod / mask_mod); every other case is deterministic by default as well.
 """
 
 from __future__ import annotations

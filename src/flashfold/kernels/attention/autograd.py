@@ -253,28 +253,28 @@ def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
     seq_q = max(lens_q, default=0) if varlen else NQ
     seq_k = max(lens_k, default=0) if varlen else k.shape[2]
     full_needs_mask = True
-    # the tiles a block table must fit, chosen only when there is one: a replayed eager
-    # backward has no use for it (H200 host, cProfile of an eager training step at 1K
-    # causal: 62 of the ~120 us that this function spent outside attention_backward)
-    cfg = None
-    if block_mask is not None or (mask is not None and B and HQ and NQ and k.shape[2]):
-        features = softcap is not None or score is not None or mask is not None
-        cfg = bwd.default_config(q, D, v.shape[3], features=features, causal=right is not None)
     if block_mask is not None:
         full_needs_mask = varlen or left is not None or right is not None
-    elif cfg is not None:               # a mask_mod: its table for these lengths and window
+    elif mask is not None and B and HQ and NQ and k.shape[2]:
+        # a mask_mod: its table for these lengths and window, in tiles the kernels walk
+        # (chosen only when there is one: a replayed eager backward has no use for them;
+        # H200 host, cProfile of an eager training step at 1K causal: 62 of the ~120 us
+        # that this function spent outside attention_backward)
+        block_m, block_n = bwd.mask_tiles(q, k, v, do, softcap=softcap, left=left,
+                                          right=right, score_mod=score, mask_mod=mask,
+                                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          deterministic=deterministic)
         block_mask = cached_block_mask(
             mask, batch=n_seq, heads=HQ, q_len=max(seq_q, 1), kv_len=max(seq_k, 1),
-            block_m=max(cfg.block_m, cfg.dq_block_m), block_n=max(cfg.block_n, cfg.dq_block_n),
-            device=q.device, lens_q=lens_q, lens_k=lens_k, left=left, right=right)
+            block_m=block_m, block_n=block_n, device=q.device, lens_q=lens_q,
+            lens_k=lens_k, left=left, right=right)
         full_needs_mask = False
     with launcher.on_device(q.device):
         return bwd.attention_backward(
             do, q, k, v, o, lse, scale=scale, dlse=dlse, softcap=softcap, left=left,
             right=right, score_mod=score, block_mask=block_mask, cu_seqlens_q=cu_q,
             cu_seqlens_k=cu_k, max_seqlen_q=seq_q, max_seqlen_k=seq_k,
-            full_needs_mask=full_needs_mask, deterministic=deterministic,
-            config=cfg)
+            full_needs_mask=full_needs_mask, deterministic=deterministic)
 
 
 def reference_forward(q, k, v, *, scale, softcap, left, right, score=None, mask=None,

@@ -71,13 +71,14 @@ each tensor's (batch, head, row, dim) strides as one tuple next to it (``SQ``, `
 block mask's four tables as one (``TABLES``, columns for dK/dV, rows for dQ), the
 per-call sizes as separate scalars (not specialized).
 
-On sm_90, calls with the Gluon forward's head dims (up to 256; MLA's 192/128) in the
-default mode (dense, causal, windowed or soft-capped; no mods, varlen or explicit
-``config``) run the warp-specialized Gluon kernel of :mod:`.gluon_bwd` between the
-preprocess and the conversion instead: dK, dV and a dQ added by TMA reduce-adds in one
-pass (H200, head_dim 128: 0.93-1.04x cuDNN, 1.25-1.42x these kernels; head_dim 256 and
-MLA, its WIDE variant: 1.7-2.2x FlexAttention on Gemma's rows, 0.67-0.77x cuDNN;
-``benchmarks/RESULTS.md``, ``docs/notes/attention_bwd.md``).
+On sm_90, calls with the Gluon forward's head dims (up to 256; MLA's 192/128), dense,
+causal, windowed or soft-capped, packed sequences in its varlen scope, a score_mod or a
+block mask it lowers (:func:`gluon_runs`), without an explicit ``config``, run the
+warp-specialized Gluon kernel of :mod:`.gluon_bwd` between the preprocess and the
+conversion instead: dK, dV and a dQ added by TMA reduce-adds in one pass (H200, head_dim
+128: 0.93-1.04x cuDNN, 1.25-1.42x these kernels; head_dim 256 and MLA, its WIDE variant:
+1.7-2.2x FlexAttention on Gemma's rows, 0.67-0.77x cuDNN; the workload grid's mod rows
+1.2-2.5x these kernels; ``benchmarks/RESULTS.md``, ``docs/notes/attention_bwd.md``).
 
 Modes: ``deterministic=True`` gives bitwise equal runs: in the Gluon kernel's scope its
 ``DETERMINISTIC`` variant (dQ added in a fixed order, 0.75-0.96x the default mode's speed
@@ -118,22 +119,19 @@ contiguous in the input dtype.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from ...algebra.autodiff import derivative
 from ...monoids import ATTENTION2
 from .. import launcher, plans
 from ..codegen import tile_step_functions
 from . import gluon_bwd, gluon_fwd
 from .fwd import (TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
                   _visible_2d, block_dims, tma_ok)
-from .mods import BlockMask, TracedMod, _lists, buffer_slots, plan_tables
+from .mods import BlockMask, TracedMod, column_lists, plan_tables, score_grad_fn
 
 
 # --- jit helpers ----------------------------------------------------------------------------
@@ -965,48 +963,6 @@ def default_config(q, head_dim: int, head_dim_v: int, features: bool = False,
                      atomic_dq=atomic)
 
 
-_GRAD_FNS: dict = {}
-_GRAD_LOCK = threading.Lock()
-
-
-def score_grad_fn(mod: TracedMod):
-    """``@triton.jit score_grad(score, b, h, q_idx, kv_idx, BUFS) -> (value, d value /
-    d score)`` for a traced score_mod: the graph of
-    :func:`~flashfold.algebra.autodiff.derivative`, lowered to Triton (cached per
-    expression). Same signature as :meth:`TracedMod.triton_fn` but two results."""
-    key = mod.key
-    fn = _GRAD_FNS.get(key)
-    if fn is not None:
-        return fn
-    from ..codegen import jit_source, load_source
-    graph = derivative(mod.graph, "score", name=f"{mod.graph.name}.grad")
-    if len(graph.buffers) != len(mod.buffers) or any(a is not b for a, b in zip(graph.buffers, mod.buffers)):
-        raise RuntimeError(f"derivative of {mod.name!r} reorders its captured tables")
-    names = [v.name for v in graph.inputs]
-    body = jit_source(graph, "body", names)
-    wrapper = (f"@triton.jit\ndef score_grad({', '.join(names)}, BUFS):\n"
-               f"    r = body({', '.join(names)}{buffer_slots(len(mod.buffers))})\n"
-               f"    return r[0], r[1]\n")
-    module = load_source(body + "\n\n" + wrapper, "score_grad")
-    with _GRAD_LOCK:
-        _GRAD_FNS[key] = module.score_grad
-    return module.score_grad
-
-
-_COLUMNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def column_lists(bm: BlockMask):
-    """The block mask's per-*key-block* lists (the transpose of its per-query-block lists):
-    ``(partial_num, partial_idx, full_num, full_idx)`` with shapes ``(Bm, Hm, nN)`` and
-    ``(Bm, Hm, nN, nM)``; cached per BlockMask."""
-    hit = _COLUMNS.get(bm)
-    if hit is None:
-        hit = tuple(_lists(bm.state.transpose(-1, -2).contiguous()))
-        _COLUMNS[bm] = hit
-    return hit
-
-
 #: allocator of the outputs (:func:`flashfold.kernels.plans.new`: ``torch.empty``, noted
 #: while a plan is recorded); the GPU check in ``benchmarks/attention.py`` swaps in a
 #: NaN-filling one so that any element the kernels fail to write is caught (the plan cache
@@ -1089,6 +1045,44 @@ def _plan(do, q, k, v, o, lse, **options):
     return dq, dk, dv, launches, tuple([None] for _ in launches)
 
 
+def gluon_runs(q, k, v, do, *, softcap=None, left=None, right=None, score_mod=None,
+               mask_mod=None, mask_block=None, cu_seqlens_q=None, cu_seqlens_k=None,
+               deterministic=False) -> bool:
+    """The Gluon side of the backward's dispatch (:func:`prepare_backward`, no forced
+    configuration, not interpreted): on sm_90 the warp-specialized Gluon kernel (dK, dV and
+    the dQ adds in one pass, in a fixed order when deterministic; :mod:`.gluon_bwd`) takes
+    the Gluon forward's head dims, dense, causal, windowed or soft-capped calls, packed
+    sequences in its varlen scope, and the mods it lowers (:func:`.gluon_bwd.fits_mods`:
+    a score_mod, a block mask of ``mask_mod`` in blocks of ``mask_block``)."""
+    varlen = cu_seqlens_q is not None
+    return (gluon_bwd.eligible(q, k, v, do, left=left, right=right, softcap=softcap)
+            and gluon_bwd.fits_mods(q, v, score_mod=score_mod, mask_mod=mask_mod,
+                                    mask_block=mask_block, left=left, right=right,
+                                    deterministic=deterministic, varlen=varlen)
+            and (not varlen or gluon_bwd.supported_varlen(
+                q, k, v, do, cu_seqlens_q, cu_seqlens_k, deterministic=deterministic,
+                left=left, right=right, softcap=softcap)))
+
+
+def mask_tiles(q, k, v, do, *, softcap=None, left=None, right=None, score_mod=None,
+               mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None,
+               deterministic=False) -> tuple[int, int]:
+    """The tiles ``(block_m, block_n)`` of the block table that the backward builds for a
+    callable ``mask_mod``: 128 x 128 where the Gluon kernel will walk it
+    (:func:`gluon_runs`), else tiles that the Triton kernels' configuration divides (the
+    larger of its dK/dV and dQ tiles)."""
+    square = (2 * gluon_bwd.BLOCK_M, gluon_bwd.BLOCK_N)
+    if (q.device.type == "cuda" and not _interpreting()
+            and gluon_runs(q, k, v, do, softcap=softcap, left=left, right=right,
+                           score_mod=score_mod, mask_mod=mask_mod, mask_block=square,
+                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           deterministic=deterministic)):
+        return square
+    features = softcap is not None or score_mod is not None or mask_mod is not None
+    cfg = default_config(q, q.shape[3], v.shape[3], features=features, causal=right is not None)
+    return max(cfg.block_m, cfg.dq_block_m), max(cfg.block_n, cfg.dq_block_n)
+
+
 def _convert_launch(dq_acc, dq, scale, flag=None, lam=None, stat_stride=0):
     """The launch of ``_dq_convert``: ``dq = scale * dq_acc`` (the atomic modes' last step;
     ``flag``: raised where ``dq_acc`` is not finite, or with ``lam`` where a row has
@@ -1139,16 +1133,13 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     atomic = bool(atomic_dq) and not deterministic
     if use_tma and not tma_ok(do):
         do = do.contiguous()        # documented: e.g. the expanded (stride 0) gradient of .sum()
-    # sm_90, the Gluon forward's head dims, dense, causal, windowed or soft-capped, packed
-    # sequences in its varlen scope: the warp-specialized Gluon kernel (dK, dV and the dQ
-    # adds in one pass, in a fixed order when deterministic; gluon_bwd), unless with mods
-    use_gluon = (gluon_allowed and config is None
-                 and score_mod is None and block_mask is None
-                 and not interp and gluon_bwd.eligible(q, k, v, do, left=left, right=right,
-                                                       softcap=softcap)
-                 and (not varlen or gluon_bwd.supported_varlen(
-                     q, k, v, do, cu_seqlens_q, cu_seqlens_k, deterministic=deterministic,
-                     left=left, right=right, softcap=softcap)))
+    use_gluon = (gluon_allowed and config is None and not interp
+                 and gluon_runs(q, k, v, do, softcap=softcap, left=left, right=right,
+                                score_mod=score_mod,
+                                mask_mod=block_mask.mod if block_mask is not None else None,
+                                mask_block=block_mask.BLOCK_SIZE if block_mask is not None
+                                else None, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, deterministic=deterministic))
     atomic = atomic or use_gluon
     # calls that can hide keys inside the tiles they load (causal, window, mask, varlen:
     # rule 4 of the attention API's docstring) raise a flag when an output is not finite
@@ -1163,8 +1154,10 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     # scores are all -inf (lse = -inf). Every leak (a hidden pair's zero times a
     # non-finite input) so comes with a non-finite dq row, and the conversion of the dQ
     # accumulator flags a non-finite dq or a row with lse = -inf.
+    # (a score_mod's hidden keys too in the Gluon kernel, whose dQ meets their k)
     hides = STRICT_NONFINITE and (
-        left is not None or right is not None or block_mask is not None or varlen)
+        left is not None or right is not None or block_mask is not None or varlen
+        or (use_gluon and score_mod is not None))
     flag = plans.new((1,), dtype=torch.int32, device=dev) if hides else None
     dq = _alloc((B, HQ, NQ, D), dtype=q.dtype, device=dev)
     dq_acc = plans.new((B, HQ, NQ, D), dtype=torch.float32, device=dev) if atomic else dq
@@ -1284,7 +1277,8 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                                                       deterministic=deterministic,
                                                       cu_seqlens_q=cu_seqlens_q,
                                                       cu_seqlens_k=cu_seqlens_k,
-                                                      launch=False))
+                                                      score_mod=score_mod,
+                                                      block_mask=block_mask, launch=False))
         # (the Gluon kernel itself is unchanged: see the flag's rule above)
         launches.append(_convert_launch(dq_acc, dq, scale, flag,
                                         lam if flag is not None else None, stat_stride))

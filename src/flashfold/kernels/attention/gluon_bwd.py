@@ -110,6 +110,18 @@ persistent programs), 256 causal 0.81, MLA 0.75
 (``docs/notes/attention_bwd.md``, "Deterministic backward: dQ adds in turn"); the Triton
 deterministic kernels it replaces ran at 0.65-0.78x the default.
 
+Mods (:func:`fits_mods`; the head_dim <= 128 tiles, no packed sequences): ``SCORE_MOD``
+recomputes a traced score_mod's scores with its derivative (:func:`.mods.score_grad_fn`,
+lowered to Gluon) in :func:`_probs` and folds the derivative into ``dS``, selected to 0
+where ``P`` is; ``MASK_FN`` walks a block mask by key tile: each query head of the group
+takes the PARTIAL then the FULL query blocks that the key block's column lists
+(:func:`.mods.column_lists`; 128-row blocks, two query tiles each: :func:`_column_walk`),
+EMPTY blocks never loaded, and evaluates the mask_mod in the PARTIAL ones only. Calls
+with a block mask are scheduled as windowed ones (uneven programs). H200, backward alone,
+the workload grid's mod rows (16 heads, 4 x 4096) against the Triton kernels: ALiBi
+d128 2.47x, prefix-LM d128 2.12x, causal documents d128 1.76x, at d64 1.86x, 1.53x and
+1.21x (``docs/notes/attention_bwd.md``, "Mods in the Gluon backward").
+
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
 ``FLASHFOLD_GLUON=0`` turns this path off with the forward's. GPU only (no interpreter
 mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
@@ -128,6 +140,7 @@ from ..compat import HAS_TMA_REDUCE
 from ..tma import addressable
 from . import gluon_fwd
 from .gluon_fwd import CONSUMER_REGS, LOG2E, MAXNREG, PRODUCER_REGS, _desc, gluon
+from .mods import column_lists, score_grad_fn, score_grad_gluon_ok
 
 if gluon is not None:
     from ..compat import (fence_async_shared, gl, mbarrier, tma, warp_specialize,
@@ -254,10 +267,41 @@ if gluon is not None:
         return gl.where(x < m_hi, x, x - (m_hi - m_lo))
 
     @gluon.jit
-    def _producer_tile(t, j, descs, bufs, bars, shape, seqs, BLOCK_M: gl.constexpr,
+    def _column_walk(bm, b, hq, n):
+        """``MASK_FN``: key tile ``n``'s walk for query head ``hq`` of batch ``b`` over the
+        query tiles its block mask lists (``bm``, the per-key-block lists of
+        :func:`.bwd.column_lists` with their strides, :func:`_block_mask_args`): the PARTIAL
+        then the FULL query blocks of its key block, each block of 128 rows two query
+        tiles. Returns ``(m_lo, m_hi, m_0, walk)`` as :func:`_query_range` does, over the
+        walk's steps ``[0, 2 (partial + full))`` (rotated by ``m_0`` as dense walks are,
+        :func:`_query_tile`), and ``walk = (partial, full, base)``, the counts and the
+        key block's offset in the index lists (:func:`_walk_tile`)."""
+        PN, PI, FN, FI, cs_b, cs_h, is_b, is_h, n_mb, tiles_per_block = bm
+        kb = n // tiles_per_block
+        col = b * cs_b + hq * cs_h + kb
+        partial = gl.load(PN + col)
+        full = gl.load(FN + col)
+        steps = 2 * (partial + full)
+        return 0, steps, (2 * n) % gl.maximum(steps, 1), (partial, full,
+                                                          b * is_b + hq * is_h + kb * n_mb)
+
+    @gluon.jit
+    def _walk_tile(bm, walk, e):
+        """Step ``e`` of a :func:`_column_walk`: ``(m, kind)``, query tile ``m`` (half ``e %
+        2`` of the ``e // 2``-th listed block) and its kind, PARTIAL (1) or FULL (0)."""
+        PN, PI, FN, FI, cs_b, cs_h, is_b, is_h, n_mb, tiles_per_block = bm
+        partial, full, base = walk
+        blk = e // 2
+        in_partial = blk < partial
+        idx = gl.where(in_partial, gl.load(PI + base + blk, mask=in_partial, other=0),
+                       gl.load(FI + base + blk - partial, mask=blk >= partial, other=0))
+        return idx * 2 + e % 2, gl.where(in_partial, 1, 0)
+
+    @gluon.jit
+    def _producer_tile(t, j, descs, bufs, bars, shape, seqs, mods, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                       VARLEN: gl.constexpr):
+                       VARLEN: gl.constexpr, MASK_FN: gl.constexpr = None):
         """Key tile ``t``'s loads: ``K`` and ``V`` once, then ``Q``, ``dO``, ``lambda`` and
         ``D`` of every step (query head ``g`` of the group, query tile ``m``) into the
         ring, whose position ``j`` counts on across tiles; returns it. ``VARLEN``: the
@@ -269,22 +313,25 @@ if gluon is not None:
             j = gl.to_tensor(j)
             if valid:
                 j = _producer_steps(0, hk, n, m_lo, m_hi, m_0, qs, ks, _stats_start(s, qs), j,
-                                    descs, bufs, bars, shape, BLOCK_M, BLOCK_N, STAGES,
+                                    descs, bufs, bars, shape, mods, BLOCK_M, BLOCK_N, STAGES,
                                     MASK_RIGHT, DETERMINISTIC)
         else:
             b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
                                                  MASK_RIGHT, DETERMINISTIC)
             j = _producer_steps(b, hk, n, m_lo, m_hi, m_0, 0, 0, 0, j, descs, bufs, bars,
-                                shape, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT, DETERMINISTIC)
+                                shape, mods, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT,
+                                DETERMINISTIC, MASK_FN)
         return j
 
     @gluon.jit
     def _producer_steps(b, hk, n, m_lo, m_hi, m_0, qs, ks, ls, j, descs, bufs, bars, shape,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        MASK_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                        mods, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                        DETERMINISTIC: gl.constexpr, MASK_FN: gl.constexpr = None):
         """:func:`_producer_tile`'s loads of key tile ``n`` of ``(b, hk)`` (rows from ``qs``,
         keys from ``ks``, row statistics from ``ls``: :func:`_stats_start`); returns the
-        ring position."""
+        ring position. ``MASK_FN``: each query head walks the query tiles its block mask
+        lists (:func:`_column_walk`)."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync = bars
@@ -299,8 +346,13 @@ if gluon is not None:
         j = gl.to_tensor(j)      # (a one-tile program passes the literal 0)
         for g in range(group):
             hq = hk * group + g
+            walk = (0, 0, 0)
+            if MASK_FN is not None:
+                m_lo, m_hi, m_0, walk = _column_walk(mods[2], b, hq, n)
             for i in range(m_lo, m_hi):
                 m = _query_tile(i, m_lo, m_0, m_hi, DETERMINISTIC and MASK_RIGHT)
+                if MASK_FN is not None:
+                    m, kind = _walk_tile(mods[2], walk, m)
                 slot = j % STAGES
                 mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(slot), nbytes)
@@ -317,10 +369,11 @@ if gluon is not None:
         return j
 
     @gluon.jit
-    def _bwd_producer(descs, bufs, bars, shape, seqs, BLOCK_M: gl.constexpr,
+    def _bwd_producer(descs, bufs, bars, shape, seqs, mods, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
-                      DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr):
+                      DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr,
+                      MASK_FN: gl.constexpr = None):
         """TMA loads of the program's key tile, or (``PERSISTENT``) of key tiles ``pid,
         pid + grid, ...``, each tile's ``K``, ``V`` once both consumers have released the
         previous one (``kv_empty``)."""
@@ -331,12 +384,14 @@ if gluon is not None:
             r = 0
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
                 mbarrier.wait(kv_empty, (r & 1) ^ 1)
-                j = _producer_tile(t, j, descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N,
-                                   STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC, False)
+                j = _producer_tile(t, j, descs, bufs, bars, shape, seqs, mods, BLOCK_M,
+                                   BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC,
+                                   False, MASK_FN)
                 r += 1
         else:
-            _producer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, seqs, BLOCK_M,
-                           BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC, VARLEN)
+            _producer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, seqs, mods, BLOCK_M,
+                           BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC, VARLEN,
+                           MASK_FN)
 
     @gluon.jit
     def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, buf):
@@ -462,7 +517,8 @@ if gluon is not None:
     def _probs(st, lam, row0, qcols, first_row, last_row, key_ok, qk_scale, step_scale,
                q_len, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                SOFTCAP: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
-               VARLEN: gl.constexpr = False):
+               VARLEN: gl.constexpr = False, mod=None, kind=0, SCORE_MOD: gl.constexpr = None,
+               MASK_FN: gl.constexpr = None):
         """``(P^T, rc)`` of a step's scores ``st`` (keys x queries ``row0 + qcols``)
         against the rows' ``lambda``: ATTENTION2's weights (generated: ``2^(x c log2 e -
         lambda)``, ``c = step_scale``); ``x = qk``, ``c = scale``, or with ``SOFTCAP`` ``x =
@@ -474,16 +530,41 @@ if gluon is not None:
         row's window or after its right bound (keys past Nk included: see
         ``first_row``), or, unbounded, keys past Nk (``MASK_TAIL_KEYS``: ``P`` could
         overflow there, the lse far below 0); ``VARLEN``: also rows past ``q_len``, the
-        next sequence's (a dense call's rows past Nq read as zeros and add nothing)."""
+        next sequence's (a dense call's rows past Nq read as zeros and add nothing).
+
+        ``SCORE_MOD`` (the Gluon lowering of a traced score_mod's value and derivative,
+        :func:`.bwd.score_grad_fn`): ``s = SCORE_MOD(x c', b, h, q_idx, kv_idx, BUFS)``
+        on the scores in natural-log units (``c' = mod_scale``: the scale or the cap;
+        the caller passes ``step_scale = 1``) with ``mod = (b, hq, keys, MOD_BUFS,
+        mod_scale, MASK_BUFS)``; the second result is then ``ds/dx / scale`` (the mod's
+        derivative, times ``4 rc (1 - rc)`` with ``SOFTCAP``), and rows past ``q_len``
+        get ``P = 0`` (a mod's score of a zero row could overflow ``P``). ``MASK_FN`` (a
+        block mask's mask_mod): ``P = 0`` where it hides the pair in a PARTIAL tile
+        (``kind`` 1; FULL tiles, 0, evaluate nothing)."""
         rc = st
         if SOFTCAP:
             rc = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
                                            [gl.exp2(st * qk_scale) + 1.0],
                                            dtype=gl.float32, is_pure=True, pack=1)
-            p = WEIGHTS(lam[None, :], 1.0 - 2.0 * rc, step_scale)[0]
+            x = 1.0 - 2.0 * rc
         else:
-            p = WEIGHTS(lam[None, :], st, step_scale)[0]
+            x = st
         rows = row0 + qcols[None, :]
+        if SCORE_MOD is not None:
+            b, hq, keys, mod_bufs, mod_scale, mask_bufs = mod
+            s, dmod = SCORE_MOD(x * mod_scale, b, hq, rows, keys[:, None], mod_bufs)
+            p = WEIGHTS(lam[None, :], s.to(gl.float32), step_scale)[0]
+            if SOFTCAP:
+                rc = dmod.to(gl.float32) * (4.0 * rc * (1.0 - rc))
+            else:
+                rc = dmod.to(gl.float32)
+            p = gl.where(rows < q_len, p, 0.0)
+        else:
+            p = WEIGHTS(lam[None, :], x, step_scale)[0]
+        if MASK_FN is not None:
+            b, hq, keys, mod_bufs, mod_scale, mask_bufs = mod
+            vis = MASK_FN(b, hq, rows, keys[:, None], mask_bufs) != 0
+            p = gl.where((kind == 0) | vis, p, 0.0)
         if MASK_RIGHT:
             p = gl.where(first_row[:, None] <= rows, p, 0.0)
         elif MASK_TAIL_KEYS:
@@ -495,14 +576,15 @@ if gluon is not None:
         return p, rc
 
     @gluon.jit
-    def _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, seqs, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                       SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
-                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
-                       WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                       VARLEN: gl.constexpr):
+    def _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, seqs, mods,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                       STORE_TMA: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                       PERSISTENT: gl.constexpr, LATE_STATS: gl.constexpr,
+                       MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
+                       DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr,
+                       SCORE_MOD: gl.constexpr = None, MASK_FN: gl.constexpr = None):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
         position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
         over every step and add the previous step's dQ columns ``64 WG ..`` (see the
@@ -517,7 +599,7 @@ if gluon is not None:
             j = gl.to_tensor(j)
             if valid:
                 j = _consumer_steps(0, hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len, j, r,
-                                    descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
+                                    descs, bufs, bars, shape, ptrs, mods, BLOCK_M, BLOCK_N,
                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                                     SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
                                     MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, True)
@@ -525,25 +607,30 @@ if gluon is not None:
             b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
                                                  MASK_RIGHT, DETERMINISTIC)
             j = _consumer_steps(b, hk, n, m_lo, m_hi, m_0, 0, 0, shape[0], shape[1], j, r,
-                                descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N, BLOCK_D,
-                                HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, STORE_TMA,
-                                WG, PINGPONG, PERSISTENT, LATE_STATS, MASK_TAIL_KEYS, WEIGHTS,
-                                DETERMINISTIC, False)
+                                descs, bufs, bars, shape, ptrs, mods, BLOCK_M, BLOCK_N,
+                                BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
+                                MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, False, SCORE_MOD,
+                                MASK_FN)
         return j
 
     @gluon.jit
     def _consumer_steps(b, hk, n, m_lo, m_hi, m_0, qs, ks, q_len, kv_len, j, r, descs, bufs,
-                        bars, shape, ptrs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        bars, shape, ptrs, mods, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                         MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                         SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                         PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                         LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
                         WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                        VARLEN: gl.constexpr):
+                        VARLEN: gl.constexpr, SCORE_MOD: gl.constexpr = None,
+                        MASK_FN: gl.constexpr = None):
         """:func:`_consumer_tile`'s work on its key tile ``n`` of ``(b, hk)`` (rows from
         ``qs`` and keys from ``ks`` of a sequence of ``q_len`` rows and ``kv_len`` keys;
-        query tiles ``m_lo .. m_hi`` from ``m_0``); returns the ring position."""
+        query tiles ``m_lo .. m_hi`` from ``m_0``, or with ``MASK_FN`` those its block
+        mask lists per query head: :func:`_column_walk`); returns the ring position.
+        ``mods = (MOD_BUFS, mod_scale, BM, MASK_BUFS)``: the score_mod's tables and scale,
+        the block mask's per-key-block lists and its mask_mod's tables (:func:`_probs`)."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync = bars
@@ -577,8 +664,12 @@ if gluon is not None:
         # dQ runs a step late (see the module docstring): a tile's first step adds the
         # product of a zeroed dS buffer ("step -1", see _bwd_consumer) to its own rows,
         # which adds nothing
-        m_prev = _query_tile(m_lo, m_lo, m_0, m_hi, DOWN)
+        if MASK_FN is not None:     # (a walk of no tiles, or adds of zeros: any tile)
+            m_prev = n * 0
+        else:
+            m_prev = _query_tile(m_lo, m_lo, m_0, m_hi, DOWN)
         hq_prev = hk * group
+        mod_bufs, mod_scale, bm, mask_bufs = mods
         if not PERSISTENT:
             ds_bufs.index(1).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
             fence_async_shared()
@@ -589,8 +680,14 @@ if gluon is not None:
         # docs/notes/attention_bwd.md, "Flat GQA walk")
         for g in range(group):
             hq = hk * group + g
+            walk = (0, 0, 0)
+            if MASK_FN is not None:
+                m_lo, m_hi, m_0, walk = _column_walk(bm, b, hq, n)
             for i in range(m_lo, m_hi):
                 m = _query_tile(i, m_lo, m_0, m_hi, DOWN)
+                kind = 0
+                if MASK_FN is not None:
+                    m, kind = _walk_tile(bm, walk, m)
                 slot = j % STAGES
                 mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
                 q_s = q_bufs.index(slot).reshape([BLOCK_M, BLOCK_D])
@@ -614,10 +711,14 @@ if gluon is not None:
                         gl.SliceLayout(0, s_layout))
                 p, rc = _probs(st, lam, m * BLOCK_M, qcols, first_row, last_row, key_ok,
                                qk_scale, step_scale, q_len, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                               MASK_TAIL_KEYS, WEIGHTS, VARLEN)
+                               MASK_TAIL_KEYS, WEIGHTS, VARLEN,
+                               (b, hq, keys, mod_bufs, mod_scale, mask_bufs), kind,
+                               SCORE_MOD, MASK_FN)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_s, dv, is_async=True)
-                if SOFTCAP:     # P's only other use is dS: fold ds/dx in now, rc dies
+                if SCORE_MOD is not None:   # ds/dx / scale, 0 wherever P is (see below)
+                    p = gl.where(p == 0.0, 0.0, p * rc)
+                elif SOFTCAP:   # P's only other use is dS: fold ds/dx in now, rc dies
                     p = p * (4.0 * rc * (1.0 - rc))
                 if not LATE_STATS:
                     dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(
@@ -627,6 +728,10 @@ if gluon is not None:
                     dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
                 ds = p * (dpt - dd[None, :])
+                if SCORE_MOD is not None:
+                    # a pair the score_mod hides (P = 0) adds 0 whatever dP (as the
+                    # Triton kernels' dS)
+                    ds = gl.where(p == 0.0, 0.0, ds)
                 dsa = gl.convert_layout(ds.to(dtype), a_layout)
                 # this warpgroup's dS^T half into buffer j % 2 once both warpgroups' dQ
                 # of step j - 2 has read it (buffer 1 is read once more: by step -1)
@@ -704,14 +809,15 @@ if gluon is not None:
         return j
 
     @gluon.jit
-    def _bwd_consumer(descs, bufs, bars, shape, ptrs, seqs, BLOCK_M: gl.constexpr,
+    def _bwd_consumer(descs, bufs, bars, shape, ptrs, seqs, mods, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, HEAD_DIM: gl.constexpr,
                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                       SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr, WG: gl.constexpr,
                       PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
                       WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                      VARLEN: gl.constexpr):
+                      VARLEN: gl.constexpr, SCORE_MOD: gl.constexpr = None,
+                      MASK_FN: gl.constexpr = None):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
         key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
         counting on across tiles. The first step of a tile adds the product of a zeroed
@@ -727,16 +833,18 @@ if gluon is not None:
             j = 0
             r = 0
             for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
-                j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, seqs, BLOCK_M,
-                                   BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
-                                   SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
-                                   MASK_TAIL_KEYS, WEIGHTS, False, False)
+                j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, seqs, mods,
+                                   BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
+                                   MASK_RIGHT, SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT,
+                                   LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, False, False,
+                                   SCORE_MOD, MASK_FN)
                 r += 1
         else:
-            _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, seqs,
+            _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, seqs, mods,
                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                            SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
-                           MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, VARLEN)
+                           MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, VARLEN, SCORE_MOD,
+                           MASK_FN)
         tma.store_wait(0)
 
     @gluon.jit
@@ -926,7 +1034,7 @@ if gluon is not None:
     def _attn_bwd_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc, DK, DV,
                      q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right,
                      qk_scale, scale, step_scale, SEM, CU_Q, CU_K, n_seqs, search_levels,
-                     search_top,
+                     search_top, MOD_BUFS, mod_scale, BM, MASK_BUFS,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STORE_TMA: gl.constexpr,
@@ -936,13 +1044,17 @@ if gluon is not None:
                      PRODUCER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr = False,
                      WIDE: gl.constexpr = False,
                      BLOCK_DV: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
-                     DQ_SPLIT: gl.constexpr = 0, VARLEN: gl.constexpr = False):
+                     DQ_SPLIT: gl.constexpr = 0, VARLEN: gl.constexpr = False,
+                     SCORE_MOD: gl.constexpr = None, MASK_FN: gl.constexpr = None):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
         in the idle ring and stored by TMA), else pointers (stored from registers; see
         :func:`store_tma`). ``SEM``: the dQ tiles' add counters of ``DETERMINISTIC`` calls
-        (:func:`_dq_order`), else unused."""
+        (:func:`_dq_order`), else unused. ``MOD_BUFS``, ``mod_scale``: a score_mod's
+        tables and the scale its scores take (``SCORE_MOD``); ``BM``, ``MASK_BUFS``: a
+        block mask's per-key-block lists and its mask_mod's tables (``MASK_FN``;
+        :func:`_block_mask_args`); ``()`` / unused without them."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -1000,6 +1112,7 @@ if gluon is not None:
         shape = (q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right)
         ptrs = (DK, DV, qk_scale, scale, step_scale, SEM)
         seqs = (CU_Q, CU_K, n_seqs, search_levels, search_top)
+        mods = (MOD_BUFS, mod_scale, BM, MASK_BUFS)
         # the writers' dQ columns (DETERMINISTIC): warpgroup 0 adds 0 .. SPLIT, 1 SPLIT .. END
         if WIDE:
             DQ_COLS: gl.constexpr = 64
@@ -1023,8 +1136,9 @@ if gluon is not None:
                                       BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
                                       STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
                                       MASK_TAIL_KEYS, WEIGHTS, True)),
-                    (_bwd_producer, (descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N, STAGES,
-                                     MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC, False)),
+                    (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
+                                     STAGES, MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC,
+                                     False)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
                                   MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
@@ -1040,23 +1154,26 @@ if gluon is not None:
                                       BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
                                       STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
                                       MASK_TAIL_KEYS, WEIGHTS, False)),
-                    (_bwd_producer, (descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N, STAGES,
-                                     MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC, False)),
+                    (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
+                                     STAGES, MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC,
+                                     False)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             if DETERMINISTIC:
                 warp_specialize([
-                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, BLOCK_M, BLOCK_N,
-                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
-                                     SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT, LATE_STATS,
-                                     MASK_TAIL_KEYS, WEIGHTS, True, VARLEN)),
-                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, BLOCK_M, BLOCK_N,
-                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
-                                     SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT, LATE_STATS,
-                                     MASK_TAIL_KEYS, WEIGHTS, True, VARLEN)),
-                    (_bwd_producer, (descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N, STAGES,
-                                     MASK_LEFT, MASK_RIGHT, PERSISTENT, DETERMINISTIC,
-                                     VARLEN)),
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, mods, BLOCK_M,
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
+                                     MASK_RIGHT, SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT,
+                                     LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, True, VARLEN,
+                                     SCORE_MOD, MASK_FN)),
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, mods, BLOCK_M,
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
+                                     MASK_RIGHT, SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT,
+                                     LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, True, VARLEN,
+                                     SCORE_MOD, MASK_FN)),
+                    (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
+                                     STAGES, MASK_LEFT, MASK_RIGHT, PERSISTENT,
+                                     DETERMINISTIC, VARLEN, MASK_FN)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
                                   MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
@@ -1064,17 +1181,19 @@ if gluon is not None:
                 ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
             else:
                 warp_specialize([
-                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, BLOCK_M, BLOCK_N,
-                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
-                                     SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT, LATE_STATS,
-                                     MASK_TAIL_KEYS, WEIGHTS, False, VARLEN)),
-                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, BLOCK_M, BLOCK_N,
-                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
-                                     SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT, LATE_STATS,
-                                     MASK_TAIL_KEYS, WEIGHTS, False, VARLEN)),
-                    (_bwd_producer, (descs, bufs, bars, shape, seqs, BLOCK_M, BLOCK_N, STAGES,
-                                     MASK_LEFT, MASK_RIGHT, PERSISTENT, DETERMINISTIC,
-                                     VARLEN)),
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, mods, BLOCK_M,
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
+                                     MASK_RIGHT, SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT,
+                                     LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, False, VARLEN,
+                                     SCORE_MOD, MASK_FN)),
+                    (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, mods, BLOCK_M,
+                                     BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
+                                     MASK_RIGHT, SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT,
+                                     LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, False, VARLEN,
+                                     SCORE_MOD, MASK_FN)),
+                    (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
+                                     STAGES, MASK_LEFT, MASK_RIGHT, PERSISTENT,
+                                     DETERMINISTIC, VARLEN, MASK_FN)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(kv_ready)
         if PERSISTENT:
@@ -1155,6 +1274,46 @@ def supported_varlen(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *, deterministic: 
     return (q.shape[0] == 1 and not deterministic and not wide(q.shape[-1], v.shape[-1])
             and (right is None or cu_seqlens_q is cu_seqlens_k)
             and supported(q, k, v, do, left=left, right=right, softcap=softcap))
+
+
+def fits_mods(q, v, *, score_mod=None, mask_mod=None, mask_block=None,
+              left: int | None = None, right: int | None = None, deterministic: bool = False,
+              varlen: bool = False) -> bool:
+    """Whether the kernel takes these mods (none always): the head_dim <= 128 tiles
+    (``Dv = D``, not :func:`wide`) without packed sequences, a ``score_mod`` whose value
+    and derivative Gluon lowers (:func:`.mods.score_grad_gluon_ok`), and a block mask of
+    ``mask_mod`` in blocks of ``mask_block = (rows, keys)`` on calls without a window or
+    causal bound (its tables carry them), not deterministic (its walks are not the
+    contiguous ranges the dQ turns assume), the mask_mod lowered by Gluon, its blocks 128
+    query rows (two query tiles) and a multiple of :data:`BLOCK_N` keys
+    (:func:`_column_walk`)."""
+    if score_mod is None and mask_mod is None:
+        return True
+    if varlen or wide(q.shape[-1], v.shape[-1]):
+        return False
+    if score_mod is not None and not score_grad_gluon_ok(score_mod):
+        return False
+    if mask_mod is not None:
+        sm, sn = mask_block
+        return (left is None and right is None and not deterministic and mask_mod.gluon_ok
+                and sm == 2 * BLOCK_M and sn % BLOCK_N == 0)
+    return True
+
+
+def _block_mask_args(block_mask, device) -> tuple:
+    """The kernel's ``BM`` (:func:`_column_walk`): the block mask's per-key-block lists
+    (:func:`.mods.column_lists`), the strides of a ``(b, h)`` row of counts and of index
+    lists (0 along a dim the mask broadcasts), the query blocks per index list and the
+    key tiles per key block; and ``MASK_BUFS``, its mask_mod's tables. ``()`` twice
+    without one."""
+    if block_mask is None:
+        return (), ()
+    Bm, Hm, nM, nN = block_mask.state.shape
+    pn, pi, fn, fi = column_lists(block_mask)
+    bm = (pn, pi, fn, fi, Hm * nN if Bm > 1 else 0, nN if Hm > 1 else 0,
+          Hm * nN * nM if Bm > 1 else 0, nN * nM if Hm > 1 else 0, nM,
+          block_mask.BLOCK_SIZE[1] // BLOCK_N)
+    return bm, block_mask.mod.buffer_args(device)
 
 
 def store_tma(bounded: bool, steps: int) -> bool:
@@ -1324,7 +1483,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                         heads_per_wave: int | None = None, pingpong: bool | None = None,
                         persistent: bool | int | None = None, late_stats: bool | None = None,
                         mask_tail_keys: bool | None = None, deterministic: bool = False,
-                        cu_seqlens_q=None, cu_seqlens_k=None):
+                        cu_seqlens_q=None, cu_seqlens_k=None, score_mod=None,
+                        block_mask=None):
     """Add ``dS K`` into ``dq_acc (B, Hq, Nq, D)`` (fp32, contiguous, zeroed; dQ is then
     ``scale * dq_acc``) and write
     ``dk``, ``dv (B, Hk, Nk, D)`` (contiguous, input dtype) for ``q (B, Hq, Nq, D)``,
@@ -1357,11 +1517,26 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     given laid out apart per sequence for TMA, ``(1, Hq, stats_length(Nq, S))``:
     :func:`stats_rows`; tiles also read rows past a sequence's end: ``P`` is zeroed
     there). The caller checks :func:`supported_varlen`.
+    ``score_mod`` (a traced score_mod, :class:`~.mods.TracedMod`): the forward's modified
+    scores, recomputed with their derivative (:func:`_probs`); ``block_mask``
+    (:class:`~.mods.BlockMask`): each key tile walks the query tiles its block mask
+    lists, evaluating the mask_mod in the PARTIAL ones (:func:`_column_walk`); calls with
+    either are scheduled as windowed ones (uneven programs: not persistent, waves of
+    heads, TMA stores). The caller checks :func:`fits_mods`.
     ``launch=False`` returns the kernel, its grid, positional and keyword arguments."""
     B, Hq, Nq, D = q.shape
     Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
     left, right = gluon_fwd._bounds(causal, left, right)
-    bounded = left is not None or right is not None
+    varlen = cu_seqlens_q is not None
+    if block_mask is not None and not fits_mods(
+            q, v, mask_mod=block_mask.mod, mask_block=block_mask.BLOCK_SIZE, left=left,
+            right=right, deterministic=deterministic, varlen=varlen):
+        raise ValueError("block_mask: outside the kernel's scope (fits_mods)")
+    if not fits_mods(q, v, score_mod=score_mod, left=left, right=right,
+                     deterministic=deterministic, varlen=varlen):
+        raise ValueError("score_mod: outside the kernel's scope (fits_mods)")
+    # uneven programs: a window's, or a block mask's walks
+    bounded = left is not None or right is not None or block_mask is not None
     weights = tile_step_functions(ATTENTION2, scale="score", gluon=True).tile_weights
     if softcap is not None:
         # tanh(x) = 1 - 2 / (2^(2 log2(e) x) + 1), x = scale qk / c (the forward's form);
@@ -1369,10 +1544,15 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         qk_scale, step_scale = 2 * LOG2E * float(scale) / softcap, float(softcap)
     else:
         qk_scale, step_scale = 0.0, float(scale)
+    # a score_mod takes the scores in natural-log units (times the scale or the cap), and
+    # the weights then take its output as it comes
+    mod_bufs, mod_scale = (), 0.0
+    if score_mod is not None:
+        mod_bufs, mod_scale, step_scale = score_mod.buffer_args(q.device), step_scale, 1.0
+    bm, mask_bufs = _block_mask_args(block_mask, q.device)
     if deterministic and persistent:
         raise ValueError("persistent: deterministic calls run one program per key tile")
     counters = dq_counters(q) if deterministic else None
-    varlen = cu_seqlens_q is not None
     if varlen and (wide(D, DV) or deterministic or persistent or tma_store):
         raise ValueError("cu_seqlens: packed sequences run the head_dim <= 128 tiles, one "
                          "program per key tile, dK and dV from registers, not deterministic")
@@ -1428,15 +1608,19 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
             _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), *out,
             Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
             0 if left is None else int(left), 0 if right is None else int(right),
-            qk_scale, float(scale), step_scale, counters, *seqs)
+            qk_scale, float(scale), step_scale, counters, *seqs, mod_bufs, mod_scale, bm,
+            mask_bufs)
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BD, HEAD_DIM=D, STAGES=STAGES[BD],
                   MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, STORE_TMA=bool(tma_store),
                   PINGPONG=bool(pingpong), PERSISTENT=bool(persistent),
                   LATE_STATS=bool(late_stats), MASK_TAIL_KEYS=bool(mask_tail_keys),
                   WEIGHTS=weights, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                  DETERMINISTIC=counters is not None, VARLEN=varlen, num_warps=4,
-                  maxnreg=MAXNREG)
+                  DETERMINISTIC=counters is not None, VARLEN=varlen,
+                  SCORE_MOD=score_grad_fn(score_mod, gluon=True) if score_mod is not None
+                  else None,
+                  MASK_FN=block_mask.mod.gluon_fn() if block_mask is not None else None,
+                  num_warps=4, maxnreg=MAXNREG)
     programs = n_n * B * Hk
     if persistent:
         n_sms = gluon_fwd.num_sms(q) if persistent is True else int(persistent)
@@ -1464,7 +1648,7 @@ def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, sca
             _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv,
             Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
             0 if left is None else int(left), 0 if right is None else int(right),
-            qk_scale, float(scale), step_scale, counters, *_NO_SEQS)
+            qk_scale, float(scale), step_scale, counters, *_NO_SEQS, (), 0.0, (), ())
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=WIDE_BLOCK_N, BLOCK_D=BD, HEAD_DIM=D,
                   STAGES=stages, MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, STORE_TMA=False, PINGPONG=False,

@@ -67,6 +67,7 @@ from collections import OrderedDict
 
 import torch
 
+from ...algebra.autodiff import derivative
 from ...algebra.ir import BOOLEAN, Graph, Var, trace
 from ...algebra.lower import function_source
 from ..torch_lower import TORCH
@@ -530,6 +531,54 @@ def _triton_wrapper(mod: TracedMod, gluon: bool = False):
     return getattr(module, fname)
 
 
+_GRAD_FNS: dict = {}
+_GRAD_LOCK = threading.Lock()
+
+
+def _grad_graph(mod: TracedMod) -> Graph:
+    """The graph of ``(value, d value / d score)`` of a traced score_mod
+    (:func:`~flashfold.algebra.autodiff.derivative`), its tables in the mod's order."""
+    graph = derivative(mod.graph, "score", name=f"{mod.graph.name}.grad")
+    if len(graph.buffers) != len(mod.buffers) or any(a is not b for a, b in zip(graph.buffers, mod.buffers)):
+        raise RuntimeError(f"derivative of {mod.name!r} reorders its captured tables")
+    return graph
+
+
+def score_grad_gluon_ok(mod: TracedMod) -> bool:
+    """Whether the Gluon lowering covers the score_mod's value and derivative
+    (:meth:`TracedMod.gluon_ok` for both graphs)."""
+    from ..codegen import GLUON
+    return mod.gluon_ok and _used_ops(_grad_graph(mod)) <= set(GLUON.templates) | {"var", "const"}
+
+
+def score_grad_fn(mod: TracedMod, gluon: bool = False):
+    """``score_grad(score, b, h, q_idx, kv_idx, BUFS) -> (value, d value / d score)`` for a
+    traced score_mod: the graph of :func:`~flashfold.algebra.autodiff.derivative`, lowered
+    to one ``@triton.jit`` function, or ``@gluon.jit`` with ``gluon=True`` (needs
+    :func:`score_grad_gluon_ok`); cached per expression. Same signature as
+    :meth:`TracedMod.triton_fn` but two results."""
+    key = (mod.key, gluon)
+    fn = _GRAD_FNS.get(key)
+    if fn is not None:
+        return fn
+    from ..codegen import _GLUON_HEADER, _HEADER, GLUON, TRITON, jit_source, load_source
+    if gluon and not score_grad_gluon_ok(mod):
+        raise ValueError(f"score_mod {mod.name!r}: its derivative uses an operation that "
+                         f"Gluon lacks")
+    graph = _grad_graph(mod)
+    names = [v.name for v in graph.inputs]
+    body = jit_source(graph, "body", names, backend=GLUON if gluon else TRITON)
+    wrapper = (f"{'@gluon.jit' if gluon else '@triton.jit'}\n"
+               f"def score_grad({', '.join(names)}, BUFS):\n"
+               f"    r = body({', '.join(names)}{buffer_slots(len(mod.buffers))})\n"
+               f"    return r[0], r[1]\n")
+    module = load_source(body + "\n\n" + wrapper, ("gluon_" if gluon else "") + "score_grad",
+                         header=_GLUON_HEADER if gluon else _HEADER)
+    with _GRAD_LOCK:
+        _GRAD_FNS[key] = module.score_grad
+    return module.score_grad
+
+
 # --- block masks ----------------------------------------------------------------------
 
 #: every live BlockMask by its ``handle`` (weak: the registry never keeps one alive)
@@ -617,6 +666,20 @@ def _lists(state):
         order = torch.argsort(key, dim=-1).to(torch.int32).contiguous()
         out += [hit.sum(-1, dtype=torch.int32).contiguous(), order]
     return out
+
+
+_COLUMNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def column_lists(bm: BlockMask):
+    """The block mask's per-*key-block* lists (the transpose of its per-query-block lists):
+    ``(partial_num, partial_idx, full_num, full_idx)`` with shapes ``(Bm, Hm, nN)`` and
+    ``(Bm, Hm, nN, nM)``; cached per BlockMask (the backward kernels walk them)."""
+    hit = _COLUMNS.get(bm)
+    if hit is None:
+        hit = tuple(_lists(bm.state.transpose(-1, -2).contiguous()))
+        _COLUMNS[bm] = hit
+    return hit
 
 
 def _visible_chunk(mask_fn, b, h, q, kv, lq, lk, left, right):
