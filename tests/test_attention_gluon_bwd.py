@@ -97,6 +97,12 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
              dict(mods="alibi", softcap=30.0)),
             ("mod-alibi-det", True, "bfloat16", None, 128, None, None, None,
              dict(mods="alibi", deterministic=True)),
+            ("varlen-mod-alibi-causal", True, "bfloat16", None, 128, None, None, None,
+             dict(mods="alibi", varlen=True)),
+            ("wide-mod-alibi-d256-softcap", True, "bfloat16", None, 256, None, None, None,
+             dict(mods="alibi", softcap=50.0)),
+            ("wide-mod-alibi-mla", False, "bfloat16", None, 192, None, None, None,
+             dict(mods="alibi"), 128),
             ("mask-prefix-lm", False, "bfloat16", None, 128, None, None, None,
              dict(mods="prefix")),
             ("mask-documents-d64", False, "bfloat16", None, 64, None, None, None,
@@ -377,7 +383,7 @@ def test_dispatch_sends_calls_in_the_kernels_scope():
     other offsets under a right bound, deterministic varlen or ``atomic_dq=False``
     (``eligible`` mocked true; nothing runs). Mods: a score_mod (deterministic too), a
     block mask of 128 x 128 blocks on a call without bounds (passed on); not a block mask
-    under a causal bound, deterministic, or in 64-row blocks."""
+    under a causal bound, deterministic, in 64-row blocks or on packed sequences."""
     import flashfold as ff
     from flashfold import mods
     from flashfold.kernels.attention import bwd, gluon_bwd
@@ -429,12 +435,13 @@ def test_dispatch_sends_calls_in_the_kernels_scope():
         assert kernels(score_mod=alibi, deterministic=True)[1] == "gluon"
         assert kernels(block_mask=square)[1] == "gluon"
         assert kernels(block_mask=square, score_mod=alibi)[1] == "gluon"
+        assert kernels(score_mod=alibi, right=0, **packed)[1:3] == copy_then_gluon
         assert calls[8:] == [(True, False, False), (True, False, True), (False, True, False),
-                             (True, True, False)]
+                             (True, True, False), (True, False, False)]
         for kw in (dict(block_mask=square, right=0), dict(block_mask=square, deterministic=True),
-                   dict(block_mask=small), dict(score_mod=alibi, **packed)):
+                   dict(block_mask=small), dict(block_mask=square, **packed)):
             assert "gluon" not in kernels(**kw), kw
-        assert len(calls) == 12
+        assert len(calls) == 13
 
 
 # --- numerics on the GPU -------------------------------------------------------------------
@@ -624,9 +631,10 @@ def test_gpu_deterministic_bitwise_and_flash_criterion(case, causal, D, DV, wind
 #: (``tests/test_attention_gluon.py``): ALiBi and a relative bias, dense, causal and
 #: soft-capped; causal documents, prefix-LM, documents, rows before 200 seeing nothing
 #: (fully masked rows: zero gradients), and a block mask with ALiBi
-MOD_BWD_CASES = [((1, 2, 1, 113, 113), 128), ((2, 4, 2, 1000, 1000), 128),
-                 ((1, 2, 2, 2049, 2049), 64), ((1, 2, 1, 100, 1000), 128),
-                 ((2, 4, 2, 1000, 1000), 64), ((1, 2, 2, 1000, 1000), 96)]
+MOD_BWD_CASES = [((1, 2, 1, 113, 113), 128, 128), ((2, 4, 2, 1000, 1000), 128, 128),
+                 ((1, 2, 2, 2049, 2049), 64, 64), ((1, 2, 1, 100, 1000), 128, 128),
+                 ((2, 4, 2, 1000, 1000), 64, 64), ((1, 2, 2, 1000, 1000), 96, 96),
+                 ((1, 4, 2, 1000, 1000), 256, 256), ((1, 2, 2, 700, 700), 192, 128)]
 MOD_BWD_FEATURES = [("alibi-dense", False, None, "alibi", None),
                     ("alibi-causal", True, None, "alibi", None),
                     ("relative-softcap-causal", True, 30.0, "relative", None),
@@ -637,25 +645,31 @@ MOD_BWD_FEATURES = [("alibi-dense", False, None, "alibi", None),
                     ("prefix-alibi", False, None, "alibi", "prefix")]
 
 
-@pytest.mark.parametrize("case, D", MOD_BWD_CASES, ids=lambda c: "x".join(map(str, c))
-                         if isinstance(c, tuple) else f"d{c}")
-@pytest.mark.parametrize("feature", MOD_BWD_FEATURES, ids=lambda f: f[0])
+#: every case with every feature, but block masks only on the head_dim <= 128 tiles
+MOD_BWD_GRID = [(c, D, DV, f) for c, D, DV in MOD_BWD_CASES for f in MOD_BWD_FEATURES
+                if D == DV <= 128 or f[4] is None]
+
+
+@pytest.mark.parametrize("case, D, DV, feature", MOD_BWD_GRID,
+                         ids=lambda c: c[0] if isinstance(c, tuple) and isinstance(c[0], str)
+                         else "x".join(map(str, c)) if isinstance(c, tuple) else f"d{c}")
 @pytest.mark.gpu
-def test_gpu_mods_flash_criterion(case, D, feature):
-    """A score_mod (with its derivative) and a block mask walked by key tile in the Gluon
-    backward (bf16): dQ, dK, dV within FlashAttention's criterion against float64
-    autograd of the attention with the same mods; every gradient finite."""
+def test_gpu_mods_flash_criterion(case, D, DV, feature):
+    """A score_mod (with its derivative; every variant, WIDE too) and a block mask walked
+    by key tile in the Gluon backward (bf16): dQ, dK, dV within FlashAttention's criterion
+    against float64 autograd of the attention with the same mods; every gradient
+    finite."""
     _needs_sm90()
     import flashfold as ff
     from flashfold.kernels.attention import bwd, gluon_bwd
     from test_attention_gluon import _mask_mod, _score_mod
     B, HQ, HK, NQ, NK = case
     name, causal, softcap, smod, mmod = feature
-    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, name, D)).encode()))
-    q, do = (torch.randn(B, HQ, NQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-             for _ in range(2))
-    k, v = (torch.randn(B, HK, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
-            for _ in range(2))
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, name, D, DV)).encode()))
+    q = torch.randn(B, HQ, NQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    do = torch.randn(B, HQ, NQ, DV, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, HK, NK, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, HK, NK, DV, device="cuda", dtype=torch.bfloat16, generator=g)
     score_mod = _score_mod(smod, HQ) if smod else None
     mask_mod = _mask_mod(mmod.replace("-causal", ""), NQ, NK) if mmod else None
     if mmod == "documents-causal":
@@ -864,10 +878,23 @@ VARLEN_FEATURES = [("dense", False, None, None), ("causal", True, None, None),
                    ("softcap-causal", True, None, 30.0)]
 
 
-def _packed_grads(lens, HQ, HK, D, causal, window, softcap, seed, nan_key=None):
+class _SequenceMod:
+    """A traced score_mod seen from one sequence taken as a batch of one: its ``b`` is the
+    sequence's index ``s`` (what a packed call passes)."""
+
+    def __init__(self, mod, s):
+        self.mod, self.s = mod, s
+
+    def torch_fn(self, device):
+        fn = self.mod.torch_fn(device)
+        return lambda score, b, h, q_idx, kv_idx: fn(score, b + self.s, h, q_idx, kv_idx)
+
+
+def _packed_grads(lens, HQ, HK, D, causal, window, softcap, seed, nan_key=None,
+                  score_mod=None):
     """Gradients of a packed call through the Gluon backward (asserted: the offsets reach
     ``gluon_attention_bwd``), and per sequence the float64 and the naive low-precision
-    ones (concatenated)."""
+    ones (concatenated); ``score_mod``: a traced score_mod (its ``b``: the sequence)."""
     import flashfold as ff
     from flashfold.kernels.attention import gluon_bwd
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -885,20 +912,23 @@ def _packed_grads(lens, HQ, HK, D, causal, window, softcap, seed, nan_key=None):
     with mock.patch.object(gluon_bwd, "gluon_attention_bwd",
                            wraps=gluon_bwd.gluon_attention_bwd) as spy:
         ff.attention(*leaves, causal=causal, window=win, softcap=softcap, cu_seqlens_q=cu,
-                     cu_seqlens_k=cu).backward(do)
+                     cu_seqlens_k=cu, score_mod=score_mod.fn if score_mod else None
+                     ).backward(do)
     assert spy.call_count == 1 and spy.call_args.kwargs["cu_seqlens_q"] is cu
+    assert (spy.call_args.kwargs["score_mod"] is not None) == (score_mod is not None)
     got = [t.grad for t in leaves]
     refs, lows = [[], [], []], [[], [], []]
     bounds = cu.tolist()
-    for a, b in zip(bounds, bounds[1:]):
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         if a == b:
             continue
         part = [t[:, :, a:b] for t in (q, k, v)]
+        mod = dict(window=win, softcap=softcap,
+                   score_mod=_SequenceMod(score_mod, s) if score_mod else None)
         ref = [t.double().requires_grad_() for t in part]
-        _reference(*ref, causal, scale, window=win, softcap=softcap)[0].backward(
-            do[:, :, a:b].double())
+        _reference(*ref, causal, scale, **mod)[0].backward(do[:, :, a:b].double())
         low = [t.clone().requires_grad_() for t in part]
-        _naive_lowp(*low, causal, scale, window=win, softcap=softcap).backward(do[:, :, a:b])
+        _naive_lowp(*low, causal, scale, **mod).backward(do[:, :, a:b])
         for i in range(3):
             refs[i].append(ref[i].grad)
             lows[i].append(low[i].grad.double())
@@ -918,6 +948,32 @@ def test_gpu_varlen_gradients_flash_criterion(case, feature, D):
     fname, causal, window, softcap = feature
     got, ref, low, _ = _packed_grads(lens, HQ, HK, D, causal, window, softcap,
                                      zlib.crc32(repr((name, fname, D)).encode()))
+    for n, a, r, lo in zip("qkv", got, ref, low):
+        assert torch.isfinite(a).all(), f"d{n} not finite"
+        err = (a.double() - r).abs().max().item()
+        naive = (lo - r).abs().max().item()
+        assert err <= 2 * naive + 1e-5, f"{name} {fname} d{n}: err {err:.2e} > 2 x {naive:.2e}"
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("feature", VARLEN_FEATURES, ids=lambda f: f[0])
+@pytest.mark.gpu
+def test_gpu_varlen_score_mod_gradients_flash_criterion(case, feature):
+    """A score_mod on packed sequences in the Gluon backward: ALiBi plus a bias by the
+    sequence's index (the mod's ``b``), positions inside each sequence."""
+    _needs_sm90()
+    from flashfold import ops
+    from flashfold.kernels.attention.mods import trace_score_mod
+    from test_attention_gluon import _score_mod
+    name, lens, HQ, HK = case
+    fname, causal, window, softcap = feature
+    alibi = _score_mod("alibi", HQ).fn
+
+    def alibi_by_sequence(score, b, h, q_idx, kv_idx):
+        return alibi(score, b, h, q_idx, kv_idx) + 0.25 * ops.to_float(b)
+    got, ref, low, _ = _packed_grads(lens, HQ, HK, 128, causal, window, softcap,
+                                     zlib.crc32(repr((name, fname, "mod")).encode()),
+                                     score_mod=trace_score_mod(alibi_by_sequence))
     for n, a, r, lo in zip("qkv", got, ref, low):
         assert torch.isfinite(a).all(), f"d{n} not finite"
         err = (a.double() - r).abs().max().item()

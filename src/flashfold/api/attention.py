@@ -82,8 +82,8 @@ backward is not supported. ``deterministic=True`` gives bitwise reproducible gra
 (dQ summed in a fixed order; on sm_90 without a mask_mod or varlen at 0.75-0.96x the
 default's speed, H200). By default, on sm_90, dQ is accumulated with fp32 reduce-adds
 whose order varies between runs (last-bit differences only): in the Gluon backward's
-scope always (every call but packed sequences with mods, head dims past 128 with mods,
-and mask_mods with a window or causal bound), elsewhere where the Triton kernels'
+scope always (every call but mask_mods on packed sequences, past head dim 128 or with a
+window or causal bound), elsewhere where the Triton kernels'
 configuration picks atomics (causal or right-bounded rows, head dim <= 128, no softcap /
 score_mod / mask_mod); every other case is deterministic by default as well.
 """

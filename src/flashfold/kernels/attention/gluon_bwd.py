@@ -110,13 +110,14 @@ persistent programs), 256 causal 0.81, MLA 0.75
 (``docs/notes/attention_bwd.md``, "Deterministic backward: dQ adds in turn"); the Triton
 deterministic kernels it replaces ran at 0.65-0.78x the default.
 
-Mods (:func:`fits_mods`; the head_dim <= 128 tiles, no packed sequences): ``SCORE_MOD``
+Mods (:func:`fits_mods`): ``SCORE_MOD`` (every variant, packed sequences too)
 recomputes a traced score_mod's scores with its derivative (:func:`.mods.score_grad_fn`,
 lowered to Gluon) in :func:`_probs` and folds the derivative into ``dS``, selected to 0
 where ``P`` is; ``MASK_FN`` walks a block mask by key tile: each query head of the group
 takes the PARTIAL then the FULL query blocks that the key block's column lists
 (:func:`.mods.column_lists`; 128-row blocks, two query tiles each: :func:`_column_walk`),
-EMPTY blocks never loaded, and evaluates the mask_mod in the PARTIAL ones only. Calls
+EMPTY blocks never loaded, and evaluates the mask_mod in the PARTIAL ones only (the
+head_dim <= 128 tiles, no packed sequences). Calls
 with a block mask are scheduled as windowed ones (uneven programs). H200, backward alone,
 the workload grid's mod rows (16 heads, 4 x 4096) against the Triton kernels: ALiBi
 d128 2.47x, prefix-LM d128 2.12x, causal documents d128 1.76x, at d64 1.86x, 1.53x and
@@ -602,7 +603,8 @@ if gluon is not None:
                                     descs, bufs, bars, shape, ptrs, mods, BLOCK_M, BLOCK_N,
                                     BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                                     SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
-                                    MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, True)
+                                    MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, True, SCORE_MOD,
+                                    None, s)
         else:
             b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
                                                  MASK_RIGHT, DETERMINISTIC)
@@ -624,9 +626,10 @@ if gluon is not None:
                         LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
                         WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
                         VARLEN: gl.constexpr, SCORE_MOD: gl.constexpr = None,
-                        MASK_FN: gl.constexpr = None):
+                        MASK_FN: gl.constexpr = None, seq=None):
         """:func:`_consumer_tile`'s work on its key tile ``n`` of ``(b, hk)`` (rows from
-        ``qs`` and keys from ``ks`` of a sequence of ``q_len`` rows and ``kv_len`` keys;
+        ``qs`` and keys from ``ks`` of a sequence of ``q_len`` rows and ``kv_len`` keys,
+        ``seq`` with ``VARLEN``: the mods' ``b``;
         query tiles ``m_lo .. m_hi`` from ``m_0``, or with ``MASK_FN`` those its block
         mask lists per query head: :func:`_column_walk`); returns the ring position.
         ``mods = (MOD_BUFS, mod_scale, BM, MASK_BUFS)``: the score_mod's tables and scale,
@@ -670,6 +673,9 @@ if gluon is not None:
             m_prev = _query_tile(m_lo, m_lo, m_0, m_hi, DOWN)
         hq_prev = hk * group
         mod_bufs, mod_scale, bm, mask_bufs = mods
+        mb = b
+        if VARLEN:
+            mb = seq
         if not PERSISTENT:
             ds_bufs.index(1).store(gl.zeros([BLOCK_N, BLOCK_M], dtype, s_layout))
             fence_async_shared()
@@ -712,7 +718,7 @@ if gluon is not None:
                 p, rc = _probs(st, lam, m * BLOCK_M, qcols, first_row, last_row, key_ok,
                                qk_scale, step_scale, q_len, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                MASK_TAIL_KEYS, WEIGHTS, VARLEN,
-                               (b, hq, keys, mod_bufs, mod_scale, mask_bufs), kind,
+                               (mb, hq, keys, mod_bufs, mod_scale, mask_bufs), kind,
                                SCORE_MOD, MASK_FN)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_s, dv, is_async=True)
@@ -848,13 +854,13 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _wide_consumer(descs, bufs, bars, shape, ptrs, BLOCK_M: gl.constexpr,
+    def _wide_consumer(descs, bufs, bars, shape, ptrs, mods, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                        HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                        DQ_SPLIT: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
                        MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
-                       DETERMINISTIC: gl.constexpr):
+                       DETERMINISTIC: gl.constexpr, SCORE_MOD: gl.constexpr = None):
         """The ``WIDE`` variant's warpgroup ``WG`` (see the module docstring): of each
         step's 64 x 64 ``S^T`` and ``dP^T`` it computes the query columns ``32 WG ..``
         and stores their ``P^T`` and ``dS^T`` into the step's shared buffers; once both
@@ -862,7 +868,8 @@ if gluon is not None:
         dO`` into ``dV`` (whole rows: each accumulator lives in one warpgroup), and each
         adds its dQ columns (0 .. DQ_SPLIT, DQ_SPLIT .. BLOCK_D), ``dS K[:, cols]``, in
         64-column pieces. Finally warpgroup 0 writes ``dK``, warpgroup 1 ``dV``.
-        ``DETERMINISTIC``: the pieces go to the writer warps (:func:`_dq_hand`)."""
+        ``DETERMINISTIC``: the pieces go to the writer warps (:func:`_dq_hand`).
+        ``SCORE_MOD``: as in :func:`_consumer_steps` (``mods`` its tables and scale)."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
         k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, lam_bufs, dd_bufs = bufs
         kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_empty, turn, dq_sync = bars
@@ -923,14 +930,19 @@ if gluon is not None:
                     gl.SliceLayout(0, s_layout))
                 p, rc = _probs(st, lam, m * BLOCK_M, qcols, first_row, last_row, key_ok,
                                qk_scale, step_scale, q_len, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                               MASK_TAIL_KEYS, WEIGHTS)
+                               MASK_TAIL_KEYS, WEIGHTS, False,
+                               (b, hq, keys, mods[0], mods[1], mods[3]), 0, SCORE_MOD)
                 pb = p.to(dtype)
-                if SOFTCAP:
+                if SCORE_MOD is not None:   # (as in _consumer_steps)
+                    p = gl.where(p == 0.0, 0.0, p * rc)
+                elif SOFTCAP:
                     p = p * (4.0 * rc * (1.0 - rc))
                 dpt = warpgroup_mma_wait(0, deps=[dpt])
                 dd = dd_bufs.index(slot).reshape([BLOCK_M]).slice(WG * HALF, HALF).load(
                     gl.SliceLayout(0, s_layout))
                 ds = p * (dpt - dd[None, :])
+                if SCORE_MOD is not None:
+                    ds = gl.where(p == 0.0, 0.0, ds)
                 # this warpgroup's halves of P^T (buffer 2 + j % 2) and dS^T (j % 2), once
                 # both warpgroups' products of step j - 2 have read them
                 buf = j % 2
@@ -1128,14 +1140,14 @@ if gluon is not None:
         if WIDE:
             if DETERMINISTIC:   # and one writer warp per consumer warpgroup (_dq_writer)
                 warp_specialize([
-                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
-                                      BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
-                                      STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 0,
-                                      MASK_TAIL_KEYS, WEIGHTS, True)),
-                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
-                                      BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
-                                      STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
-                                      MASK_TAIL_KEYS, WEIGHTS, True)),
+                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, mods, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
+                                      DQ_SPLIT, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 0,
+                                      MASK_TAIL_KEYS, WEIGHTS, True, SCORE_MOD)),
+                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, mods, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
+                                      DQ_SPLIT, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
+                                      MASK_TAIL_KEYS, WEIGHTS, True, SCORE_MOD)),
                     (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
                                      STAGES, MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC,
                                      False)),
@@ -1146,14 +1158,14 @@ if gluon is not None:
                 ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
             else:
                 warp_specialize([
-                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
-                                      BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
-                                      STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 0,
-                                      MASK_TAIL_KEYS, WEIGHTS, False)),
-                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, BLOCK_M, BLOCK_N,
-                                      BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, DQ_SPLIT,
-                                      STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
-                                      MASK_TAIL_KEYS, WEIGHTS, False)),
+                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, mods, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
+                                      DQ_SPLIT, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 0,
+                                      MASK_TAIL_KEYS, WEIGHTS, False, SCORE_MOD)),
+                    (_wide_consumer, (descs, bufs, bars, shape, ptrs, mods, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
+                                      DQ_SPLIT, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
+                                      MASK_TAIL_KEYS, WEIGHTS, False, SCORE_MOD)),
                     (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
                                      STAGES, MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC,
                                      False)),
@@ -1279,24 +1291,23 @@ def supported_varlen(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *, deterministic: 
 def fits_mods(q, v, *, score_mod=None, mask_mod=None, mask_block=None,
               left: int | None = None, right: int | None = None, deterministic: bool = False,
               varlen: bool = False) -> bool:
-    """Whether the kernel takes these mods (none always): the head_dim <= 128 tiles
-    (``Dv = D``, not :func:`wide`) without packed sequences, a ``score_mod`` whose value
-    and derivative Gluon lowers (:func:`.mods.score_grad_gluon_ok`), and a block mask of
-    ``mask_mod`` in blocks of ``mask_block = (rows, keys)`` on calls without a window or
-    causal bound (its tables carry them), not deterministic (its walks are not the
+    """Whether the kernel takes these mods (none always): a ``score_mod`` whose value and
+    derivative Gluon lowers (:func:`.mods.score_grad_gluon_ok`; packed sequences too,
+    ``b`` their index), and a block mask of ``mask_mod`` in blocks of ``mask_block =
+    (rows, keys)`` on the head_dim <= 128 tiles (``Dv = D``, not :func:`wide`) without
+    packed sequences, on calls without a window or causal bound (its tables carry them),
+    not deterministic (its walks are not the
     contiguous ranges the dQ turns assume), the mask_mod lowered by Gluon, its blocks 128
     query rows (two query tiles) and a multiple of :data:`BLOCK_N` keys
     (:func:`_column_walk`)."""
     if score_mod is None and mask_mod is None:
         return True
-    if varlen or wide(q.shape[-1], v.shape[-1]):
-        return False
     if score_mod is not None and not score_grad_gluon_ok(score_mod):
         return False
     if mask_mod is not None:
         sm, sn = mask_block
-        return (left is None and right is None and not deterministic and mask_mod.gluon_ok
-                and sm == 2 * BLOCK_M and sn % BLOCK_N == 0)
+        return (not varlen and not wide(q.shape[-1], v.shape[-1]) and left is None and right is None and not deterministic
+                and mask_mod.gluon_ok and sm == 2 * BLOCK_M and sn % BLOCK_N == 0)
     return True
 
 
@@ -1565,7 +1576,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                              f"WIDE variant (D={D}, Dv={DV}) has none")
         return _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap,
                             scale, qk_scale, step_scale, weights, heads_per_wave, counters,
-                            launch)
+                            launch, score_mod, mod_bufs, mod_scale)
     BD = block_d(D)
     n_n = -(-Nk // BLOCK_N)
     seqs = _NO_SEQS
@@ -1633,7 +1644,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
 
 
 def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, scale, qk_scale,
-                 step_scale, weights, heads_per_wave, counters, launch):
+                 step_scale, weights, heads_per_wave, counters, launch, score_mod, mod_bufs,
+                 mod_scale):
     """:func:`gluon_attention_bwd` for the ``WIDE`` variant (:func:`wide_plan`): programs
     of :data:`WIDE_BLOCK_N` keys, dK and dV stored from registers."""
     B, Hq, Nq, D = q.shape
@@ -1648,7 +1660,8 @@ def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, sca
             _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv,
             Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
             0 if left is None else int(left), 0 if right is None else int(right),
-            qk_scale, float(scale), step_scale, counters, *_NO_SEQS, (), 0.0, (), ())
+            qk_scale, float(scale), step_scale, counters, *_NO_SEQS, mod_bufs, mod_scale, (),
+            ())
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=WIDE_BLOCK_N, BLOCK_D=BD, HEAD_DIM=D,
                   STAGES=stages, MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, STORE_TMA=False, PINGPONG=False,
@@ -1656,7 +1669,9 @@ def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, sca
                   MASK_TAIL_KEYS=Nk % WIDE_BLOCK_N != 0, WEIGHTS=weights,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                   DETERMINISTIC=counters is not None, WIDE=True,
-                  BLOCK_DV=BDV, HEAD_DIM_V=DV, DQ_SPLIT=split, num_warps=4, maxnreg=MAXNREG)
+                  BLOCK_DV=BDV, HEAD_DIM_V=DV, DQ_SPLIT=split,
+                  SCORE_MOD=score_grad_fn(score_mod, gluon=True) if score_mod is not None
+                  else None, num_warps=4, maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
     if not launch:
         return _attn_bwd_ws, grid, args, kwargs
