@@ -117,11 +117,11 @@ where ``P`` is; ``MASK_FN`` walks a block mask by key tile: each query head of t
 takes the PARTIAL then the FULL query blocks that the key block's column lists
 (:func:`.mods.column_lists`; 128-row blocks, two query tiles each: :func:`_column_walk`),
 EMPTY blocks never loaded, and evaluates the mask_mod in the PARTIAL ones only (the
-head_dim <= 128 tiles, no packed sequences). Calls
-with a block mask are scheduled as windowed ones (uneven programs). H200, backward alone,
-the workload grid's mod rows (16 heads, 4 x 4096) against the Triton kernels: ALiBi
-d128 2.47x, prefix-LM d128 2.12x, causal documents d128 1.76x, at d64 1.86x, 1.53x and
-1.21x (``docs/notes/attention_bwd.md``, "Mods in the Gluon backward").
+head_dim <= 128 tiles, no packed sequences). Calls with a block mask are scheduled as
+windowed ones (uneven programs). H200, backward alone, the workload grid's mod rows (16
+heads, 4 x 4096) against the Triton kernels: ALiBi d128 2.47x, prefix-LM d128 2.12x,
+causal documents d128 1.76x, at d64 1.86x, 1.53x and 1.21x (``docs/notes/attention_bwd.md``,
+"Mods in the Gluon backward").
 
 The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
 ``FLASHFOLD_GLUON=0`` turns this path off with the forward's. GPU only (no interpreter
@@ -271,7 +271,7 @@ if gluon is not None:
     def _column_walk(bm, b, hq, n):
         """``MASK_FN``: key tile ``n``'s walk for query head ``hq`` of batch ``b`` over the
         query tiles its block mask lists (``bm``, the per-key-block lists of
-        :func:`.bwd.column_lists` with their strides, :func:`_block_mask_args`): the PARTIAL
+        :func:`.mods.column_lists` with their strides, :func:`_block_mask_args`): the PARTIAL
         then the FULL query blocks of its key block, each block of 128 rows two query
         tiles. Returns ``(m_lo, m_hi, m_0, walk)`` as :func:`_query_range` does, over the
         walk's steps ``[0, 2 (partial + full))`` (rotated by ``m_0`` as dense walks are,
@@ -353,7 +353,7 @@ if gluon is not None:
             for i in range(m_lo, m_hi):
                 m = _query_tile(i, m_lo, m_0, m_hi, DETERMINISTIC and MASK_RIGHT)
                 if MASK_FN is not None:
-                    m, kind = _walk_tile(mods[2], walk, m)
+                    m = _walk_tile(mods[2], walk, m)[0]
                 slot = j % STAGES
                 mbarrier.wait(q_empty.index(slot), ((j // STAGES) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(slot), nbytes)
@@ -534,7 +534,7 @@ if gluon is not None:
         next sequence's (a dense call's rows past Nq read as zeros and add nothing).
 
         ``SCORE_MOD`` (the Gluon lowering of a traced score_mod's value and derivative,
-        :func:`.bwd.score_grad_fn`): ``s = SCORE_MOD(x c', b, h, q_idx, kv_idx, BUFS)``
+        :func:`.mods.score_grad_fn`): ``s = SCORE_MOD(x c', b, h, q_idx, kv_idx, BUFS)``
         on the scores in natural-log units (``c' = mod_scale``: the scale or the cap;
         the caller passes ``step_scale = 1``) with ``mod = (b, hq, keys, MOD_BUFS,
         mod_scale, MASK_BUFS)``; the second result is then ``ds/dx / scale`` (the mod's
@@ -551,8 +551,9 @@ if gluon is not None:
         else:
             x = st
         rows = row0 + qcols[None, :]
-        if SCORE_MOD is not None:
+        if SCORE_MOD is not None or MASK_FN is not None:
             b, hq, keys, mod_bufs, mod_scale, mask_bufs = mod
+        if SCORE_MOD is not None:
             s, dmod = SCORE_MOD(x * mod_scale, b, hq, rows, keys[:, None], mod_bufs)
             p = WEIGHTS(lam[None, :], s.to(gl.float32), step_scale)[0]
             if SOFTCAP:
@@ -563,7 +564,6 @@ if gluon is not None:
         else:
             p = WEIGHTS(lam[None, :], x, step_scale)[0]
         if MASK_FN is not None:
-            b, hq, keys, mod_bufs, mod_scale, mask_bufs = mod
             vis = MASK_FN(b, hq, rows, keys[:, None], mask_bufs) != 0
             p = gl.where((kind == 0) | vis, p, 0.0)
         if MASK_RIGHT:
@@ -629,9 +629,9 @@ if gluon is not None:
                         MASK_FN: gl.constexpr = None, seq=None):
         """:func:`_consumer_tile`'s work on its key tile ``n`` of ``(b, hk)`` (rows from
         ``qs`` and keys from ``ks`` of a sequence of ``q_len`` rows and ``kv_len`` keys,
-        ``seq`` with ``VARLEN``: the mods' ``b``;
-        query tiles ``m_lo .. m_hi`` from ``m_0``, or with ``MASK_FN`` those its block
-        mask lists per query head: :func:`_column_walk`); returns the ring position.
+        with ``VARLEN`` the sequence ``seq``, the mods' ``b``; query tiles ``m_lo .. m_hi``
+        from ``m_0``, or with ``MASK_FN`` those its block mask lists per query head:
+        :func:`_column_walk`); returns the ring position.
         ``mods = (MOD_BUFS, mod_scale, BM, MASK_BUFS)``: the score_mod's tables and scale,
         the block mask's per-key-block lists and its mask_mod's tables (:func:`_probs`)."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
@@ -1296,18 +1296,16 @@ def fits_mods(q, v, *, score_mod=None, mask_mod=None, mask_block=None,
     ``b`` their index), and a block mask of ``mask_mod`` in blocks of ``mask_block =
     (rows, keys)`` on the head_dim <= 128 tiles (``Dv = D``, not :func:`wide`) without
     packed sequences, on calls without a window or causal bound (its tables carry them),
-    not deterministic (its walks are not the
-    contiguous ranges the dQ turns assume), the mask_mod lowered by Gluon, its blocks 128
-    query rows (two query tiles) and a multiple of :data:`BLOCK_N` keys
-    (:func:`_column_walk`)."""
-    if score_mod is None and mask_mod is None:
-        return True
+    not deterministic (its walks are not the contiguous ranges the dQ turns assume), the
+    mask_mod lowered by Gluon, its blocks 128 query rows (two query tiles) and a multiple
+    of :data:`BLOCK_N` keys (:func:`_column_walk`)."""
     if score_mod is not None and not score_grad_gluon_ok(score_mod):
         return False
     if mask_mod is not None:
         sm, sn = mask_block
-        return (not varlen and not wide(q.shape[-1], v.shape[-1]) and left is None and right is None and not deterministic
-                and mask_mod.gluon_ok and sm == 2 * BLOCK_M and sn % BLOCK_N == 0)
+        return (not varlen and not wide(q.shape[-1], v.shape[-1]) and left is None
+                and right is None and not deterministic and mask_mod.gluon_ok
+                and sm == 2 * BLOCK_M and sn % BLOCK_N == 0)
     return True
 
 
@@ -1539,13 +1537,11 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
     left, right = gluon_fwd._bounds(causal, left, right)
     varlen = cu_seqlens_q is not None
-    if block_mask is not None and not fits_mods(
-            q, v, mask_mod=block_mask.mod, mask_block=block_mask.BLOCK_SIZE, left=left,
-            right=right, deterministic=deterministic, varlen=varlen):
-        raise ValueError("block_mask: outside the kernel's scope (fits_mods)")
-    if not fits_mods(q, v, score_mod=score_mod, left=left, right=right,
-                     deterministic=deterministic, varlen=varlen):
-        raise ValueError("score_mod: outside the kernel's scope (fits_mods)")
+    if not fits_mods(q, v, score_mod=score_mod,
+                     mask_mod=block_mask.mod if block_mask is not None else None,
+                     mask_block=block_mask.BLOCK_SIZE if block_mask is not None else None,
+                     left=left, right=right, deterministic=deterministic, varlen=varlen):
+        raise ValueError("score_mod / block_mask: outside the kernel's scope (fits_mods)")
     # uneven programs: a window's, or a block mask's walks
     bounded = left is not None or right is not None or block_mask is not None
     weights = tile_step_functions(ATTENTION2, scale="score", gluon=True).tile_weights

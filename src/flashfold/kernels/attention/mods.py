@@ -532,6 +532,7 @@ def _triton_wrapper(mod: TracedMod, gluon: bool = False):
 
 
 _GRAD_FNS: dict = {}
+_GRAD_OK: dict = {}
 _GRAD_LOCK = threading.Lock()
 
 
@@ -546,9 +547,14 @@ def _grad_graph(mod: TracedMod) -> Graph:
 
 def score_grad_gluon_ok(mod: TracedMod) -> bool:
     """Whether the Gluon lowering covers the score_mod's value and derivative
-    (:meth:`TracedMod.gluon_ok` for both graphs)."""
-    from ..codegen import GLUON
-    return mod.gluon_ok and _used_ops(_grad_graph(mod)) <= set(GLUON.templates) | {"var", "const"}
+    (:meth:`TracedMod.gluon_ok` for both graphs); cached per expression (the dispatch asks
+    on every eager backward with a callable mask_mod)."""
+    ok = _GRAD_OK.get(mod.key)
+    if ok is None:
+        from ..codegen import GLUON
+        ok = mod.gluon_ok and _used_ops(_grad_graph(mod)) <= set(GLUON.templates) | {"var", "const"}
+        _GRAD_OK[mod.key] = ok
+    return ok
 
 
 def score_grad_fn(mod: TracedMod, gluon: bool = False):
