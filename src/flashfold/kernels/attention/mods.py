@@ -517,16 +517,25 @@ def buffer_slots(n: int) -> str:
 
 
 def _triton_wrapper(mod: TracedMod, gluon: bool = False):
+    fname = "score_fn" if mod.kind == "score" else "mask_fn"
+    return _jit_wrapper(mod.graph, fname, len(mod.buffers), 1, f"{mod.kind}_mod", gluon)
+
+
+def _jit_wrapper(graph: Graph, fname: str, n_buffers: int, results: int, stem: str,
+                 gluon: bool = False):
+    """``fname(*inputs, BUFS)``, the first ``results`` outputs of ``graph`` lowered to one
+    ``@triton.jit`` (or ``@gluon.jit``) function that reads its ``n_buffers`` captured
+    tables from the kernel's ``BUFS`` tuple (:func:`buffer_slots`); loaded from the cache
+    of generated sources under ``stem``."""
     from ..codegen import _GLUON_HEADER, _HEADER, GLUON, TRITON, jit_source, load_source
 
-    names = [v.name for v in mod.graph.inputs]
-    body = jit_source(mod.graph, "body", names, backend=GLUON if gluon else TRITON)
-    fname = "score_fn" if mod.kind == "score" else "mask_fn"
+    names = [v.name for v in graph.inputs]
+    body = jit_source(graph, "body", names, backend=GLUON if gluon else TRITON)
     deco = "@gluon.jit" if gluon else "@triton.jit"
     wrapper = (f"{deco}\ndef {fname}({', '.join(names)}, BUFS):\n"
-               f"    r = body({', '.join(names)}{buffer_slots(len(mod.buffers))})\n"
-               f"    return r[0]\n")
-    module = load_source(body + "\n\n" + wrapper, ("gluon_" if gluon else "") + f"{mod.kind}_mod",
+               f"    r = body({', '.join(names)}{buffer_slots(n_buffers)})\n"
+               f"    return {', '.join(f'r[{i}]' for i in range(results))}\n")
+    module = load_source(body + "\n\n" + wrapper, ("gluon_" if gluon else "") + stem,
                          header=_GLUON_HEADER if gluon else _HEADER)
     return getattr(module, fname)
 
@@ -567,22 +576,13 @@ def score_grad_fn(mod: TracedMod, gluon: bool = False):
     fn = _GRAD_FNS.get(key)
     if fn is not None:
         return fn
-    from ..codegen import _GLUON_HEADER, _HEADER, GLUON, TRITON, jit_source, load_source
     if gluon and not score_grad_gluon_ok(mod):
         raise ValueError(f"score_mod {mod.name!r}: its derivative uses an operation that "
                          f"Gluon lacks")
-    graph = _grad_graph(mod)
-    names = [v.name for v in graph.inputs]
-    body = jit_source(graph, "body", names, backend=GLUON if gluon else TRITON)
-    wrapper = (f"{'@gluon.jit' if gluon else '@triton.jit'}\n"
-               f"def score_grad({', '.join(names)}, BUFS):\n"
-               f"    r = body({', '.join(names)}{buffer_slots(len(mod.buffers))})\n"
-               f"    return r[0], r[1]\n")
-    module = load_source(body + "\n\n" + wrapper, ("gluon_" if gluon else "") + "score_grad",
-                         header=_GLUON_HEADER if gluon else _HEADER)
+    fn = _jit_wrapper(_grad_graph(mod), "score_grad", len(mod.buffers), 2, "score_grad", gluon)
     with _GRAD_LOCK:
-        _GRAD_FNS[key] = module.score_grad
-    return module.score_grad
+        _GRAD_FNS[key] = fn
+    return fn
 
 
 # --- block masks ----------------------------------------------------------------------
