@@ -309,16 +309,20 @@ def test_scope():
 def test_wide_variant_plan_and_its_options():
     """The WIDE variant's tiles (:func:`wide_plan`): power-of-two widths, the dQ split
     that evens the warpgroups' output columns, two ring stages where they fit in shared
-    memory; the narrow tiles' options are refused, not ignored."""
+    memory (at 256 / 256 with 32-column dQ pieces and one P / dS buffer of each kind, a
+    single stage left each step's Q / dO load exposed); the narrow tiles' options are
+    refused, not ignored."""
     from flashfold.kernels.attention import gluon_bwd as G
     assert not G.wide(128, 128) and not G.wide(64, 64)
     assert G.wide(192, 128) and G.wide(256, 256) and G.wide(160, 160)
-    assert G.wide_plan(192, 128) == (256, 128, 64, 2)          # MLA
-    assert G.wide_plan(256, 256) == (256, 256, 128, 1)         # Gemma: one stage fits
-    assert G.wide_plan(192, 192) == (256, 256, 128, 1)
-    assert G.wide_plan(256, 128) == (256, 128, 64, 2)
+    # (BLOCK_D, BLOCK_DV, DQ_SPLIT, STAGES, dQ piece columns, P / dS buffers)
+    assert G.wide_plan(192, 128) == (256, 128, 64, 2, 64, 2)          # MLA
+    assert G.wide_plan(256, 256) == (256, 256, 128, 2, 32, 1)         # Gemma
+    assert G.wide_plan(192, 192) == (256, 256, 128, 2, 32, 1)
+    assert G.wide_plan(256, 128) == (256, 128, 64, 2, 64, 2)
     grid, kw = _host_launch(256, 1000)
     assert kw["WIDE"] and kw["BLOCK_N"] == G.WIDE_BLOCK_N and grid == (16 * 2,)
+    assert kw["STAGES"] == 2 and kw["DS_RING"] == 1
     q = torch.empty(1, 2, 100, 256, dtype=torch.bfloat16)
     lam, acc = torch.empty(1, 2, 100), torch.empty(1, 2, 100, 256)
     with pytest.raises(ValueError, match="persistent, pingpong"):

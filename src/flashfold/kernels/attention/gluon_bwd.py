@@ -75,13 +75,15 @@ on the way out; the register stores mask them).
 so the warpgroups split the work by output instead of by keys. A program owns
 :data:`WIDE_BLOCK_N` = 64 keys; per step of 64 query rows each warpgroup computes the
 ``S^T`` and ``dP^T`` columns of its 32 rows (64 keys x 32 queries) and stores its halves of
-``P^T`` and ``dS^T`` to shared memory; once both halves are there (``ds_ready``, two
-buffers, ``ds_empty``), warpgroup 0 adds ``dS^T Q`` into all of ``dK`` and warpgroup 1
-``P^T dO`` into all of ``dV``, and each computes dQ columns ``dS K[:, cols]`` in 64-column
-pieces (warpgroup 0 up to ``DQ_SPLIT``, warpgroup 1 the rest: :func:`wide_plan` balances
-the two) added by TMA reduce-adds as above. dK and dV leave from registers. The Q / dO
-ring has two stages, one at 256 / 256 (shared memory: :func:`wide_plan`). A 192-wide head
-dim runs in 256-wide tiles whose products stop at column 192.
+``P^T`` and ``dS^T`` to shared memory; once both halves are there (``ds_ready``,
+``DS_RING`` buffers of each, ``ds_empty``), warpgroup 0 adds ``dS^T Q`` into all of ``dK``
+and warpgroup 1 ``P^T dO`` into all of ``dV``, and each computes dQ columns ``dS K[:,
+cols]`` in pieces of ``DQ_COLS`` (warpgroup 0 up to ``DQ_SPLIT``, warpgroup 1 the rest:
+:func:`wide_plan` balances the two), each issued before the one before it is added by a
+TMA reduce-add as above. dK and dV leave from registers. The Q / dO ring has two stages;
+at 256 / 256 they fit with 32-column dQ pieces and one P / dS buffer of each kind
+(shared memory: :func:`wide_plan`). A 192-wide head dim runs in 256-wide tiles whose
+products stop at column 192.
 
 Scope (:func:`supported`): fp16/bf16, the forward's head dims (``D = Dv`` up to 256, ``D``
 in 129-256 with ``Dv`` in 65-128); up to 128 with ``Dv = D`` the tiles above (the same
@@ -129,6 +131,8 @@ mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -857,7 +861,8 @@ if gluon is not None:
     def _wide_consumer(descs, bufs, bars, shape, ptrs, mods, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr,
                        HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-                       DQ_SPLIT: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
+                       DQ_SPLIT: gl.constexpr, DQ_COLS: gl.constexpr, DS_RING: gl.constexpr,
+                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
                        MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
                        DETERMINISTIC: gl.constexpr, SCORE_MOD: gl.constexpr = None):
@@ -867,7 +872,9 @@ if gluon is not None:
         halves are there, warpgroup 0 adds ``dS^T Q`` into ``dK`` and warpgroup 1 ``P^T
         dO`` into ``dV`` (whole rows: each accumulator lives in one warpgroup), and each
         adds its dQ columns (0 .. DQ_SPLIT, DQ_SPLIT .. BLOCK_D), ``dS K[:, cols]``, in
-        64-column pieces. Finally warpgroup 0 writes ``dK``, warpgroup 1 ``dV``.
+        pieces of ``DQ_COLS``; ``DS_RING``: the P^T / dS^T buffers of each kind (with
+        one, a step's stores wait for the last step's products to read them). Finally
+        warpgroup 0 writes ``dK``, warpgroup 1 ``dV``.
         ``DETERMINISTIC``: the pieces go to the writer warps (:func:`_dq_hand`).
         ``SCORE_MOD``: as in :func:`_consumer_steps` (``mods`` its tables and scale)."""
         q_desc, k_desc, v_desc, do_desc, dq_desc, lam_desc, dd_desc = descs
@@ -876,7 +883,6 @@ if gluon is not None:
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
         DK, DV, qk_scale, scale, step_scale, SEM = ptrs
         HALF: gl.constexpr = BLOCK_M // 2       # query columns of this warpgroup's S^T
-        DQ_COLS: gl.constexpr = 64              # columns of one dQ piece
         if WG == 0:
             OUT_COLS: gl.constexpr = BLOCK_D
             OUT_DIM: gl.constexpr = HEAD_DIM
@@ -943,24 +949,26 @@ if gluon is not None:
                 ds = p * (dpt - dd[None, :])
                 if SCORE_MOD is not None:
                     ds = gl.where(p == 0.0, 0.0, ds)
-                # this warpgroup's halves of P^T (buffer 2 + j % 2) and dS^T (j % 2), once
-                # both warpgroups' products of step j - 2 have read them
-                buf = j % 2
-                mbarrier.wait(ds_empty.index(buf), ((j // 2) & 1) ^ 1)
-                ds_bufs.index(2 + buf).slice(WG * HALF, HALF, dim=1).store(pb)
+                # this warpgroup's halves of P^T (buffer DS_RING + buf) and dS^T (buf),
+                # once both warpgroups' products of step j - DS_RING have read them
+                buf = j % DS_RING
+                mbarrier.wait(ds_empty.index(buf), ((j // DS_RING) & 1) ^ 1)
+                ds_bufs.index(DS_RING + buf).slice(WG * HALF, HALF, dim=1).store(pb)
                 ds_bufs.index(buf).slice(WG * HALF, HALF, dim=1).store(ds.to(dtype))
                 fence_async_shared()
                 mbarrier.arrive(ds_ready.index(buf), count=1)
-                mbarrier.wait(ds_ready.index(buf), (j // 2) & 1)
+                mbarrier.wait(ds_ready.index(buf), (j // DS_RING) & 1)
                 ds_t = ds_bufs.index(buf)
-                # the first dQ piece, then dK (or dV) behind it, then the other pieces
+                # the first dQ piece, then dK (or dV) behind it; each further piece is
+                # issued before the one before it is added, so that the adds run under
+                # the products
                 dq = warpgroup_mma(ds_t.permute((1, 0)), k_t.slice(DQ_LO, DQ_COLS, dim=1),
                                    dq_zero, use_acc=False, is_async=True)
                 if WG == 0:
                     a_s = ds_t
                     b_s = q_s
                 else:
-                    a_s = ds_bufs.index(2 + buf)
+                    a_s = ds_bufs.index(DS_RING + buf)
                     b_s = do_s
                 acc = warpgroup_mma(a_s, b_s.slice(0, OUT_A, dim=1), acc, is_async=True)
                 if OUT_A < OUT_COLS:
@@ -969,22 +977,19 @@ if gluon is not None:
                     dq = warpgroup_mma_wait(2, deps=[dq])
                 else:
                     dq = warpgroup_mma_wait(1, deps=[dq])
-                if DETERMINISTIC:
-                    _dq_hand(dq_bufs, dq_sync, dq, k, BLOCK_M, DQ_COLS, WG)
-                    k += 1
-                else:
-                    _dq_add(dq_desc, dq_bufs, dq, b, hq, m * BLOCK_M, DQ_LO, BLOCK_M,
-                            DQ_COLS, WG)
-                for c in gl.static_range(DQ_LO + DQ_COLS, DQ_HI, DQ_COLS):   # (< HEAD_DIM)
-                    dq = warpgroup_mma(ds_t.permute((1, 0)), k_t.slice(c, DQ_COLS, dim=1),
-                                       dq_zero, use_acc=False, is_async=True)
-                    dq = warpgroup_mma_wait(0, deps=[dq])
+                for c in gl.static_range(DQ_LO, DQ_HI, DQ_COLS):   # (< HEAD_DIM)
+                    if c + DQ_COLS < DQ_HI:
+                        nxt = warpgroup_mma(ds_t.permute((1, 0)),
+                                            k_t.slice(c + DQ_COLS, DQ_COLS, dim=1), dq_zero,
+                                            use_acc=False, is_async=True)
                     if DETERMINISTIC:
                         _dq_hand(dq_bufs, dq_sync, dq, k, BLOCK_M, DQ_COLS, WG)
                         k += 1
                     else:
                         _dq_add(dq_desc, dq_bufs, dq, b, hq, m * BLOCK_M, c, BLOCK_M,
                                 DQ_COLS, WG)
+                    if c + DQ_COLS < DQ_HI:
+                        dq = warpgroup_mma_wait(0, deps=[nxt])
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 if OUT_A < OUT_COLS:
                     acc2 = warpgroup_mma_wait(0, deps=[acc2])
@@ -1056,8 +1061,9 @@ if gluon is not None:
                      PRODUCER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr = False,
                      WIDE: gl.constexpr = False,
                      BLOCK_DV: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
-                     DQ_SPLIT: gl.constexpr = 0, VARLEN: gl.constexpr = False,
-                     SCORE_MOD: gl.constexpr = None, MASK_FN: gl.constexpr = None):
+                     DQ_SPLIT: gl.constexpr = 0, DS_RING: gl.constexpr = 2,
+                     VARLEN: gl.constexpr = False, SCORE_MOD: gl.constexpr = None,
+                     MASK_FN: gl.constexpr = None):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -1066,7 +1072,9 @@ if gluon is not None:
         (:func:`_dq_order`), else unused. ``MOD_BUFS``, ``mod_scale``: a score_mod's
         tables and the scale its scores take (``SCORE_MOD``); ``BM``, ``MASK_BUFS``: a
         block mask's per-key-block lists and its mask_mod's tables (``MASK_FN``;
-        :func:`_block_mask_args`); ``()`` / unused without them."""
+        :func:`_block_mask_args`); ``()`` / unused without them. ``WIDE``: ``DS_RING``
+        P^T / dS^T buffers of each kind, dQ pieces as wide as ``dq_desc``'s box
+        (:func:`wide_plan`)."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -1074,10 +1082,10 @@ if gluon is not None:
                                            q_desc.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
                                             do_desc.layout)
-        if WIDE:    # dS^T and P^T, two each, stored by halves of 32 query columns
+        if WIDE:    # dS^T and P^T, DS_RING each, stored by halves of 32 query columns
             ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64,
                                                            element_bitwidth=16, rank=2)
-            DS_BUFS: gl.constexpr = 4
+            DS_BUFS: gl.constexpr = 2 * DS_RING
         else:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
                 [BLOCK_N, BLOCK_M], dtype)
@@ -1127,9 +1135,9 @@ if gluon is not None:
         mods = (MOD_BUFS, mod_scale, BM, MASK_BUFS)
         # the writers' dQ columns (DETERMINISTIC): warpgroup 0 adds 0 .. SPLIT, 1 SPLIT .. END
         if WIDE:
-            DQ_COLS: gl.constexpr = 64
+            DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
             SPLIT: gl.constexpr = DQ_SPLIT
-            END: gl.constexpr = (HEAD_DIM + 63) // 64 * 64
+            END: gl.constexpr = (HEAD_DIM + DQ_COLS - 1) // DQ_COLS * DQ_COLS
         else:
             DQ_COLS: gl.constexpr = BLOCK_D // 2
             SPLIT: gl.constexpr = BLOCK_D // 2
@@ -1142,11 +1150,13 @@ if gluon is not None:
                 warp_specialize([
                     (_wide_consumer, (descs, bufs, bars, shape, ptrs, mods, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
-                                      DQ_SPLIT, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 0,
+                                      DQ_SPLIT, DQ_COLS, DS_RING, STAGES, MASK_LEFT,
+                                      MASK_RIGHT, SOFTCAP, 0,
                                       MASK_TAIL_KEYS, WEIGHTS, True, SCORE_MOD)),
                     (_wide_consumer, (descs, bufs, bars, shape, ptrs, mods, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
-                                      DQ_SPLIT, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
+                                      DQ_SPLIT, DQ_COLS, DS_RING, STAGES, MASK_LEFT,
+                                      MASK_RIGHT, SOFTCAP, 1,
                                       MASK_TAIL_KEYS, WEIGHTS, True, SCORE_MOD)),
                     (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
                                      STAGES, MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC,
@@ -1160,11 +1170,13 @@ if gluon is not None:
                 warp_specialize([
                     (_wide_consumer, (descs, bufs, bars, shape, ptrs, mods, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
-                                      DQ_SPLIT, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 0,
+                                      DQ_SPLIT, DQ_COLS, DS_RING, STAGES, MASK_LEFT,
+                                      MASK_RIGHT, SOFTCAP, 0,
                                       MASK_TAIL_KEYS, WEIGHTS, False, SCORE_MOD)),
                     (_wide_consumer, (descs, bufs, bars, shape, ptrs, mods, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
-                                      DQ_SPLIT, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, 1,
+                                      DQ_SPLIT, DQ_COLS, DS_RING, STAGES, MASK_LEFT,
+                                      MASK_RIGHT, SOFTCAP, 1,
                                       MASK_TAIL_KEYS, WEIGHTS, False, SCORE_MOD)),
                     (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
                                      STAGES, MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC,
@@ -1235,20 +1247,38 @@ def wide(head_dim: int, head_dim_v: int) -> bool:
     return not (head_dim == head_dim_v and head_dim <= 128)
 
 
-def wide_plan(head_dim: int, head_dim_v: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_D, BLOCK_DV, DQ_SPLIT, STAGES)`` of the ``WIDE`` variant: the forward's
-    tile widths (:func:`.gluon_fwd.block_dims`, powers of two: TMA reads the columns past
-    the head dims as zeros), the dQ column where warpgroup 1's pieces start (a multiple
-    of 64 near ``BLOCK_DV / 2``, so that ``BLOCK_D + DQ_SPLIT`` and ``BLOCK_DV + D -
-    DQ_SPLIT`` output columns, the two warpgroups' products, are about equal), and the
-    depth of the Q / dO ring: two stages where they fit in shared memory, else one (256 /
-    256: K, V 64 KB, the P / dS buffers and dQ staging 64 KB, one stage of Q and dO 64
-    KB)."""
+class WidePlan(NamedTuple):
+    """The tiles of a ``WIDE`` call (:func:`wide_plan`)."""
+    block_d: int    # q / k tile width (a power of two)
+    block_dv: int   # v / dO tile width
+    dq_split: int   # the dQ column where warpgroup 1's pieces start
+    stages: int     # depth of the Q / dO ring
+    dq_cols: int    # columns of one dQ piece (its staging buffer: BLOCK_M x dq_cols fp32)
+    ds_ring: int    # P^T / dS^T buffers of each kind (2: a step stores while the last reads)
+
+
+def wide_plan(head_dim: int, head_dim_v: int) -> WidePlan:
+    """The ``WIDE`` variant's tiles: the forward's tile widths (:func:`.gluon_fwd.block_dims`,
+    powers of two: TMA reads the columns past the head dims as zeros), the dQ column where
+    warpgroup 1's pieces start (a multiple of 64 near ``BLOCK_DV / 2``, so that ``BLOCK_D +
+    DQ_SPLIT`` and ``BLOCK_DV + D - DQ_SPLIT`` output columns, the two warpgroups' products,
+    are about equal), and how shared memory is spent: a two-stage Q / dO ring (a single
+    stage leaves each step's Q / dO load exposed) with 64-column dQ pieces and two P / dS
+    buffers where that fits, else two stages with 32-column pieces and one P / dS buffer
+    (256 / 256: K, V 64 KB, P / dS 16 KB, dQ staging 16 KB, two stages of Q and dO 129 KB),
+    else one stage."""
     bd, bdv = gluon_fwd.block_dims(head_dim, max(head_dim_v, 64))
     split = min(max(64, (bdv // 2) // 64 * 64), bd - 64)
-    fixed = 2 * WIDE_BLOCK_N * (bd + bdv) + 4 * WIDE_BLOCK_N * BLOCK_M * 2 + 2 * BLOCK_M * 64 * 4
-    stage = 2 * BLOCK_M * (bd + bdv) + 2 * 4 * BLOCK_M
-    return bd, bdv, split, 2 if fixed + 2 * stage <= SHARED_BYTES else 1
+
+    def smem(stages, dq_cols, ds_ring):
+        kv = 2 * WIDE_BLOCK_N * (bd + bdv)
+        ds = 2 * ds_ring * WIDE_BLOCK_N * BLOCK_M * 2
+        return (kv + ds + 2 * BLOCK_M * dq_cols * 4
+                + stages * (2 * BLOCK_M * (bd + bdv) + 2 * 4 * BLOCK_M))
+    for stages, dq_cols, ds_ring in ((2, 64, 2), (2, 32, 1), (1, 64, 2)):
+        if smem(stages, dq_cols, ds_ring) <= SHARED_BYTES:
+            break
+    return WidePlan(bd, bdv, split, stages, dq_cols, ds_ring)
 
 
 def supported(q, k, v, do, *, causal: bool = False, left: int | None = None,
@@ -1647,25 +1677,26 @@ def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, sca
     B, Hq, Nq, D = q.shape
     Hk, Nk, DV = k.shape[1], k.shape[2], v.shape[-1]
     bounded = left is not None or right is not None
-    BD, BDV, split, stages = wide_plan(D, DV)
+    plan = wide_plan(D, DV)
+    BD, BDV = plan.block_d, plan.block_dv
     n_n = -(-Nk // WIDE_BLOCK_N)
     if heads_per_wave is None:
         heads_per_wave = wave_heads(bounded, n_n, B * Hk, gluon_fwd.num_sms(q))
     args = (_desc(q, BLOCK_M, BD), _desc(k, WIDE_BLOCK_N, BD), _desc(v, WIDE_BLOCK_N, BDV),
-            _desc(do, BLOCK_M, BDV), _desc(dq_acc, BLOCK_M, 64),
+            _desc(do, BLOCK_M, BDV), _desc(dq_acc, BLOCK_M, plan.dq_cols),
             _desc(lam.unsqueeze(2), 1, BLOCK_M), _desc(dd.unsqueeze(2), 1, BLOCK_M), dk, dv,
             Nq, Nk, Hk, Hq // Hk, n_n, heads_per_wave, B * Hk,
             0 if left is None else int(left), 0 if right is None else int(right),
             qk_scale, float(scale), step_scale, counters, *_NO_SEQS, mod_bufs, mod_scale, (),
             ())
     kwargs = dict(BLOCK_M=BLOCK_M, BLOCK_N=WIDE_BLOCK_N, BLOCK_D=BD, HEAD_DIM=D,
-                  STAGES=stages, MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
+                  STAGES=plan.stages, MASK_LEFT=left is not None, MASK_RIGHT=right is not None,
                   SOFTCAP=softcap is not None, STORE_TMA=False, PINGPONG=False,
                   PERSISTENT=False, LATE_STATS=True,
                   MASK_TAIL_KEYS=Nk % WIDE_BLOCK_N != 0, WEIGHTS=weights,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                   DETERMINISTIC=counters is not None, WIDE=True,
-                  BLOCK_DV=BDV, HEAD_DIM_V=DV, DQ_SPLIT=split,
+                  BLOCK_DV=BDV, HEAD_DIM_V=DV, DQ_SPLIT=plan.dq_split, DS_RING=plan.ds_ring,
                   SCORE_MOD=score_grad_fn(score_mod, gluon=True) if score_mod is not None
                   else None, num_warps=4, maxnreg=MAXNREG)
     grid = (n_n * B * Hk,)
