@@ -68,7 +68,9 @@ scale / c)`` recomputed as in the forward (``tanh = 1 - 2 rc``, ``rc = 1 / (2^(x
 qk_scale) + 1)``) and ``ds/dx = scale 4 rc (1 - rc)`` folded into ``P`` once ``P^T dO``
 is issued; ``BLOCK_D`` (64 or 128, :func:`block_d`) against ``HEAD_DIM``: head dims
 below a tile width run padded (TMA reads the columns past ``D`` as zeros and clips them
-on the way out; the register stores mask them).
+on the way out; the register stores mask them); head dims 65-96 compute over two column
+chunks of their 128-wide tiles, 64 + 16 (up to 80) or 64 + 32: S^T and dP^T reduce over
+both, dK and dV are an accumulator of each.
 
 ``WIDE`` (head dims past 128, and ``Dv != D``: Gemma's 256, DeepSeek's MLA 192 / 128,
 :func:`wide`): two 64 x 256 fp32 accumulators per warpgroup do not fit its 240 registers,
@@ -648,10 +650,20 @@ if gluon is not None:
         DOWN: gl.constexpr = DETERMINISTIC and MASK_RIGHT
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
-        acc_layout: gl.constexpr = _wgmma_layout(BLOCK_D)
         dq_layout: gl.constexpr = _wgmma_layout(DQ_COLS)
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                     k_width=2)
+        # a head dim in 65-96 runs its products over two column chunks, 64 + D_B (a power
+        # of two, at least one wgmma K step), instead of the whole 128-wide tile: S^T and
+        # dP^T reduce over them (:func:`_chunked_t`), dK and dV are an accumulator of each
+        if BLOCK_D == 128 and HEAD_DIM <= 80:
+            D_B: gl.constexpr = 16
+        elif BLOCK_D == 128 and HEAD_DIM <= 96:
+            D_B: gl.constexpr = 32
+        else:
+            D_B: gl.constexpr = 0
+        NCH: gl.constexpr = 2 if D_B > 0 else 1     # wgmma groups of one such product
+        D_A: gl.constexpr = 64 if D_B > 0 else BLOCK_D
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0,
+                                                     parent=_wgmma_layout(D_A), k_width=2)
         k_w = k_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
         v_w = v_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
         k_cols = k_smem.reshape([BLOCK_N, BLOCK_D]).slice(WG * DQ_COLS, DQ_COLS, dim=1)
@@ -665,8 +677,11 @@ if gluon is not None:
         qcols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-        dk = gl.zeros([HALF, BLOCK_D], gl.float32, acc_layout)
-        dv = gl.zeros([HALF, BLOCK_D], gl.float32, acc_layout)
+        dk = gl.zeros([HALF, D_A], gl.float32, _wgmma_layout(D_A))
+        dv = gl.zeros([HALF, D_A], gl.float32, _wgmma_layout(D_A))
+        if D_B > 0:
+            dk2 = gl.zeros([HALF, D_B], gl.float32, _wgmma_layout(D_B))
+            dv2 = gl.zeros([HALF, D_B], gl.float32, _wgmma_layout(D_B))
         mbarrier.wait(kv_ready, r & 1)
         # dQ runs a step late (see the module docstring): a tile's first step adds the
         # product of a zeroed dS buffer ("step -1", see _bwd_consumer) to its own rows,
@@ -703,10 +718,8 @@ if gluon is not None:
                 q_s = q_bufs.index(slot).reshape([BLOCK_M, BLOCK_D])
                 do_s = do_bufs.index(slot).reshape([BLOCK_M, BLOCK_D])
                 _take_turn(turn, j, WG, PINGPONG)     # (see pingpong_default)
-                st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False,
-                                    is_async=True)
+                st = _chunked_t(k_w, q_s, s_zero, D_A, D_B)
+                dpt = _chunked_t(v_w, do_s, s_zero, D_A, D_B)
                 _pass_turn(turn, WG, PINGPONG)
                 # lambda and D of the tile's rows: loaded with Q (global loads here were
                 # on the critical path: +4-10% per row, and spills 376 -> 156 bytes), read
@@ -715,7 +728,7 @@ if gluon is not None:
                 if not LATE_STATS:
                     lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
-                st = warpgroup_mma_wait(1, deps=[st])
+                st = warpgroup_mma_wait(NCH, deps=[st])
                 if LATE_STATS:
                     lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
@@ -725,7 +738,9 @@ if gluon is not None:
                                (mb, hq, keys, mod_bufs, mod_scale, mask_bufs), kind,
                                SCORE_MOD, MASK_FN)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
-                dv = warpgroup_mma(pa, do_s, dv, is_async=True)
+                dv = warpgroup_mma(pa, do_s.slice(0, D_A, dim=1), dv, is_async=True)
+                if D_B > 0:
+                    dv2 = warpgroup_mma(pa, do_s.slice(D_A, D_B, dim=1), dv2, is_async=True)
                 if SCORE_MOD is not None:   # ds/dx / scale, 0 wherever P is (see below)
                     p = gl.where(p == 0.0, 0.0, p * rc)
                 elif SOFTCAP:   # P's only other use is dS: fold ds/dx in now, rc dies
@@ -733,7 +748,7 @@ if gluon is not None:
                 if not LATE_STATS:
                     dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
-                dpt = warpgroup_mma_wait(1, deps=[dpt])
+                dpt = warpgroup_mma_wait(NCH, deps=[dpt])
                 if LATE_STATS:
                     dd = dd_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
@@ -758,8 +773,12 @@ if gluon is not None:
                 # it held up the step's last wait; H200: 0 to +3%, and the causal variant's
                 # spill stores 952 -> 488 bytes: docs/notes/attention_bwd.md, "dK issued
                 # after dQ")
-                dk = warpgroup_mma(dsa, q_s, dk, is_async=True)
-                dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
+                dk = warpgroup_mma(dsa, q_s.slice(0, D_A, dim=1), dk, is_async=True)
+                if D_B > 0:
+                    dk2 = warpgroup_mma(dsa, q_s.slice(D_A, D_B, dim=1), dk2, is_async=True)
+                    dq, dv, dv2 = warpgroup_mma_wait(2, deps=[dq, dv, dv2])
+                else:
+                    dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
                 mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
                 if DETERMINISTIC:   # (step 0 hands over zeros: the writer drops them)
                     _dq_hand(dq_bufs, dq_sync, dq, j, BLOCK_M, DQ_COLS, WG)
@@ -767,6 +786,8 @@ if gluon is not None:
                     _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, qs + m_prev * BLOCK_M,
                             WG * DQ_COLS, BLOCK_M, DQ_COLS, WG)
                 dk = warpgroup_mma_wait(0, deps=[dk])
+                if D_B > 0:
+                    dk2 = warpgroup_mma_wait(0, deps=[dk2])
                 mbarrier.arrive(q_empty.index(slot), count=1)
                 m_prev = m
                 hq_prev = hq
@@ -790,24 +811,30 @@ if gluon is not None:
                 mbarrier.wait(q_empty.index(s), (uses - 1) & 1)    # unused: parity 1 passes
             dk_smem = q_bufs.index(WG)
             dv_smem = do_bufs.index(WG)
-            dk_smem.reshape([HALF, BLOCK_D]).store((dk * scale).to(dtype))
-            dv_smem.reshape([HALF, BLOCK_D]).store(dv.to(dtype))
+            dk_smem.reshape([HALF, BLOCK_D]).slice(0, D_A, dim=1).store((dk * scale).to(dtype))
+            dv_smem.reshape([HALF, BLOCK_D]).slice(0, D_A, dim=1).store(dv.to(dtype))
+            if D_B > 0:     # (the columns past 64 + D_B are clipped by the stores)
+                dk_smem.reshape([HALF, BLOCK_D]).slice(D_A, D_B, dim=1).store(
+                    (dk2 * scale).to(dtype))
+                dv_smem.reshape([HALF, BLOCK_D]).slice(D_A, D_B, dim=1).store(
+                    dv2.to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(DK, [b, hk, row0, 0], dk_smem)
             tma.async_copy_shared_to_global(DV, [b, hk, row0, 0], dv_smem)
         else:
-            out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-            dcols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
             if VARLEN:
                 kv_base = hk.to(gl.int64) * shape[1] + ks
             else:
                 kv_base = (b * heads_k + hk).to(gl.int64) * kv_len
-            offs = (kv_base + out_rows)[:, None] * HEAD_DIM + dcols[None, :]
-            ok = (out_rows < kv_len)[:, None]
-            if HEAD_DIM < BLOCK_D:
-                ok = ok & (dcols < HEAD_DIM)[None, :]
-            gl.store(DK + offs, (dk * scale).to(dtype), mask=ok)
-            gl.store(DV + offs, dv.to(dtype), mask=ok)
+            _store_rows(DK, dk * scale, kv_base, row0, 0, kv_len, HEAD_DIM, HALF, D_A,
+                        _wgmma_layout(D_A))
+            _store_rows(DV, dv, kv_base, row0, 0, kv_len, HEAD_DIM, HALF, D_A,
+                        _wgmma_layout(D_A))
+            if D_B > 0:
+                _store_rows(DK, dk2 * scale, kv_base, row0, D_A, kv_len, HEAD_DIM, HALF, D_B,
+                            _wgmma_layout(D_B))
+                _store_rows(DV, dv2, kv_base, row0, D_A, kv_len, HEAD_DIM, HALF, D_B,
+                            _wgmma_layout(D_B))
         if not PERSISTENT:
             dq = warpgroup_mma_wait(0, deps=[dq])
             mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
@@ -1037,6 +1064,19 @@ if gluon is not None:
         return st, dpt
 
     @gluon.jit
+    def _chunked_t(a_t, b_s, zero, D_A: gl.constexpr, D_B: gl.constexpr):
+        """Issue ``a_t b_s^T`` (async) over the head dim's columns ``0 .. D_A`` and,
+        with ``D_B > 0``, ``D_A .. D_A + D_B`` as a second wgmma into the same
+        accumulator (the columns past them are the tiles' zeros)."""
+        acc = warpgroup_mma(a_t.slice(0, D_A, dim=1), b_s.slice(0, D_A, dim=1).permute((1, 0)),
+                            zero, use_acc=False, is_async=True)
+        if D_B > 0:
+            acc = warpgroup_mma(a_t.slice(D_A, D_B, dim=1),
+                                b_s.slice(D_A, D_B, dim=1).permute((1, 0)), acc,
+                                is_async=True)
+        return acc
+
+    @gluon.jit
     def _store_rows(out, acc, kv_base, row0, col0, kv_len, DIM: gl.constexpr,
                     ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
         """``out[kv_base + row0 .., col0 ..] = acc`` (input dtype) for ``out`` of row
@@ -1238,7 +1278,8 @@ if gluon is not None:
 
 def block_d(head_dim: int) -> int:
     """The kernel's tile width for ``head_dim``: 64 up to 64, else 128 (TMA reads the
-    columns past the head dim as zeros and does not write them; 80 and 96 run as 128)."""
+    columns past the head dim as zeros and does not write them; 80 and 96 load as 128 and
+    compute over 64 + 16 and 64 + 32 columns)."""
     return 64 if head_dim <= 64 else 128
 
 
