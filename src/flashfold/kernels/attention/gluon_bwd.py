@@ -1049,18 +1049,8 @@ if gluon is not None:
         head dim stopping at ``S_A + 64`` / ``P_A + 64`` where that is short of the tile."""
         q_h = q_buf.reshape([BLOCK_M, BLOCK_D]).slice(WG * HALF, HALF, dim=0)
         do_h = do_buf.reshape([BLOCK_M, BLOCK_DV]).slice(WG * HALF, HALF, dim=0)
-        st = warpgroup_mma(k_t.slice(0, S_A, dim=1), q_h.slice(0, S_A, dim=1).permute((1, 0)),
-                           s_zero, use_acc=False, is_async=True)
-        if S_A < BLOCK_D:
-            st = warpgroup_mma(k_t.slice(S_A, 64, dim=1),
-                               q_h.slice(S_A, 64, dim=1).permute((1, 0)), st, is_async=True)
-        dpt = warpgroup_mma(v_t.slice(0, P_A, dim=1),
-                            do_h.slice(0, P_A, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                            is_async=True)
-        if P_A < BLOCK_DV:
-            dpt = warpgroup_mma(v_t.slice(P_A, 64, dim=1),
-                                do_h.slice(P_A, 64, dim=1).permute((1, 0)), dpt,
-                                is_async=True)
+        st = _chunked_t(k_t, q_h, s_zero, S_A, 64 if S_A < BLOCK_D else 0)
+        dpt = _chunked_t(v_t, do_h, s_zero, P_A, 64 if P_A < BLOCK_DV else 0)
         return st, dpt
 
     @gluon.jit
