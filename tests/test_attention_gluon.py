@@ -208,7 +208,8 @@ def _compile_all():
         return dict(**ws_facts(c), key_loops=loops,
                     local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)],
                     constexprs={n: kwargs[n] for n in ("MASK_LEFT", "MASK_RIGHT", "SOFTCAP",
-                                                       "O_IN_Q", "BLOCK_N", "VARLEN")},
+                                                       "O_IN_Q", "BLOCK_N", "VARLEN",
+                                                       "DYNAMIC")},
                     score_mod=kwargs["SCORE_MOD"] is not None,
                     block_mask=kwargs["MASK_FN"] is not None, split=kwargs["SPLIT"],
                     skipped_rows=1000 - args[9], fill_launches=len(fill))
@@ -241,6 +242,8 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert r["constexprs"]["VARLEN"] == ("-varlen" in vid), r["constexprs"]
     assert r["score_mod"] == ("-mod-" in vid), r
     assert r["block_mask"] == ("-mask-" in vid), r
+    # block masks' items differ in work: persistent programs draw them from a counter
+    assert r["constexprs"]["DYNAMIC"] == ("-mask-" in vid), r["constexprs"]
     assert r["split"] == (2 if "-256-blocks" in vid else 1), r
     assert not r["local_in_loops"], f"{vid}: local memory in the key loop at {r['local_in_loops']}"
     assert r["spill"] <= 256, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
@@ -1106,6 +1109,25 @@ def test_gpu_block_mask_criterion(case, D, feature, alibi):
         score_mod=_score_mod("alibi", HQ) if alibi else None)
     if name == "rows-from-200":
         assert empty[:, :, :min(200, NQ)].all() and not empty[:, :, 200:].any()
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.gpu
+def test_gpu_block_mask_programs_draw_many_items(D):
+    """Block-mask calls run persistent programs that draw their items from a counter
+    (``DYNAMIC``): with more items than SMs (2 x 8 heads x 16 query tiles = 256) a program
+    takes several in turn, its rings and barrier phases running on across them, and every
+    item is computed once (causal documents, GQA 4:1, against float64)."""
+    _needs_sm90()
+    from flashfold.kernels.attention import gluon_fwd
+    B, HQ, HK, N = 2, 8, 2, 2048
+    assert B * HQ * (N // gluon_fwd.BLOCK_M) > gluon_fwd.num_sms(torch.empty(1, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(31 + D)
+    q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    _gluon_meets_the_criterion(q, k, v, f"many items d{D}", True,
+                               mask_mod=_mask_mod("documents-causal", N, N))
 
 
 @pytest.mark.parametrize("feature", VARLEN_FEATURES, ids=lambda f: f[0])

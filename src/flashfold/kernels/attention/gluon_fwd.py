@@ -43,7 +43,10 @@ window are never loaded). A grid of one program per SM takes them in rounds
 (persistent): the producer loads the next item's query tile once both consumers have
 computed the last ``S`` of the previous one (``q_empty``), so loads overlap the
 epilogue. Items bounded on one side only (causal) differ in cost, and long such
-sequences run one program per item instead (:func:`persistent_default`). Query tiles
+sequences run one program per item instead (:func:`persistent_default`). A block mask's
+items differ in cost arbitrarily: its programs draw them (``DYNAMIC``) from a ticket
+counter, one atomic add per item, and the producer hands each to the consumers through
+shared memory as a packed sequence's. Query tiles
 whose rows see no key (a right bound with ``Nq > Nk``) are no work items: the kernel
 runs on the rows after them and :func:`_fill_empty_rows` writes them.
 
@@ -66,7 +69,7 @@ c)``, before the masks), ``BLOCK_D`` / ``BLOCK_D2`` / ``BLOCK_DV`` (tile widths:
 in one or two power-of-two column chunks, :func:`qk_chunks`, ``S`` summed over both; v's
 the next power of two of ``Dv``; TMA reads columns past a head dim as zeros and does
 not write them), ``BLOCK_N`` and ``O_IN_Q`` (the tile plan: :data:`TILE_PLANS`,
-:func:`_plan`), ``RETURN_LSE``, ``PINGPONG``, ``VARLEN``.
+:func:`_plan`), ``RETURN_LSE``, ``PINGPONG``, ``VARLEN``, ``DYNAMIC``.
 
 Scope (:func:`supported`; the dispatcher in :mod:`.fwd` sends mods and block masks to
 the Triton template): fp16/bf16, head_dim 17-256 (``Dv = D``, or ``D`` in
@@ -92,7 +95,7 @@ import triton
 import triton.language as tl
 
 from ...monoids import ATTENTION2
-from .. import compat, launcher
+from .. import compat, launcher, plans
 from ..codegen import tile_step_functions
 from ..compat import (GluonDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
                       warp_specialize, warpgroup_mma, warpgroup_mma_wait)
@@ -157,14 +160,6 @@ if gluon is not None:
         return i * G + gl.where(i % 2 == 0, p, G - 1 - p)
 
     @gluon.jit
-    def _slot(i, n_m):
-        """Round ``i``'s work-item slot of this program: ``(bh, u)``, item ``t = bh * n_m +
-        u``, numbered head-major (the query tiles of a head together, so that the programs
-        running at once share its keys and values in L2)."""
-        t = _item_index(i)
-        return t // n_m, t % n_m
-
-    @gluon.jit
     def _key_tiles(q0, q_len, kv_len, win_left, win_right, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
         """The key tiles of the query tile at row ``q0`` of a sequence of ``q_len`` rows
@@ -202,14 +197,15 @@ if gluon is not None:
         return t_lo, n_kv, t_a, t_c
 
     @gluon.jit
-    def _tile(i, shape, bh_total, bm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _tile(t, shape, bh_total, bm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, MASK_FN: gl.constexpr,
               SPLIT: gl.constexpr):
-        """This program's item of round ``i`` of ``B`` sequences of ``Nq`` rows:
-        ``(b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk)``, query tile ``m`` (first row
-        ``q0``) of head ``(b, hq)``, its key/value head ``hk`` and its key tiles
+        """Work item ``t = bh n_m + m`` of ``B`` sequences of ``Nq`` rows, numbered
+        head-major (the query tiles of a head together, so that the programs running at
+        once share its keys and values in L2): ``(b, hq, hk, q0, t_lo, n_kv, t_a, t_c,
+        walk)``, query tile ``m`` (first row ``q0``) of head ``(b, hq)``, its key/value head ``hk`` and its key tiles
         (:func:`_key_tiles`). ``m`` runs backwards with a right bound (heaviest first).
-        The producer and both consumers call this with the same ``i``, so they walk the
+        The producer and both consumers call this with the same ``t``, so they walk the
         same tiles. Every item sees a key (the host launches the kernel on the query rows
         from the first tile that does: :func:`gluon_attention_fwd`), unless a block mask
         hides them all.
@@ -220,7 +216,8 @@ if gluon is not None:
         (a row of blocks without any: one tile, masked whole); ``walk = (partial, full,
         base)``, the counts and the row's offset in the index lists."""
         q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
-        bh, m = _slot(i, n_m)
+        bh = t // n_m
+        m = t % n_m
         if MASK_RIGHT:
             m = n_m - 1 - m
         b = bh // heads_q
@@ -447,7 +444,7 @@ if gluon is not None:
                   BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
                   STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                   MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, MASK_FN: gl.constexpr,
-                  SPLIT: gl.constexpr):
+                  SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
         """TMA loads, work item after work item (:func:`_load_item`): the two query halves
         once both consumer warpgroups have released the previous ones (``q_empty``), then
         the item's key and value tiles into their rings, whose slot and phase count on
@@ -460,7 +457,11 @@ if gluon is not None:
         empty ones, and hands the consumers each item it loads through shared memory
         (:func:`_hand_item`), then ``m = -1`` with a bare ``q_ready`` arrive: the
         consumers' per-item start costs a shared-memory read instead of the lookup's
-        dependent global loads."""
+        dependent global loads.
+
+        ``DYNAMIC``: the producer draws each item from the launch's ticket counter
+        (``out[16]``, zeroed; one atomic add per item, drawn an item ahead) and hands it
+        to the consumers as varlen items are, ending with ``m = -1``."""
         q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
         rounds = _rounds(shape, out[4])
         q_ready = bars[0]
@@ -491,11 +492,33 @@ if gluon is not None:
             mbarrier.wait(q_empty, (done & 1) ^ 1)
             _hand_item(info, 0, 0, 0, 0, 0, 0, -1)
             mbarrier.arrive(q_ready, count=1)
+        elif DYNAMIC:
+            info = seqs[5]
+            counter = out[16]
+            count = n_m * out[4]
+            done = 0
+            t = gl.atomic_add(counter, 1)
+            while t < count:
+                # the next ticket is drawn while this item loads
+                nxt = gl.atomic_add(counter, 1)
+                b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk = _tile(
+                    t, shape, out[4], bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_FN,
+                    SPLIT)
+                mbarrier.wait(q_empty, (done & 1) ^ 1)
+                _hand_item(info, t, n_kv, 0, 0, 0, 0, 0)
+                _load_item(descs, bufs, bars, (b, hq, q0), hk, 0, t_lo, n_kv, it, bm, walk,
+                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, STAGES, MASK_FN, SPLIT)
+                it += n_kv
+                done += 1
+                t = nxt
+            mbarrier.wait(q_empty, (done & 1) ^ 1)
+            _hand_item(info, 0, 0, 0, 0, 0, 0, -1)
+            mbarrier.arrive(q_ready, count=1)
         else:
             for i in range(rounds):
                 b, hq, hk, q0, t_lo, n_kv, t_a, t_c, walk = _tile(
-                    i, shape, out[4], bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_FN,
-                    SPLIT)
+                    _item_index(i), shape, out[4], bm, BLOCK_M, BLOCK_N, MASK_LEFT,
+                    MASK_RIGHT, MASK_FN, SPLIT)
                 mbarrier.wait(q_empty, (i & 1) ^ 1)
                 _load_item(descs, bufs, bars, (b, hq, q0), hk, 0, t_lo, n_kv, it, bm, walk,
                            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, STAGES, MASK_FN, SPLIT)
@@ -743,7 +766,7 @@ if gluon is not None:
         q_desc, k_desc, v_desc, o_desc, q2_desc, k2_desc = descs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale,
-         O, stride_oh, stride_on, dv, mod_bufs, mod_scale, row0, mask_bufs) = out
+         O, stride_oh, stride_on, dv, mod_bufs, mod_scale, row0, mask_bufs, _) = out
         win_left, win_right, heads_q = win
         HALF: gl.constexpr = BLOCK_M // 2
         dtype: gl.constexpr = q_desc.dtype
@@ -815,7 +838,7 @@ if gluon is not None:
                   SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                   VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                   STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr,
-                  MASK_FN: gl.constexpr, SPLIT: gl.constexpr):
+                  MASK_FN: gl.constexpr, SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
         """One warpgroup's 64 query rows (half ``WG``) of each work item
         (:func:`_consume_item`): fold its key tiles into ``(acc, l, m)`` (:func:`_fold`)
         -- base-2 maxima ``m`` of the scores, ``l = sum 2^(s - m)``, ``acc = sum 2^(s -
@@ -823,7 +846,8 @@ if gluon is not None:
         query buffer with ``O_IN_Q``, TMA store) and the LSE; a row that sees no key gets
         ``o = 0``, ``lse = -inf`` (``l = 0``). ``VARLEN``: the items come from the
         producer (:func:`_take_item`) until ``m = -1``; a half that ends past its
-        sequence is written by masked stores from registers."""
+        sequence is written by masked stores from registers. ``DYNAMIC``: the items too
+        (item ``t`` and its tile count)."""
         q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs, q2_bufs, k2_bufs = bufs
         q_ready = bars[0]
         q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
@@ -856,14 +880,33 @@ if gluon is not None:
                 done += 1
                 mbarrier.wait(q_ready, done & 1)
                 hq, s, qs, q_len, ks, kv_len, m = _take_item(info)
+        elif DYNAMIC:
+            info = seqs[5]
+            done = 0
+            mbarrier.wait(q_ready, 0)
+            t, n_kv, _, _, _, _, m = _take_item(info)
+            while m >= 0:
+                # (the tile count is the producer's, which read the block mask's lists)
+                b, hq, hk, q0, t_lo, _, t_a, t_c, _ = _tile(
+                    t, shape, bh_total, bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, None,
+                    SPLIT)
+                _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, done, b, hq,
+                              0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
+                              BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                              O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
+                              SCORE_MOD, MASK_FN)
+                it += n_kv
+                done += 1
+                mbarrier.wait(q_ready, done & 1)
+                t, n_kv, _, _, _, _, m = _take_item(info)
         else:
             rounds = _rounds(shape, bh_total)
             for i in range(rounds):
                 # (the walk's lists are the producer's: the consumers take each tile from
                 # its note, _ring_tile)
                 b, hq, hk, q0, t_lo, n_kv, t_a, t_c, _ = _tile(
-                    i, shape, bh_total, bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, MASK_FN,
-                    SPLIT)
+                    _item_index(i), shape, bh_total, bm, BLOCK_M, BLOCK_N, MASK_LEFT,
+                    MASK_RIGHT, MASK_FN, SPLIT)
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, i, b, hq,
                               0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
                               BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
@@ -877,7 +920,7 @@ if gluon is not None:
                      q_len, kv_len, heads_q, group, bh_total, qk_scale, step_scale, win_left,
                      win_right, FLAGS, flag_groups, O, stride_oh, stride_on, dv, CU_Q, CU_K,
                      n_seqs, search_levels, search_top, MOD_BUFS, mod_scale, row0, BM,
-                     MASK_BUFS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                     MASK_BUFS, COUNTER, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
                      BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
                      MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -885,11 +928,12 @@ if gluon is not None:
                      VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, STEP: gl.constexpr, FINALIZE: gl.constexpr,
                      SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr,
-                     SPLIT: gl.constexpr):
+                     SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
         """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
         programs: one item each when ``G`` is the item count, else persistent (``G`` =
-        the SM count; rounds in a snake order, :func:`_rounds`), where the producer loads
-        the next item while the consumers finish the last one. ``num_warps=4`` (the
+        the SM count; rounds in a snake order, :func:`_rounds`, or with ``DYNAMIC`` the
+        next item of the ticket counter ``COUNTER``, int32, zeroed), where the producer
+        loads the next item while the consumers finish the last one. ``num_warps=4`` (the
         first consumer warpgroup) plus the second consumer and the producer. ``O_IN_Q``:
         the output is staged in the query buffers (no separate output buffers: head_dim
         256, whose query, key/value rings and output buffers would exceed shared memory)."""
@@ -944,7 +988,7 @@ if gluon is not None:
         else:
             n_m = gl.cdiv(q_len, BLOCK_M)
         shape = (q_len, kv_len, heads_q, group, n_m, win_left, win_right)
-        if VARLEN:
+        if VARLEN or DYNAMIC:
             # the item the producer hands the consumers (_hand_item)
             info = gl.allocate_shared_memory(gl.int32, [8], gl.SwizzledSharedLayout(
                 1, 1, 1, [0]))
@@ -952,21 +996,21 @@ if gluon is not None:
             info = q_ready                 # (unused)
         seqs = (CU_Q, CU_K, n_seqs, search_levels, search_top, info)
         out = (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale,
-               O, stride_oh, stride_on, dv, MOD_BUFS, mod_scale, row0, MASK_BUFS)
+               O, stride_oh, stride_on, dv, MOD_BUFS, mod_scale, row0, MASK_BUFS, COUNTER)
         warp_specialize([
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
                          RETURN_LSE,
                          VARLEN, 0, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
-                         SPLIT)),
+                         SPLIT, DYNAMIC)),
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
                          RETURN_LSE,
                          VARLEN, 1, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
-                         SPLIT)),
+                         SPLIT, DYNAMIC)),
             (_producer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_D2, STAGES,
-                         MASK_LEFT, MASK_RIGHT, VARLEN, MASK_FN, SPLIT)),
+                         MASK_LEFT, MASK_RIGHT, VARLEN, MASK_FN, SPLIT, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
@@ -1234,7 +1278,7 @@ def _scales(scale: float, softcap: float | None, score_mod=None, device=None) ->
 
 
 def _constexprs(plan, left, right, softcap, return_lse, pingpong, *, varlen: bool,
-                score_mod=None, block_mask=None) -> dict:
+                score_mod=None, block_mask=None, dynamic: bool = False) -> dict:
     """The template's flags and launch options of a call (``plan``: :func:`_plan`)."""
     step = tile_step_functions(ATTENTION2, scale="score", gluon=True)
     block_d, block_d2, block_dv, block_n, o_in_q = plan
@@ -1248,7 +1292,7 @@ def _constexprs(plan, left, right, softcap, return_lse, pingpong, *, varlen: boo
                 SCORE_MOD=score_mod.gluon_fn() if score_mod is not None else None,
                 MASK_FN=block_mask.mod.gluon_fn() if block_mask is not None else None,
                 SPLIT=block_mask.BLOCK_SIZE[1] // block_n if block_mask is not None else 1,
-                num_warps=4, maxnreg=MAXNREG)
+                DYNAMIC=dynamic, num_warps=4, maxnreg=MAXNREG)
 
 
 #: the widest q/k tile whose calls walk block masks: the 256-wide plans' key loops spill
@@ -1345,7 +1389,7 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
             0 if left is None else int(left), 0 if right is None else int(right),
             flags, flag_groups, o, o.stride(1), o.stride(2), Dv,
             cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1), *scales[2:], 0,
-            *_block_mask_args(None, q.device, 0))
+            *_block_mask_args(None, q.device, 0), o)
     kwargs = _constexprs(plan, left, right, softcap, return_lse, pingpong, varlen=True,
                          score_mod=score_mod)
     slots, sms = varlen_slots(Nq, n_seqs) * Hq, num_sms(q)
@@ -1414,7 +1458,12 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     (:func:`_softmax_tile`); ``flags`` mark its rows too (a score_mod's ``-inf`` hides
     keys as a window does). ``block_mask`` (:class:`~.mods.BlockMask`, dense calls,
     :func:`fits_block_mask`): each item walks its row's PARTIAL and FULL key blocks
-    only, evaluating the mask_mod in the PARTIAL ones (``flags`` as with a window)."""
+    only, evaluating the mask_mod in the PARTIAL ones (``flags`` as with a window).
+
+    ``persistent``: one program per SM taking items in snake rounds (True) or one program
+    per item (False); by default :func:`persistent_default`, and with a block mask
+    persistent programs that draw the items from a ticket counter (``DYNAMIC``; a
+    zeroed int32 buffer of the call, from :func:`flashfold.kernels.plans.new`)."""
     varlen = cu_seqlens_q is not None
     if varlen and block_mask is not None:
         raise ValueError("block_mask: packed sequences take the Triton kernels' block masks")
@@ -1469,15 +1518,21 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             os_, 0, 0, 0, os_, os_, 0, 0, 0,
             # (the score_mod's tables and scale; the first row's position; the block mask)
             *scales[2:], skip, *_block_mask_args(block_mask, q.device, skip))
-    kwargs = _constexprs(plan, left, right, softcap, return_lse, pingpong, varlen=False,
-                         score_mod=score_mod, block_mask=block_mask)
     sms = num_sms(q)
+    dynamic = False
     if persistent is None:
-        # a block mask's items differ in work, which the persistent snake order does not
-        # even out: one program per item (H200, d128 causal document mask, 8 documents in
-        # 4K: 261-264 us against 296-348 persistent; docs/notes/attention_fwd.md)
-        persistent = block_mask is None and persistent_default(
-            (left is None) != (right is None), len(tiles), sms)
+        # a block mask's items differ in work, which neither the persistent snake order
+        # nor one program per item serves well (the snake does not even them out: H200,
+        # d128 causal document mask, 8 documents in 4K, 296-348 us against 261-264 one
+        # program per item; which pays each program's start for items of a few tiles):
+        # persistent programs draw them from a counter, each as soon as it is free
+        dynamic = block_mask is not None
+        persistent = dynamic or persistent_default((left is None) != (right is None),
+                                                   len(tiles), sms)
+    # the ticket counter of DYNAMIC (zeroed per call: a plan's replays allocate their own)
+    args += (plans.new((1,), torch.int32, q.device, zero=True) if dynamic else os_,)
+    kwargs = _constexprs(plan, left, right, softcap, return_lse, pingpong, varlen=False,
+                         score_mod=score_mod, block_mask=block_mask, dynamic=dynamic)
     items = len(tiles) * B * Hq
     launches = ((_attn_fwd_ws, (min(items, sms) if persistent else items,), args, kwargs),)
     if skip:
