@@ -861,44 +861,41 @@ if gluon is not None:
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, _wgmma_layout(BLOCK_N))
         win = (win_left, win_right, heads_q)
         it = 0
-        if VARLEN:
+        if VARLEN or DYNAMIC:
+            # the items the producer hands (_hand_item), until m = -1: a packed
+            # sequence's (hq, s, qs, q_len, ks, kv_len, m), or DYNAMIC's (t, n_kv, ..)
             info = seqs[5]
             done = 0
             mbarrier.wait(q_ready, 0)
-            hq, s, qs, q_len, ks, kv_len, m = _take_item(info)
+            x, y, qs, x_len, ks, y_len, m = _take_item(info)
             while m >= 0:
-                q0 = m * BLOCK_M
-                t_lo, n_kv, t_a, t_c = _key_tiles(q0, q_len, kv_len, win_left, win_right,
-                                                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-                n_kv = gl.maximum(n_kv, 1)        # (as the producer: rows without keys)
-                _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, done, s,
-                              hq, qs, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M,
-                              BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT,
-                              SOFTCAP, O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP,
-                              FINALIZE, SCORE_MOD, None)
-                it += n_kv
-                done += 1
-                mbarrier.wait(q_ready, done & 1)
-                hq, s, qs, q_len, ks, kv_len, m = _take_item(info)
-        elif DYNAMIC:
-            info = seqs[5]
-            done = 0
-            mbarrier.wait(q_ready, 0)
-            t, n_kv, _, _, _, _, m = _take_item(info)
-            while m >= 0:
-                # (the tile count is the producer's, which read the block mask's lists)
-                b, hq, hk, q0, t_lo, _, t_a, t_c, _ = _tile(
-                    t, shape, bh_total, bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, None,
-                    SPLIT)
+                if VARLEN:
+                    b = y
+                    hq = x
+                    q_start = qs
+                    q_len = x_len
+                    kv_len = y_len
+                    q0 = m * BLOCK_M
+                    t_lo, n_kv, t_a, t_c = _key_tiles(q0, q_len, kv_len, win_left, win_right,
+                                                      BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                    n_kv = gl.maximum(n_kv, 1)        # (as the producer: rows without keys)
+                else:
+                    # item x; its tile count y is the producer's, which read the block
+                    # mask's lists
+                    b, hq, _, q0, t_lo, _, t_a, t_c, _ = _tile(
+                        x, shape, bh_total, bm, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT, None,
+                        SPLIT)
+                    n_kv = y
+                    q_start = 0
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, done, b, hq,
-                              0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
+                              q_start, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
                               BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                               O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
                               SCORE_MOD, MASK_FN)
                 it += n_kv
                 done += 1
                 mbarrier.wait(q_ready, done & 1)
-                t, n_kv, _, _, _, _, m = _take_item(info)
+                x, y, qs, x_len, ks, y_len, m = _take_item(info)
         else:
             rounds = _rounds(shape, bh_total)
             for i in range(rounds):
