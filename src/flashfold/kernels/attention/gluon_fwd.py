@@ -203,12 +203,12 @@ if gluon is not None:
         """Work item ``t = bh n_m + m`` of ``B`` sequences of ``Nq`` rows, numbered
         head-major (the query tiles of a head together, so that the programs running at
         once share its keys and values in L2): ``(b, hq, hk, q0, t_lo, n_kv, t_a, t_c,
-        walk)``, query tile ``m`` (first row ``q0``) of head ``(b, hq)``, its key/value head ``hk`` and its key tiles
-        (:func:`_key_tiles`). ``m`` runs backwards with a right bound (heaviest first).
-        The producer and both consumers call this with the same ``t``, so they walk the
-        same tiles. Every item sees a key (the host launches the kernel on the query rows
-        from the first tile that does: :func:`gluon_attention_fwd`), unless a block mask
-        hides them all.
+        walk)``, query tile ``m`` (first row ``q0``) of head ``(b, hq)``, its key/value
+        head ``hk`` and its key tiles (:func:`_key_tiles`). ``m`` runs backwards with a
+        right bound (heaviest first). The producer and both consumers call this with the
+        same ``t``, so they walk the same tiles. Every item sees a key (the host launches
+        the kernel on the query rows from the first tile that does:
+        :func:`gluon_attention_fwd`), unless a block mask hides them all.
 
         With a block mask (``MASK_FN``; ``bm``: its lists, :func:`_block_mask_args`) the
         item walks the PARTIAL then the FULL key blocks of its row of blocks, ``SPLIT``
@@ -917,7 +917,8 @@ if gluon is not None:
                      q_len, kv_len, heads_q, group, bh_total, qk_scale, step_scale, win_left,
                      win_right, FLAGS, flag_groups, O, stride_oh, stride_on, dv, CU_Q, CU_K,
                      n_seqs, search_levels, search_top, MOD_BUFS, mod_scale, row0, BM,
-                     MASK_BUFS, COUNTER, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                     MASK_BUFS, COUNTER, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_D: gl.constexpr,
                      BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
                      MASK_LEFT: gl.constexpr,
                      MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -1386,7 +1387,7 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
             0 if left is None else int(left), 0 if right is None else int(right),
             flags, flag_groups, o, o.stride(1), o.stride(2), Dv,
             cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1), *scales[2:], 0,
-            *_block_mask_args(None, q.device, 0), o)
+            *_block_mask_args(None, q.device, 0), o)       # (o: no ticket counter)
     kwargs = _constexprs(plan, left, right, softcap, return_lse, pingpong, varlen=True,
                          score_mod=score_mod)
     slots, sms = varlen_slots(Nq, n_seqs) * Hq, num_sms(q)
@@ -1518,10 +1519,10 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     sms = num_sms(q)
     dynamic = False
     if persistent is None:
-        # a block mask's items differ in work, which neither the persistent snake order
-        # nor one program per item serves well (the snake does not even them out: H200,
-        # d128 causal document mask, 8 documents in 4K, 296-348 us against 261-264 one
-        # program per item; which pays each program's start for items of a few tiles):
+        # a block mask's items differ in work: the persistent snake order does not even
+        # them out (H200, d128 causal document mask, 8 documents in 4K: 296-348 us against
+        # 261-264 one program per item), and one program per item pays each program's
+        # start for items of a few tiles (MiniLM's key padding: 78.5 us against 60.7); so
         # persistent programs draw them from a counter, each as soon as it is free
         dynamic = block_mask is not None
         persistent = dynamic or persistent_default((left is None) != (right is None),
