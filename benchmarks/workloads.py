@@ -94,7 +94,10 @@ hence two steps:
 
 Options: ``--quick`` (4 rows), ``--fwd-only``, ``--rows SUBSTRING`` (rows whose key, model
 or shape contains it), ``--no-peers``, ``--budget SECONDS``, ``--fa4-workers N`` (0:
-compile FA4 in this process), ``--smoke`` (CPU, tiny sizes, flashfold's CPU path and
+compile FA4 in this process), ``--kernels`` (after a row's timings, one line per
+implementation and direction: what its eager call runs, by torch.profiler, each kernel's
+device time per call and their sum against the eager time: an eager time far above the
+sum is host time), ``--smoke`` (CPU, tiny sizes, flashfold's CPU path and
 eager FlexAttention; no CUDA peer, no graphs; times are not measurements; also prints the
 FLOP count of every full-size row).
 """
@@ -940,7 +943,48 @@ def second_pass(w: Workload, ctx: Context, rows_left: int, res: RowResult):
                 if ctx.dev == "cuda":
                     torch.cuda.empty_cache()
         print(measure_line(res, measure), flush=True)
+    if ctx.args.kernels:
+        for name, impl in impls.items():
+            for direction in ("fwd", "bwd") if backward and impl.leaves else ("fwd",):
+                eager = res.ms.get((direction, "eager"), {}).get(name)
+                times = kernel_times(_timed(impl, (direction, "eager")), ctx.dev)
+                print(kernels_line(name, direction, times, eager), flush=True)
     res.run = True
+
+
+def kernel_times(fn, dev: str, reps: int = 5) -> list:
+    """What one call of ``fn`` runs, by torch.profiler over ``reps`` calls after one:
+    ``[(us, calls, name)]`` per call, longest first; kernels' device times on CUDA, the
+    operators' own CPU times in a CPU smoke run."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = dev == "cuda"
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = e.device_time_total if cuda else e.self_cpu_time_total
+        if t > 0:
+            rows.append((t / reps, e.count / reps, e.key))
+    return sorted(rows, reverse=True)
+
+
+def kernels_line(name: str, direction: str, times: list, eager_ms, top: int = 6) -> str:
+    """One implementation's kernels of one direction (:func:`kernel_times`): their sum
+    against the eager call's time (a call whose eager time is far above its kernels' sum is
+    bound by its host code), then the longest ``top``, in us per call."""
+    total = sum(t for t, _, _ in times)
+    eager = "-" if eager_ms is None else f"{1e3 * eager_ms:.1f}"
+    parts = [f"{t:.1f} {k[:48]}" + (f" x{c:g}" if c != 1 else "") for t, c, k in times[:top]]
+    return (f"   kernels {direction:<7} {PEER_NAMES[name]}: sum {total:.1f} us, eager {eager} "
+            f"us | " + "; ".join(parts))
 
 
 def _timed(impl: Impl, measure):
@@ -1250,6 +1294,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="", help="only rows whose key, model or shape contains one "
                     "of these comma-separated strings")
     ap.add_argument("--no-peers", action="store_true", help="flashfold only")
+    ap.add_argument("--kernels", action="store_true",
+                    help="after each row's timings, what each implementation's eager call "
+                    "runs (torch.profiler): its kernels' device times per call against the "
+                    "eager time, which tells a host-bound call from a kernel-bound one")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run at tiny sizes (for CI)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds (default 500, --quick 200): no peer compile past budget - 10 s "

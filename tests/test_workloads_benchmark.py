@@ -217,7 +217,7 @@ def test_budget_skips_peers_but_keeps_rows(wl, capsys):
     """Past the budget, peers are skipped and rows are still listed (never dropped)."""
     rows = [w.smoke() for w in wl.grid() if w.key in ("mistral-w4096", "bert")]
     args = types.SimpleNamespace(fwd_only=True, no_peers=False, budget=-100.0, fa4_workers=0,
-                                 rows="", quick=False)
+                                 rows="", quick=False, kernels=False)
     ctx = wl.Context(args, "cpu", torch.bfloat16, len(rows))
     results = [wl.RowResult(w) for w in rows]
     wl.run_rows(results, ctx)
@@ -259,3 +259,20 @@ def test_peer_check_names_an_outlier_only_against_two_agreeing_peers(wl):
     assert wl.peer_verdict([("fa4", False), ("cudnn", True)]) == (False, "")
     assert wl.peer_verdict([("fa4", False), ("cudnn", True), ("flash", False)]) == (False, "")
     assert wl.peer_verdict([("fa4", False)]) == (False, "")
+
+
+def test_kernels_lines_follow_the_timings_and_leave_the_tables_alone(wl, capsys):
+    """``--kernels``: after a row's timings, one line per implementation and direction
+    with what its eager call ran and that call's eager time; the results parser reads the
+    measurement lines as without it."""
+    from flashfold.bench import parse_workloads
+    assert wl.main(["--smoke", "--rows", "bert", "--no-peers", "--kernels"]) == 0
+    out = capsys.readouterr().out
+    lines = re.findall(r"^   kernels (fwd|bwd) +flashfold: sum ([\d.]+) us, eager ([\d.]+) us \| "
+                       r"(.+)$", out, re.M)
+    assert [d for d, *_ in lines] == ["fwd", "bwd"], out[-2000:]
+    for _, total, eager, parts in lines:
+        assert float(total) > 0 and float(eager) > 0 and parts.count(";") >= 1
+    rows = parse_workloads(out).rows
+    assert {(r["direction"], r["mode"]) for r in rows} == {("fwd", "eager"), ("bwd", "eager")}
+    assert all(r["model"] == "BERT-base" for r in rows)
