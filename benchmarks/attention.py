@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 import flashfold
 from flashfold import mods
-from flashfold.bench import graph_replay
+from flashfold.bench import graph_replay, kernel_times
 from flashfold.kernels.attention import bwd, fwd
 from flashfold.kernels.attention.bwd import BwdConfig
 from flashfold.kernels.attention.fwd import FwdConfig
@@ -1181,23 +1181,12 @@ def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
 def bwd_kernels(tokens=16384, H=16, dims=(128, 64), calls=10):
     """``--bwd-kernels``: GPU microseconds per backward by kernel, flashfold (default mode)
     against SDPA cuDNN, and the ratios of the totals and of the main kernels."""
-    from torch.autograd import DeviceType
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.profiler import ProfilerActivity, profile
 
     def kernel_us(o, q, k, v, do):
-        for _ in range(3):
-            torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-        _sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-            _sync()
-        us = {}
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                us[e.name] = us.get(e.name, 0.0) + e.device_time_total / calls
-        return us
+        times = kernel_times(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
+                             reps=calls, warmup=3)
+        return {name: us for us, _, name in times}
 
     print(f"== backward GPU time by kernel (torch.profiler, {calls} calls; us per backward)")
     print("| D | N | mask | ff total | cuDNN total | ff main | cuDNN main | ff other | cuDNN other "

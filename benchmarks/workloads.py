@@ -119,7 +119,7 @@ import torch.nn.functional as F
 
 import flashfold
 from flashfold import mods
-from flashfold.bench import graph_replay
+from flashfold.bench import graph_replay, kernel_times
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENS = 16384
@@ -947,37 +947,14 @@ def second_pass(w: Workload, ctx: Context, rows_left: int, res: RowResult):
         for name, impl in impls.items():
             for direction in ("fwd", "bwd") if backward and impl.leaves else ("fwd",):
                 eager = res.ms.get((direction, "eager"), {}).get(name)
-                times = kernel_times(_timed(impl, (direction, "eager")), ctx.dev)
+                times = kernel_times(_timed(impl, (direction, "eager")),
+                                     cuda=ctx.dev == "cuda")
                 print(kernels_line(name, direction, times, eager), flush=True)
     res.run = True
 
 
-def kernel_times(fn, dev: str, reps: int = 5) -> list:
-    """What one call of ``fn`` runs, by torch.profiler over ``reps`` calls after one:
-    ``[(us, calls, name)]`` per call, longest first; kernels' device times on CUDA, the
-    operators' own CPU times in a CPU smoke run."""
-    from torch.profiler import ProfilerActivity, profile
-    cuda = dev == "cuda"
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(reps):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        t = e.device_time_total if cuda else e.self_cpu_time_total
-        if t > 0:
-            rows.append((t / reps, e.count / reps, e.key))
-    return sorted(rows, reverse=True)
-
-
 def kernels_line(name: str, direction: str, times: list, eager_ms, top: int = 6) -> str:
-    """One implementation's kernels of one direction (:func:`kernel_times`): their sum
+    """One implementation's kernels of one direction (``flashfold.bench.kernel_times``): their sum
     against the eager call's time (a call whose eager time is far above its kernels' sum is
     bound by its host code), then the longest ``top``, in us per call."""
     total = sum(t for t, _, _ in times)

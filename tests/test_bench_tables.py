@@ -368,3 +368,14 @@ def test_run_without_a_gpu_is_one_line_from_the_shell():
     res = _cli("bench", "--run", "attention", "--quick")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert len(res.stderr.strip().splitlines()) == 1 and "no CUDA GPU" in res.stderr
+
+
+def test_kernel_times_lists_what_a_call_runs_per_call():
+    """``kernel_times`` (CPU operators here): per-call times and counts, longest first."""
+    import torch
+    a = torch.randn(256, 256)
+    rows = bench.kernel_times(lambda: (a @ a, a @ a, a.sum()), reps=3, cuda=False)
+    names = {name: calls for _, calls, name in rows}
+    assert names["aten::mm"] == 2 and names["aten::sum"] == 1, rows
+    assert [t for t, _, _ in rows] == sorted((t for t, _, _ in rows), reverse=True)
+    assert all(t > 0 for t, _, _ in rows)

@@ -1535,9 +1535,35 @@ def graph_replay(fn, warmup: int = 2):
     return graph.replay
 
 
+def kernel_times(fn, reps: int = 5, warmup: int = 1, cuda: bool = True) -> list:
+    """What one call of ``fn`` runs, by torch.profiler over ``reps`` calls after ``warmup``
+    unprofiled ones: ``[(us, calls, name)]`` per call, longest first; the kernels' device
+    times (``cuda``), or the operators' own CPU times (CPU runs: not a measurement)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = e.device_time_total if cuda else e.self_cpu_time_total
+        if t > 0:
+            rows.append((t / reps, e.count / reps, e.key))
+    return sorted(rows, reverse=True)
+
+
 __all__ = ["ProgressBar", "progress_bar", "Run", "parse", "parse_file", "parse_attention",
            "parse_attention_backward", "parse_decode", "parse_reductions", "render",
            "plot_attention", "plot_attention_backward", "plot_decode", "plot_reductions",
-           "run_script", "find_benchmarks", "graph_replay", "parse_ring", "parse_transformers",
+           "run_script", "find_benchmarks", "graph_replay", "kernel_times", "parse_ring",
+           "parse_transformers",
            "parse_workloads",
            "command_of", "latest", "results_markdown", "write_results", "FAMILIES", "command"]
