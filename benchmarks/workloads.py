@@ -954,9 +954,9 @@ def second_pass(w: Workload, ctx: Context, rows_left: int, res: RowResult):
 
 
 def kernels_line(name: str, direction: str, times: list, eager_ms, top: int = 6) -> str:
-    """One implementation's kernels of one direction (``flashfold.bench.kernel_times``): their sum
-    against the eager call's time (a call whose eager time is far above its kernels' sum is
-    bound by its host code), then the longest ``top``, in us per call."""
+    """One implementation's kernels of one direction (``flashfold.bench.kernel_times``):
+    their sum against the eager call's time (a call whose eager time is far above its
+    kernels' sum is bound by its host code), then the longest ``top``, in us per call."""
     total = sum(t for t, _, _ in times)
     eager = "-" if eager_ms is None else f"{1e3 * eager_ms:.1f}"
     parts = [f"{t:.1f} {k[:48]}" + (f" x{c:g}" if c != 1 else "") for t, c, k in times[:top]]

@@ -1564,6 +1564,5 @@ __all__ = ["ProgressBar", "progress_bar", "Run", "parse", "parse_file", "parse_a
            "parse_attention_backward", "parse_decode", "parse_reductions", "render",
            "plot_attention", "plot_attention_backward", "plot_decode", "plot_reductions",
            "run_script", "find_benchmarks", "graph_replay", "kernel_times", "parse_ring",
-           "parse_transformers",
-           "parse_workloads",
+           "parse_transformers", "parse_workloads",
            "command_of", "latest", "results_markdown", "write_results", "FAMILIES", "command"]
