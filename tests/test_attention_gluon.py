@@ -431,7 +431,8 @@ def test_query_tiles_without_keys_are_filled_not_computed(lse, flagged):
     sees one (views of q, o, the LSE and the flags, with ``Nq`` reduced accordingly, so
     that each row keeps its bottom-right aligned keys), and a second launch,
     ``_fill_empty_rows`` (run here under the interpreter), writes ``o = 0``, ``lse =
-    -inf`` and clear flags into the rows before, and nothing else."""
+    -inf`` into the rows before, and nothing else (the flags, which the caller zeroes,
+    are not its to write)."""
     from flashfold.kernels.attention import gluon_fwd as G
     q, k, v = _qkv(B=2, NQ=400, NK=272, D=80)                # 3 query tiles, the first empty
     assert len(G.gluon_attention_fwd(q, k, v, causal=True, launch=False)) == 2
@@ -453,13 +454,18 @@ def test_query_tiles_without_keys_are_filled_not_computed(lse, flagged):
     if flagged:
         assert args[18].data_ptr() == flags[4:].data_ptr() and args[19] == 7
     kernel, grid, fargs, fkw = fill
+    assert fargs[0] is o and fargs[1] is (out_lse if lse else o)
+    # (on a machine with a GPU, where the interpreter is off, on copies there)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    fargs = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in fargs)
     kernel[grid](*fargs, **fkw)
+    o = fargs[0].cpu()
     assert (o[:, :, :256] == 0).all() and (o[:, :, 256:] == 7).all()
     if lse:
+        out_lse = fargs[1].cpu()
         assert (out_lse[:, :, :256] == -math.inf).all() and (out_lse[:, :, 256:] == 7).all()
     if flagged:
-        f = flags.view(2 * 4, 7)
-        assert (f[:, :4] == 0).all() and (f[:, 4:] == 7).all()
+        assert (flags == 7).all()
 
 
 def test_persistent_rule():
@@ -503,8 +509,8 @@ def test_dispatch_sends_calls_the_template_lowers():
     config, with at most a score_mod and a block mask that Gluon can lower (the block
     mask on dense calls, its blocks whole tiles; ``eligible`` mocked true: the call is
     recorded, not run), with its window, softcap and packed sequences; a call with a
-    window (causal too), a mod or packed sequences writes the non-finite flags (zeroed
-    for varlen, one per 64 rows of each sequence's longest length) and is followed by the
+    window (causal too), a mod or packed sequences writes the non-finite flags (zeroed,
+    one per 64 rows of each sequence's longest length) and is followed by the
     strict Triton guard, one without is launched alone."""
     import flashfold as ff
     from flashfold import mods, ops
@@ -515,6 +521,7 @@ def test_dispatch_sends_calls_the_template_lowers():
     def fake(q, k, v, *, scale, softcap, left, right, return_lse, out, lse, launch,
              flags=None, **varlen):
         assert not launch                     # (the forward's plan launches it)
+        assert flags is None or not flags.any()
         calls.append((left, right, softcap, flags is not None,
                       varlen.get("max_seqlen_q"), None if flags is None else flags.numel(),
                       varlen.get("score_mod"), varlen.get("block_mask")))
@@ -1128,6 +1135,43 @@ def test_gpu_block_mask_programs_draw_many_items(D):
     v = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
     _gluon_meets_the_criterion(q, k, v, f"many items d{D}", True,
                                mask_mod=_mask_mod("documents-causal", N, N))
+
+
+@pytest.mark.gpu
+def test_gpu_block_mask_hidden_nan():
+    """The non-finite rule on the block-mask path (counter-drawn items, flags zeroed per
+    call and set by the rows they concern): a NaN value at the first key of a document,
+    which the PARTIAL tile of the document before loads and hides, reaches exactly the
+    rows of its own document that see it (NaN, never a number), in the heads that read
+    its KV head; every other row equals the clean problem's, to the criterion."""
+    _needs_sm90()
+    import flashfold as ff
+    from flashfold.kernels.attention import fwd, gluon_fwd
+    B, HQ, HK, N, D = 2, 8, 2, 2048, 128
+    g = torch.Generator(device="cuda").manual_seed(47)
+    q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, HK, N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = _mask_mod("documents-causal", N, N)             # documents of 292-293 keys
+    scale = 1 / math.sqrt(D)
+    ro, rl = _reference(q, k, v, True, scale, mask_mod=mask)
+    naive = (_naive_lowp(q, k, v, True, scale, mask_mod=mask).double() - ro).abs().max().item()
+    v[0, 1, 293] = float("nan")                            # document 1's first key
+    v[1, 0, 1171] = float("nan")                           # document 4's
+    fwd.plan_cache_clear()
+    with mock.patch.object(gluon_fwd, "gluon_attention_fwd",
+                           wraps=gluon_fwd.gluon_attention_fwd) as spy:
+        o, lse = ff.attention(q, k, v, causal=True, mask_mod=mask.fn, return_lse=True)
+    assert spy.call_count == 1 and spy.call_args.kwargs["block_mask"] is not None
+    nan_rows = torch.isnan(o).any(-1)
+    expect = torch.zeros_like(nan_rows)
+    expect[0, 4:, 293:586] = True                          # (heads 4-7 read KV head 1)
+    expect[1, :4, 1171:1463] = True
+    assert torch.equal(nan_rows, expect)
+    assert torch.isnan(o[expect]).all() and not torch.isnan(lse).any()
+    keep = ~expect
+    assert (o.double()[keep] - ro[keep]).abs().max().item() <= 2 * naive + 1e-5
+    assert (lse.double() - rl).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("feature", VARLEN_FEATURES, ids=lambda f: f[0])

@@ -822,11 +822,11 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
         # a window (causal too): its edge tiles hold hidden keys, whose values the Gluon
         # kernel's P V meets (0 x NaN); packed sequences: the next sequence's keys too. Its
         # flags tell the guard which rows to recompute strictly (scratch, not an output:
-        # plans.new, not the swappable output allocator; zeroed for varlen, whose kernel
-        # writes only the flags of rows that exist)
+        # plans.new, not the swappable output allocator; zeroed: the kernel sets the
+        # flags of rows that hold a non-finite o and writes no others)
         n_seq, rows = (cu_seqlens_q.shape[0] - 1, max_seqlen_q) if varlen else (B, NQ)
         flags = plans.new((n_seq * HQ * -(-rows // FLAG_ROWS),), dtype=torch.int32,
-                          device=q.device, zero=varlen)
+                          device=q.device, zero=True)
         launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
                                                  lse=lse, launch=False, flags=flags, **bounds)
         if STRICT_HIDDEN:

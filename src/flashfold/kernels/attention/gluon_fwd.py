@@ -823,12 +823,14 @@ if gluon is not None:
             # edge tile's P V meets the values of hidden keys (0 x NaN; packed, the next
             # sequence's too; keys a score_mod hides), so a non-finite o may be a leak,
             # which the strict Triton guard launched after this kernel recomputes
-            # (:func:`.fwd.prepare_guard`)
+            # (:func:`.fwd.prepare_guard`). The flags are zeroed by the caller; a row
+            # whose o holds a NaN or inf (its sum carries it) stores 1, predicated: no
+            # reduction across the warpgroup's warps. A finite sum that overflows flags
+            # its rows too: the guard recomputes them, exactly.
             if flag_groups != 0:
-                if r0 < q_len:
-                    ok = (gl.abs(o) < float("inf")) | (rows_o >= q_len)[:, None]
-                    bad = gl.max(gl.max(gl.where(ok, 0, 1), 1), 0)
-                    gl.store(FLAGS + (b * heads_q + hq) * flag_groups + r0 // HALF, bad)
+                bad = (~(gl.abs(gl.sum(o, 1)) < float("inf"))) & (rows_o < q_len)
+                flag = FLAGS + (b * heads_q + hq) * flag_groups + r0 // HALF
+                gl.store(flag + gl.zeros_like(rows_o), gl.full_like(rows_o, 1), mask=bad)
 
     @gluon.jit
     def _consumer(descs, bufs, bars, shape, seqs, out, bm, BLOCK_M: gl.constexpr,
@@ -1022,14 +1024,13 @@ if gluon is not None:
 
 
 @triton.jit
-def _fill_empty_rows(O, LSE, FLAGS, n_rows, dv, heads, sob, soh, som, sod, slb, slh,
-                     flag_groups, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     RETURN_LSE: tl.constexpr, FLAGGED: tl.constexpr):
+def _fill_empty_rows(O, LSE, n_rows, dv, heads, sob, soh, som, sod, slb, slh,
+                     BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, RETURN_LSE: tl.constexpr):
     """Rows ``0 .. n_rows`` of every (batch, head) ``bh = program_id(0)``, which see no key
     (the first query tiles of a call with a right bound and ``Nq > Nk``): ``o = 0``,
-    ``lse = -inf`` and, ``FLAGGED``, their non-finite flags (one per 64 rows, ``flag_groups``
-    per head) clear. Program ``(bh, i)`` writes rows ``i BLOCK_R .. (i + 1) BLOCK_R`` (the
-    heads on the grid's first axis, which may exceed 65,535)."""
+    ``lse = -inf`` (their non-finite flags stay as the caller zeroed them). Program ``(bh,
+    i)`` writes rows ``i BLOCK_R .. (i + 1) BLOCK_R`` (the heads on the grid's first axis,
+    which may exceed 65,535)."""
     bh = tl.program_id(0)
     b = bh // heads
     h = bh % heads
@@ -1042,9 +1043,6 @@ def _fill_empty_rows(O, LSE, FLAGS, n_rows, dv, heads, sob, soh, som, sod, slb, 
     if RETURN_LSE:
         tl.store(LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + rows,
                  tl.full([BLOCK_R], float("-inf"), tl.float32), mask=rows < n_rows)
-    if FLAGGED:
-        tl.store(FLAGS + bh.to(tl.int64) * flag_groups + rows // 64,
-                 tl.zeros([BLOCK_R], tl.int32), mask=(rows < n_rows) & (rows % 64 == 0))
 
 
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -1429,8 +1427,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     alignment ``Nk - Nq`` moves with ``Nq``, so a row sees the same keys), and
     :func:`_fill_empty_rows` writes the rows before with ``o = 0``, ``lse = -inf``.
 
-    ``flags`` (windowed or causal calls only): int32 ``(B * Hq * ceil(Nq / 64),)``, every
-    entry written: nonzero where those 64 rows of ``o`` hold a non-finite entry. A tile
+    ``flags`` (windowed or causal calls only): int32 ``(B * Hq * ceil(Nq / 64),)``,
+    zeroed; set to 1 where those 64 rows of ``o`` hold a non-finite entry. A tile
     on a window's edge (the causal diagonal) lets a hidden key's NaN or inf value through
     its ``P V`` (0 x NaN); the forward's dispatch (:func:`.fwd.attention_forward`)
     follows this kernel with the strict guard (:func:`.fwd.prepare_guard`) that
@@ -1534,12 +1532,11 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     items = len(tiles) * B * Hq
     launches = ((_attn_fwd_ws, (min(items, sms) if persistent else items,), args, kwargs),)
     if skip:
-        fill_args = (o, lse if return_lse else o, o if flags is None else flags, skip, Dv, Hq,
-                     *o.stride(), lse.stride(0) if return_lse else 0,
-                     lse.stride(1) if return_lse else 0, flag_groups)
+        fill_args = (o, lse if return_lse else o, skip, Dv, Hq, *o.stride(),
+                     lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0)
         launches += ((_fill_empty_rows, (B * Hq, skip // FILL_ROWS), fill_args,
                       dict(BLOCK_R=FILL_ROWS, BLOCK_DV=BDV, RETURN_LSE=bool(return_lse),
-                           FLAGGED=flags is not None, num_warps=4)),)
+                           num_warps=4)),)
     if not launch:
         return launches
     for one in launches:
