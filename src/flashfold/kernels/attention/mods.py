@@ -60,6 +60,7 @@ written over :mod:`flashfold.ops` like any other, and live above the kernels, in
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -189,11 +190,12 @@ class TracedMod:
         return self._triton
 
     # gluon ------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def gluon_ok(self) -> bool:
         """Whether the Gluon lowering covers every operation of the expression (the Gluon
         language has no ``tanh``, ``sigmoid`` or ``cumsum``: a mod using them runs on the
-        Triton kernels), and a mask_mod's output is not a constant."""
+        Triton kernels), and a mask_mod's output is not a constant. Computed once (the
+        graph does not change; every call's dispatch reads it)."""
         from ..codegen import GLUON
         # (a mask_mod's constant output would broadcast against the scalar b: no layout)
         constant = self.kind == "mask" and any(n.op == "const" for n in self.graph.outputs)
