@@ -430,9 +430,9 @@ def test_query_tiles_without_keys_are_filled_not_computed(lse, flagged):
     when ``Nq - Nk >= 128``): the Gluon kernel runs on the rows from the first tile that
     sees one (views of q, o, the LSE and the flags, with ``Nq`` reduced accordingly, so
     that each row keeps its bottom-right aligned keys), and a second launch,
-    ``_fill_empty_rows`` (run here under the interpreter), writes ``o = 0``, ``lse =
-    -inf`` into the rows before, and nothing else (the flags, which the caller zeroes,
-    are not its to write)."""
+    ``_fill_empty_rows`` (run here: on the GPU where there is one, else under the
+    interpreter), writes ``o = 0``, ``lse = -inf`` into the rows before, and nothing else
+    (the flags, which the caller zeroes, are not its to write)."""
     from flashfold.kernels.attention import gluon_fwd as G
     q, k, v = _qkv(B=2, NQ=400, NK=272, D=80)                # 3 query tiles, the first empty
     assert len(G.gluon_attention_fwd(q, k, v, causal=True, launch=False)) == 2
