@@ -97,7 +97,11 @@ or shape contains it), ``--no-peers``, ``--budget SECONDS``, ``--fa4-workers N``
 compile FA4 in this process), ``--kernels`` (after a row's timings, one line per
 implementation and direction: what its eager call runs, by torch.profiler, each kernel's
 device time per call and their sum against the eager time: an eager time far above the
-sum is host time), ``--smoke`` (CPU, tiny sizes, flashfold's CPU path and
+sum is host time), ``--mask-cost`` (after a block-mask row's timings: flashfold's forward
+from a CUDA graph with the row's block mask, with the same lists but one compare per pair
+in the PARTIAL tiles, and with every listed tile FULL; per visited tile per SM, and the
+share of the row that evaluating the mask takes; the variants' outputs are not the
+row's), ``--smoke`` (CPU, tiny sizes, flashfold's CPU path and
 eager FlexAttention; no CUDA peer, no graphs; times are not measurements; also prints the
 FLOP count of every full-size row).
 """
@@ -950,7 +954,59 @@ def second_pass(w: Workload, ctx: Context, rows_left: int, res: RowResult):
                 times = kernel_times(_timed(impl, (direction, "eager")),
                                      cuda=ctx.dev == "cuda")
                 print(kernels_line(name, direction, times, eager), flush=True)
+    bm = st.kw.get("flashfold", {}).get("mask_mod")
+    if ctx.args.mask_cost and "flashfold" in impls and isinstance(bm, flashfold.BlockMask):
+        print(mask_cost_line(w, x, bm, ctx), flush=True)
     res.run = True
+
+
+def mask_variants(bm) -> dict:
+    """The timing-only relatives of the block mask ``bm`` (:func:`mask_cost_line`), by
+    name: its own block lists with a mask_mod that compares ``kv_idx >= 0`` only (the
+    PARTIAL tiles evaluate one compare per pair), and its tiles all FULL (nothing
+    evaluated). Their outputs are not the row's."""
+    from flashfold.kernels.attention import mods as km
+    one = km.trace_mask_mod(lambda b, h, q_idx, kv_idx: kv_idx >= 0)
+
+    def relisted(state, lists):
+        pn, pi, fn, fi = lists
+        return km.BlockMask(mask_mod=one, state=state, partial_num=pn, partial_idx=pi,
+                            full_num=fn, full_idx=fi, shape=bm.shape,
+                            block_size=bm.BLOCK_SIZE, exact=bm.exact, builtins=bm.builtins)
+    full = torch.where(bm.state == km.PARTIAL, torch.full_like(bm.state, km.FULL), bm.state)
+    return {"one compare per pair": relisted(bm.state, (bm.partial_num, bm.partial_idx,
+                                                        bm.full_num, bm.full_idx)),
+            "no mask evaluated": relisted(full, km._lists(full))}
+
+
+def visited_tiles(w: Workload, bm) -> int:
+    """Key tiles the row's items walk: the block mask's PARTIAL and FULL tiles, over the
+    batches and heads it broadcasts across."""
+    from flashfold.kernels.attention import mods as km
+    Bm, Hm = bm.state.shape[:2]
+    return int((bm.state != km.EMPTY).sum()) * (w.batch // Bm) * (w.Hq // Hm)
+
+
+def mask_cost_line(w: Workload, x: "Inputs", bm, ctx) -> str:
+    """``--mask-cost``: flashfold's forward (from a CUDA graph; eager on the CPU, not a
+    measurement) with the row's block mask and with its :func:`mask_variants`, each also
+    per visited tile per SM, and the share of the row that the mask's evaluation takes
+    (the row against the variant that evaluates nothing)."""
+    q, k, v = (t.detach() for t in (x.q, x.k, x.v))
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if (
+        ctx.dev == "cuda") else 1
+    tiles = visited_tiles(w, bm)
+    cells, times = [], []
+    for name, m in (("as run", bm), *mask_variants(bm).items()):
+        def fn(m=m):
+            with torch.no_grad():
+                return flashfold.attention(q, k, v, mask_mod=m)
+        us = 1e3 * ctx.bench(graph_replay(fn) if ctx.dev == "cuda" else fn)
+        times.append(us)
+        cells.append(f"{name} {us:.1f} us, {us * sms / tiles:.2f} per tile per SM")
+    share = 1 - times[2] / times[0]
+    return (f"   mask cost fwd flashfold: {' | '.join(cells)} | {tiles} visited tiles; "
+            f"evaluating the mask {share:.0%} of the row")
 
 
 def kernels_line(name: str, direction: str, times: list, eager_ms, top: int = 6) -> str:
@@ -1275,6 +1331,11 @@ def main(argv=None) -> int:
                     help="after each row's timings, what each implementation's eager call "
                     "runs (torch.profiler): its kernels' device times per call against the "
                     "eager time, which tells a host-bound call from a kernel-bound one")
+    ap.add_argument("--mask-cost", action="store_true",
+                    help="after the timings of a row with a block mask, flashfold's forward "
+                    "from a CUDA graph with the same block lists but one compare per pair in "
+                    "their PARTIAL tiles, and with every listed tile FULL (timing only): the "
+                    "share of the row that evaluating its mask takes")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run at tiny sizes (for CI)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds (default 500, --quick 200): no peer compile past budget - 10 s "

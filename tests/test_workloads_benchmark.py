@@ -217,7 +217,7 @@ def test_budget_skips_peers_but_keeps_rows(wl, capsys):
     """Past the budget, peers are skipped and rows are still listed (never dropped)."""
     rows = [w.smoke() for w in wl.grid() if w.key in ("mistral-w4096", "bert")]
     args = types.SimpleNamespace(fwd_only=True, no_peers=False, budget=-100.0, fa4_workers=0,
-                                 rows="", quick=False, kernels=False)
+                                 rows="", quick=False, kernels=False, mask_cost=False)
     ctx = wl.Context(args, "cpu", torch.bfloat16, len(rows))
     results = [wl.RowResult(w) for w in rows]
     wl.run_rows(results, ctx)
@@ -276,3 +276,53 @@ def test_kernels_lines_follow_the_timings_and_leave_the_tables_alone(wl, capsys)
     rows = parse_workloads(out).rows
     assert {(r["direction"], r["mode"]) for r in rows} == {("fwd", "eager"), ("bwd", "eager")}
     assert all(r["model"] == "BERT-base" for r in rows)
+
+
+def test_mask_cost_variants_keep_the_rows_tiles(wl):
+    """``--mask-cost``'s variants of a block mask: the same PARTIAL / FULL lists with a
+    mask_mod that only compares ``kv_idx >= 0``, and the same tiles all FULL; and the
+    visited tiles counted over the broadcast batches and heads, against a count by brute
+    force over the row's document ids."""
+    from flashfold.kernels.attention import mods as km
+    w = next(w for w in wl.grid() if w.key == "documents-d64").smoke()
+    st = wl.Static(w, "cpu")
+    st.build("flashfold")
+    bm = st.kw["flashfold"]["mask_mod"]
+    one, full = wl.mask_variants(bm).values()
+    for name in ("partial_num", "partial_idx", "full_num", "full_idx", "state"):
+        assert torch.equal(getattr(one, name), getattr(bm, name)), name
+    i = torch.arange(w.N)
+    assert one.mod.torch_fn("cpu")(0, 0, i[:, None], i[None, :]).all()
+    assert not full.partial_num.any()
+    assert torch.equal(full.full_num, bm.partial_num + bm.full_num)
+    for r in range(bm.state.shape[2]):
+        listed = set(bm.partial_idx[0, 0, r, :bm.partial_num[0, 0, r]].tolist())
+        listed |= set(bm.full_idx[0, 0, r, :bm.full_num[0, 0, r]].tolist())
+        assert set(full.full_idx[0, 0, r, :full.full_num[0, 0, r]].tolist()) == listed
+    ids = st.doc_ids
+    vis = (ids[:, None] == ids[None, :]) & (i[:, None] >= i[None, :])
+    bq, bk = bm.BLOCK_SIZE
+    nq, nk = -(-w.N // bq), -(-w.N // bk)
+    blocks = sum(bool(vis[a * bq:(a + 1) * bq, c * bk:(c + 1) * bk].any())
+                 for a in range(nq) for c in range(nk))
+    assert wl.visited_tiles(w, bm) == blocks * w.batch * w.Hq
+
+
+def test_mask_cost_lines_follow_block_mask_rows_only(wl, capsys):
+    """``--mask-cost``: one line after the timings of each row with a block mask
+    (documents, prefix-LM), naming the row's forward and its two variants with their
+    visited tiles; none for rows without one (a callable mask_mod, no mask)."""
+    rows = ("documents-d64", "prefix-lm-d64", "minilm", "bert")
+    assert wl.main(["--smoke", "--rows", ",".join(rows), "--no-peers", "--fwd-only",
+                    "--mask-cost"]) == 0
+    out = capsys.readouterr().out
+    lines = re.findall(r"^   mask cost fwd flashfold: as run ([\d.]+) us, [\d.]+ per tile per SM "
+                       r"\| one compare per pair ([\d.]+) us, [\d.]+ per tile per SM \| no mask "
+                       r"evaluated ([\d.]+) us, [\d.]+ per tile per SM \| (\d+) visited tiles; "
+                       r"evaluating the mask -?\d+% of the row$", out, re.M)
+    assert len(lines) == 2, out[-3000:]
+    for w, line in zip([w.smoke() for w in wl.grid() if w.key in rows[:2]], lines):
+        st = wl.Static(w, "cpu")
+        st.build("flashfold")
+        assert int(line[3]) == wl.visited_tiles(w, st.kw["flashfold"]["mask_mod"])
+        assert all(float(t) > 0 for t in line[:3])
