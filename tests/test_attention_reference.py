@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashfold
-from flashfold import mods
+from flashfold import mods, ops
 from flashfold.kernels.attention.mods import (EMPTY, FULL, PARTIAL, create_block_mask,
                                               trace_mask_mod)
 from flashfold.kernels.attention.reference import (attention_reference, merge_states_reference,
@@ -380,6 +380,13 @@ def _qkv(**over):
     ({}, {"softcap": -1.0}, ValueError, "softcap"),
     ({}, {"causal": 1}, TypeError, "causal must be a bool"),
     ({}, {"score_mod": 3}, TypeError, "score_mod must be a callable"),
+    # a mask_mod returns a truth value, a score_mod a score; each takes its positions
+    ({}, {"mask_mod": lambda b, h, i, j: i - j}, TypeError, "mask_mod .* must return a truth"),
+    ({}, {"mask_mod": lambda b, h, i, j: ops.Buffer(torch.ones(8, dtype=torch.int8))[j]},
+     TypeError, "mask_mod .* must return a truth"),
+    ({}, {"score_mod": lambda s, b, h, i, j: i >= j}, TypeError, "score_mod .* truth value"),
+    ({}, {"mask_mod": lambda b, h, i: i >= 0}, TypeError, r"mask_mod .* must take \(b, h, q_idx"),
+    ({}, {"score_mod": lambda s, b: s}, TypeError, r"score_mod .* must take \(score, b, h"),
     ({}, {"cu_seqlens_q": torch.tensor([0, 8], dtype=torch.int32)}, ValueError, "given together"),
     ({}, {"cu_seqlens_q": torch.tensor([0, 8]), "cu_seqlens_k": torch.tensor([0, 8])}, TypeError, "int32"),
     ({}, {"cu_seqlens_q": torch.tensor([0, 9, 8], dtype=torch.int32),
@@ -414,3 +421,21 @@ def test_empty_inputs():
     assert flashfold.attention(q, k, k).shape == (1, 2, 0, 32)
     o, lse = flashfold.attention(k, q, q, return_lse=True)      # no keys at all
     assert (o == 0).all() and (lse == -math.inf).all()
+
+
+def test_mask_mods_of_bool_tables_and_where_are_truth_values():
+    """A mask_mod may return an entry of a bool table, or a ``where`` between truth
+    values: the first gives the attention of the same table applied by the float64
+    oracle, the second that of the same mask written with ``|``."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64, generator=g) for _ in range(3))
+    allowed = torch.rand(8, 8, generator=g) > 0.3
+    allowed[:, 0] = True
+    tab = ops.Buffer(allowed)
+    o = flashfold.attention(q, k, v, mask_mod=lambda b, h, i, j: tab[i, j])
+    want, _ = naive_attention(q, k, v, mask_mod=lambda b, h, i, j: allowed[i, j])
+    assert_close(o, want)
+    o_where = flashfold.attention(q, k, v, mask_mod=lambda b, h, i, j: ops.where(i >= j, True, j == 0))
+    o_or = flashfold.attention(q, k, v, mask_mod=lambda b, h, i, j: (i >= j) | (j == 0))
+    assert torch.equal(o_where, o_or)
+    assert not torch.equal(o_or, o)

@@ -18,7 +18,11 @@ the function forms for ``b < B`` (batch, or sequences with ``cu_seqlens``), ``h 
 before computing anything (:meth:`TracedMod.check_tables`; e.g. ``document_mask`` with 10
 ids for 16 positions, ``alibi(2)`` on 4 heads). To read a shorter table on purpose, clamp
 the index in the function (``tab[ops.minimum(q_idx, n - 1)]``); an index computed from a
-value (the score, another table's entry) is not checked.
+value (the score, another table's entry) is not checked. A mask_mod returns a truth value
+(a comparison, ``&``, ``|``, ``~``, a bool, an entry of a bool table, or a ``where``
+between them) and a score_mod a score: the trace raises ``TypeError`` naming the mod
+otherwise (an integer mask would be read as "nonzero is visible", a boolean score as 0 / 1:
+both silently wrong), and for a function that does not take its positions.
 
 Each function is traced once (per function object) into the same IR the monoids use
 (:func:`trace_score_mod`, :func:`trace_mask_mod` -> :class:`TracedMod`) and lowered
@@ -61,6 +65,7 @@ written over :mod:`flashfold.ops` like any other, and live above the kernels, in
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import threading
 import weakref
@@ -490,9 +495,25 @@ def _trace(kind: str, fn, inputs) -> TracedMod:
         return hit
     name = getattr(fn, "__name__", kind + "_mod")
     try:
+        inspect.signature(fn).bind(*inputs)
+    except TypeError as e:
+        raise TypeError(f"{kind}_mod {name!r} must take ({', '.join(v.name for v in inputs)}): "
+                        f"{e}") from None
+    except ValueError:                             # (no signature to read: traced as is)
+        pass
+    try:
         graph = trace(fn, list(inputs), f"{kind}_mod.{name}", n_outputs=1)
     except ValueError as e:
         raise ValueError(f"{kind}_mod {name!r} must return exactly one value: {e}") from None
+    truth = _truth_value(graph.outputs[0])
+    if kind == "mask" and not truth:
+        raise TypeError(f"mask_mod {name!r} must return a truth value (a comparison, &, |, ~, "
+                        f"a bool or an entry of a bool table), got a value of "
+                        f"{graph.outputs[0].op!r}; compare it (e.g. != 0) to say which keys "
+                        f"are visible")
+    if kind == "score" and truth:
+        raise TypeError(f"score_mod {name!r} returns a truth value, not a score: a mask "
+                        f"belongs in mask_mod")
     mod = TracedMod(kind, fn, graph)
     try:
         with _TRACE_LOCK:
@@ -500,6 +521,20 @@ def _trace(kind: str, fn, inputs) -> TracedMod:
     except TypeError:
         pass
     return mod
+
+
+def _truth_value(n) -> bool:
+    """Whether a traced value is a truth value: a comparison or logical op, a bool
+    constant, an entry of a bool table, or a ``where`` between truth values."""
+    if n.op in BOOLEAN:
+        return True
+    if n.op == "const":
+        return isinstance(n.attr, bool)
+    if n.op == "load":
+        return str(getattr(n.attr.data, "dtype", "")) in ("torch.bool", "bool")
+    if n.op == "where":
+        return _truth_value(n.args[1]) and _truth_value(n.args[2])
+    return False
 
 
 def trace_score_mod(fn) -> TracedMod:
