@@ -219,9 +219,9 @@ def _fold_constants(op, nodes):
     """Cheap algebraic simplifications that keep the IR small and readable."""
     if op in ("add",):
         a, b = nodes
-        if _is_const(a, 0) and not _is_bool(b):
+        if _is_const(a, 0) and not is_bool(b):
             return b
-        if _is_const(b, 0) and not _is_bool(a):
+        if _is_const(b, 0) and not is_bool(a):
             return a
     if op == "mul":
         a, b = nodes
@@ -238,7 +238,9 @@ def _is_const(n: Node, value) -> bool:
     return n.op == "const" and not isinstance(n.attr, bool) and n.attr == value
 
 
-def _is_bool(n: Node) -> bool:
+def is_bool(n: Node) -> bool:
+    """Whether a node is a truth value by the IR's own rule: a comparison or logical op,
+    or a bool constant."""
     return n.op in BOOLEAN or (n.op == "const" and isinstance(n.attr, bool))
 
 

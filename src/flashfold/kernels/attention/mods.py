@@ -74,7 +74,7 @@ from collections import OrderedDict
 import torch
 
 from ...algebra.autodiff import derivative
-from ...algebra.ir import BOOLEAN, Graph, Var, _is_bool, trace
+from ...algebra.ir import BOOLEAN, Graph, Var, is_bool, trace
 from ...algebra.lower import function_source
 from ..torch_lower import TORCH
 
@@ -526,7 +526,7 @@ def _trace(kind: str, fn, inputs) -> TracedMod:
 def _truth_value(n) -> bool:
     """Whether a traced value is a truth value: a comparison or logical op, a bool
     constant, an entry of a bool table, or a ``where`` between truth values."""
-    if _is_bool(n):                                # (the IR's rule: comparisons, bools)
+    if is_bool(n):                                # (the IR's rule: comparisons, bools)
         return True
     if n.op == "load":
         return str(getattr(n.attr.data, "dtype", "")) in ("torch.bool", "bool")
