@@ -170,6 +170,34 @@ def test_cpu_path_is_differentiable():
         assert_close(g, t.grad, "float64", name=f"d{n}")
 
 
+@pytest.mark.parametrize("d,dv", [(300, 300), (264, 520), (1, 257)])
+def test_cpu_path_takes_any_head_dim(d, dv):
+    """The CPU reference has no tile: head dims past the kernels' 256 compute (as SDPA's
+    math path does), forward and backward, against the naive float64 oracle."""
+    shape = Shape(1, 4, 2, 9, 13, d, dv)
+    q, k, v = (t.requires_grad_() for t in make_qkv(shape, torch.float64, seed=5))
+    o, lse = flashfold.attention(q, k, v, causal=True, return_lse=True)
+    ro, rl = naive_attention(q, k, v, causal=True)
+    assert o.shape == (1, 4, 9, dv)
+    _check((o, lse), (ro, rl), v, "float64", f"d{d}/{dv}")
+    grads = torch.autograd.grad(o.sum(), (q, k, v))
+    want = torch.autograd.grad(ro.sum(), (q, k, v))
+    for g, w, n in zip(grads, want, "qkv"):
+        assert_close(g, w, "float64", name=f"d{n}")
+
+
+@pytest.mark.parametrize("d,dv,which", [(300, 300, "q/k"), (64, 257, "v")])
+def test_kernel_path_names_a_head_dim_past_its_tiles(monkeypatch, d, dv, which):
+    """The GPU kernels' tiles end at 256: the kernel path (here forced on CPU tensors)
+    raises before any launch, naming the tensor and the bound."""
+    from flashfold.api import attention as api
+    monkeypatch.setattr(api, "_use_kernel", lambda q: True)
+    q, k, v = make_qkv(Shape(1, 2, 2, 8, 8, d, dv), torch.float16)
+    with pytest.raises(ValueError, match=rf"^{which} head_dim must be in 1..256 for the GPU "
+                                         rf"kernels, got {dv if which == 'v' else d}"):
+        flashfold.attention(q, k, v)
+
+
 # --- merge_states ------------------------------------------------------------------------------
 
 def _parts(q, k, v, cuts, mask=None):
@@ -368,8 +396,8 @@ def _qkv(**over):
     ({"k": torch.zeros(1, 3, 8, 32), "v": torch.zeros(1, 3, 8, 32)}, {}, ValueError, "multiple of k/v heads"),
     ({"v": torch.zeros(1, 2, 9, 32)}, {}, ValueError, "v seq length"),
     ({"k": torch.zeros(1, 2, 8, 64)}, {}, ValueError, "k head_dim"),
-    ({"q": torch.zeros(1, 4, 8, 300), "k": torch.zeros(1, 2, 8, 300)}, {}, ValueError,
-     "head_dim must be in 1..256, got 300"),
+    ({"q": torch.zeros(1, 4, 8, 0), "k": torch.zeros(1, 2, 8, 0)}, {}, ValueError,
+     "head_dim must be >= 1, got 0"),
     ({"k": torch.zeros(2, 2, 8, 32)}, {}, ValueError, "batch sizes"),
     ({"k": torch.zeros(1, 2, 8, 32, device="meta")}, {}, ValueError, "k is on meta but q is on cpu"),
     ({}, {"window": 3}, ValueError, "window must be a pair"),

@@ -857,10 +857,10 @@ INVALID = {
     "attention q/k head_dim mismatch": (lambda d: (lambda q, k, v: lambda: flashfold.attention(
         q, torch.randn(*k.shape[:3], 64 if q.shape[-1] == 32 else 32), v))(*_qkv(d)), VE,
         "head_dim"),
-    "attention unsupported head_dim": (lambda d: (lambda q, k, v: lambda: flashfold.attention(
-        q, k, v))(*_qkv(d, D=d(st.sampled_from([257, 300, 512])))), VE, "head_dim"),
-    "attention unsupported v head_dim": (lambda d: (lambda q, k, v: lambda: flashfold.attention(
-        q, k, v))(*_qkv(d, DV=d(st.sampled_from([257, 300])))), VE, "head_dim"),
+    "attention empty head_dim": (lambda d: (lambda q, k, v: lambda: flashfold.attention(
+        q[..., :0], k[..., :0], v))(*_qkv(d)), VE, "head_dim must be >= 1"),
+    "attention empty v head_dim": (lambda d: (lambda q, k, v: lambda: flashfold.attention(
+        q, k, v[..., :0]))(*_qkv(d)), VE, "v head_dim must be >= 1"),
     # attention: options
     "attention causal not a bool": (lambda d: _att(d, causal=d(st.sampled_from([1, "yes", None]))),
                                     TE, "causal"),

@@ -434,7 +434,7 @@ def test_helpers_validation():
         unshard([x, x[0]])
 
 
-def test_ring_attention_local_validation():
+def test_ring_attention_local_validation(monkeypatch):
     q = torch.randn(1, 2, 8, D, dtype=torch.float64)
     with pytest.raises(ValueError, match="same positions"):
         ring_attention(q, q[:, :, :5], q[:, :, :5])
@@ -444,9 +444,15 @@ def test_ring_attention_local_validation():
         ring_attention(q, q, q, causal=1)
     with pytest.raises(TypeError, match="group"):
         ring_attention(q, q, q, group="world")
-    wide = torch.randn(1, 2, 8, 300, dtype=torch.float64)       # past the largest head dim
-    with pytest.raises(ValueError, match="head_dim"):
-        ring_attention(wide, wide, wide)
+    empty = torch.randn(1, 2, 8, 0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="head_dim must be >= 1"):
+        ring_attention(empty, empty, empty)
+    from flashfold.api import attention as api
+    wide = torch.randn(1, 2, 8, 300, dtype=torch.float16)       # past the kernels' tiles
+    with monkeypatch.context() as m:
+        m.setattr(api, "_use_kernel", lambda q: True)
+        with pytest.raises(ValueError, match="head_dim must be in 1..256 for the GPU kernels"):
+            ring_attention(wide, wide, wide)
     with pytest.raises(ValueError, match="scale"):
         ring_attention(q, q, q, scale=-1.0)
     if not dist.is_initialized():

@@ -102,6 +102,7 @@ from .fp8 import check_fp8_call, is_fp8
 from .validate import MAX_HEAD_DIM
 from .validate import check_bool as _check_bool
 from .validate import check_positive as _check_positive
+from .validate import check_kernel_head_dims as _check_kernel_head_dims
 from .validate import check_qkv as _check_qkv
 from .validate import check_tensor as _check_tensor
 from .validate import check_window as _check_window
@@ -165,9 +166,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     ----------
     q: ``(B, Hq, Nq, D)``; k: ``(B, Hk, Nk, D)``; v: ``(B, Hk, Nk, Dv)``: any strides,
         ``Hq`` a multiple of ``Hk`` (GQA/MQA: query head ``h`` reads kv head
-        ``h // (Hq // Hk)``), ``D, Dv`` in ``1 .. 256`` (:data:`MAX_HEAD_DIM`; the kernels
-        pad to the next power of two inside the tile); fp16/bf16 (CUDA), also fp32/fp64 on
-        CPU. With ``cu_seqlens_*``: ``B == 1``, sequences packed along seq.
+        ``h // (Hq // Hk)``), ``D, Dv`` in ``1 .. 256`` on CUDA (:data:`MAX_HEAD_DIM`; the
+        kernels pad to the next power of two inside the tile), any ``>= 1`` on the CPU;
+        fp16/bf16 (CUDA), also fp32/fp64 on CPU. With ``cu_seqlens_*``: ``B == 1``, sequences packed along seq.
     causal: bottom-right aligned causal mask (``j <= i + Nk - Nq``).
     window: ``(left, right)`` sliding window around the aligned diagonal; ``None``/``-1``
         leaves a side unbounded, and so does a side at least as long as the sequence
@@ -219,6 +220,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
                              f"{getattr(q, 'dtype', type(q).__name__)}")
     compiling = torch.compiler.is_compiling()
     _check_qkv(q, k, v)
+    if _use_kernel(q):
+        _check_kernel_head_dims(q, v)
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     _check_bool("deterministic", deterministic)

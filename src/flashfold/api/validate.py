@@ -86,9 +86,10 @@ def unbounded_beyond(side, n):
     return None if side is not None and side >= n else side
 
 
-#: the largest head dim of attention and decode (q/k and v independently take any of
-#: ``1 .. MAX_HEAD_DIM``: the kernels' tiles are the next power of two, at least 16, the
-#: padding masked inside the kernel, never copied on the host)
+#: the largest head dim of the GPU kernels of attention and decode (q/k and v independently
+#: take any of ``1 .. MAX_HEAD_DIM``: the kernels' tiles are the next power of two, at least
+#: 16, the padding masked inside the kernel, never copied on the host); attention's CPU
+#: reference takes any head dim >= 1
 MAX_HEAD_DIM = 256
 #: attention's dtypes on CUDA and elsewhere
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
@@ -99,7 +100,7 @@ def check_qkv(q, k, v, dtypes=None) -> None:
     """Attention's ``q (B, Hq, S, D)``, ``k (B, Hkv, L, D)``, ``v (B, Hkv, L, Dv)``: tensors
     of 4 dims, one dtype (:data:`CUDA_DTYPES` on CUDA, :data:`CPU_DTYPES` elsewhere) and one
     device (``dtypes``, when given, instead), ``Hq`` a multiple of ``Hkv`` (GQA / MQA), ``D``
-    and ``Dv`` in ``1 ..`` :data:`MAX_HEAD_DIM`;
+    and ``Dv`` >= 1 (the kernels' bound is :func:`check_kernel_head_dims`);
     ``TypeError`` for a type or dtype, ``ValueError`` for a shape or device, naming the
     tensor."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -128,8 +129,17 @@ def check_qkv(q, k, v, dtypes=None) -> None:
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"k head_dim {k.shape[3]} does not match q head_dim {q.shape[3]}")
     for name, d in (("q/k", q.shape[3]), ("v", v.shape[3])):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{name} head_dim must be in 1..{MAX_HEAD_DIM}, got {d}")
+        if d < 1:
+            raise ValueError(f"{name} head_dim must be >= 1, got {d}")
+
+
+def check_kernel_head_dims(q, v) -> None:
+    """``ValueError`` unless ``q``'s and ``v``'s head dims fit the GPU kernels' tiles
+    (``1 ..`` :data:`MAX_HEAD_DIM`); the CPU reference takes any."""
+    for name, d in (("q/k", q.shape[3]), ("v", v.shape[3])):
+        if d > MAX_HEAD_DIM:
+            raise ValueError(f"{name} head_dim must be in 1..{MAX_HEAD_DIM} for the GPU "
+                             f"kernels, got {d} (the CPU reference takes any head_dim)")
 
 
 def is_meta(t) -> bool:
@@ -144,5 +154,6 @@ def no_values(name: str, what: str) -> ValueError:
 
 
 __all__ = ["WindowTypeError", "check_tensor", "check_bool", "check_positive", "check_window",
-           "unbounded_beyond", "MAX_HEAD_DIM", "CUDA_DTYPES", "CPU_DTYPES", "check_qkv", "is_meta",
+           "unbounded_beyond", "MAX_HEAD_DIM", "CUDA_DTYPES", "CPU_DTYPES", "check_qkv",
+           "check_kernel_head_dims", "is_meta",
            "no_values"]

@@ -105,7 +105,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..api.validate import check_positive, check_qkv
+from ..api.validate import check_kernel_head_dims, check_positive, check_qkv
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -634,6 +634,8 @@ def ring_attention(q, k, v, *, group=None, causal=False, layout="contiguous", sc
     Differentiable (``o`` and ``lse``); every rank must run the forward and the backward.
     """
     check_qkv(q, k, v)
+    if _on_kernel(q):
+        check_kernel_head_dims(q, v)
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"q and k/v must hold the same positions of the sequence: q has "
                          f"{q.shape[2]} rows, k/v {k.shape[2]}")
