@@ -37,6 +37,14 @@ def _variants():
     out.append(("d128-everything-tma", dict(D=128, everything=True, config=cfg(128, causal=True)), True))
     out.append(("d128-everything-pointers", dict(D=128, everything=True, config=cfg(128, False, causal=True)), False))
     out.append(("d64-varlen-blockmask-pointers", dict(D=64, varlen=True, config=cfg(64, False)), False))
+    # the FP8 flag (E4M3 q, k, v; P quantized for an 8-bit P V): dense, causal, a window
+    # (flagged for the guard), head dim 256, and packed sequences through pointers
+    out.append(("d128-fp8-tma", dict(D=128, fp8=True, config=cfg(128)), True))
+    out.append(("d128-causal-fp8-tma", dict(D=128, fp8=True, causal=True, config=cfg(128, causal=True)), True))
+    out.append(("d128-window-softcap-fp8-tma", dict(D=128, fp8=True, window=(256, 0), softcap=30.0,
+                                                    config=cfg(128, causal=True)), True))
+    out.append(("d256-causal-fp8-tma", dict(D=256, fp8=True, causal=True, config=cfg(256, causal=True)), True))
+    out.append(("d64-varlen-fp8-pointers", dict(D=64, fp8=True, varlen_only=True, config=cfg(64, False)), False))
     return out
 
 
@@ -52,7 +60,7 @@ def _compile_all():
     for vid, kw, want_tma in _variants():
         try:
             D = kw["D"]
-            dtype = getattr(torch, kw.get("dtype", "bfloat16"))
+            dtype = torch.float8_e4m3fn if kw.get("fp8") else getattr(torch, kw.get("dtype", "bfloat16"))
             N, H, HK = 1024, 4, 2
             q = torch.empty(1, H, N, D, dtype=dtype)
             k = torch.empty(1, HK, N, D, dtype=dtype)
@@ -72,17 +80,22 @@ def _compile_all():
             if kw.get("everything"):
                 extra.update(score_mod=trace_score_mod(mods.alibi(H)), softcap=20.0)
                 left, right = 512, 0
-            if kw.get("varlen"):
+            if kw.get("varlen") or kw.get("varlen_only"):
                 cu = torch.tensor([0, 300, 1024], dtype=torch.int32)
                 extra.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=724, max_seqlen_k=724)
+            if kw.get("fp8"):
+                rows = 2 if kw.get("varlen_only") else 1
+                extra.update(descales=tuple(torch.empty(rows, HK) for _ in range(3)),
+                             out_dtype=torch.bfloat16)
             extra.setdefault("softcap", kw.get("softcap"))
             _, _, (grid, args, kwargs) = fwd.prepare_forward(
                 q, k, v, scale=1 / math.sqrt(D), left=left, right=right, config=kw["config"],
-                interpret=False, **extra)
+                interpret=False, flagged=left is not None or "cu_seqlens_q" in extra, **extra)
             info = compile_launch(fwd._attn_fwd, args, kwargs)
+            e4m3 = "e4m3" in " ".join(l for l in info.ptx.splitlines() if "wgmma.mma_async" in l)
             print(json.dumps(dict(id=vid, ok=True, regs=info.registers, spill=info.spill_bytes,
                                   smem=info.shared, tma=info.uses_tma, wgmma=info.uses_wgmma,
-                                  want_tma=want_tma)), flush=True)
+                                  want_tma=want_tma, e4m3=e4m3)), flush=True)
         except Exception as e:  # reported, then asserted by the test
             print(json.dumps(dict(id=vid, ok=False, error=repr(e)[-2000:])), flush=True)
     # the merge kernel generated from ATTENTION's combine (stacked and pair forms)
@@ -116,7 +129,10 @@ def compiled():
 EXPECTED = [v[0] for v in [("d64-tma",), ("d128-tma",), ("d256-tma",), ("d128-pointers",),
                            ("d96-padded-tma",), ("d80-padded-tma",), ("d128-causal-fp16",), ("d128-window-softcap",),
                            ("d128-everything-tma",), ("d128-everything-pointers",),
-                           ("d64-varlen-blockmask-pointers",), ("merge-stacked",), ("merge-pair",)]]
+                           ("d64-varlen-blockmask-pointers",), ("d128-fp8-tma",),
+                           ("d128-causal-fp8-tma",), ("d128-window-softcap-fp8-tma",),
+                           ("d256-causal-fp8-tma",), ("d64-varlen-fp8-pointers",),
+                           ("merge-stacked",), ("merge-pair",)]]
 
 
 @pytest.mark.parametrize("vid", EXPECTED)
@@ -130,6 +146,8 @@ def test_compiles_for_sm90(compiled, vid):
     if vid.startswith("d"):
         assert r["wgmma"], f"{vid}: no wgmma in the PTX"
         assert r["tma"] == r["want_tma"], f"{vid}: TMA use {r['tma']}, expected {r['want_tma']}"
+        # E4M3 products exactly where the FP8 flag is on (both matmuls on 8-bit operands)
+        assert r["e4m3"] == ("fp8" in vid), f"{vid}: E4M3 wgmma {r['e4m3']}"
 
 
 if __name__ == "__main__":

@@ -193,9 +193,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         float32 ``(B, Hk)`` factors (``(S, Hk)`` with ``cu_seqlens``): each tensor stands
         for ``x8 * descale`` (:mod:`flashfold.api.fp8`; ``quantize_fp8`` makes them).
         Forward only; no score_mod / mask_mod; statistics in fp32, ``P`` quantized to FP8
-        with its own scale (:func:`~flashfold.kernels.attention.reference.fp8_attention_reference`).
-        CPU only for now (the E4M3 GPU kernel is not built: CUDA raises
-        ``NotImplementedError``).
+        with its own scale (:func:`~flashfold.kernels.attention.reference.fp8_attention_reference`,
+        what the CPU runs). On CUDA the Triton template's ``FP8`` flag runs it (E4M3
+        products on the tensor cores; head dims up to 256).
     out_dtype: the output dtype of an FP8 call (bf16 by default; fp16, fp32).
 
     Returns ``o`` ``(B, Hq, Nq, Dv)`` in the input dtype (contiguous), and ``lse`` when
@@ -353,10 +353,17 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
     if meta:
         o = torch.empty(q.shape[:3] + (v.shape[3],), dtype=out_dtype, device="meta")
         return (o, torch.empty(q.shape[:3], device="meta")) if return_lse else o
-    if q.device.type == "cuda":
-        raise NotImplementedError("FP8 attention on CUDA: the E4M3 kernel is not built yet "
-                                  "(the CPU computes the reference); dequantize to bf16 "
-                                  "for the GPU kernels")
+    if _use_kernel(q):
+        from ..kernels.attention.autograd import kernel_forward
+        _check_kernel_head_dims(q, v)
+        o, lse = kernel_forward(q, k, v, scale=1.0 / math.sqrt(q.shape[3]) if scale is None
+                                else scale, softcap=softcap, left=left, right=right,
+                                score=None, mask=None, block_mask=None, cu_q=cu_seqlens_q,
+                                cu_k=cu_seqlens_k, lens_q=lens_q if varlen else None,
+                                lens_k=lens_k if varlen else None, return_lse=return_lse,
+                                descales=(q_descale, k_descale, v_descale),
+                                out_dtype=out_dtype)
+        return (o, lse) if return_lse else o
     o, lse = fp8_attention_reference(q, k, v, q_descale, k_descale, v_descale,
                                      window=(-1 if left is None else left,
                                              -1 if right is None else right),

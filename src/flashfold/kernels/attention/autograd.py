@@ -197,18 +197,19 @@ def _lengths(cu):
 
 def kernel_forward(q, k, v, *, scale, softcap, left, right, score: TracedMod | None,
                    mask: TracedMod | None, block_mask: BlockMask | None, cu_q=None, cu_k=None,
-                   lens_q=None, lens_k=None, return_lse=True):
+                   lens_q=None, lens_k=None, return_lse=True, descales=None, out_dtype=None):
     """The Triton forward with the block mask prepared: a user's BlockMask is used as is
     (with bounds / windows applied inside its FULL tiles when it cannot know them), a
     callable mask_mod gets an exact table for these lengths and window (cached).
-    ``lens_*``: per-sequence lengths when already known (else read from ``cu_*``)."""
+    ``lens_*``: per-sequence lengths when already known (else read from ``cu_*``).
+    ``descales``, ``out_dtype``: an FP8 call's (:func:`.fwd.attention_forward`)."""
     from . import fwd
 
     B, HQ, NQ, _ = q.shape
     DV = v.shape[3]
     if B == 0 or HQ == 0 or NQ == 0 or k.shape[2] == 0:
         # nothing to compute, or no key at all: o = 0, lse = -inf
-        o = torch.zeros((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
+        o = torch.zeros((B, HQ, NQ, DV), dtype=out_dtype or q.dtype, device=q.device)
         lse = torch.full((B, HQ, NQ), -math.inf, dtype=torch.float32, device=q.device)
         return o, (lse if return_lse else None)
     varlen = cu_q is not None
@@ -234,7 +235,8 @@ def kernel_forward(q, k, v, *, scale, softcap, left, right, score: TracedMod | N
         return fwd.attention_forward(
             q, k, v, scale=scale, softcap=softcap, left=left, right=right, score_mod=score,
             block_mask=block_mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seq_q,
-            max_seqlen_k=seq_k, return_lse=return_lse, full_needs_mask=full_needs_mask)
+            max_seqlen_k=seq_k, return_lse=return_lse, full_needs_mask=full_needs_mask,
+            descales=descales, out_dtype=out_dtype)
 
 
 def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,

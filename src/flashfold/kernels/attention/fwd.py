@@ -70,7 +70,11 @@ Constexpr flags: ``MASK_LEFT``/``MASK_RIGHT`` (window sides; causal is ``right =
 (the block table does not already account for bounds / causal / window),
 ``IS_VARLEN``, ``USE_TMA``, ``RETURN_LSE``, ``REVERSE_M`` (causal: heaviest query tiles
 first), ``STRICT`` (masked tiles' ``P V`` leaves hidden keys out: the guard's), ``FLAGGED``
-(the epilogue writes the tile's non-finite flag).
+(the epilogue writes the tile's non-finite flag), ``FP8`` (E4M3 q, k, v with float32
+descale factors per (batch or sequence, KV head): ``q_descale k_descale`` joins the score
+scale, ``P`` enters ``P V`` as E4M3 times :data:`P_SCALE_FP8`, and the finalize multiplies
+``acc`` by ``v_descale / P_SCALE_FP8``; statistics fp32 as always;
+:func:`.reference.fp8_attention_reference` is its semantics).
 
 Layouts: ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``, any strides
 (TMA needs a unit last stride and 16-byte aligned strides/base, else the pointer path);
@@ -96,6 +100,9 @@ from .mods import BlockMask, TracedMod, plan_tables
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+#: the factor of ``P`` (``<= 1``) before its rounding to E4M3 for an FP8 ``P V``: the
+#: format's largest value (:data:`.reference.FP8_MAX`)
+P_SCALE_FP8 = tl.constexpr(448.0)
 
 try:  # Triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -210,7 +217,8 @@ def _pv_strict(acc, p, v, vis):
     product is exact; otherwise (rare: a NaN or inf in the tile, or a sum overflowing)
     the product takes ``v`` with its non-finite entries zeroed, and the ``(row, channel)``
     that see a non-finite entry of a visible key become NaN (a 0/1 product of ``vis`` and
-    the indicator of those entries; counts <= BLOCK_N are exact in every dtype)."""
+    the indicator of those entries, in fp16: counts <= BLOCK_N are exact). ``p`` is in the
+    units of the product: times :data:`P_SCALE_FP8` for E4M3 tiles."""
     vf = v.to(tl.float32)
     total = tl.sum(tl.sum(vf, 1), 0)
     if tl.abs(total) < float("inf"):
@@ -218,22 +226,28 @@ def _pv_strict(acc, p, v, vis):
     else:
         bad = ~(tl.abs(vf) < float("inf"))
         acc = tl.dot(p.to(v.dtype), tl.where(bad, 0.0, vf).to(v.dtype), acc)
-        seen = tl.dot(vis.to(v.dtype), bad.to(v.dtype))
+        seen = tl.dot(vis.to(tl.float16), bad.to(tl.float16))
         acc = tl.where(seen > 0.0, float("nan"), acc)
     return acc
 
 
 @triton.jit
-def _softmax_update(acc, l_i, m_i, x, c, v, vis, STRICT: tl.constexpr, STEP: tl.constexpr):
+def _softmax_update(acc, l_i, m_i, x, c, v, vis, STRICT: tl.constexpr, STEP: tl.constexpr,
+                    FP8: tl.constexpr):
     """Fold one tile into ``(acc, l, m)``: scores ``x c`` (``x [BLOCK_M, BLOCK_N]``, ``-inf``
     where masked) and the value tile ``v [BLOCK_N, BLOCK_DV]``. ``STEP`` is ATTENTION2's
     generated tile step (:func:`flashfold.kernels.codegen.tile_step_functions`): ``m' =
     max(m, rowmax(x c log2 e))``, ``alpha = 2^(m - m')``, ``P = 2^(x c log2 e - m')`` (finite
     pivot for an empty row), ``l' = alpha l + rowsum P``; here ``acc' = alpha acc + P V``
     on the tensor cores. ``STRICT`` (tiles with hidden pairs, ``vis`` their visibility):
-    :func:`_pv_strict`."""
+    :func:`_pv_strict`. ``FP8`` (E4M3 ``v``): the product takes ``P`` times
+    :data:`P_SCALE_FP8` rounded to E4M3 (``P <= 1`` would otherwise use only the format's
+    lower range), so ``acc`` carries that factor, which the finalize divides out; ``l``
+    sums the unrounded ``P``."""
     m_new, l_i, alpha, p = STEP(m_i, l_i, x, c)
     acc = acc * alpha[:, None]
+    if FP8:
+        p = p * P_SCALE_FP8
     if STRICT:
         acc = _pv_strict(acc, p, v, vis)
     else:
@@ -253,7 +267,7 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
              APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
-             STRICT: tl.constexpr, STEP: tl.constexpr):
+             STRICT: tl.constexpr, STEP: tl.constexpr, FP8: tl.constexpr):
     """Fold key tile ``i`` of a run into ``(acc, l, m)``.
 
     Dense (``SPARSE=False``): the tile starts at ``lo + i BLOCK_N``. Sparse: it is
@@ -287,11 +301,11 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
     # key's value holds
     if STRICT and HAS_SCORE_MOD:
         # (in a masked tile s is -inf where vis hides the pair)
-        return _softmax_update(acc, l_i, m_i, s, c, v, s != float("-inf"), True, STEP)
+        return _softmax_update(acc, l_i, m_i, s, c, v, s != float("-inf"), True, STEP, FP8)
     elif MASKED:
-        return _softmax_update(acc, l_i, m_i, s, c, v, vis, STRICT, STEP)
+        return _softmax_update(acc, l_i, m_i, s, c, v, vis, STRICT, STEP, FP8)
     else:
-        return _softmax_update(acc, l_i, m_i, s, c, v, s, False, STEP)
+        return _softmax_update(acc, l_i, m_i, s, c, v, s, False, STEP, FP8)
 
 
 @triton.jit
@@ -306,7 +320,8 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
              SPARSE: tl.constexpr, SPARSE_N: tl.constexpr, MASKED: tl.constexpr,
              APPLY_MASK_MOD: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr,
-             INTERPRET: tl.constexpr, STRICT: tl.constexpr, STEP: tl.constexpr):
+             INTERPRET: tl.constexpr, STRICT: tl.constexpr, STEP: tl.constexpr,
+             FP8: tl.constexpr):
     """Fold ``count`` key tiles (:func:`_kv_step`) into ``(acc, l, m)``.
 
     Compiled: ``tl.range`` (software-pipelined). Under ``TRITON_INTERPRET`` a ``while``
@@ -323,7 +338,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
                 mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-                USE_TMA, STRICT, STEP)
+                USE_TMA, STRICT, STEP, FP8)
             i += 1
     else:
         for i in tl.range(0, count):
@@ -334,7 +349,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, count, idx_ptr,
                 mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, SPARSE, SPARSE_N,
                 MASKED, APPLY_MASK_MOD, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-                USE_TMA, STRICT, STEP)
+                USE_TMA, STRICT, STEP, FP8)
     return acc, l_i, m_i
 
 
@@ -380,7 +395,7 @@ def _fwd_tile(
     qk_scale, softcap, win_left, win_right,
     TABLES, bn_b, bn_h, bi_b, bi_h, bi_m,
     score_fn: tl.constexpr, SBUF,
-    mask_fn: tl.constexpr, MBUF, FLAGS,
+    mask_fn: tl.constexpr, MBUF, DESCALES, SD, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
@@ -389,6 +404,7 @@ def _fwd_tile(
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
     REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
     STRICT: tl.constexpr, FLAGGED: tl.constexpr, STEP: tl.constexpr, FINALIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Query tile ``start_m .. start_m + BLOCK_M`` of (sequence or batch ``b``, head
     ``h``): fold its key tiles, write ``o`` (and ``lse``) of its rows and, ``FLAGGED``,
@@ -425,6 +441,12 @@ def _fwd_tile(
         tma_b = b
     delta = k_len - q_len
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    if FP8:
+        # E4M3 inputs stand for x8 * descale, one factor per (batch or sequence, KV head):
+        # q's and k's go into the score scale, v's into the finalize
+        d_q = tl.load(DESCALES[0] + b.to(tl.int64) * SD[0] + hk * SD[1])
+        d_k = tl.load(DESCALES[1] + b.to(tl.int64) * SD[2] + hk * SD[3])
+        qk_scale = qk_scale * (d_q * d_k)
 
     # -- state (m, l, acc) = identity; q stays on chip
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -448,7 +470,7 @@ def _fwd_tile(
             mask_fn, MBUF,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
             True, True, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-            INTERPRET, STRICT, STEP)
+            INTERPRET, STRICT, STEP, FP8)
         n_full = tl.load(FULL_NUM + n_off)
         acc, l_i, m_i = _kv_loop(
             acc, l_i, m_i, q, 0, n_full * R, FULL_IDX + i_off,
@@ -458,7 +480,7 @@ def _fwd_tile(
             mask_fn, MBUF,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, True, SPARSE_N,
             FULL_NEEDS_MASK, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
-            USE_TMA, INTERPRET, STRICT, STEP)
+            USE_TMA, INTERPRET, STRICT, STEP, FP8)
     else:
         t_lo, t_a, t_c, t_hi = _tile_ranges(start_m, q_len, k_len, delta, win_left, win_right,
                                             BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -472,7 +494,7 @@ def _fwd_tile(
             mask_fn, MBUF,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
             False, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-            INTERPRET, STRICT, STEP)
+            INTERPRET, STRICT, STEP, FP8)
         if MASK_LEFT:
             acc, l_i, m_i = _kv_loop(
                 acc, l_i, m_i, q, t_lo * BLOCK_N, t_a - t_lo, PART_IDX,
@@ -482,7 +504,7 @@ def _fwd_tile(
                 mask_fn, MBUF,
                 BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
                 True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-                INTERPRET, STRICT, STEP)
+                INTERPRET, STRICT, STEP, FP8)
         acc, l_i, m_i = _kv_loop(
             acc, l_i, m_i, q, t_c * BLOCK_N, t_hi - t_c, PART_IDX,
             desc_k, desc_v, k_base, v_base, tma_b, hk, k_row, k_len, skn, skd, svn, svd,
@@ -491,10 +513,14 @@ def _fwd_tile(
             mask_fn, MBUF,
             BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V, False, SPARSE_N,
             True, False, MASK_LEFT, MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD, USE_TMA,
-            INTERPRET, STRICT, STEP)
+            INTERPRET, STRICT, STEP, FP8)
 
     # -- finalize: ATTENTION2's (o = acc / l, lse = (m + log2 l) ln 2; a row with no visible
     # key, m = -inf, gives 0 and -inf; a NaN m or l, NaN)
+    if FP8:
+        # o is linear in v: v's factor over P's scale, once per tile
+        d_v = tl.load(DESCALES[2] + b.to(tl.int64) * SD[4] + hk * SD[5])
+        acc = acc * (d_v / P_SCALE_FP8)
     o, lse = FINALIZE(m_i, l_i, acc)
     offs_dv = tl.arange(0, BLOCK_DV)
     o_ptrs = (o_base + start_m.to(tl.int64) * som
@@ -525,7 +551,7 @@ def _attn_fwd(
     qk_scale, softcap, win_left, win_right,
     TABLES, bn_b, bn_h, bi_b, bi_h, bi_m,
     score_fn: tl.constexpr, SBUF,
-    mask_fn: tl.constexpr, MBUF, FLAGS,
+    mask_fn: tl.constexpr, MBUF, DESCALES, SD, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
@@ -534,6 +560,7 @@ def _attn_fwd(
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
     REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
     STRICT: tl.constexpr, FLAGGED: tl.constexpr, STEP: tl.constexpr, FINALIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One program per (query tile, batch x head) (:func:`_fwd_tile`). Arguments: the
     tensors and their TMA descriptors; ``SQ``, ``SK``, ``SV``, ``SO``: each one's (batch,
@@ -560,10 +587,11 @@ def _attn_fwd(
             return
     _fwd_tile(b, h, start_m, bh * NUM_M + mt, Q, K, V, O, LSE, desc_q, desc_k, desc_v, SQ,
               SK, SV, SO, SL, NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, qk_scale, softcap,
-              win_left, win_right, TABLES, bn_b, bn_h, bi_b, bi_h, bi_m, score_fn, SBUF, mask_fn, MBUF, FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+              win_left, win_right, TABLES, bn_b, bn_h, bi_b, bi_h, bi_m, score_fn, SBUF,
+              mask_fn, MBUF, DESCALES, SD, FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
               BLOCK_DV, BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT, MASK_RIGHT,
               HAS_SOFTCAP, HAS_SCORE_MOD, HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN,
-              USE_TMA, RETURN_LSE, REVERSE_M, INTERPRET, STRICT, FLAGGED, STEP, FINALIZE)
+              USE_TMA, RETURN_LSE, REVERSE_M, INTERPRET, STRICT, FLAGGED, STEP, FINALIZE, FP8)
 
 
 #: query rows per flag of the guarded Gluon forward (one consumer warpgroup's half tile)
@@ -580,7 +608,7 @@ def _attn_fwd_guard(
     qk_scale, softcap, win_left, win_right,
     TABLES, bn_b, bn_h, bi_b, bi_h, bi_m,
     score_fn: tl.constexpr, SBUF,
-    mask_fn: tl.constexpr, MBUF, FLAGS,
+    mask_fn: tl.constexpr, MBUF, DESCALES, SD, FLAGS,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
@@ -589,7 +617,7 @@ def _attn_fwd_guard(
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
     REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
     STRICT: tl.constexpr, FLAGGED: tl.constexpr, STEP: tl.constexpr, FINALIZE: tl.constexpr,
-    CHUNK: tl.constexpr, FLAG_ROWS: tl.constexpr,
+    FP8: tl.constexpr, CHUNK: tl.constexpr, FLAG_ROWS: tl.constexpr,
 ):
     """The strict recomputation behind a forward that may have let a hidden key's value
     through (``0 x NaN`` in a masked tile's ``P V``): ``GFLAGS`` holds one int32 per
@@ -620,13 +648,13 @@ def _attn_fwd_guard(
                               desc_v, SQ, SK, SV, SO, SL, NUM_M, HQ, GROUP, SEQ_Q,
                               SEQ_K, CU_Q, CU_K, qk_scale, softcap, win_left, win_right,
                               TABLES, bn_b, bn_h, bi_b, bi_h, bi_m, score_fn, SBUF,
-                              mask_fn, MBUF,
+                              mask_fn, MBUF, DESCALES, SD,
                               FLAGS, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                               BLOCK_M, BLOCK_N, SPARSE_M, SPARSE_N, MASK_LEFT,
                               MASK_RIGHT, HAS_SOFTCAP, HAS_SCORE_MOD,
                               HAS_BLOCK_MASK, FULL_NEEDS_MASK, IS_VARLEN, USE_TMA,
                               RETURN_LSE, REVERSE_M, INTERPRET, STRICT,
-                              False, STEP, FINALIZE)
+                              False, STEP, FINALIZE, FP8)
 
 
 # --- launcher ---------------------------------------------------------------------------
@@ -679,11 +707,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def block_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
-    """Power-of-two tile widths covering the head dims, at least 16 (a dot's reduction
-    width): 8 -> 16, 80 -> 128, 96 -> 128, 192 -> 256; the kernels mask the columns past
-    the head dim in their loads and stores."""
-    return max(16, _pow2(head_dim)), max(16, _pow2(head_dim_v))
+def block_dims(head_dim: int, head_dim_v: int, least: int = 16) -> tuple[int, int]:
+    """Power-of-two tile widths covering the head dims, at least ``least`` (a dot's
+    reduction width: 16 for 16-bit operands, 32 for 8-bit ones): 8 -> 16, 80 -> 128, 96 ->
+    128, 192 -> 256; the kernels mask the columns past the head dim in their loads and
+    stores."""
+    return max(least, _pow2(head_dim)), max(least, _pow2(head_dim_v))
 
 
 def default_config(q, head_dim: int, head_dim_v: int, causal: bool = False) -> FwdConfig:
@@ -724,7 +753,8 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
                       score_mod: TracedMod | None = None, block_mask: BlockMask | None = None,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
                       max_seqlen_k: int | None = None, return_lse: bool = True,
-                      full_needs_mask: bool = True, config: FwdConfig | None = None):
+                      full_needs_mask: bool = True, config: FwdConfig | None = None,
+                      descales=None, out_dtype=None):
     """Launch the forward kernel; returns ``(o, lse)`` (``lse`` None unless ``return_lse``).
 
     Inputs are validated by :func:`flashfold.attention`; this expects: ``q (B, Hq, Nq, D)``,
@@ -735,6 +765,9 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     ``full_needs_mask=False`` promises that its FULL tiles need no masking at all (the
     table was computed for these lengths and this window), else the kernel also applies
     bounds and window masks inside FULL tiles. ``config`` overrides the heuristic.
+    ``descales``: with ``torch.float8_e4m3fn`` q, k, v, their float32 factors ``(q_descale,
+    k_descale, v_descale)``, each ``(B or S, Hk)`` (the template's ``FP8`` flag; no mods);
+    ``out_dtype``: ``o``'s dtype (default q's).
 
     A call replays the launch planned for the same signature (:data:`_CACHE`, see
     :mod:`flashfold.kernels.plans`), as the backward does; a score_mod or block mask enters
@@ -746,13 +779,13 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     """
     options = dict(scale=scale, softcap=softcap, left=left, right=right,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-                   full_needs_mask=full_needs_mask, config=config)
-    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+                   full_needs_mask=full_needs_mask, config=config, out_dtype=out_dtype)
+    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (tuple(descales) if descales else (None,) * 3)
     # the mods' tables are inputs of the plan too; the mods themselves are held by identity
     tables = plan_tables(score_mod, block_mask, q.device)
     # what _plan reads: the tensors' signatures, the options, the mods, the Gluon switch
     key = (plans.signatures(inputs + tables), scale, softcap, left,
-           right, max_seqlen_q, max_seqlen_k, return_lse, full_needs_mask, config,
+           right, max_seqlen_q, max_seqlen_k, return_lse, full_needs_mask, config, out_dtype,
            id(score_mod), id(block_mask), launcher.env("FLASHFOLD_GLUON"))
     o, lse, launch, memo = _CACHE.planned(key, (score_mod, block_mask), inputs + tables, _plan,
                                           *inputs, score_mod=score_mod, block_mask=block_mask,
@@ -784,9 +817,10 @@ def mask_tiles(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod
     return cfg.block_m, cfg.block_n
 
 
-def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None, right=None,
-          score_mod=None, block_mask=None, max_seqlen_q=None, max_seqlen_k=None,
-          return_lse=True, full_needs_mask=True, config=None):
+def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v_descale=None,
+          *, scale, softcap=None, left=None, right=None, score_mod=None, block_mask=None,
+          max_seqlen_q=None, max_seqlen_k=None, return_lse=True, full_needs_mask=True,
+          config=None, out_dtype=None):
     """The forward's outputs and its launches: ``(o, lse, launches, memos)``, a tuple of
     ``(kernel, grid, args, kwargs)`` (none, one or two) and one launcher memo for each,
     shared by the replays of the plan (:func:`flashfold.kernels.launcher.launch`).
@@ -795,7 +829,8 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
     lower (:attr:`.mods.TracedMod.gluon_ok`; the block mask on dense calls, its blocks
     whole tiles: :func:`.gluon_fwd.fits_block_mask`) run the Gluon kernel
     (:func:`.gluon_fwd.eligible`: dense, causal, windows, softcap, varlen, head dims of
-    its tile plans), everything else the Triton template (:func:`prepare_forward`).
+    its tile plans), everything else (FP8 too) the Triton template
+    (:func:`prepare_forward`).
     While :data:`STRICT_HIDDEN`, calls whose masked tiles can hold hidden keys are flagged
     and followed by the strict guard (:func:`prepare_guard`): with a window, causal,
     score_mod, mask_mod or varlen (the tiles on a window's edges; keys a mod hides; a
@@ -836,7 +871,8 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
     options = dict(scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
                    block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                   full_needs_mask=full_needs_mask)
+                   full_needs_mask=full_needs_mask, out_dtype=out_dtype,
+                   descales=(None if q_descale is None else (q_descale, k_descale, v_descale)))
     # masked tiles that can hold hidden keys of the sequence (or the next sequence's, read
     # through a packed TMA descriptor): flagged, then guarded. A dense call's only masked
     # tile is the ragged end, whose keys past Nk read as zeros (4-D TMA box, masked loads)
@@ -859,7 +895,7 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, softcap=None, left=None
 def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
                     block_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                     max_seqlen_k=None, return_lse=True, full_needs_mask=True, config=None,
-                    interpret=None, out=None, flagged=False):
+                    interpret=None, out=None, flagged=False, descales=None, out_dtype=None):
     """Allocate the outputs and build the launch: ``(o, lse, (grid, args, kwargs) | None)``.
 
     Separate from the launch so that tools can compile the exact specialization ahead of
@@ -867,6 +903,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     ``(o, lse)`` to write instead of new buffers (``lse`` None without ``return_lse``).
     ``flagged``: every program writes its tile's non-finite flag into a new int32 buffer
     of one entry per program (the last positional argument), for :func:`prepare_guard`.
+    ``descales``, ``out_dtype``: an FP8 call's (:func:`attention_forward`).
     """
     B, HQ, NQ, D = q.shape
     HK, NK, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -877,13 +914,16 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     if out is not None:
         o, lse = out
     else:
-        o = _alloc((B, HQ, NQ, DV), dtype=q.dtype, device=q.device)
+        o = _alloc((B, HQ, NQ, DV), dtype=out_dtype or q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
     if B == 0 or HQ == 0 or NQ == 0 or n_seq == 0:
         return o, lse, None
-    BD, BDV = block_dims(D, DV)
+    fp8 = descales is not None
+    BD, BDV = block_dims(D, DV, least=32 if fp8 else 16)
     step = tile_step_functions(ATTENTION2, scale="score")
     cfg = config or default_config(q, D, DV, causal=right is not None)
+    if fp8 and cfg.block_n < 32:
+        cfg = replace(cfg, block_n=32)         # P V's reduction: 32 at least for 8 bits
     if block_mask is not None:
         sm, sn = block_mask.BLOCK_SIZE
         # kernel tiles must divide the block-mask tiles
@@ -935,6 +975,8 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         tuple(tables), *strides,
         score_mod.triton_fn() if has_mod else None, sargs,
         mask_fn, margs,
+        tuple(descales) if fp8 else (None, None, None),
+        tuple(x for d in descales for x in d.stride()) if fp8 else (0,) * 6,
         # one non-finite flag per program, for the guard; a varlen program past its
         # sequence returns without writing its flag, so those start at zero
         plans.new((grid[0],), dtype=torch.int32, device=q.device, zero=varlen) if flagged else None,
@@ -948,7 +990,8 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         RETURN_LSE=return_lse, REVERSE_M=right is not None,
         INTERPRET=_interpreting() if interpret is None else interpret,
         STRICT=False, FLAGGED=bool(flagged), STEP=step.tile_step,
-        FINALIZE=step.finalize_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FINALIZE=step.finalize_rows, FP8=fp8, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return o, lse, (grid, args, kwargs)
 

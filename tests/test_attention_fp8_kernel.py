@@ -1,0 +1,193 @@
+"""The FP8 (E4M3) forward of the Triton template (its ``FP8`` flag) against the float64
+attention of the dequantized inputs and against the issue's yardstick, under
+``TRITON_INTERPRET`` on CPU machines (the dispatch forced to the kernel) and at real sizes
+on a GPU.
+
+The kernel quantizes ``P`` against the running row max of each key tile, not the row's
+final max, so its bits differ from :func:`fp8_attention_reference`'s; both stay within the
+bound E4M3 weights allow (``tests/test_attention_fp8.py``: ``_p_bound``), which is what is
+checked here, case by case, with the same cases.
+
+Under the interpreter, conversions to and from E4M3 go through the session shim of
+``conftest.py`` (the interpreter's own round half up without a carry and read NaN as 480);
+the first test checks that shim against torch, on the GPU the hardware's ``cvt``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import flashfold as ff
+from flashfold.api import attention as api
+from flashfold.kernels.attention import fwd
+from flashfold.kernels.attention.reference import FP8, naive_attention
+
+from test_attention_fp8 import CASES, _inputs, _naive_fp8, _p_bound, _truth
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """Route FP8 calls on CPU tensors to the Triton template (the interpreter's tiles: 16
+    rows, and 32 keys, since an 8-bit product reduces over at least 32)."""
+    if GPU:
+        pytest.skip("the interpreter's kernel tests run on CPU machines; the GPU runs "
+                    "test_gpu_fp8_forward_at_real_sizes")
+    monkeypatch.setattr(api, "_use_kernel", lambda t: True)
+
+
+# --- the conversions the kernel relies on --------------------------------------------------
+
+@triton.jit
+def _round_trip(x_ptr, y8_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    y8 = tl.load(x_ptr + offs).to(tl.float8e4nv)
+    tl.store(y8_ptr + offs, y8)
+    tl.store(y_ptr + offs, y8.to(tl.float32))
+
+
+def test_e4m3_conversions_round_to_nearest_even_and_saturate():
+    """fp32 -> E4M3 rounds to nearest even (127.75 -> 128, carrying into the exponent;
+    ties 72 -> 72, 76 -> 80), keeps subnormals (2^-9 steps) and NaN, saturates at 448;
+    E4M3 -> fp32 is exact and keeps NaN."""
+    vals = [127.75, 125.2, 72.0, 76.0, 7.93, 2.0 ** -9, 3 * 2.0 ** -10, 2.0 ** -11, 0.0,
+            -0.3, 447.0, 460.0, 1000.0, -1000.0, float("nan"), 1.0]
+    g = torch.Generator().manual_seed(0)
+    rand = ((torch.rand(240, generator=g) * 2 - 1) * 460).tolist()
+    x = torch.tensor(vals + rand, dtype=torch.float32, device=DEV)
+    y8 = torch.empty(x.shape, dtype=FP8, device=DEV)
+    y = torch.empty_like(x)
+    _round_trip[(1,)](x, y8, y, N=x.numel())
+    want = x.clamp(-448.0, 448.0).to(FP8)
+    assert torch.equal(y8.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(y.isnan(), x.isnan())
+    assert torch.equal(y[~x.isnan()], want.float()[~x.isnan()])
+    assert y[0].item() == 128.0 and y[12].item() == 448.0 and y[13].item() == -448.0
+
+
+# --- the kernel against the bound, under the interpreter -----------------------------------
+
+@pytest.mark.parametrize("cid, shape, kw", CASES, ids=[c[0] for c in CASES])
+def test_kernel_stays_within_the_e4m3_weights_bound(kernel, cid, shape, kw):
+    (q8, k8, v8, qd, kd, vd), (cq, ck) = _inputs(**shape)
+    o, lse = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                          cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True, **kw)
+    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref, ref_lse = _truth(q8, k8, v8, qd, kd, vd, cq, ck, **kw)
+    bound = _p_bound(q8, k8, v8, qd, kd, vd, cq, ck, ref_lse, **kw)
+    err = (o.double() - ref).abs()
+    slack = 2.0 ** -9 * ref.abs() + 1e-5
+    assert (err <= bound + slack).all(), (
+        f"{cid}: worst excess {(err - bound - slack).max().item():.3g}")
+    assert (err / (bound + slack)).max() > 0.05           # the bound is not vacuous
+    live = ref_lse > -math.inf
+    assert torch.equal(live, lse > -math.inf)
+    assert (lse.double() - ref_lse)[live].abs().max().item() <= 1e-4 * max(
+        1.0, ref_lse[live].abs().max().item())
+    # and the issue's yardstick: within 2x a naive FP8 attention against the unquantized
+    q, k, v = _inputs.unquantized
+    truth = naive_attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, dtype=torch.float64,
+                            **kw)[0]
+    naive = _naive_fp8(q8, k8, v8, qd, kd, vd, cq, ck, **kw)
+    assert (o.double() - truth).abs().max() <= 2 * (naive - truth).abs().max()
+
+
+def test_kernel_fully_masked_rows_give_zero_and_minus_inf(kernel):
+    (q8, k8, v8, qd, kd, vd), _ = _inputs(NQ=50, NK=20)
+    o, lse = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True,
+                          return_lse=True)
+    assert (o[:, :, :30] == 0).all() and (lse[:, :, :30] == -math.inf).all()
+    assert torch.isfinite(o[:, :, 30:]).all() and torch.isfinite(lse[:, :, 30:]).all()
+
+
+def test_kernel_nan_reaches_exactly_the_rows_that_see_it(kernel):
+    """A NaN value of key 10: causal rows 10.. see it in its channel only. A NaN value of a
+    key a window hides from part of a tile stays out of those rows (the guard's strict
+    recompute), and an empty packed sequence is 0 / -inf."""
+    (q8, k8, v8, qd, kd, vd), _ = _inputs(B=1, HQ=2, HK=1, NQ=40, NK=40)
+    v8 = v8.clone()
+    v8[0, 0, 10, 3] = float("nan")
+    o = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    bad = torch.isnan(o.float())
+    assert not bad[:, :, :10].any()
+    assert bad[:, :, 10:, 3].all() and not bad[:, :, :, :3].any()
+    # window (4, 0): row i sees keys i-4..i; key 10 is seen by rows 10..14 only
+    o = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, window=(4, 0))
+    bad = torch.isnan(o.float())
+    assert bad[:, :, 10:15, 3].all()
+    assert bad.sum() == 2 * 5                              # 2 heads x rows 10..14, channel 3
+
+
+def test_kernel_varlen_with_an_empty_sequence(kernel):
+    cu = ([0, 0, 30, 70], [0, 10, 50, 90])
+    (q8, k8, v8, qd, kd, vd), (cq, ck) = _inputs(B=1, NQ=70, NK=90, cu=cu)
+    o, lse = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                          cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True, return_lse=True)
+    ref, ref_lse = _truth(q8, k8, v8, qd, kd, vd, cq, ck, causal=True)
+    assert torch.equal(lse > -math.inf, ref_lse > -math.inf)
+    assert torch.isfinite(o).all()
+
+
+def test_kernel_output_dtype_and_a_replayed_plan_takes_new_factors(kernel):
+    """``out_dtype`` is the output's dtype; a second call of the same signature replays
+    the plan with the new call's descale factors (o is linear in v's: twice the factor,
+    exactly twice the output)."""
+    (q8, k8, v8, qd, kd, vd), _ = _inputs(B=1, HQ=2, HK=1, NQ=33, NK=40)
+    for dt in (torch.float16, torch.float32):
+        o = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=dt)
+        assert o.dtype == dt
+    fwd.plan_cache_clear()
+    a = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=torch.float32)
+    b = ff.attention(q8, k8, v8, q_descale=qd.clone(), k_descale=kd.clone(),
+                     v_descale=2 * vd, out_dtype=torch.float32)
+    assert fwd.plan_cache_info()["hits"] >= 1
+    assert torch.equal(b, 2 * a)
+    # q's and k's factors reach the scores: a larger q factor sharpens the softmax
+    c = ff.attention(q8, k8, v8, q_descale=4 * qd, k_descale=kd, v_descale=vd,
+                     out_dtype=torch.float32)
+    ref = _truth(q8, k8, v8, 4 * qd, kd, vd, None, None)[0]
+    assert (c.double() - ref).abs().max() < 0.1 < (a.double() - ref).abs().max()
+
+
+# --- real sizes on a GPU --------------------------------------------------------------------
+
+GPU_CASES = [
+    ("d128-causal", dict(B=2, HQ=8, HK=2, NQ=2048, NK=2048, D=128), dict(causal=True)),
+    ("d128-dense", dict(B=1, HQ=4, HK=4, NQ=1000, NK=3000, D=128), dict()),
+    ("d256-window", dict(B=1, HQ=4, HK=1, NQ=1500, NK=1500, D=256),
+     dict(causal=True, window=(700, 0))),
+    ("d64-softcap", dict(B=2, HQ=4, HK=2, NQ=1024, NK=1024, D=64), dict(softcap=30.0)),
+    ("d96-dv64", dict(B=1, HQ=4, HK=2, NQ=777, NK=1025, D=96, DV=64), dict(causal=True)),
+    ("varlen", dict(B=1, HQ=4, HK=2, NQ=2100, NK=2100, D=128,
+                    cu=([0, 0, 700, 2049, 2100], [0, 0, 700, 2049, 2100])), dict(causal=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("cid, shape, kw", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_fp8_forward_at_real_sizes(cid, shape, kw):
+    """The compiled kernel (TMA, wgmma on sm_90) at real sizes within the E4M3 weights'
+    bound (the references computed on the CPU, in float64)."""
+    (q8, k8, v8, qd, kd, vd), (cq, ck) = _inputs(**shape)
+    on = [None if t is None else t.cuda() for t in (q8, k8, v8, qd, kd, vd, cq, ck)]
+    o, lse = ff.attention(*on[:3], q_descale=on[3], k_descale=on[4], v_descale=on[5],
+                          cu_seqlens_q=on[6], cu_seqlens_k=on[7], return_lse=True, **kw)
+    o, lse = o.cpu(), lse.cpu()                   # checked on the CPU, in float64
+    ref, ref_lse = _truth(q8, k8, v8, qd, kd, vd, cq, ck, **kw)
+    bound = _p_bound(q8, k8, v8, qd, kd, vd, cq, ck, ref_lse, **kw)
+    err = (o.double() - ref).abs()
+    slack = 2.0 ** -9 * ref.abs() + 1e-5
+    assert (err <= bound + slack).all(), (
+        f"{cid}: worst excess {(err - bound - slack).max().item():.3g}")
+    live = ref_lse > -math.inf
+    assert torch.equal(live, lse > -math.inf)
+    assert (lse.double() - ref_lse)[live].abs().max().item() <= 1e-4 * max(
+        1.0, ref_lse[live].abs().max().item())
