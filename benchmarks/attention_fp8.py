@@ -1,0 +1,189 @@
+r"""The FP8 (E4M3) attention forward on the GPU: correctness first, then its speed against
+flashfold's bf16 forward and cuDNN's bf16 SDPA on the same shapes, in one run.
+
+Run (H200, from the repository root)::
+
+    PYTHONPATH=src python benchmarks/attention_fp8.py            # checks, then the rows
+    PYTHONPATH=src python benchmarks/attention_fp8.py --check-only
+
+Rows: 16,384 tokens per batch, the d128 and d256 shapes of the workload grid
+(``benchmarks/workloads.py``: Llama-3 8B's GQA 32:8 causal, a dense d128, Gemma-2's d256
+causal with softcap 50, a dense d256) and a d64 row. Inputs are ``randn``, quantized per
+(batch, KV head) by :func:`flashfold.quantize_fp8`; flashfold's bf16 forward and cuDNN's
+take them in bf16. (With a few outlier channels the rounding of q and k to E4M3 dominates
+both FP8 computations and the criterion below would hardly test the kernel;
+``flashfold numerics`` reports that case.)
+
+1. Correctness at the row's full shape: no NaN; on the last 256 query rows of batch 0,
+   query head 0, the FP8 output's max error against the float64 attention of the
+   *unquantized* inputs is at most twice that of a naive FP8 attention (the inputs
+   dequantized to bf16, bf16 matmuls, softmax in fp32) plus 1e-5, the issue's criterion;
+   the LSE within 1e-3 of the float64 LSE of the dequantized inputs.
+2. Speed: ``triton.testing.do_bench`` medians of the forward, eager and replayed from a
+   CUDA graph (:func:`flashfold.bench.graph_replay`), for flashfold FP8, flashfold bf16
+   and SDPA cuDNN bf16. TFLOP/s count the row's visible pairs (``4 H D P``, ``P = N^2``
+   dense, ``N^2 / 2`` causal, as ``benchmarks/attention.py``), the same for every method.
+   Printed ratios: FP8 over flashfold bf16 (target >= 1.6 on the d128 and d256 rows) and
+   over cuDNN bf16.
+
+Peers with FP8 attention: cuDNN's FP8 SDPA needs ``nvidia-cudnn-frontend`` (the script
+says whether it imports; it is not driven here); FlashAttention-4 (4.0.0b36) runs FP8 on
+SM100 only (its interface asserts compute capability 10.x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import triton
+
+import flashfold as ff
+from flashfold.bench import graph_replay
+from flashfold.kernels.attention.reference import dequantize_fp8, naive_attention
+
+#: (name, B, Hq, Hk, N, D, causal, softcap)
+ROWS = [
+    ("llama3-8b d128 gqa causal", 4, 32, 8, 4096, 128, True, None),
+    ("dense d128", 4, 16, 16, 4096, 128, False, None),
+    ("gemma2 d256 causal softcap", 2, 16, 8, 8192, 256, True, 50.0),
+    ("dense d256", 4, 16, 16, 4096, 256, False, None),
+    ("dense d64", 4, 16, 16, 4096, 64, False, None),
+]
+CHECK_ROWS = 256
+#: where the rows run (the tests run the checks on the CPU, under the interpreter)
+DEVICE = "cuda"
+
+
+def inputs(B, Hq, Hk, N, D, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(B, Hq, N, D, device=DEVICE, generator=g)
+    k = torch.randn(B, Hk, N, D, device=DEVICE, generator=g)
+    v = torch.randn(B, Hk, N, D, device=DEVICE, generator=g)
+    (q8, qd), (k8, kd), (v8, vd) = (ff.quantize_fp8(q, Hk), ff.quantize_fp8(k),
+                                    ff.quantize_fp8(v))
+    return (q, k, v), (q8, k8, v8, qd, kd, vd)
+
+
+def _rows_ref(q, k, v, causal, softcap, dtype, scale):
+    """The last CHECK_ROWS query rows of batch 0, head 0 (KV head 0), in ``dtype``."""
+    n = q.shape[2]
+    qq = q[:1, :1, n - CHECK_ROWS:].to(dtype)
+    kk, vv = k[:1, :1].to(dtype), v[:1, :1].to(dtype)
+    s = (qq @ kk.transpose(-1, -2)).to(torch.float64 if dtype == torch.float64 else
+                                        torch.float32) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if causal:
+        i = torch.arange(n - CHECK_ROWS, n, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        s = s.masked_fill(j > i, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1)
+    return (p.to(dtype) @ vv).double()[0, 0], lse.double()[0, 0]
+
+
+def check(row, chk):
+    name, B, Hq, Hk, N, D, causal, softcap = row
+    (q, k, v), (q8, k8, v8, qd, kd, vd) = inputs(B, Hq, Hk, N, D)
+    o, lse = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal,
+                          softcap=softcap, return_lse=True)
+    scale = 1 / math.sqrt(D)
+    ok = chk(name, "no NaN", not (o.isnan().any() or lse.isnan().any()))
+    truth, _ = _rows_ref(q, k, v, causal, softcap, torch.float64, scale)
+    deq = [dequantize_fp8(t, d, Hk) for t, d in ((q8, qd), (k8, kd), (v8, vd))]
+    naive, _ = _rows_ref(*deq, causal, softcap, torch.bfloat16, scale)
+    _, lse_ref = _rows_ref(*deq, causal, softcap, torch.float64, scale)
+    got = o[0, 0, N - CHECK_ROWS:].double()
+    err, yard = (got - truth).abs().max().item(), (naive - truth).abs().max().item()
+    ok &= chk(name, f"o: err {err:.3g} <= 2 x naive FP8 {yard:.3g}", err <= 2 * yard + 1e-5)
+    lerr = (lse[0, 0, N - CHECK_ROWS:].double() - lse_ref).abs().max().item()
+    ok &= chk(name, f"lse: err {lerr:.3g} <= 1e-3", lerr <= 1e-3)
+    return ok
+
+
+def flops(B, Hq, N, D, causal):
+    pairs = N * N / 2 if causal else N * N
+    return 4 * B * Hq * D * pairs
+
+
+def timed(fn, graph):
+    call = graph_replay(fn) if graph else fn
+    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+
+
+def time_row(row, ok):
+    name, B, Hq, Hk, N, D, causal, softcap = row
+    (q, k, v), (q8, k8, v8, qd, kd, vd) = inputs(B, Hq, Hk, N, D)
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    calls = {
+        "ff fp8": lambda: ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                       causal=causal, softcap=softcap),
+        "ff bf16": lambda: ff.attention(qb, kb, vb, causal=causal, softcap=softcap),
+    }
+    if softcap is None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qb, kb, vb, is_causal=causal, enable_gqa=Hq != Hk)
+        calls["cudnn bf16"] = cudnn
+    f = flops(B, Hq, N, D, causal)
+    out = {}
+    for graph in (False, True):
+        for m, fn in calls.items():
+            try:
+                out[(m, graph)] = f / timed(fn, graph) / 1e9
+            except Exception as e:            # a peer that cannot run this row: say so
+                print(f"  {name}: {m} {'graph' if graph else 'eager'} failed: "
+                      f"{type(e).__name__}: {str(e)[:200]}")
+    print(f"| {name} |" + "".join(
+        f" {out.get((m, g), float('nan')):.0f} |" for g in (False, True) for m in
+        ("ff fp8", "ff bf16", "cudnn bf16")) + "".join(
+        f" {_ratio(out, 'ff fp8', b, g)} |" for g in (False, True) for b in
+        ("ff bf16", "cudnn bf16")) + (" |" if ok else " CHECK FAILED |"), flush=True)
+
+
+def _ratio(out, a, b, graph):
+    x, y = out.get((a, graph)), out.get((b, graph))
+    return f"{x / y:.2f}" if x and y else "-"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check-only", action="store_true")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, triton {triton.__version__}, "
+          f"{torch.cuda.get_device_name()}, python {sys.version.split()[0]}")
+    failed = []
+
+    def chk(name, what, cond):
+        print(f"  {'ok  ' if cond else 'FAIL'} {name}: {what}", flush=True)
+        if not cond:
+            failed.append((name, what))
+        return cond
+    print(f"## Checks (last {CHECK_ROWS} rows of batch 0, head 0, at the full shape)")
+    verdict = {row[0]: check(row, chk) for row in ROWS}
+    print(f"checks: {'all passed' if not failed else f'{len(failed)} failed'}")
+    if args.check_only:
+        return 1 if failed else 0
+    print("\n## FP8 forward, TFLOP/s (eager | CUDA graph) and ratios of FP8 over each")
+    print("| row | fp8 | bf16 | cuDNN bf16 | fp8 graph | bf16 graph | cuDNN graph | "
+          "/bf16 | /cuDNN | /bf16 graph | /cuDNN graph | |")
+    print("|---|" + "---:|" * 10 + "---|")
+    for row in ROWS:
+        time_row(row, verdict[row[0]])
+    try:
+        import cudnn  # noqa: F401
+        print("\ncuDNN FP8 peer: nvidia-cudnn-frontend imports (not driven by this script)")
+    except ImportError:
+        print("\ncuDNN FP8 peer: nvidia-cudnn-frontend is not installed on this machine")
+    print("FlashAttention-4 FP8 peer: none on SM90 (4.0.0b36 runs FP8 on SM100 only)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
