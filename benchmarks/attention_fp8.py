@@ -114,7 +114,7 @@ def timed(fn, graph):
     return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
 
 
-def time_row(row, ok):
+def time_row(row, ok, notes):
     name, B, Hq, Hk, N, D, causal, softcap = row
     (q, k, v), (q8, k8, v8, qd, kd, vd) = inputs(B, Hq, Hk, N, D)
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
@@ -137,9 +137,9 @@ def time_row(row, ok):
         for m, fn in calls.items():
             try:
                 out[(m, graph)] = f / timed(fn, graph) / 1e9
-            except Exception as e:            # a peer that cannot run this row: say so
-                print(f"  {name}: {m} {'graph' if graph else 'eager'} failed: "
-                      f"{type(e).__name__}: {str(e)[:200]}")
+            except Exception as e:            # a peer that cannot run this row: said
+                notes.append(f"{name}: {m} {'graph' if graph else 'eager'} failed: "
+                             f"{type(e).__name__}: {str(e)[:200]}")    # after the table
     print(f"| {name} |" + "".join(
         f" {out.get((m, g), float('nan')):.0f} |" for g in (False, True) for m in
         ("ff fp8", "ff bf16", "cudnn bf16")) + "".join(
@@ -174,8 +174,11 @@ def main():
     print("| row | fp8 | bf16 | cuDNN bf16 | fp8 graph | bf16 graph | cuDNN graph | "
           "/bf16 | /cuDNN | /bf16 graph | /cuDNN graph | |")
     print("|---|" + "---:|" * 10 + "---|")
+    notes = []
     for row in ROWS:
-        time_row(row, verdict[row[0]])
+        time_row(row, verdict[row[0]], notes)
+    for note in notes:
+        print(f"  {note}")
     try:
         import cudnn  # noqa: F401
         print("\ncuDNN FP8 peer: nvidia-cudnn-frontend imports (not driven by this script)")

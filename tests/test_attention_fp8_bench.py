@@ -43,6 +43,12 @@ def test_dry_run_checks_and_rows(bench, monkeypatch, capsys):
     assert rows[0].count("1.00") == 2 and rows[0].count(" nan |") == 2
     assert "cudnn bf16 eager failed" in out
     assert "FlashAttention-4 FP8 peer" in out and "cuDNN FP8 peer" in out
+    # and the results page reads what the script prints
+    from flashfold import bench as pages
+    run, = pages.parse(out, "2026-12-05_cpu_attention_fp8.log")
+    assert run.kind == "attention_fp8" and [r["row"] for r in run.rows] == [
+        "toy d64 gqa causal", "toy d32 softcap"]
+    assert run.rows[0]["values"]["/bf16"] == 1.0 and run.rows[0]["values"]["/cuDNN"] is None
 
 
 def test_a_wrong_output_fails_its_check(bench, monkeypatch, capsys):

@@ -147,6 +147,9 @@ def logs(tmp_path):
              "2026-12-02_h200_workloads.log": WORKLOADS,
              "2026-12-03_h200_workloads_quick.log": QUICK_WORKLOADS,
              "2026-12-02_h200_deterministic_bwd.log": DETERMINISTIC,
+             "2026-12-02_h200_decode_fp8.log": DECODE_FP8,
+             "2026-12-05_h200_attention_fp8.log": ATTENTION_FP8,
+             "2026-12-04_cpu_numerics.log": NUMERICS,
              "2026-11-30_h200_notes.log": "nothing a parser knows\n"}
     for name, text in files.items():
         (d / name).write_text(text)
@@ -167,6 +170,10 @@ def test_the_page_has_one_table_per_family_with_its_provenance(logs):
     assert len(text.splitlines()) < 400
     for kind, title in bench.FAMILIES.items():
         sec = _section(text, title)
+        if kind == "numerics":                        # a CPU run of the command line
+            assert "CPU x86_64" in sec and "\nflashfold numerics\n" in sec
+            assert sec.count("\n| ") >= 3
+            continue
         assert "NVIDIA H200" in sec and "torch 2.11.0+cu130" in sec, title
         assert sec.count("```") >= 2 and "benchmarks/" in sec, title        # the command
         assert sec.count("\n| ") >= 3, title                                # a table
@@ -284,6 +291,81 @@ def test_the_deterministic_backward_has_a_table():
     sec = _section(bench.results_markdown([run]), "Deterministic backward")
     assert "| d128 dense 4K x4 | 2.704 | 508 | 2.858 | 481 | 0.95 | no, yes |" in sec
     assert "Below the target of 0.90x the default: MLA qk192 v128 causal 4K x4 0.75." in sec
+
+
+DECODE_FP8 = """2.11.0+cu130 3.6.0 NVIDIA H200 132 SMs
+== FP8 (E4M3) caches: correctness (criterion: err vs float64 of the unquantized cache <= 2 x a naive FP8 decode's)
+  [ok] fp8 full 8K, batch 8       contiguous default   err 3.05e-01 <= 2 x naive FP8 2.82e-01
+== device copy: 4227 GB/s (read + write bytes)
+== FP8 against bf16, flashfold, graph replays after a read flush (32/8 heads, head_dim 128, q_len 1)
+batch    len |  bf16 us   fp8 us speedup fp8 GB/s % copy | bf16 p64  fp8 p64 speedup
+------------------------------------------------------------------------------------
+    8   8192 |     68.4     55.9    1.22     2399   56.8 |     68.9     63.0    1.09
+   64  32768 |   2159.9   1437.3    1.50     2988   70.7 |   1927.0   1271.8    1.52
+
+  target: batch 8 len 8192: fp8 >= 1.8x bf16 tokens/s: FAIL (1.22x); K/V read >= 90% of copy: FAIL (56.8%)
+== checks: all passed
+"""
+
+NUMERICS = """flashfold numerics: CPU x86_64, torch 2.13.0+cpu, python 3.11.7
+| N | stats | order | rel. err. d | err. o | spec bound γ_{N-1} | γ_K (K) | √N·u |
+|---:|:---|:---|---:|---:|---:|---:|---:|
+| 10 | float32 | sequential | 4.69e-08 | 3.68e-08 | 5.36e-07 | 8.34e-07 (14) | 1.88e-07 |
+
+bound violated in: no configuration
+relative error of d at N = 10, fp32 vs bf16 statistics: sequential 4.7e-08 vs 2.8e-04: statistics must stay in fp32
+
+FP8 (E4M3) attention against float64, next to bf16: causal, 1 x 4 heads x 1024 x 128, seed 0; outliers: 3 channels of q and k x 20.
+
+| inputs | q, k rotated | bf16 RMS | bf16 max | FP8 RMS | FP8 max | naive FP8 RMS | naive FP8 max | FP8 max / naive |
+|---|---|---:|---:|---:|---:|---:|---:|---:|
+| random | no | 3.77e-04 | 9.33e-03 | 5.72e-03 | 1.51e-01 | 5.21e-03 | 1.49e-01 | 1.01 |
+| outliers | yes | 2.71e-02 | 1.20e+00 | 9.25e-02 | 3.49e+00 | 9.77e-02 | 3.60e+00 | 0.97 |
+"""
+
+ATTENTION_FP8 = """torch 2.11.0+cu130, triton 3.6.0, NVIDIA H200, python 3.12.3
+## Checks (last 256 rows of batch 0, head 0, at the full shape)
+  ok   dense d128: no NaN
+checks: all passed
+
+## FP8 forward, TFLOP/s (eager | CUDA graph) and ratios of FP8 over each
+| row | fp8 | bf16 | cuDNN bf16 | fp8 graph | bf16 graph | cuDNN graph | /bf16 | /cuDNN | /bf16 graph | /cuDNN graph | |
+|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|
+| dense d128 | 900 | 600 | 610 | 1000 | 620 | 630 | 1.50 | 1.48 | 1.61 | 1.59 | |
+| gemma2 d256 causal softcap | 700 | 500 | nan | 750 | 520 | nan | 1.40 | - | 1.44 | - | CHECK FAILED |
+
+cuDNN FP8 peer: nvidia-cudnn-frontend is not installed on this machine
+FlashAttention-4 FP8 peer: none on SM90 (4.0.0b36 runs FP8 on SM100 only)
+"""
+
+
+def test_the_fp8_families_have_tables():
+    """FP8 decode (``decode.py --fp8``), the FP8 forward (``attention_fp8.py``) and the
+    numerics table (``flashfold numerics``, a CPU run) each get their own section."""
+    dec, = bench.parse(DECODE_FP8, "2026-12-02_h200_decode_fp8.log")
+    assert dec.kind == "decode_fp8" and len(dec.rows) == 2 and dec.ceiling == 4227
+    assert dec.command == "PYTHONPATH=src python benchmarks/decode.py --fp8"
+    assert dec.rows[1]["us"]["fp8 p64"] == 1271.8 and dec.rows[1]["speedup"] == 1.50
+    assert dec.verdicts[-1] == "== checks: all passed" and dec.verdicts[0].startswith("target:")
+    num, = bench.parse(NUMERICS, "2026-12-04_cpu_numerics.log")
+    assert num.kind == "numerics" and num.command == "flashfold numerics"
+    assert num.device == "CPU x86_64" and num.software == "torch 2.13.0+cpu"
+    assert num.rows[1]["values"]["FP8 max / naive"] == 0.97
+    att, = bench.parse(ATTENTION_FP8, "2026-12-05_h200_attention_fp8.log")
+    assert att.kind == "attention_fp8" and [r["check"] for r in att.rows] == ["ok", "failed"]
+    assert att.rows[1]["values"]["/cuDNN"] is None and att.rows[0]["values"]["/bf16 graph"] == 1.61
+    page = bench.results_markdown([dec, num, att])
+    sec = _section(page, "Decoding over an FP8 KV cache")
+    assert "| 8 | 8192 | 68.4 | 55.9 | 1.22 | 2,399 | 56.8 | 68.9 | 63.0 | 1.09 |" in sec
+    assert "Below the target of 1.8x bf16 (contiguous): 8 x 8192 1.22; 64 x 32768 1.50." in sec
+    sec = _section(page, "Numerics: FP8 and bf16 against float64")
+    assert "| outliers | yes | 2.71e-02 | 1.20e+00 | 9.25e-02 | 3.49e+00 | 9.77e-02 | 3.60e+00 | 0.97 |" in sec
+    assert "bound violated in: no configuration" in sec and "CPU x86_64" in sec
+    sec = _section(page, "FP8 attention forward")
+    assert "| gemma2 d256 causal softcap (check failed) | 700 | 500 | - | 750 | 520 | - | 1.40 | - | 1.44 | - |" in sec
+    assert ("Below the target of 1.6x flashfold's bf16 forward (graph): gemma2 d256 causal "
+            "softcap 1.44.") in sec
+    assert "FlashAttention-4 FP8 peer: none on SM90" in sec
 
 
 def test_rows_whose_peers_the_budget_left_untimed_are_named():

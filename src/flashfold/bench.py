@@ -513,10 +513,80 @@ def parse_deterministic(text: str) -> Run:
     return run
 
 
+_FP8_DEC_ROW = re.compile(
+    r"^\s*(\d+)\s+(\d+)\s+\|\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+\|"
+    r"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
+
+
+def parse_decode_fp8(text: str) -> Run:
+    """The table of ``benchmarks/decode.py --fp8``: per (batch, length), flashfold's bf16
+    and FP8 decode in us (contiguous, then pages of 64), the speedup (bf16 time / FP8
+    time) and the FP8 call's bytes per second against the device copy."""
+    run = Run("decode_fp8")
+    if "== FP8 against bf16" not in text:
+        return run
+    for line in text[text.index("== FP8 against bf16"):].splitlines():
+        r = _FP8_DEC_ROW.match(line)
+        if r:
+            g = r.groups()
+            run.rows.append({"batch": int(g[0]), "length": int(g[1]),
+                             "us": {"bf16": float(g[2]), "fp8": float(g[3]),
+                                    "bf16 p64": float(g[7]), "fp8 p64": float(g[8])},
+                             "speedup": float(g[4]), "gbps": float(g[5]),
+                             "copy_pct": float(g[6]), "speedup_p64": float(g[9])})
+    _device_info(text, run)
+    m = _DEC_COPY.search(text)
+    if m:
+        run.ceiling, run.ceiling_label = float(m.group(1)), "device-to-device copy, read + write"
+    return run
+
+
+#: the columns of ``benchmarks/attention_fp8.py``'s table, as printed
+_FP8_ATT_COLS = ("fp8", "bf16", "cuDNN bf16", "fp8 graph", "bf16 graph", "cuDNN graph",
+                 "/bf16", "/cuDNN", "/bf16 graph", "/cuDNN graph")
+
+
+def parse_attention_fp8(text: str) -> Run:
+    """The table of ``benchmarks/attention_fp8.py``: per row, TFLOP/s of flashfold FP8,
+    flashfold bf16 and cuDNN bf16 (eager and CUDA graph) and FP8's ratios to each, and
+    whether the row's checks passed."""
+    run = Run("attention_fp8")
+    for head, rows in _md_tables(text):
+        if head[:1] != ["row"] or tuple(head[1:11]) != _FP8_ATT_COLS:
+            continue
+        for cells in rows:
+            run.rows.append({"row": cells[0],
+                             "values": {c: _num(cells[1 + i]) for i, c in
+                                        enumerate(_FP8_ATT_COLS)},
+                             "check": "failed" if "FAILED" in " ".join(cells[11:]) else "ok"})
+    _device_info(text, run)
+    return run
+
+
+def parse_numerics(text: str) -> Run:
+    """``flashfold numerics``: the FP8 table (per input kind, rotated or not: RMS and max
+    error against float64 of bf16, FP8 and a naive FP8 attention, and FP8's max over the
+    naive one's); its heading as the setup, the statistics' summary lines as verdicts."""
+    run = Run("numerics")
+    for head, rows in _md_tables(text):
+        if head[:2] != ["inputs", "q, k rotated"]:
+            continue
+        for cells in rows:
+            run.rows.append({"inputs": cells[0], "rotated": cells[1],
+                             "values": {h: _num(c) for h, c in zip(head[2:], cells[2:])}})
+    m = re.search(r"^FP8 \(E4M3\) attention against float64.*$", text, re.M)
+    run.setup = m.group(0) if m else ""
+    m = re.search(r"^flashfold numerics: (.+?), torch ([\w.+]+), python ([\w.]+)", text, re.M)
+    if m:
+        run.device, run.software = m.group(1), f"torch {m.group(2)}"
+    return run
+
+
 PARSERS = {"attention": parse_attention, "attention_bwd": parse_attention_backward,
            "decode": parse_decode, "reductions": parse_reductions, "ring": parse_ring,
            "transformers": parse_transformers, "workloads": parse_workloads,
-           "deterministic": parse_deterministic}
+           "deterministic": parse_deterministic, "decode_fp8": parse_decode_fp8,
+           "attention_fp8": parse_attention_fp8, "numerics": parse_numerics}
 
 #: the line of a log that describes each benchmark's grid (kept as ``Run.setup``)
 _SETUP = {"attention": "== speed", "attention_bwd": "== backward speed", "decode": "== timing",
@@ -565,6 +635,12 @@ def command_of(run: Run, text: str) -> str:
         return f"{base}transformers_gpu.py" + ("" if "== correctness" in text else " --timing-only")
     if run.kind == "deterministic":
         return f"{base}deterministic_bwd.py"
+    if run.kind == "decode_fp8":
+        return f"{base}decode.py --fp8"
+    if run.kind == "attention_fp8":
+        return f"{base}attention_fp8.py"
+    if run.kind == "numerics":
+        return "flashfold numerics"
     if run.kind == "workloads":
         rows = re.search(r"rows '(.*?)'", run.setup)
         return ("PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:src python "
@@ -591,7 +667,10 @@ _VERDICTS = {"attention": (r"^== correctness: \d+/\d+", r"^total .*correctness")
              "ring": (r"^\s+ok\s|^\s+BAD\s|^\s+FAIL",),
              "transformers": (r"^all checks passed|^\s*FAIL",),
              "workloads": (r"^== checks: \d+/\d+", r"^varlen / equal", r"^total .*checks"),
-             "deterministic": (r"^checks (PASSED|FAILED)",)}
+             "deterministic": (r"^checks (PASSED|FAILED)",),
+             "decode_fp8": (r"^== checks:", r"^\s+target: batch"),
+             "attention_fp8": (r"^checks: ", r"FP8 peer:"),
+             "numerics": (r"^bound violated in:", r"^relative error of d at N")}
 
 
 def _verdicts(kind: str, text: str) -> list[str]:
@@ -982,7 +1061,10 @@ FAMILIES = {"attention": "Attention forward", "attention_bwd": "Attention backwa
             "decode": "Decoding against a KV cache", "reductions": "Reductions and scans",
             "ring": "Ring attention across GPUs", "transformers": "Hugging Face transformers",
             "workloads": "Attention workloads (models)",
-            "deterministic": "Deterministic backward"}
+            "deterministic": "Deterministic backward",
+            "attention_fp8": "FP8 attention forward",
+            "decode_fp8": "Decoding over an FP8 KV cache",
+            "numerics": "Numerics: FP8 and bf16 against float64"}
 
 
 def latest(runs: list[Run]) -> dict[str, Run]:
@@ -1215,6 +1297,46 @@ def _det_table(run: Run) -> list[str]:
         + "."]
 
 
+def _dec_fp8_table(run: Run) -> list[str]:
+    head = ["batch", "length", "bf16 us", "FP8 us", "FP8 speedup", "FP8 GB/s", "% of copy",
+            "bf16 us, pages 64", "FP8 us, pages 64", "FP8 speedup, pages 64"]
+    rows, low = [], []
+    for r in run.rows:
+        u = r["us"]
+        rows.append([str(r["batch"]), str(r["length"]), _f(u["bf16"], 1), _f(u["fp8"], 1),
+                     f"{r['speedup']:.2f}", _f(r["gbps"]), f"{r['copy_pct']:.1f}",
+                     _f(u["bf16 p64"], 1), _f(u["fp8 p64"], 1), f"{r['speedup_p64']:.2f}"])
+        if r["speedup"] < 1.8:
+            low.append(f"{r['batch']} x {r['length']} {r['speedup']:.2f}")
+    return _table(head, rows, keys=2) + [
+        "", "Below the target of 1.8x bf16 (contiguous): " + ("; ".join(low) or "none") + "."]
+
+
+def _att_fp8_table(run: Run) -> list[str]:
+    head = ["row", *_FP8_ATT_COLS]
+    rows, low = [], []
+    for r in run.rows:
+        v = r["values"]
+        cells = [_f(v[c]) for c in _FP8_ATT_COLS[:6]] + [
+            "-" if v[c] is None else f"{v[c]:.2f}" for c in _FP8_ATT_COLS[6:]]
+        rows.append([r["row"] + ("" if r["check"] == "ok" else " (check failed)"), *cells])
+        if v["/bf16 graph"] is not None and v["/bf16 graph"] < 1.6:
+            low.append(f"{r['row']} {v['/bf16 graph']:.2f}")
+    return _table(head, rows, keys=1) + [
+        "", "Below the target of 1.6x flashfold's bf16 forward (graph): "
+        + ("; ".join(low) if low else "none") + "."]
+
+
+def _numerics_table(run: Run) -> list[str]:
+    cols = list(run.rows[0]["values"]) if run.rows else []
+    head = ["inputs", "q, k rotated", *cols]
+    rows = [[r["inputs"], r["rotated"], *(
+        "-" if r["values"][c] is None else (f"{r['values'][c]:.2f}" if "/" in c
+                                             else f"{r['values'][c]:.2e}") for c in cols)]
+        for r in run.rows]
+    return _table(head, rows, keys=2)
+
+
 _FAMILY_TEXT = {
     "attention": ("TFLOP/s = 4·B·H·D·(visible query-key pairs) / time (dense causal counts "
                   "N²/2); bf16, 16 heads, B·N = 16K tokens, eager calls. Peers: SDPA's cuDNN, "
@@ -1258,6 +1380,28 @@ _FAMILY_TEXT = {
                       "the same bits (the default's runs differ in the last bits: its dQ "
                       "adds come in any order). det / default = the default's time / "
                       "deterministic's (target 0.90 or above).", _det_table),
+    "attention_fp8": ("flashfold's FP8 forward (E4M3 q, k, v with per (batch, KV head) "
+                      "descales; P in E4M3, statistics fp32) against flashfold's bf16 forward "
+                      "and SDPA cuDNN's bf16 on the same shapes, in one run; TFLOP/s = "
+                      "4·B·Hq·D·(visible pairs) / time (dense causal N²/2), eager and replayed "
+                      "from a CUDA graph; ratios: FP8's TFLOP/s / the other's (target 1.6x "
+                      "bf16 on the d128 and d256 rows). Checked first at each row's full "
+                      "shape against float64 and a naive FP8 attention.", _att_fp8_table),
+    "decode_fp8": ("flashfold's decode over an E4M3 cache (per (sequence, KV head) "
+                   "descales) against its decode over the bf16 cache of the same tokens: "
+                   "32 query / 8 KV heads of 128, q_len 1, CUDA-graph replays after a read "
+                   "flush of L2. speedup = bf16 time / FP8 time (target 1.8); GB/s = the "
+                   "FP8 cache's bytes read / time, against the device copy's rate "
+                   "(target 90%).", _dec_fp8_table),
+    "numerics": ("Causal attention's output error against the float64 attention of the "
+                 "unquantized inputs (CPU): flashfold in bf16, in FP8 (`quantize_fp8`, "
+                 "per (batch, KV head) factors, P in E4M3) and a naive FP8 attention "
+                 "(dequantized to bf16, bf16 matmuls, softmax in fp32); random inputs, and "
+                 "inputs with a few outlier channels of q and k, quantized as they are "
+                 "and after one random rotation of q and k (FlashAttention-3's incoherent "
+                 "processing; flashfold does not rotate by default). The statistics' "
+                 "table (fp32 against bf16 `m`, `l`, by fold order) is in "
+                 "`flashfold numerics`' own output.", _numerics_table),
 }
 
 

@@ -24,6 +24,7 @@ import argparse
 import importlib
 import math
 import os
+import platform
 import sys
 from typing import Callable
 
@@ -307,6 +308,9 @@ def numerics(args) -> int:
     if not draw:                                   # said before the (long) computation
         print(f"flashfold numerics: matplotlib is not installed: writing the table only, "
               f"no figure ({PLOT_HINT} for it)", file=sys.stderr)
+    import torch
+    print(f"flashfold numerics: CPU {platform.machine()}, torch {torch.__version__}, "
+          f"python {platform.python_version()}")
     bar = None if args.quiet else progress_bar("numerics")
     report = measure(args.max_n, block=args.block, width=args.width, seed=args.seed,
                      out=args.out, plot=draw, progress=bar or False)
