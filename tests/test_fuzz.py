@@ -24,6 +24,8 @@ score matrix, sequential folds), never with the library's own reference schedule
   sliced / expanded inputs, fp32/fp16/bf16, -inf rows, ties, reverse scans;
 * the Triton kernels under ``TRITON_INTERPRET`` (small sizes: reductions, scans, attention
   forward with varlen/GQA/masks) where that is cheap on the CPU;
+* FP8 attention (E4M3 inputs, random shapes, features and magnitudes): the reference and
+  the kernel within the bound E4M3 weights allow;
 * every invalid-argument class (wrong rank, mismatched batch/heads/dims/devices/dtypes,
   bad or non-monotone ``cu_seqlens`` and offsets, unsupported head dims, bad windows,
   scales, lengths, block tables, dims, ...): each must raise ``ValueError`` /
@@ -79,9 +81,9 @@ LARGE = PROFILE == "large"
 #: profile's max_examples otherwise
 TOTAL = settings.default.max_examples if LARGE else 8 * settings.default.max_examples
 #: share of TOTAL per test (the invalid-argument share is split over its classes)
-WEIGHTS = {"attention": 0.25, "attention_varlen": 0.09, "decode": 0.16, "merge_split": 0.07,
+WEIGHTS = {"attention": 0.22, "attention_varlen": 0.09, "decode": 0.16, "merge_split": 0.07,
            "merge_states": 0.05, "reduce": 0.12, "segment_reduce": 0.04, "scan": 0.08,
-           "kernels": 0.04, "invalid": 0.10}
+           "kernels": 0.04, "fp8": 0.03, "invalid": 0.10}
 COUNTS: Counter = Counter()
 STARTED = time.time()
 
@@ -763,6 +765,68 @@ def test_kernels_under_the_interpreter(data):
                           f"kernel scan {monoid.name} {tuple(x.shape)} {layout} dim {d} "
                           f"reverse={reverse}")
     counted("kernels")
+
+
+# --- FP8 attention ---------------------------------------------------------------------------
+
+@fuzz("fp8")
+@given(st.data())
+def test_fp8_attention(data):
+    """FP8 attention (E4M3 q, k, v with per (batch or sequence, KV head) factors from
+    ``quantize_fp8``) within the bound E4M3 weights allow, against the float64 attention
+    of the dequantized inputs (``tests/test_attention_fp8.py``): the CPU reference, and
+    the Triton template's FP8 flag (under the interpreter on CPU machines, small sizes;
+    compiled on a GPU). Random GQA, awkward lengths, head dims padded inside the tile, Dv
+    != D, causal / windows / softcap, packed sequences with empty ones, magnitudes 1e-3
+    to 1e3 per tensor, a few outlier channels."""
+    from flashfold.api.fp8 import quantize_fp8
+    from test_attention_fp8 import assert_within_e4m3_bound
+    draw = data.draw
+    gpu = torch.cuda.is_available()
+    kernel = gpu or draw(st.booleans())
+    hk = draw(st.integers(1, 2))
+    hq = hk * draw(st.integers(1, 3))
+    d = draw(st.sampled_from([16, 32, 48, 64, 80, 128]))
+    dv = draw(st.sampled_from([d, 16, 64]))
+    top = 40 if kernel and not gpu else 300
+    varlen = draw(st.booleans())
+    if varlen:
+        n_seq = draw(st.integers(1, 3))
+        lq = [draw(st.integers(0, top // 2)) for _ in range(n_seq)]
+        lk = [draw(st.integers(0, top // 2)) for _ in range(n_seq)]
+        b, nq, nk = 1, sum(lq), sum(lk)
+        cq, ck = (torch.tensor([0] + [sum(x[:i + 1]) for i in range(n_seq)], dtype=torch.int32)
+                  for x in (lq, lk))
+    else:
+        b, nq, nk = draw(st.integers(1, 2)), draw(st.integers(1, top)), draw(st.integers(1, top))
+        cq = ck = None
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, w, generator=g) * 10.0 ** draw(st.floats(-3, 3))
+               for h, n, w in ((hq, nq, d), (hk, nk, d), (hk, nk, dv)))
+    if draw(st.booleans()):
+        q[..., :2] *= 20.0
+        k[..., :2] *= 20.0
+    kw = {}
+    if draw(st.booleans()):
+        kw["causal"] = True
+    if draw(st.booleans()):
+        kw["window"] = (draw(st.integers(0, 50)), draw(st.integers(0, 50)))
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.floats(1.0, 50.0))
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(q, hk, cu_seqlens=cq),
+                                    quantize_fp8(k, cu_seqlens=ck), quantize_fp8(v, cu_seqlens=ck))
+    inputs = (q8, k8, v8, qd, kd, vd)
+    dev = "cuda" if gpu else "cpu"
+    on = [None if t is None else t.to(dev) for t in (*inputs, cq, ck)]
+    with mock.patch.object(api_attention, "_use_kernel", lambda t: kernel):
+        o, lse = flashfold.attention(*on[:3], q_descale=on[3], k_descale=on[4],
+                                     v_descale=on[5], cu_seqlens_q=on[6], cu_seqlens_k=on[7],
+                                     return_lse=True, **kw)
+    label = (f"fp8 {'kernel' if kernel else 'reference'} B{b} H{hq}:{hk} q{nq} k{nk} d{d}/{dv} "
+             f"{'varlen ' if varlen else ''}{kw} seed {seed}")
+    assert_within_e4m3_bound(o.cpu(), lse.cpu(), inputs, (cq, ck), label, **kw)
+    counted("fp8")
 
 
 # --- invalid arguments ---------------------------------------------------------------------------

@@ -359,6 +359,8 @@ def fp8_attention_reference(q8, k8, v8, q_descale, k_descale, v_descale, *, caus
         kk = k[:, :, ks].repeat_interleave(g, dim=1)
         vv = v8[:, :, ks].to(torch.float32).repeat_interleave(g, dim=1)
         nq, nk = qq.shape[2], kk.shape[2]
+        if nq == 0 or nk == 0:                  # no rows, or rows without keys: 0 / -inf
+            continue
         s = torch.einsum("bhid,bhjd->bhij", qq, kk) * scale
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
