@@ -255,9 +255,14 @@ def test_later_runs_with_more_peers_get_tables_of_their_own(tmp_path):
     one with no new peer is a re-measurement; an earlier run gets none."""
     no_fa4 = re.sub(r"fa4 \d+( \([\d.]+\))?", "fa4 -", WORKLOADS)
     subset = WORKLOADS.replace("rows all", "rows 'llama-4k'")
+    # a later --no-peers run (flashfold's kernels alone) has no ratio: left to its log
+    alone = re.sub(r"\| (cudnn|flash|fa4|flex) [^|]*", r"| \1 - ", subset).replace(
+        "best FA4 622", "best -").replace("best cuDNN 600", "best -").replace(
+        "best FA4 510", "best -")
     files = {"2026-12-02_h200_workloads.log": no_fa4,
              "2026-12-02_h200_workloads_rows.log": subset,
              "2026-12-03_h200_workloads_again.log": no_fa4.replace("rows all", "rows 'x'"),
+             "2026-12-04_h200_workloads_kernels.log": alone,
              "2026-12-01_h200_workloads_rows.log": subset}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -276,6 +281,8 @@ def test_later_runs_with_more_peers_get_tables_of_their_own(tmp_path):
     assert "| 603 · FA4 622 · 0.97 |" in more
     assert "logs/2026-12-03_h200_workloads_again.log" in again and "timed again in a later" \
         in again and "| 603 · cuDNN 571 · " in again
+    assert "workloads_kernels" not in sec
+    assert [r for r in runs if "kernels" in r.source][0].rows      # parsed, with no peer
     assert "2026-12-01" not in sec
 
 
@@ -346,7 +353,7 @@ def test_the_fp8_families_have_tables():
     assert dec.kind == "decode_fp8" and len(dec.rows) == 2 and dec.ceiling == 4227
     assert dec.command == "PYTHONPATH=src python benchmarks/decode.py --fp8"
     assert dec.rows[1]["us"]["fp8 p64"] == 1271.8 and dec.rows[1]["speedup"] == 1.50
-    assert dec.verdicts[-1] == "== checks: all passed" and dec.verdicts[0].startswith("target:")
+    assert dec.verdicts == ["== checks: all passed"]
     num, = bench.parse(NUMERICS, "2026-12-04_cpu_numerics.log")
     assert num.kind == "numerics" and num.command == "flashfold numerics"
     assert num.device == "CPU x86_64" and num.software == "torch 2.13.0+cpu"
@@ -357,10 +364,11 @@ def test_the_fp8_families_have_tables():
     page = bench.results_markdown([dec, num, att])
     sec = _section(page, "Decoding over an FP8 KV cache")
     assert "| 8 | 8192 | 68.4 | 55.9 | 1.22 | 2,399 | 56.8 | 68.9 | 63.0 | 1.09 |" in sec
-    assert "Below the target of 1.8x bf16 (contiguous): 8 x 8192 1.22; 64 x 32768 1.50." in sec
+    assert ("Below the targets (1.8x bf16, 90% of the copy rate; contiguous cache): "
+            "8 x 8192 1.22x, 57%; 64 x 32768 1.50x, 71%.") in sec
     sec = _section(page, "Numerics: FP8 and bf16 against float64")
     assert "| outliers | yes | 2.71e-02 | 1.20e+00 | 9.25e-02 | 3.49e+00 | 9.77e-02 | 3.60e+00 | 0.97 |" in sec
-    assert "bound violated in: no configuration" in sec and "CPU x86_64" in sec
+    assert "CPU x86_64" in sec and "own checks" not in sec
     sec = _section(page, "FP8 attention forward")
     assert "| gemma2 d256 causal softcap (check failed) | 700 | 500 | - | 750 | 520 | - | 1.40 | - | 1.44 | - |" in sec
     assert ("Below the target of 1.6x flashfold's bf16 forward (graph): gemma2 d256 causal "
