@@ -150,6 +150,25 @@ def test_kernel_output_dtype_and_a_replayed_plan_takes_new_factors(kernel):
     assert (c.double() - ref).abs().max() < 0.1 < (a.double() - ref).abs().max()
 
 
+def test_kernel_reads_strided_inputs_and_factors(kernel):
+    """Inputs stored (B, N, H, D) (a transposed view) and descale factors given as
+    expanded views (stride 0) are read through their strides: the same bits as the
+    contiguous call."""
+    (q8, k8, v8, qd, kd, vd), _ = _inputs(B=2, HQ=4, HK=2, NQ=37, NK=50, D=64)
+    want = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    bnhd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q8, k8, v8)]
+    assert not bnhd[0].is_contiguous()
+    got = ff.attention(*bnhd, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    assert torch.equal(got, want)
+    one = [d[:1].expand(2, -1) for d in (qd, kd, vd)]          # batch 0's factors for both
+    got = ff.attention(q8, k8, v8, q_descale=one[0], k_descale=one[1], v_descale=one[2],
+                       causal=True)
+    ref = ff.attention(q8, k8, v8, q_descale=one[0].contiguous(),
+                       k_descale=one[1].contiguous(), v_descale=one[2].contiguous(),
+                       causal=True)
+    assert torch.equal(got, ref) and not torch.equal(got[1], want[1])
+
+
 # --- real sizes on a GPU --------------------------------------------------------------------
 
 GPU_CASES = [
