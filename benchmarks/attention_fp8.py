@@ -23,12 +23,18 @@ both FP8 computations and the criterion below would hardly test the kernel;
    CUDA graph (:func:`flashfold.bench.graph_replay`), for flashfold FP8, flashfold bf16
    and SDPA cuDNN bf16. TFLOP/s count the row's visible pairs (``4 H D P``, ``P = N^2``
    dense, ``N^2 / 2`` causal, as ``benchmarks/attention.py``), the same for every method.
-   Printed ratios: FP8 over flashfold bf16 (target >= 1.6 on the d128 and d256 rows) and
-   over cuDNN bf16.
+   Printed ratios: FP8 over flashfold bf16 (target >= 1.6 on the d128 and d256 rows), over
+   cuDNN bf16 and over cuDNN FP8.
 
-Peers with FP8 attention: cuDNN's FP8 SDPA needs ``nvidia-cudnn-frontend`` (the script
-says whether it imports; it is not driven here); FlashAttention-4 (4.0.0b36) runs FP8 on
-SM100 only (its interface asserts compute capability 10.x).
+Peers with FP8 attention: cuDNN's FP8 SDPA through ``nvidia-cudnn-frontend``'s Python
+graph API (``sdpa_fp8``: per-tensor scales, here all 1; on Hopper its output is E4M3; no
+softcap, so not on the softcap row), timed eagerly (its handle's stream is fixed, so no
+graph capture), where the package imports. The GPU machine has no network: its wheel
+(cp312, ~11 MB) goes with the call, e.g. ``pip download nvidia-cudnn-frontend --no-deps
+--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .peers1``,
+unpacked there with ``python -m zipfile -e .peers1/nvidia_cudnn_frontend-*.whl /tmp/site``
+and ``PYTHONPATH=/tmp/site:src``. FlashAttention-4 (4.0.0b36) runs FP8 on SM100 only (its
+interface asserts compute capability 10.x). The last lines say what this machine had.
 """
 
 from __future__ import annotations
@@ -104,12 +110,55 @@ def check(row, chk):
     return ok
 
 
+def cudnn_fp8(q8, k8, v8, causal, scale):
+    """cuDNN's FP8 SDPA (``nvidia-cudnn-frontend``) on these E4M3 tensors: a callable that
+    runs it once (per-tensor scales of 1, E4M3 output). Raises what the frontend raises
+    (not installed, unsupported shape)."""
+    import cudnn
+    e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32,
+                          compute_data_type=fp32, handle=handle)
+    tq, tk, tv = (graph.tensor(name=n, dim=list(t.shape), stride=list(t.stride()),
+                               data_type=e4m3) for n, t in (("q", q8), ("k", k8), ("v", v8)))
+    scalars = [graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
+               for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s",
+                         "scale_o")]
+    o, _, amax_s, amax_o = graph.sdpa_fp8(
+        q=tq, k=tk, v=tv, descale_q=scalars[0], descale_k=scalars[1], descale_v=scalars[2],
+        descale_s=scalars[3], scale_s=scalars[4], scale_o=scalars[5], generate_stats=False,
+        attn_scale=scale, use_causal_mask=causal, name="sdpa_fp8")
+    out = torch.empty(q8.shape[:3] + (v8.shape[3],), dtype=torch.float8_e4m3fn,
+                      device=q8.device)
+    o.set_output(True).set_dim(list(out.shape)).set_stride(list(out.stride()))
+    amax = [torch.empty(1, 1, 1, 1, device=q8.device) for _ in range(2)]
+    for t in (amax_s, amax_o):
+        t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    workspace = torch.empty(graph.get_workspace_size(), device=q8.device, dtype=torch.uint8)
+    one = torch.ones(1, 1, 1, 1, device=q8.device)
+    pack = {tq: q8, tk: k8, tv: v8, o: out, amax_s: amax[0], amax_o: amax[1],
+            **{t: one for t in scalars}}
+
+    def call():
+        graph.execute(pack, workspace, handle=handle)
+        return out
+    return call
+
+
 def flops(B, Hq, N, D, causal):
     pairs = N * N / 2 if causal else N * N
     return 4 * B * Hq * D * pairs
 
 
 def timed(fn, graph):
+    if graph and getattr(fn, "eager_only", False):
+        raise RuntimeError("timed eagerly only (its stream is fixed at creation)")
     call = graph_replay(fn) if graph else fn
     return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
 
@@ -131,6 +180,11 @@ def time_row(row, ok, notes):
                 return torch.nn.functional.scaled_dot_product_attention(
                     qb, kb, vb, is_causal=causal, enable_gqa=Hq != Hk)
         calls["cudnn bf16"] = cudnn
+        try:
+            calls["cudnn fp8"] = cudnn_fp8(q8, k8, v8, causal, 1 / math.sqrt(D))
+            calls["cudnn fp8"].eager_only = True
+        except Exception as e:                # not installed, or this shape unsupported
+            notes.append(f"{name}: cudnn fp8 not run: {type(e).__name__}: {str(e)[:200]}")
     f = flops(B, Hq, N, D, causal)
     out = {}
     for graph in (False, True):
@@ -142,9 +196,10 @@ def time_row(row, ok, notes):
                              f"{type(e).__name__}: {str(e)[:200]}")    # after the table
     print(f"| {name} |" + "".join(
         f" {out.get((m, g), float('nan')):.0f} |" for g in (False, True) for m in
-        ("ff fp8", "ff bf16", "cudnn bf16")) + "".join(
-        f" {_ratio(out, 'ff fp8', b, g)} |" for g in (False, True) for b in
-        ("ff bf16", "cudnn bf16")) + (" |" if ok else " CHECK FAILED |"), flush=True)
+        ("ff fp8", "ff bf16", "cudnn bf16")) + f" {out.get(('cudnn fp8', False), float('nan')):.0f} |"
+        + "".join(f" {_ratio(out, 'ff fp8', b, g)} |" for g in (False, True) for b in
+                  ("ff bf16", "cudnn bf16")) + f" {_ratio(out, 'ff fp8', 'cudnn fp8', False)} |"
+        + (" |" if ok else " CHECK FAILED |"), flush=True)
 
 
 def _ratio(out, a, b, graph):
@@ -172,18 +227,20 @@ def main():
         return 1 if failed else 0
     print("\n## FP8 forward, TFLOP/s (eager | CUDA graph) and ratios of FP8 over each")
     print("| row | fp8 | bf16 | cuDNN bf16 | fp8 graph | bf16 graph | cuDNN graph | "
-          "/bf16 | /cuDNN | /bf16 graph | /cuDNN graph | |")
-    print("|---|" + "---:|" * 10 + "---|")
+          "cuDNN fp8 | /bf16 | /cuDNN | /bf16 graph | /cuDNN graph | /cuDNN fp8 | |")
+    print("|---|" + "---:|" * 12 + "---|")
     notes = []
     for row in ROWS:
         time_row(row, verdict[row[0]], notes)
     for note in notes:
         print(f"  {note}")
     try:
-        import cudnn  # noqa: F401
-        print("\ncuDNN FP8 peer: nvidia-cudnn-frontend imports (not driven by this script)")
-    except ImportError:
-        print("\ncuDNN FP8 peer: nvidia-cudnn-frontend is not installed on this machine")
+        import cudnn
+        print(f"\ncuDNN FP8 peer: nvidia-cudnn-frontend {getattr(cudnn, '__version__', '?')} "
+              f"(cuDNN {cudnn.backend_version()})")
+    except Exception as e:                         # ImportError, or no cuDNN library
+        print(f"\ncuDNN FP8 peer: nvidia-cudnn-frontend not usable on this machine "
+              f"({type(e).__name__}: {str(e)[:120]})")
     print("FlashAttention-4 FP8 peer: none on SM90 (4.0.0b36 runs FP8 on SM100 only)")
     return 1 if failed else 0
 

@@ -40,8 +40,8 @@ def test_dry_run_checks_and_rows(bench, monkeypatch, capsys):
     rows = [l for l in out.splitlines() if l.startswith("| toy")]
     assert len(rows) == 2 and all("CHECK FAILED" not in r for r in rows)
     # equal fake times: every ratio 1.00, the CPU's missing cuDNN column empty
-    assert rows[0].count("1.00") == 2 and rows[0].count(" nan |") == 2
-    assert "cudnn bf16 eager failed" in out
+    assert rows[0].count("1.00") == 2 and rows[0].count(" nan |") == 3
+    assert "cudnn bf16 eager failed" in out and "cudnn fp8 not run" in out
     assert "FlashAttention-4 FP8 peer" in out and "cuDNN FP8 peer" in out
     # and the results page reads what the script prints
     from flashfold import bench as pages

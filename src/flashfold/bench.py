@@ -543,22 +543,24 @@ def parse_decode_fp8(text: str) -> Run:
 
 #: the columns of ``benchmarks/attention_fp8.py``'s table, as printed
 _FP8_ATT_COLS = ("fp8", "bf16", "cuDNN bf16", "fp8 graph", "bf16 graph", "cuDNN graph",
-                 "/bf16", "/cuDNN", "/bf16 graph", "/cuDNN graph")
+                 "cuDNN fp8", "/bf16", "/cuDNN", "/bf16 graph", "/cuDNN graph", "/cuDNN fp8")
 
 
 def parse_attention_fp8(text: str) -> Run:
     """The table of ``benchmarks/attention_fp8.py``: per row, TFLOP/s of flashfold FP8,
-    flashfold bf16 and cuDNN bf16 (eager and CUDA graph) and FP8's ratios to each, and
-    whether the row's checks passed."""
+    flashfold bf16 and cuDNN bf16 (eager and CUDA graph) and cuDNN FP8 (eager), FP8's
+    ratios to each, and whether the row's checks passed."""
     run = Run("attention_fp8")
+    n = len(_FP8_ATT_COLS)
     for head, rows in _md_tables(text):
-        if head[:1] != ["row"] or tuple(head[1:11]) != _FP8_ATT_COLS:
+        if head[:1] != ["row"] or tuple(head[1:n + 1]) != _FP8_ATT_COLS:
             continue
         for cells in rows:
             run.rows.append({"row": cells[0],
                              "values": {c: _num(cells[1 + i]) for i, c in
                                         enumerate(_FP8_ATT_COLS)},
-                             "check": "failed" if "FAILED" in " ".join(cells[11:]) else "ok"})
+                             "check": "failed" if "FAILED" in " ".join(cells[n + 1:])
+                             else "ok"})
     _device_info(text, run)
     return run
 
@@ -1321,8 +1323,8 @@ def _att_fp8_table(run: Run) -> list[str]:
     rows, low = [], []
     for r in run.rows:
         v = r["values"]
-        cells = [_f(v[c]) for c in _FP8_ATT_COLS[:6]] + [
-            "-" if v[c] is None else f"{v[c]:.2f}" for c in _FP8_ATT_COLS[6:]]
+        cells = [_f(v[c]) if not c.startswith("/") else
+                 "-" if v[c] is None else f"{v[c]:.2f}" for c in _FP8_ATT_COLS]
         rows.append([r["row"] + ("" if r["check"] == "ok" else " (check failed)"), *cells])
         if v["/bf16 graph"] is not None and v["/bf16 graph"] < 1.6:
             low.append(f"{r['row']} {v['/bf16 graph']:.2f}")
