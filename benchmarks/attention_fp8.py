@@ -5,6 +5,7 @@ Run (H200, from the repository root)::
 
     PYTHONPATH=src python benchmarks/attention_fp8.py            # checks, then the rows
     PYTHONPATH=src python benchmarks/attention_fp8.py --check-only
+    PYTHONPATH=src python benchmarks/attention_fp8.py --tune     # FP8 tiles, after the checks
 
 Rows: 16,384 tokens per batch, the d128 and d256 shapes of the workload grid
 (``benchmarks/workloads.py``: Llama-3 8B's GQA 32:8 causal, a dense d128, Gemma-2's d256
@@ -25,6 +26,12 @@ both FP8 computations and the criterion below would hardly test the kernel;
    dense, ``N^2 / 2`` causal, as ``benchmarks/attention.py``), the same for every method.
    Printed ratios: FP8 over flashfold bf16 (target >= 1.6 on the d128 and d256 rows), over
    cuDNN bf16 and over cuDNN FP8.
+
+``--tune``: after the checks, the FP8 forward of each d128 / d256 row under each of
+:data:`TUNE_CONFIGS` (tile rows, key tiles, warps, stages; TMA), graph replays, TFLOP/s
+against the default configuration's (the bf16 table's, :data:`flashfold.kernels.attention.fwd.HOPPER_CONFIGS`):
+an E4M3 tile holds half a bf16 tile's bytes, so wider key tiles or more stages fit in the
+same shared memory.
 
 Peers with FP8 attention: cuDNN's FP8 SDPA through ``nvidia-cudnn-frontend``'s Python
 graph API (``sdpa_fp8``: per-tensor scales, here all 1; on Hopper its output is E4M3; no
@@ -207,9 +214,44 @@ def _ratio(out, a, b, graph):
     return f"{x / y:.2f}" if x and y else "-"
 
 
+#: (block_m, block_n, warps, stages) tried by ``--tune``
+TUNE_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+                (128, 128, 8, 4), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4)]
+
+
+def tune(rows=None):
+    """TFLOP/s of the FP8 forward of each d128 / d256 row under each of TUNE_CONFIGS (graph
+    replays), the default configuration first."""
+    from flashfold.kernels.attention import fwd
+    print("\n## FP8 forward by configuration, TFLOP/s (CUDA graph replays)")
+    print("| row | config | TFLOP/s | / default |")
+    print("|---|---|---:|---:|")
+    for name, B, Hq, Hk, N, D, causal, softcap in rows or ROWS:
+        if D not in (128, 256):
+            continue
+        _, (q8, k8, v8, qd, kd, vd) = inputs(B, Hq, Hk, N, D)
+        f = flops(B, Hq, N, D, causal)
+        base = None
+        for cfg in [None] + [fwd.FwdConfig(*c, use_tma=True) for c in TUNE_CONFIGS]:
+            def call(cfg=cfg):
+                return fwd.attention_forward(
+                    q8, k8, v8, scale=1 / math.sqrt(D), softcap=softcap,
+                    right=0 if causal else None, config=cfg, return_lse=False,
+                    descales=(qd, kd, vd), out_dtype=torch.bfloat16)
+            try:
+                rate = f / timed(call, True) / 1e9
+            except Exception as e:                 # too much shared memory, or a spill
+                print(f"| {name} | {cfg} | failed: {type(e).__name__}: {str(e)[:80]} | |")
+                continue
+            base = base or rate
+            print(f"| {name} | {cfg or 'default'} | {rate:.0f} | {rate / base:.2f} |",
+                  flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="FP8 tile configurations, after the checks")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name()}, python {sys.version.split()[0]}")
@@ -224,6 +266,9 @@ def main():
     verdict = {row[0]: check(row, chk) for row in ROWS}
     print(f"checks: {'all passed' if not failed else f'{len(failed)} failed'}")
     if args.check_only:
+        return 1 if failed else 0
+    if args.tune:
+        tune()
         return 1 if failed else 0
     print("\n## FP8 forward, TFLOP/s (eager | CUDA graph) and ratios of FP8 over each")
     print("| row | fp8 | bf16 | cuDNN bf16 | fp8 graph | bf16 graph | cuDNN graph | "

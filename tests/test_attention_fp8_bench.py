@@ -64,3 +64,15 @@ def test_a_wrong_output_fails_its_check(bench, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["attention_fp8.py", "--check-only"])
     assert bench.main() == 1
     assert "FAIL toy d64 gqa causal: o: err" in capsys.readouterr().out
+
+
+def test_dry_run_tune(bench, monkeypatch, capsys):
+    """``--tune`` times the d128 / d256 rows under every configuration (here a toy d128
+    row, fake times), the default first."""
+    monkeypatch.setattr(bench, "ROWS", [("toy d128", 1, 2, 1, 64, 128, True, None)])
+    monkeypatch.setattr(bench, "TUNE_CONFIGS", [(16, 32, 4, 1)])
+    monkeypatch.setattr("sys.argv", ["attention_fp8.py", "--tune"])
+    assert bench.main() == 0
+    out = capsys.readouterr().out
+    assert "| toy d128 | default | 0 | 1.00 |" in out
+    assert "| toy d128 | BM16-BN32-w4-s1-tma | 0 | 1.00 |" in out
