@@ -568,7 +568,9 @@ def _attn_fwd(
     (batch, head); the per-call sizes (not specialized); scales and window bounds;
     ``TABLES``: the block mask's (partial counts, partial indices, full counts, full
     indices) and their five strides; each mod's function (constexpr) and tables (``SBUF``,
-    ``MBUF``: :func:`.mods.TracedMod.buffer_args`); then the constexpr flags. ``STRICT``: masked
+    ``MBUF``: :func:`.mods.TracedMod.buffer_args`); ``DESCALES``, ``SD``: with ``FP8``,
+    the q, k, v descale tensors and their (batch or sequence, KV head) strides, six ints
+    (else Nones and zeros); then the constexpr flags. ``STRICT``: masked
     tiles leave hidden keys out of ``P V`` whatever their values (:func:`_pv_strict`).
     ``FLAGGED``: each tile writes its non-finite flag, ``FLAGS[bh NUM_M + m]`` (tile ``m``
     of batch x head ``bh``), for the guard (:func:`_attn_fwd_guard`)."""
