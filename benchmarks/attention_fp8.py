@@ -29,8 +29,8 @@ both FP8 computations and the criterion below would hardly test the kernel;
 
 ``--tune``: after the checks, the FP8 forward of each d128 / d256 row under each of
 :data:`TUNE_CONFIGS` (tile rows, key tiles, warps, stages; TMA), graph replays, TFLOP/s
-against the default configuration's (the bf16 table's, :data:`flashfold.kernels.attention.fwd.HOPPER_CONFIGS`):
-an E4M3 tile holds half a bf16 tile's bytes, so wider key tiles or more stages fit in the
+against the default configuration's (the bf16 table's,
+:data:`flashfold.kernels.attention.fwd.HOPPER_CONFIGS`): an E4M3 tile holds half a bf16 tile's bytes, so wider key tiles or more stages fit in the
 same shared memory.
 
 Peers with FP8 attention: cuDNN's FP8 SDPA through ``nvidia-cudnn-frontend``'s Python
@@ -201,12 +201,14 @@ def time_row(row, ok, notes):
             except Exception as e:            # a peer that cannot run this row: said
                 notes.append(f"{name}: {m} {'graph' if graph else 'eager'} failed: "
                              f"{type(e).__name__}: {str(e)[:200]}")    # after the table
-    print(f"| {name} |" + "".join(
-        f" {out.get((m, g), float('nan')):.0f} |" for g in (False, True) for m in
-        ("ff fp8", "ff bf16", "cudnn bf16")) + f" {out.get(('cudnn fp8', False), float('nan')):.0f} |"
-        + "".join(f" {_ratio(out, 'ff fp8', b, g)} |" for g in (False, True) for b in
-                  ("ff bf16", "cudnn bf16")) + f" {_ratio(out, 'ff fp8', 'cudnn fp8', False)} |"
-        + (" |" if ok else " CHECK FAILED |"), flush=True)
+    rates = [out.get((m, g), float("nan")) for g in (False, True)
+             for m in ("ff fp8", "ff bf16", "cudnn bf16")] + [
+        out.get(("cudnn fp8", False), float("nan"))]
+    ratios = [_ratio(out, "ff fp8", b, g) for g in (False, True)
+              for b in ("ff bf16", "cudnn bf16")] + [_ratio(out, "ff fp8", "cudnn fp8", False)]
+    print(f"| {name} |" + "".join(f" {x:.0f} |" for x in rates)
+          + "".join(f" {x} |" for x in ratios) + (" |" if ok else " CHECK FAILED |"),
+          flush=True)
 
 
 def _ratio(out, a, b, graph):

@@ -168,7 +168,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         ``Hq`` a multiple of ``Hk`` (GQA/MQA: query head ``h`` reads kv head
         ``h // (Hq // Hk)``), ``D, Dv`` in ``1 .. 256`` on CUDA (:data:`MAX_HEAD_DIM`; the
         kernels pad to the next power of two inside the tile), any ``>= 1`` on the CPU;
-        fp16/bf16 (CUDA), also fp32/fp64 on CPU. With ``cu_seqlens_*``: ``B == 1``, sequences packed along seq.
+        fp16/bf16 (CUDA), also fp32/fp64 on CPU. With ``cu_seqlens_*``: ``B == 1``,
+        sequences packed along seq.
     causal: bottom-right aligned causal mask (``j <= i + Nk - Nq``).
     window: ``(left, right)`` sliding window around the aligned diagonal; ``None``/``-1``
         leaves a side unbounded, and so does a side at least as long as the sequence
@@ -220,7 +221,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
                              f"{getattr(q, 'dtype', type(q).__name__)}")
     compiling = torch.compiler.is_compiling()
     _check_qkv(q, k, v)
-    if _use_kernel(q):
+    kernel = _use_kernel(q)
+    if kernel:
         _check_kernel_head_dims(q, v)
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
@@ -293,7 +295,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
                     mod.check_tables(*sizes)
         o, lse = attention_op(q, k, v, key=key, scale=scale, softcap=softcap, left=left,
                               right=right, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              use_kernel=_use_kernel(q), deterministic=deterministic)
+                              use_kernel=kernel, deterministic=deterministic)
         if return_lse:
             return o, (lse if lse.dtype == torch.float32 else lse.to(torch.float32))
         return o
@@ -301,7 +303,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     for mod in (smod, mmod):
         if mod is not None:
             mod.check_tables(*sizes)
-    if _use_kernel(q):
+    if kernel:
         from ..kernels.attention.autograd import kernel_forward
         o, lse = kernel_forward(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
                                 score=smod, mask=mmod,
