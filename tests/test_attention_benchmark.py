@@ -4,14 +4,13 @@ broken kernel."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import time
 
 import pytest
 import torch
 
+from bench_script import load_benchmark
 from flashfold import mods
 from flashfold.api import attention as api
 from flashfold.kernels.attention import fwd
@@ -20,15 +19,10 @@ from flashfold.kernels.attention.fwd import FwdConfig
 if torch.cuda.is_available():  # pragma: no cover - on the GPU, run the script itself
     pytest.skip("dry run for CPU machines", allow_module_level=True)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture
 def bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location(
-        "bench_attention", os.path.join(ROOT, "benchmarks", "attention.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("attention", "bench_attention")
     monkeypatch.setattr(mod, "DEV", "cpu")
     monkeypatch.setattr(api, "_use_kernel", lambda t: True)
     monkeypatch.setattr(fwd, "default_config",

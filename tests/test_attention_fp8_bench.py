@@ -3,12 +3,10 @@ kernel under the interpreter against float64 and a naive FP8 attention), the tim
 (fake timings: every call runs once), a peer that cannot run (cuDNN on the CPU) reported
 on its row, the table and the verdict, so that the GPU run does not die on a typo."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from bench_script import load_benchmark
 from flashfold.api import attention as api
 
 
@@ -16,10 +14,7 @@ from flashfold.api import attention as api
 def bench(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a CPU dry run; the GPU runs the script itself")
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_fp8.py"
-    spec = importlib.util.spec_from_file_location("attention_fp8_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("attention_fp8")
     monkeypatch.setattr(mod, "DEVICE", "cpu")
     monkeypatch.setattr(mod, "CHECK_ROWS", 32)
     monkeypatch.setattr(mod, "ROWS", [("toy d64 gqa causal", 1, 4, 2, 96, 64, True, None),

@@ -5,12 +5,12 @@ lead makes does not die on a typo. CUDA-only calls are replaced by stand-ins; de
 its CPU reference path, the timings are fake."""
 
 import contextlib
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
+
+from bench_script import load_benchmark
 
 
 class _Graph:
@@ -20,10 +20,7 @@ class _Graph:
 
 @pytest.fixture
 def bench(monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
-    spec = importlib.util.spec_from_file_location("decode_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("decode")
     monkeypatch.setattr(mod, "DEV", "cpu")
     monkeypatch.setattr(mod, "HQ", 4)
     monkeypatch.setattr(mod, "HKV", 2)

@@ -1,21 +1,15 @@
 """``benchmarks/deterministic_bwd.py`` on the CPU: its FLOP count and its refusal to run
 without a GPU (the timings themselves run on the H200)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "deterministic_bwd.py"
+from bench_script import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("deterministic_bwd", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("deterministic_bwd", "deterministic_bwd")
 
 
 def test_flops_count_the_visible_pairs(bench):

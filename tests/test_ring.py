@@ -14,12 +14,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import faulthandler
-import importlib.util
 import math
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +31,8 @@ from flashfold.distributed import ring as ring_mod
 from flashfold.kernels.attention.reference import (attention_reference,
                                                    merge_states_reference)
 from flashfold.testing import assert_close
+
+from bench_script import load_benchmark
 
 
 # --- cases --------------------------------------------------------------------------------------
@@ -131,11 +131,7 @@ BENCH_DRY_RUN = ["--device", "cpu", "--dtype", "float32", "--lengths", "48,80",
 
 
 def _bench_module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ring.py"
-    spec = importlib.util.spec_from_file_location("ring_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("ring")
 
 
 def test_benchmark_dry_run_simulated_ring(capsys):

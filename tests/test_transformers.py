@@ -522,15 +522,10 @@ def test_models_through_the_kernels_under_the_interpreter(style, monkeypatch):
 def test_gpu_script_dry_run(monkeypatch, capsys):
     """``benchmarks/transformers_gpu.py --cpu``: every code path of the script the lead runs
     on the GPU (checks, decoding, timing table), on the CPU in float32 at toy sizes."""
-    import importlib.util
-    from pathlib import Path
-
+    from bench_script import load_benchmark
     from flashfold.kernels.attention import fwd
     monkeypatch.setattr(fwd, "attention_forward", fwd.attention_forward)   # restored after
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "transformers_gpu.py"
-    spec = importlib.util.spec_from_file_location("transformers_gpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("transformers_gpu", "transformers_gpu")
     assert mod.main(["--cpu"]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "ff / sdpa" in out and "BAD" not in out
