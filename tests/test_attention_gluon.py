@@ -109,10 +109,13 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
              {"varlen": True, "mod": "alibi", "causal": True}, True, "bfloat16", True),
             ("d256-mod-alibi-causal-window", 256, 256,
              {"mod": "alibi", "causal": True, "left": 300}, False, "bfloat16", True),
-            # block masks walked by the kernel: a document mask (a table of int32 ids: int64
-            # ids spill into the key loop on Triton 3.9, docs/notes/attention_fwd.md),
+            # block masks walked by the kernel: a document mask (evaluated as each row's
+            # interval of keys), documents that recur (a table of int32 ids read per key:
+            # int64 ids spill into the key loop on Triton 3.9, docs/notes/attention_fwd.md),
             # prefix-LM (no table), with ALiBi; 128 x 256 blocks, two key tiles each
             ("d128-mask-documents-causal-lse", 128, 128, {"mask": "documents", "causal": True},
+             True, "bfloat16", True),
+            ("d128-mask-recurring-causal-lse", 128, 128, {"mask": "recurring", "causal": True},
              True, "bfloat16", True),
             ("d64-mask-prefix", 64, 64, {"mask": "prefix"}, False, "bfloat16", True),
             ("d128-mask-documents-mod-alibi-causal-lse", 128, 128,
@@ -132,8 +135,10 @@ def _block_mask(name, nq, nk):
     """The block masks of the "-mask-" variants and tests (broadcast over b and h)."""
     import flashfold as ff
     from flashfold import mods
-    if name == "documents":
+    if name in ("documents", "recurring"):
         docs = (torch.arange(max(nq, nk)) * 7 // max(nq, nk)).to(torch.int32)  # 7 documents
+        if name == "recurring":
+            docs = docs % 3                     # documents 0, 3, 6 share an id: no intervals
         return ff.create_block_mask(mods.document_mask(docs), None, None, nq, nk,
                                     device="cpu")
     blocks = (128, 256) if name == "prefix-256-blocks" else 128

@@ -107,14 +107,17 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
              dict(mods="prefix")),
             ("mask-documents-d64", False, "bfloat16", None, 64, None, None, None,
              dict(mods="documents")),
+            ("mask-recurring-documents", False, "bfloat16", None, 128, None, None, None,
+             dict(mods="recurring")),
             ("mask-documents-alibi", False, "bfloat16", None, 128, None, None, None,
              dict(mods="documents+alibi"))]
 
 
 def _mods(which: str, B: int, H: int, N: int) -> dict:
     """The ``score_mod`` / ``block_mask`` keywords of a compile variant's ``mods``:
-    ``alibi``, ``prefix`` (prefix-LM, 300 rows), ``documents`` (causal, four documents),
-    joined by ``+``."""
+    ``alibi``, ``prefix`` (prefix-LM, 300 rows), ``documents`` (causal, four documents:
+    evaluated as each row's interval of keys), ``recurring`` (causal, documents 0 and 2
+    sharing an id: their table read per key), joined by ``+``."""
     import flashfold as ff
     from flashfold import mods
     from flashfold.kernels.attention.mods import trace_score_mod
@@ -123,8 +126,9 @@ def _mods(which: str, B: int, H: int, N: int) -> dict:
         if part == "alibi":
             out["score_mod"] = trace_score_mod(mods.alibi(H))
         else:
+            docs = torch.arange(N) * 4 // N
             mm = (mods.prefix_lm_mask(300) if part == "prefix" else mods.and_masks(
-                mods.causal_mask, mods.document_mask(torch.arange(N) * 4 // N)))
+                mods.causal_mask, mods.document_mask(docs % 2 if part == "recurring" else docs)))
             out["block_mask"] = ff.create_block_mask(mm, None, None, N, N, device="cpu")
     return out
 

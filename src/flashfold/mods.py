@@ -61,9 +61,11 @@ def document_mask(doc_ids, kv_doc_ids=None):
 
     ``doc_ids``: int tensor ``(seq,)`` shared by the batch, or ``(batch, seq)``;
     ``kv_doc_ids`` defaults to ``doc_ids`` (self-attention over packed documents).
-    Combine with ``causal=True`` for causal document masking. int32 ids are the fast
-    form on Hopper: the kernel loads an id per key column, and int64 ones take twice the
-    registers (with Triton 3.9 they spill inside the key loop).
+    Combine with ``causal=True`` for causal document masking. Where each document is one
+    run of positions (packed documents), the kernels compare each key against its row's
+    document bounds (:func:`~flashfold.kernels.attention.mods.as_intervals`); where an
+    id recurs, they load an id per key column, and int32 ids are the fast form on Hopper
+    (int64 ones take twice the registers; with Triton 3.9 they spill inside the key loop).
     """
     dq = Buffer(_table(doc_ids, "doc_ids"))
     dk = dq if kv_doc_ids is None else Buffer(_table(kv_doc_ids, "kv_doc_ids"))

@@ -63,7 +63,9 @@ scores in memory).
 ``score_mod``/``mask_mod`` are Python functions over :mod:`flashfold.ops`, traced into the
 IR and compiled into the kernel (see :mod:`flashfold.kernels.attention.mods`; helpers in
 :mod:`flashfold.mods`). A mask_mod is summarized once per tile into a :class:`BlockMask`
-(cached), so tiles it hides are skipped and tiles it fully shows skip the mask.
+(cached), so tiles it hides are skipped and tiles it fully shows skip the mask; where
+every row sees one interval of keys (document masks, key padding from a table), the
+kernels evaluate those intervals instead of the mask's per-key table reads.
 
 Backward: ``attention`` is differentiable with respect to ``q``, ``k``, ``v`` (and through
 the returned ``lse``) on every device. Under ``torch.compile`` it calls the

@@ -1136,7 +1136,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     use_gluon = (gluon_allowed and config is None and not interp
                  and gluon_runs(q, k, v, do, softcap=softcap, left=left, right=right,
                                 score_mod=score_mod,
-                                mask_mod=block_mask.mod if block_mask is not None else None,
+                                mask_mod=block_mask.column_mod if block_mask is not None else None,
                                 mask_block=block_mask.BLOCK_SIZE if block_mask is not None
                                 else None, cu_seqlens_q=cu_seqlens_q,
                                 cu_seqlens_k=cu_seqlens_k, deterministic=deterministic))
@@ -1176,7 +1176,6 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     grad_fn = score_grad_fn(score_mod) if has_mod else None
     if block_mask is not None:
         bmk = block_mask
-        margs = bmk.mod.buffer_args(dev)
         Bm, Hm = bmk.state.shape[0], bmk.state.shape[1]
         nM, nN = bmk.state.shape[2], bmk.state.shape[3]
         rows = [bmk.partial_num, bmk.partial_idx, bmk.full_num, bmk.full_idx]
@@ -1186,14 +1185,16 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         col_strides = [Hm * nN if Bm > 1 else 0, nN if Hm > 1 else 0,
                        Hm * nN * nM if Bm > 1 else 0, nN * nM if Hm > 1 else 0, nM]
         sparse = bmk.BLOCK_SIZE
-        mask_fn = bmk.mod.triton_fn()
+        # the mask as the walks read it: dK/dV walk a key tile's queries, dQ a query
+        # tile's keys (BlockMask.column_mod / row_mod)
+        by_cols = (bmk.column_mod.triton_fn(), bmk.column_mod.buffer_args(dev))
+        by_rows = (bmk.row_mod.triton_fn(), bmk.row_mod.buffer_args(dev))
     else:
-        margs = ()
         rows = cols = [None, None, None, None]
         row_strides = col_strides = [0, 0, 0, 0, 0]
         sparse = None
         full_needs_mask = False
-        mask_fn = None
+        by_cols = by_rows = (None, ())
     def rows_of(t):    # (batch, head, row, dim) strides; packed sequences: batch stride 0
         return (0 if varlen else t.stride(0), *t.stride()[1:])
     common_kw = dict(
@@ -1231,13 +1232,18 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         else:
             descs = [q, k, v, do, acc]
         num_n = -(-seq_k // bn)
+        # the strict recompute holds its count products in nearly all of its registers:
+        # the column form's per-key entries, live across its walk, spill there (sm_90,
+        # Triton 3.6: 88 / 392 bytes where the row form's loads per step spill 16 / 256,
+        # tests/test_attention_backward_compile.py), so it reads the row form
+        by_walk = by_rows if strict else by_cols
         launches.append((_attn_bwd_dkdv, (num_n * n_seq * HK,), [
             q, k, v, do, dk, dv, acc, lam, dd, *descs, *strides_in,
             rows_of(dk), rows_of(dv), rows_of(acc), lam_strides,
             num_n, HK, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
             qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
             tuple(cols), *col_strides,
-            grad_fn, weights, sargs, mask_fn, margs, flag,
+            grad_fn, weights, sargs, *by_walk, flag,
         ], dict(common_kw, BLOCK_M=bm, BLOCK_N=bn,
                 SPARSE_M=sparse[0] if sparse else bm, SPARSE_N=sparse[1] if sparse else bn,
                 DQ_ATOMIC=atomic, DQ_TMA=dq_tma, Q_TAIL=varlen and use_tma,
@@ -1258,7 +1264,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                 num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
                 qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
                 tuple(rows), *row_strides,
-                grad_fn, weights, sargs, mask_fn, margs, flag,
+                grad_fn, weights, sargs, *by_rows, flag,
             ], dict(common_kw, BLOCK_M=qm, BLOCK_N=qn,
                     SPARSE_M=sparse[0] if sparse else qm, SPARSE_N=sparse[1] if sparse else qn,
                     REVERSE_M=right is not None, CHECK=check, STRICT=strict,

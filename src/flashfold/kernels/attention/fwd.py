@@ -949,14 +949,14 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     sargs = score_mod.buffer_args(q.device) if has_mod else ()
     if block_mask is not None:
         bmk = block_mask
-        margs = bmk.mod.buffer_args(q.device)
+        margs = bmk.row_mod.buffer_args(q.device)
         Bm, Hm = bmk.state.shape[0], bmk.state.shape[1]
         nM, nN = bmk.state.shape[2], bmk.state.shape[3]
         tables = [bmk.partial_num, bmk.partial_idx, bmk.full_num, bmk.full_idx]
         strides = [Hm * nM if Bm > 1 else 0, nM if Hm > 1 else 0,
                    Hm * nM * nN if Bm > 1 else 0, nM * nN if Hm > 1 else 0, nN]
         sparse = bmk.BLOCK_SIZE
-        mask_fn = bmk.mod.triton_fn()
+        mask_fn = bmk.row_mod.triton_fn()
     else:
         margs = ()
         tables = [None, None, None, None]

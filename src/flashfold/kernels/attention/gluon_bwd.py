@@ -1383,7 +1383,7 @@ def _block_mask_args(block_mask, device) -> tuple:
     bm = (pn, pi, fn, fi, Hm * nN if Bm > 1 else 0, nN if Hm > 1 else 0,
           Hm * nN * nM if Bm > 1 else 0, nN * nM if Hm > 1 else 0, nM,
           block_mask.BLOCK_SIZE[1] // BLOCK_N)
-    return bm, block_mask.mod.buffer_args(device)
+    return bm, block_mask.column_mod.buffer_args(device)
 
 
 def store_tma(bounded: bool, steps: int) -> bool:
@@ -1599,7 +1599,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     left, right = gluon_fwd._bounds(causal, left, right)
     varlen = cu_seqlens_q is not None
     if not fits_mods(q, v, score_mod=score_mod,
-                     mask_mod=block_mask.mod if block_mask is not None else None,
+                     mask_mod=block_mask.column_mod if block_mask is not None else None,
                      mask_block=block_mask.BLOCK_SIZE if block_mask is not None else None,
                      left=left, right=right, deterministic=deterministic, varlen=varlen):
         raise ValueError("score_mod / block_mask: outside the kernel's scope (fits_mods)")
@@ -1687,7 +1687,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                   DETERMINISTIC=counters is not None, VARLEN=varlen,
                   SCORE_MOD=score_grad_fn(score_mod, gluon=True) if score_mod is not None
                   else None,
-                  MASK_FN=block_mask.mod.gluon_fn() if block_mask is not None else None,
+                  MASK_FN=block_mask.column_mod.gluon_fn() if block_mask is not None else None,
                   num_warps=4, maxnreg=MAXNREG)
     programs = n_n * B * Hk
     if persistent:

@@ -1286,7 +1286,7 @@ def _constexprs(plan, left, right, softcap, return_lse, pingpong, *, varlen: boo
                 PRODUCER_REGS=PRODUCER_REGS, STEP=step.tile_step,
                 FINALIZE=step.finalize_rows,
                 SCORE_MOD=score_mod.gluon_fn() if score_mod is not None else None,
-                MASK_FN=block_mask.mod.gluon_fn() if block_mask is not None else None,
+                MASK_FN=block_mask.row_mod.gluon_fn() if block_mask is not None else None,
                 SPLIT=block_mask.BLOCK_SIZE[1] // block_n if block_mask is not None else 1,
                 DYNAMIC=dynamic, num_warps=4, maxnreg=MAXNREG)
 
@@ -1311,7 +1311,7 @@ def fits_block_mask(q, v, block_mask) -> bool:
     """Whether the kernel walks ``block_mask``'s lists: blocks of the 128 query rows of
     :func:`block_mask_tiles` and a multiple of its key tile (FlexAttention's and
     :func:`~.mods.create_block_mask`'s default 128 x 128 fits every such call)."""
-    tiles = block_mask_tiles(q, v, block_mask.mod)
+    tiles = block_mask_tiles(q, v, block_mask.row_mod)
     sm, sn = block_mask.BLOCK_SIZE
     return tiles is not None and sm == tiles[0] and sn % tiles[1] == 0
 
@@ -1327,7 +1327,7 @@ def _block_mask_args(block_mask, device, row0: int) -> tuple:
     bm = (block_mask.partial_num, block_mask.partial_idx, block_mask.full_num,
           block_mask.full_idx, Hm * nM if Bm > 1 else 0, nM if Hm > 1 else 0,
           Hm * nM * nN if Bm > 1 else 0, nM * nN if Hm > 1 else 0, nN, row0)
-    return bm, block_mask.mod.buffer_args(device)
+    return bm, block_mask.row_mod.buffer_args(device)
 
 
 def varlen_slots(total_q: int, n_seqs: int) -> int:

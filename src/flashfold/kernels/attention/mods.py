@@ -74,7 +74,7 @@ from collections import OrderedDict
 import torch
 
 from ...algebra.autodiff import derivative
-from ...algebra.ir import BOOLEAN, Graph, Var, is_bool, trace
+from ...algebra.ir import BOOLEAN, Buffer, Graph, Var, is_bool, trace
 from ...algebra.lower import function_source
 from ..torch_lower import TORCH
 
@@ -120,6 +120,13 @@ class TracedMod:
     def uses(self, name: str) -> bool:
         """Whether the expression depends on input ``name`` (``"b"``, ``"h"``, ...)."""
         return name in _used_vars(self.graph)
+
+    def reads_at(self, name: str) -> bool:
+        """Whether the expression reads a table at an index formed from input ``name``
+        (``"kv_idx"``: a document id per key, a keep flag per key): a load per key column
+        of every tile a kernel walks along the keys, which :func:`compute_block_mask`
+        replaces by intervals where it can (:func:`as_intervals`)."""
+        return bool(self.reads) and any(name in uses for _, _, _, uses, _ in self.reads[1])
 
     def buffer_versions(self) -> tuple:
         """Identity and version of the captured tables (a cache key component)."""
@@ -248,7 +255,8 @@ def plan_tables(score_mod: TracedMod | None, block_mask: "BlockMask | None", dev
     if block_mask is not None:
         bm = block_mask
         out += (bm.partial_num, bm.partial_idx, bm.full_num, bm.full_idx)
-        out += bm.mod.buffer_args(device)[0::2]
+        for m in {id(m): m for m in (bm.row_mod, bm.column_mod)}.values():
+            out += m.buffer_args(device)[0::2]
     return out
 
 
@@ -647,11 +655,21 @@ class BlockMask:
     ``exact`` is True when FULL tiles need no masking at all in the kernel (the table
     already accounts for sequence bounds and any causal/window mask); otherwise the
     kernel also applies its built-in masks inside FULL tiles.
+
+    ``mod`` is the user's traced mask_mod (its meaning: the CPU path evaluates it, errors
+    name it). The kernels evaluate, inside PARTIAL tiles, ``row_mod`` where they walk a
+    query tile's keys (the forward, dQ) and ``column_mod`` where they walk a key tile's
+    queries (dK, dV): ``mod`` itself, or, for a mask whose every row sees one interval of
+    keys (every column one interval of queries), those intervals (:func:`as_intervals`),
+    the same visibility without a table read per step of the walk.
     """
 
     def __init__(self, *, mask_mod: TracedMod, state, partial_num, partial_idx, full_num,
-                 full_idx, shape, block_size, exact: bool, builtins=(None, None)):
+                 full_idx, shape, block_size, exact: bool, builtins=(None, None),
+                 row_mod: TracedMod | None = None, column_mod: TracedMod | None = None):
         self.mod = mask_mod
+        self.row_mod = mask_mod if row_mod is None else row_mod
+        self.column_mod = mask_mod if column_mod is None else column_mod
         self.state = state
         self.partial_num = partial_num
         self.partial_idx = partial_idx
@@ -691,9 +709,12 @@ class BlockMask:
 
     def __repr__(self):
         counts = [int((self.state == s).sum()) for s in (EMPTY, PARTIAL, FULL)]
+        forms = [f", {what} as intervals" for what, m in (("rows", self.row_mod),
+                                                         ("columns", self.column_mod))
+                 if m is not self.mod]
         return (f"BlockMask({self.mod.name!r}, shape={self.shape}, block={self.BLOCK_SIZE}, "
                 f"tiles empty/partial/full={counts[0]}/{counts[1]}/{counts[2]}, "
-                f"sparsity={self.sparsity():.1%})")
+                f"sparsity={self.sparsity():.1%}{''.join(forms)})")
 
 
 def _lists(state):
@@ -737,6 +758,53 @@ def _visible_chunk(mask_fn, b, h, q, kv, lq, lk, left, right):
     return vis
 
 
+#: ``first`` of a row (column) that sees no key (query): above every index
+_NONE = 2 ** 31 - 1
+
+
+def _spans(vis, axis: int, start: int):
+    """``(first, last, count)`` along ``axis`` of ``vis`` (bool ``(Hm, R, C)``; the
+    positions along ``axis`` from ``start``): the first and last visible position
+    (:data:`_NONE` and -1 where there is none) and how many there are, int32, ``axis``
+    reduced."""
+    v = vis.to(torch.uint8)
+    count = v.sum(axis, dtype=torch.int32)
+    seen = count > 0
+    first = v.argmax(axis).to(torch.int32) + start            # argmax: the first maximum
+    last = (v.shape[axis] - 1 + start) - v.flip(axis).argmax(axis).to(torch.int32)
+    return torch.where(seen, first, _NONE), torch.where(seen, last, -1), count
+
+
+def as_intervals(mod: TracedMod, along: str, first, last) -> TracedMod:
+    """The mask ``first[b, h, i] <= j <= last[b, h, i]``, traced, for ``along="kv_idx"``
+    with ``i = q_idx``, ``j = kv_idx`` (each row's interval of keys: the form of the
+    kernels that walk a query tile's keys), for ``along="q_idx"`` the transpose (each
+    column's interval of queries). ``first``, ``last``: int32 ``(Bm, Hm, N)``, a dim of
+    1 not indexed.
+
+    A mask that reads a table per key (``doc[q_idx] == doc[kv_idx]``: a load and a compare
+    per key column of every PARTIAL tile, 43% of the causal document-mask forward on an
+    H200, ``docs/notes/attention_fwd.md``) so becomes two compares against two entries
+    per row, read once per tile. Document masks (causal or not), key padding from a keep
+    table and windows or prefixes read through tables have one interval per row and per
+    column; :func:`compute_block_mask` checks that they do before it uses this."""
+    Bm, Hm, N = first.shape
+    flat = (N,) if Bm * Hm == 1 else (Bm * Hm, N)
+    lo, hi = Buffer(first.reshape(flat).contiguous()), Buffer(last.reshape(flat).contiguous())
+
+    def intervals(b, h, q_idx, kv_idx):
+        i, j = (q_idx, kv_idx) if along == "kv_idx" else (kv_idx, q_idx)
+        if Bm * Hm == 1:
+            a, z = lo[i], hi[i]
+        else:
+            r = b * Hm + h if Bm > 1 and Hm > 1 else (b if Bm > 1 else h)
+            a, z = lo[r, i], hi[r, i]
+        return (j >= a) & (j <= z)
+    what = "rows" if along == "kv_idx" else "columns"
+    intervals.__name__ = intervals.__qualname__ = f"{mod.name}_{what}"
+    return trace_mask_mod(intervals)
+
+
 def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, q_len: int,
                        kv_len: int, block_m: int, block_n: int, device, lens_q=None,
                        lens_k=None, left=None, right=None, exact=True) -> BlockMask:
@@ -745,6 +813,12 @@ def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, 
     ``lens_q``/``lens_k`` are per-sequence lengths (varlen; default ``q_len``/``kv_len``);
     ``left``/``right`` fold a bottom-right aligned window (causal is ``right=0``) into the
     table. ``batch``/``heads`` of ``None`` broadcast (the mask must then not use b / h).
+    A mask that reads a table per key (:meth:`TracedMod.reads_at`) also gets each row's
+    first and last visible key and their count, and the kernels that walk a query tile's
+    keys evaluate those intervals where every row's are exactly its keys
+    (:func:`as_intervals`); per query and column alike. One flag is read back from the
+    device for it (not while a CUDA graph is being captured: the mask then stays as
+    written).
     """
     device = torch.device(device)
     for name, val in (("B", batch), ("H", heads)):
@@ -764,6 +838,13 @@ def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, 
     cols = max(1, min(nN, budget // max(1, Hm * block_m * block_n)))
     rows = max(1, min(nM, budget // max(1, Hm * block_m * cols * block_n)))
     h = torch.arange(Hm, device=device).view(Hm, 1, 1)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    # for a walk along the keys ("kv_idx") each row's (first, last, count) of visible keys,
+    # along the queries each column's: where the mask reads a table per step of the walk
+    spans = {along: tuple(torch.full((Bm, Hm, n), v, dtype=torch.int32, device=device)
+                          for v in (_NONE, -1, 0))
+             for along, n in (("kv_idx", q_len), ("q_idx", kv_len))
+             if mod.reads_at(along) and not capturing}
     for bi in range(Bm):
         b = torch.tensor(bi, device=device)
         lq, lk = int(lq_all[bi]), int(lk_all[bi])
@@ -781,10 +862,30 @@ def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, 
                 full = (vis | ~qvalid).reshape(tiles).all(4).all(2)
                 st = torch.where(any_, torch.where(full, FULL, PARTIAL), EMPTY).to(torch.int8)
                 state[bi, :, r0:r1, c0:c1] = st
+                if spans:
+                    rs = slice(r0 * block_m, min(r1 * block_m, q_len))
+                    cs = slice(c0 * block_n, min(c1 * block_n, kv_len))
+                    seen = (vis & qvalid)[:, :rs.stop - rs.start, :cs.stop - cs.start]
+                    for along, (first, last, count) in spans.items():
+                        # a row's keys (axis 2, from key cs.start), a column's queries
+                        axis, at, idx = ((2, cs.start, rs) if along == "kv_idx" else
+                                         (1, rs.start, cs))
+                        f, z, c = _spans(seen, axis, at)
+                        first[bi, :, idx] = torch.minimum(first[bi, :, idx], f)
+                        last[bi, :, idx] = torch.maximum(last[bi, :, idx], z)
+                        count[bi, :, idx] += c
     pn, pi, fn_, fi = _lists(state)
+    forms = {}
+    if spans:
+        # each row (column) sees exactly its interval: one read back for both walks
+        exact_spans = torch.stack([((c == 0) | (c == z - f + 1)).all()
+                                   for f, z, c in spans.values()]).tolist()
+        forms = {along: as_intervals(mod, along, f, z)
+                 for (along, (f, z, _)), ok in zip(spans.items(), exact_spans) if ok}
     return BlockMask(mask_mod=mod, state=state, partial_num=pn, partial_idx=pi, full_num=fn_,
                      full_idx=fi, shape=(batch, heads, q_len, kv_len),
-                     block_size=(block_m, block_n), exact=exact, builtins=(left, right))
+                     block_size=(block_m, block_n), exact=exact, builtins=(left, right),
+                     row_mod=forms.get("kv_idx"), column_mod=forms.get("q_idx"))
 
 
 def _check_block(name, v):
@@ -800,6 +901,12 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     the kernel's tiles must divide them, which holds for the default 128). Pass the result
     as ``attention(..., mask_mod=block_mask)``; positions are those of the un-aligned
     score matrix (``q_idx < Q_LEN``, ``kv_idx < KV_LEN``).
+
+    The result is the mask as its tables hold at creation: make a new one after writing
+    to them. A mask that reads a table per key (``doc[q_idx] == doc[kv_idx]``) is
+    summarized per row too, and where every row sees one interval of keys (documents,
+    padding), the kernels compare against those intervals instead of reading the table
+    per key; finding that out reads one flag back from the device.
     """
     mod = trace_mask_mod(mask_mod)
     bm, bn = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
@@ -844,4 +951,5 @@ def cached_block_mask(mod: TracedMod, *, batch, heads, q_len, kv_len, block_m, b
 
 
 __all__ = ["TracedMod", "BlockMask", "trace_score_mod", "trace_mask_mod", "create_block_mask",
-           "compute_block_mask", "cached_block_mask", "EMPTY", "PARTIAL", "FULL", "buffer_slots"]
+           "compute_block_mask", "cached_block_mask", "as_intervals", "EMPTY", "PARTIAL",
+           "FULL", "buffer_slots"]
