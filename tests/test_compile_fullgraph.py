@@ -91,3 +91,48 @@ def test_compiled_calls_check_the_tables_against_each_shape():
     with pytest.raises(Exception, match=r"document_mask' reads its table 0 of shape \(24,\) at "
                                         r"index 31 along dim 0 \(from q_idx\), past its 24"):
         compiled(torch.randn(1, 2, 32, 32))
+
+
+#: FP8 calls (forward only): dense causal with GQA, a window with softcap and a chosen
+#: output dtype, packed sequences
+FP8_CASES = ["causal-gqa", "window-softcap-fp16", "varlen"]
+
+
+def _check_fp8(case, device, backend):
+    """``torch.compile(fullgraph=True)`` of an FP8 call (through ``flashfold::attn_fwd_fp8``)
+    gives the eager call's o and LSE, bit for bit (the same implementation runs)."""
+    import torch._dynamo
+    from flashfold.api.fp8 import quantize_fp8
+    torch._dynamo.reset()
+    g = torch.Generator(device).manual_seed(3)
+    hk = 2 if case == "causal-gqa" else 4
+    x = [torch.randn(1 if case == "varlen" else 2, h, 48, 64, generator=g, device=device)
+         for h in (4, hk, hk)]
+    kw = {"causal-gqa": dict(causal=True), "varlen": dict(causal=True),
+          "window-softcap-fp16": dict(window=(9, 3), softcap=20.0, out_dtype=torch.float16)}[case]
+    if case == "varlen":
+        cu = torch.tensor([0, 5, 5, 48], dtype=torch.int32, device=device)
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    (q, qs), (k, ks), (v, vs) = (quantize_fp8(t, hk, cu_seqlens=kw.get("cu_seqlens_q"))
+                                 for t in x)
+    kw.update(q_descale=qs, k_descale=ks, v_descale=vs)
+
+    def call(q, k, v):
+        return ff.attention(q, k, v, return_lse=True, **kw)
+    compiled = torch.compile(call, fullgraph=True, backend=backend)
+    (o, lse), (co, clse) = call(q, k, v), compiled(q, k, v)
+    assert co.dtype == o.dtype == kw.get("out_dtype", torch.bfloat16) and clse.dtype == torch.float32
+    assert torch.equal(co, o) and torch.equal(clse, lse), case
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fullgraph_compile_fp8_cpu(case):
+    _check_fp8(case, "cpu", "aot_eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", FP8_CASES)
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_fullgraph_compile_fp8_gpu(case, backend):
+    _check_fp8(case, "cuda", backend)

@@ -99,7 +99,6 @@ import torch
 from ..kernels.attention.mods import (BlockMask, TracedMod, create_block_mask, trace_mask_mod,
                                       trace_score_mod)
 # the checks shared with decode and ring attention (one rule per argument)
-from ..kernels.attention.reference import fp8_attention_reference
 from .fp8 import check_fp8_call, is_fp8
 from .validate import MAX_HEAD_DIM
 from .validate import check_bool as _check_bool
@@ -198,7 +197,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         Forward only; no score_mod / mask_mod; statistics in fp32, ``P`` quantized to FP8
         with its own scale (:func:`~flashfold.kernels.attention.reference.fp8_attention_reference`,
         what the CPU runs). On CUDA the Triton template's ``FP8`` flag runs it (E4M3
-        products on the tensor cores; head dims up to 256).
+        products on the tensor cores; head dims up to 256). Under ``torch.compile`` one
+        custom op, ``flashfold::attn_fwd_fp8``, traced without graph breaks.
     out_dtype: the output dtype of an FP8 call (bf16 by default; fp16, fp32).
 
     Returns ``o`` ``(B, Hq, Nq, Dv)`` in the input dtype (contiguous), and ``lse`` when
@@ -345,35 +345,36 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
     left, right = _bounds(*_check_window(window), causal)
     left, right = unbounded_beyond(left, k.shape[2]), unbounded_beyond(right, q.shape[2])
     scale = _check_positive("scale", scale)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     softcap = _check_positive("softcap", softcap)
     meta = q.device.type == "meta"
+    compiling = torch.compiler.is_compiling()
+    values = not meta and not compiling          # (under compile: no value read, no sync)
+    lens_q = lens_k = None
     if varlen:
-        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, not meta)
+        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, values)
         lens_k = (lens_q if cu_seqlens_k is cu_seqlens_q and k.shape[2] == q.shape[2]
-                  else _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, not meta))
-        if not meta and len(lens_q) != len(lens_k):
+                  else _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, values))
+        if values and len(lens_q) != len(lens_k):
             raise ValueError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_k "
                              f"has {len(lens_k)}")
     if meta:
         o = torch.empty(q.shape[:3] + (v.shape[3],), dtype=out_dtype, device="meta")
         return (o, torch.empty(q.shape[:3], device="meta")) if return_lse else o
-    if _use_kernel(q):
-        from ..kernels.attention.autograd import kernel_forward
+    kernel = _use_kernel(q)
+    if kernel:
         _check_kernel_head_dims(q, v)
-        o, lse = kernel_forward(q, k, v, scale=1.0 / math.sqrt(q.shape[3]) if scale is None
-                                else scale, softcap=softcap, left=left, right=right,
-                                score=None, mask=None, block_mask=None, cu_q=cu_seqlens_q,
-                                cu_k=cu_seqlens_k, lens_q=lens_q if varlen else None,
-                                lens_k=lens_k if varlen else None, return_lse=return_lse,
-                                descales=(q_descale, k_descale, v_descale),
-                                out_dtype=out_dtype)
-        return (o, lse) if return_lse else o
-    o, lse = fp8_attention_reference(q, k, v, q_descale, k_descale, v_descale,
-                                     window=(-1 if left is None else left,
-                                             -1 if right is None else right),
-                                     scale=scale, softcap=softcap,
-                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                     out_dtype=out_dtype)
+    from ..kernels.attention import autograd
+    if compiling:
+        # one custom op, traced without graph breaks (the reference reads values)
+        o, lse = autograd.attn_fwd_fp8(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q,
+                                       cu_seqlens_k, scale, softcap, left, right, kernel,
+                                       out_dtype)
+    else:
+        o, lse = autograd.fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale,
+                                           cu_seqlens_q, cu_seqlens_k, scale, softcap, left,
+                                           right, kernel, out_dtype, lens_q, lens_k,
+                                           return_lse)
     return (o, lse) if return_lse else o
 
 

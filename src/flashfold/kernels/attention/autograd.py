@@ -50,7 +50,7 @@ import torch
 from .. import launcher
 from .mods import (BlockMask, TracedMod, block_mask_by_handle, cached_block_mask, trace_mask_mod,
                    trace_score_mod)
-from .reference import attention_reference, backward_reference
+from .reference import attention_reference, backward_reference, fp8_attention_reference
 
 
 # --- the registry of non-tensor configuration -----------------------------------------------
@@ -437,6 +437,51 @@ def _backward(ctx, do, dlse):
 torch.library.register_autograd("flashfold::attn_fwd", _backward, setup_context=_setup_context)
 
 
+# --- FP8 (forward only) ------------------------------------------------------------------------
+
+def fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k,
+                     scale, softcap, left, right, use_kernel, out_dtype, lens_q=None,
+                     lens_k=None, return_lse=True):
+    """An FP8 forward (:func:`.reference.fp8_attention_reference`'s semantics): ``(o in
+    out_dtype, lse float32)``, by the kernel template's FP8 flag or the CPU reference.
+    ``lens_*``: per-sequence lengths when already read from ``cu_seqlens_*``; without
+    ``return_lse`` the kernel may return None for the LSE."""
+    if use_kernel:
+        return kernel_forward(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
+                              score=None, mask=None, block_mask=None, cu_q=cu_seqlens_q,
+                              cu_k=cu_seqlens_k, lens_q=lens_q, lens_k=lens_k,
+                              return_lse=return_lse, descales=(q_descale, k_descale, v_descale),
+                              out_dtype=out_dtype)
+    return fp8_attention_reference(q, k, v, q_descale, k_descale, v_descale,
+                                   window=(-1 if left is None else left,
+                                           -1 if right is None else right),
+                                   scale=scale, softcap=softcap, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k, out_dtype=out_dtype)
+
+
+@torch.library.custom_op("flashfold::attn_fwd_fp8", mutates_args=())
+def attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor,
+                 k_descale: torch.Tensor, v_descale: torch.Tensor,
+                 cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                 scale: float, softcap: Optional[float], left: Optional[int],
+                 right: Optional[int], use_kernel: bool,
+                 out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FP8 attention forward under ``torch.compile``: ``(o (B, Hq, Nq, Dv) in out_dtype,
+    lse (B, Hq, Nq) float32)``, contiguous (:func:`fp8_forward_impl`; no gradient: FP8
+    inputs do not require one)."""
+    o, lse = fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q,
+                              cu_seqlens_k, scale, softcap, left, right, use_kernel, out_dtype)
+    return o.contiguous(), lse.contiguous()
+
+
+@attn_fwd_fp8.register_fake
+def _attn_fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k,
+                       scale, softcap, left, right, use_kernel, out_dtype):
+    B, HQ, NQ, _ = q.shape
+    return (q.new_empty((B, HQ, NQ, v.shape[3]), dtype=out_dtype),
+            q.new_empty((B, HQ, NQ), dtype=torch.float32))
+
+
 # --- the entry point used by flashfold.attention ------------------------------------------------
 
 def attention_op(q, k, v, *, key: str, scale: float, softcap=None, left=None, right=None,
@@ -458,6 +503,7 @@ def attention_op(q, k, v, *, key: str, scale: float, softcap=None, left=None, ri
 
 
 __all__ = ["attention_op", "register_mods", "entry_tables", "attn_fwd", "attn_bwd",
+           "attn_fwd_fp8", "fp8_forward_impl",
            "remember_lengths",
            "forward_impl", "backward_impl",
            "kernel_forward", "kernel_backward", "ModsEntry"]
