@@ -136,3 +136,107 @@ def test_fullgraph_compile_fp8_cpu(case):
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 def test_fullgraph_compile_fp8_gpu(case, backend):
     _check_fp8(case, "cuda", backend)
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+#: decode calls: a contiguous cache with a window and the LSE; a paged cache with left
+#: padding (cache_start), GQA 4:1 and softcap; an E4M3 cache with its descales; batch
+#: invariant splits
+DECODE_CASES = ["window-lse", "paged-start-softcap", "fp8", "batch-invariant"]
+
+
+def _decode_inputs(case, device, dtype):
+    from flashfold.api.decode import quantize_fp8_cache
+    g = torch.Generator(device).manual_seed(5)
+    B, H, HK, N, D, P = 3, 8, 2, 96, 64, 16
+    q = torch.randn(B, H, 2, D, generator=g, device=device).to(dtype)
+    k = torch.randn(B, HK, N, D, generator=g, device=device).to(dtype)
+    v = torch.randn(B, HK, N, D, generator=g, device=device).to(dtype)
+    lens = torch.tensor([96, 2, 41], dtype=torch.int32, device=device)
+    kw = dict(cache_seqlens=lens)
+    if case == "window-lse":
+        kw.update(window=(17, 0), return_lse=True)
+    elif case == "paged-start-softcap":
+        order = torch.randperm(B * N // P, generator=torch.Generator().manual_seed(1))
+        table = order.view(B, N // P).to(device=device, dtype=torch.int32)
+        pages_k = torch.empty(B * N // P, P, HK, D, device=device, dtype=dtype)
+        pages_v = torch.empty_like(pages_k)
+        pages_k[table.long()] = k.transpose(1, 2).reshape(B, N // P, P, HK, D)
+        pages_v[table.long()] = v.transpose(1, 2).reshape(B, N // P, P, HK, D)
+        k, v = pages_k, pages_v
+        kw.update(block_table=table, softcap=15.0,
+                  cache_start=torch.tensor([30, 0, 40], dtype=torch.int32, device=device))
+    elif case == "fp8":
+        kd = k.float().abs().amax((2, 3)) / 448 + 1e-3
+        vd = v.float().abs().amax((2, 3)) / 448 + 1e-3
+        k, v = quantize_fp8_cache(k, kd), quantize_fp8_cache(v, vd)
+        kw.update(k_descale=kd, v_descale=vd, return_lse=True)
+    else:
+        kw.update(batch_invariant=True)
+    return q, k, v, kw
+
+
+def _check_decode(case, device, dtype, backend):
+    """``flashfold.decode`` compiled with ``fullgraph=True`` (one ``flashfold::decode``
+    op) gives the eager call's outputs bit for bit."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    q, k, v, kw = _decode_inputs(case, device, dtype)
+
+    def call(q, k, v):
+        return ff.decode(q, k, v, **kw)
+    want, got = call(q, k, v), torch.compile(call, fullgraph=True, backend=backend)(q, k, v)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), case
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_fullgraph_compile_decode_cpu(case):
+    _check_decode(case, "cpu", torch.float32, "aot_eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", DECODE_CASES)
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_fullgraph_compile_decode_gpu(case, backend):
+    _check_decode(case, "cuda", torch.bfloat16, backend)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit", "e4m3"])
+def test_fullgraph_compile_append_then_decode(paged, fp8):
+    """A compiled step that appends two tokens per sequence and decodes them writes the
+    same caches and returns the same lengths and outputs as eager; on the CPU the range
+    check still runs (inside ``flashfold::checked_lengths``) and raises ValueError."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(9)
+    B, HK, N, D, P = 2, 2, 64, 32, 16
+    cdt = torch.float8_e4m3fn if fp8 else torch.float32
+    shape = (B * N // P, P, HK, D) if paged else (B, HK, N, D)
+    k0 = torch.randn(shape, generator=g).to(cdt)
+    v0 = torch.randn(shape, generator=g).to(cdt)
+    extra = {}
+    if paged:
+        extra["block_table"] = torch.tensor([[3, 1, 0, 2], [7, 5, 4, 6]], dtype=torch.int32)
+    scales = dict(k_descale=torch.full((B, HK), 0.01), v_descale=torch.full((B, HK), 0.02)) \
+        if fp8 else {}
+    kn, vn = torch.randn(B, HK, 2, D, generator=g), torch.randn(B, HK, 2, D, generator=g)
+    q = torch.randn(B, 4, 2, D, generator=g)
+
+    def step(k, v, lens):
+        lens = ff.append_kv(k, v, kn, vn, lens, **extra, **scales)
+        return ff.decode(q, k, v, lens, **extra, **scales), lens
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    lens = torch.tensor([5, 62], dtype=torch.int32)
+    (k1, v1), (k2, v2) = (k0.clone(), v0.clone()), (k0.clone(), v0.clone())
+    (o1, l1), (o2, l2) = step(k1, v1, lens), compiled(k2, v2, lens)
+    assert torch.equal(l1, l2) and torch.equal(o1, o2)
+    assert torch.equal(k1.view(torch.uint8), k2.view(torch.uint8))
+    assert torch.equal(v1.view(torch.uint8), v2.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"cache_seqlens: lengths \+ 2 new tokens must lie in "
+                                         r"\[0, 64\]"):
+        compiled(k2, v2, torch.tensor([63, 0], dtype=torch.int32))

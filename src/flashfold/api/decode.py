@@ -33,7 +33,10 @@ cut into splits across thread blocks, partial states merged by the monoid's gene
 combine; nothing synchronises with the host, so a decode step can be captured in a CUDA
 graph); on the CPU the pure-torch reference of :mod:`flashfold.kernels.decode.reference`
 runs (float32 accumulation; float64 inputs in float64), with the same semantics.
-Environment: ``FLASHFOLD_DECODE_TMA=0`` reads K/V through ``cp.async`` pointers instead of
+Under ``torch.compile(fullgraph=True)`` a decode call is one custom op,
+``flashfold::decode``, and ``append_kv`` traces as the torch ops it is, its length check
+(where it runs) inside ``flashfold::checked_lengths``
+(:mod:`flashfold.kernels.decode.library`). Environment: ``FLASHFOLD_DECODE_TMA=0`` reads K/V through ``cp.async`` pointers instead of
 TMA boxes (the default on Hopper for caches of >= 256 MiB of K and V that TMA can
 address), ``FLASHFOLD_DECODE_PDL=0`` launches the merge without
 programmatic dependent launch (both for measurement; the values do not change),
@@ -48,7 +51,7 @@ import math
 
 import torch
 
-from ..kernels.decode.reference import decode_reference
+from ..kernels.decode.reference import check_lengths as _check_lengths
 from .validate import (MAX_HEAD_DIM, check_bool, check_positive, check_window, is_meta,
                        no_values, unbounded_beyond)
 
@@ -204,29 +207,6 @@ def _cache_start(cache_start, batch, dev):
         raise ValueError(f"cache_start: expected shape ({batch},), got "
                          f"{tuple(cache_start.shape)}")
     return cache_start
-
-
-def _check_lengths(cache_seqlens, capacity, block_table, num_pages, extra=0, name="cache_seqlens",
-                   cache_start=None):
-    """Host-side range checks (reads the tensors: a device synchronisation on CUDA). The
-    pages in use are those holding a token of ``[cache_start, cache_seqlens + extra)``."""
-    lens = cache_seqlens.to("cpu", torch.int64)
-    if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) + extra > capacity):
-        what = f" + {extra} new tokens" if extra else ""
-        raise ValueError(f"{name}: lengths{what} must lie in [0, {capacity}] (the cache "
-                         f"capacity), got min {int(lens.min())}, max {int(lens.max())}")
-    if block_table is not None and lens.numel() and block_table.shape[1]:
-        page = capacity // block_table.shape[1]
-        used = (lens + extra + page - 1) // page
-        first = torch.zeros_like(lens)
-        if cache_start is not None:
-            first = torch.minimum(cache_start.to("cpu", torch.int64).clamp(min=0), lens) // page
-        bt = block_table.to("cpu", torch.int64)
-        cols = torch.arange(bt.shape[1])[None, :]
-        live = bt[(cols < used[:, None]) & (cols >= first[:, None])]
-        if live.numel() and (int(live.min()) < 0 or int(live.max()) >= num_pages):
-            raise ValueError(f"block_table: the pages in use must lie in [0, {num_pages}), got "
-                             f"min {int(live.min())}, max {int(live.max())}")
 
 
 def _options(head_dim, scale, softcap, window, num_splits, batch_invariant, max_seqlen,
@@ -397,7 +377,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kernels = _kernel_call(q, k_cache, v_cache, cache_seqlens, block_table, cache_start)
     if check_lengths is None:       # (on the reference's path, cache_seqlens is on the CPU)
         check_lengths = not kernels or cache_seqlens.device.type == "cpu"
-    if kernels and not check_lengths:
+    if kernels and not check_lengths and not torch.compiler.is_compiling():
         # the tensors' checks read only their signatures: the decode plan cache runs them
         # once per signature, before the plan is built (splitkv_decode's ``check``); the
         # scalar options are checked first here, on every call
@@ -424,23 +404,22 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return (o, lse) if return_lse else o
+    from ..kernels.decode import library
+    if torch.compiler.is_compiling():
+        # one op for the tracer; the length check (a host read) runs inside it
+        o, lse = library.decode_op(q, k_cache, v_cache, cache_seqlens, block_table, cache_start,
+                               k_descale, v_descale, scale, softcap,
+                               *(win if win is not None else (None, None)), win is not None,
+                               num_splits, batch_invariant, max_seqlen,
+                               capacity if check_lengths else None, _use_kernels(q))
+        return (o, lse) if return_lse else o
     if check_lengths:
         _check_lengths(cache_seqlens, capacity, block_table, k_cache.shape[0],
                        cache_start=cache_start)
-
-    if _use_kernels(q):
-        o, lse = _splitkv().splitkv_decode(q, k_cache, v_cache, cache_seqlens, block_table,
-                                           scale=scale, softcap=softcap, window=win,
-                                           num_splits=num_splits,
-                                           batch_invariant=batch_invariant,
-                                           max_seqlen=max_seqlen, cache_start=cache_start,
-                                           k_descale=k_descale, v_descale=v_descale)
-    else:
-        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-        o, lse = decode_reference(q, k_cache, v_cache, cache_seqlens, block_table, scale=scale,
-                                  softcap=softcap, window=win, cache_start=cache_start,
-                                  compute_dtype=cd, k_descale=k_descale, v_descale=v_descale)
-        o, lse = o.to(q.dtype), lse.to(torch.float32)
+    o, lse = library.decode_impl(q, k_cache, v_cache, cache_seqlens, block_table, cache_start,
+                             k_descale, v_descale, scale=scale, softcap=softcap, window=win,
+                             num_splits=num_splits, batch_invariant=batch_invariant,
+                             max_seqlen=max_seqlen, use_kernels=_use_kernels(q))
     return (o, lse) if return_lse else o
 
 
@@ -505,7 +484,14 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     if check_lengths is None:
         check_lengths = cache_seqlens.device.type == "cpu"
     if check_lengths:
-        _check_lengths(cache_seqlens, capacity, block_table, k_cache.shape[0], extra=n_new)
+        if torch.compiler.is_compiling():
+            # (the check reads values: inside an op, whose copy the positions come from)
+            from ..kernels.decode.library import checked_lengths
+            cache_seqlens = checked_lengths(cache_seqlens, block_table, capacity,
+                                            k_cache.shape[0], n_new)
+        else:
+            _check_lengths(cache_seqlens, capacity, block_table, k_cache.shape[0],
+                           extra=n_new)
     if n_new == 0:
         return cache_seqlens.clone()
     pos = cache_seqlens.to(torch.int64)[:, None] + torch.arange(n_new, device=k_cache.device)

@@ -57,7 +57,7 @@ import math
 
 import torch
 
-__all__ = ["clamped_starts", "gather_kv", "gather_kv_padded", "decode_reference"]
+__all__ = ["clamped_starts", "gather_kv", "gather_kv_padded", "check_lengths", "decode_reference"]
 
 
 def clamped_starts(cache_seqlens: torch.Tensor, cache_start: torch.Tensor | None) -> list[int]:
@@ -110,6 +110,31 @@ def gather_kv_padded(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: 
 
 def _bound(w) -> float:
     return math.inf if w is None or w < 0 else float(w)
+
+
+def check_lengths(cache_seqlens, capacity, block_table, num_pages, extra=0,
+                  name="cache_seqlens", cache_start=None):
+    """Host-side range checks of ``cache_seqlens`` (``+ extra`` new tokens) against the
+    ``capacity`` and of the block table's pages in use (those holding a token of
+    ``[cache_start, cache_seqlens + extra)``) against ``num_pages``: ``ValueError`` naming
+    the argument. Reads the tensors: a device synchronisation on CUDA."""
+    lens = cache_seqlens.to("cpu", torch.int64)
+    if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) + extra > capacity):
+        what = f" + {extra} new tokens" if extra else ""
+        raise ValueError(f"{name}: lengths{what} must lie in [0, {capacity}] (the cache "
+                         f"capacity), got min {int(lens.min())}, max {int(lens.max())}")
+    if block_table is not None and lens.numel() and block_table.shape[1]:
+        page = capacity // block_table.shape[1]
+        used = (lens + extra + page - 1) // page
+        first = torch.zeros_like(lens)
+        if cache_start is not None:
+            first = torch.minimum(cache_start.to("cpu", torch.int64).clamp(min=0), lens) // page
+        bt = block_table.to("cpu", torch.int64)
+        cols = torch.arange(bt.shape[1])[None, :]
+        live = bt[(cols < used[:, None]) & (cols >= first[:, None])]
+        if live.numel() and (int(live.min()) < 0 or int(live.max()) >= num_pages):
+            raise ValueError(f"block_table: the pages in use must lie in [0, {num_pages}), got "
+                             f"min {int(live.min())}, max {int(live.max())}")
 
 
 def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
