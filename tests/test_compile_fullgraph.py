@@ -17,6 +17,24 @@ N = 32
 CASES = ["plain", "score_mod", "mask_mod", "block_mask", "window"]
 
 
+#: where the compile tests run: the CPU (``aot_eager``) and, on a GPU machine, CUDA
+#: with both backends
+ON = [pytest.param("cpu", "aot_eager", id="cpu")] + [
+    pytest.param("cuda", b, id=f"cuda-{b}", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])
+    for b in ("inductor", "aot_eager")]
+
+
+def _assert_same(got, want, case):
+    """Compiled outputs equal the eager ones bit for bit, dtypes and shapes too (a tensor
+    or a tuple of them, named tuples included)."""
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    assert len(got) == len(want), case
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), case
+
+
 def _kwargs(case, device):
     docs = (torch.arange(N) // 12).to(device)
     if case == "plain":
@@ -62,17 +80,13 @@ def _check(case, device, dtype, backend, gqa=False):
             assert_close(a, b, name, name=f"{case} d{n}")
 
 
+@pytest.mark.parametrize("device,backend", ON)
 @pytest.mark.parametrize("case", CASES)
-def test_fullgraph_compile_forward_and_backward_cpu(case):
-    _check(case, "cpu", torch.float32, "aot_eager")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_fullgraph_compile_forward_and_backward_gpu(case, backend):
-    _check(case, "cuda", torch.bfloat16, backend, gqa=True)
+def test_fullgraph_compile_forward_and_backward(case, device, backend):
+    if device == "cpu":
+        _check(case, "cpu", torch.float32, backend)
+    else:
+        _check(case, "cuda", torch.bfloat16, backend, gqa=True)
 
 
 def test_compiled_calls_check_the_tables_against_each_shape():
@@ -98,7 +112,9 @@ def test_compiled_calls_check_the_tables_against_each_shape():
 FP8_CASES = ["causal-gqa", "window-softcap-fp16", "varlen"]
 
 
-def _check_fp8(case, device, backend):
+@pytest.mark.parametrize("device,backend", ON)
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fullgraph_compile_fp8(case, device, backend):
     """``torch.compile(fullgraph=True)`` of an FP8 call (through ``flashfold::attn_fwd_fp8``)
     gives the eager call's o and LSE, bit for bit (the same implementation runs)."""
     import torch._dynamo
@@ -119,23 +135,9 @@ def _check_fp8(case, device, backend):
 
     def call(q, k, v):
         return ff.attention(q, k, v, return_lse=True, **kw)
-    compiled = torch.compile(call, fullgraph=True, backend=backend)
-    (o, lse), (co, clse) = call(q, k, v), compiled(q, k, v)
-    assert co.dtype == o.dtype == kw.get("out_dtype", torch.bfloat16) and clse.dtype == torch.float32
-    assert torch.equal(co, o) and torch.equal(clse, lse), case
-
-
-@pytest.mark.parametrize("case", FP8_CASES)
-def test_fullgraph_compile_fp8_cpu(case):
-    _check_fp8(case, "cpu", "aot_eager")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case", FP8_CASES)
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_fullgraph_compile_fp8_gpu(case, backend):
-    _check_fp8(case, "cuda", backend)
+    want = call(q, k, v)
+    _assert_same(torch.compile(call, fullgraph=True, backend=backend)(q, k, v), want, case)
+    assert want[0].dtype == kw.get("out_dtype", torch.bfloat16)
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -177,32 +179,20 @@ def _decode_inputs(case, device, dtype):
     return q, k, v, kw
 
 
-def _check_decode(case, device, dtype, backend):
+@pytest.mark.parametrize("device,backend", ON)
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_fullgraph_compile_decode(case, device, backend):
     """``flashfold.decode`` compiled with ``fullgraph=True`` (one ``flashfold::decode``
     op) gives the eager call's outputs bit for bit."""
     import torch._dynamo
     torch._dynamo.reset()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v, kw = _decode_inputs(case, device, dtype)
 
     def call(q, k, v):
         return ff.decode(q, k, v, **kw)
-    want, got = call(q, k, v), torch.compile(call, fullgraph=True, backend=backend)(q, k, v)
-    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and torch.equal(a, b), case
-
-
-@pytest.mark.parametrize("case", DECODE_CASES)
-def test_fullgraph_compile_decode_cpu(case):
-    _check_decode(case, "cpu", torch.float32, "aot_eager")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case", DECODE_CASES)
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_fullgraph_compile_decode_gpu(case, backend):
-    _check_decode(case, "cuda", torch.bfloat16, backend)
+    _assert_same(torch.compile(call, fullgraph=True, backend=backend)(q, k, v), call(q, k, v),
+                 case)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -240,3 +230,66 @@ def test_fullgraph_compile_append_then_decode(paged, fp8):
     with pytest.raises(ValueError, match=r"cache_seqlens: lengths \+ 2 new tokens must lie in "
                                          r"\[0, 64\]"):
         compiled(k2, v2, torch.tensor([63, 0], dtype=torch.int32))
+
+
+# --- reductions, scans and row maps of monoids -----------------------------------------------
+
+def _monoid_cases(device="cpu"):
+    from flashfold.examples import COVARIANCE, LINEAR_RECURRENCE, TOP2, WEIGHTED_MEAN
+    from flashfold.monoids import ATTENTION, LOGSUMEXP2
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 40, 6, generator=g).to(device)
+    w, a = (torch.rand(3, 40, 6, generator=g).to(device) for _ in range(2))
+    s, v = torch.randn(2, 30, generator=g).to(device), torch.randn(2, 30, 8, generator=g).to(device)
+    offs = torch.tensor([0, 7, 7, 40], device=device)
+    return {
+        "logsumexp-keepdim": lambda x: ff.logsumexp(x, 1, keepdim=True),
+        "softmax-fp16-out": lambda x: ff.softmax(x, -1, dtype=torch.float16),
+        "var_mean-dims-correction": lambda x: ff.var_mean(x, (0, 2), correction=0),
+        "argmax-none": lambda x: ff.argmax(x),
+        "argmin-dim": lambda x: ff.argmin(x, 2, keepdim=True),
+        "cumsum-fp16-out": lambda x: ff.cumsum(x, 1, dtype=torch.float16),
+        "logcumsumexp": lambda x: ff.logcumsumexp(x, 0),
+        "reduce-top2": lambda x: ff.reduce(TOP2, x, 1),
+        "reduce-two-inputs": lambda x: ff.reduce(WEIGHTED_MEAN, (w, x), 1),
+        "reduce-covariance-param": lambda x: ff.reduce(COVARIANCE, (x, w), 1, correction=0),
+        "reduce-vector-attention": lambda x: ff.reduce(ATTENTION, (s, v), 1),
+        "scan-recurrence-reverse": lambda x: ff.scan(LINEAR_RECURRENCE, (a, x), 1,
+                                                     reverse=True),
+        "segment-reduce": lambda x: ff.segment_reduce(LOGSUMEXP2, x, offs, 1),
+    }, x
+
+
+MONOID_CASES = list(_monoid_cases()[0])
+
+
+@pytest.mark.parametrize("device,backend", ON)
+@pytest.mark.parametrize("case", MONOID_CASES)
+def test_fullgraph_compile_monoid_calls(case, device, backend):
+    """Each call compiled with ``fullgraph=True`` (one ``flashfold::monoid`` op) gives the
+    eager call's outputs bit for bit, named tuples included."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    fns, x = _monoid_cases(device)
+    fn = fns[case]
+    _assert_same(torch.compile(fn, fullgraph=True, backend=backend)(x), fn(x), case)
+
+
+def test_fullgraph_compile_monoid_checks_and_kernels(monkeypatch):
+    """Under compilation the offsets check still runs (inside the op) and raises
+    ValueError; with the kernels' route forced (the interpreter on the CPU), the op
+    launches them, and their result equals the eager kernels'."""
+    import torch._dynamo
+    from flashfold.api import reductions
+    from flashfold.monoids import LOGSUMEXP2
+    torch._dynamo.reset()
+    x = torch.randn(4, 33)
+    seg = torch.compile(lambda x, o: ff.segment_reduce(LOGSUMEXP2, x, o, 1), fullgraph=True,
+                        backend="aot_eager")
+    with pytest.raises(ValueError, match=r"offsets: must be non-decreasing indices in \[0, 33\]"):
+        seg(x, torch.tensor([0, 20, 10]))
+    monkeypatch.setattr(reductions, "_use_kernels", lambda t: True)
+    torch._dynamo.reset()
+    fn = lambda x: ff.var_mean(x, 1)  # noqa: E731
+    want, got = fn(x), torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

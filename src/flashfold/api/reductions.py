@@ -56,7 +56,10 @@ torch), ``argmax = 0``. ``var_mean`` matches torch on finite input; an infinite 
 
 A meta tensor (``device="meta"``) gives meta outputs of the shapes and dtypes above and
 computes nothing (``segment_reduce`` reads no offsets then); arguments are validated as
-for any other tensor.
+for any other tensor. Under ``torch.compile`` each call is one custom op,
+``flashfold::monoid`` (:mod:`flashfold.api.monoid_op`; the offsets check runs inside
+it), so ``fullgraph=True`` traces it; the computation itself is
+:func:`flashfold.api.folds.run` either way.
 
 Several dims (``dim`` a tuple, or ``None`` for all) are reduced as one: the reduced dims
 are moved last and flattened, which is a view for a contiguous tensor and reduced dims
@@ -72,9 +75,10 @@ from collections import namedtuple
 import torch
 
 from ..algebra.monoid import Monoid
-from ..kernels.reduce import reference as _ref
 from ..kernels.reduce.functions import LOGSUMEXP2_SCAN, softmax_map
 from ..monoids import ARGMAX, ARGMIN, LOGSUMEXP2, SUM, WELFORD
+from . import folds
+from .folds import data_inputs as _data_inputs
 
 __all__ = ["reduce", "segment_reduce", "scan", "logsumexp", "softmax", "var_mean", "argmax",
            "argmin", "cumsum", "logcumsumexp", "LOGSUMEXP2_SCAN"]
@@ -118,11 +122,6 @@ def _check_monoid(monoid):
     if len(_CHECKED) >= _CHECKED_SIZE:
         _CHECKED.clear()
     _CHECKED[id(monoid)] = monoid
-
-
-def _data_inputs(monoid) -> list:
-    """The inputs the caller passes (a position input receives the element's index)."""
-    return [i for i in monoid.inputs if i.domain != "position"]
 
 
 def _is_vector(monoid) -> bool:
@@ -296,35 +295,10 @@ def _pack(monoid: Monoid, outs):
     return t(*outs)
 
 
-def _cast(outs, x: torch.Tensor, dtype=None):
-    res = []
-    for o in outs:
-        if o.dtype == torch.float64:
-            o = o.to(dtype or x.dtype)
-        elif o.dtype != torch.bool:
-            o = o.to(torch.int64)
-        res.append(o.to(x.device))
-    return tuple(res)
-
-
 def _use_kernels(x: torch.Tensor) -> bool:
     """Whether ``x`` goes to the generated kernels (CUDA) or the reference (CPU). Tests
     patch this to drive the kernels on CPU tensors under ``TRITON_INTERPRET=1``."""
     return x.is_cuda
-
-
-_LAUNCH = None
-
-
-def _launchers():
-    """:mod:`flashfold.kernels.reduce.launch`, imported on first use (it imports Triton);
-    an import statement in the calling function cost ~1.3 us on every call (2-core dev
-    machine), this ~0.1. The module, not its functions, so that patches of them apply."""
-    global _LAUNCH
-    if _LAUNCH is None:
-        from ..kernels.reduce import launch
-        _LAUNCH = launch
-    return _LAUNCH
 
 
 def _check_params(monoid: Monoid, params: dict):
@@ -339,31 +313,25 @@ def _check_params(monoid: Monoid, params: dict):
             raise TypeError(f"{k}: expected a number, got {type(v).__name__}")
 
 
-#: id -> (monoid, dtype kinds of its outputs), for meta tensors (see _meta_outs)
-_KINDS: dict = {}
-
-
-def _meta_outs(monoid: Monoid, shape, x: torch.Tensor, params, dtype=None, width=None) -> tuple:
-    """Outputs of ``monoid`` for a meta tensor ``x``: meta tensors of ``shape``, float
-    outputs in ``dtype or x.dtype``, the others int64 / bool as on the other paths.
-
-    The rule for meta tensors: a function that can compute its outputs' shapes and dtypes
-    returns meta outputs and computes nothing. The dtypes are read once per monoid off
-    the reference's outputs for one element (and, with vector inputs, a feature axis of
-    1: an output with that axis gets ``width``)."""
-    hit = _KINDS.get(id(monoid))
-    if hit is None or hit[0] is not monoid:
-        data = _data_inputs(monoid)
-        probe_in = tuple(torch.zeros(1, 1) if i.vector else torch.zeros(1) for i in data)
-        probe = _ref.reduce_reference(monoid, probe_in[0] if len(data) == 1 and
-                                      not data[0].vector else probe_in, 0, **params)
-        hit = _KINDS[id(monoid)] = (monoid, tuple((o.dtype, o.dim() > 0) for o in probe))
-        if len(_KINDS) >= _CHECKED_SIZE:
-            _KINDS.clear()
-    return tuple(torch.empty(tuple(shape) + ((width,) if vec else ()),
-                             dtype=(dtype or x.dtype) if k == torch.float64 else
-                             (torch.bool if k == torch.bool else torch.int64), device="meta")
-                 for k, vec in hit[1])
+def _compute(kind: str, obj, xs, d: int, params: dict, out_dtype, shape, width=None,
+             asked=None, reverse=False, offsets=None, check=False, key=None):
+    """:func:`.folds.run` (the kernels where :func:`_use_kernels`), or under
+    ``torch.compile`` the op ``flashfold::monoid`` (:mod:`.monoid_op`; outputs of
+    ``shape``, vector outputs with the feature axis ``width``, as
+    :func:`.folds.empty_outs`; ``obj`` named by ``key`` where given)."""
+    x = xs if isinstance(xs, torch.Tensor) else xs[0]
+    kernels = _use_kernels(x)
+    if not torch.compiler.is_compiling():
+        return folds.run(kind, obj, xs, d, params, out_dtype, kernels=kernels, asked=asked,
+                         reverse=reverse, offsets=offsets, check=check)
+    from .monoid_op import monoid_op
+    tupled = not isinstance(xs, torch.Tensor)
+    names = sorted(params)
+    key = key or folds.name(obj, id(obj))
+    return tuple(monoid_op(list(xs) if tupled else [xs], offsets, key,
+                           kind, tupled, d, reverse, check, ",".join(names),
+                           [float(params[n]) for n in names], out_dtype, asked, list(shape),
+                           width, kernels))
 
 
 # --- generic entry points ---------------------------------------------------------------
@@ -392,11 +360,9 @@ def _reduce_outs(monoid, x, dim, params):
         xs = _view_as(monoid, xs, first, dim)
     width = _width(monoid, xs)
     if x2.is_meta:
-        outs = _meta_outs(monoid, kept, x2, params, dtype, width)
-    elif _use_kernels(x2):
-        outs = _launchers().launch_reduce(monoid, xs, d, params)
+        outs = folds.empty_outs(monoid, kept, x2, params, dtype, width)
     else:
-        outs = _cast(_ref.reduce_reference(monoid, xs, d, **params), x2, dtype)
+        outs = _compute("reduce", monoid, xs, d, params, dtype, kept, width)
     return outs, kept, keep, (kept if width is not None else None)
 
 
@@ -461,20 +427,11 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
         raise ValueError(f"offsets: on {offsets.device}, but x is on {x.device}")
     if params:
         _check_params(monoid, params)
+    shape = x.shape[:d] + (offsets.numel() - 1,) + x.shape[d + 1:]
     if x.is_meta:                                  # shapes only: no offsets to read
-        shape = x.shape[:d] + (offsets.numel() - 1,) + x.shape[d + 1:]
-        return _pack(monoid, _meta_outs(monoid, shape, x, params, dtype, _width(monoid, xs)))
-    if not unsafe:
-        o = offsets.to("cpu", torch.int64)
-        N = x.shape[d]
-        if bool((o[1:] < o[:-1]).any()) or int(o.min()) < 0 or int(o.max()) > N:
-            raise ValueError(f"offsets: must be non-decreasing indices in [0, {N}] (the size of "
-                             f"dim {d}), got {o.tolist()[:8]}{'...' if o.numel() > 8 else ''}")
-    if _use_kernels(x):
-        outs = _launchers().launch_segment_reduce(monoid, xs, offsets.contiguous(), d, params)
-    else:
-        outs = _cast(_ref.segment_reduce_reference(monoid, xs, offsets, d, **params), x, dtype)
-    return _pack(monoid, outs)
+        return _pack(monoid, folds.empty_outs(monoid, shape, x, params, dtype, _width(monoid, xs)))
+    return _pack(monoid, _compute("segment", monoid, xs, d, params, dtype, shape,
+                                  _width(monoid, xs), offsets=offsets, check=not unsafe))
 
 
 def scan(monoid: Monoid, x: torch.Tensor, dim: int = -1, reverse: bool = False, **params):
@@ -502,12 +459,10 @@ def _scan(monoid, x, dim, reverse, dtype, params):
     d = _norm_dim(dim, x.dim())
     width = _width(monoid, xs)
     if x1.is_meta:
-        outs = _meta_outs(monoid, x1.shape, x1, params, dtype or in_dtype, width)
-    elif _use_kernels(x1):
-        outs = _launchers().launch_scan(monoid, xs, d, reverse, params, dtype)
+        outs = folds.empty_outs(monoid, x1.shape, x1, params, dtype or in_dtype, width)
     else:
-        outs = _cast(_ref.scan_reference(monoid, xs, d, reverse, **params), x1,
-                     dtype or in_dtype)
+        outs = _compute("scan", monoid, xs, d, params, dtype or in_dtype, x1.shape, width,
+                        asked=dtype, reverse=reverse)
     return _pack(monoid, _shaped(outs, x.shape, x1.shape if width is not None else None))
 
 
@@ -519,16 +474,26 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _normalize(rowmap, x, dim, dtype):
+def _normalize(x, dim, dtype):
+    """softmax's row map (:func:`~flashfold.kernels.reduce.functions.softmax_map`) along
+    ``dim``."""
     if x.dim() == 0:
-        return _normalize(rowmap, x.reshape(1), 0, dtype).reshape(())
+        return _normalize(x.reshape(1), 0, dtype).reshape(())
     d = _norm_dim(dim, x.dim())
     if x.is_meta:
         return torch.empty(x.shape, dtype=dtype or x.dtype, device="meta")
-    if _use_kernels(x):
-        return _launchers().launch_normalize(rowmap, x, d, out_dtype=dtype)
-    y = _ref.normalize_reference(rowmap, x, d)
-    return y.to(dtype or x.dtype)
+    if torch.compiler.is_compiling():       # (the row map's first build is not traced)
+        return _compute("normalize", None, x, d, {}, dtype or x.dtype, x.shape, asked=dtype,
+                        key=_softmax_key())[0]
+    return _compute("normalize", softmax_map(), x, d, {}, dtype or x.dtype, x.shape,
+                    asked=dtype)[0]
+
+
+@torch.compiler.assume_constant_result
+def _softmax_key() -> str:
+    """The registry key of softmax's row map (:func:`.folds.name`), built eagerly."""
+    rowmap = softmax_map()
+    return folds.name(rowmap, id(rowmap))
 
 
 # --- torch-like conveniences --------------------------------------------------------------
@@ -550,7 +515,7 @@ def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torc
     _check_x(x)
     if dtype is not None and dtype not in _FLOAT:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
-    return _normalize(softmax_map(), x, dim, dtype)
+    return _normalize(x, dim, dtype)
 
 
 def var_mean(x: torch.Tensor, dim=None, *, correction=1, keepdim: bool = False):
