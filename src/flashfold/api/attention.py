@@ -440,6 +440,9 @@ def merge_states(*args):
     of the keys merged in any order equals the unsplit attention up to rounding.
     ``o`` keeps the parts' dtype, ``lse`` is float32. Shapes: ``o_* (..., N, D)`` with 1
     to 3 leading dims (``(B, H, N, D)`` typically), ``lse_*`` its shape without ``D``.
+    Differentiable with respect to every part, by one rule on every device
+    (:func:`~flashfold.kernels.attention.autograd.merge_grads`: an empty part, and every
+    part of a row whose parts are all empty, gets zero gradients).
     """
     if len(args) == 4:
         o_a, lse_a, o_b, lse_b = args
@@ -451,34 +454,41 @@ def merge_states(*args):
             raise TypeError(f"o_a dtype {o_a.dtype} != o_b dtype {o_b.dtype}")
         if o_a.device != o_b.device:
             raise ValueError(f"o_b is on {o_b.device} but o_a is on {o_a.device}")
-        parts = [(o_a, lse_a), (o_b, lse_b)]
         lead = o_a.shape[:-1]
     elif len(args) == 2:
         outs, lses = args
         _check_parts("outs", "lses", outs, lses, 1)
         if outs.shape[0] < 1:
             raise ValueError("outs must hold at least one part (leading split axis of size >= 1)")
-        parts = None
         lead = outs.shape[1:-1]
     else:
         raise TypeError("merge_states takes (o_a, lse_a, o_b, lse_b) or (outs, lses), got "
                         f"{len(args)} arguments")
-    ref = args[0]
-    if _use_kernel(ref):
-        from ..kernels.attention.merge import merge_parts, merge_pair
-        if parts is not None:
-            o, lse = merge_pair(*[_as4(t, extra) for (o_, l_) in parts
-                                  for t, extra in ((o_, 1), (l_, 0))])
+    kernel = _use_kernel(args[0])
+
+    def forward(*tensors):
+        if kernel:
+            from ..kernels.attention.merge import merge_parts, merge_pair
+            if len(tensors) == 4:
+                o, lse = merge_pair(*[_as4(t, 1 - i % 2) for i, t in enumerate(tensors)])
+            else:
+                o, lse = merge_parts(_as4(tensors[0], 1, split=True),
+                                     _as4(tensors[1], 0, split=True))
         else:
-            o, lse = merge_parts(_as4(outs, 1, split=True), _as4(lses, 0, split=True))
-    else:
-        from ..kernels.attention.reference import merge_states_reference
-        if parts is not None:     # CPU path: stacks the two parts (a copy)
-            outs = torch.stack([parts[0][0], parts[1][0]])
-            lses = torch.stack([parts[0][1], parts[1][1]])
-        o, lse = merge_states_reference(outs, lses)
-        lse = lse.to(torch.float32)
-    return o.reshape(*lead, o.shape[-1]), lse.reshape(lead)
+            from ..kernels.attention.reference import merge_states_reference
+            if len(tensors) == 4:     # CPU path: stacks the two parts (a copy)
+                outs, lses = torch.stack(tensors[0::2]), torch.stack(tensors[1::2])
+            else:
+                outs, lses = tensors
+            o, lse = merge_states_reference(outs, lses)
+            lse = lse.to(torch.float32)
+        return o.reshape(*lead, o.shape[-1]), lse.reshape(lead)
+
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+        # one gradient rule on every device (the kernels have none of their own)
+        from ..kernels.attention.autograd import MergeStates
+        return MergeStates.apply(forward, len(args) == 4, *args)
+    return forward(*args)
 
 
 def _as4(t, has_d, split=False):

@@ -437,6 +437,66 @@ def _backward(ctx, do, dlse):
 torch.library.register_autograd("flashfold::attn_fwd", _backward, setup_context=_setup_context)
 
 
+# --- merge_states: the same gradient on every device -----------------------------------------
+
+def merge_grads(do, dlse, outs, lses, o, lse):
+    r"""Gradients of :func:`flashfold.merge_states` with respect to its parts: ``(d outs,
+    d lses)`` for stacked parts ``outs (S, ..., D)``, ``lses (S, ...)`` and the merged
+    ``o (..., D)``, ``lse (...)`` (``do`` / ``dlse`` may be None: no gradient).
+
+    With :math:`w_s = e^{lse_s - lse}` (0 for an empty part, ``lse_s = -inf``, also when
+    every part is empty), :math:`o = \sum_s w_s o_s` and :math:`\partial lse /
+    \partial lse_s = w_s`:
+
+    .. math::  \bar o_s = w_s \bar o, \qquad
+               \bar{lse}_s = w_s \left(\overline{lse} + \langle \bar o, o_s - o\rangle\right)
+
+    computed in float32 (float64 for float64 parts), returned in the parts' dtypes."""
+    cd = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    ls = lses.to(cd)
+    w = torch.where(ls == -math.inf, 0.0, torch.exp(ls - lse.to(cd).unsqueeze(0)))
+    d_outs = d_lses = None
+    if do is not None:
+        dof = do.to(cd).unsqueeze(0)
+        d_outs = (w.unsqueeze(-1) * dof).to(outs.dtype)
+        d_lses = w * (dof * (outs.to(cd) - o.to(cd).unsqueeze(0))).sum(-1)
+    if dlse is not None:
+        extra = w * dlse.to(cd).unsqueeze(0)
+        d_lses = extra if d_lses is None else d_lses + extra
+    if d_lses is not None:
+        d_lses = torch.where(w == 0, 0.0, d_lses).to(lses.dtype)
+    return d_outs, d_lses
+
+
+class MergeStates(torch.autograd.Function):
+    """``merge_states`` with :func:`merge_grads` as its backward: ``apply(forward, pair,
+    *parts)`` runs ``forward(*parts) -> (o, lse)`` (the kernels or the reference, without
+    gradient tracking) on ``(o_a, lse_a, o_b, lse_b)`` (``pair``) or ``(outs, lses)``."""
+
+    @staticmethod
+    def forward(ctx, forward, pair, *parts):
+        o, lse = forward(*parts)
+        ctx.pair = pair
+        ctx.save_for_backward(*parts, o, lse)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        *parts, o, lse = ctx.saved_tensors
+        if ctx.pair:
+            outs, lses = torch.stack([parts[0], parts[2]]), torch.stack([parts[1], parts[3]])
+        else:
+            outs, lses = parts
+        d_outs, d_lses = merge_grads(do, dlse, outs, lses, o, lse)
+        if ctx.pair:
+            pick = (lambda g, s: None if g is None else g[s])  # noqa: E731
+            return (None, None, pick(d_outs, 0), pick(d_lses, 0), pick(d_outs, 1),
+                    pick(d_lses, 1))
+        return None, None, d_outs, d_lses
+
+
 # --- FP8 (forward only) ------------------------------------------------------------------------
 
 def fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k,
@@ -503,7 +563,7 @@ def attention_op(q, k, v, *, key: str, scale: float, softcap=None, left=None, ri
 
 
 __all__ = ["attention_op", "register_mods", "entry_tables", "attn_fwd", "attn_bwd",
-           "attn_fwd_fp8", "fp8_forward_impl",
+           "attn_fwd_fp8", "fp8_forward_impl", "MergeStates", "merge_grads",
            "remember_lengths",
            "forward_impl", "backward_impl",
            "kernel_forward", "kernel_backward", "ModsEntry"]

@@ -1,0 +1,115 @@
+"""Gradients of ``flashfold.merge_states`` (pair and stacked forms) against a float64
+oracle: the merge written with torch's ``logsumexp`` and ``softmax`` and differentiated by
+autograd. On the CPU reference path and on the merge kernels (under the interpreter,
+where the CPU machines run them): the kernels have no gradient of their own, and before
+:class:`~flashfold.kernels.attention.autograd.MergeStates` their outputs silently did not
+require one. Empty parts (``lse = -inf``) and rows whose parts are all empty get zero
+gradients, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashfold
+from flashfold.api import attention as api
+from flashfold.testing import assert_close
+
+S, B, H, N, D = 3, 2, 2, 7, 16
+
+
+def _parts(seed=0, dtype=torch.float32):
+    """Stacked parts ``(S, B, H, N, D)``, ``(S, B, H, N)``: part 1 empty in row 2 of every
+    head, every part empty in row 4, and one part far above the others in row 5."""
+    g = torch.Generator().manual_seed(seed)
+    outs = torch.randn(S, B, H, N, D, generator=g)
+    lses = torch.randn(S, B, H, N, generator=g) * 3
+    lses[1, :, :, 2] = -math.inf
+    lses[:, :, :, 4] = -math.inf
+    lses[0, :, :, 5] += 40.0
+    return outs.to(dtype), lses
+
+
+def _oracle(outs, lses, g_o, g_l):
+    """Float64 gradients of ``<o, g_o> + <lse, g_l>`` by autograd of the textbook merge,
+    on rows with a non-empty part (the others: zero, the documented rule)."""
+    o64 = outs.detach().double().requires_grad_()
+    l64 = lses.detach().double().requires_grad_()
+    empty_row = (lses == -math.inf).all(0)
+    safe = torch.where(empty_row.unsqueeze(0), 0.0, l64)         # (keeps autograd finite)
+    lse = torch.logsumexp(safe, 0)
+    w = torch.softmax(safe, 0)
+    o = (w.unsqueeze(-1) * o64).sum(0)
+    loss = (o * g_o.double()).sum() + (torch.where(empty_row, 0.0, lse) * g_l.double()).sum()
+    d_o, d_l = torch.autograd.grad(loss, (o64, l64))
+    zero = empty_row.unsqueeze(0)
+    return torch.where(zero.unsqueeze(-1), 0.0, d_o), torch.where(zero, 0.0, d_l)
+
+
+@pytest.fixture(params=["reference", "kernels"])
+def path(request, monkeypatch):
+    """The CPU reference, or the merge kernels under the interpreter."""
+    if request.param == "kernels":
+        if torch.cuda.is_available():
+            pytest.skip("the interpreter runs on CPU machines")
+        monkeypatch.setattr(api, "_use_kernel", lambda t: True)
+    return request.param
+
+
+@pytest.mark.parametrize("uses", ["o-and-lse", "o", "lse"])
+def test_stacked_merge_gradients(path, uses):
+    outs, lses = (t.requires_grad_() for t in _parts(1))
+    o, lse = flashfold.merge_states(outs, lses)
+    assert o.requires_grad and lse.requires_grad
+    g = torch.Generator().manual_seed(2)
+    g_o = torch.randn(o.shape, generator=g) if uses != "lse" else torch.zeros(o.shape)
+    g_l = torch.randn(lse.shape, generator=g) if uses != "o" else torch.zeros(lse.shape)
+    loss = 0
+    if uses != "lse":
+        loss = loss + (o * g_o).sum()
+    if uses != "o":
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * g_l).sum()
+    d_o, d_l = torch.autograd.grad(loss, (outs, lses), allow_unused=uses == "lse")
+    if d_o is None:                        # lse does not depend on outs
+        d_o = torch.zeros_like(outs)
+    w_o, w_l = _oracle(outs, lses, g_o, g_l)
+    assert_close(d_o, w_o, "float32", name=f"{path} d outs")
+    assert_close(d_l, w_l, "float32", scale=10.0, name=f"{path} d lses")
+    assert torch.isfinite(d_o).all() and torch.isfinite(d_l).all()
+    assert (d_o[:, :, :, 4] == 0).all() and (d_l[1, :, :, 2] == 0).all()
+
+
+def test_pair_merge_gradients(path):
+    """The pair form gives each part the stacked form's gradient."""
+    outs, lses = _parts(3)
+    pair = [t.clone().requires_grad_() for t in (outs[0], lses[0], outs[1], lses[1])]
+    o, lse = flashfold.merge_states(*pair)
+    g = torch.Generator().manual_seed(4)
+    g_o, g_l = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
+    loss = (o * g_o).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * g_l).sum()
+    got = torch.autograd.grad(loss, pair)
+    w_o, w_l = _oracle(outs[:2], lses[:2], g_o, g_l)
+    for i, (a, b) in enumerate(zip(got, (w_o[0], w_l[0], w_o[1], w_l[1]))):
+        assert_close(a, b, "float32", scale=10.0, name=f"{path} pair grad {i}")
+
+
+def test_bf16_parts_get_bf16_gradients(path):
+    outs, lses = _parts(5, torch.bfloat16)
+    outs.requires_grad_()
+    lses = lses.requires_grad_()
+    o, lse = flashfold.merge_states(outs, lses)
+    g_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(6))
+    d_o, d_l = torch.autograd.grad((o.float() * g_o).sum(), (outs, lses))
+    assert d_o.dtype == torch.bfloat16 and d_l.dtype == torch.float32
+    w_o, w_l = _oracle(outs, lses, g_o, torch.zeros(lse.shape))
+    assert_close(d_o, w_o, "bfloat16", name=f"{path} d outs")
+    assert_close(d_l, w_l, "bfloat16", scale=10.0, name=f"{path} d lses")
+
+
+def test_without_gradients_nothing_is_recorded():
+    outs, lses = _parts(7)
+    o, lse = flashfold.merge_states(outs, lses)
+    assert o.grad_fn is None and not o.requires_grad
