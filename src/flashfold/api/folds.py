@@ -10,6 +10,8 @@ under which ``torch.compile`` passes monoids and row maps to the custom op of
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ..algebra.monoid import Monoid
@@ -121,23 +123,39 @@ def empty_outs(monoid: Monoid, shape, x: torch.Tensor, params, dtype, width=None
 
 
 #: registry key -> a monoid or row map that compiled code names (kept: the key names it
-#: for the process's lifetime)
+#: for the process's lifetime, and its id is not reused)
 _NAMED: dict = {}
 
 
-@torch.compiler.assume_constant_result
-def name(obj, obj_id: int) -> str:
-    """The registry key of ``obj`` (:func:`named` gives it back); ``obj_id`` is
-    ``id(obj)``, computed by the caller so that ``torch.compile`` guards on it (this
-    function runs once, at trace time)."""
-    key = f"{type(obj).__name__}:{obj_id}"
-    _NAMED[key] = obj
+def register(obj) -> str:
+    """The registry key of ``obj`` (:func:`named` gives it back)."""
+    key = f"{type(obj).__name__}:{id(obj)}"
+    _NAMED.setdefault(key, obj)
     return key
 
 
+@torch.compiler.assume_constant_result
+def name(obj_id: int) -> str:
+    """The registry key of the monoid or row map whose ``id`` is ``obj_id``, for compiled
+    code: the caller computes ``id(obj)``, so that ``torch.compile`` guards on it, and
+    this runs once, at trace time, when the object is alive (Dynamo read it off the
+    traced frame). It takes the id, not the object: torch 2.11's Dynamo hands a
+    constant-result function constants only (2.12 and later also objects). The object
+    is found among the garbage collector's (a scan, once per compilation)."""
+    for key, obj in _NAMED.items():
+        if id(obj) == obj_id:
+            return key
+    obj = next((o for o in gc.get_objects() if id(o) == obj_id), None)
+    if obj is None:
+        raise RuntimeError(f"flashfold: no live object with id {obj_id} to compile a "
+                           f"reduction with")
+    return register(obj)
+
+
 def named(key: str):
-    """The monoid or row map registered under ``key`` (:func:`name`)."""
+    """The monoid or row map registered under ``key`` (:func:`register`)."""
     return _NAMED[key]
 
 
-__all__ = ["run", "cast", "check_offsets", "data_inputs", "empty_outs", "name", "named"]
+__all__ = ["run", "cast", "check_offsets", "data_inputs", "empty_outs", "register", "name",
+           "named"]

@@ -59,7 +59,8 @@ computes nothing (``segment_reduce`` reads no offsets then); arguments are valid
 for any other tensor. Under ``torch.compile`` each call is one custom op,
 ``flashfold::monoid`` (:mod:`flashfold.api.monoid_op`; the offsets check runs inside
 it), so ``fullgraph=True`` traces it; the computation itself is
-:func:`flashfold.api.folds.run` either way.
+:func:`flashfold.api.folds.run` either way. Make the monoid outside the compiled region
+(its construction traces its combine, which Dynamo cannot follow).
 
 Several dims (``dim`` a tuple, or ``None`` for all) are reduced as one: the reduced dims
 are moved last and flattened, which is a view for a contiguous tensor and reduced dims
@@ -327,7 +328,7 @@ def _compute(kind: str, obj, xs, d: int, params: dict, out_dtype, shape, width=N
     from .monoid_op import monoid_op
     tupled = not isinstance(xs, torch.Tensor)
     names = sorted(params)
-    key = key or folds.name(obj, id(obj))
+    key = key or folds.name(id(obj))
     return tuple(monoid_op(list(xs) if tupled else [xs], offsets, key,
                            kind, tupled, d, reverse, check, ",".join(names),
                            [float(params[n]) for n in names], out_dtype, asked, list(shape),
@@ -491,9 +492,8 @@ def _normalize(x, dim, dtype):
 
 @torch.compiler.assume_constant_result
 def _softmax_key() -> str:
-    """The registry key of softmax's row map (:func:`.folds.name`), built eagerly."""
-    rowmap = softmax_map()
-    return folds.name(rowmap, id(rowmap))
+    """The registry key of softmax's row map (:func:`.folds.register`), built eagerly."""
+    return folds.register(softmax_map())
 
 
 # --- torch-like conveniences --------------------------------------------------------------
