@@ -293,3 +293,29 @@ def test_fullgraph_compile_monoid_checks_and_kernels(monkeypatch):
     fn = lambda x: ff.var_mean(x, 1)  # noqa: E731
     want, got = fn(x), torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# --- merge_states ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,backend", ON)
+@pytest.mark.parametrize("form", ["pair", "stacked"])
+def test_fullgraph_compile_merge_states(form, device, backend):
+    """``merge_states`` compiled with ``fullgraph=True`` (``flashfold::merge_states``, its
+    gradient registered): the eager outputs bit for bit, and the eager gradients (the
+    backward's torch ops may be fused by the compiler: within the dtype's tolerance)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    g = torch.Generator(device).manual_seed(8)
+    outs = torch.randn(3, 2, 4, 9, 16, generator=g, device=device)
+    lses = torch.randn(3, 2, 4, 9, generator=g, device=device)
+    lses[1, :, :, 3] = -float("inf")
+    parts = ([outs[0], lses[0], outs[1], lses[1]] if form == "pair" else [outs, lses])
+    parts = [t.clone().requires_grad_() for t in parts]
+
+    def step(*parts):
+        o, lse = ff.merge_states(*parts)
+        return o, lse, (o.square().sum() + lse.sum())
+    want, got = step(*parts), torch.compile(step, fullgraph=True, backend=backend)(*parts)
+    _assert_same(tuple(t.detach() for t in got[:2]), tuple(t.detach() for t in want[:2]), form)
+    for a, b in zip(torch.autograd.grad(got[2], parts), torch.autograd.grad(want[2], parts)):
+        assert_close(a, b, "float32", name=f"{form} gradient")

@@ -464,39 +464,14 @@ def merge_states(*args):
     else:
         raise TypeError("merge_states takes (o_a, lse_a, o_b, lse_b) or (outs, lses), got "
                         f"{len(args)} arguments")
+    from ..kernels.attention import autograd
     kernel = _use_kernel(args[0])
-
-    def forward(*tensors):
-        if kernel:
-            from ..kernels.attention.merge import merge_parts, merge_pair
-            if len(tensors) == 4:
-                o, lse = merge_pair(*[_as4(t, 1 - i % 2) for i, t in enumerate(tensors)])
-            else:
-                o, lse = merge_parts(_as4(tensors[0], 1, split=True),
-                                     _as4(tensors[1], 0, split=True))
-        else:
-            from ..kernels.attention.reference import merge_states_reference
-            if len(tensors) == 4:     # CPU path: stacks the two parts (a copy)
-                outs, lses = torch.stack(tensors[0::2]), torch.stack(tensors[1::2])
-            else:
-                outs, lses = tensors
-            o, lse = merge_states_reference(outs, lses)
-            lse = lse.to(torch.float32)
-        return o.reshape(*lead, o.shape[-1]), lse.reshape(lead)
-
+    if torch.compiler.is_compiling():
+        return autograd.merge_op(list(args), kernel)
     if torch.is_grad_enabled() and any(t.requires_grad for t in args):
         # one gradient rule on every device (the kernels have none of their own)
-        from ..kernels.attention.autograd import MergeStates
-        return MergeStates.apply(forward, len(args) == 4, *args)
-    return forward(*args)
-
-
-def _as4(t, has_d, split=False):
-    """View with exactly (B, H, N[, D]) after the optional split axis (unsqueezes only)."""
-    s = 1 if split else 0
-    while t.dim() < s + 3 + has_d:
-        t = t.unsqueeze(s)
-    return t
+        return autograd.MergeStates.apply(kernel, *args)
+    return autograd.merge_impl(args, kernel)
 
 
 __all__ = ["attention", "merge_states", "BlockMask", "create_block_mask", "TracedMod", "MAX_HEAD_DIM"]

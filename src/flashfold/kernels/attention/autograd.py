@@ -468,15 +468,57 @@ def merge_grads(do, dlse, outs, lses, o, lse):
     return d_outs, d_lses
 
 
+def merge_impl(parts, use_kernel: bool):
+    """``merge_states``' ``(o, lse)`` of validated parts, ``(o_a, lse_a, o_b, lse_b)`` or
+    ``(outs, lses)``: the merge kernels (:mod:`.merge`) or the reference; ``o`` in the
+    parts' dtype and shape (less the split axis), ``lse`` float32."""
+    pair = len(parts) == 4
+    lead = parts[0].shape[:-1] if pair else parts[0].shape[1:-1]
+    if use_kernel:
+        from .merge import merge_parts, merge_pair
+        if pair:
+            o, lse = merge_pair(*[_as4(t, 1 - i % 2) for i, t in enumerate(parts)])
+        else:
+            o, lse = merge_parts(_as4(parts[0], 1, split=True), _as4(parts[1], 0, split=True))
+    else:
+        from .reference import merge_states_reference
+        if pair:                  # the reference takes stacked parts (a copy)
+            outs, lses = torch.stack(parts[0::2]), torch.stack(parts[1::2])
+        else:
+            outs, lses = parts
+        o, lse = merge_states_reference(outs, lses)
+        lse = lse.to(torch.float32)
+    return o.reshape(*lead, o.shape[-1]), lse.reshape(lead)
+
+
+def _as4(t, has_d, split=False):
+    """View with exactly (B, H, N[, D]) after the optional split axis (unsqueezes only)."""
+    s = 1 if split else 0
+    while t.dim() < s + 3 + has_d:
+        t = t.unsqueeze(s)
+    return t
+
+
+def _merge_backward(parts, o, lse, do, dlse) -> list:
+    """:func:`merge_grads` for the parts as given (pair or stacked): one gradient each."""
+    if len(parts) == 4:
+        outs, lses = torch.stack(parts[0::2]), torch.stack(parts[1::2])
+    else:
+        outs, lses = parts
+    d_outs, d_lses = merge_grads(do, dlse, outs, lses, o, lse)
+    if len(parts) == 2:
+        return [d_outs, d_lses]
+    pick = (lambda g, s: None if g is None else g[s])  # noqa: E731
+    return [pick(d_outs, 0), pick(d_lses, 0), pick(d_outs, 1), pick(d_lses, 1)]
+
+
 class MergeStates(torch.autograd.Function):
-    """``merge_states`` with :func:`merge_grads` as its backward: ``apply(forward, pair,
-    *parts)`` runs ``forward(*parts) -> (o, lse)`` (the kernels or the reference, without
-    gradient tracking) on ``(o_a, lse_a, o_b, lse_b)`` (``pair``) or ``(outs, lses)``."""
+    """Eager ``merge_states`` with gradients: ``apply(use_kernel, *parts)``
+    (:func:`merge_impl`, :func:`merge_grads` as its backward)."""
 
     @staticmethod
-    def forward(ctx, forward, pair, *parts):
-        o, lse = forward(*parts)
-        ctx.pair = pair
+    def forward(ctx, use_kernel, *parts):
+        o, lse = merge_impl(parts, use_kernel)
         ctx.save_for_backward(*parts, o, lse)
         ctx.set_materialize_grads(False)
         return o, lse
@@ -485,16 +527,36 @@ class MergeStates(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
         *parts, o, lse = ctx.saved_tensors
-        if ctx.pair:
-            outs, lses = torch.stack([parts[0], parts[2]]), torch.stack([parts[1], parts[3]])
-        else:
-            outs, lses = parts
-        d_outs, d_lses = merge_grads(do, dlse, outs, lses, o, lse)
-        if ctx.pair:
-            pick = (lambda g, s: None if g is None else g[s])  # noqa: E731
-            return (None, None, pick(d_outs, 0), pick(d_lses, 0), pick(d_outs, 1),
-                    pick(d_lses, 1))
-        return None, None, d_outs, d_lses
+        return None, *_merge_backward(parts, o, lse, do, dlse)
+
+
+@torch.library.custom_op("flashfold::merge_states", mutates_args=())
+def merge_op(parts: List[torch.Tensor], use_kernel: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``merge_states`` under ``torch.compile``: :func:`merge_impl` as one op (its gradient
+    :func:`merge_grads`)."""
+    o, lse = merge_impl(parts, use_kernel)
+    return o.contiguous(), lse.contiguous()
+
+
+@merge_op.register_fake
+def _merge_op_fake(parts, use_kernel):
+    lead = parts[0].shape[:-1] if len(parts) == 4 else parts[0].shape[1:-1]
+    return (parts[0].new_empty((*lead, parts[0].shape[-1])),
+            parts[0].new_empty(lead, dtype=torch.float32))
+
+
+def _merge_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[0], *output)
+    ctx.set_materialize_grads(False)
+
+
+def _merge_op_backward(ctx, do, dlse):
+    *parts, o, lse = ctx.saved_tensors
+    return _merge_backward(parts, o, lse, do, dlse), None
+
+
+torch.library.register_autograd("flashfold::merge_states", _merge_op_backward,
+                                setup_context=_merge_setup)
 
 
 # --- FP8 (forward only) ------------------------------------------------------------------------
@@ -563,7 +625,8 @@ def attention_op(q, k, v, *, key: str, scale: float, softcap=None, left=None, ri
 
 
 __all__ = ["attention_op", "register_mods", "entry_tables", "attn_fwd", "attn_bwd",
-           "attn_fwd_fp8", "fp8_forward_impl", "MergeStates", "merge_grads",
+           "attn_fwd_fp8", "fp8_forward_impl", "MergeStates", "merge_grads", "merge_impl",
+           "merge_op",
            "remember_lengths",
            "forward_impl", "backward_impl",
            "kernel_forward", "kernel_backward", "ModsEntry"]
