@@ -98,10 +98,11 @@ compile FA4 in this process), ``--kernels`` (after a row's timings, one line per
 implementation and direction: what its eager call runs, by torch.profiler, each kernel's
 device time per call and their sum against the eager time: an eager time far above the
 sum is host time), ``--mask-cost`` (after a block-mask row's timings: flashfold's forward
-from a CUDA graph with the row's block mask, with the same lists but one compare per pair
-in the PARTIAL tiles, and with every listed tile FULL; per visited tile per SM, and the
-share of the row that evaluating the mask takes; the variants' outputs are not the
-row's), ``--smoke`` (CPU, tiny sizes, flashfold's CPU path and
+from a CUDA graph with the row's block mask, as written where it runs as intervals of
+keys (the same output), with the same lists but one compare per pair in the PARTIAL
+tiles, and with every listed tile FULL; per visited tile per SM, and the share of the row
+that evaluating the mask takes; the last two variants' outputs are not the row's),
+``--smoke`` (CPU, tiny sizes, flashfold's CPU path and
 eager FlexAttention; no CUDA peer, no graphs; times are not measurements; also prints the
 FLOP count of every full-size row).
 """
@@ -961,21 +962,26 @@ def second_pass(w: Workload, ctx: Context, rows_left: int, res: RowResult):
 
 
 def mask_variants(bm) -> dict:
-    """The timing-only relatives of the block mask ``bm`` (:func:`mask_cost_line`), by
-    name: its own block lists with a mask_mod that compares ``kv_idx >= 0`` only (the
-    PARTIAL tiles evaluate one compare per pair), and its tiles all FULL (nothing
-    evaluated). Their outputs are not the row's."""
+    """The relatives of the block mask ``bm`` (:func:`mask_cost_line`), by name: where
+    the kernels evaluate ``bm`` as intervals of keys, ``bm`` with its mask_mod as written
+    (a table read per key: the same output, the A/B of the interval form); then, for
+    timing only (their outputs are not the row's), its own block lists with a mask_mod
+    that compares ``kv_idx >= 0`` only (the PARTIAL tiles evaluate one compare per pair),
+    and its tiles all FULL (nothing evaluated)."""
     from flashfold.kernels.attention import mods as km
     one = km.trace_mask_mod(lambda b, h, q_idx, kv_idx: kv_idx >= 0)
 
-    def relisted(state, lists):
+    def relisted(state, lists, mod=one):
         pn, pi, fn, fi = lists
-        return km.BlockMask(mask_mod=one, state=state, partial_num=pn, partial_idx=pi,
+        return km.BlockMask(mask_mod=mod, state=state, partial_num=pn, partial_idx=pi,
                             full_num=fn, full_idx=fi, shape=bm.shape,
                             block_size=bm.BLOCK_SIZE, exact=bm.exact, builtins=bm.builtins)
+    lists = (bm.partial_num, bm.partial_idx, bm.full_num, bm.full_idx)
     full = torch.where(bm.state == km.PARTIAL, torch.full_like(bm.state, km.FULL), bm.state)
-    return {"one compare per pair": relisted(bm.state, (bm.partial_num, bm.partial_idx,
-                                                        bm.full_num, bm.full_idx)),
+    out = {}
+    if bm.row_mod is not bm.mod:
+        out["the mask as written"] = relisted(bm.state, lists, bm.mod)
+    return {**out, "one compare per pair": relisted(bm.state, lists),
             "no mask evaluated": relisted(full, km._lists(full))}
 
 
@@ -991,7 +997,8 @@ def mask_cost_line(w: Workload, x: "Inputs", bm, ctx) -> str:
     """``--mask-cost``: flashfold's forward (from a CUDA graph; eager on the CPU, not a
     measurement) with the row's block mask and with its :func:`mask_variants`, each also
     per visited tile per SM, and the share of the row that the mask's evaluation takes
-    (the row against the variant that evaluates nothing)."""
+    (the row against the variant that evaluates nothing). A row whose mask runs as
+    intervals of keys also times the mask as written (the same output)."""
     q, k, v = (t.detach() for t in (x.q, x.k, x.v))
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if (
         ctx.dev == "cuda") else 1
@@ -1333,9 +1340,10 @@ def main(argv=None) -> int:
                     "eager time, which tells a host-bound call from a kernel-bound one")
     ap.add_argument("--mask-cost", action="store_true",
                     help="after the timings of a row with a block mask, flashfold's forward "
-                    "from a CUDA graph with the same block lists but one compare per pair in "
-                    "their PARTIAL tiles, and with every listed tile FULL (timing only): the "
-                    "share of the row that evaluating its mask takes")
+                    "from a CUDA graph with the mask as written where it runs as intervals of "
+                    "keys, with the same block lists but one compare per pair in their "
+                    "PARTIAL tiles, and with every listed tile FULL (timing only): the share "
+                    "of the row that evaluating its mask takes")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run at tiny sizes (for CI)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds (default 500, --quick 200): no peer compile past budget - 10 s "

@@ -279,18 +279,22 @@ def test_kernels_lines_follow_the_timings_and_leave_the_tables_alone(wl, capsys)
 
 
 def test_mask_cost_variants_keep_the_rows_tiles(wl):
-    """``--mask-cost``'s variants of a block mask: the same PARTIAL / FULL lists with a
-    mask_mod that only compares ``kv_idx >= 0``, and the same tiles all FULL; and the
-    visited tiles counted over the broadcast batches and heads, against a count by brute
-    force over the row's document ids."""
+    """``--mask-cost``'s variants of a block mask: the document mask, which runs as
+    intervals of keys, as written (its user mask in the kernels' place); the same PARTIAL
+    / FULL lists with a mask_mod that only compares ``kv_idx >= 0``, and the same tiles
+    all FULL; and the visited tiles counted over the broadcast batches and heads, against
+    a count by brute force over the row's document ids."""
     from flashfold.kernels.attention import mods as km
     w = next(w for w in wl.grid() if w.key == "documents-d64").smoke()
     st = wl.Static(w, "cpu")
     st.build("flashfold")
     bm = st.kw["flashfold"]["mask_mod"]
-    one, full = wl.mask_variants(bm).values()
+    assert bm.row_mod is not bm.mod
+    written, one, full = wl.mask_variants(bm).values()
+    assert written.row_mod is written.mod is bm.mod
     for name in ("partial_num", "partial_idx", "full_num", "full_idx", "state"):
         assert torch.equal(getattr(one, name), getattr(bm, name)), name
+        assert torch.equal(getattr(written, name), getattr(bm, name)), name
     i = torch.arange(w.N)
     assert one.mod.torch_fn("cpu")(0, 0, i[:, None], i[None, :]).all()
     assert not full.partial_num.any()
@@ -310,19 +314,21 @@ def test_mask_cost_variants_keep_the_rows_tiles(wl):
 
 def test_mask_cost_lines_follow_block_mask_rows_only(wl, capsys):
     """``--mask-cost``: one line after the timings of each row with a block mask
-    (documents, prefix-LM), naming the row's forward and its two variants with their
-    visited tiles; none for rows without one (a callable mask_mod, no mask)."""
+    (documents, prefix-LM), naming the row's forward and its variants with their visited
+    tiles (the documents, which run as intervals of keys, also as written); none for rows
+    without one (a callable mask_mod, no mask)."""
     rows = ("documents-d64", "prefix-lm-d64", "minilm", "bert")
     assert wl.main(["--smoke", "--rows", ",".join(rows), "--no-peers", "--fwd-only",
                     "--mask-cost"]) == 0
     out = capsys.readouterr().out
-    lines = re.findall(r"^   mask cost fwd flashfold: as run ([\d.]+) us, [\d.]+ per tile per SM "
-                       r"\| one compare per pair ([\d.]+) us, [\d.]+ per tile per SM \| no mask "
-                       r"evaluated ([\d.]+) us, [\d.]+ per tile per SM \| (\d+) visited tiles; "
-                       r"evaluating the mask -?\d+% of the row$", out, re.M)
+    cell = r"([\d.]+) us, [\d.]+ per tile per SM \| "
+    lines = re.findall(r"^   mask cost fwd flashfold: as run " + cell + r"(?:the mask as written "
+                       + cell + r")?one compare per pair " + cell + r"no mask evaluated " + cell
+                       + r"(\d+) visited tiles; evaluating the mask -?\d+% of the row$", out, re.M)
     assert len(lines) == 2, out[-3000:]
+    assert lines[0][1] and not lines[1][1]     # the documents' as written; not prefix-LM's
     for w, line in zip([w.smoke() for w in wl.grid() if w.key in rows[:2]], lines):
         st = wl.Static(w, "cpu")
         st.build("flashfold")
-        assert int(line[3]) == wl.visited_tiles(w, st.kw["flashfold"]["mask_mod"])
-        assert all(float(t) > 0 for t in line[:3])
+        assert int(line[4]) == wl.visited_tiles(w, st.kw["flashfold"]["mask_mod"])
+        assert all(float(t) > 0 for t in line[:4] if t)
