@@ -62,6 +62,7 @@ from hypothesis import strategies as st
 import flashfold
 import flashfold.monoids as M
 from flashfold import mods
+from flashfold.ops import Buffer
 from flashfold.api import attention as api_attention
 from flashfold.api import reductions as api_reductions
 from flashfold.api.decode import MAX_Q_LEN
@@ -229,8 +230,8 @@ def attention_case(draw, varlen=False, dtypes=(F32, F64, F16, BF16), head_dims=H
     n_b = len(lens_q) if varlen else B
     max_k = max(lens_k) if varlen else NK
     max_q = max(lens_q) if varlen else NQ
-    mm = draw(st.sampled_from(["none", "none", "padding", "document", "prefix", "sliding",
-                               "and", "hide_all"]))
+    mm = draw(st.sampled_from(["none", "none", "padding", "document", "document-recurring",
+                               "keep", "prefix", "sliding", "and", "hide_all"]))
     if mm == "padding":
         kw["mask_mod"] = mods.key_padding_mask(
             torch.tensor([draw(st.integers(0, max_k)) for _ in range(n_b)]))
@@ -238,6 +239,19 @@ def attention_case(draw, varlen=False, dtypes=(F32, F64, F16, BF16), head_dims=H
         n = max(max_q, max_k, 1)
         docs = torch.sort(torch.randint(0, draw(st.integers(1, 5)), (n,), generator=g)).values
         kw["mask_mod"] = mods.document_mask(docs)
+    elif mm == "document-recurring":          # ids that recur: no intervals of keys
+        n = max(max_q, max_k, 1)
+        kw["mask_mod"] = mods.document_mask(torch.randint(0, draw(st.integers(1, 4)), (n,),
+                                                          generator=g))
+    elif mm == "keep":                        # a keep flag per (sequence, key): a prefix
+        n = max(max_k, 1)                     # (one interval) or scattered
+        keep = (torch.arange(n)[None, :] < torch.randint(0, n + 1, (n_b, 1), generator=g)
+                if draw(st.booleans()) else torch.rand(n_b, n, generator=g) < 0.6)
+        table = Buffer(keep)
+
+        def keep_mask(b, h, q_idx, kv_idx):
+            return table[b, kv_idx]
+        kw["mask_mod"] = keep_mask
     elif mm == "prefix":
         kw["mask_mod"] = mods.prefix_lm_mask(draw(st.integers(0, 10)))
     elif mm == "sliding":
