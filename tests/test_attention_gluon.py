@@ -1081,17 +1081,20 @@ def test_gpu_score_mod_criterion(case, D, feature, mod):
 
 #: the mask_mods of the block-mask tests: (id, causal, mask_mod(device, nq, nk))
 MASK_FEATURES = [("documents-causal", True), ("prefix", False), ("documents", False),
-                 ("rows-from-200", False)]
+                 ("rows-from-200", False), ("documents-recurring", True)]
 
 
 def _mask_mod(name, nq, nk):
-    """A traced mask_mod on the GPU: 7 documents over the positions, prefix-LM with a
-    300-key prefix, or rows before 200 seeing nothing (whole empty blocks)."""
+    """A traced mask_mod on the GPU: 7 documents over the positions (the kernels
+    evaluate each row's interval of keys), the same with ids that recur (``-recurring``:
+    their table read per key), prefix-LM with a 300-key prefix, or rows before 200
+    seeing nothing (whole empty blocks)."""
     from flashfold import mods
     from flashfold.kernels.attention.mods import trace_mask_mod
     if name.startswith("documents"):
         docs = torch.arange(max(nq, nk), device="cuda") * 7 // max(nq, nk)
-        return trace_mask_mod(mods.document_mask(docs))
+        return trace_mask_mod(mods.document_mask(docs % 3 if name.endswith("recurring")
+                                                 else docs))
     if name == "prefix":
         return trace_mask_mod(mods.prefix_lm_mask(300))
 

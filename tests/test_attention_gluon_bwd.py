@@ -637,8 +637,9 @@ def test_gpu_deterministic_bitwise_and_flash_criterion(case, causal, D, DV, wind
 #: score_mods and block masks in the kernel: (B, Hq, Hk, Nq, Nk) x head dims, and the
 #: features (id, causal, softcap, score_mod, mask_mod) of the forward's mod tests
 #: (``tests/test_attention_gluon.py``): ALiBi and a relative bias, dense, causal and
-#: soft-capped; causal documents, prefix-LM, documents, rows before 200 seeing nothing
-#: (fully masked rows: zero gradients), and a block mask with ALiBi
+#: soft-capped; causal documents, prefix-LM, documents (both run as intervals of keys and
+#: of queries), rows before 200 seeing nothing (fully masked rows: zero gradients), a
+#: block mask with ALiBi, and documents whose ids recur (their tables read per step)
 MOD_BWD_CASES = [((1, 2, 1, 113, 113), 128, 128), ((2, 4, 2, 1000, 1000), 128, 128),
                  ((1, 2, 2, 2049, 2049), 64, 64), ((1, 2, 1, 100, 1000), 128, 128),
                  ((2, 4, 2, 1000, 1000), 64, 64), ((1, 2, 2, 1000, 1000), 96, 96),
@@ -650,7 +651,8 @@ MOD_BWD_FEATURES = [("alibi-dense", False, None, "alibi", None),
                     ("prefix", False, None, None, "prefix"),
                     ("documents", False, None, None, "documents"),
                     ("rows-from-200", False, None, None, "rows-from-200"),
-                    ("prefix-alibi", False, None, "alibi", "prefix")]
+                    ("prefix-alibi", False, None, "alibi", "prefix"),
+                    ("documents-recurring", False, None, None, "documents-recurring")]
 
 
 #: every case with every feature, but block masks only on the head_dim <= 128 tiles

@@ -147,6 +147,9 @@ def test_masks_that_keep_their_form(name, make):
 
 # --- the kernels (Triton, under the interpreter) ------------------------------------------
 
+# (the 16 x 16 tiles of these tests are the interpreter's; on a GPU machine the compiled
+# kernels meet the interval forms in test_attention_gluon.py's block-mask criterion cases,
+# whose document masks run as intervals, and in the backward's)
 needs_interpreter = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter tests run on CPU machines (the GPU runs "
     "the block-mask criterion of tests/test_attention_gluon.py)")

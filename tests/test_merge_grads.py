@@ -1,7 +1,7 @@
 """Gradients of ``flashfold.merge_states`` (pair and stacked forms) against a float64
 oracle: the merge written with torch's ``logsumexp`` and ``softmax`` and differentiated by
-autograd. On the CPU reference path and on the merge kernels (under the interpreter,
-where the CPU machines run them): the kernels have no gradient of their own, and before
+autograd. On the CPU reference path and on the merge kernels (on CUDA where there is a
+GPU, else under the interpreter): the kernels have no gradient of their own, and before
 :class:`~flashfold.kernels.attention.autograd.MergeStates` their outputs silently did not
 require one. Empty parts (``lse = -inf``) and rows whose parts are all empty get zero
 gradients, never NaN.
@@ -51,22 +51,24 @@ def _oracle(outs, lses, g_o, g_l):
 
 @pytest.fixture(params=["reference", "kernels"])
 def path(request, monkeypatch):
-    """The CPU reference, or the merge kernels under the interpreter."""
+    """``(name, device)``: the CPU reference; or the merge kernels, on CUDA where there is
+    a GPU, else under the interpreter (on CPU tensors)."""
     if request.param == "kernels":
         if torch.cuda.is_available():
-            pytest.skip("the interpreter runs on CPU machines")
+            return request.param, "cuda"
         monkeypatch.setattr(api, "_use_kernel", lambda t: True)
-    return request.param
+    return request.param, "cpu"
 
 
 @pytest.mark.parametrize("uses", ["o-and-lse", "o", "lse"])
 def test_stacked_merge_gradients(path, uses):
-    outs, lses = (t.requires_grad_() for t in _parts(1))
+    path, dev = path
+    outs, lses = (t.to(dev).requires_grad_() for t in _parts(1))
     o, lse = flashfold.merge_states(outs, lses)
     assert o.requires_grad and lse.requires_grad
     g = torch.Generator().manual_seed(2)
-    g_o = torch.randn(o.shape, generator=g) if uses != "lse" else torch.zeros(o.shape)
-    g_l = torch.randn(lse.shape, generator=g) if uses != "o" else torch.zeros(lse.shape)
+    g_o = (torch.randn(o.shape, generator=g) if uses != "lse" else torch.zeros(o.shape)).to(dev)
+    g_l = (torch.randn(lse.shape, generator=g) if uses != "o" else torch.zeros(lse.shape)).to(dev)
     loss = 0
     if uses != "lse":
         loss = loss + (o * g_o).sum()
@@ -84,11 +86,12 @@ def test_stacked_merge_gradients(path, uses):
 
 def test_pair_merge_gradients(path):
     """The pair form gives each part the stacked form's gradient."""
-    outs, lses = _parts(3)
+    path, dev = path
+    outs, lses = (t.to(dev) for t in _parts(3))
     pair = [t.clone().requires_grad_() for t in (outs[0], lses[0], outs[1], lses[1])]
     o, lse = flashfold.merge_states(*pair)
     g = torch.Generator().manual_seed(4)
-    g_o, g_l = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
+    g_o, g_l = (torch.randn(t.shape, generator=g).to(dev) for t in (o, lse))
     loss = (o * g_o).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * g_l).sum()
     got = torch.autograd.grad(loss, pair)
     w_o, w_l = _oracle(outs[:2], lses[:2], g_o, g_l)
@@ -97,14 +100,13 @@ def test_pair_merge_gradients(path):
 
 
 def test_bf16_parts_get_bf16_gradients(path):
-    outs, lses = _parts(5, torch.bfloat16)
-    outs.requires_grad_()
-    lses = lses.requires_grad_()
+    path, dev = path
+    outs, lses = (t.to(dev).requires_grad_() for t in _parts(5, torch.bfloat16))
     o, lse = flashfold.merge_states(outs, lses)
-    g_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(6))
+    g_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(6)).to(dev)
     d_o, d_l = torch.autograd.grad((o.float() * g_o).sum(), (outs, lses))
     assert d_o.dtype == torch.bfloat16 and d_l.dtype == torch.float32
-    w_o, w_l = _oracle(outs, lses, g_o, torch.zeros(lse.shape))
+    w_o, w_l = _oracle(outs, lses, g_o, torch.zeros(lse.shape, device=dev))
     assert_close(d_o, w_o, "bfloat16", name=f"{path} d outs")
     assert_close(d_l, w_l, "bfloat16", scale=10.0, name=f"{path} d lses")
 
