@@ -25,7 +25,8 @@ from unittest import mock
 
 import pytest
 
-from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
+from compile_worker import (assert_warp_specialized, emit_rows, gluon_rows, spill_budgets_apply,
+                            ws_facts)
 import torch
 
 #: (id, head_dim, head_dim of v, options, return_lse, dtype, warpgroup ping-pong) of the
@@ -222,6 +223,15 @@ def _compile_all():
     emit_rows(VARIANTS, facts)
 
 
+#: local-memory accesses accepted in the key loops where the installed Triton is not the
+#: one the budgets were measured with (compile_worker.SPILL_BUDGET_TRITON: 3.6, none
+#: there), by variant: with Triton 3.9's ptxas, the causal document mask evaluated as
+#: intervals of keys together with ALiBi reloads one spilled register per key tile in each
+#: consumer's loop (an LDL at the P V wgmma's issue; sm_90 SASS), where the mask's per-key
+#: form loads 32 ids per thread per tile instead (docs/notes/attention_fwd.md)
+ACCEPTED_LOOP_LOCAL = {"d128-mask-documents-mod-alibi-causal-lse": 2}
+
+
 @pytest.fixture(scope="module")
 def compiled():
     return gluon_rows(__file__)
@@ -250,7 +260,9 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     # block masks' items differ in work: persistent programs draw them from a counter
     assert r["constexprs"]["DYNAMIC"] == ("-mask-" in vid), r["constexprs"]
     assert r["split"] == (2 if "-256-blocks" in vid else 1), r
-    assert not r["local_in_loops"], f"{vid}: local memory in the key loop at {r['local_in_loops']}"
+    accepted = 0 if spill_budgets_apply() else ACCEPTED_LOOP_LOCAL.get(vid, 0)
+    assert len(r["local_in_loops"]) <= accepted, \
+        f"{vid}: local memory in the key loop at {r['local_in_loops']}"
     assert r["spill"] <= 256, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
 
 
