@@ -98,8 +98,8 @@ import torch
 
 from ..kernels.attention.mods import (BlockMask, TracedMod, create_block_mask, trace_mask_mod,
                                       trace_score_mod)
-# the checks shared with decode and ring attention (one rule per argument)
 from .fp8 import check_fp8_call, is_fp8
+# the checks shared with decode and ring attention (one rule per argument)
 from .validate import MAX_HEAD_DIM
 from .validate import check_bool as _check_bool
 from .validate import check_positive as _check_positive

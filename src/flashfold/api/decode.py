@@ -36,7 +36,8 @@ runs (float32 accumulation; float64 inputs in float64), with the same semantics.
 Under ``torch.compile(fullgraph=True)`` a decode call is one custom op,
 ``flashfold::decode``, and ``append_kv`` traces as the torch ops it is, its length check
 (where it runs) inside ``flashfold::checked_lengths``
-(:mod:`flashfold.kernels.decode.library`). Environment: ``FLASHFOLD_DECODE_TMA=0`` reads K/V through ``cp.async`` pointers instead of
+(:mod:`flashfold.kernels.decode.library`).
+Environment: ``FLASHFOLD_DECODE_TMA=0`` reads K/V through ``cp.async`` pointers instead of
 TMA boxes (the default on Hopper for caches of >= 256 MiB of K and V that TMA can
 address), ``FLASHFOLD_DECODE_PDL=0`` launches the merge without
 programmatic dependent launch (both for measurement; the values do not change),
