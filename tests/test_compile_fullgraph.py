@@ -232,6 +232,29 @@ def test_fullgraph_compile_append_then_decode(paged, fp8):
         compiled(k2, v2, torch.tensor([63, 0], dtype=torch.int32))
 
 
+def test_fullgraph_compile_paged_kv_cache_step():
+    """A serving step on a :class:`~flashfold.PagedKVCache` (append two tokens, decode)
+    compiled with ``fullgraph=True``: the same lengths, pages and outputs as eager, step
+    after step (the cache object's ``seqlens`` updated by the compiled code)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(12)
+    caches = [ff.PagedKVCache.allocate(2, 64, 2, 32, page_size=16, dtype=torch.float32)
+              for _ in range(2)]
+
+    def step(cache, q, kn, vn):
+        cache.append(kn, vn)
+        return cache.decode(q, return_lse=True)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for _ in range(3):
+        q, kn, vn = (torch.randn(2, h, n, 32, generator=g) for h, n in ((4, 2), (2, 2), (2, 2)))
+        _assert_same(compiled(caches[1], q, kn, vn), step(caches[0], q, kn, vn), "paged step")
+        a, b = caches
+        assert torch.equal(a.seqlens, b.seqlens) and torch.equal(a.k_pages, b.k_pages)
+        assert torch.equal(a.v_pages, b.v_pages)
+    assert caches[1].seqlens.tolist() == [6, 6]
+
+
 # --- reductions, scans and row maps of monoids -----------------------------------------------
 
 def _monoid_cases(device="cpu"):
