@@ -115,3 +115,24 @@ def test_without_gradients_nothing_is_recorded():
     outs, lses = _parts(7)
     o, lse = flashfold.merge_states(outs, lses)
     assert o.grad_fn is None and not o.requires_grad
+
+
+def test_a_nan_reaches_only_the_gradients_that_depend_on_it(path):
+    """A NaN in ``d o`` of one row reaches that row's gradients of the parts that weigh
+    in it, not those of an empty part (zero weight) nor other rows; a NaN ``o_s`` of an
+    empty part reaches nothing."""
+    path, dev = path
+    outs, lses = (t.to(dev) for t in _parts(9))
+    outs[1, :, :, 2] = float("nan")                # part 1 is empty in row 2
+    outs, lses = outs.requires_grad_(), lses.requires_grad_()
+    o, lse = flashfold.merge_states(outs, lses)
+    assert torch.isfinite(o).all()
+    g_o = torch.ones_like(o)
+    g_o[:, :, 2, 0] = float("nan")
+    d_o, d_l = torch.autograd.grad((o * g_o).sum(), (outs, lses))
+    bad_o, bad_l = ~torch.isfinite(d_o), ~torch.isfinite(d_l)
+    assert bad_l[[0, 2]][:, :, :, 2].all() and not bad_l[1].any()
+    assert bad_o[[0, 2]][:, :, :, 2, 0].all() and not bad_o[1].any()
+    bad_l[:, :, :, 2] = False
+    bad_o[:, :, :, 2, 0] = False
+    assert not bad_l.any() and not bad_o.any()

@@ -455,16 +455,19 @@ def merge_grads(do, dlse, outs, lses, o, lse):
     cd = torch.float64 if outs.dtype == torch.float64 else torch.float32
     ls = lses.to(cd)
     w = torch.where(ls == -math.inf, 0.0, torch.exp(ls - lse.to(cd).unsqueeze(0)))
+    # a part with no weight gets 0, whatever the other values (a non-finite o_s or d o
+    # times its zero weight is not a gradient of it)
+    empty = w == 0
     d_outs = d_lses = None
     if do is not None:
         dof = do.to(cd).unsqueeze(0)
-        d_outs = (w.unsqueeze(-1) * dof).to(outs.dtype)
+        d_outs = torch.where(empty.unsqueeze(-1), 0.0, w.unsqueeze(-1) * dof).to(outs.dtype)
         d_lses = w * (dof * (outs.to(cd) - o.to(cd).unsqueeze(0))).sum(-1)
     if dlse is not None:
         extra = w * dlse.to(cd).unsqueeze(0)
         d_lses = extra if d_lses is None else d_lses + extra
     if d_lses is not None:
-        d_lses = torch.where(w == 0, 0.0, d_lses).to(lses.dtype)
+        d_lses = torch.where(empty, 0.0, d_lses).to(lses.dtype)
     return d_outs, d_lses
 
 
