@@ -69,7 +69,10 @@ c)``, before the masks), ``BLOCK_D`` / ``BLOCK_D2`` / ``BLOCK_DV`` (tile widths:
 in one or two power-of-two column chunks, :func:`qk_chunks`, ``S`` summed over both; v's
 the next power of two of ``Dv``; TMA reads columns past a head dim as zeros and does
 not write them), ``BLOCK_N`` and ``O_IN_Q`` (the tile plan: :data:`TILE_PLANS`,
-:func:`_plan`), ``RETURN_LSE``, ``PINGPONG``, ``VARLEN``, ``DYNAMIC``.
+:func:`_plan`), ``RETURN_LSE``, ``PINGPONG``, ``VARLEN``, ``DYNAMIC``; with a block mask,
+``MASK_FN`` (its row mask, evaluated per pair in PARTIAL tiles) or, where each row of the
+mask is one interval of keys, ``ROW_BOUNDS`` with ``MASK_FN`` the intervals' bounds,
+read once per item and intersected with the window's (:func:`_consume_item`).
 
 Scope (:func:`supported`; the dispatcher in :mod:`.fwd` sends mods and block masks to
 the Triton template): fp16/bf16, head_dim 17-256 (``Dv = D``, or ``D`` in
@@ -561,7 +564,8 @@ if gluon is not None:
     def _softmax_tile(s, m, l, t, kind, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
                       step_scale, mod, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STEP: gl.constexpr,
-                      SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr):
+                      SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr,
+                      ROW_BOUNDS: gl.constexpr):
         """Key tile ``t``'s scores ``s = q k^T`` folded into the row state ``(m, l)``:
         ``(p, m', l', alpha)`` from ``STEP``, ATTENTION2's tile step generated as a Gluon
         function (:func:`flashfold.kernels.codegen.tile_step_functions`): in base 2,
@@ -577,8 +581,9 @@ if gluon is not None:
         reciprocal's error is about one ulp). Masks apply after the softcap, on the tiles
         outside the unmasked run ``[t_a, t_c)`` only (:func:`_tile`): key ``c`` is visible
         to row ``r`` iff ``key_lo[r] <= c`` (``MASK_LEFT``) and ``c <= key_hi[r]``
-        (``MASK_RIGHT``; :func:`_consumer` clamps ``key_hi`` below ``Nk``), or ``c < Nk``
-        without a right bound.
+        (:func:`_consume_item`: ``Nk - 1`` without a right bound, clamped below ``Nk``
+        with one); bounded on both sides, one unsigned compare, ``c - key_lo[r] <
+        key_hi[r] - key_lo[r] + 1``.
 
         ``SCORE_MOD`` (a traced score_mod's Gluon function, or None) applies after the
         softcap and before the masks, to the scores in natural-log units ``x c'`` (``c' =
@@ -587,7 +592,10 @@ if gluon is not None:
         (:func:`_rows`) and the key positions of tile ``t``. ``MASK_FN`` (a block mask's
         mask_mod): tile ``t`` of ``kind`` (:func:`_walk`) FULL is masked as without,
         PARTIAL also where ``MASK_FN(b, h, q_idx, kv_idx, MASK_BUFS)`` is false, and hidden
-        whole past the lists."""
+        whole past the lists. ``ROW_BOUNDS``: the mask is each row's interval of keys, which
+        the caller has intersected with ``[key_lo, key_hi]`` (:func:`_consume_item`): every
+        masked tile keeps ``key_lo <= c <= key_hi``, and nothing else is evaluated (a row
+        without keys has ``key_lo > key_hi``; so has every row of a tile past the lists)."""
         if SOFTCAP:
             # (rcp.approx: one MUFU.RCP; a "/" is div.full, which adds range checks)
             r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
@@ -606,13 +614,15 @@ if gluon is not None:
             masked = masked | (kind != 0)
         if masked:
             c = _columns(t * BLOCK_N, BLOCK_N)
-            if MASK_RIGHT:
+            if MASK_LEFT or ROW_BOUNDS:
+                # key_lo <= c <= key_hi as one unsigned compare: c - key_lo < their count
+                count = gl.maximum(key_hi - key_lo + 1, 0).to(gl.uint32)
+                ok = (c[None, :] - key_lo[:, None]).to(gl.uint32) < count[:, None]
+            elif MASK_RIGHT:
                 ok = c[None, :] <= key_hi[:, None]
             else:
                 ok = c[None, :] < kv_len
-            if MASK_LEFT:
-                ok = ok & (c[None, :] >= key_lo[:, None])
-            if MASK_FN is not None:
+            if MASK_FN is not None and not ROW_BOUNDS:
                 vis = MASK_FN(b, hq, q_idx[:, None], c[None, :], mask_bufs) != 0
                 ok = ok & ((kind == 0) | ((kind == 1) & vis))
             s = gl.where(ok, s, -float("inf"))
@@ -665,7 +675,7 @@ if gluon is not None:
               MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr,
-              SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr):
+              SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr, ROW_BOUNDS: gl.constexpr):
         """One warpgroup's rows of one item: key tiles ``t_lo .. t_lo + n_kv`` (``n_kv >=
         1``, ring positions from ``it``) folded into ``(acc, l, m)`` by
         :func:`_softmax_tile`, with ``P V`` of tile ``j - 1`` running while the softmax of
@@ -694,7 +704,8 @@ if gluon is not None:
         l = gl.zeros([HALF], gl.float32, rows)
         p, m, l, alpha = _softmax_tile(s, m, l, t, kind, t_a, t_c, key_lo, key_hi, kv_len,
                                        qk_scale, step_scale, mod, BLOCK_N, MASK_LEFT,
-                                       MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD, MASK_FN)
+                                       MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD, MASK_FN,
+                                       ROW_BOUNDS)
         acc = gl.zeros([HALF, BLOCK_DV], gl.float32, o_layout)
 
         for j in range(1, n_kv):
@@ -715,7 +726,7 @@ if gluon is not None:
             p, m, l, alpha = _softmax_tile(s, m, l, t, kind, t_a, t_c, key_lo, key_hi,
                                            kv_len, qk_scale, step_scale, mod, BLOCK_N,
                                            MASK_LEFT, MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD,
-                                           MASK_FN)
+                                           MASK_FN, ROW_BOUNDS)
             acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -758,7 +769,7 @@ if gluon is not None:
                       SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                       VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr,
-                      MASK_FN: gl.constexpr):
+                      MASK_FN: gl.constexpr, ROW_BOUNDS: gl.constexpr):
         """One warpgroup's rows of one work item (query tile at row ``q0`` of head ``(b,
         hq)``, the ``k_i``-th item this program takes, its key tiles from ring position
         ``it``): wait for its query tile (``VARLEN``: the caller has), fold, then the
@@ -776,13 +787,21 @@ if gluon is not None:
         rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
         # this half's visible keys per row: [key_lo, key_hi] (see _softmax_tile)
         key_lo = rows
-        key_hi = rows
+        key_hi = gl.full_like(rows, kv_len - 1)
         if MASK_RIGHT:
             # (the clamp: a window's right edge may reach past Nk, where keys read as
             # zeros; causal rows r < Nq end at r + Nk - Nq < Nk anyway)
             key_hi = gl.minimum(rows + (kv_len - q_len + win_right), kv_len - 1)
         if MASK_LEFT:
             key_lo = rows + (kv_len - q_len - win_left)
+        if ROW_BOUNDS:
+            # the mask's interval of keys per row (MASK_FN gives its bounds), within these
+            first, last = MASK_FN(b, hq, rows + row0, 0, mask_bufs)
+            if MASK_LEFT:
+                key_lo = gl.maximum(key_lo, first)
+            else:
+                key_lo = first
+            key_hi = gl.minimum(key_hi, last)
         if not VARLEN:
             # (varlen: the caller waited, to read the item the producer handed)
             mbarrier.wait(q_ready, k_i & 1)
@@ -792,7 +811,7 @@ if gluon is not None:
                           kv_len, qk_scale, step_scale, mod, s_zero, BLOCK_N,
                           BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                           O_IN_Q,
-                          WG, PINGPONG, STEP, SCORE_MOD, MASK_FN)
+                          WG, PINGPONG, STEP, SCORE_MOD, MASK_FN, ROW_BOUNDS)
 
         # epilogue: ATTENTION2's finalize, generated (o = acc / l, lse = (m + log2 l) ln 2;
         # a row with no visible key, m = -inf: 0 and -inf; NaN m or l: NaN)
@@ -840,7 +859,8 @@ if gluon is not None:
                   SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr, RETURN_LSE: gl.constexpr,
                   VARLEN: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                   STEP: gl.constexpr, FINALIZE: gl.constexpr, SCORE_MOD: gl.constexpr,
-                  MASK_FN: gl.constexpr, SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+                  MASK_FN: gl.constexpr, ROW_BOUNDS: gl.constexpr, SPLIT: gl.constexpr,
+                  DYNAMIC: gl.constexpr):
         """One warpgroup's 64 query rows (half ``WG``) of each work item
         (:func:`_consume_item`): fold its key tiles into ``(acc, l, m)`` (:func:`_fold`)
         -- base-2 maxima ``m`` of the scores, ``l = sum 2^(s - m)``, ``acc = sum 2^(s -
@@ -893,7 +913,7 @@ if gluon is not None:
                               q_start, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
                               BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                               O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
-                              SCORE_MOD, MASK_FN)
+                              SCORE_MOD, MASK_FN, ROW_BOUNDS)
                 it += n_kv
                 done += 1
                 mbarrier.wait(q_ready, done & 1)
@@ -910,7 +930,7 @@ if gluon is not None:
                               0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
                               BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                               O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
-                              SCORE_MOD, MASK_FN)
+                              SCORE_MOD, MASK_FN, ROW_BOUNDS)
                 it += n_kv
         tma.store_wait(0)
 
@@ -928,7 +948,7 @@ if gluon is not None:
                      VARLEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, STEP: gl.constexpr, FINALIZE: gl.constexpr,
                      SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr,
-                     SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
+                     ROW_BOUNDS: gl.constexpr, SPLIT: gl.constexpr, DYNAMIC: gl.constexpr):
         """Work items (query tile ``m`` of batch x head ``bh``) over a 1-D grid of ``G``
         programs: one item each when ``G`` is the item count, else persistent (``G`` =
         the SM count; rounds in a snake order, :func:`_rounds`, or with ``DYNAMIC`` the
@@ -1002,12 +1022,12 @@ if gluon is not None:
                          BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
                          RETURN_LSE,
                          VARLEN, 0, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
-                         SPLIT, DYNAMIC)),
+                         ROW_BOUNDS, SPLIT, DYNAMIC)),
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
                          RETURN_LSE,
                          VARLEN, 1, PINGPONG, STEP, FINALIZE, SCORE_MOD, MASK_FN,
-                         SPLIT, DYNAMIC)),
+                         ROW_BOUNDS, SPLIT, DYNAMIC)),
             (_producer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_D2, STAGES,
                          MASK_LEFT, MASK_RIGHT, VARLEN, MASK_FN, SPLIT, DYNAMIC)),
@@ -1286,9 +1306,25 @@ def _constexprs(plan, left, right, softcap, return_lse, pingpong, *, varlen: boo
                 PRODUCER_REGS=PRODUCER_REGS, STEP=step.tile_step,
                 FINALIZE=step.finalize_rows,
                 SCORE_MOD=score_mod.gluon_fn() if score_mod is not None else None,
-                MASK_FN=block_mask.row_mod.gluon_fn() if block_mask is not None else None,
+                MASK_FN=_mask_fn(block_mask), ROW_BOUNDS=_row_bounds(block_mask),
                 SPLIT=block_mask.BLOCK_SIZE[1] // block_n if block_mask is not None else 1,
                 DYNAMIC=dynamic, num_warps=4, maxnreg=MAXNREG)
+
+
+def _row_bounds(block_mask) -> bool:
+    """Whether a block mask's rows are each one interval of keys (its ``row_mod`` is
+    :func:`.mods.as_intervals`'s): the kernel then intersects them with its own row
+    bounds once per item (``ROW_BOUNDS``) instead of evaluating a mask per pair."""
+    return block_mask is not None and block_mask.row_mod.intervals is not None
+
+
+def _mask_fn(block_mask):
+    """``MASK_FN`` of a call: the bounds of a mask of intervals (:func:`_row_bounds`), the
+    row mask's Gluon function otherwise, None without a block mask."""
+    if block_mask is None:
+        return None
+    mod = block_mask.row_mod
+    return mod.bounds_fn() if mod.intervals is not None else mod.gluon_fn()
 
 
 #: the widest q/k tile whose calls walk block masks: the 256-wide plans' key loops spill

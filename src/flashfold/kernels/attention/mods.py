@@ -109,6 +109,10 @@ class TracedMod:
         self.reads = _table_reads(graph)
         self._shapes = tuple(tuple(b.shape) for b in graph.buffers)
         self._in_range: set = set()               # sizes already checked (eager calls)
+        #: for a mask made by :func:`as_intervals`: the graph of its bounds ``(first,
+        #: last)`` (two outputs, the same tables in the same order), else None
+        self.intervals: Graph | None = None
+        self._bounds = None
 
     def __repr__(self):
         return f"TracedMod({self.kind}, {self.name!r}, key={self.key})"
@@ -224,6 +228,21 @@ class TracedMod:
                 if self._gluon is None:
                     self._gluon = _triton_wrapper(self, gluon=True)
         return self._gluon
+
+    def bounds_fn(self):
+        """For a mask of intervals (:attr:`intervals`): the ``@gluon.jit`` function
+        ``bounds_fn(b, h, q_idx, kv_idx, BUFS) -> (first, last)`` over the mask's tables
+        (the ``BUFS`` of :meth:`buffer_args`), which a kernel walking a query tile's keys
+        evaluates once per row and intersects with its own bounds (causal, window), where
+        the mask itself would cost two compares per pair in every masked tile."""
+        if self.intervals is None:
+            raise ValueError(f"{self.kind}_mod {self.name!r} is not a mask of intervals")
+        if self._bounds is None:
+            with self._lock:
+                if self._bounds is None:
+                    self._bounds = _jit_wrapper(self.intervals, "bounds_fn", len(self.buffers),
+                                                2, "mask_bounds", gluon=True)
+        return self._bounds
 
     def buffer_args(self, device) -> tuple:
         """The kernel argument ``BUFS = (B0, N0, B1, N1, ...)``: each captured table
@@ -792,17 +811,25 @@ def as_intervals(mod: TracedMod, along: str, first, last) -> TracedMod:
     flat = (N,) if Bm * Hm == 1 else (Bm * Hm, N)
     lo, hi = Buffer(first.reshape(flat).contiguous()), Buffer(last.reshape(flat).contiguous())
 
-    def intervals(b, h, q_idx, kv_idx):
-        i, j = (q_idx, kv_idx) if along == "kv_idx" else (kv_idx, q_idx)
+    def bounds(b, h, q_idx, kv_idx):
+        i = q_idx if along == "kv_idx" else kv_idx
         if Bm * Hm == 1:
-            a, z = lo[i], hi[i]
-        else:
-            r = b * Hm + h if Bm > 1 and Hm > 1 else (b if Bm > 1 else h)
-            a, z = lo[r, i], hi[r, i]
+            return lo[i], hi[i]
+        r = b * Hm + h if Bm > 1 and Hm > 1 else (b if Bm > 1 else h)
+        return lo[r, i], hi[r, i]
+
+    def intervals(b, h, q_idx, kv_idx):
+        a, z = bounds(b, h, q_idx, kv_idx)
+        j = kv_idx if along == "kv_idx" else q_idx
         return (j >= a) & (j <= z)
     what = "rows" if along == "kv_idx" else "columns"
     intervals.__name__ = intervals.__qualname__ = f"{mod.name}_{what}"
-    return trace_mask_mod(intervals)
+    out = trace_mask_mod(intervals)
+    graph = trace(bounds, list(MASK_INPUTS), f"mask_bounds.{out.name}", n_outputs=2)
+    if len(graph.buffers) != 2 or any(a is not b for a, b in zip(graph.buffers, out.buffers)):
+        raise RuntimeError(f"the bounds of {out.name!r} read other tables than its mask")
+    out.intervals = graph
+    return out
 
 
 def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, q_len: int,
