@@ -9,6 +9,7 @@ The compilation runs in a subprocess without ``TRITON_INTERPRET`` (this file is 
 from __future__ import annotations
 
 import json
+import re
 import math
 
 import pytest
@@ -65,6 +66,9 @@ def _compile_all():
             q = torch.empty(1, H, N, D, dtype=dtype)
             k = torch.empty(1, HK, N, D, dtype=dtype)
             v = torch.empty(1, HK, N, D, dtype=dtype)
+            if kw.get("fp8"):
+                # (an E4M3 v keys-contiguous, as flashfold.attention passes it)
+                v = torch.empty(1, HK, D, N, dtype=dtype).transpose(2, 3)
             left, right = kw.get("window", (None, None))
             if kw.get("causal"):
                 right = 0
@@ -93,9 +97,13 @@ def _compile_all():
                 interpret=False, flagged=left is not None or "cu_seqlens_q" in extra, **extra)
             info = compile_launch(fwd._attn_fwd, args, kwargs)
             e4m3 = "e4m3" in " ".join(l for l in info.ptx.splitlines() if "wgmma.mma_async" in l)
+            # single-byte stores to shared memory: an 8-bit tile rearranged element by
+            # element (an E4M3 V transposed for its K-major product)
+            byte_stores = len(re.findall(r"st\.shared(\.v\d)?\.[bu]8\b", info.ptx))
             print(json.dumps(dict(id=vid, ok=True, regs=info.registers, spill=info.spill_bytes,
                                   smem=info.shared, tma=info.uses_tma, wgmma=info.uses_wgmma,
-                                  want_tma=want_tma, e4m3=e4m3)), flush=True)
+                                  want_tma=want_tma, e4m3=e4m3, byte_stores=byte_stores)),
+                  flush=True)
         except Exception as e:  # reported, then asserted by the test
             print(json.dumps(dict(id=vid, ok=False, error=repr(e)[-2000:])), flush=True)
     # the merge kernel generated from ATTENTION's combine (stacked and pair forms)
@@ -148,6 +156,9 @@ def test_compiles_for_sm90(compiled, vid):
         assert r["tma"] == r["want_tma"], f"{vid}: TMA use {r['tma']}, expected {r['want_tma']}"
         # E4M3 products exactly where the FP8 flag is on (both matmuls on 8-bit operands)
         assert r["e4m3"] == ("fp8" in vid), f"{vid}: E4M3 wgmma {r['e4m3']}"
+        if "fp8" in vid and r["want_tma"]:
+            # V's tiles reach the 8-bit P V product K-major as TMA wrote them
+            assert r["byte_stores"] == 0, f"{vid}: {r['byte_stores']} byte stores to shared"
 
 
 if __name__ == "__main__":

@@ -169,6 +169,35 @@ def test_kernel_reads_strided_inputs_and_factors(kernel):
     assert torch.equal(got, ref) and not torch.equal(got[1], want[1])
 
 
+def test_kernel_reads_v_keys_contiguous_through_tma_and_pointers(kernel):
+    """An E4M3 ``v`` is read keys-contiguous (the 8-bit ``P V`` takes V K-major): a
+    row-major ``v`` is transposed by the call (the same bits as one passed keys-contiguous),
+    and the TMA descriptor over its transpose loads the tiles the pointer path loads.
+    Packed sequences load through pointers (a sequence's first key, an innermost TMA
+    coordinate there, need not be 16-byte aligned)."""
+    (q8, k8, v8, qd, kd, vd), _ = _inputs(B=2, HQ=4, HK=2, NQ=96, NK=96, D=64)
+    vt = v8.transpose(2, 3).contiguous().transpose(2, 3)
+    assert vt.stride(2) == 1
+    assert torch.equal(ff.attention(q8, k8, vt, q_descale=qd, k_descale=kd, v_descale=vd),
+                       ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd))
+    cu = torch.tensor([0, 30, 96], dtype=torch.int32)
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=66, max_seqlen_k=66)
+    for extra, (q, k, v) in ((dict(), (q8, k8, vt)),
+                             (packed, (q8[:1], k8[:1], vt[:1]))):
+        o = []
+        for tma in (False, True):
+            cfg = fwd.FwdConfig(16, 32, 4, 1, use_tma=tma)
+            assert fwd.prepare_forward(q, k, v, scale=0.125, right=0, config=cfg,
+                                       descales=(qd, kd, vd), **extra)[2][2]["USE_TMA"] == (
+                tma and not extra)
+            o.append(fwd.attention_forward(q, k, v, scale=0.125, right=0, config=cfg,
+                                           descales=(qd, kd, vd),
+                                           out_dtype=torch.bfloat16, **extra))
+        assert torch.equal(o[0][0], o[1][0]) and torch.equal(o[0][1], o[1][1])
+    with pytest.raises(ValueError, match="keys-contiguous"):
+        fwd.prepare_forward(q8, k8, v8, scale=0.125, descales=(qd, kd, vd))
+
+
 # --- real sizes on a GPU --------------------------------------------------------------------
 
 GPU_CASES = [

@@ -197,7 +197,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         Forward only; no score_mod / mask_mod; statistics in fp32, ``P`` quantized to FP8
         with its own scale (:func:`~flashfold.kernels.attention.reference.fp8_attention_reference`,
         what the CPU runs). On CUDA the Triton template's ``FP8`` flag runs it (E4M3
-        products on the tensor cores; head dims up to 256). Under ``torch.compile`` one
+        products on the tensor cores; head dims up to 256). Its ``P V`` product reads V
+        with the keys contiguous: a ``v`` stored otherwise is transposed into a new
+        buffer first (``Nk Dv`` bytes per KV head); one made as ``vt.transpose(-1, -2)``
+        of a contiguous ``(B, Hk, Dv, Nk)`` tensor is read as it is. Under ``torch.compile`` one
         custom op, ``flashfold::attn_fwd_fp8``, traced without graph breaks.
     out_dtype: the output dtype of an FP8 call (bf16 by default; fp16, fp32).
 

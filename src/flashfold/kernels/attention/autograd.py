@@ -570,8 +570,13 @@ def fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_
     """An FP8 forward (:func:`.reference.fp8_attention_reference`'s semantics): ``(o in
     out_dtype, lse float32)``, by the kernel template's FP8 flag or the CPU reference.
     ``lens_*``: per-sequence lengths when already read from ``cu_seqlens_*``; without
-    ``return_lse`` the kernel may return None for the LSE."""
+    ``return_lse`` the kernel may return None for the LSE. The kernel reads ``v`` with its
+    keys contiguous (the 8-bit ``P V`` product takes V K-major): another layout is
+    transposed into a new buffer first (``Nk Dv`` bytes per KV head); a ``v`` made as
+    ``vt.transpose(-1, -2)`` of a contiguous ``(B, Hk, Dv, Nk)`` tensor is read as it is."""
     if use_kernel:
+        if v.stride(2) != 1 and v.shape[2] > 1:
+            v = v.transpose(2, 3).contiguous().transpose(2, 3)
         return kernel_forward(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
                               score=None, mask=None, block_mask=None, cu_q=cu_seqlens_q,
                               cu_k=cu_seqlens_k, lens_q=lens_q, lens_k=lens_k,

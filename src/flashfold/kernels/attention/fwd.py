@@ -74,7 +74,9 @@ first), ``STRICT`` (masked tiles' ``P V`` leaves hidden keys out: the guard's), 
 descale factors per (batch or sequence, KV head): ``q_descale k_descale`` joins the score
 scale, ``P`` enters ``P V`` as E4M3 times :data:`P_SCALE_FP8`, and the finalize multiplies
 ``acc`` by ``v_descale / P_SCALE_FP8``; statistics fp32 as always;
-:func:`.reference.fp8_attention_reference` is its semantics).
+:func:`.reference.fp8_attention_reference` is its semantics; ``v`` keys-contiguous,
+``v.stride(2) == 1``, read by TMA through its transpose, so that its tiles are the
+K-major B operand of an 8-bit ``wgmma`` as loaded).
 
 Layouts: ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``, any strides
 (TMA needs a unit last stride and 16-byte aligned strides/base, else the pointer path);
@@ -294,8 +296,14 @@ def _kv_step(acc, l_i, m_i, q, i, lo, idx_ptr,
                        MBUF,
                        MASK_LEFT, MASK_RIGHT, APPLY_MASK_MOD)
         s = tl.where(vis, s, float("-inf"))
-    v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
-                   BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
+    if FP8 and USE_TMA:
+        # an E4M3 v is stored keys-contiguous (:func:`prepare_forward`): its TMA tile
+        # [BLOCK_DV, BLOCK_N], transposed in place in shared memory, is the K-major B
+        # operand that an 8-bit wgmma takes, with no transpose through registers
+        v = tl.trans(desc_v.load([tma_b, hk, 0, k_row + start_n]).reshape([BLOCK_DV, BLOCK_N]))
+    else:
+        v = _load_tile(desc_v, v_base, tma_b, hk, k_row, start_n, k_len, svn, svd,
+                       BLOCK_N, BLOCK_DV, HEAD_DIM_V, MASKED, USE_TMA)
     # a score_mod's -inf is weight 0, as a mask is: in the strict recompute its key is
     # left out of P V like a hidden one, also in the tiles that need no mask, whatever the
     # key's value holds
@@ -930,7 +938,15 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         sm, sn = block_mask.BLOCK_SIZE
         # kernel tiles must divide the block-mask tiles
         cfg = replace(cfg, block_m=min(cfg.block_m, sm), block_n=min(cfg.block_n, sn))
-    use_tma = cfg.use_tma and tma_ok(q, k, v)
+    if fp8 and v.stride(2) != 1 and NK > 1:
+        raise ValueError("an FP8 v must be stored keys-contiguous (v.stride(2) == 1: the "
+                         "transpose of a (B, Hk, Dv, Nk) tensor), as flashfold.attention "
+                         "passes it")
+    # an FP8 v is addressed through its transpose, (B, Hk, Dv, Nk), keys innermost; packed
+    # sequences start at any key, which TMA cannot take as an innermost coordinate (its
+    # start must be 16-byte aligned): they load through pointers
+    use_tma = (cfg.use_tma and tma_ok(q, k, v.transpose(2, 3) if fp8 else v)
+               and not (fp8 and varlen))
     if not use_tma and cfg.num_stages > 2:
         # pointer loads keep their addresses in registers: a third stage, or 4 warps on
         # 64-row tiles, spills at 255 registers with every feature on (sm_90, d128)
@@ -938,7 +954,8 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     if use_tma:
         desc_q = _desc(q, cfg.block_m, BD)
         desc_k = _desc(k, cfg.block_n, BD)
-        desc_v = _desc(v, cfg.block_n, BDV)
+        desc_v = (_desc(v.transpose(2, 3), BDV, cfg.block_n) if fp8
+                  else _desc(v, cfg.block_n, BDV))
     else:
         desc_q, desc_k, desc_v = q, k, v
 
