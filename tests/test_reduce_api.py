@@ -75,6 +75,20 @@ def test_softmax(path, dtype):
     assert_close(ff.softmax(x[1:], 0), torch.softmax(x[1:].double(), 0), dtype, name="dim 0")
 
 
+def test_softmax_of_plus_infinite_entries(path):
+    """A row holding ``+inf``: its finite and ``-inf`` entries get 0 (their limit,
+    ``exp(x - inf)``), its ``+inf`` entries NaN (``inf / inf``: no limit); a NaN makes its
+    whole row NaN; rows without either are untouched. (torch gives the whole row NaN.)"""
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[1.0, inf, 2.0, NINF], [inf, inf, 0.0, 0.0], [1.0, nan, inf, 0.0],
+                      [0.0, 1.0, 2.0, 3.0]])
+    got = ff.softmax(x, -1)
+    nan_at = torch.tensor([[0, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]).bool()
+    assert torch.equal(got.isnan(), nan_at), got
+    assert torch.equal(got[:2][~nan_at[:2]], torch.zeros(5))
+    assert torch.allclose(got[3], torch.softmax(x[3], -1))
+
+
 @pytest.mark.filterwarnings("error")
 def test_softmax_of_length_one_rows_owns_its_memory(path):
     """Rows of length 1: softmax is 1 everywhere, and the result is an ordinary writable

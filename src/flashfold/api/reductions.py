@@ -510,7 +510,10 @@ def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torc
     One read of ``x`` for the row state ``(m, d)`` of LOGSUMEXP2 and one read + write for
     ``y = 2^(x·log2 e - m) / d``; a row that fits a tile (up to 16K fp32 / 32K 16-bit
     elements) is read once and kept in registers. ``dtype`` sets the output dtype (the
-    computation is float32 regardless). An all ``-inf`` row gives NaN, as torch.
+    computation is float32 regardless). An all ``-inf`` row gives NaN, as torch. A row
+    holding ``+inf`` gives 0 at its other entries (the limit of ``exp(x - max)``) and NaN
+    at its ``+inf`` ones (``inf / inf``), where torch gives the whole row NaN; a NaN makes
+    its row NaN, as torch.
     """
     _check_x(x)
     if dtype is not None and dtype not in _FLOAT:
