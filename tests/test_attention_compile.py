@@ -9,8 +9,8 @@ The compilation runs in a subprocess without ``TRITON_INTERPRET`` (this file is 
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 
 import pytest
 
