@@ -575,7 +575,8 @@ def fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_
     transposed into a new buffer first (``Nk Dv`` bytes per KV head); a ``v`` made as
     ``vt.transpose(-1, -2)`` of a contiguous ``(B, Hk, Dv, Nk)`` tensor is read as it is."""
     if use_kernel:
-        if v.stride(2) != 1 and v.shape[2] > 1:
+        from .fwd import keys_contiguous
+        if not keys_contiguous(v):
             v = v.transpose(2, 3).contiguous().transpose(2, 3)
         return kernel_forward(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
                               score=None, mask=None, block_mask=None, cu_q=cu_seqlens_q,

@@ -740,6 +740,13 @@ def default_config(q, head_dim: int, head_dim_v: int, causal: bool = False) -> F
     return FwdConfig(bm, bn, warps, stages, use_tma=USE_TMA_DEFAULT and TensorDescriptor is not None)
 
 
+def keys_contiguous(v) -> bool:
+    """Whether ``v (B, H, Nk, Dv)`` has its keys as its contiguous dim (``v.stride(2) ==
+    1``, or one key), the layout the FP8 flag reads V in (the 8-bit ``P V`` takes V
+    K-major)."""
+    return v.stride(2) == 1 or v.shape[2] <= 1
+
+
 def tma_ok(*tensors) -> bool:
     """Whether TMA descriptors can address these tensors: unit last stride, 16-byte aligned
     base and strides (of dims longer than 1), no zero strides."""
@@ -938,7 +945,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         sm, sn = block_mask.BLOCK_SIZE
         # kernel tiles must divide the block-mask tiles
         cfg = replace(cfg, block_m=min(cfg.block_m, sm), block_n=min(cfg.block_n, sn))
-    if fp8 and v.stride(2) != 1 and NK > 1:
+    if fp8 and not keys_contiguous(v):
         raise ValueError("an FP8 v must be stored keys-contiguous (v.stride(2) == 1: the "
                          "transpose of a (B, Hk, Dv, Nk) tensor), as flashfold.attention "
                          "passes it")
@@ -1054,7 +1061,7 @@ def prepare_guard(q, k, v, o, lse, flags, *, flag_rows=FLAG_ROWS, config=None, i
 
 
 __all__ = ["attention_forward", "prepare_forward", "prepare_guard", "FwdConfig", "default_config",
-           "tma_ok", "HOPPER_CONFIGS", "USE_TMA_DEFAULT", "STRICT_HIDDEN", "FLAG_ROWS", "LOG2E",
+           "tma_ok", "keys_contiguous", "HOPPER_CONFIGS", "USE_TMA_DEFAULT", "STRICT_HIDDEN", "FLAG_ROWS", "LOG2E",
            "LN2", "plan_cache_info", "plan_cache_clear"]
 
 

@@ -1306,25 +1306,21 @@ def _constexprs(plan, left, right, softcap, return_lse, pingpong, *, varlen: boo
                 PRODUCER_REGS=PRODUCER_REGS, STEP=step.tile_step,
                 FINALIZE=step.finalize_rows,
                 SCORE_MOD=score_mod.gluon_fn() if score_mod is not None else None,
-                MASK_FN=_mask_fn(block_mask), ROW_BOUNDS=_row_bounds(block_mask),
+                **_mask_fn(block_mask),
                 SPLIT=block_mask.BLOCK_SIZE[1] // block_n if block_mask is not None else 1,
                 DYNAMIC=dynamic, num_warps=4, maxnreg=MAXNREG)
 
 
-def _row_bounds(block_mask) -> bool:
-    """Whether a block mask's rows are each one interval of keys (its ``row_mod`` is
-    :func:`.mods.as_intervals`'s): the kernel then intersects them with its own row
-    bounds once per item (``ROW_BOUNDS``) instead of evaluating a mask per pair."""
-    return block_mask is not None and block_mask.row_mod.intervals is not None
-
-
-def _mask_fn(block_mask):
-    """``MASK_FN`` of a call: the bounds of a mask of intervals (:func:`_row_bounds`), the
-    row mask's Gluon function otherwise, None without a block mask."""
-    if block_mask is None:
-        return None
-    mod = block_mask.row_mod
-    return mod.bounds_fn() if mod.intervals is not None else mod.gluon_fn()
+def _mask_fn(block_mask) -> dict:
+    """``MASK_FN`` and ``ROW_BOUNDS`` of a call. A block mask whose rows are each one
+    interval of keys (its ``row_mod`` is :func:`.mods.as_intervals`'s): the intervals'
+    bounds, which the kernel intersects with its own row bounds once per item, and
+    ``ROW_BOUNDS``; another block mask: its row mask's Gluon function, evaluated per pair;
+    none: None."""
+    mod = None if block_mask is None else block_mask.row_mod
+    rows = mod is not None and mod.intervals is not None
+    return dict(MASK_FN=None if mod is None else (mod.bounds_fn() if rows else mod.gluon_fn()),
+                ROW_BOUNDS=rows)
 
 
 #: the widest q/k tile whose calls walk block masks: the 256-wide plans' key loops spill
