@@ -155,13 +155,13 @@ class Checker:
                 q = (torch.randn(B, HQ, NQ, D, device=DEV, generator=g) * q_scale).to(dtype)
                 k = (torch.randn(B, HK, NK, D, device=DEV, generator=g) * q_scale).to(dtype)
                 v = torch.randn(B, HK, NK, D, device=DEV, generator=g).to(dtype)
-            saved_alloc, saved_tma = fwd._alloc, fwd.USE_TMA_DEFAULT
-            fwd._alloc, fwd.USE_TMA_DEFAULT = _nan_alloc, tma
+            saved_alloc, fwd._alloc = fwd._alloc, _nan_alloc
             try:
-                o, lse = flashfold.attention(q, k, v, return_lse=True, **kw)
+                with flashfold.attention_policy(tma=tma):
+                    o, lse = flashfold.attention(q, k, v, return_lse=True, **kw)
                 _sync()
             finally:
-                fwd._alloc, fwd.USE_TMA_DEFAULT = saved_alloc, saved_tma
+                fwd._alloc = saved_alloc
             rk = _torch_mods(kw)
             ro, rl = naive_attention(q, k, v, dtype=torch.float64, **rk)
             po, pl = naive_lowp(q, k, v, **rk)
@@ -549,13 +549,6 @@ def tune(N=4096):
 
 # --- backward ----------------------------------------------------------------------------------
 
-def _pointer_bwd_config(q, d, dv, features=False, causal=False):
-    """The backward's pointer configuration (what it falls back to when TMA is refused)."""
-    bd = min(max(max(fwd.block_dims(d, dv)), 32), 256)
-    bm, bn, w, s, qm, qn, qw, qs = bwd.POINTER_BWD_CONFIGS[(bd, bool(features))]
-    return BwdConfig(bm, bn, w, s, qm, qn, qw, qs, use_tma=False, atomic_dq=False)
-
-
 def _masked_lse(lse):
     return torch.where(torch.isfinite(lse), lse, 0.0)
 
@@ -632,21 +625,20 @@ class GradChecker:
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             do = torch.randn(q.shape[:-1] + (v.shape[-1],), device=DEV, generator=g).to(q.dtype)
             dlse = torch.randn(q.shape[:-1], device=DEV, generator=g) if with_lse else None
-            saved = fwd.USE_TMA_DEFAULT, bwd._alloc, bwd.default_config
-            fwd.USE_TMA_DEFAULT, bwd._alloc = tma, _nan_alloc
-            if not tma:
-                bwd.default_config = _pointer_bwd_config
+            saved_alloc, bwd._alloc = bwd._alloc, _nan_alloc
             try:
-                o, lse = flashfold.attention(q, k, v, return_lse=True,
-                                             deterministic=self.deterministic, **kw)
-                outs, gouts = [o], [do]
-                if with_lse:
-                    outs.append(_masked_lse(lse))
-                    gouts.append(dlse)
-                got = torch.autograd.grad(outs, (q, k, v), gouts)
+                # (without TMA the backward takes its pointer configuration)
+                with flashfold.attention_policy(tma=tma):
+                    o, lse = flashfold.attention(q, k, v, return_lse=True,
+                                                 deterministic=self.deterministic, **kw)
+                    outs, gouts = [o], [do]
+                    if with_lse:
+                        outs.append(_masked_lse(lse))
+                        gouts.append(dlse)
+                    got = torch.autograd.grad(outs, (q, k, v), gouts)
                 _sync()
             finally:
-                fwd.USE_TMA_DEFAULT, bwd._alloc, bwd.default_config = saved
+                bwd._alloc = saved_alloc
             rk = _torch_mods(kw)
             q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
             ro, rl = naive_attention(q64, k64, v64, dtype=torch.float64, **rk)

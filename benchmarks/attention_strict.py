@@ -8,11 +8,11 @@ Run (H200, from the repository root)::
 
 The rows are the causal rows of the targets grid (bf16, 16 heads, batch x seq = 16K
 tokens, N = 1K / 4K / 16K, head_dim 128 by default), through both forward paths: the
-Gluon kernel (the default on sm_90) and the Triton template (``FLASHFOLD_GLUON=0``);
+Gluon kernel (the default on sm_90) and the Triton template (policy ``gluon=False``);
 on both, strict = the epilogue's non-finite flags (one reduction of each output tile)
 plus the guard launch that returns at once where they are clear
 (:func:`flashfold.kernels.attention.fwd.prepare_guard`). Each row is timed with
-``fwd.STRICT_HIDDEN`` on and off in the same run, alternating (``--reps`` rounds, median of
+the policy's ``strict_hidden`` on and off in the same run, alternating (``--reps`` rounds, median of
 the rounds' ``do_bench`` medians):
 
 * ``graph``: CUDA-graph replays of one forward (GPU time, no host time);
@@ -20,30 +20,20 @@ the rounds' ``do_bench`` medians):
 
 Then, for information, the Gluon path with a NaN in every head's first value row (every
 row sees it: every flag is set and the guard recomputes the whole output), the rare case
-the guard exists for. Prints the ratio strict / plain per row; the plan cache is re-armed
-after each switch so that both settings replay cached plans.
+the guard exists for. Prints the ratio strict / plain per row; the policy is part of the
+plan cache's key, so both settings replay cached plans.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 
 import flashfold
 from flashfold.bench import graph_replay
-from flashfold.kernels.attention import fwd, gluon_fwd
-
-
-def _set_strict(on: bool):
-    """Switch the strict handling; the forward's plan cache, which is bypassed while a
-    global it watches differs from its value at import, is re-armed for the new value
-    (its entries dropped) so that both settings are timed with cached plans."""
-    fwd.STRICT_HIDDEN = on
-    fwd.plan_cache_clear()
-    fwd._CACHE._pristine = fwd._CACHE._watched()
+from flashfold.kernels.attention import gluon_fwd
 
 
 def _bench(fn):
@@ -72,30 +62,18 @@ def _time(q, k, v, causal, mode):
 def row(N, D, causal, path, reps, tokens=16384, H=16, dtype=torch.bfloat16):
     """``{(mode, strict): ms}`` of one row."""
     q, k, v = _inputs(N, D, tokens, H, dtype)
-    env = {} if path == "gluon" else {"FLASHFOLD_GLUON": "0"}
-    old = {n: os.environ.get(n) for n in env}
-    os.environ.update(env)
-    try:
-        if path == "gluon" and not gluon_fwd.eligible(q, k, v, causal=causal,
-                                                      scale=D ** -0.5):
-            return None
-        times = {}
-        for mode in ("graph", "eager"):
-            got = {True: [], False: []}
-            for _ in range(reps):
-                for strict in (False, True):
-                    _set_strict(strict)
-                    got[strict].append(_time(q, k, v, causal, mode))
+    if path == "gluon" and not gluon_fwd.eligible(q, k, v, causal=causal, scale=D ** -0.5):
+        return None
+    times = {}
+    for mode in ("graph", "eager"):
+        got = {True: [], False: []}
+        for _ in range(reps):
             for strict in (False, True):
-                times[(mode, strict)] = statistics.median(got[strict])
-        return times
-    finally:
-        _set_strict(True)
-        for n, val in old.items():
-            if val is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = val
+                with flashfold.attention_policy(gluon=path == "gluon", strict_hidden=strict):
+                    got[strict].append(_time(q, k, v, causal, mode))
+        for strict in (False, True):
+            times[(mode, strict)] = statistics.median(got[strict])
+    return times
 
 
 def poisoned_row(N, D, tokens=16384, H=16, dtype=torch.bfloat16):
@@ -103,7 +81,6 @@ def poisoned_row(N, D, tokens=16384, H=16, dtype=torch.bfloat16):
     q, k, v = _inputs(N, D, tokens, H, dtype, poison=True)
     if not gluon_fwd.eligible(q, k, v, causal=True, scale=D ** -0.5):
         return None
-    _set_strict(True)
     return _time(q, k, v, True, "graph")
 
 

@@ -8,7 +8,7 @@ Run on the GPU (from the repository root)::
 For each row (bf16, 16 heads, batch x seq = 16K tokens, causal, N = 1K / 4K / 16K) it times
 the backward launches (:func:`flashfold.kernels.attention.bwd.attention_backward`, from
 saved ``o`` and ``lse``) of the default mode (the Gluon kernel on sm_90) and of
-``deterministic=True`` (the Triton kernels), with ``bwd.STRICT_NONFINITE`` on and off,
+``deterministic=True`` (the Triton kernels), with the policy's ``strict_nonfinite`` on and off,
 interleaved, ``--reps`` times: CUDA-graph medians (``triton.testing.do_bench_cudagraph``:
 GPU time only; the handling adds launches, whose host time this leaves out, and the eager
 host time is printed apart from it, ``do_bench`` medians). "on" adds, for these causal
@@ -27,7 +27,7 @@ import statistics
 import torch
 import triton
 
-from flashfold.kernels.attention import bwd
+from flashfold.kernels.attention import bwd, dispatch
 
 
 def _row(D, N, H, tokens, deterministic, reps):
@@ -46,8 +46,7 @@ def _row(D, N, H, tokens, deterministic, reps):
     host = {True: [], False: []}
     for _ in range(reps):
         for on in (True, False):
-            bwd.STRICT_NONFINITE = on
-            try:
+            with dispatch.using(strict_nonfinite=on):
                 step()
                 try:
                     times[on].append(triton.testing.do_bench_cudagraph(step, rep=100))
@@ -56,8 +55,6 @@ def _row(D, N, H, tokens, deterministic, reps):
                                                              return_mode="median"))
                 host[on].append(triton.testing.do_bench(step, warmup=25, rep=100,
                                                         return_mode="median"))
-            finally:
-                bwd.STRICT_NONFINITE = True
     flops = 2.5 * 4 * B * H * N * N * D / 2          # causal: half the pairs, 2.5x forward
     on, off = statistics.median(times[True]), statistics.median(times[False])
     print(f"d{D} N={N:>5} B={B:>2} {'det   ' if deterministic else 'default'} "

@@ -13,7 +13,7 @@ import torch
 from bench_script import load_benchmark
 from flashfold import mods
 from flashfold.api import attention as api
-from flashfold.kernels.attention import bwd, fwd
+from flashfold.kernels.attention import bwd, dispatch, fwd
 from flashfold.kernels.attention.bwd import BwdConfig
 from flashfold.kernels.attention.fwd import FwdConfig
 
@@ -27,7 +27,7 @@ def bench(monkeypatch):
     monkeypatch.setattr(mod, "DEV", "cpu")
     monkeypatch.setattr(api, "_use_kernel", lambda t: True)
     monkeypatch.setattr(fwd, "default_config",
-                        lambda q, d, dv, causal=False: FwdConfig(16, 16, use_tma=fwd.USE_TMA_DEFAULT))
+                        lambda q, d, dv, causal=False: FwdConfig(16, 16, use_tma=dispatch.current().tma))
     monkeypatch.setattr(bwd, "default_config",
                         lambda q, d, dv, features=False, causal=False: BwdConfig(16, 16, 4, 1, 16, 16, 4, 1,
                                                                    use_tma=True, atomic_dq=True))

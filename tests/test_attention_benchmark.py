@@ -13,7 +13,7 @@ import torch
 from bench_script import load_benchmark
 from flashfold import mods
 from flashfold.api import attention as api
-from flashfold.kernels.attention import fwd
+from flashfold.kernels.attention import dispatch, fwd
 from flashfold.kernels.attention.fwd import FwdConfig
 
 if torch.cuda.is_available():  # pragma: no cover - on the GPU, run the script itself
@@ -26,7 +26,7 @@ def bench(monkeypatch):
     monkeypatch.setattr(mod, "DEV", "cpu")
     monkeypatch.setattr(api, "_use_kernel", lambda t: True)
     monkeypatch.setattr(fwd, "default_config",
-                        lambda q, d, dv, causal=False: FwdConfig(16, 16, use_tma=fwd.USE_TMA_DEFAULT))
+                        lambda q, d, dv, causal=False: FwdConfig(16, 16, use_tma=dispatch.current().tma))
     return mod
 
 

@@ -17,7 +17,7 @@ import torch
 import flashfold
 from flashfold import mods
 from flashfold.api import attention as api
-from flashfold.kernels.attention import bwd, fwd, gluon_bwd, gluon_fwd
+from flashfold.kernels.attention import bwd, dispatch, fwd, gluon_bwd, gluon_fwd
 
 from test_attention_cases import Shape, make_qkv, varlen_inputs
 
@@ -97,24 +97,43 @@ def _same(f):
 
 @pytest.mark.parametrize("family, module, name, value", [
     (bwd, bwd, "_alloc", lambda *a, **kw: torch.empty(*a, **kw)),
-    (bwd, bwd, "ATOMIC_DQ_DEFAULT", False),
+    (bwd, dispatch, "backward_gluon", lambda *a, **kw: False),
     (bwd, gluon_bwd, "eligible", lambda *a, **kw: False),
     (bwd, gluon_bwd, "STORE_TMA_MAX_STEPS", 0),
     (bwd, gluon_fwd, "on_hopper", lambda q: False),
     (fwd, fwd, "_alloc", lambda *a, **kw: torch.empty(*a, **kw)),
     (fwd, fwd, "default_config", _same(fwd.default_config)),
     (fwd, gluon_fwd, "eligible", lambda *a, **kw: False),
+    (fwd, dispatch, "forward_gluon", lambda *a, **kw: False),
     (fwd, gluon_fwd, "PINGPONG_MAX_TILES", 0),
     (fwd, gluon_fwd, "on_hopper", lambda q: False),
-], ids=["bwd-allocator", "bwd-atomic-default", "bwd-gluon-dispatch", "bwd-store-rule",
+], ids=["bwd-allocator", "bwd-dispatch-table", "bwd-gluon-dispatch", "bwd-store-rule",
         "bwd-on-hopper", "fwd-allocator", "fwd-config", "fwd-gluon-dispatch",
-        "fwd-pingpong-rule", "fwd-on-hopper"])
+        "fwd-dispatch-table", "fwd-pingpong-rule", "fwd-on-hopper"])
 def test_a_patched_planner_global_bypasses_the_cache(monkeypatch, family, module, name, value):
     assert family._CACHE.caching()
     monkeypatch.setattr(module, name, value)
     assert not family._CACHE.caching()
     _grads(*_inputs(0), causal=True)
     assert family.plan_cache_info() == {"hits": 0, "misses": 0, "size": 0}
+
+
+def test_the_policy_is_part_of_the_key():
+    """A plan is keyed on the policy in force, not watched as a global: a block with
+    another policy plans anew and replays its own plan on a repeat (both computing what a
+    fresh plan computes), and the default's plans replay again after the block."""
+    q, k, v, do = _inputs(0)
+    plain = _grads(q, k, v, do, causal=True)
+    with flashfold.attention_policy(atomic_dq=False, strict_hidden=False):
+        assert fwd._CACHE.caching() and bwd._CACHE.caching()
+        other = _grads(q, k, v, do, causal=True)
+        again = _grads(q, k, v, do, causal=True)
+    assert fwd.plan_cache_info() == bwd.plan_cache_info() == {"hits": 1, "misses": 2, "size": 2}
+    after = _grads(q, k, v, do, causal=True)
+    assert fwd.plan_cache_info() == bwd.plan_cache_info() == {"hits": 2, "misses": 2, "size": 2}
+    for a, b, c, d in zip(plain, other, again, after):
+        assert torch.equal(b, c) and torch.equal(a, d)
+        torch.testing.assert_close(a, b)                 # (another dQ order: not bitwise)
 
 
 def test_mods_replay_with_the_tables_of_the_call():

@@ -30,8 +30,8 @@ _LAZY = {
     **dict.fromkeys(["reduce", "segment_reduce", "logsumexp", "softmax", "var_mean", "argmax",
                      "argmin", "cumsum", "logcumsumexp"], ".api.reductions"),
     # exact attention
-    **dict.fromkeys(["attention", "merge_states", "BlockMask", "create_block_mask"],
-                    ".api.attention"),
+    **dict.fromkeys(["attention", "attention_policy", "merge_states", "BlockMask",
+                     "create_block_mask"], ".api.attention"),
     **dict.fromkeys(["quantize_fp8", "random_rotation"], ".api.fp8"),
     **dict.fromkeys(["decode", "append_kv", "PagedKVCache"], ".api.decode"),
     # the algebra in depth

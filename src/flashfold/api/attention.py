@@ -477,4 +477,34 @@ def merge_states(*args):
     return autograd.merge_impl(args, kernel)
 
 
-__all__ = ["attention", "merge_states", "BlockMask", "create_block_mask", "TracedMod", "MAX_HEAD_DIM"]
+def attention_policy(**switches):
+    """A context manager: :func:`attention` calls (and their backward) inside the block
+    run under the current policy with ``switches`` changed (each a bool), process-wide as
+    ``torch.backends`` switches are; the previous policy is back on exit. Yields the
+    policy in force inside.
+
+    The switches (all on by default): ``gluon`` (the warp-specialized Hopper kernels where
+    they fit; off: the Triton kernels everywhere, as ``FLASHFOLD_GLUON=0`` does outside
+    any block), ``tma`` (TMA loads in the Triton kernels), ``atomic_dq`` (the Triton
+    backward's atomic dQ where its table picks it; off: the deterministic dQ kernel),
+    ``strict_hidden`` / ``strict_nonfinite`` (the forward's and the backward's guards of
+    rules 1 and 4 of the non-finite rules above; off only to measure them). The table of
+    which kernel runs which call, and the policy's fields:
+    :mod:`flashfold.kernels.attention.dispatch`. Every setting computes the same
+    attention (the kernels differ in rounding and in the order of sums; the guards keep
+    the non-finite rules), so the policy is a tool for measuring and for working around a
+    kernel, not a numerical setting.
+
+    Example::
+
+        with flashfold.attention_policy(gluon=False):
+            o = flashfold.attention(q, k, v, causal=True)    # the Triton template
+
+    Raises ``TypeError`` naming a switch that does not exist or a value that is not a
+    bool."""
+    from ..kernels.attention.dispatch import using
+    return using(**switches)
+
+
+__all__ = ["attention", "attention_policy", "merge_states", "BlockMask", "create_block_mask",
+           "TracedMod", "MAX_HEAD_DIM"]

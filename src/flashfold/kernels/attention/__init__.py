@@ -9,6 +9,9 @@
 * :mod:`.gluon_fwd`, :mod:`.gluon_bwd`: warp-specialized Gluon kernels for Hopper (sm_90),
   forward and backward (dK/dV with dQ added by TMA reduce-add), each with its scope
   (``supported`` / ``eligible``) and the schedule rules measured on the H200;
+* :mod:`.dispatch`: which kernel runs which call (one table for the forward and the
+  backward) and the policy of switches that are not arguments of a call
+  (:class:`~.dispatch.Policy`, changed by ``flashfold.attention_policy`` blocks);
 * :mod:`.autograd`: ``flashfold.attention`` as a differentiable ``torch.library`` custom
   op (``flashfold::attn_fwd`` / ``attn_bwd``) and an eager ``autograd.Function`` over the
   same implementations, the mods registry (:func:`~.autograd.register_mods`), and the

@@ -73,7 +73,7 @@ per-call sizes as separate scalars (not specialized).
 
 On sm_90, calls with the Gluon forward's head dims (up to 256; MLA's 192/128), dense,
 causal, windowed or soft-capped, packed sequences in its varlen scope, a score_mod or a
-block mask it lowers (:func:`gluon_runs`), without an explicit ``config``, run the
+block mask it lowers (:func:`.dispatch.backward_gluon`), without an explicit ``config``, run the
 warp-specialized Gluon kernel of :mod:`.gluon_bwd` between the preprocess and the
 conversion instead: dK, dV and a dQ added by TMA reduce-adds in one pass (H200, head_dim
 128: 0.93-1.04x cuDNN, 1.25-1.42x these kernels; head_dim 256 and MLA, its WIDE variant:
@@ -88,8 +88,8 @@ atomics from the dK/dV kernel (5 matmuls per tile pair instead of 7), whose orde
 from run to run (last-bit differences), where the configuration picks it (sm_90 with TMA,
 causal / right-bounded rows, head dim <= 128, no softcap / score_mod / mask_mod:
 :data:`HOPPER_BWD_CONFIGS`; measured faster there, while the dQ kernel was as fast or faster
-on full rows, and the other variants would spill registers) and :data:`ATOMIC_DQ_DEFAULT`
-is on; elsewhere the default runs the deterministic kernels too.
+on full rows, and the other variants would spill registers) and the policy's
+``atomic_dq`` is on (:mod:`.dispatch`); elsewhere the default runs the deterministic kernels too.
 
 In the dK/dV kernel without softcap / score_mod, ``-D`` and ``-lambda / (scale log2 e)``
 are the initial accumulators of the ``dP^T`` and ``S^T`` matmuls, so no per-column vector is
@@ -128,7 +128,7 @@ import triton.language as tl
 from ...monoids import ATTENTION2
 from .. import launcher, plans
 from ..codegen import tile_step_functions
-from . import gluon_bwd, gluon_fwd
+from . import dispatch, gluon_bwd, gluon_fwd
 from .fwd import (TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
                   _visible_2d, block_dims, tma_ok)
 from .mods import BlockMask, TracedMod, column_lists, plan_tables, score_grad_fn
@@ -935,13 +935,6 @@ POINTER_BWD_CONFIGS = {
     (128, False): (32, 64, 8, 2, 128, 32, 8, 2), (128, True): (16, 64, 8, 2, 128, 16, 8, 2),
     (256, False): (16, 32, 8, 2, 32, 16, 8, 2), (256, True): (16, 32, 8, 2, 32, 16, 8, 2),
 }
-#: global switch: ``False`` makes the default mode use the dQ kernel everywhere (as
-#: ``deterministic=True``); ``True`` lets the configurations above choose
-ATOMIC_DQ_DEFAULT = True
-#: the flag and the guarded strict recompute of rule 4 (hidden pairs add exactly 0, NaN
-#: or not; :func:`prepare_backward`); ``False`` only to measure their cost
-#: (``benchmarks/nonfinite_bwd_cost.py``)
-STRICT_NONFINITE = True
 
 
 def default_config(q, head_dim: int, head_dim_v: int, features: bool = False,
@@ -949,7 +942,8 @@ def default_config(q, head_dim: int, head_dim_v: int, features: bool = False,
     """The backward launch configuration for these inputs (heuristic; no autotuning).
 
     ``features``: softcap, score_mod or mask_mod present; ``causal``: rows have a right
-    bound (causal or a window's right edge).
+    bound (causal or a window's right edge). On sm_90+ :data:`HOPPER_BWD_CONFIGS`, or
+    :data:`POINTER_BWD_CONFIGS` while the policy's ``tma`` is off (:mod:`.dispatch`).
     """
     if q.device.type != "cuda" or _interpreting():
         return BwdConfig(16, 16, 4, 1, 16, 16, 4, 1, use_tma=False, atomic_dq=True)
@@ -959,8 +953,11 @@ def default_config(q, head_dim: int, head_dim_v: int, features: bool = False,
     if major < 9:                          # Ampere and older: no TMA, pointer atomics
         return BwdConfig(min(bm, 64), min(bn, 64), w, 2, min(qm, 64), min(qn, 64), qw, 2,
                          use_tma=False, atomic_dq=False)
-    return BwdConfig(bm, bn, w, s, qm, qn, qw, qs, use_tma=TensorDescriptor is not None,
-                     atomic_dq=atomic)
+    if not dispatch.current().tma or TensorDescriptor is None:
+        # the policy's pointer loads: the pointer configuration (as where strides refuse TMA)
+        return BwdConfig(*POINTER_BWD_CONFIGS[(bd, bool(features))], use_tma=False,
+                         atomic_dq=False)
+    return BwdConfig(bm, bn, w, s, qm, qn, qw, qs, use_tma=True, atomic_dq=atomic)
 
 
 #: allocator of the outputs (:func:`flashfold.kernels.plans.new`: ``torch.empty``, noted
@@ -1004,7 +1001,7 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
     any strides), ``o`` and ``lse`` (the forward's outputs) and ``dlse`` (the gradient of
     ``lse`` or None). ``deterministic=True`` never uses atomics (bitwise reproducible);
     otherwise ``atomic_dq`` picks the atomic dQ path (default: the configuration's choice,
-    if :data:`ATOMIC_DQ_DEFAULT`).
+    while the policy's ``atomic_dq`` is on, :mod:`.dispatch`).
     ``block_mask`` must have block sizes that the tiles divide (the launcher shrinks the
     tiles to fit).
 
@@ -1026,13 +1023,15 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dlse=None,
     tables = plan_tables(score_mod, block_mask, q.device)
     if block_mask is not None:
         tables += column_lists(block_mask)
-    # what _plan reads: the tensors' signatures, the options, the mods, the Gluon switch
+    policy = dispatch.current()
+    # what _plan reads: the tensors' signatures, the options, the mods, the policy
     key = (plans.signatures(inputs + tables), scale, softcap, left,
            right, max_seqlen_q, max_seqlen_k, full_needs_mask, deterministic, atomic_dq,
-           config, id(score_mod), id(block_mask), launcher.env("FLASHFOLD_GLUON"))
+           config, id(score_mod), id(block_mask), policy)
     dq, dk, dv, launches, memos = _CACHE.planned(key, (score_mod, block_mask), inputs + tables,
                                                  _plan, *inputs[:6], score_mod=score_mod,
-                                                 block_mask=block_mask, **options)
+                                                 block_mask=block_mask, policy=policy,
+                                                 **options)
     for (kernel, grid, args, kwargs), memo in zip(launches, memos):
         launcher.launch(kernel, grid, args, kwargs, memo)
     return dq, dk, dv
@@ -1045,38 +1044,20 @@ def _plan(do, q, k, v, o, lse, **options):
     return dq, dk, dv, launches, tuple([None] for _ in launches)
 
 
-def gluon_runs(q, k, v, do, *, softcap=None, left=None, right=None, score_mod=None,
-               mask_mod=None, mask_block=None, cu_seqlens_q=None, cu_seqlens_k=None,
-               deterministic=False) -> bool:
-    """The Gluon side of the backward's dispatch (:func:`prepare_backward`, no forced
-    configuration, not interpreted): on sm_90 the warp-specialized Gluon kernel (dK, dV and
-    the dQ adds in one pass, in a fixed order when deterministic; :mod:`.gluon_bwd`) takes
-    the Gluon forward's head dims, dense, causal, windowed or soft-capped calls, packed
-    sequences in its varlen scope, and the mods it lowers (:func:`.gluon_bwd.fits_mods`:
-    a score_mod, a block mask of ``mask_mod`` in blocks of ``mask_block``)."""
-    varlen = cu_seqlens_q is not None
-    return (gluon_bwd.eligible(q, k, v, do, left=left, right=right, softcap=softcap)
-            and gluon_bwd.fits_mods(q, v, score_mod=score_mod, mask_mod=mask_mod,
-                                    mask_block=mask_block, left=left, right=right,
-                                    deterministic=deterministic, varlen=varlen)
-            and (not varlen or gluon_bwd.supported_varlen(
-                q, k, v, do, cu_seqlens_q, cu_seqlens_k, deterministic=deterministic,
-                left=left, right=right, softcap=softcap)))
-
-
 def mask_tiles(q, k, v, do, *, softcap=None, left=None, right=None, score_mod=None,
                mask_mod=None, cu_seqlens_q=None, cu_seqlens_k=None,
                deterministic=False) -> tuple[int, int]:
     """The tiles ``(block_m, block_n)`` of the block table that the backward builds for a
     callable ``mask_mod``: 128 x 128 where the Gluon kernel will walk it
-    (:func:`gluon_runs`), else tiles that the Triton kernels' configuration divides (the
+    (:func:`.dispatch.backward_gluon`), else tiles that the Triton kernels' configuration divides (the
     larger of its dK/dV and dQ tiles)."""
     square = (2 * gluon_bwd.BLOCK_M, gluon_bwd.BLOCK_N)
     if (q.device.type == "cuda" and not _interpreting()
-            and gluon_runs(q, k, v, do, softcap=softcap, left=left, right=right,
-                           score_mod=score_mod, mask_mod=mask_mod, mask_block=square,
-                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                           deterministic=deterministic)):
+            and dispatch.backward_gluon(q, k, v, do, softcap=softcap, left=left, right=right,
+                                        score_mod=score_mod, mask_mod=mask_mod,
+                                        mask_block=square, cu_seqlens_q=cu_seqlens_q,
+                                        cu_seqlens_k=cu_seqlens_k,
+                                        deterministic=deterministic)):
         return square
     features = softcap is not None or score_mod is not None or mask_mod is not None
     cfg = default_config(q, q.shape[3], v.shape[3], features=features, causal=right is not None)
@@ -1099,9 +1080,11 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                      right=None, score_mod=None, block_mask=None, cu_seqlens_q=None,
                      cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                      full_needs_mask=True, deterministic=False, atomic_dq=None, config=None,
-                     interpret=None):
+                     interpret=None, policy=None):
     """Allocate the gradients and build the launches: ``(dq, dk, dv, [(kernel, grid, args,
-    kwargs), ...])`` in launch order (tools compile them ahead of time)."""
+    kwargs), ...])`` in launch order (tools compile them ahead of time). ``policy``: the
+    switches in force (default :func:`.dispatch.current`)."""
+    policy = policy or dispatch.current()
     B, HQ, NQ, D = q.shape
     HK, NK, DV = k.shape[1], k.shape[2], v.shape[3]
     dev = q.device
@@ -1129,17 +1112,17 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                       dq_block_m=min(cfg.dq_block_m, sm), dq_block_n=min(cfg.dq_block_n, sn))
     gluon_allowed = atomic_dq is not False     # before the configuration's default
     if atomic_dq is None:
-        atomic_dq = ATOMIC_DQ_DEFAULT and cfg.atomic_dq
+        atomic_dq = policy.atomic_dq and cfg.atomic_dq
     atomic = bool(atomic_dq) and not deterministic
     if use_tma and not tma_ok(do):
         do = do.contiguous()        # documented: e.g. the expanded (stride 0) gradient of .sum()
     use_gluon = (gluon_allowed and config is None and not interp
-                 and gluon_runs(q, k, v, do, softcap=softcap, left=left, right=right,
-                                score_mod=score_mod,
-                                mask_mod=block_mask.column_mod if block_mask is not None else None,
-                                mask_block=block_mask.BLOCK_SIZE if block_mask is not None
-                                else None, cu_seqlens_q=cu_seqlens_q,
-                                cu_seqlens_k=cu_seqlens_k, deterministic=deterministic))
+                 and dispatch.backward_gluon(
+                     q, k, v, do, softcap=softcap, left=left, right=right, score_mod=score_mod,
+                     mask_mod=block_mask.column_mod if block_mask is not None else None,
+                     mask_block=block_mask.BLOCK_SIZE if block_mask is not None else None,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     deterministic=deterministic, policy=policy))
     atomic = atomic or use_gluon
     # calls that can hide keys inside the tiles they load (causal, window, mask, varlen:
     # rule 4 of the attention API's docstring) raise a flag when an output is not finite
@@ -1155,7 +1138,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     # non-finite input) so comes with a non-finite dq row, and the conversion of the dQ
     # accumulator flags a non-finite dq or a row with lse = -inf.
     # (a score_mod's hidden keys too in the Gluon kernel, whose dQ meets their k)
-    hides = STRICT_NONFINITE and (
+    hides = policy.strict_nonfinite and (
         left is not None or right is not None or block_mask is not None or varlen
         or (use_gluon and score_mod is not None))
     flag = plans.new((1,), dtype=torch.int32, device=dev) if hides else None
@@ -1299,7 +1282,7 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
 
 
 __all__ = ["attention_backward", "prepare_backward", "BwdConfig", "default_config",
-           "HOPPER_BWD_CONFIGS", "POINTER_BWD_CONFIGS", "ATOMIC_DQ_DEFAULT", "score_grad_fn", "column_lists"]
+           "HOPPER_BWD_CONFIGS", "POINTER_BWD_CONFIGS", "score_grad_fn", "column_lists"]
 
 
 # --- plan cache -------------------------------------------------------------------------
@@ -1307,10 +1290,11 @@ __all__ = ["attention_backward", "prepare_backward", "BwdConfig", "default_confi
 #: entries the plan cache holds; when full it is dropped wholesale
 PLAN_CACHE_SIZE = 256
 #: :func:`attention_backward`'s plans, bypassed while any global that :func:`_plan` reads
-#: here or in the Gluon modules (heuristics, the allocator, the Gluon dispatch, which
-#: tests and benchmarks monkeypatch) differs from what it was at import
+#: here, in the Gluon modules or in the dispatch table (heuristics, the allocator, the
+#: Gluon scopes, which tests monkeypatch) differs from what it was at import; the
+#: policy is part of each plan's key
 _CACHE = plans.PlanCache("attention backward", globals(), (_plan,),
-                         modules=(gluon_bwd, gluon_fwd))
+                         modules=(gluon_bwd, gluon_fwd, dispatch))
 
 
 def plan_cache_info() -> dict:

@@ -41,8 +41,8 @@ epilogue (nonzero: the tile's ``o`` holds a non-finite entry), and a second laun
 they are clear (every program, with finite inputs) and recomputes the flagged tiles
 strictly: ``STRICT`` masked tiles take :func:`_pv_strict`, which sums the ``v`` tile to a
 scalar and, only when that is not finite, zeroes its non-finite entries and marks NaN the
-``(row, channel)`` pairs that see one of a visible key. :data:`STRICT_HIDDEN` turns the
-flags and the guard off (to measure them).
+``(row, channel)`` pairs that see one of a visible key. The policy's ``strict_hidden``
+(:mod:`.dispatch`) turns the flags and the guard off (to measure them).
 
 Structure (the backward and split-KV decode kernels reuse these pieces):
 
@@ -97,7 +97,7 @@ import triton.language as tl
 from ...monoids import ATTENTION2
 from .. import launcher, plans, tma
 from ..codegen import tile_step_functions
-from . import gluon_fwd
+from . import dispatch, gluon_fwd
 from .mods import BlockMask, TracedMod, plan_tables
 
 LOG2E = 1.4426950408889634
@@ -703,14 +703,6 @@ HOPPER_CONFIGS = {
     (128, False): (128, 128, 8, 3), (128, True): (64, 64, 4, 3),
     (256, False): (128, 64, 8, 2), (256, True): (128, 64, 8, 2),
 }
-#: TMA tensor descriptors for Q/K/V on sm_90+ when strides allow (else plain pointers)
-USE_TMA_DEFAULT = True
-#: the non-finite rule's strict handling of hidden keys (module notes): forwards whose
-#: masked tiles can hold hidden keys write non-finite flags and are followed by the
-#: guard. Off only to measure its cost (``benchmarks/attention_strict.py``): then a NaN
-#: or inf value of a hidden key in a partially visible tile may reach rows that cannot
-#: see it (0 x NaN, FlashAttention's behaviour)
-STRICT_HIDDEN = True
 
 
 def _pow2(n: int) -> int:
@@ -728,7 +720,9 @@ def block_dims(head_dim: int, head_dim_v: int, least: int = 16) -> tuple[int, in
 def default_config(q, head_dim: int, head_dim_v: int, causal: bool = False) -> FwdConfig:
     """The launch configuration for these inputs (heuristic; no autotuning).
 
-    ``causal``: whether rows have a right bound (causal or a window's right edge).
+    ``causal``: whether rows have a right bound (causal or a window's right edge). TMA
+    descriptors on sm_90+ while the policy's ``tma`` is on (:mod:`.dispatch`; the launch
+    falls back to pointers where strides do not allow them).
     """
     if q.device.type != "cuda" or _interpreting():
         return FwdConfig(16, 16, 4, 1, use_tma=False)
@@ -737,7 +731,8 @@ def default_config(q, head_dim: int, head_dim_v: int, causal: bool = False) -> F
     major = launcher.capability(q.device)[0]
     if major < 9:                                 # Ampere and older: smaller stages, no TMA
         return FwdConfig(bm if bd <= 128 else 64, min(bn, 64), warps, 2, use_tma=False)
-    return FwdConfig(bm, bn, warps, stages, use_tma=USE_TMA_DEFAULT and TensorDescriptor is not None)
+    return FwdConfig(bm, bn, warps, stages,
+                     use_tma=dispatch.current().tma and TensorDescriptor is not None)
 
 
 def keys_contiguous(v) -> bool:
@@ -800,33 +795,27 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (tuple(descales) if descales else (None,) * 3)
     # the mods' tables are inputs of the plan too; the mods themselves are held by identity
     tables = plan_tables(score_mod, block_mask, q.device)
-    # what _plan reads: the tensors' signatures, the options, the mods, the Gluon switch
+    policy = dispatch.current()
+    # what _plan reads: the tensors' signatures, the options, the mods, the policy
     key = (plans.signatures(inputs + tables), scale, softcap, left,
            right, max_seqlen_q, max_seqlen_k, return_lse, full_needs_mask, config, out_dtype,
-           id(score_mod), id(block_mask), launcher.env("FLASHFOLD_GLUON"))
+           id(score_mod), id(block_mask), policy)
     o, lse, launch, memo = _CACHE.planned(key, (score_mod, block_mask), inputs + tables, _plan,
                                           *inputs, score_mod=score_mod, block_mask=block_mask,
-                                          **options)
+                                          policy=policy, **options)
     for one, one_memo in zip(launch, memo):
         launcher.launch(*one, one_memo)
     return o, lse
-
-
-def _gluon_runs(q, k, v, *, scale, softcap, left, right, score_mod, config=None) -> bool:
-    """The Gluon side of the forward's dispatch (:func:`_plan`), a block mask apart: no
-    forced Triton config, a score_mod Gluon can lower, and :func:`.gluon_fwd.eligible`."""
-    return (config is None and (score_mod is None or score_mod.gluon_ok)
-            and gluon_fwd.eligible(q, k, v, scale=scale, left=left, right=right,
-                                   softcap=softcap))
 
 
 def mask_tiles(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
                mask_mod=None, varlen=False) -> tuple[int, int]:
     """The tiles ``(block_m, block_n)`` of the block table that the forward builds for a
     callable ``mask_mod``: the Gluon kernel's query tile and its plan's key tile where the
-    call will run it (:func:`_plan`'s dispatch), else the Triton template's tiles."""
-    if not varlen and _gluon_runs(q, k, v, scale=scale, softcap=softcap, left=left,
-                                  right=right, score_mod=score_mod):
+    call will run it (:func:`.dispatch.forward_gluon`, before the table exists), else the
+    Triton template's tiles."""
+    if not varlen and dispatch.forward_gluon(q, k, v, scale=scale, softcap=softcap, left=left,
+                                             right=right, score_mod=score_mod):
         tiles = gluon_fwd.block_mask_tiles(q, v, mask_mod)
         if tiles is not None:
             return tiles
@@ -837,26 +826,23 @@ def mask_tiles(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod
 def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v_descale=None,
           *, scale, softcap=None, left=None, right=None, score_mod=None, block_mask=None,
           max_seqlen_q=None, max_seqlen_k=None, return_lse=True, full_needs_mask=True,
-          config=None, out_dtype=None):
+          config=None, out_dtype=None, policy=None):
     """The forward's outputs and its launches: ``(o, lse, launches, memos)``, a tuple of
     ``(kernel, grid, args, kwargs)`` (none, one or two) and one launcher memo for each,
     shared by the replays of the plan (:func:`flashfold.kernels.launcher.launch`).
 
-    Dispatch: on Hopper, calls with at most a score_mod and a block mask that Gluon can
-    lower (:attr:`.mods.TracedMod.gluon_ok`; the block mask on dense calls, its blocks
-    whole tiles: :func:`.gluon_fwd.fits_block_mask`) run the Gluon kernel
-    (:func:`.gluon_fwd.eligible`: dense, causal, windows, softcap, varlen, head dims of
-    its tile plans), everything else (FP8 too) the Triton template
-    (:func:`prepare_forward`).
-    While :data:`STRICT_HIDDEN`, calls whose masked tiles can hold hidden keys are flagged
+    Dispatch: the Gluon kernel where :func:`.dispatch.forward_gluon` says so, everything
+    else (FP8 too) the Triton template (:func:`prepare_forward`). While the ``policy``'s
+    ``strict_hidden`` is on, calls whose masked tiles can hold hidden keys are flagged
     and followed by the strict guard (:func:`prepare_guard`): with a window, causal,
     score_mod, mask_mod or varlen (the tiles on a window's edges; keys a mod hides; a
     packed sequence's tiles read the next one's keys)."""
+    policy = policy or dispatch.current()
+    strict = policy.strict_hidden
     varlen = cu_seqlens_q is not None
-    if (_gluon_runs(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
-                    score_mod=score_mod, config=config)
-            and (block_mask is None or (not varlen and gluon_fwd.fits_block_mask(
-                q, v, block_mask)))):
+    if dispatch.forward_gluon(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
+                              score_mod=score_mod, block_mask=block_mask, varlen=varlen,
+                              config=config, policy=policy):
         B, HQ, NQ = q.shape[:3]
         o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
@@ -867,7 +853,7 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         hides = (left is not None or right is not None or score_mod is not None
                  or block_mask is not None)
-        if not varlen and (not hides or not STRICT_HIDDEN):
+        if not varlen and (not hides or not strict):
             launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
                                                      lse=lse, launch=False, **bounds)
             return o, lse, launches, tuple([None] for _ in launches)
@@ -881,7 +867,7 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v
                           device=q.device, zero=True)
         launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
                                                  lse=lse, launch=False, flags=flags, **bounds)
-        if STRICT_HIDDEN:
+        if strict:
             launches += (prepare_guard(q, k, v, o, lse, flags, full_needs_mask=full_needs_mask,
                                        **bounds),)
         return o, lse, launches, tuple([None] for _ in launches)
@@ -893,7 +879,7 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v
     # masked tiles that can hold hidden keys of the sequence (or the next sequence's, read
     # through a packed TMA descriptor): flagged, then guarded. A dense call's only masked
     # tile is the ragged end, whose keys past Nk read as zeros (4-D TMA box, masked loads)
-    guarded = STRICT_HIDDEN and (left is not None or right is not None or block_mask is not None
+    guarded = strict and (left is not None or right is not None or block_mask is not None
                                  or cu_seqlens_q is not None or score_mod is not None)
     o, lse, launch = prepare_forward(q, k, v, return_lse=return_lse, config=config,
                                      flagged=guarded, **options)
@@ -1061,7 +1047,7 @@ def prepare_guard(q, k, v, o, lse, flags, *, flag_rows=FLAG_ROWS, config=None, i
 
 
 __all__ = ["attention_forward", "prepare_forward", "prepare_guard", "FwdConfig", "default_config",
-           "tma_ok", "keys_contiguous", "HOPPER_CONFIGS", "USE_TMA_DEFAULT", "STRICT_HIDDEN", "FLAG_ROWS", "LOG2E",
+           "tma_ok", "keys_contiguous", "HOPPER_CONFIGS", "FLAG_ROWS", "LOG2E",
            "LN2", "plan_cache_info", "plan_cache_clear"]
 
 
@@ -1070,9 +1056,11 @@ __all__ = ["attention_forward", "prepare_forward", "prepare_guard", "FwdConfig",
 #: entries the plan cache holds; when full it is dropped wholesale
 PLAN_CACHE_SIZE = 256
 #: :func:`attention_forward`'s plans, bypassed while any global that :func:`_plan` reads
-#: here or in :mod:`.gluon_fwd` (heuristics, the allocator, the Gluon dispatch, which
-#: tests and benchmarks monkeypatch) differs from what it was at import
-_CACHE = plans.PlanCache("attention forward", globals(), (_plan,), modules=(gluon_fwd,))
+#: here, in :mod:`.gluon_fwd` or in the dispatch table (heuristics, the allocator, the
+#: Gluon scope, which tests monkeypatch) differs from what it was at import; the policy
+#: is part of each plan's key
+_CACHE = plans.PlanCache("attention forward", globals(), (_plan,),
+                         modules=(gluon_fwd, dispatch))
 
 
 def plan_cache_info() -> dict:

@@ -127,8 +127,9 @@ heads, 4 x 4096) against the Triton kernels: ALiBi d128 2.47x, prefix-LM d128 2.
 causal documents d128 1.76x, at d64 1.86x, 1.53x and 1.21x (``docs/notes/attention_bwd.md``,
 "Mods in the Gluon backward").
 
-The dispatcher in :mod:`.bwd` sends everything else to the Triton kernels.
-``FLASHFOLD_GLUON=0`` turns this path off with the forward's. GPU only (no interpreter
+The dispatch table (:mod:`.dispatch`) sends everything else to the Triton kernels; the
+policy's ``gluon`` (``FLASHFOLD_GLUON=0`` by default) turns this path off with the
+forward's. GPU only (no interpreter
 mode): the CPU suite compiles every variant for sm_90; numerics run on the H200.
 """
 

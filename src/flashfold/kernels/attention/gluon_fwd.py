@@ -80,7 +80,8 @@ the Triton template): fp16/bf16, head_dim 17-256 (``Dv = D``, or ``D`` in
 ``v`` as ``(B, H, N, D)`` with unit last stride and 16-byte aligned strides (4-D TMA
 descriptors: rows past a head's end read as zero and are not written). Returns ``o (B,
 Hq, Nq, Dv)`` contiguous in the input dtype and ``lse (B, Hq, Nq)`` float32.
-``FLASHFOLD_GLUON=0`` turns the path off.
+Which calls run it: :mod:`.dispatch` (the policy's ``gluon``, ``FLASHFOLD_GLUON=0`` by
+default, turns the path off).
 
 GPU only: Gluon kernels have no interpreter mode. The CPU suite compiles every variant
 for sm_90 (``tests/test_attention_gluon.py``: warp specialization, TMA, wgmma, per-
@@ -1151,9 +1152,9 @@ def supported(q, k, v, *, causal: bool = False, scale: float | None = None,
 
 
 def on_hopper(q: torch.Tensor) -> bool:
-    """Whether Gluon kernels may run on ``q``'s device: Gluon present, an sm_90 GPU, and
-    ``FLASHFOLD_GLUON`` not ``0`` (which turns every Gluon path off)."""
-    if not q.is_cuda or launcher.env("FLASHFOLD_GLUON") == "0":
+    """Whether Gluon kernels can run on ``q``'s device: Gluon present and an sm_90 GPU
+    (whether they may is the policy's, :mod:`.dispatch`)."""
+    if not q.is_cuda:
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return _is_sm90(index) and compat.gluon_usable()
