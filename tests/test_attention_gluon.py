@@ -102,6 +102,8 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
             # score_mods traced into the kernel: ALiBi (a table of slopes), a relative bias
             # (no table), alone and with the other features
             ("d128-mod-alibi", 128, 128, {"mod": "alibi"}, False, "bfloat16", True),
+            ("d128-mod-capped-causal", 128, 128, {"mod": "capped", "causal": True}, False,
+             "bfloat16", True),
             ("d128-mod-alibi-causal-lse", 128, 128, {"mod": "alibi", "causal": True}, True,
              "bfloat16", True),
             ("d64-mod-relative-softcap-lse", 64, 64, {"mod": "relative", "softcap": 30.0},
@@ -153,6 +155,12 @@ def _score_mod(name, heads):
     from flashfold.kernels.attention.mods import trace_score_mod
     if name == "alibi":
         return trace_score_mod(mods.alibi(heads))
+    if name == "capped":
+        # a softcap written as a mod (tanh) and a gate on the distance (sigmoid)
+        def capped(score, b, h, q_idx, kv_idx):
+            return (20.0 * ops.tanh(score / 20.0)
+                    - 2.0 * ops.sigmoid(0.01 * ops.to_float(q_idx - kv_idx) - 3.0))
+        return trace_score_mod(capped)
 
     def relative(score, b, h, q_idx, kv_idx):
         return score + 0.01 * ops.to_float(kv_idx - q_idx)
@@ -579,15 +587,39 @@ def test_dispatch_sends_calls_the_template_lowers():
             kernels = [c.args[0] for c in launch.call_args_list]
             assert kernels == (["gluon", fwd._attn_fwd_guard] if call[3] else ["gluon"]), options
         assert len(calls) == len(expect)
-        # (Gluon has no tanh)
-        # (Gluon has no tanh; 64-row blocks are not whole query tiles; packed sequences
-        # take the Triton kernel's block masks)
+        # (the Gluon lowering has no scan_sum; 64-row blocks are not whole query tiles;
+        # packed sequences take the Triton kernel's block masks)
         others = [dict(config=fwd.default_config(q, 64, 64)),
-                  dict(score_mod=trace_score_mod(lambda s, b, h, i, j: ops.tanh(s))),
+                  dict(score_mod=trace_score_mod(lambda s, b, h, i, j: ops.scan_sum(s))),
                   dict(block_mask=small), dict(packed, block_mask=prefix)]
         for options in others:
             fwd.attention_forward(q, k, v, scale=0.1, **options)
         assert len(calls) == len(expect)
+
+
+@pytest.mark.parametrize("op, want", [("sigmoid", torch.sigmoid), ("tanh", torch.tanh)])
+def test_gluon_writes_out_sigmoid_and_tanh_as_triton_computes_them(op, want):
+    """Gluon has no ``sigmoid``: its lowering spells out ``1 / (1 + e^-x)`` (Triton's own
+    ``tl.sigmoid``) and ``tanh`` through it, as the Triton table does. Evaluated in
+    float32 with torch standing in for ``gl``: within a few ulps of torch's (the ``tanh``
+    form loses relative accuracy near 0, as Triton's does), saturated at +-inf, NaN kept;
+    and the Triton table's form gives the same bits."""
+    from types import SimpleNamespace
+    from flashfold.kernels.codegen import GLUON, TRITON
+    x = torch.cat([torch.linspace(-60, 60, 20001), torch.tensor(
+        [0.0, -0.0, 1e-30, 88.0, -88.0, 1e4, -1e4, math.inf, -math.inf, math.nan])])
+    gl = SimpleNamespace(exp=torch.exp)
+    tl = SimpleNamespace(sigmoid=lambda a: 1.0 / (1.0 + torch.exp(-a)))
+    got = eval(GLUON.templates[op].format("x"), {"gl": gl, "x": x})
+    triton_form = eval(TRITON.templates[op].format("x"), {"tl": tl, "x": x})
+    assert got.dtype == torch.float32
+    assert torch.equal(got.isnan(), x.isnan())
+    assert torch.equal(got[~x.isnan()], triton_form[~x.isnan()])
+    ref = want(x.double())
+    fin = ~x.isnan()
+    assert (got[fin].double() - ref[fin]).abs().max() <= 4 * torch.finfo(torch.float32).eps
+    assert got[x == math.inf].item() == 1.0
+    assert got[x == -math.inf].item() == (0.0 if op == "sigmoid" else -1.0)
 
 
 def test_callable_mask_mods_get_tables_of_the_kernel_that_runs():
@@ -608,8 +640,8 @@ def test_callable_mask_mods_get_tables_of_the_kernel_that_runs():
         wide = fwd.default_config(q2, 256, 256)
         assert fwd.mask_tiles(q2, k2, v2, scale=0.1, mask_mod=mask) == (wide.block_m,
                                                                         wide.block_n)
-        tanh = trace_score_mod(lambda s, b, h, i, j: ops.tanh(s))
-        for kw in (dict(score_mod=tanh), dict(varlen=True)):
+        scan = trace_score_mod(lambda s, b, h, i, j: ops.scan_sum(s))
+        for kw in (dict(score_mod=scan), dict(varlen=True)):
             assert fwd.mask_tiles(q, k, v, scale=0.1, mask_mod=mask, **kw) == (
                 triton.block_m, triton.block_n), kw
     assert fwd.mask_tiles(q, k, v, scale=0.1, mask_mod=mask) == (triton.block_m,
@@ -1078,7 +1110,7 @@ MOD_GRID = [(c, D) for c in MOD_CASES for D in (64, 96, 128, 256) if c[3] <= c[4
 @pytest.mark.parametrize("case, D", MOD_GRID, ids=lambda c: "x".join(map(str, c))
                          if isinstance(c, tuple) else f"d{c}")
 @pytest.mark.parametrize("feature", MOD_FEATURES, ids=lambda f: f[0])
-@pytest.mark.parametrize("mod", ["alibi", "relative"])
+@pytest.mark.parametrize("mod", ["alibi", "relative", "capped"])
 @pytest.mark.gpu
 def test_gpu_score_mod_criterion(case, D, feature, mod):
     """A score_mod traced into the Gluon kernel (bf16) meets the criterion against the

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
-from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference
+from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference, _score_mod
 
 #: (id, causal, dtype, dK/dV by TMA stores, head_dim, warpgroups take turns, persistent[,
 #: late_stats]) of the variants compiled on the CPU (None: the default rule,
@@ -93,6 +93,8 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
             # causal documents), traced into the kernel
             ("mod-alibi-causal", True, "bfloat16", None, 128, None, None, None,
              dict(mods="alibi")),
+            ("mod-capped-causal", True, "bfloat16", None, 128, None, None, None,
+             dict(mods="capped")),
             ("mod-alibi-softcap-d64", False, "float16", None, 64, None, None, None,
              dict(mods="alibi", softcap=30.0)),
             ("mod-alibi-det", True, "bfloat16", None, 128, None, None, None,
@@ -115,7 +117,8 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
 
 def _mods(which: str, B: int, H: int, N: int) -> dict:
     """The ``score_mod`` / ``block_mask`` keywords of a compile variant's ``mods``:
-    ``alibi``, ``prefix`` (prefix-LM, 300 rows), ``documents`` (causal, four documents:
+    ``alibi``, ``capped`` (tanh and sigmoid: ``test_attention_gluon._score_mod``),
+    ``prefix`` (prefix-LM, 300 rows), ``documents`` (causal, four documents:
     evaluated as each row's interval of keys), ``recurring`` (causal, documents 0 and 2
     sharing an id: their table read per key), joined by ``+``."""
     import flashfold as ff
@@ -125,6 +128,8 @@ def _mods(which: str, B: int, H: int, N: int) -> dict:
     for part in which.split("+"):
         if part == "alibi":
             out["score_mod"] = trace_score_mod(mods.alibi(H))
+        elif part == "capped":
+            out["score_mod"] = _score_mod("capped", H)
         else:
             docs = torch.arange(N) * 4 // N
             mm = (mods.prefix_lm_mask(300) if part == "prefix" else mods.and_masks(
@@ -647,6 +652,7 @@ MOD_BWD_CASES = [((1, 2, 1, 113, 113), 128, 128), ((2, 4, 2, 1000, 1000), 128, 1
 MOD_BWD_FEATURES = [("alibi-dense", False, None, "alibi", None),
                     ("alibi-causal", True, None, "alibi", None),
                     ("relative-softcap-causal", True, 30.0, "relative", None),
+                    ("capped-causal", True, None, "capped", None),
                     ("documents-causal", False, None, None, "documents-causal"),
                     ("prefix", False, None, None, "prefix"),
                     ("documents", False, None, None, "documents"),
@@ -672,7 +678,7 @@ def test_gpu_mods_flash_criterion(case, D, DV, feature):
     _needs_sm90()
     import flashfold as ff
     from flashfold.kernels.attention import bwd, gluon_bwd
-    from test_attention_gluon import _mask_mod, _score_mod
+    from test_attention_gluon import _mask_mod
     B, HQ, HK, NQ, NK = case
     name, causal, softcap, smod, mmod = feature
     g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, name, D, DV)).encode()))

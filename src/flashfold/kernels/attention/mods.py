@@ -208,9 +208,9 @@ class TracedMod:
     # gluon ------------------------------------------------------------------------
     @functools.cached_property
     def gluon_ok(self) -> bool:
-        """Whether the Gluon lowering covers every operation of the expression (the Gluon
-        language has no ``tanh``, ``sigmoid`` or ``cumsum``: a mod using them runs on the
-        Triton kernels), and a mask_mod's output is not a constant. Computed once (the
+        """Whether the Gluon lowering covers every operation of the expression (not
+        ``scan_sum``, a scan across the tile's lanes, :data:`.codegen.GLUON`: a mod using
+        it runs on the Triton kernels), and a mask_mod's output is not a constant. Computed once (the
         graph does not change; every call's dispatch reads it)."""
         from ..codegen import GLUON
         # (a mask_mod's constant output would broadcast against the scalar b: no layout)
