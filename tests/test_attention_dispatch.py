@@ -64,13 +64,54 @@ def test_the_policy_holds_in_other_threads():
     assert seen == [Policy(atomic_dq=False)]
 
 
-def test_bad_switches_raise_naming_them():
+def test_blocks_closed_out_of_order_leave_the_open_ones_policy():
+    """Two threads' blocks may close in either order: the policy is then the one of the
+    block still open, and the default once both are closed (never a closed block's)."""
+    a, b = flashfold.attention_policy(gluon=False), flashfold.attention_policy(tma=False)
+    a.__enter__()
+    b.__enter__()
+    assert dispatch.current() == Policy(gluon=False, tma=False)
+    a.__exit__(None, None, None)
+    assert dispatch.current() == Policy(gluon=False, tma=False)    # b's, still open
+    b.__exit__(None, None, None)
+    assert dispatch.current() == Policy()
+    # two threads, the first entered closing first
+    entered, closed = threading.Event(), threading.Event()
+
+    def other():
+        with flashfold.attention_policy(strict_hidden=False):
+            entered.set()
+            closed.wait()
+    with flashfold.attention_policy(gluon=False):
+        worker = threading.Thread(target=other)
+        worker.start()
+        entered.wait()
+    assert dispatch.current() == Policy(gluon=False, strict_hidden=False)
+    closed.set()
+    worker.join()
+    assert dispatch.current() == Policy()
+
+
+def test_a_block_object_can_be_entered_again():
+    block = flashfold.attention_policy(atomic_dq=False)
+    for _ in range(2):
+        with block as policy:
+            assert policy == dispatch.current() == Policy(atomic_dq=False)
+        assert dispatch.current() == Policy()
+    with block:
+        with block:
+            assert dispatch.current() == Policy(atomic_dq=False)
+        assert dispatch.current() == Policy(atomic_dq=False)
+    assert dispatch.current() == Policy()
+
+
+def test_bad_switches_raise_naming_them_before_the_block():
     with pytest.raises(TypeError, match="^gluon_please: not a switch"):
-        with flashfold.attention_policy(gluon_please=False):
-            pass
+        flashfold.attention_policy(gluon_please=False)
     with pytest.raises(TypeError, match="^tma: expected a bool, got int"):
-        with flashfold.attention_policy(tma=0):
-            pass
+        flashfold.attention_policy(tma=0)
+    with pytest.raises(TypeError, match="^strict_hidden: expected a bool, got int"):
+        Policy(strict_hidden=1)
     assert dispatch.current() == Policy()
 
 

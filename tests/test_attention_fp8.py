@@ -321,6 +321,7 @@ def _good():
     (dict(out_dtype=torch.int8), TypeError, "out_dtype"),
     (dict(score_mod=lambda s, b, h, i, j: s), ValueError, "score_mod"),
     (dict(causal="yes"), TypeError, "causal"),
+    (dict(deterministic=5), TypeError, "deterministic"),
     (dict(scale=-1.0), ValueError, "scale"),
 ], ids=lambda x: str(x)[:40])
 def test_bad_fp8_input_names_the_argument(change, error, words):
@@ -345,6 +346,38 @@ def test_bad_packed_sequences_are_named_before_the_descales():
         ff.attention(q8, k8, v8, cu_seqlens_q=cu, cu_seqlens_k=short, **two)
     o = ff.attention(q8, k8, v8, cu_seqlens_q=cu, cu_seqlens_k=cu, **two)
     assert o.shape == q8.shape and torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("cu, heads_k, error, words", [
+    (torch.tensor([0, 5, 3, 6], dtype=torch.int32), None, ValueError,
+     "cu_seqlens must be non-decreasing"),
+    (torch.tensor([1, 6], dtype=torch.int32), None, ValueError, "cu_seqlens must start at 0"),
+    (torch.tensor([0, 5], dtype=torch.int32), None, ValueError,
+     "cu_seqlens must end at the packed length 6, got 5"),
+    (torch.tensor([0.0, 2.5, 6.0]), None, TypeError, "cu_seqlens must be int32"),
+    ([0, 6], None, TypeError, "cu_seqlens must be a torch.Tensor"),
+    (None, 2.5, TypeError, "heads_k must be an int, got float"),
+    (None, True, TypeError, "heads_k must be an int, got bool"),
+    (None, "2", TypeError, "heads_k must be an int, got str"),
+    (None, 3, ValueError, "heads_k must divide the 2 heads"),
+], ids=lambda x: str(x)[:30])
+def test_quantize_fp8_checks_its_packed_offsets_and_heads(cu, heads_k, error, words):
+    """The offsets are checked as attention checks them (out-of-order offsets would
+    divide rows by another sequence's factor)."""
+    x = torch.randn(1, 2, 6, 4)
+    with pytest.raises(error, match=words):
+        quantize_fp8(x, heads_k, cu_seqlens=cu)
+
+
+def test_quantize_fp8_of_packed_sequences_scales_each_sequence_apart():
+    x = torch.randn(1, 2, 6, 4)
+    x[:, :, 4:] *= 100
+    x8, d = quantize_fp8(x, 1, cu_seqlens=torch.tensor([0, 4, 4, 6], dtype=torch.int32))
+    assert d.shape == (3, 1) and d[1].item() == 1.0                 # (the empty sequence)
+    for s, (a, b) in enumerate([(0, 4), (4, 6)]):
+        row = 0 if s == 0 else 2
+        assert torch.equal(d[row], (x[:, :, a:b].abs().max() / 448).reshape(1))
+        assert x8[:, :, a:b].float().abs().max().item() == 448.0
 
 
 def test_e5m2_and_mixed_dtypes_are_refused():

@@ -364,7 +364,7 @@ def test_packed_offsets_are_read_once_per_version():
     def spy(t):
         # (the CPU reference that computes the call reads the offsets too: count the
         # validation's reads, which a kernel call would wait for)
-        reads.append(t is cu and sys._getframe(1).f_code.co_name == "_check_cu")
+        reads.append(t is cu and sys._getframe(1).f_code.co_name == "check_cu_seqlens")
         return real(t)
     with mock.patch.object(torch.Tensor, "tolist", spy):
         o2 = ff.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)

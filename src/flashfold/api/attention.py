@@ -102,6 +102,7 @@ from .fp8 import check_fp8_call, is_fp8
 # the checks shared with decode and ring attention (one rule per argument)
 from .validate import MAX_HEAD_DIM
 from .validate import check_bool as _check_bool
+from .validate import check_cu_seqlens as _check_cu_seqlens
 from .validate import check_positive as _check_positive
 from .validate import check_kernel_head_dims as _check_kernel_head_dims
 from .validate import check_qkv as _check_qkv
@@ -111,37 +112,6 @@ from .validate import unbounded_beyond
 
 
 # --- validation ---------------------------------------------------------------------------
-
-def _check_cu(name, cu, total, device, values=True):
-    _check_tensor(name, cu)
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 2:
-        raise ValueError(f"{name} must be 1-D with (num_seqs + 1) >= 2 entries, got shape "
-                         f"{tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    if not values:                              # under torch.compile: no host sync here
-        return None
-    from ..kernels.attention.autograd import known_lengths, remember_lengths
-    lens = known_lengths(cu)
-    if lens is not None:
-        # validated before at this version (an in-place write bumps it): no host sync, so
-        # that the layers of a model sharing one cu_seqlens read it once
-        if sum(lens) != total:
-            raise ValueError(f"{name} must end at the packed length {total}, got {sum(lens)}")
-        return lens
-    vals = cu.tolist()                          # one host sync: lengths drive the launch grid
-    if vals[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {vals[0]}")
-    if any(b < a for a, b in zip(vals, vals[1:])):
-        raise ValueError(f"{name} must be non-decreasing")
-    if vals[-1] != total:
-        raise ValueError(f"{name} must end at the packed length {total}, got {vals[-1]}")
-    lens = [b - a for a, b in zip(vals, vals[1:])]
-    remember_lengths(cu, lens)                  # the kernels' host code reads no more
-    return lens
-
 
 def _bounds(left, right, causal):
     if causal:
@@ -217,8 +187,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         return _fp8_attention(q, k, v, causal=causal, window=window, scale=scale,
                               softcap=softcap, score_mod=score_mod, mask_mod=mask_mod,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              return_lse=return_lse, q_descale=q_descale,
-                              k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
+                              return_lse=return_lse, deterministic=deterministic,
+                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                              out_dtype=out_dtype)
     for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
                     ("v_descale", v_descale), ("out_dtype", out_dtype)):
         if x is not None:
@@ -249,9 +220,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     if varlen:
         if q.shape[0] != 1:
             raise ValueError(f"with cu_seqlens, q/k/v must have batch 1 (packed), got {q.shape[0]}")
-        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, values)
+        lens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, values)
         lens_k = (lens_q if cu_seqlens_k is cu_seqlens_q and k.shape[2] == q.shape[2]
-                  else _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, values))
+                  else _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device,
+                                         values))
         if values and len(lens_q) != len(lens_k):
             raise ValueError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_k has "
                              f"{len(lens_k)}")
@@ -326,9 +298,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
 
 
 def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_mod,
-                   cu_seqlens_q, cu_seqlens_k, return_lse, q_descale, k_descale, v_descale,
-                   out_dtype):
-    """:func:`attention` of float8_e4m3fn inputs (its docstring; :mod:`.fp8`)."""
+                   cu_seqlens_q, cu_seqlens_k, return_lse, deterministic, q_descale, k_descale,
+                   v_descale, out_dtype):
+    """:func:`attention` of float8_e4m3fn inputs (its docstring; :mod:`.fp8`;
+    ``deterministic`` is checked and has nothing to choose: forward only)."""
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
     varlen = cu_seqlens_q is not None
@@ -339,12 +312,13 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
             raise ValueError(f"with cu_seqlens, q/k/v must have batch 1 (packed), got shape "
                              f"{tuple(q.shape)}")
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            _check_cu(name, cu, None, q.device, values=False)      # (no value read yet)
+            _check_cu_seqlens(name, cu, None, q.device, values=False)      # (no value read yet)
     n_seqs = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     out_dtype = check_fp8_call(q, k, v, q_descale, k_descale, v_descale, out_dtype,
                                score_mod=score_mod, mask_mod=mask_mod, n_seqs=n_seqs)
     _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
+    _check_bool("deterministic", deterministic)
     left, right = _bounds(*_check_window(window), causal)
     left, right = unbounded_beyond(left, k.shape[2]), unbounded_beyond(right, q.shape[2])
     scale = _check_positive("scale", scale)
@@ -355,9 +329,10 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
     values = not meta and not compiling          # (under compile: no value read, no sync)
     lens_q = lens_k = None
     if varlen:
-        lens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, values)
+        lens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, values)
         lens_k = (lens_q if cu_seqlens_k is cu_seqlens_q and k.shape[2] == q.shape[2]
-                  else _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device, values))
+                  else _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device,
+                                         values))
         if values and len(lens_q) != len(lens_k):
             raise ValueError(f"cu_seqlens_q has {len(lens_q)} sequences but cu_seqlens_k "
                              f"has {len(lens_k)}")
@@ -480,8 +455,9 @@ def merge_states(*args):
 def attention_policy(**switches):
     """A context manager: :func:`attention` calls (and their backward) inside the block
     run under the current policy with ``switches`` changed (each a bool), process-wide as
-    ``torch.backends`` switches are; the previous policy is back on exit. Yields the
-    policy in force inside.
+    ``torch.backends`` switches are; on exit the policy of the blocks still open is back
+    (blocks of several threads may close in any order), the default once none is.
+    ``as`` gives the policy in force inside.
 
     The switches (all on by default): ``gluon`` (the warp-specialized Hopper kernels where
     they fit; off: the Triton kernels everywhere, as ``FLASHFOLD_GLUON=0`` does outside
@@ -501,7 +477,7 @@ def attention_policy(**switches):
             o = flashfold.attention(q, k, v, causal=True)    # the Triton template
 
     Raises ``TypeError`` naming a switch that does not exist or a value that is not a
-    bool."""
+    bool (when called, before the block)."""
     from ..kernels.attention.dispatch import using
     return using(**switches)
 

@@ -19,10 +19,12 @@ caller's choice: flashfold does not rotate; ``flashfold numerics`` measures both
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..kernels.attention.reference import FP8, FP8_MAX
-from .validate import check_qkv, check_tensor
+from .validate import check_cu_seqlens, check_qkv, check_tensor
 
 #: the FP8 formats torch has; E4M3 (``float8_e4m3fn``) is the one attention takes
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2",
@@ -42,12 +44,17 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
     factor per (batch, KV head), ``descale (B, Hk)`` (``(S, Hk)`` with ``cu_seqlens``),
     ``x8 * descale ~= x``. ``heads_k``: the KV heads (default ``H``; for ``q`` pass ``k``'s
     head count: the query heads of a group share their KV head's factor). The factor maps
-    the group's largest magnitude to 448 (E4M3's largest value); an all-zero group gets 1."""
+    the group's largest magnitude to 448 (E4M3's largest value); an all-zero group gets 1.
+    ``cu_seqlens``: int32 offsets of packed sequences in ``x (1, H, total, D)``, checked as
+    :func:`flashfold.attention` checks them."""
     check_tensor("x", x)
     if x.dim() != 4 or not x.is_floating_point() or x.dtype in FP8_DTYPES:
         raise ValueError(f"x must be a 4-D floating point tensor (B, H, N, D) of a wider "
                          f"format than FP8, got {x.dtype} of shape {tuple(x.shape)}")
     B, H, N, _ = x.shape
+    if heads_k is not None and (isinstance(heads_k, bool)
+                                or not isinstance(heads_k, numbers.Integral)):
+        raise TypeError(f"heads_k must be an int, got {type(heads_k).__name__}")
     hk = H if heads_k is None else int(heads_k)
     if hk <= 0 or H % hk:
         raise ValueError(f"heads_k must divide the {H} heads of x, got {heads_k}")
@@ -58,10 +65,12 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
     if cu_seqlens is None:
         amax = a.reshape(B, hk, -1).amax(-1)
     else:
-        cu = [int(c) for c in cu_seqlens.tolist()]
-        if B != 1 or cu[0] != 0 or cu[-1] != N:
-            raise ValueError("cu_seqlens: x must be packed (batch 1) and cu_seqlens run "
-                             f"from 0 to its length {N}")
+        if B != 1:
+            raise ValueError(f"with cu_seqlens, x must have batch 1 (packed), got {B}")
+        lens = check_cu_seqlens("cu_seqlens", cu_seqlens, N, x.device, owner="x")
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
         amax = torch.stack([a[0, :, cu[i]:cu[i + 1]].reshape(hk, -1).amax(-1)
                             if cu[i + 1] > cu[i] else a.new_zeros(hk)
                             for i in range(len(cu) - 1)])

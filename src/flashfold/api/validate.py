@@ -45,6 +45,42 @@ def check_bool(name: str, x, none: bool = False) -> None:
                         f"{type(x).__name__} {x!r}")
 
 
+def check_cu_seqlens(name: str, cu, total: int | None, device, values: bool = True,
+                     owner: str = "q"):
+    """Check packed-sequence offsets ``cu`` (int32 ``(S + 1,)`` on ``device``, ``owner``'s,
+    from 0, non-decreasing, ending at ``total``) and return the ``S`` lengths; ``values=False``
+    (under ``torch.compile``, on meta tensors) checks the dtype and shape alone and returns
+    None. The values are read once per tensor and version (a host sync) and remembered."""
+    check_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with (num_seqs + 1) >= 2 entries, got shape "
+                         f"{tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but {owner} is on {device}")
+    if not values:                              # under torch.compile: no host sync here
+        return None
+    from ..kernels.attention.autograd import known_lengths, remember_lengths
+    lens = known_lengths(cu)
+    if lens is not None:
+        # validated before at this version (an in-place write bumps it): no host sync, so
+        # that the layers of a model sharing one cu_seqlens read it once
+        if sum(lens) != total:
+            raise ValueError(f"{name} must end at the packed length {total}, got {sum(lens)}")
+        return lens
+    vals = cu.tolist()                          # one host sync: lengths drive the launch grid
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{name} must be non-decreasing")
+    if vals[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {vals[-1]}")
+    lens = [b - a for a, b in zip(vals, vals[1:])]
+    remember_lengths(cu, lens)                  # the kernels' host code reads no more
+    return lens
+
+
 def check_positive(name: str, x):
     """``None`` or a finite real ``> 0`` -> ``None`` or a float."""
     if x is None:
@@ -153,7 +189,8 @@ def no_values(name: str, what: str) -> ValueError:
                       f"the shapes do not depend on values)")
 
 
-__all__ = ["WindowTypeError", "check_tensor", "check_bool", "check_positive", "check_window",
+__all__ = ["WindowTypeError", "check_tensor", "check_bool", "check_cu_seqlens", "check_positive",
+           "check_window",
            "unbounded_beyond", "MAX_HEAD_DIM", "CUDA_DTYPES", "CPU_DTYPES", "check_qkv",
            "check_kernel_head_dims", "is_meta",
            "no_values"]

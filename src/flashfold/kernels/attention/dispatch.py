@@ -40,8 +40,8 @@ call, and both settings keep their plans.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import threading
 from dataclasses import dataclass
 
 from .. import launcher
@@ -76,23 +76,41 @@ class Policy:
                                 f"{type(getattr(self, field.name)).__name__}")
 
 
-class _Slot:
-    """The policy of the innermost :func:`using` block, or None (an object compared by
-    identity: the plan caches watch this module's globals, and the slot stays the same)."""
+class _Blocks:
+    """The :func:`using` blocks open now, in the order they were entered, and the policy
+    in force (the last one's; None: none open). A block leaves its own entry on exit, so
+    blocks that close out of order (two threads' blocks, interleaved) leave the policy of
+    the blocks still open, and the default once all are closed. (An object compared by
+    identity: the plan caches watch this module's globals, and it stays the same.)"""
 
-    __slots__ = ("policy",)
+    __slots__ = ("open", "policy", "lock")
 
     def __init__(self):
+        self.open: list = []
         self.policy: Policy | None = None
+        self.lock = threading.Lock()
+
+    def enter(self, block, policy: Policy):
+        with self.lock:
+            self.open.append((block, policy))
+            self.policy = policy
+
+    def leave(self, block):
+        with self.lock:
+            for i in range(len(self.open) - 1, -1, -1):     # (its last entry: re-entered)
+                if self.open[i][0] is block:
+                    del self.open[i]
+                    break
+            self.policy = self.open[-1][1] if self.open else None
 
 
 _DEFAULT = Policy()
 _NO_GLUON = Policy(gluon=False)
-_ACTIVE = _Slot()
+_ACTIVE = _Blocks()
 
 
 def current() -> Policy:
-    """The policy in force: the innermost :func:`using` block's, else the default
+    """The policy in force: the last-entered open :func:`using` block's, else the default
     (``gluon`` off while the environment has ``FLASHFOLD_GLUON=0``)."""
     active = _ACTIVE.policy
     if active is not None:
@@ -100,22 +118,31 @@ def current() -> Policy:
     return _NO_GLUON if launcher.env("FLASHFOLD_GLUON") == "0" else _DEFAULT
 
 
-@contextlib.contextmanager
-def using(**changes):
-    """Run the block under the current policy with ``changes`` (fields of
-    :class:`Policy`, e.g. ``gluon=False``), process-wide; the previous policy is back on
-    exit. Yields the policy in force inside."""
-    names = {f.name for f in dataclasses.fields(Policy)}
-    for name in changes:
-        if name not in names:
-            raise TypeError(f"{name}: not a switch of the attention policy (its switches: "
-                            f"{', '.join(sorted(names))})")
-    policy = dataclasses.replace(current(), **changes)
-    previous, _ACTIVE.policy = _ACTIVE.policy, policy
-    try:
-        yield policy
-    finally:
-        _ACTIVE.policy = previous
+class using:
+    """A block (``with using(gluon=False):``) run under the current policy with
+    ``changes`` (fields of :class:`Policy`), process-wide; the policy of the blocks still
+    open is back on exit. ``as`` gives the policy in force inside. The switches are checked
+    when the block is made; its policy is the one in force on entry with ``changes`` (a
+    block object can be entered again)."""
+
+    def __init__(self, **changes):
+        names = {f.name for f in dataclasses.fields(Policy)}
+        for name, value in changes.items():
+            if name not in names:
+                raise TypeError(f"{name}: not a switch of the attention policy (its "
+                                f"switches: {', '.join(sorted(names))})")
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+        self.changes = changes
+
+    def __enter__(self) -> Policy:
+        policy = dataclasses.replace(current(), **self.changes)
+        _ACTIVE.enter(self, policy)
+        return policy
+
+    def __exit__(self, *exc):
+        _ACTIVE.leave(self)
+        return False
 
 
 def forward_gluon(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
