@@ -443,3 +443,82 @@ def test_a_nan_reaches_max_min_and_logsumexp(path, dtype):
         want = t(x.double(), 1)
         assert torch.equal(torch.isnan(got), torch.isnan(want)), (f, got, want)
         assert torch.isnan(got[[1, 3]]).all() and not torch.isnan(got[[0, 2, 4]]).any()
+
+
+# --- gradients ------------------------------------------------------------------------------
+
+#: (name, flashfold call, torch call): the differentiable conveniences
+GRAD_CASES = [
+    ("logsumexp", lambda t: ff.logsumexp(t, 1), lambda t: torch.logsumexp(t, 1)),
+    ("logsumexp-dims-keepdim", lambda t: ff.logsumexp(t, (0, 2), keepdim=True),
+     lambda t: torch.logsumexp(t, (0, 2), keepdim=True)),
+    ("softmax", lambda t: ff.softmax(t, -1), lambda t: torch.softmax(t, -1)),
+    ("softmax-dim0", lambda t: ff.softmax(t, 0), lambda t: torch.softmax(t, 0)),
+    ("var_mean", lambda t: ff.var_mean(t, 1), lambda t: torch.var_mean(t, 1)),
+    ("var_mean-all-correction0", lambda t: ff.var_mean(t, None, correction=0, keepdim=True),
+     lambda t: torch.var_mean(t, None, correction=0, keepdim=True)),
+    ("cumsum", lambda t: ff.cumsum(t, 2), lambda t: torch.cumsum(t, 2)),
+    ("logcumsumexp", lambda t: ff.logcumsumexp(t, 1), lambda t: torch.logcumsumexp(t, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, fn, ref", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
+def test_gradients_match_float64_autograd(path, name, fn, ref, dtype):
+    """The torch-like functions are differentiable: the gradient of a random linear
+    function of their outputs against float64 torch autograd, in x's dtype."""
+    x = data((3, 37, 5), dtype, seed=3)
+    leaf = x.clone().requires_grad_()
+    outs = fn(leaf)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    x64 = x.double().requires_grad_()
+    want = ref(x64)
+    want = want if isinstance(want, tuple) else (want,)
+    g = torch.Generator().manual_seed(4)
+    gs = [torch.randn(w.shape, generator=g, dtype=torch.float64) for w in want]
+    (got,) = torch.autograd.grad(outs, leaf, [gg.to(o.dtype) for gg, o in zip(gs, outs)])
+    (exp,) = torch.autograd.grad(want, x64, gs)
+    assert got.dtype == dtype
+    assert_close(got, exp, dtype, scale=exp.abs().max().item(), name=f"d{name}")
+
+
+def test_gradients_mix_with_other_terms_and_of_a_masked_row_are_zero():
+    """A term of a larger loss contributes its gradient (no silent detach); a row that is
+    all ``-inf`` (logsumexp ``-inf``) gets zero gradients, as attention's masked rows."""
+    w = data((3, 4), torch.float32).requires_grad_()
+    (ff.logsumexp(w, 1).sum() + ff.softmax(w, 0)[0].sum() + (w ** 2).sum()).backward()
+    w64 = w.detach().double().requires_grad_()
+    (torch.logsumexp(w64, 1).sum() + torch.softmax(w64, 0)[0].sum() + (w64 ** 2).sum()).backward()
+    assert_close(w.grad, w64.grad, torch.float32, name="dw")
+    x = torch.tensor([[NINF, NINF], [0.0, 1.0]], requires_grad=True)
+    ff.logsumexp(x, 1).sum().backward()
+    assert torch.equal(x.grad[0], torch.zeros(2))
+    assert_close(x.grad[1], torch.softmax(torch.tensor([0.0, 1.0]).double(), 0), torch.float32,
+                 name="dx")
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: ff.reduce(SUM, x, 1),
+    lambda x: ff.reduce(WELFORD, x, 1),
+    lambda x: ff.scan(SUM, x, 1),
+    lambda x: ff.segment_reduce(MAX, x, torch.tensor([0, 2, 4]), 1),
+], ids=["reduce", "reduce-welford", "scan", "segment_reduce"])
+def test_general_monoids_refuse_inputs_that_require_grad(call):
+    """The general entry points have no backward: they raise rather than return a result
+    detached from the graph; under no_grad, or on positions (argmax), they run."""
+    x = data((3, 4), torch.float32).requires_grad_()
+    with pytest.raises(ValueError, match=r"^x: requires grad, but .* has no backward"):
+        call(x)
+    with torch.no_grad():
+        call(x)
+    call(x.detach())
+    assert torch.equal(ff.argmax(x, 1), torch.argmax(x, 1))
+
+
+def test_keepdim_must_be_a_bool():
+    x = data((3, 4), torch.float32)
+    for call in (lambda: ff.logsumexp(x, 1, keepdim="no"),
+                 lambda: ff.var_mean(x, 1, keepdim=1),
+                 lambda: ff.reduce(SUM, x, 1, keepdim=None)):
+        with pytest.raises(TypeError, match="keepdim must be a bool"):
+            call()

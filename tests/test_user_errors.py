@@ -377,3 +377,19 @@ def test_packed_offsets_are_read_once_per_version():
         with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
             ff.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
         assert any(reads)
+
+
+def test_a_mod_that_indexes_a_captured_tensor_is_told_to_use_a_buffer():
+    """A mod's positions are traced values: indexing a captured tensor or list with them
+    (or branching on them) fails inside the user's code; the error names the mod and the
+    fix, and the Buffer form runs and masks as the captured table says."""
+    q = torch.randn(2, 2, 8, 16)
+    lens = torch.tensor([3, 5])
+    for mask in (lambda b, h, i, j: j < lens[b], lambda b, h, i, j: j < [3, 5][b]):
+        with pytest.raises(TypeError, match=r"mask_mod '<lambda>' cannot be traced .*ops\.Buffer"):
+            ff.attention(q, q, q, mask_mod=mask)
+    o = ff.attention(q, q, q, mask_mod=lambda b, h, i, j: j < ops.Buffer(lens)[b])
+    for b, n in enumerate(lens.tolist()):
+        want = ff.attention(q[b:b + 1].double(), q[b:b + 1, :, :n].double(),
+                            q[b:b + 1, :, :n].double())
+        assert_close(o[b:b + 1], want, "float32", name=f"o[{b}]")

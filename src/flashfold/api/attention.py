@@ -62,7 +62,10 @@ scores in memory).
 
 ``score_mod``/``mask_mod`` are Python functions over :mod:`flashfold.ops`, traced into the
 IR and compiled into the kernel (see :mod:`flashfold.kernels.attention.mods`; helpers in
-:mod:`flashfold.mods`). A mask_mod is summarized once per tile into a :class:`BlockMask`
+:mod:`flashfold.mods`). A function is traced once, at its first call: the Python numbers
+and lists it captures are read then (a later change to them is not seen: make a new
+function), while a table wrapped in :class:`flashfold.ops.Buffer` is read by every call
+as it is then. A mask_mod is summarized once per tile into a :class:`BlockMask`
 (cached), so tiles it hides are skipped and tiles it fully shows skip the mask; where
 every row sees one interval of keys (document masks, key padding from a table), the
 kernels evaluate those intervals instead of the mask's per-key table reads.

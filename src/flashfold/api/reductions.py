@@ -62,6 +62,13 @@ it), so ``fullgraph=True`` traces it; the computation itself is
 :func:`flashfold.api.folds.run` either way. Make the monoid outside the compiled region
 (its construction traces its combine, which Dynamo cannot follow).
 
+Gradients: ``logsumexp``, ``softmax``, ``var_mean``, ``cumsum`` and ``logcumsumexp`` are
+differentiable (each backward is torch arithmetic on the saved tensors, in float32,
+returned in the input's dtype). ``reduce``, ``segment_reduce`` and ``scan`` of a general
+monoid have no backward: with grad enabled, an input that requires grad is refused
+(``ValueError``) rather than given a result detached from the graph; positions (argmax)
+are not differentiable, as torch's.
+
 Several dims (``dim`` a tuple, or ``None`` for all) are reduced as one: the reduced dims
 are moved last and flattened, which is a view for a contiguous tensor and reduced dims
 that are adjacent, and a copy otherwise (torch's ``flatten`` rule).
@@ -80,6 +87,7 @@ from ..kernels.reduce.functions import LOGSUMEXP2_SCAN, softmax_map
 from ..monoids import ARGMAX, ARGMIN, LOGSUMEXP2, SUM, WELFORD
 from . import folds
 from .folds import data_inputs as _data_inputs
+from .validate import check_bool as _check_bool
 
 __all__ = ["reduce", "segment_reduce", "scan", "logsumexp", "softmax", "var_mean", "argmax",
            "argmin", "cumsum", "logcumsumexp", "LOGSUMEXP2_SCAN"]
@@ -296,6 +304,25 @@ def _pack(monoid: Monoid, outs):
     return t(*outs)
 
 
+def _wants_grad(x) -> bool:
+    """Whether autograd would record a call on ``x`` (a tensor or a tuple of them)."""
+    if not torch.is_grad_enabled():
+        return False
+    xs = x if isinstance(x, (tuple, list)) else (x,)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in xs)
+
+
+def _no_backward(fn: str, monoid, x, outs):
+    """The general entry points have no backward: an input that requires grad (with grad
+    enabled) is refused rather than silently detached, where ``outs`` hold a float
+    output (positions are not differentiable, as ``torch.argmax``'s)."""
+    if not _wants_grad(x) or not any(o.is_floating_point() for o in outs):
+        return
+    raise ValueError(f"x: requires grad, but {fn}() of a general monoid ({monoid.name}) has "
+                     f"no backward; logsumexp, softmax, var_mean, cumsum and logcumsumexp "
+                     f"do. Call it under torch.no_grad() or on x.detach().")
+
+
 def _use_kernels(x: torch.Tensor) -> bool:
     """Whether ``x`` goes to the generated kernels (CUDA) or the reference (CPU). Tests
     patch this to drive the kernels on CPU tensors under ``TRITON_INTERPRET=1``."""
@@ -390,7 +417,9 @@ def reduce(monoid: Monoid, x: torch.Tensor, dim=-1, *, keepdim: bool = False, **
     positions int64. An empty
     ``dim`` gives the finalized identity (e.g. ``-inf`` for MAX).
     """
+    _check_bool("keepdim", keepdim)
     outs, kept, keep, base = _reduce_outs(monoid, x, dim, params)
+    _no_backward("reduce", monoid, x, outs)
     shape = keep if keepdim else kept
     return _pack(monoid, _shaped(outs, shape, base))
 
@@ -413,6 +442,7 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
     indices within the segment.
     """
     _check_monoid(monoid)
+    grad = _wants_grad(x)
     xs, x, dtype = _inputs(monoid, x)
     if x.dim() == 0:
         raise ValueError("x: segment_reduce needs at least one dim")
@@ -430,9 +460,13 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
         _check_params(monoid, params)
     shape = x.shape[:d] + (offsets.numel() - 1,) + x.shape[d + 1:]
     if x.is_meta:                                  # shapes only: no offsets to read
-        return _pack(monoid, folds.empty_outs(monoid, shape, x, params, dtype, _width(monoid, xs)))
-    return _pack(monoid, _compute("segment", monoid, xs, d, params, dtype, shape,
-                                  _width(monoid, xs), offsets=offsets, check=not unsafe))
+        outs = folds.empty_outs(monoid, shape, x, params, dtype, _width(monoid, xs))
+    else:
+        outs = _compute("segment", monoid, xs, d, params, dtype, shape, _width(monoid, xs),
+                        offsets=offsets, check=not unsafe)
+    if grad:
+        _no_backward("segment_reduce", monoid, xs, outs)
+    return _pack(monoid, outs)
 
 
 def scan(monoid: Monoid, x: torch.Tensor, dim: int = -1, reverse: bool = False, **params):
@@ -445,7 +479,9 @@ def scan(monoid: Monoid, x: torch.Tensor, dim: int = -1, reverse: bool = False, 
     Long rows with few of them run as a multi-block scan (chunk states, then each chunk
     scanned from the fold of the chunks before it).
     """
-    return _scan(monoid, x, dim, reverse, None, params)
+    out = _scan(monoid, x, dim, reverse, None, params)
+    _no_backward("scan", monoid, x, out if isinstance(out, tuple) else (out,))
+    return out
 
 
 def _scan(monoid, x, dim, reverse, dtype, params):
@@ -500,7 +536,11 @@ def _softmax_key() -> str:
 
 def logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
     """``log(sum(exp(x)))`` along ``dim`` (as ``torch.logsumexp``), via the base-2 online
-    softmax state ``(m, d)`` (LOGSUMEXP2): ``(m + log2 d) · ln 2``. Empty dim: ``-inf``."""
+    softmax state ``(m, d)`` (LOGSUMEXP2): ``(m + log2 d) · ln 2``. Empty dim: ``-inf``.
+    Differentiable: ``dx = g e^(x - y)``, 0 in a row whose result is ``-inf`` (no mass,
+    as attention's fully masked rows; torch gives NaN there)."""
+    if _wants_grad(x):
+        return _LogSumExp.apply(x, dim, keepdim)
     return reduce(LOGSUMEXP2, x, dim, keepdim=keepdim)
 
 
@@ -518,6 +558,8 @@ def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torc
     _check_x(x)
     if dtype is not None and dtype not in _FLOAT:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    if _wants_grad(x):
+        return _Softmax.apply(x, dim, dtype)
     return _normalize(x, dim, dtype)
 
 
@@ -525,10 +567,18 @@ def var_mean(x: torch.Tensor, dim=None, *, correction=1, keepdim: bool = False):
     """``(var, mean)`` along ``dim`` (as ``torch.var_mean``) from one pass of Welford's
     state ``(n, mean, M2)``: ``var = M2 / max(n - correction, 0)`` (NaN when
     ``n <= correction``, as torch). An infinite or NaN element makes ``var`` NaN and
-    ``mean`` infinite or NaN, as torch. An empty dim gives ``(nan, nan)``."""
-    if isinstance(correction, bool) or not isinstance(correction, (int, float)):
+    ``mean`` infinite or NaN, as torch. An empty dim gives ``(nan, nan)``. Differentiable:
+    ``dx = g_mean / n + g_var 2 (x - mean) / (n - correction)``, torch's rule."""
+    if isinstance(correction, bool) or not isinstance(correction, numbers.Real):
         raise TypeError(f"correction: expected a number, got {type(correction).__name__}")
-    outs, kept, keep, _ = _reduce_outs(WELFORD, x, dim, {"correction": float(correction)})
+    _check_bool("keepdim", keepdim)
+    if _wants_grad(x):
+        return _VarMean.apply(x, dim, float(correction), keepdim)
+    return _var_mean(x, dim, float(correction), keepdim)
+
+
+def _var_mean(x, dim, correction: float, keepdim: bool):
+    outs, kept, keep, _ = _reduce_outs(WELFORD, x, dim, {"correction": correction})
     mean, var = outs
     n = x.numel() // max(1, _numel(kept))
     if n == 0 or x.numel() == 0:
@@ -586,10 +636,117 @@ def cumsum(x: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> to
     ``dtype`` casts the result."""
     if dtype is not None and dtype not in _FLOAT:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    if _wants_grad(x):
+        return _CumSum.apply(x, dim, dtype)
     return _scan(SUM, x, dim, False, dtype, {})
 
 
 def logcumsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``log(cumsum(exp(x)))`` along ``dim`` (as ``torch.logcumsumexp``), by a scan of the
-    base-2 online-softmax state (LOGSUMEXP2_SCAN: LOGSUMEXP2 with a one-exp2 combine)."""
-    return scan(LOGSUMEXP2_SCAN, x, dim)
+    base-2 online-softmax state (LOGSUMEXP2_SCAN: LOGSUMEXP2 with a one-exp2 combine).
+    Differentiable (the backward is torch's, from the saved input)."""
+    if _wants_grad(x):
+        return _LogCumSumExp.apply(x, dim)
+    return _scan(LOGSUMEXP2_SCAN, x, dim, False, None, {})
+
+
+# --- gradients of the torch-like functions ------------------------------------------------
+# Each forward runs the function above with grad off; each backward is torch arithmetic
+# on the saved tensors in float32, returned in x's dtype (itself differentiable).
+
+def _expand_reduced(t, x, dim, keepdim):
+    """``t`` (a reduction of ``x`` over ``dim``) with the reduced dims back as size 1."""
+    if keepdim or x.dim() == 0:
+        return t
+    for d in sorted(_dims_of(dim, x.dim()) if dim is None or isinstance(dim, (tuple, list))
+                    else [_norm_dim(dim, x.dim())]):
+        t = t.unsqueeze(d)
+    return t
+
+
+class _LogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, keepdim):
+        y = reduce(LOGSUMEXP2, x, dim, keepdim=keepdim)
+        ctx.save_for_backward(x, y)
+        ctx.args = (dim, keepdim)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        y = _expand_reduced(y.float(), x, *ctx.args)
+        w = torch.exp(x.float() - torch.where(y == -torch.inf, torch.inf, y))
+        return (_expand_reduced(g.float(), x, *ctx.args) * w).to(x.dtype), None, None
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, dtype):
+        y = _normalize(x, dim, dtype)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.dtype = dim, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        if y.dim() == 0:
+            return torch.zeros_like(g, dtype=ctx.dtype), None, None
+        y, g = y.float(), g.float()
+        d = _norm_dim(ctx.dim, y.dim())
+        return (y * (g - (g * y).sum(d, keepdim=True))).to(ctx.dtype), None, None
+
+
+class _VarMean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, correction, keepdim):
+        var, mean = _var_mean(x, dim, correction, keepdim)
+        ctx.save_for_backward(x, mean)
+        ctx.args = (dim, keepdim)
+        ctx.correction = correction
+        ctx.set_materialize_grads(True)
+        return var, mean
+
+    @staticmethod
+    def backward(ctx, g_var, g_mean):
+        x, mean = ctx.saved_tensors
+        n = x.numel() // max(1, mean.numel())
+        dof = n - ctx.correction
+        factor = 2.0 / dof if dof != 0 else torch.inf
+        xf = x.float()
+        mean = _expand_reduced(mean.float(), x, *ctx.args)
+        gx = (_expand_reduced(g_mean.float(), x, *ctx.args) / n
+              + _expand_reduced(g_var.float(), x, *ctx.args) * factor * (xf - mean))
+        return gx.to(x.dtype), None, None, None
+
+
+class _CumSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, dtype):
+        ctx.dim, ctx.dtype = dim, x.dtype
+        return _scan(SUM, x, dim, False, dtype, {})
+
+    @staticmethod
+    def backward(ctx, g):
+        if g.dim() == 0:
+            return g.to(ctx.dtype), None, None
+        d = _norm_dim(ctx.dim, g.dim())
+        return g.float().flip(d).cumsum(d).flip(d).to(ctx.dtype), None, None
+
+
+class _LogCumSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.save_for_backward(x)
+        ctx.dim = dim
+        return _scan(LOGSUMEXP2_SCAN, x, dim, False, None, {})
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xf = x.detach().float().requires_grad_()
+            y = torch.logcumsumexp(xf, _norm_dim(ctx.dim, max(x.dim(), 1)) if x.dim() else 0)
+            (gx,) = torch.autograd.grad(y, xf, g.float())
+        return gx.to(x.dtype), None

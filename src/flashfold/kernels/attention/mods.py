@@ -532,6 +532,13 @@ def _trace(kind: str, fn, inputs) -> TracedMod:
         graph = trace(fn, list(inputs), f"{kind}_mod.{name}", n_outputs=1)
     except ValueError as e:
         raise ValueError(f"{kind}_mod {name!r} must return exactly one value: {e}") from None
+    except (TypeError, IndexError, RuntimeError) as e:
+        # the mod used a traced position as a Python value: indexing a captured tensor or
+        # list, or branching on it
+        raise TypeError(f"{kind}_mod {name!r} cannot be traced ({type(e).__name__}: {e}). "
+                        f"Its arguments are traced values: a table it indexes must be a "
+                        f"flashfold.ops.Buffer (ops.Buffer(t)[b]), and a choice must be "
+                        f"ops.where / & / | rather than if / and / or") from e
     truth = _truth_value(graph.outputs[0])
     if kind == "mask" and not truth:
         raise TypeError(f"mask_mod {name!r} must return a truth value (a comparison, &, |, ~, "
