@@ -289,3 +289,30 @@ def test_top_level_names():
     from flashfold.api import decode as mod
     assert ff.decode is mod.decode and ff.append_kv is mod.append_kv
     assert ff.PagedKVCache is mod.PagedKVCache
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("path", ["reference", "kernels"])
+def test_unchecked_lengths_are_clamped_to_the_capacity_on_every_path(monkeypatch, path, paged):
+    """With ``check_lengths=False`` a length past the capacity reads the whole cache and a
+    negative one reads nothing (o = 0, lse = -inf): the kernels' clamp, which the CPU path
+    follows (it raised from deep inside torch), so both paths agree."""
+    from flashfold.api import decode as api
+    if path == "kernels":
+        monkeypatch.setattr(api, "_use_kernels", lambda q: True)
+    g = torch.Generator().manual_seed(7)
+    B, H, cap, D, page = 3, 2, 32, 16, 8
+    q = torch.randn(B, H, 1, D, generator=g)
+    k = torch.randn(B, H, cap, D, generator=g)
+    v = torch.randn(B, H, cap, D, generator=g)
+    table = None
+    if paged:
+        table = torch.arange(B * cap // page, dtype=torch.int32).reshape(B, cap // page)
+        k = k.permute(0, 2, 1, 3).reshape(-1, page, H, D)
+        v = v.permute(0, 2, 1, 3).reshape(-1, page, H, D)
+    wild = torch.tensor([cap + 9, -4, 5], dtype=torch.int32)
+    o, lse = ff.decode(q, k, v, wild, block_table=table, return_lse=True, check_lengths=False)
+    want_o, want_lse = ff.decode(q, k, v, wild.clamp(0, cap), block_table=table, return_lse=True)
+    assert_close(o, want_o, "float32", name="o")
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    assert torch.equal(o[1], torch.zeros_like(o[1])) and (lse[1] == -math.inf).all()

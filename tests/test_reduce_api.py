@@ -522,3 +522,16 @@ def test_keepdim_must_be_a_bool():
                  lambda: ff.reduce(SUM, x, 1, keepdim=None)):
         with pytest.raises(TypeError, match="keepdim must be a bool"):
             call()
+
+
+def test_dims_as_numpy_integers_and_a_scalars_dim_are_checked_as_torch_checks_them():
+    import numpy as np
+    x = data((3, 4), torch.float32)
+    assert torch.equal(ff.logsumexp(x, np.int64(1)), ff.logsumexp(x, 1))
+    assert torch.equal(ff.softmax(x, np.int32(-1)), ff.softmax(x, -1))
+    s = torch.tensor(2.0)
+    assert ff.softmax(s, 0).item() == ff.softmax(s, -1).item() == 1.0
+    with pytest.raises(IndexError, match="dim: 5 is out of range"):
+        ff.softmax(s, 5)
+    with pytest.raises(TypeError, match="dim: expected an int, got str"):
+        ff.softmax(s, "a")

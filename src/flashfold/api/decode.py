@@ -354,8 +354,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         check_lengths: range-check ``cache_seqlens`` (and the block table's pages in use)
             on the host (a bool, or None for the default). Default: when ``cache_seqlens``
             is on the CPU; on CUDA the check needs a device synchronisation (and cannot run
-            inside a CUDA graph), so it is off unless requested, and the kernels clamp
-            lengths to ``[0, capacity]``.
+            inside a CUDA graph), so it is off unless requested. Unchecked lengths are
+            clamped to ``[0, capacity]``, by the kernels and the CPU path alike.
         k_descale, v_descale: with an E4M3 cache (``torch.float8_e4m3fn``; :func:`append_kv`
             writes one), float32 ``(batch, heads_kv)``: key ``j`` of sequence ``b``, head
             ``h`` is ``k_descale[b, h] * k_cache[..]`` (values likewise; positive finite

@@ -228,8 +228,9 @@ def _check_x(x, name: str = "x"):
 def _norm_dim(dim, ndim: int, name: str = "dim") -> int:
     if type(dim) is int and -ndim <= dim < ndim:   # the common case (a bool fails below)
         return dim % ndim
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {type(dim).__name__}")
+    dim = int(dim)                                 # (a NumPy integer too, as torch takes)
     lo, hi = (-1, 0) if ndim == 0 else (-ndim, ndim - 1)
     if not lo <= dim <= hi:
         raise IndexError(f"{name}: {dim} is out of range for a tensor with {ndim} dims "
@@ -515,6 +516,7 @@ def _normalize(x, dim, dtype):
     """softmax's row map (:func:`~flashfold.kernels.reduce.functions.softmax_map`) along
     ``dim``."""
     if x.dim() == 0:
+        _norm_dim(dim, 0)                        # (-1 or 0, as torch)
         return _normalize(x.reshape(1), 0, dtype).reshape(())
     d = _norm_dim(dim, x.dim())
     if x.is_meta:

@@ -57,13 +57,30 @@ import math
 
 import torch
 
-__all__ = ["clamped_starts", "gather_kv", "gather_kv_padded", "check_lengths", "decode_reference"]
+__all__ = ["clamped_lengths", "cache_capacity", "clamped_starts", "gather_kv", "gather_kv_padded",
+           "check_lengths", "decode_reference"]
 
 
-def clamped_starts(cache_seqlens: torch.Tensor, cache_start: torch.Tensor | None) -> list[int]:
-    """Each sequence's first key ``clamp(cache_start[b], 0, cache_seqlens[b])`` (all 0
-    without ``cache_start``), read on the host."""
-    lens = [int(x) for x in cache_seqlens.tolist()]
+def clamped_lengths(cache_seqlens: torch.Tensor, capacity: int) -> list[int]:
+    """Each sequence's length ``clamp(cache_seqlens[b], 0, capacity)``, read on the host:
+    unchecked lengths (``check_lengths=False``) mean what the kernels make of them."""
+    return [min(max(int(x), 0), capacity) for x in cache_seqlens.tolist()]
+
+
+def cache_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """Token slots per sequence: ``k_cache``'s ``max_len`` (contiguous ``(batch, heads_kv,
+    max_len, D)``), or pages per sequence times the page size (paged)."""
+    if block_table is None:
+        return k_cache.shape[2]
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def clamped_starts(cache_seqlens: torch.Tensor, cache_start: torch.Tensor | None,
+                   cap: int | None = None) -> list[int]:
+    """Each sequence's first key ``clamp(cache_start[b], 0, n_b)`` (all 0 without
+    ``cache_start``), read on the host; ``n_b`` the length, clamped to ``cap`` when given."""
+    lens = ([int(x) for x in cache_seqlens.tolist()] if cap is None
+            else clamped_lengths(cache_seqlens, cap))
     if cache_start is None:
         return [0] * len(lens)
     return [min(max(int(a), 0), n) for a, n in zip(cache_start.tolist(), lens)]
@@ -72,16 +89,18 @@ def clamped_starts(cache_seqlens: torch.Tensor, cache_start: torch.Tensor | None
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
               block_table: torch.Tensor | None = None,
               cache_start: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The tokens ``[a_b, n_b)`` of every sequence (``n_b = cache_seqlens[b]``, ``a_b`` its
-    clamped ``cache_start``, 0 by default), as ``(heads_kv, n_b - a_b, head_dim)``.
+    """The tokens ``[a_b, n_b)`` of every sequence (``n_b = cache_seqlens[b]`` clamped to
+    ``[0, capacity]``, ``a_b`` its clamped ``cache_start``, 0 by default), as ``(heads_kv,
+    n_b - a_b, head_dim)``.
 
     Contiguous caches give views; paged caches give gathered copies (pages in block-table
     order; pages holding no token of ``[a_b, n_b)`` are not looked up). Reads
     ``cache_seqlens`` and ``cache_start`` on the host.
     """
     out = []
-    lens = [int(x) for x in cache_seqlens.tolist()]
-    for b, (n, a) in enumerate(zip(lens, clamped_starts(cache_seqlens, cache_start))):
+    cap = cache_capacity(k_cache, block_table)
+    lens = clamped_lengths(cache_seqlens, cap)
+    for b, (n, a) in enumerate(zip(lens, clamped_starts(cache_seqlens, cache_start, cap))):
         if block_table is None:
             out.append((k_cache[b, :, a:n], v_cache[b, :, a:n]))
             continue
@@ -165,8 +184,9 @@ def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     left, right = _bound(left), _bound(right)
     o = torch.zeros(batch, heads_q, q_len, head_dim, dtype=compute_dtype, device=q.device)
     lse = torch.full((batch, heads_q, q_len), -math.inf, dtype=compute_dtype, device=q.device)
-    firsts = clamped_starts(cache_seqlens, cache_start)
-    lens = [int(x) for x in cache_seqlens.tolist()]
+    cap = cache_capacity(k_cache, block_table)
+    firsts = clamped_starts(cache_seqlens, cache_start, cap)
+    lens = clamped_lengths(cache_seqlens, cap)
     for b, (k, v) in enumerate(gather_kv(k_cache, v_cache, cache_seqlens, block_table,
                                          cache_start)):
         n, a = lens[b], firsts[b]                                     # keys [a, n)
