@@ -135,19 +135,27 @@ def test_the_gluon_rows_follow_the_policy(monkeypatch):
     monkeypatch.setattr(gluon_fwd, "eligible", lambda *a, **kw: True)
     monkeypatch.setattr(gluon_bwd, "eligible", lambda *a, **kw: True)
     fwd_kw = dict(scale=0.1, right=0)
+    bwd_kw = dict(right=0, interpret=False)              # (as a launch built to compile)
     assert dispatch.forward_gluon(q, k, v, **fwd_kw)
-    assert dispatch.backward_gluon(q, k, v, do, right=0)
+    assert dispatch.backward_gluon(q, k, v, do, **bwd_kw)
     assert not dispatch.forward_gluon(q, k, v, **fwd_kw, policy=Policy(gluon=False))
-    assert not dispatch.backward_gluon(q, k, v, do, right=0, policy=Policy(gluon=False))
+    assert not dispatch.backward_gluon(q, k, v, do, **bwd_kw, policy=Policy(gluon=False))
     with flashfold.attention_policy(gluon=False):
         assert not dispatch.forward_gluon(q, k, v, **fwd_kw)
-        assert not dispatch.backward_gluon(q, k, v, do, right=0)
-    # a forced configuration is the Triton template's
+        assert not dispatch.backward_gluon(q, k, v, do, **bwd_kw)
+    # a forced configuration is the Triton kernels'; so are the backward's dQ kernel
+    # (atomic_dq=False) and the interpreter (by default the environment's TRITON_INTERPRET)
     assert not dispatch.forward_gluon(q, k, v, **fwd_kw, config=fwd.FwdConfig(16, 16))
+    assert not dispatch.backward_gluon(q, k, v, do, **bwd_kw, config=bwd.default_config(
+        q, 32, 32))
+    assert not dispatch.backward_gluon(q, k, v, do, **bwd_kw, atomic_dq=False)
+    assert dispatch.backward_gluon(q, k, v, do, **bwd_kw, atomic_dq=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dispatch.backward_gluon(q, k, v, do, right=0)
     monkeypatch.setattr(gluon_fwd, "eligible", lambda *a, **kw: False)
     monkeypatch.setattr(gluon_bwd, "eligible", lambda *a, **kw: False)
     assert not dispatch.forward_gluon(q, k, v, **fwd_kw)
-    assert not dispatch.backward_gluon(q, k, v, do, right=0)
+    assert not dispatch.backward_gluon(q, k, v, do, **bwd_kw)
 
 
 def _kernels(launches):
@@ -167,7 +175,7 @@ def test_atomic_dq_and_strict_nonfinite_shape_the_backward():
     """The default mode on these tiles adds dQ atomically; ``atomic_dq=False`` runs the dQ
     kernel; ``strict_nonfinite`` adds the guarded strict recompute of a causal call."""
     q, k, v, do = _qkv()
-    o, lse = fwd.attention_forward(q, k, v, scale=0.1, right=0)
+    o, lse = torch.zeros_like(q), torch.zeros(q.shape[:3])      # (launches built, not run)
 
     def kernels(policy):
         *_, launches = bwd.prepare_backward(do, q, k, v, o, lse, scale=0.1, right=0,

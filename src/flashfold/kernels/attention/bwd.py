@@ -1049,15 +1049,13 @@ def mask_tiles(q, k, v, do, *, softcap=None, left=None, right=None, score_mod=No
                deterministic=False) -> tuple[int, int]:
     """The tiles ``(block_m, block_n)`` of the block table that the backward builds for a
     callable ``mask_mod``: 128 x 128 where the Gluon kernel will walk it
-    (:func:`.dispatch.backward_gluon`), else tiles that the Triton kernels' configuration divides (the
-    larger of its dK/dV and dQ tiles)."""
+    (:func:`.dispatch.backward_gluon`), else tiles that the Triton kernels' configuration
+    divides (the larger of its dK/dV and dQ tiles)."""
     square = (2 * gluon_bwd.BLOCK_M, gluon_bwd.BLOCK_N)
-    if (q.device.type == "cuda" and not _interpreting()
-            and dispatch.backward_gluon(q, k, v, do, softcap=softcap, left=left, right=right,
-                                        score_mod=score_mod, mask_mod=mask_mod,
-                                        mask_block=square, cu_seqlens_q=cu_seqlens_q,
-                                        cu_seqlens_k=cu_seqlens_k,
-                                        deterministic=deterministic)):
+    if dispatch.backward_gluon(q, k, v, do, softcap=softcap, left=left, right=right,
+                               score_mod=score_mod, mask_mod=mask_mod, mask_block=square,
+                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                               deterministic=deterministic):
         return square
     features = softcap is not None or score_mod is not None or mask_mod is not None
     cfg = default_config(q, q.shape[3], v.shape[3], features=features, causal=right is not None)
@@ -1110,19 +1108,18 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
         sm, sn = block_mask.BLOCK_SIZE
         cfg = replace(cfg, block_m=min(cfg.block_m, sm), block_n=min(cfg.block_n, sn),
                       dq_block_m=min(cfg.dq_block_m, sm), dq_block_n=min(cfg.dq_block_n, sn))
-    gluon_allowed = atomic_dq is not False     # before the configuration's default
+    asked_atomic = atomic_dq                   # (None: the configuration's choice, below)
     if atomic_dq is None:
         atomic_dq = policy.atomic_dq and cfg.atomic_dq
     atomic = bool(atomic_dq) and not deterministic
     if use_tma and not tma_ok(do):
         do = do.contiguous()        # documented: e.g. the expanded (stride 0) gradient of .sum()
-    use_gluon = (gluon_allowed and config is None and not interp
-                 and dispatch.backward_gluon(
-                     q, k, v, do, softcap=softcap, left=left, right=right, score_mod=score_mod,
-                     mask_mod=block_mask.column_mod if block_mask is not None else None,
-                     mask_block=block_mask.BLOCK_SIZE if block_mask is not None else None,
-                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     deterministic=deterministic, policy=policy))
+    use_gluon = dispatch.backward_gluon(
+        q, k, v, do, softcap=softcap, left=left, right=right, score_mod=score_mod,
+        mask_mod=block_mask.column_mod if block_mask is not None else None,
+        mask_block=block_mask.BLOCK_SIZE if block_mask is not None else None,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic,
+        config=config, atomic_dq=asked_atomic, interpret=interp, policy=policy)
     atomic = atomic or use_gluon
     # calls that can hide keys inside the tiles they load (causal, window, mask, varlen:
     # rule 4 of the attention API's docstring) raise a flag when an output is not finite

@@ -9,18 +9,18 @@ call                                          forward                    backwar
 ============================================  =========================  =====================
 sm_90, ``policy.gluon``, 16-bit ``q, k, v``   the Gluon kernel           the Gluon kernel
 TMA can address, head dims of a Gluon tile    (:mod:`.gluon_fwd`)        (:mod:`.gluon_bwd`)
-plan, no forced ``config``, in the kernel's
-scope: dense, causal, window, softcap, GQA,
-packed sequences, a score_mod Gluon lowers,
-a block mask of whole tiles (forward: dense
-calls; backward: :func:`.gluon_bwd.fits_mods`)
+plan, no forced ``config`` (backward: nor
+``atomic_dq=False``, nor the interpreter),
+in the kernel's scope: dense, causal,
+window, softcap, GQA, packed sequences, a
+score_mod Gluon lowers, a block mask of
+whole tiles (forward: dense calls;
+backward: :func:`.gluon_bwd.fits_mods`)
 FP8 (``descales``)                            the Triton template's      (raises: forward
                                               ``FP8`` flag               only)
 everything else: GPUs before Hopper, the CPU  the Triton template        the Triton kernels
-interpreter, a forced ``config``,             (:mod:`.fwd`)              (:mod:`.bwd`)
-``policy.gluon`` off, a backward asked for
-``atomic_dq=False``, calls outside the Gluon
-scopes above
+interpreter, ``policy.gluon`` off, calls      (:mod:`.fwd`)              (:mod:`.bwd`)
+outside the Gluon scopes above
 ============================================  =========================  =====================
 
 Inside each kernel its schedule's variants (ping-pong, persistent programs, late
@@ -30,7 +30,7 @@ kernels' tiles by their tables (``fwd.HOPPER_CONFIGS``, ``bwd.HOPPER_BWD_CONFIGS
 
 The policy (:class:`Policy`) holds the switches that are not arguments of a call: which
 kernels may run and which guards are on. :func:`current` is the one in force: the
-innermost :func:`using` block's, else the default, whose ``gluon`` follows the
+last-entered open :func:`using` block's, else the default, whose ``gluon`` follows the
 ``FLASHFOLD_GLUON`` environment variable (``0``: off) as it is at the call. A block's
 policy holds for the whole process while it runs, as ``torch.backends`` switches do:
 autograd runs a CUDA backward on its own thread, which a per-thread setting would not
@@ -145,6 +145,10 @@ class using:
         return False
 
 
+def _interpreting() -> bool:
+    return launcher.env("TRITON_INTERPRET") not in (None, "", "0")
+
+
 def forward_gluon(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
                   block_mask=None, varlen: bool = False, config=None,
                   policy: Policy | None = None) -> bool:
@@ -167,10 +171,12 @@ def forward_gluon(q, k, v, *, scale, softcap=None, left=None, right=None, score_
 
 def backward_gluon(q, k, v, do, *, softcap=None, left=None, right=None, score_mod=None,
                    mask_mod=None, mask_block=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                   deterministic: bool = False, policy: Policy | None = None) -> bool:
-    """Whether the backward of this call runs the Gluon kernel (the table's first row;
-    the caller also rules out a forced configuration, the interpreter and
-    ``atomic_dq=False``): the policy lets it, :func:`.gluon_bwd.eligible` (sm_90, the
+                   deterministic: bool = False, config=None, atomic_dq: bool | None = None,
+                   interpret: bool | None = None, policy: Policy | None = None) -> bool:
+    """Whether the backward of this call runs the Gluon kernel (the table's first row):
+    the policy lets it, not interpreted (``interpret``: as the launch is built; default
+    ``TRITON_INTERPRET``), no forced Triton ``config``, ``atomic_dq`` not ``False``
+    (which asks for the Triton dQ kernel), :func:`.gluon_bwd.eligible` (sm_90, the
     forward's head dims, every row seeing a key), the mods it lowers
     (:func:`.gluon_bwd.fits_mods`: a score_mod, a block mask of ``mask_mod`` in blocks of
     ``mask_block``), and packed sequences in its varlen scope
@@ -179,7 +185,8 @@ def backward_gluon(q, k, v, do, *, softcap=None, left=None, right=None, score_mo
 
     policy = policy or current()
     varlen = cu_seqlens_q is not None
-    return (policy.gluon
+    interpret = _interpreting() if interpret is None else interpret
+    return (policy.gluon and config is None and atomic_dq is not False and not interpret
             and gluon_bwd.eligible(q, k, v, do, left=left, right=right, softcap=softcap)
             and gluon_bwd.fits_mods(q, v, score_mod=score_mod, mask_mod=mask_mod,
                                     mask_block=mask_block, left=left, right=right,
