@@ -35,6 +35,13 @@ against the default configuration's (the bf16 table's,
 :data:`flashfold.kernels.attention.fwd.HOPPER_CONFIGS`): an E4M3 tile holds half a bf16 tile's bytes, so wider key tiles or more stages fit in the
 same shared memory.
 
+``--accumulation``: before the checks, how exactly the tensor cores sum an E4M3 product
+(the question behind a packed row's LSE that sits 1.1x past its bound while its outputs
+pass): ``tl.dot`` of ``[64, K]`` by ``[K, 64]`` tiles, E4M3 and fp16 inputs of the same
+values (E4M3 values are exact in fp16), fp32 accumulator, against the float64 product of those values; per ``K``, the
+largest error relative to ``sum_k |a_k b_k|`` of its entry. Summing in fp32 bounds that by
+about ``K 2^-24``; an accumulator that keeps fewer bits shows as a floor far above it.
+
 Peers with FP8 attention: cuDNN's FP8 SDPA through ``nvidia-cudnn-frontend``'s Python
 graph API (``sdpa_fp8``: per-tensor scales, here all 1; on Hopper its output is E4M3; no
 softcap, so not on the softcap row), timed eagerly (its handle's stream is fixed, so no
@@ -54,6 +61,7 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 import flashfold as ff
 from flashfold.bench import graph_replay
@@ -254,13 +262,56 @@ def tune(rows=None):
                   flush=True)
 
 
+@triton.jit
+def _dot_probe(A, B, C, K: tl.constexpr):
+    """``C = A B`` of one ``[64, K]`` by ``[K, 64]`` tile pair (row-major), fp32 accumulator."""
+    rows = tl.arange(0, 64)
+    ks = tl.arange(0, K)
+    a = tl.load(A + rows[:, None] * K + ks[None, :])
+    b = tl.load(B + ks[:, None] * 64 + rows[None, :])
+    tl.store(C + rows[:, None] * 64 + rows[None, :], tl.dot(a, b))
+
+
+#: reduction lengths of the accumulation probe (the d64 .. d256 rows' S = Q K^T, and P V's
+#: key tiles)
+PROBE_K = (32, 64, 128, 256)
+
+
+def accumulation(ks=PROBE_K, seed=0):
+    """Per ``K``: the largest error of ``tl.dot`` against float64, relative to the sum of
+    the magnitudes of its entry's products, for E4M3 and for fp16 inputs holding the same
+    values (``randn``, rounded to E4M3 first). Returns ``{K: (e4m3, fp16)}``."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    out = {}
+    for K in ks:
+        a8 = torch.randn(64, K, device=DEVICE, generator=g).to(torch.float8_e4m3fn)
+        b8 = torch.randn(K, 64, device=DEVICE, generator=g).to(torch.float8_e4m3fn)
+        a, b = a8.double(), b8.double()
+        exact, size = a @ b, a.abs() @ b.abs()
+        errs = []
+        for x, y in ((a8, b8), (a8.half(), b8.half())):
+            c = torch.empty(64, 64, device=DEVICE, dtype=torch.float32)
+            _dot_probe[(1,)](x, y, c, K=K)
+            errs.append(((c.double() - exact).abs() / size.clamp_min(1e-30)).max().item())
+        out[K] = tuple(errs)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--tune", action="store_true", help="FP8 tile configurations, after the checks")
+    ap.add_argument("--accumulation", action="store_true",
+                    help="how exactly tl.dot sums E4M3 products, before the checks")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name()}, python {sys.version.split()[0]}")
+    if args.accumulation:
+        print("## tl.dot accumulation: max |C - AB| / sum_k |a_k b_k| against float64")
+        print("| K | E4M3 inputs | fp16 inputs | K 2^-24 |")
+        print("|---:|---:|---:|---:|")
+        for K, (e8, e16) in accumulation().items():     # (fp16: the 16-bit wgmma's sum)
+            print(f"| {K} | {e8:.2e} | {e16:.2e} | {K * 2.0 ** -24:.2e} |")
     failed = []
 
     def chk(name, what, cond):

@@ -71,3 +71,17 @@ def test_dry_run_tune(bench, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| toy d128 | default | 0 | 1.00 |" in out
     assert "| toy d128 | BM16-BN32-w4-s1-tma | 0 | 1.00 |" in out
+
+
+def test_dry_run_accumulation_probe(bench, monkeypatch, capsys):
+    """Under the interpreter ``tl.dot`` sums in float32 (NumPy): both inputs' errors sit
+    within the fp32 bound ``K 2^-24``, so a GPU floor above it is the hardware's."""
+    monkeypatch.setattr(bench, "PROBE_K", (32, 64))
+    got = bench.accumulation(ks=(32, 64))
+    assert set(got) == {32, 64}
+    for K, errs in got.items():
+        assert all(0 <= e <= K * 2.0 ** -24 for e in errs), (K, errs)
+    monkeypatch.setattr("sys.argv", ["attention_fp8.py", "--accumulation", "--check-only"])
+    assert bench.main() == 0
+    out = capsys.readouterr().out
+    assert "## tl.dot accumulation" in out and out.count("| 32 |") + out.count("| 64 |") == 2

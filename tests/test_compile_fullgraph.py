@@ -298,6 +298,25 @@ def test_fullgraph_compile_monoid_calls(case, device, backend):
     _assert_same(torch.compile(fn, fullgraph=True, backend=backend)(x), fn(x), case)
 
 
+def test_fullgraph_compile_differentiable_reductions():
+    """The torch-like functions' backward traces with ``fullgraph=True`` too: a loss of
+    all five compiled gives the eager loss's gradient bit for bit."""
+    import torch._dynamo
+    torch._dynamo.reset()
+
+    def loss(x):
+        return (ff.logsumexp(x, 1).sum() + ff.softmax(x, 1)[:, 0].sum()
+                + ff.var_mean(x, 1)[0].sum() + ff.cumsum(x, 1).sum()
+                + ff.logcumsumexp(x, 1).sum())
+    x = torch.randn(4, 33, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        leaf = x.clone().requires_grad_()
+        fn(leaf).backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_fullgraph_compile_monoid_checks_and_kernels(monkeypatch):
     """Under compilation the offsets check still runs (inside the op) and raises
     ValueError; with the kernels' route forced (the interpreter on the CPU), the op

@@ -493,6 +493,14 @@ def test_gradients_mix_with_other_terms_and_of_a_masked_row_are_zero():
     x = torch.tensor([[NINF, NINF], [0.0, 1.0]], requires_grad=True)
     ff.logsumexp(x, 1).sum().backward()
     assert torch.equal(x.grad[0], torch.zeros(2))
+    # logcumsumexp: the -inf elements (a prefix without mass) get 0, the others torch's
+    y = torch.tensor([[NINF, NINF, 0.0, 1.0, -30.0, 5.0]], requires_grad=True)
+    g = torch.tensor([[1.0, -2.0, 3.0, -4.0, 5.0, 0.5]])
+    ff.logcumsumexp(y, 1).backward(g)
+    y64 = y.detach().double().requires_grad_()
+    torch.logcumsumexp(y64, 1).backward(g.double())
+    assert torch.equal(y.grad[0, :2], torch.zeros(2))
+    assert_close(y.grad[0, 2:], y64.grad[0, 2:], torch.float32, name="dy")
     assert_close(x.grad[1], torch.softmax(torch.tensor([0.0, 1.0]).double(), 0), torch.float32,
                  name="dx")
 

@@ -443,7 +443,6 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
     indices within the segment.
     """
     _check_monoid(monoid)
-    grad = _wants_grad(x)
     xs, x, dtype = _inputs(monoid, x)
     if x.dim() == 0:
         raise ValueError("x: segment_reduce needs at least one dim")
@@ -465,8 +464,7 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
     else:
         outs = _compute("segment", monoid, xs, d, params, dtype, shape, _width(monoid, xs),
                         offsets=offsets, check=not unsafe)
-    if grad:
-        _no_backward("segment_reduce", monoid, xs, outs)
+    _no_backward("segment_reduce", monoid, xs, outs)
     return _pack(monoid, outs)
 
 
@@ -646,7 +644,8 @@ def cumsum(x: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> to
 def logcumsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``log(cumsum(exp(x)))`` along ``dim`` (as ``torch.logcumsumexp``), by a scan of the
     base-2 online-softmax state (LOGSUMEXP2_SCAN: LOGSUMEXP2 with a one-exp2 combine).
-    Differentiable (the backward is torch's, from the saved input)."""
+    Differentiable: ``dx_j = sum_{i >= j} g_i e^(x_j - y_i)``, summed in log space; 0 at a
+    ``-inf`` element (no mass; torch gives NaN in a ``-inf`` prefix)."""
     if _wants_grad(x):
         return _LogCumSumExp.apply(x, dim)
     return _scan(LOGSUMEXP2_SCAN, x, dim, False, None, {})
@@ -707,7 +706,6 @@ class _VarMean(torch.autograd.Function):
         ctx.save_for_backward(x, mean)
         ctx.args = (dim, keepdim)
         ctx.correction = correction
-        ctx.set_materialize_grads(True)
         return var, mean
 
     @staticmethod
@@ -738,17 +736,26 @@ class _CumSum(torch.autograd.Function):
 
 
 class _LogCumSumExp(torch.autograd.Function):
+    """``dx_j = sum_{i >= j} g_i e^(x_j - y_i)``, each term at most ``|g_i|`` (``y_i >= x_j``):
+    the positive and the negative parts of ``g`` summed apart in log space (reverse
+    logcumsumexps), so nothing overflows; a ``-inf`` element gets 0 (no mass)."""
+
     @staticmethod
     def forward(ctx, x, dim):
-        ctx.save_for_backward(x)
+        y = _scan(LOGSUMEXP2_SCAN, x, dim, False, None, {})
+        ctx.save_for_backward(x, y)
         ctx.dim = dim
-        return _scan(LOGSUMEXP2_SCAN, x, dim, False, None, {})
+        return y
 
     @staticmethod
     def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            xf = x.detach().float().requires_grad_()
-            y = torch.logcumsumexp(xf, _norm_dim(ctx.dim, max(x.dim(), 1)) if x.dim() else 0)
-            (gx,) = torch.autograd.grad(y, xf, g.float())
-        return gx.to(x.dtype), None
+        x, y = ctx.saved_tensors
+        shape, d = x.shape, _norm_dim(ctx.dim, x.dim())
+        xf, yf, gf = (t.float().reshape(t.shape or (1,)) for t in (x, y, g))
+
+        def tail(part):            # log sum_{i >= j} part_i e^(-y_i)
+            t = torch.where(part > 0, part.log(), -torch.inf) - yf
+            return t.flip(d).logcumsumexp(d).flip(d)
+        gx = torch.exp(xf + tail(gf)) - torch.exp(xf + tail(-gf))
+        gx = torch.where(xf == -torch.inf, 0.0, gx)
+        return gx.reshape(shape).to(x.dtype), None
