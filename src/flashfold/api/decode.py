@@ -359,7 +359,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_descale, v_descale: with an E4M3 cache (``torch.float8_e4m3fn``; :func:`append_kv`
             writes one), float32 ``(batch, heads_kv)``: key ``j`` of sequence ``b``, head
             ``h`` is ``k_descale[b, h] * k_cache[..]`` (values likewise; positive finite
-            factors). The kernel widens each tile to ``q``'s dtype as it loads it
+            factors, whose values are not checked: a read would synchronise). The kernel widens each tile to ``q``'s dtype as it loads it
             (values times their descale, the keys' descale folded into the score scale),
             so the statistics and the output are computed as for a 16-bit cache, reading
             half the bytes. Not allowed with other caches.
@@ -436,7 +436,8 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     16/32/64-bit float dtype, quantized on write with the sequence's descales
     (``k_descale``, ``v_descale``: float32 ``(batch, heads_kv)``, as :func:`decode` takes
     them): ``k_new / k_descale[b, h]`` rounded to E4M3, finite values beyond the format's
-    range saturated to +-448, infinities and NaN stored as NaN (E4M3 has no infinity). Token ``j`` of sequence ``b`` goes to position
+    range saturated to +-448, infinities and NaN stored as NaN (E4M3 has no infinity; so
+    is every token of a zero or NaN factor, whose values are not checked). Token ``j`` of sequence ``b`` goes to position
     ``cache_seqlens[b] + j``: ``k_cache[b, :, pos]`` (contiguous) or slot ``pos %
     page_size`` of page ``block_table[b, pos // page_size]`` (paged; the pages must already
     be assigned in ``block_table``).
