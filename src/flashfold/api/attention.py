@@ -456,7 +456,8 @@ def merge_states(*args):
 
 
 def attention_policy(**switches):
-    """A context manager: :func:`attention` calls (and their backward) inside the block
+    """A context manager: the :func:`attention` forwards and backwards that run inside the
+    block (a backward runs under the policy in force when it runs, as autograd calls it)
     run under the current policy with ``switches`` changed (each a bool), process-wide as
     ``torch.backends`` switches are; on exit the policy of the blocks still open is back
     (blocks of several threads may close in any order), the default once none is.
