@@ -37,6 +37,17 @@ def test_check_reports_bad_targets(target, msg, monkeypatch):
         main(["check", target])
 
 
+def test_check_reports_a_module_that_raises_at_import(tmp_path, monkeypatch):
+    """A user module that raises while it is imported (a bad monoid, a typo) is one line,
+    not a traceback."""
+    (tmp_path / "raises_at_import_cli.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit, match="importing 'raises_at_import_cli' raised "
+                                         "RuntimeError: boom"):
+        main(["check", "raises_at_import_cli:M"])
+
+
 def test_trace_prints_the_worked_example(capsys):
     assert main(["trace", "1", "2", "5", "3", "--block", "2",
                  "--values", "1,0", "0,1", "2,0", "0,2", "--precision", "3"]) == 0

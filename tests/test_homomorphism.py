@@ -240,3 +240,16 @@ def test_bad_arguments_are_named():
         ff.check_folds(online_softmax_batch, online_softmax_left, online_softmax_right, elements=5)
     with pytest.raises(ValueError, match="state"):
         online_softmax_weak_inverse((0.0, 0.5))
+
+
+def test_a_nan_score_is_never_the_empty_state():
+    """``h([nan]) = (nan, nan)`` (an all-NaN list is not "no score above -inf"), the folds
+    keep a NaN (Python's ``max`` would drop it), and the derived combine carries it."""
+    nan = float("nan")
+    assert all(math.isnan(v) for v in online_softmax_batch([nan]))
+    assert all(math.isnan(v) for v in online_softmax_batch([1.0, nan, 2.0]))
+    assert all(math.isnan(v) for v in online_softmax_left((1.0, 1.0), nan))
+    assert all(math.isnan(v) for v in online_softmax_right(nan, (1.0, 1.0)))
+    merged = SOFTMAX_COMBINE(online_softmax_batch([nan]), online_softmax_batch([3.0]))
+    assert all(math.isnan(v) for v in merged)
+    assert online_softmax_batch([]) == online_softmax_batch([-math.inf]) == (-math.inf, 0.0)

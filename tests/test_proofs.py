@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import flashfold as ff
-from flashfold import ops
+from flashfold import Monoid, ops
 from flashfold.algebra.proofs import ProofError, prove, reachable_domains
 from flashfold.cli import main
 from flashfold.monoids import ARGMAX, ATTENTION, BUILTINS, LOGSUMEXP, WELFORD
@@ -160,6 +160,19 @@ def test_ops_without_symbolic_meaning_are_reported():
                           combine=lambda a, b: (a.s + b.s * table[0],))
     with pytest.raises(ProofError, match="load"):
         prove(with_load)
+
+
+def test_a_law_whose_sides_are_nan_is_not_proved():
+    """SymPy's ``nan == nan`` is True: a combine that makes NaN of valid states (inf + -inf;
+    0 x inf) must not pass as "identical" on both sides. check_laws rejects the same
+    monoids (its "no NaN" law)."""
+    signs = Monoid("signs", ("s",), (0.0,), lift=lambda x: (ops.where(x > 0, ops.inf, -ops.inf),),
+                   combine=lambda a, b: (a.s + b.s,), commutative=True)
+    product = Monoid("product", ("s",), (1.0,), lift=lambda x: (x,),
+                     combine=lambda a, b: (a.s * b.s,), commutative=True)
+    for m in (signs, product):
+        assert not ff.prove(m), m.name
+        assert not ff.check_laws(m, trials=300, seed=0).ok, m.name
 
 
 def test_prove_validates_its_argument():

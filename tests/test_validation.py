@@ -67,3 +67,42 @@ def test_monoid_definition_errors():
 def test_ops_outside_tracing():
     with pytest.raises(RuntimeError, match="only be applied while tracing"):
         ops.exp(1.0)
+
+
+def test_fields_inputs_and_outputs_are_checked_where_the_monoid_is_made():
+    """Names of the wrong type, duplicate inputs or outputs, and a non-bool ``vector``
+    raise at construction, naming the argument (they used to pass and crash in a later
+    fold: a SyntaxError from generated code, an AttributeError, namedtuple's error)."""
+    from flashfold import Field, Input
+    add = dict(identity=(0.0,), lift=lambda x: (x,), combine=lambda a, b: (a.s + b.s,))
+    with pytest.raises(TypeError, match="field name must be a str, got int"):
+        Field(3)
+    with pytest.raises(TypeError, match="input name must be a str, got NoneType"):
+        Input(None)
+    with pytest.raises(TypeError, match="field 'a': vector must be True or False"):
+        Field("a", vector="yes")
+    with pytest.raises(TypeError, match="fields must be a name, a Field / Input or a tuple"):
+        Monoid("bad", fields=None, **add)
+    with pytest.raises(ValueError, match=r"input names must be unique, got \('x', 'x'\)"):
+        Monoid("bad", fields=("s",), inputs=("x", "x"), identity=(0.0,),
+               lift=lambda x, y: (x,), combine=lambda a, b: (a.s + b.s,))
+    with pytest.raises(ValueError, match="outputs names must be unique"):
+        Monoid("bad", fields=("s",), finalize=lambda s: (s.s, s.s), outputs=("a", "a"), **add)
+    one = Monoid("one", fields=Field("s"), inputs=Input("x"), **add)     # single objects
+    assert one.field_names == ("s",) and one.input_names == ("x",)
+
+
+def test_folding_a_monoid_without_data_inputs_says_so():
+    none = Monoid("no_data", fields=("s",), inputs=(), identity=(0.0,), lift=lambda: (1.0,),
+                  combine=lambda a, b: (a.s + b.s,))
+    with pytest.raises(ValueError, match="'no_data' has no data input"):
+        ff.fold(none, ())
+
+
+def test_prove_checks_its_options():
+    with pytest.raises(ValueError, match="max_paths: must be at least 1, got 0"):
+        ff.prove(SUM, max_paths=0)
+    with pytest.raises(TypeError, match="max_paths: expected an int, got str"):
+        ff.prove(SUM, max_paths="a")
+    with pytest.raises(TypeError, match="commutativity: expected True, False or None"):
+        ff.prove(SUM, commutativity="yes")

@@ -192,6 +192,9 @@ def _load_monoid(spec: str):
         module = importlib.import_module(mod_name)
     except ImportError as e:
         raise SystemExit(f"flashfold check: cannot import module {mod_name!r}: {e}")
+    except Exception as e:                  # the module itself raised (a bad monoid, a typo)
+        raise SystemExit(f"flashfold check: importing {mod_name!r} raised "
+                         f"{type(e).__name__}: {e}")
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -312,18 +315,25 @@ def numerics(args) -> int:
     print(f"flashfold numerics: CPU {platform.machine()}, torch {torch.__version__}, "
           f"python {platform.python_version()}")
     bar = None if args.quiet else progress_bar("numerics")
-    report = measure(args.max_n, block=args.block, width=args.width, seed=args.seed,
-                     out=args.out, plot=draw, progress=bar or False)
-    if bar is not None:
-        bar.close()
+    try:
+        report = measure(args.max_n, block=args.block, width=args.width, seed=args.seed,
+                         out=args.out, plot=draw, progress=bar or False)
+    except (OSError, ValueError) as e:          # --out not writable after all (/proc as root)
+        raise SystemExit(f"flashfold numerics: {e}")
+    finally:
+        if bar is not None:
+            bar.close()
     print(report.table())
     # FP8 attention's error next to bf16's (random and outlier-heavy inputs, rotated or
     # not): a few seconds on the CPU
     from .error_analysis import fp8_error_table
     fp8 = fp8_error_table(seed=args.seed)
     fp8_md = os.path.join(args.out, "fp8.md")
-    with open(fp8_md, "w") as f:
-        f.write("# FP8 attention: error against float64\n\n" + fp8)
+    try:
+        with open(fp8_md, "w") as f:
+            f.write("# FP8 attention: error against float64\n\n" + fp8)
+    except OSError as e:
+        raise SystemExit(f"flashfold numerics: cannot write {fp8_md}: {e}")
     print("\n" + fp8)
     if report.png:
         print(f"\nwrote {report.markdown}, {fp8_md} and {report.png}")

@@ -258,8 +258,11 @@ def check_weak_inverse(h: Callable, weak_inverse: Callable, *, elements: Callabl
 # =====================================================================================
 
 def online_softmax_batch(scores: Sequence[float]) -> tuple[float, float]:
-    """``h(s) = (m, d) = (max s, Σ e^{s_j - m})``; ``h([]) = (-inf, 0)`` (also all ``-inf``)."""
+    """``h(s) = (m, d) = (max s, Σ e^{s_j - m})``; ``h([]) = (-inf, 0)`` (also all ``-inf``);
+    a NaN score gives ``(nan, nan)`` (never the empty state)."""
     s = np.asarray(list(scores), dtype=np.float64)
+    if np.isnan(s).any():
+        return (math.nan, math.nan)
     if s.size == 0 or not np.any(s > -np.inf):
         return (-math.inf, 0.0)
     m = float(s.max())
@@ -271,8 +274,11 @@ def _rescale(x: float, m: float) -> float:
 
 
 def online_softmax_left(state, s: float) -> tuple[float, float]:
-    """``(m, d) ◁ s = (m', d e^{m - m'} + e^{s - m'})``, ``m' = max(m, s)``."""
+    """``(m, d) ◁ s = (m', d e^{m - m'} + e^{s - m'})``, ``m' = max(m, s)`` (NaN if either
+    is: Python's ``max`` would keep the number)."""
     m, d = state
+    if math.isnan(m) or math.isnan(s):
+        return (math.nan, math.nan)
     m2 = max(m, s)
     if m2 == -math.inf:
         return (-math.inf, 0.0)
@@ -280,8 +286,11 @@ def online_softmax_left(state, s: float) -> tuple[float, float]:
 
 
 def online_softmax_right(s: float, state) -> tuple[float, float]:
-    """``s ▷ (m, d) = (m', e^{s - m'} + d e^{m - m'})``, ``m' = max(m, s)``."""
+    """``s ▷ (m, d) = (m', e^{s - m'} + d e^{m - m'})``, ``m' = max(m, s)`` (NaN if either
+    is)."""
     m, d = state
+    if math.isnan(m) or math.isnan(s):
+        return (math.nan, math.nan)
     m2 = max(m, s)
     if m2 == -math.inf:
         return (-math.inf, 0.0)
@@ -293,11 +302,13 @@ def online_softmax_weak_inverse(state) -> list[float]:
 
     On the image of :func:`online_softmax_batch` ``d >= 1`` (the max contributes 1), and
     ``(d - 1)/(k - 1) <= 1`` keeps every extra score at most ``m``; the weights sum to
-    ``1 + (k - 1)(d - 1)/(k - 1) = d``. ``g(-inf, 0) = []``.
+    ``1 + (k - 1)(d - 1)/(k - 1) = d``. ``g(-inf, 0) = []``; ``g(nan, nan) = [nan]``.
     """
     m, d = (float(v) for v in state)
     if m == -math.inf:
         return []
+    if math.isnan(m) or math.isnan(d):
+        return [math.nan]
     if not d >= 1.0:
         raise ValueError(f"state: (m, d) = {(m, d)} is not in the image of the online-softmax "
                          f"batch function (needs d >= 1)")

@@ -54,8 +54,13 @@ class Field:
     dtype: str = "float"
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"field name must be a str, got {type(self.name).__name__}")
         if not self.name.isidentifier():
             raise ValueError(f"field name {self.name!r} is not a Python identifier")
+        if not isinstance(self.vector, bool):
+            raise TypeError(f"field {self.name!r}: vector must be True or False, got "
+                            f"{type(self.vector).__name__}")
         if self.dtype not in ("float", "int"):
             raise ValueError(f"field {self.name!r}: dtype must be 'float' or 'int', got {self.dtype!r}")
 
@@ -74,8 +79,13 @@ class Input:
     domain: str = "extended"
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"input name must be a str, got {type(self.name).__name__}")
         if not self.name.isidentifier():
             raise ValueError(f"input name {self.name!r} is not a Python identifier")
+        if not isinstance(self.vector, bool):
+            raise TypeError(f"input {self.name!r}: vector must be True or False, got "
+                            f"{type(self.vector).__name__}")
         if self.domain not in DOMAINS:
             raise ValueError(f"input {self.name!r}: domain must be one of {DOMAINS}, got {self.domain!r}")
 
@@ -153,13 +163,22 @@ class Monoid:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError("name must be a non-empty string")
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
-        fields = tuple(_as_field(f) for f in (self.fields if not isinstance(self.fields, str) else (self.fields,)))
+        for k in ("fields", "inputs"):
+            if not isinstance(getattr(self, k), (str, tuple, list, Field, Input)):
+                raise TypeError(f"monoid {self.name!r}: {k} must be a name, a Field / Input "
+                                f"or a tuple of them, got {type(getattr(self, k)).__name__}")
+        fields = tuple(_as_field(f) for f in (self.fields if not isinstance(self.fields, (str, Field))
+                                              else (self.fields,)))
         if not fields:
             raise ValueError(f"monoid {self.name!r}: fields must name at least one field")
         if len({f.name for f in fields}) != len(fields):
             raise ValueError(f"monoid {self.name!r}: field names must be unique")
         set_("fields", fields)
-        inputs = tuple(_as_input(i) for i in (self.inputs if not isinstance(self.inputs, str) else (self.inputs,)))
+        inputs = tuple(_as_input(i) for i in (self.inputs if not isinstance(self.inputs, (str, Input))
+                                              else (self.inputs,)))
+        if len({i.name for i in inputs}) != len(inputs):
+            raise ValueError(f"monoid {self.name!r}: input names must be unique, got "
+                             f"{tuple(i.name for i in inputs)}")
         set_("inputs", inputs)
         identity = tuple(self.identity) if isinstance(self.identity, (tuple, list)) else (self.identity,)
         if len(identity) != len(fields):
@@ -256,6 +275,9 @@ class Monoid:
         if self.outputs is not None and len(self.outputs) != len(g.outputs):
             raise ValueError(f"monoid {self.name!r}: finalize returns {len(g.outputs)} values "
                              f"but outputs names {len(self.outputs)}")
+        if self.outputs is not None and len(set(self.outputs)) != len(self.outputs):
+            raise ValueError(f"monoid {self.name!r}: outputs names must be unique, got "
+                             f"{tuple(self.outputs)}")
         return g
 
     def _block_graph(self, what: str) -> Graph | None:

@@ -869,10 +869,15 @@ def equal(x, y) -> str | None:
     """The canonicalization under which ``x == y`` (a method name), or None."""
     import sympy as sp
     x, y = sp.sympify(x), sp.sympify(y)
-    if x == y:
-        return "identical"
+    # NaN first: SymPy's nan == nan would make a NaN result "identical" on both sides
     if x.has(sp.nan, sp.zoo) or y.has(sp.nan, sp.zoo):
         return None
+    # an infinity inside a term of the symbols (-oo * b) is NaN where the term meets a
+    # zero: equal only when that cannot happen, which is not decided here
+    if any(e.free_symbols and e.has(sp.oo, -sp.oo) for e in (x, y)):
+        return None
+    if x == y:
+        return "identical"
     if x.is_infinite or y.is_infinite:
         return None
     d = x - y
@@ -1329,6 +1334,13 @@ def prove(monoid: Monoid, *, commutativity: bool | None = None, max_paths: int =
     """
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
+    if isinstance(max_paths, bool) or not isinstance(max_paths, int):
+        raise TypeError(f"max_paths: expected an int, got {type(max_paths).__name__}")
+    if max_paths < 1:
+        raise ValueError(f"max_paths: must be at least 1, got {max_paths}")
+    if commutativity is not None and not isinstance(commutativity, bool):
+        raise TypeError(f"commutativity: expected True, False or None, got "
+                        f"{type(commutativity).__name__}")
     if commutativity is None:
         commutativity = monoid.commutative
     names = monoid.field_names

@@ -49,6 +49,9 @@ def prepare_inputs(monoid: Monoid, xs, name: str = "xs") -> tuple[list[np.ndarra
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
     data_inputs = [i for i in monoid.inputs if i.domain != "position"]
+    if not data_inputs:
+        raise ValueError(f"monoid: {monoid.name!r} has no data input (positions are not "
+                         f"data): there is nothing to fold over")
     if len(data_inputs) == 1 and not isinstance(xs, tuple):
         xs = (xs,)
     if not isinstance(xs, (tuple, list)) or len(xs) != len(data_inputs):
