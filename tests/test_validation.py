@@ -106,3 +106,19 @@ def test_prove_checks_its_options():
         ff.prove(SUM, max_paths="a")
     with pytest.raises(TypeError, match="commutativity: expected True, False or None"):
         ff.prove(SUM, commutativity="yes")
+
+
+def test_finalize_of_a_hand_built_state_and_its_parameters():
+    """A state written by hand (numbers, a list) is finalized as a fold's; a wrong number
+    of fields or a parameter that is not a number is refused naming it."""
+    from flashfold.examples import COVARIANCE
+    from flashfold.monoids import LOGSUMEXP, WELFORD
+    assert ff.finalize(LOGSUMEXP, [1.0, 2.0]) == pytest.approx(1.0 + np.log(2.0))
+    with pytest.raises(ValueError, match=r"state: expected one value per field \('n', 'mean', "
+                                         r"'m2'\), got 1 values"):
+        ff.finalize(WELFORD, (1.0,))
+    with pytest.raises(ValueError, match="state: expected one value per field"):
+        ff.finalize(WELFORD, 3.0)
+    state = ff.fold(COVARIANCE, (np.ones(3), np.arange(3.0)))
+    with pytest.raises(TypeError, match="correction: expected a number, got str"):
+        ff.finalize(COVARIANCE, state, correction="1")

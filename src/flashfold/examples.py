@@ -41,8 +41,9 @@ For the affine maps the state column shows the lift of one element. The math of 
   ``w = n_r / n``, ``dx = mean_x_r - mean_x_l``, ``dy = mean_y_r - mean_y_l``:
   ``mean_x = mean_x_l + w dx``, ``mean_y = mean_y_l + w dy``,
   ``c = c_l + c_r + n_l w dx dy``. Finalize ``c / max(n - correction, 0)``
-  (``correction = 1`` as ``torch.cov``): NaN when ``n <= correction``, and NaN when an
-  input is infinite or NaN (the rule of WELFORD).
+  (``correction = 1`` as ``torch.cov``): when ``n <= correction`` +-inf, or NaN where
+  ``c = 0`` (as ``torch.cov``), and NaN when an input is infinite or NaN (the rule of
+  WELFORD).
 * **CORRELATION**: the same merge for ``mxx = sum (x - mean_x)^2``,
   ``myy = sum (y - mean_y)^2`` and ``cxy``; finalize Pearson's
   ``r = cxy / (sqrt(mxx) sqrt(myy))``, clipped to ``[-1, 1]`` as ``numpy.corrcoef``; NaN
@@ -173,7 +174,8 @@ COVARIANCE = Monoid(
     commutative=True, outputs=("cov",),
     doc="Covariance of (x, y) pairs from n, the means and c = sum (x - mean_x)(y - mean_y), "
         "merged by Chan's pairwise formula; finalize c / (n - correction) (correction 1 as "
-        "torch.cov; NaN when n <= correction, and when an input is infinite or NaN).")
+        "torch.cov; when n <= correction +-inf, or NaN where c = 0, as torch.cov; NaN when "
+        "an input is infinite or NaN).")
 
 
 def _corr_combine(l, r):

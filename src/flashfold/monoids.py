@@ -245,8 +245,8 @@ WELFORD = Monoid(
     block_lift=_welford_block,
     commutative=True, outputs=("mean", "var"),
     doc="Welford / Chan-Golub-LeVeque: n, mean, M2 = sum (x - mean)^2; finalize to mean "
-        "and M2 / (n - correction) (NaN when n <= correction, as in torch and NumPy, and "
-        "when an input is infinite or NaN, as in torch). "
+        "and M2 / max(n - correction, 0) (when n <= correction: inf, or NaN where M2 = 0, "
+        "as in torch and NumPy; NaN when an input is infinite or NaN, as in torch). "
         "(n, mean, M2) is (sum 1, sum x, sum x^2) twisted by (n, T/n, W - T^2/n).")
 
 

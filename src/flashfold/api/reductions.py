@@ -565,8 +565,8 @@ def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torc
 
 def var_mean(x: torch.Tensor, dim=None, *, correction=1, keepdim: bool = False):
     """``(var, mean)`` along ``dim`` (as ``torch.var_mean``) from one pass of Welford's
-    state ``(n, mean, M2)``: ``var = M2 / max(n - correction, 0)`` (NaN when
-    ``n <= correction``, as torch). An infinite or NaN element makes ``var`` NaN and
+    state ``(n, mean, M2)``: ``var = M2 / max(n - correction, 0)`` (when ``n <=
+    correction``: inf, or NaN where ``M2 = 0``, as torch). An infinite or NaN element makes ``var`` NaN and
     ``mean`` infinite or NaN, as torch. An empty dim gives ``(nan, nan)``. Differentiable:
     ``dx = g_mean / n + g_var 2 (x - mean) / (n - correction)``, torch's rule."""
     if isinstance(correction, bool) or not isinstance(correction, numbers.Real):

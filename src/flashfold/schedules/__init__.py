@@ -228,9 +228,20 @@ def finalize(monoid: Monoid, state, **params):
     """``monoid.finalize`` of a state from :func:`fold`/:func:`scan` (NumPy arrays).
 
     Returns one array, or a tuple when the monoid has several outputs (e.g. WELFORD's
-    ``(mean, var)``; ``correction=`` is its parameter).
+    ``(mean, var)``; ``correction=`` is its parameter). ``state``: one value (array or
+    number) per field, in field order; ``params``: numbers, by the names the monoid declares.
     """
-    outs = numpy_monoid(monoid).finalize(tuple(state), **params)
+    if not isinstance(monoid, Monoid):
+        raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
+    if not isinstance(state, (tuple, list)) or len(state) != len(monoid.fields):
+        got = f"{len(state)} values" if isinstance(state, (tuple, list)) else type(state).__name__
+        raise ValueError(f"state: expected one value per field {monoid.field_names}, got {got}")
+    for k, v in params.items():                  # (unknown names: the finalize says so)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{k}: expected a number, got {type(v).__name__}")
+    state = tuple(np.asarray(v, dtype=np.int64 if f.dtype == "int" else np.float64)
+                  for f, v in zip(monoid.fields, state))
+    outs = numpy_monoid(monoid).finalize(state, **params)
     return outs[0] if len(outs) == 1 else outs
 
 
