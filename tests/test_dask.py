@@ -333,6 +333,8 @@ def test_invalid_inputs():
         fd.reduce(WELFORD, x, axis=0, corection=1)
     with pytest.raises(ValueError, match="^split_every: "):
         fd.reduce(LOGSUMEXP, x, axis=0, split_every=1)
+    with pytest.raises(ValueError, match="^split_every: .*axis of x"):
+        fd.reduce(LOGSUMEXP, x, axis=0, split_every={5: 2})      # x has 2 axes
     unknown_chunks = x[x[:, 0] > -np.inf]              # chunk sizes are NaN until computed
     with pytest.raises(ValueError, match="^x: .*compute_chunk_sizes"):
         fd.reduce(ARGMAX, unknown_chunks, axis=0)

@@ -163,6 +163,11 @@ def test_transport_validates_its_arguments():
         ff.transport(LOGSUMEXP, base2_rescale, base2_rescale_inverse, name="x", fields=("m",))
     with pytest.raises(TypeError, match="twisted"):
         ff.check_transport("logsumexp", MAX_PLUS, exp_rescale)
+    for kw, words in ((dict(width=0), "width: expected a positive int"),
+                      (dict(scale=float("nan")), "scale: expected a finite number > 0"),
+                      (dict(scale=-1.0), "scale: expected a finite number > 0")):
+        with pytest.raises(ValueError, match=words):
+            ff.check_transport(LOGSUMEXP2, LOGSUMEXP, base2_rescale, **kw)
     with pytest.raises(ValueError, match="trials"):
         ff.check_transport(LOGSUMEXP, MAX_PLUS, exp_rescale, trials=0)
     with pytest.raises(ValueError, match="twisted: has 3 fields"):

@@ -489,9 +489,13 @@ def reduce(monoid: Monoid, x, axis=None, *, keepdims: bool = False, split_every=
         ok = (isinstance(split_every, numbers.Integral) and not isinstance(split_every, bool)
               and split_every >= 2) or (isinstance(split_every, dict) and all(
                   isinstance(v, numbers.Integral) and v >= 2 for v in split_every.values()))
+        if ok and isinstance(split_every, dict):
+            # keys name axes of x (negative ones from the end), as dask reads them
+            ok = all(isinstance(a, numbers.Integral) and not isinstance(a, bool)
+                     and -ndim <= a < ndim for a in split_every)
         if not ok:
-            raise ValueError(f"split_every: expected None, an int >= 2 or a dict axis -> int >= 2, "
-                             f"got {split_every!r}")
+            raise ValueError(f"split_every: expected None, an int >= 2 or a dict axis of x -> "
+                             f"int >= 2, got {split_every!r}")
     kernel = _Kernel(monoid, ndim, axes, packed, width, params)
     arr = _pack(da, kernel, src, ndim) if packed else src
     if not monoid.commutative and many:

@@ -477,6 +477,12 @@ def check_transport(twisted: Monoid, base: Monoid, psi: Callable, psi_inv: Calla
                         f"{type(psi_inv).__name__}")
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
         raise ValueError(f"trials: expected a positive int, got {trials!r}")
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ValueError(f"width: expected a positive int (the vector fields' width), got "
+                         f"{width!r}")
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+            or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
     if len(twisted.fields) != len(base.fields):
         raise ValueError(f"twisted: has {len(twisted.fields)} fields, base {base.name!r} has "
                          f"{len(base.fields)}: psi cannot be a bijection of the carriers")
