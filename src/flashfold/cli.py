@@ -295,7 +295,7 @@ def trace(args) -> int:
 
 def _configure_trace(p):
     p.add_argument("scores", nargs="+", type=float, help="the scores of one row")
-    p.add_argument("--block", type=int, required=True, help="block size")
+    p.add_argument("--block", type=int_at_least(1), required=True, help="block size")
     p.add_argument("--values", nargs="+", metavar="V", help="one comma-separated vector per score")
     p.add_argument("--precision", type=int_at_least(0, 50), default=4,
                    help="decimals printed (default 4)")
