@@ -322,9 +322,15 @@ def env(name: str) -> str | None:
     return None if value is None else os.environ.decodevalue(value)
 
 
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET`` set, not ``0``),
+    as the environment is now."""
+    return env("TRITON_INTERPRET") not in (None, "", "0")
+
+
 def enabled() -> bool:
     """Whether launches may bypass ``kernel[grid]`` (``FLASHFOLD_FAST_LAUNCH=0`` turns it off)."""
-    return (_driver is not None and env("TRITON_INTERPRET") in (None, "", "0")
+    return (_driver is not None and not interpreting()
             and env("FLASHFOLD_FAST_LAUNCH") != "0")
 
 

@@ -133,12 +133,11 @@ class using:
 
     def __init__(self, **changes):
         names = {f.name for f in dataclasses.fields(Policy)}
-        for name, value in changes.items():
+        for name in changes:
             if name not in names:
                 raise TypeError(f"{name}: not a switch of the attention policy (its "
                                 f"switches: {', '.join(sorted(names))})")
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+        Policy(**changes)                       # the values' check, before the block
         self.changes = changes
 
     def __enter__(self) -> Policy:
@@ -149,10 +148,6 @@ class using:
     def __exit__(self, *exc):
         _ACTIVE.leave(self)
         return False
-
-
-def _interpreting() -> bool:
-    return launcher.env("TRITON_INTERPRET") not in (None, "", "0")
 
 
 def forward_gluon(q, k, v, *, scale, softcap=None, left=None, right=None, score_mod=None,
@@ -191,7 +186,7 @@ def backward_gluon(q, k, v, do, *, softcap=None, left=None, right=None, score_mo
 
     policy = policy or current()
     varlen = cu_seqlens_q is not None
-    interpret = _interpreting() if interpret is None else interpret
+    interpret = launcher.interpreting() if interpret is None else interpret
     return (policy.gluon and config is None and atomic_dq is not False and not interpret
             and gluon_bwd.eligible(q, k, v, do, left=left, right=right, softcap=softcap)
             and gluon_bwd.fits_mods(q, v, score_mod=score_mod, mask_mod=mask_mod,

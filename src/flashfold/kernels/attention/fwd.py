@@ -87,7 +87,6 @@ log (the backward wants base 2: multiply by ``log2 e``).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -683,8 +682,7 @@ class FwdConfig:
                 f"{'-tma' if self.use_tma else ''}")
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_interpreting = launcher.interpreting
 
 
 #: Hopper heuristic keyed on the padded head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).

@@ -34,7 +34,6 @@ Layouts: parts ``(S, B, H, N, D)`` / ``(S, B, H, N)`` with any strides; output `
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -116,7 +115,7 @@ def _launch(o1, l1, o2, l2, S, split_strides):
     if R == 0 or D == 0:
         return out, lse
     fns = triton_monoid(ATTENTION)
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = launcher.interpreting()
     block_d = 1 << max(0, D - 1).bit_length()
     block_r = rows_per_program(block_d) if not interpret else 16
     pair = o2 is not None

@@ -56,12 +56,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import os
-
 from ...algebra.evaluate import numpy_monoid
 from ...algebra.ir import Graph, Var, trace
 from ...algebra.lower import Backend
 from ...algebra.monoid import Monoid
+from .. import launcher
 from ..codegen import TRITON, TritonMonoid, _safe, jit_source, load_source, triton_monoid
 
 __all__ = ["ReduceFunctions", "reduce_functions", "RowMap", "row_map", "output_kinds",
@@ -90,7 +89,7 @@ FAST = Backend("triton_fast", {**TRITON.templates, "log2": "_fast_log2({0})",
 def _fast_log2_source() -> str:
     """``_fast_log2``: ``lg2.approx`` when compiling; ``tl.log2`` under the interpreter,
     which has no libdevice (the generated source differs, so its cache key does too)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if launcher.interpreting():
         return "@triton.jit\ndef _fast_log2(x):\n    return tl.log2(x)\n"
     return ("from triton.language.extra import libdevice as _libdevice\n\n\n"
             "@triton.jit\ndef _fast_log2(x):\n    return _libdevice.fast_log2f(x)\n")

@@ -142,7 +142,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -561,8 +560,7 @@ def _opts(cfg: Config) -> dict:
     return opts
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_interpreting = launcher.interpreting
 
 
 #: elements a tile may reach past the end of its range along the dim: a masked tail tile
