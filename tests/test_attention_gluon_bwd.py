@@ -175,7 +175,8 @@ def _compile_all():
         return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass, tma_store="UTMASTG" in sass,
                     red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))), tma_store_asked=kwargs["STORE_TMA"],
                     det=kwargs["DETERMINISTIC"], spin="ld.acquire.gpu" in c.ptx,
-                    varlen=kwargs.get("VARLEN", False))
+                    varlen=kwargs.get("VARLEN", False),
+                    column_bounds=kwargs.get("COLUMN_BOUNDS", False))
 
     emit_rows(VARIANTS, facts)
 
@@ -198,6 +199,9 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     # dK, dV leave by TMA stores exactly in the variants that ask for them
     assert r["tma_store"] == r["tma_store_asked"]
     assert r["varlen"] == vid.startswith("varlen-") and not (r["varlen"] and r["tma_store"])
+    # a document mask's columns are intervals of queries, read once per key and head (the
+    # recurring documents' are not: their table is read per pair)
+    assert r["column_bounds"] == vid.startswith("mask-documents"), r
 
 
 @pytest.mark.parametrize("early, late", [("dense", "dense-late-stats"),

@@ -526,7 +526,7 @@ if gluon is not None:
                q_len, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                SOFTCAP: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
                VARLEN: gl.constexpr = False, mod=None, kind=0, SCORE_MOD: gl.constexpr = None,
-               MASK_FN: gl.constexpr = None):
+               MASK_FN: gl.constexpr = None, BOUNDS: gl.constexpr = False):
         """``(P^T, rc)`` of a step's scores ``st`` (keys x queries ``row0 + qcols``)
         against the rows' ``lambda``: ATTENTION2's weights (generated: ``2^(x c log2 e -
         lambda)``, ``c = step_scale``); ``x = qk``, ``c = scale``, or with ``SOFTCAP`` ``x =
@@ -548,7 +548,12 @@ if gluon is not None:
         derivative, times ``4 rc (1 - rc)`` with ``SOFTCAP``), and rows past ``q_len``
         get ``P = 0`` (a mod's score of a zero row could overflow ``P``). ``MASK_FN`` (a
         block mask's mask_mod): ``P = 0`` where it hides the pair in a PARTIAL tile
-        (``kind`` 1; FULL tiles, 0, evaluate nothing)."""
+        (``kind`` 1; FULL tiles, 0, evaluate nothing). ``BOUNDS``: the mask is each key's
+        interval of queries, which the caller has intersected with ``[first_row,
+        last_row]`` (``last_row = -1`` for a key past Nk): every tile keeps ``first_row <=
+        r <= last_row`` (FULL tiles alike: the interval holds their rows), and nothing
+        else is evaluated (two compares and one select per pair; the forward's single
+        unsigned compare, ``r - first_row < count``, compiled to more instructions here)."""
         rc = st
         if SOFTCAP:
             rc = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
@@ -570,15 +575,18 @@ if gluon is not None:
             p = gl.where(rows < q_len, p, 0.0)
         else:
             p = WEIGHTS(lam[None, :], x, step_scale)[0]
-        if MASK_FN is not None:
-            vis = MASK_FN(b, hq, rows, keys[:, None], mask_bufs) != 0
-            p = gl.where((kind == 0) | vis, p, 0.0)
-        if MASK_RIGHT:
-            p = gl.where(first_row[:, None] <= rows, p, 0.0)
-        elif MASK_TAIL_KEYS:
-            p = gl.where(key_ok[:, None], p, 0.0)
-        if MASK_LEFT:
-            p = gl.where(rows <= last_row[:, None], p, 0.0)
+        if BOUNDS:
+            p = gl.where((first_row[:, None] <= rows) & (rows <= last_row[:, None]), p, 0.0)
+        else:
+            if MASK_FN is not None:
+                vis = MASK_FN(b, hq, rows, keys[:, None], mask_bufs) != 0
+                p = gl.where((kind == 0) | vis, p, 0.0)
+            if MASK_RIGHT:
+                p = gl.where(first_row[:, None] <= rows, p, 0.0)
+            elif MASK_TAIL_KEYS:
+                p = gl.where(key_ok[:, None], p, 0.0)
+            if MASK_LEFT:
+                p = gl.where(rows <= last_row[:, None], p, 0.0)
         if VARLEN:
             p = gl.where(rows < q_len, p, 0.0)
         return p, rc
@@ -592,7 +600,8 @@ if gluon is not None:
                        PERSISTENT: gl.constexpr, LATE_STATS: gl.constexpr,
                        MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
                        DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr,
-                       SCORE_MOD: gl.constexpr = None, MASK_FN: gl.constexpr = None):
+                       SCORE_MOD: gl.constexpr = None, MASK_FN: gl.constexpr = None,
+                       COLUMN_BOUNDS: gl.constexpr = False):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
         position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
         over every step and add the previous step's dQ columns ``64 WG ..`` (see the
@@ -620,7 +629,7 @@ if gluon is not None:
                                 BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                 STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
                                 MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, False, SCORE_MOD,
-                                MASK_FN)
+                                MASK_FN, None, COLUMN_BOUNDS)
         return j
 
     @gluon.jit
@@ -633,7 +642,8 @@ if gluon is not None:
                         LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
                         WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
                         VARLEN: gl.constexpr, SCORE_MOD: gl.constexpr = None,
-                        MASK_FN: gl.constexpr = None, seq=None):
+                        MASK_FN: gl.constexpr = None, seq=None,
+                        COLUMN_BOUNDS: gl.constexpr = False):
         """:func:`_consumer_tile`'s work on its key tile ``n`` of ``(b, hk)`` (rows from
         ``qs`` and keys from ``ks`` of a sequence of ``q_len`` rows and ``kv_len`` keys,
         with ``VARLEN`` the sequence ``seq``, the mods' ``b``; query tiles ``m_lo .. m_hi``
@@ -709,6 +719,19 @@ if gluon is not None:
             walk = (0, 0, 0)
             if MASK_FN is not None:
                 m_lo, m_hi, m_0, walk = _column_walk(bm, b, hq, n)
+            rows_lo = first_row
+            rows_hi = last_row
+            if COLUMN_BOUNDS:
+                # the mask's interval of queries per key (MASK_FN gives its bounds, for
+                # this query head), within the rows above; none for a key past Nk
+                lo, hi = MASK_FN(mb, hq, 0, keys, mask_bufs)
+                if MASK_RIGHT:
+                    rows_lo = gl.maximum(rows_lo, lo)
+                else:
+                    rows_lo = lo
+                if MASK_LEFT:
+                    hi = gl.minimum(rows_hi, hi)
+                rows_hi = gl.where(key_ok, hi, -1)
             for i in range(m_lo, m_hi):
                 m = _query_tile(i, m_lo, m_0, m_hi, DOWN)
                 kind = 0
@@ -733,11 +756,11 @@ if gluon is not None:
                 if LATE_STATS:
                     lam = lam_bufs.index(slot).reshape([BLOCK_M]).load(
                         gl.SliceLayout(0, s_layout))
-                p, rc = _probs(st, lam, m * BLOCK_M, qcols, first_row, last_row, key_ok,
+                p, rc = _probs(st, lam, m * BLOCK_M, qcols, rows_lo, rows_hi, key_ok,
                                qk_scale, step_scale, q_len, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                MASK_TAIL_KEYS, WEIGHTS, VARLEN,
                                (mb, hq, keys, mod_bufs, mod_scale, mask_bufs), kind,
-                               SCORE_MOD, MASK_FN)
+                               SCORE_MOD, MASK_FN, COLUMN_BOUNDS)
                 pa = gl.convert_layout(p.to(dtype), a_layout)
                 dv = warpgroup_mma(pa, do_s.slice(0, D_A, dim=1), dv, is_async=True)
                 if D_B > 0:
@@ -855,7 +878,7 @@ if gluon is not None:
                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
                       WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
                       VARLEN: gl.constexpr, SCORE_MOD: gl.constexpr = None,
-                      MASK_FN: gl.constexpr = None):
+                      MASK_FN: gl.constexpr = None, COLUMN_BOUNDS: gl.constexpr = False):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
         key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
         counting on across tiles. The first step of a tile adds the product of a zeroed
@@ -875,14 +898,14 @@ if gluon is not None:
                                    BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
                                    MASK_RIGHT, SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT,
                                    LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, False, False,
-                                   SCORE_MOD, MASK_FN)
+                                   SCORE_MOD, MASK_FN, COLUMN_BOUNDS)
                 r += 1
         else:
             _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, seqs, mods,
                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                            SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
                            MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, VARLEN, SCORE_MOD,
-                           MASK_FN)
+                           MASK_FN, COLUMN_BOUNDS)
         tma.store_wait(0)
 
     @gluon.jit
@@ -1094,7 +1117,7 @@ if gluon is not None:
                      BLOCK_DV: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
                      DQ_SPLIT: gl.constexpr = 0, DS_RING: gl.constexpr = 2,
                      VARLEN: gl.constexpr = False, SCORE_MOD: gl.constexpr = None,
-                     MASK_FN: gl.constexpr = None):
+                     MASK_FN: gl.constexpr = None, COLUMN_BOUNDS: gl.constexpr = False):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -1220,12 +1243,12 @@ if gluon is not None:
                                      BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
                                      MASK_RIGHT, SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT,
                                      LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, True, VARLEN,
-                                     SCORE_MOD, MASK_FN)),
+                                     SCORE_MOD, MASK_FN, COLUMN_BOUNDS)),
                     (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, mods, BLOCK_M,
                                      BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
                                      MASK_RIGHT, SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT,
                                      LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, True, VARLEN,
-                                     SCORE_MOD, MASK_FN)),
+                                     SCORE_MOD, MASK_FN, COLUMN_BOUNDS)),
                     (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
                                      STAGES, MASK_LEFT, MASK_RIGHT, PERSISTENT,
                                      DETERMINISTIC, VARLEN, MASK_FN)),
@@ -1240,12 +1263,12 @@ if gluon is not None:
                                      BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
                                      MASK_RIGHT, SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT,
                                      LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, False, VARLEN,
-                                     SCORE_MOD, MASK_FN)),
+                                     SCORE_MOD, MASK_FN, COLUMN_BOUNDS)),
                     (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, mods, BLOCK_M,
                                      BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
                                      MASK_RIGHT, SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT,
                                      LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, False, VARLEN,
-                                     SCORE_MOD, MASK_FN)),
+                                     SCORE_MOD, MASK_FN, COLUMN_BOUNDS)),
                     (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
                                      STAGES, MASK_LEFT, MASK_RIGHT, PERSISTENT,
                                      DETERMINISTIC, VARLEN, MASK_FN)),
@@ -1385,6 +1408,15 @@ def _block_mask_args(block_mask, device) -> tuple:
           Hm * nN * nM if Bm > 1 else 0, nN * nM if Hm > 1 else 0, nM,
           block_mask.BLOCK_SIZE[1] // BLOCK_N)
     return bm, block_mask.column_mod.buffer_args(device)
+
+
+def _mask_fn(block_mask) -> dict:
+    """``MASK_FN`` and ``COLUMN_BOUNDS`` of a call (:meth:`.mods.BlockMask.gluon_mask`): a
+    block mask whose columns are each one interval of queries gives the intervals'
+    bounds, which each key tile reads once per query head; another, its column mask,
+    evaluated per pair in the PARTIAL tiles; none, None."""
+    fn, columns = (None, False) if block_mask is None else block_mask.gluon_mask("queries")
+    return dict(MASK_FN=fn, COLUMN_BOUNDS=columns)
 
 
 def store_tma(bounded: bool, steps: int) -> bool:
@@ -1688,8 +1720,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                   DETERMINISTIC=counters is not None, VARLEN=varlen,
                   SCORE_MOD=score_grad_fn(score_mod, gluon=True) if score_mod is not None
                   else None,
-                  MASK_FN=block_mask.column_mod.gluon_fn() if block_mask is not None else None,
-                  num_warps=4, maxnreg=MAXNREG)
+                  **_mask_fn(block_mask), num_warps=4, maxnreg=MAXNREG)
     programs = n_n * B * Hk
     if persistent:
         n_sms = gluon_fwd.num_sms(q) if persistent is True else int(persistent)

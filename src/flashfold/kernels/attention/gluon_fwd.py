@@ -1313,15 +1313,12 @@ def _constexprs(plan, left, right, softcap, return_lse, pingpong, *, varlen: boo
 
 
 def _mask_fn(block_mask) -> dict:
-    """``MASK_FN`` and ``ROW_BOUNDS`` of a call. A block mask whose rows are each one
-    interval of keys (its ``row_mod`` is :func:`.mods.as_intervals`'s): the intervals'
-    bounds, which the kernel intersects with its own row bounds once per item, and
-    ``ROW_BOUNDS``; another block mask: its row mask's Gluon function, evaluated per pair;
-    none: None."""
-    mod = None if block_mask is None else block_mask.row_mod
-    rows = mod is not None and mod.intervals is not None
-    return dict(MASK_FN=None if mod is None else (mod.bounds_fn() if rows else mod.gluon_fn()),
-                ROW_BOUNDS=rows)
+    """``MASK_FN`` and ``ROW_BOUNDS`` of a call (:meth:`.mods.BlockMask.gluon_mask`): a
+    block mask whose rows are each one interval of keys gives the intervals' bounds, which
+    the kernel intersects with its own row bounds once per item; another, its row mask,
+    evaluated per pair; none, None."""
+    fn, rows = (None, False) if block_mask is None else block_mask.gluon_mask("keys")
+    return dict(MASK_FN=fn, ROW_BOUNDS=rows)
 
 
 #: the widest q/k tile whose calls walk block masks: the 256-wide plans' key loops spill

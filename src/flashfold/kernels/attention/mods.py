@@ -725,6 +725,20 @@ class BlockMask:
     def device(self):
         return self.state.device
 
+    def gluon_mask(self, walk: str):
+        """``(MASK_FN, BOUNDS)`` for a Gluon kernel that walks a query tile's keys (``walk
+        = "keys"``: the forward, :attr:`row_mod`) or a key tile's queries (``"queries"``:
+        the backward's dK, dV, :attr:`column_mod`). Where every row (column) is one
+        interval, the intervals' :meth:`TracedMod.bounds_fn` and True: the kernel reads
+        each row's (column's) bounds once and compares each pair against them; otherwise
+        the mask's :meth:`TracedMod.gluon_fn`, evaluated per pair, and False."""
+        if walk not in ("keys", "queries"):
+            raise ValueError(f"walk: 'keys' or 'queries', got {walk!r}")
+        mod = self.row_mod if walk == "keys" else self.column_mod
+        if mod.intervals is not None:
+            return mod.bounds_fn(), True
+        return mod.gluon_fn(), False
+
     def sparsity(self) -> float:
         """Fraction of tiles skipped (EMPTY)."""
         return float((self.state == EMPTY).float().mean())
