@@ -343,6 +343,27 @@ def test_block_mask_cache_follows_buffer_versions():
     assert b is not a and int(b.state.flatten()[0]) == FULL
 
 
+def test_inference_tensors_are_read_at_every_call():
+    """Tensors made under ``torch.inference_mode`` have no version counter: offsets and a
+    mask's tables made there work (they used to raise "Inference tensors do not track
+    version counter"), and a write in place between two calls is seen by the second."""
+    with torch.inference_mode():
+        q, k, v = make_qkv(Shape(1, 2, 2, 12, 12, 8), torch.float64)
+        cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+        lengths = torch.tensor([9])
+        pad = mods.key_padding_mask(lengths)
+        for split, keep in ((4, 9), (7, 5)):
+            cu[1] = split
+            lengths.fill_(keep)
+            o = flashfold.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+            want = torch.cat([oracle(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])[0]
+                              for a, b in ((0, split), (split, 12))], 2)
+            assert_close(o, want, "float64", name=f"o, sequences split at {split}")
+            o = flashfold.attention(q, k, v, mask_mod=pad)
+            want = oracle(q, k, v, mask_mod=mods.key_padding_mask(torch.tensor([keep])))[0]
+            assert_close(o, want, "float64", name=f"o, {keep} keys kept")
+
+
 # --- mods helpers ---------------------------------------------------------------------------------
 
 def test_alibi_slopes():

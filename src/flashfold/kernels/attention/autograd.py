@@ -172,7 +172,11 @@ _LENGTHS_SIZE = 64
 
 
 def remember_lengths(cu, lens):
-    """Note that ``cu`` (at its current version) holds the sequence lengths ``lens``."""
+    """Note that ``cu`` (at its current version) holds the sequence lengths ``lens``. An
+    inference tensor has no version (:func:`.mods.version`): nothing is noted, and each
+    call reads it."""
+    if cu.is_inference():
+        return
     if len(_LENGTHS) >= _LENGTHS_SIZE:
         _LENGTHS.clear()
     _LENGTHS[id(cu)] = (weakref.ref(cu), cu._version, lens)
@@ -182,7 +186,7 @@ def known_lengths(cu):
     """The lengths :func:`remember_lengths` noted for ``cu`` at its current version, else
     None."""
     hit = _LENGTHS.get(id(cu))
-    if hit is not None and hit[0]() is cu and hit[1] == cu._version:
+    if hit is not None and hit[0]() is cu and not cu.is_inference() and hit[1] == cu._version:
         return hit[2]
     return None
 

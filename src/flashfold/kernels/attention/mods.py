@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import threading
 import weakref
@@ -137,7 +138,7 @@ class TracedMod:
         out = []
         for b in self.buffers:
             data = b.data
-            out.append((id(data), _data_ptr(data), getattr(data, "_version", 0), b.shape))
+            out.append((id(data), _data_ptr(data), version(data), b.shape))
         return tuple(out)
 
     def check_tables(self, B, H, Nq, Nk):
@@ -277,6 +278,19 @@ def plan_tables(score_mod: TracedMod | None, block_mask: "BlockMask | None", dev
         for m in {id(m): m for m in (bm.row_mod, bm.column_mod)}.values():
             out += m.buffer_args(device)[0::2]
     return out
+
+
+_UNTRACKED = itertools.count()
+
+
+def version(data):
+    """A tensor's write counter, as a cache-key component: ``t._version``, which every
+    in-place write bumps. An inference tensor (made under ``torch.inference_mode``) has
+    none and may be written in place unseen, so each call gets a new value and the
+    caches keyed on it miss; NumPy arrays and lists give 0."""
+    if isinstance(data, torch.Tensor) and data.is_inference():
+        return ("inference", next(_UNTRACKED))
+    return getattr(data, "_version", 0)
 
 
 def _data_ptr(data) -> int:
