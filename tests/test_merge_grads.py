@@ -136,3 +136,24 @@ def test_a_nan_reaches_only_the_gradients_that_depend_on_it(path):
     bad_l[:, :, :, 2] = False
     bad_o[:, :, :, 2, 0] = False
     assert not bad_l.any() and not bad_o.any()
+
+
+def test_float64_parts_get_float64_gradients():
+    """Float64 parts: gradients to float64 accuracy. The merged lse that ``merge_states``
+    returns is float32; weights built from it bounded the gradients at ~1e-7 relative
+    (gradcheck failed), so the backward recomputes it from the parts."""
+    outs, lses = _parts(5, torch.float64)
+    lses = lses.double()
+    outs, lses = outs.requires_grad_(), lses.requires_grad_()
+    o, lse = flashfold.merge_states(outs, lses)
+    g = torch.Generator().manual_seed(6)
+    g_o, g_l = (torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (o, lse))
+    g_l = g_l.float().double()        # (lse is float32: the gradient reaching it is too)
+    loss = (o * g_o).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * g_l).sum()
+    d_o, d_l = torch.autograd.grad(loss, (outs, lses))
+    assert d_o.dtype == d_l.dtype == torch.float64
+    w_o, w_l = _oracle(outs, lses, g_o, g_l)
+    assert_close(d_o, w_o, "float64", name="d outs")
+    assert_close(d_l, w_l, "float64", name="d lses")
+    a, b = (t[:, :1, :1, :3].detach().clone().requires_grad_() for t in (outs, lses))
+    assert torch.autograd.gradcheck(lambda x, y: flashfold.merge_states(x, y)[0], (a, b))

@@ -443,10 +443,10 @@ torch.library.register_autograd("flashfold::attn_fwd", _backward, setup_context=
 
 # --- merge_states: the same gradient on every device -----------------------------------------
 
-def merge_grads(do, dlse, outs, lses, o, lse):
+def merge_grads(do, dlse, outs, lses, o):
     r"""Gradients of :func:`flashfold.merge_states` with respect to its parts: ``(d outs,
     d lses)`` for stacked parts ``outs (S, ..., D)``, ``lses (S, ...)`` and the merged
-    ``o (..., D)``, ``lse (...)`` (``do`` / ``dlse`` may be None: no gradient).
+    ``o (..., D)`` (``do`` / ``dlse`` may be None: no gradient).
 
     With :math:`w_s = e^{lse_s - lse}` (0 for an empty part, ``lse_s = -inf``, also when
     every part is empty), :math:`o = \sum_s w_s o_s` and :math:`\partial lse /
@@ -455,10 +455,13 @@ def merge_grads(do, dlse, outs, lses, o, lse):
     .. math::  \bar o_s = w_s \bar o, \qquad
                \bar{lse}_s = w_s \left(\overline{lse} + \langle \bar o, o_s - o\rangle\right)
 
-    computed in float32 (float64 for float64 parts), returned in the parts' dtypes."""
+    computed in float32 (float64 for float64 parts), returned in the parts' dtypes, with
+    the merged ``lse`` recomputed from ``lses`` in that precision (the one
+    ``merge_states`` returns is float32, whose rounding would bound float64 gradients at
+    ~1e-7)."""
     cd = torch.float64 if outs.dtype == torch.float64 else torch.float32
     ls = lses.to(cd)
-    w = torch.where(ls == -math.inf, 0.0, torch.exp(ls - lse.to(cd).unsqueeze(0)))
+    w = torch.where(ls == -math.inf, 0.0, torch.exp(ls - torch.logsumexp(ls, 0, keepdim=True)))
     # a part with no weight gets 0, whatever the other values (a non-finite o_s or d o
     # times its zero weight is not a gradient of it)
     empty = w == 0
@@ -506,13 +509,13 @@ def _as4(t, has_d, split=False):
     return t
 
 
-def _merge_backward(parts, o, lse, do, dlse) -> list:
+def _merge_backward(parts, o, do, dlse) -> list:
     """:func:`merge_grads` for the parts as given (pair or stacked): one gradient each."""
     if len(parts) == 4:
         outs, lses = torch.stack(parts[0::2]), torch.stack(parts[1::2])
     else:
         outs, lses = parts
-    d_outs, d_lses = merge_grads(do, dlse, outs, lses, o, lse)
+    d_outs, d_lses = merge_grads(do, dlse, outs, lses, o)
     if len(parts) == 2:
         return [d_outs, d_lses]
     pick = (lambda g, s: None if g is None else g[s])  # noqa: E731
@@ -526,15 +529,15 @@ class MergeStates(torch.autograd.Function):
     @staticmethod
     def forward(ctx, use_kernel, *parts):
         o, lse = merge_impl(parts, use_kernel)
-        ctx.save_for_backward(*parts, o, lse)
+        ctx.save_for_backward(*parts, o)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
-        *parts, o, lse = ctx.saved_tensors
-        return None, *_merge_backward(parts, o, lse, do, dlse)
+        *parts, o = ctx.saved_tensors
+        return None, *_merge_backward(parts, o, do, dlse)
 
 
 @torch.library.custom_op("flashfold::merge_states", mutates_args=())
@@ -553,13 +556,13 @@ def _merge_op_fake(parts, use_kernel):
 
 
 def _merge_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[0], *output)
+    ctx.save_for_backward(*inputs[0], output[0])
     ctx.set_materialize_grads(False)
 
 
 def _merge_op_backward(ctx, do, dlse):
-    *parts, o, lse = ctx.saved_tensors
-    return _merge_backward(parts, o, lse, do, dlse), None
+    *parts, o = ctx.saved_tensors
+    return _merge_backward(parts, o, do, dlse), None
 
 
 torch.library.register_autograd("flashfold::merge_states", _merge_op_backward,
