@@ -543,3 +543,19 @@ def test_dims_as_numpy_integers_and_a_scalars_dim_are_checked_as_torch_checks_th
         ff.softmax(s, 5)
     with pytest.raises(TypeError, match="dim: expected an int, got str"):
         ff.softmax(s, "a")
+    # a tuple of dims of a 0-d tensor too (it used to be accepted whatever it held)
+    assert ff.reduce(SUM, s, (0,)).item() == ff.reduce(SUM, s, (-1,)).item() == 2.0
+    with pytest.raises(IndexError, match="dim: 5 is out of range"):
+        ff.reduce(SUM, s, (5,))
+    with pytest.raises(TypeError, match="dim: expected an int, got str"):
+        ff.reduce(SUM, s, ("a",))
+    with pytest.raises(ValueError, match="names a dim twice"):
+        ff.reduce(SUM, s, (0, -1))
+
+
+def test_scan_of_a_list_of_tensors_is_the_tensor_scan():
+    """``flashfold.scan`` routes a list of tensors as a tuple (``reduce`` takes both); it
+    used to run the reference scan over axis 0, returning prefix states."""
+    s, v = data((2, 5), torch.float32), data((2, 5, 3), torch.float32)
+    a, b = ff.scan(ATTENTION, (s, v)), ff.scan(ATTENTION, [s, v])
+    assert type(a) is type(b) and all(torch.equal(x, y) for x, y in zip(a, b))

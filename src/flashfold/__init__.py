@@ -45,8 +45,8 @@ _LAZY = {
 def scan(monoid, xs, *args, **kwargs):
     """Inclusive prefix scan of ``xs`` with ``monoid``.
 
-    * a ``torch.Tensor`` (a subclass included), or a tuple of them (a monoid of several
-      inputs): the tensor scan,
+    * a ``torch.Tensor`` (a subclass included), or a tuple or list of them (a monoid of
+      several inputs): the tensor scan,
       :func:`flashfold.api.reductions.scan` (``dim=-1``; returns the finalized prefix
       results, computed by a generated kernel on CUDA);
     * anything else (NumPy arrays, lists, array-likes): the reference scan,
@@ -57,7 +57,8 @@ def scan(monoid, xs, *args, **kwargs):
     """
     torch = _sys.modules.get("torch")
     if torch is not None and (isinstance(xs, torch.Tensor) or (
-            isinstance(xs, tuple) and xs and all(isinstance(t, torch.Tensor) for t in xs))):
+            isinstance(xs, (tuple, list)) and xs
+            and all(isinstance(t, torch.Tensor) for t in xs))):
         from .api.reductions import scan as tensor_scan
         return tensor_scan(monoid, xs, *args, **kwargs)
     from .schedules import scan as reference_scan

@@ -256,7 +256,9 @@ def _reduced_view(x: torch.Tensor, dim):
     against the general path (which reads ``x.dim()`` and ``x.shape`` per dim)."""
     ndim = x.dim()
     if ndim == 0:
-        if dim is not None and not isinstance(dim, (tuple, list)):
+        if isinstance(dim, (tuple, list)):
+            _dims_of(dim, 0)
+        elif dim is not None:
             _norm_dim(dim, 0)
         return x.reshape(1), 0, (), ()
     shape = tuple(x.shape)
