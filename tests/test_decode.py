@@ -201,6 +201,25 @@ def test_append_kv_builds_the_cache(paged):
         ff.append_kv(kc, vc, full.k[:, :, :1].double(), full.v[:, :, :1].double(), lens, table)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_unchecked_append_out_of_range_raises_rather_than_wraps(paged):
+    """``check_lengths=False``: a position out of range trips the index check, a negative
+    one too (it used to wrap to the row's end and write there without a word)."""
+    if paged:
+        cache = ff.PagedKVCache.allocate(1, 16, 1, 8, page_size=8, dtype=torch.float32)
+        kc, vc, table = cache.k_pages, cache.v_pages, cache.block_table
+    else:
+        kc, vc, table = torch.zeros(1, 1, 16, 8), torch.zeros(1, 1, 16, 8), None
+    new = torch.ones(1, 1, 1, 8)
+    for bad in (-1, 16):
+        with pytest.raises(IndexError):
+            ff.append_kv(kc, vc, new, new, torch.tensor([bad], dtype=torch.int32), table,
+                         check_lengths=False)
+        assert not kc.any() and not vc.any()
+    assert ff.append_kv(kc, vc, new, new, torch.tensor([15], dtype=torch.int32), table,
+                        check_lengths=False).tolist() == [16]
+
+
 def test_paged_kv_cache_helper():
     cache = ff.PagedKVCache.allocate(3, 20, 2, 16, page_size=8, dtype=torch.float32)
     assert repr(cache) == ("PagedKVCache(batch=3, capacity=24, page_size=8, num_pages=9, "

@@ -131,6 +131,7 @@ def test_the_interval_of_an_index_is_exact():
     (dict(dtype="bf16"), TypeError, r"dtype must be a torch.dtype"),
     (dict(dtype=torch.int32), TypeError, r"dtype must be one of"),
     (dict(shuffle=1), TypeError, r"shuffle must be a bool"),
+    (dict(shuffle=True, seed=2 ** 70), ValueError, r"seed must fit in 64 bits"),
 ])
 def test_paged_kv_cache_allocate_checks_its_arguments(kw, exc, match):
     args = dict(batch=2, max_len=32, heads_kv=2, head_dim=16, dtype=torch.float32)

@@ -445,7 +445,8 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     Returns the new lengths ``cache_seqlens + n_new`` as a new tensor (``cache_seqlens`` is
     not modified). The capacity and page checks run on the host when ``cache_seqlens`` is
     on the CPU or ``check_lengths=True`` (a synchronisation on CUDA); otherwise an
-    out-of-range position trips torch's device-side index check.
+    out-of-range position, negative or past the capacity, trips torch's device-side index
+    check.
     """
     for x, name in ((k_new, "k_new"), (v_new, "v_new")):
         _tensor(x, name)
@@ -497,6 +498,10 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     if n_new == 0:
         return cache_seqlens.clone()
     pos = cache_seqlens.to(torch.int64)[:, None] + torch.arange(n_new, device=k_cache.device)
+    if not check_lengths:
+        # a negative position would wrap around to the row's end: one past the capacity
+        # trips the index check instead, as a position past the end does
+        pos = pos.masked_fill(pos < 0, capacity)
     rows = torch.arange(batch, device=k_cache.device)[:, None].expand(batch, n_new)
     if fp8:
         k_new, v_new = quantize_fp8_cache(k_new, k_descale), quantize_fp8_cache(v_new, v_descale)
@@ -579,6 +584,8 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be an int >= 1, got {x}")
         if head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+        if not -(1 << 63) <= seed < (1 << 64):       # (torch.Generator's seeds)
+            raise ValueError(f"seed must fit in 64 bits, got {seed}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
         if dtype not in _CPU_DTYPES + (FP8,):
