@@ -131,7 +131,35 @@ VARIANTS = [("d64", 64, 64, {}, False, "bfloat16", True),
             ("d80-mod-alibi-softcap", 80, 80, {"mod": "alibi", "softcap": 30.0}, False,
              "bfloat16", True),
             ("d96-varlen-window-lse", 96, 96, {"varlen": True, "left": 100, "right": 20},
-             True, "bfloat16", False)]
+             True, "bfloat16", False),
+            # FP8 (E4M3 q, k, v with descales; v keys-contiguous, Nk a multiple of 16 keys):
+            # the same flags on 8-bit tiles, the output in out_dtype (bf16 unless named)
+            ("d128-fp8", 128, 128, {"nk": 1024}, False, "float8_e4m3fn", True),
+            ("d128-fp8-no-pingpong", 128, 128, {"nk": 1024}, True, "float8_e4m3fn", False),
+            ("d128-causal-lse-fp8", 128, 128, {"causal": True, "nk": 1024}, True,
+             "float8_e4m3fn", True),
+            ("d128-softcap-causal-window-lse-fp8", 128, 128,
+             {"softcap": 50.0, "causal": True, "left": 300, "nk": 1024}, True, "float8_e4m3fn",
+             True),
+            ("d128-causal-empty-lse-fp8", 128, 128, {"causal": True, "nk": 512}, True,
+             "float8_e4m3fn", True),
+            ("d64-window-lse-fp8-out-fp16", 64, 64,
+             {"left": 100, "right": 20, "nk": 1024, "out_dtype": "float16"}, True,
+             "float8_e4m3fn", True),
+            ("d256-causal-lse-fp8", 256, 256, {"causal": True, "nk": 1024}, True,
+             "float8_e4m3fn", True),
+            ("d256-fp8-out-fp32", 256, 256, {"nk": 1024, "out_dtype": "float32"}, False,
+             "float8_e4m3fn", True),
+            ("d192-128-lse-fp8", 192, 128, {"nk": 1024}, True, "float8_e4m3fn", True),
+            ("d96-causal-fp8", 96, 96, {"causal": True, "nk": 1024}, False, "float8_e4m3fn",
+             True),
+            # packed: a sequence's key tiles start at its first key rounded down to 16
+            # (_first_key), under the left bound every packed FP8 call has
+            ("d128-varlen-causal-lse-fp8", 128, 128, {"varlen": True, "causal": True,
+                                                      "nk": 1024}, True, "float8_e4m3fn",
+             True),
+            ("d64-varlen-window-lse-fp8", 64, 64, {"varlen": True, "left": 100, "right": 20,
+                                                   "nk": 1024}, True, "float8_e4m3fn", False)]
 
 
 def _block_mask(name, nq, nk):
@@ -171,22 +199,29 @@ VARLEN_CU = [0, 100, 700, 1000]
 
 
 def _key_loops(sass: str):
-    """``(start, end)`` addresses of the innermost loops that issue ``HGMMA`` (the key
-    loops) and the addresses of local-memory accesses, from ``cuobjdump -sass``. A loop
-    is a predicated branch back to an earlier address; unpredicated ones are the jumps
-    back from the out-of-line retries of mbarrier waits, not loops."""
+    """``(start, end)`` addresses of the innermost loops that issue ``HGMMA`` (16-bit
+    operands) or ``QGMMA`` (8-bit) (the key loops), the addresses of local-memory
+    accesses, and the instruction counts of the first key loop (all; wgmma, without the
+    warpgroup fences; and the instructions FP8 adds: ``SHFL``, ``PRMT``, ``FMUL``,
+    ``F2FP``), from ``cuobjdump -sass``. A loop is a predicated branch back to an earlier
+    address; unpredicated ones are the jumps back from the out-of-line retries of
+    mbarrier waits, not loops."""
     ops = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
     loops = []
     for addr, op in ops:
         m = re.match(r"@!?U?P\d\s+BRA\s+(0x[0-9a-f]+)", op)
         if m and int(m.group(1), 16) < addr:
             loops.append((int(m.group(1), 16), addr))
-    mma = [a for a, op in ops if "HGMMA" in op]
+    mma = [a for a, op in ops if re.search(r"[HQ]GMMA", op)]
     with_mma = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi for a in mma)]
     inner = [(lo, hi) for lo, hi in with_mma
              if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in with_mma)]
     local = [a for a, op in ops if re.search(r"\b(LDL|STL)\b", op)]
-    return inner, local
+    body = [op for a, op in ops if inner and inner[0][0] <= a <= inner[0][1]]
+    counts = dict(all=len(body), gmma=sum(bool(re.search(r"[HQ]GMMA\.", op)) for op in body),
+                  **{name: sum(bool(re.match(rf"(@\S+\s+)?{name}\b", op)) for op in body)
+                     for name in ("SHFL", "PRMT", "FMUL", "F2FP")})
+    return inner, local, counts
 
 
 def _compile_all():
@@ -197,6 +232,8 @@ def _compile_all():
     def facts(d, dv, options, lse, dtype, pingpong):
         options = dict(options)
         nk = options.pop("nk", 1000)
+        fp8 = dtype == "float8_e4m3fn"
+        out_dtype = getattr(torch, options.pop("out_dtype", "bfloat16"))
         if "mod" in options:
             options["score_mod"] = _score_mod(options.pop("mod"), 4)
         if "mask" in options:
@@ -204,22 +241,36 @@ def _compile_all():
         batch = 2
         if options.pop("varlen", False):
             cu = torch.tensor(VARLEN_CU, dtype=torch.int32)
+            cu_k = torch.tensor(VARLEN_CU[:-1] + [nk], dtype=torch.int32)
             longest = int((cu[1:] - cu[:-1]).max())
-            options.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                           max_seqlen_k=longest,
+            options.update(cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=longest,
+                           max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()),
                            flags=torch.zeros((len(cu) - 1) * 4 * -(-longest // 64),
                                              dtype=torch.int32))
             batch = 1
         q = torch.empty(batch, 4, 1000, d, dtype=getattr(torch, dtype))
         k = torch.empty(batch, 2, nk, d, dtype=q.dtype)
         v = torch.empty(batch, 2, nk, dv, dtype=q.dtype)
+        if fp8:
+            # (keys-contiguous, as flashfold.attention passes an E4M3 v; factors per
+            # batch or sequence and KV head)
+            v = torch.empty(batch, 2, dv, nk, dtype=q.dtype).transpose(2, 3)
+            rows = len(VARLEN_CU) - 1 if "cu_seqlens_q" in options else batch
+            options.update(descales=tuple(torch.empty(rows, 2) for _ in range(3)),
+                           out_dtype=out_dtype)
         (kernel, _, args, kwargs), *fill = G.gluon_attention_fwd(
             q, k, v, return_lse=lse, launch=False, pingpong=pingpong, **options)
         c = compile_launch(kernel, args, kwargs)
         for fill_kernel, _, fill_args, fill_kwargs in fill:      # (the rows without keys)
             compile_launch(fill_kernel, fill_args, fill_kwargs)
-        loops, local = _key_loops(_run_on_cubin(c.cubin, "-sass"))
-        return dict(**ws_facts(c), key_loops=loops,
+        loops, local, counts = _key_loops(_run_on_cubin(c.cubin, "-sass"))
+        mma = [line for line in c.ptx.splitlines() if "wgmma.mma_async" in line]
+        return dict(**ws_facts(c), key_loops=loops, loop_counts=counts,
+                    # E4M3 products; single-byte stores to shared memory (an 8-bit tile
+                    # rearranged entry by entry, as the Triton template's V transpose was)
+                    e4m3=bool(mma) and all("e4m3.e4m3" in line for line in mma),
+                    byte_stores=len(re.findall(r"st\.shared(\.v\d)?\.[bu]8\b", c.ptx)),
+                    out_dtype=str(args[3].base.dtype),      # (o's descriptor)
                     local_in_loops=[a for a in local if any(lo <= a <= hi for lo, hi in loops)],
                     constexprs={n: kwargs[n] for n in ("MASK_LEFT", "MASK_RIGHT", "SOFTCAP",
                                                        "O_IN_Q", "BLOCK_N", "VARLEN",
@@ -262,7 +313,9 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     # head_dim 256, and 192 / 128 in two chunks, stage the output in the query buffer;
     # 64-key tiles at 256)
     assert (r["skipped_rows"] > 0) == ("-empty" in vid) == (r["fill_launches"] == 1), r
-    assert r["constexprs"]["O_IN_Q"] == vid.startswith(("d256", "d192-128")), vid
+    # (FP8: the output has its own buffers; 8-bit query buffers cannot stage it)
+    assert r["constexprs"]["O_IN_Q"] == (vid.startswith(("d256", "d192-128"))
+                                         and "-fp8" not in vid), vid
     assert (r["constexprs"]["BLOCK_N"] == 64) == vid.startswith("d256"), r["constexprs"]
     assert r["constexprs"]["VARLEN"] == ("-varlen" in vid), r["constexprs"]
     assert r["score_mod"] == ("-mod-" in vid), r
@@ -276,6 +329,13 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert len(r["local_in_loops"]) <= accepted, \
         f"{vid}: local memory in the key loop at {r['local_in_loops']}"
     assert r["spill"] <= 256, f"{vid}: {r['spill']} bytes of spill stores ({r['regs']} regs)"
+    # FP8: both products on E4M3 operands (QGMMA), V's tiles as TMA wrote them (no byte
+    # stores to shared memory), the output in its dtype
+    fp8 = "-fp8" in vid
+    assert r["e4m3"] == fp8 and r["byte_stores"] == 0, (r["e4m3"], r["byte_stores"])
+    if fp8:
+        assert r["out_dtype"] == ("torch.float32" if "-out-fp32" in vid else "torch.float16"
+                                  if "-out-fp16" in vid else "torch.bfloat16"), r["out_dtype"]
 
 
 # --- scope and dispatch (CPU) -------------------------------------------------------------
@@ -672,6 +732,105 @@ def test_plans_of_gluon_calls_are_replayed():
                 assert args[3].base.data_ptr() == o[:, :, -args[9]:].data_ptr()   # this o
                 assert len(launches) == 1 + ("right" in options) + (not replayed), launches
             assert cache.info()["hits"] == (1 if replayed else 0), options
+
+
+def _qkv8(B=1, HQ=4, HK=2, NQ=256, NK=256, D=128, DV=None):
+    """E4M3 q, k, v (v keys-contiguous: a (B, Hk, Dv, Nk) tensor transposed) and their
+    descale factors ``(B, Hk)``."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(B, h, n, D, generator=g).to(torch.float8_e4m3fn)
+            for h, n in ((HQ, NQ), (HK, NK)))
+    v = torch.randn(B, HK, DV or D, NK, generator=g).to(torch.float8_e4m3fn).transpose(2, 3)
+    return (q, k, v), tuple(torch.rand(B, HK, generator=g) + 0.5 for _ in range(3))
+
+
+def test_fp8_scope_and_plan():
+    """E4M3 calls are in scope where ``v`` is keys-contiguous and its transposed view is
+    TMA-addressable (``Nk`` a multiple of 16 in a dense store, or a padded row stride);
+    their plans reduce over 32 columns at least (a second q/k chunk of 32) and stage the
+    output in its own buffers."""
+    from flashfold.kernels.attention.gluon_fwd import _plan, qk_chunks, supported
+    (q, k, v), _ = _qkv8()
+    assert supported(q, k, v) and supported(q, k, v, causal=True, left=100, softcap=30.0)
+    assert not supported(q, k, v.contiguous())                 # row-major v
+    assert not supported(q, k, v.to(torch.bfloat16))           # mixed dtypes
+    (q2, k2, v2), _ = _qkv8(NK=1000)
+    assert not supported(q2, k2, v2)                           # rows of 1000 bytes
+    padded = torch.zeros(1, 2, 128, 1008, dtype=torch.float8_e4m3fn)[..., :1000]
+    assert supported(q2, k2, padded.transpose(2, 3))
+    for d in (32, 64, 80, 96, 192, 256):
+        assert supported(*_qkv8(D=d)[0]), d
+    assert not supported(*_qkv8(D=72)[0])                      # rows of 72 bytes
+    assert supported(*_qkv8(D=192, DV=128)[0])
+    assert qk_chunks(80, 80, least=32) == (64, 32) and qk_chunks(96, 96, least=32) == (64, 32)
+    assert qk_chunks(192, 128, least=32) == (128, 64)
+    assert _plan(80, 80, fp8=True) == (64, 32, 128, 128, False)
+    assert _plan(256, 256, fp8=True) == (256, 0, 256, 64, False)
+    assert _plan(256, 256) == (256, 0, 256, 64, True)
+
+
+def test_fp8_dispatch_takes_the_gluon_kernel():
+    """``attention_forward`` sends an eligible FP8 call to the Gluon kernel with its
+    descales and ``out_dtype`` (the output allocated in it), a windowed one followed by
+    the strict guard of the template's FP8 flag; a forced config, or a call Gluon
+    refuses (on the CPU: every call), runs the template."""
+    from flashfold.kernels.attention import fwd, gluon_fwd
+    (q, k, v), d = _qkv8(NQ=64, NK=64, D=64)
+    calls = []
+
+    def fake(q, k, v, *, out, lse, launch, flags=None, descales=None, **options):
+        calls.append((descales, out.dtype, flags is not None))
+        return (("gluon", (1,), (), {}),)
+    with mock.patch.object(gluon_fwd, "eligible", return_value=True), \
+            mock.patch.object(gluon_fwd, "gluon_attention_fwd", side_effect=fake), \
+            mock.patch.object(fwd.launcher, "launch") as launch:
+        o, _ = fwd.attention_forward(q, k, v, scale=0.1, descales=d, out_dtype=torch.float16)
+        assert o.dtype == torch.float16 and calls[-1] == (d, torch.float16, False)
+        assert [c.args[0] for c in launch.call_args_list] == ["gluon"]
+        launch.reset_mock()
+        fwd.attention_forward(q, k, v, scale=0.1, right=0, descales=d,
+                              out_dtype=torch.bfloat16)
+        assert calls[-1] == (d, torch.bfloat16, True)
+        assert len(launch.call_args_list) == 2
+        guard = launch.call_args_list[1].args            # (kernel, grid, args, kwargs, memo)
+        assert guard[0] is fwd._attn_fwd_guard and guard[3]["FP8"]
+        launch.reset_mock()
+        fwd.attention_forward(q, k, v, scale=0.1, descales=d, out_dtype=torch.bfloat16,
+                              config=fwd.default_config(q, 64, 64))
+        assert len(calls) == 2 and launch.call_args_list[0].args[0] is fwd._attn_fwd
+    assert not gluon_fwd.eligible(q, k, v)                      # (CPU tensors)
+
+
+def test_plans_of_fp8_calls_are_replayed():
+    """An FP8 call's plan is replayed around the next call's tensors: V's descriptor is
+    built over ``v`` itself with the transposed shape and strides (a descriptor over the
+    view ``v.transpose(2, 3)`` made every plan unreplayable), the descale factors are
+    the new call's; for the Gluon kernel (dense, causal with the guard, packed) and the
+    template's TMA path."""
+    from flashfold.kernels import plans
+    from flashfold.kernels.attention import fwd, gluon_fwd
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    packed = dict(max_seqlen_q=156, max_seqlen_k=156)
+    tma = fwd.FwdConfig(64, 64, 4, 2, use_tma=True)
+    with mock.patch.object(gluon_fwd, "eligible", return_value=True):
+        for options, cus, kernel in [({}, (None, None), gluon_fwd._attn_fwd_ws),
+                                     ({"right": 0}, (None, None), gluon_fwd._attn_fwd_ws),
+                                     (dict(packed, right=0), (cu, cu), gluon_fwd._attn_fwd_ws),
+                                     ({"right": 0, "config": tma}, (None, None), fwd._attn_fwd)]:
+            cache = plans.PlanCache("test", vars(fwd), (fwd._plan,), modules=(gluon_fwd,))
+            for _ in range(2):
+                (q, k, v), d = _qkv8()
+                inputs = (q, k, v, *cus, *d)
+                o, lse, launches, _ = cache.planned(("key",), None, inputs, fwd._plan, *inputs,
+                                                   scale=0.1, out_dtype=torch.bfloat16,
+                                                   **options)
+                launched, _, args, _ = launches[0]
+                assert launched is kernel and o.dtype == torch.bfloat16
+                descs = [a for a in args if hasattr(a, "block_shape")]
+                v_desc = descs[2]
+                assert v_desc.base is v and list(v_desc.shape) == [1, 2, 128, 256], v_desc
+                assert any(isinstance(a, tuple) and a and a[0] is d[0] for a in args)
+            assert cache.info()["hits"] == 1, options
 
 
 # --- numerics on the GPU -------------------------------------------------------------------

@@ -16,8 +16,14 @@ window, softcap, GQA, packed sequences, a
 score_mod Gluon lowers, a block mask of
 whole tiles (forward: dense calls;
 backward: :func:`.gluon_bwd.fits_mods`)
-FP8 (``descales``)                            the Triton template's      (raises: forward
-                                              ``FP8`` flag               only)
+FP8 (E4M3 ``q, k, v`` with ``descales``) on   the Gluon kernel on its    (raises: forward
+sm_90, ``policy.gluon``, no forced            E4M3 descriptors           only)
+``config``, a Gluon head-dim plan, ``v``
+keys-contiguous with its transpose TMA
+can address (``Nk`` a multiple of 16)
+FP8 elsewhere (GPUs before Hopper, the CPU    the Triton template's      (raises)
+interpreter, ``policy.gluon`` off, other      ``FP8`` flag
+head dims or ``v`` layouts)
 everything else: GPUs before Hopper, the CPU  the Triton template        the Triton kernels
 interpreter, ``policy.gluon`` off, calls      (:mod:`.fwd`)              (:mod:`.bwd`)
 outside the Gluon scopes above
@@ -155,10 +161,10 @@ def forward_gluon(q, k, v, *, scale, softcap=None, left=None, right=None, score_
                   policy: Policy | None = None) -> bool:
     """Whether the forward of this call runs the Gluon kernel (the table's first row):
     the policy lets it, no forced Triton ``config``, a score_mod Gluon lowers
-    (:attr:`.mods.TracedMod.gluon_ok`), :func:`.gluon_fwd.eligible` (sm_90, dtypes, head
-    dims, strides, bounds), and a block mask only on dense calls in whole tiles
-    (:func:`.gluon_fwd.fits_block_mask`). An FP8 call never reaches here (the caller
-    sends it to the template)."""
+    (:attr:`.mods.TracedMod.gluon_ok`), :func:`.gluon_fwd.eligible` (sm_90, dtypes, E4M3
+    included, head dims, strides, bounds), and a block mask only on dense calls in
+    whole tiles (:func:`.gluon_fwd.fits_block_mask`). An FP8 call has no mods, and
+    takes the Gluon kernel's E4M3 descriptors where it is eligible."""
     from . import gluon_fwd          # (Triton: imported by the planners, not by the policy)
 
     policy = policy or current()

@@ -746,10 +746,16 @@ def tma_ok(*tensors) -> bool:
     return TensorDescriptor is not None and all(tma.addressable(t) for t in tensors)
 
 
-def _desc(t, block_rows, block_d):
+def _desc(t, block_rows, block_d, keys_inner=False):
     """A 4-D TMA descriptor over ``t (B, H, N, D)`` loading ``[1, 1, block_rows, block_d]``
-    boxes (the stride of a size-1 dim is irrelevant; replaced by an aligned value)."""
-    return TensorDescriptor(t, list(t.shape), tma.box_strides(t), [1, 1, block_rows, block_d])
+    boxes (the stride of a size-1 dim is irrelevant; replaced by an aligned value).
+    ``keys_inner``: ``t`` is stored with ``N`` innermost (an FP8 ``v``), and the
+    descriptor spans ``(B, H, D, N)``: its base is ``t`` itself with the transposed shape
+    and strides, not a transposed view (a plan replays descriptors over its inputs, not
+    over views of them: :mod:`flashfold.kernels.plans`)."""
+    view = t.transpose(2, 3) if keys_inner else t
+    return TensorDescriptor(t, list(view.shape), tma.box_strides(view),
+                            [1, 1, block_rows, block_d])
 
 
 #: allocator of the outputs (:func:`flashfold.kernels.plans.new`: ``torch.empty``, noted
@@ -829,8 +835,9 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v
     ``(kernel, grid, args, kwargs)`` (none, one or two) and one launcher memo for each,
     shared by the replays of the plan (:func:`flashfold.kernels.launcher.launch`).
 
-    Dispatch: the Gluon kernel where :func:`.dispatch.forward_gluon` says so, everything
-    else (FP8 too) the Triton template (:func:`prepare_forward`). While the ``policy``'s
+    Dispatch: the Gluon kernel where :func:`.dispatch.forward_gluon` says so (FP8 too:
+    its E4M3 descriptors, with the call's descales and ``out_dtype``), everything else
+    the Triton template (:func:`prepare_forward`). While the ``policy``'s
     ``strict_hidden`` is on, calls whose masked tiles can hold hidden keys are flagged
     and followed by the strict guard (:func:`prepare_guard`): with a window, causal,
     score_mod, mask_mod or varlen (the tiles on a window's edges; keys a mod hides; a
@@ -838,14 +845,17 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v
     policy = policy or dispatch.current()
     strict = policy.strict_hidden
     varlen = cu_seqlens_q is not None
+    descales = None if q_descale is None else (q_descale, k_descale, v_descale)
     if dispatch.forward_gluon(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
                               score_mod=score_mod, block_mask=block_mask, varlen=varlen,
                               config=config, policy=policy):
         B, HQ, NQ = q.shape[:3]
-        o = _alloc((B, HQ, NQ, v.shape[3]), dtype=q.dtype, device=q.device)
+        o = _alloc((B, HQ, NQ, v.shape[3]), dtype=out_dtype or q.dtype, device=q.device)
         lse = _alloc((B, HQ, NQ), dtype=torch.float32, device=q.device) if return_lse else None
+        # (the guard takes these too: an FP8 call's rows are recomputed by the template's
+        # FP8 flag)
         bounds = dict(scale=scale, softcap=softcap, left=left, right=right,
-                      score_mod=score_mod, block_mask=block_mask)
+                      score_mod=score_mod, block_mask=block_mask, descales=descales)
         if varlen:
             bounds.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
@@ -872,8 +882,7 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v
     options = dict(scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
                    block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                   full_needs_mask=full_needs_mask, out_dtype=out_dtype,
-                   descales=(None if q_descale is None else (q_descale, k_descale, v_descale)))
+                   full_needs_mask=full_needs_mask, out_dtype=out_dtype, descales=descales)
     # masked tiles that can hold hidden keys of the sequence (or the next sequence's, read
     # through a packed TMA descriptor): flagged, then guarded. A dense call's only masked
     # tile is the ragged end, whose keys past Nk read as zeros (4-D TMA box, masked loads)
@@ -945,7 +954,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     if use_tma:
         desc_q = _desc(q, cfg.block_m, BD)
         desc_k = _desc(k, cfg.block_n, BD)
-        desc_v = (_desc(v.transpose(2, 3), BDV, cfg.block_n) if fp8
+        desc_v = (_desc(v, BDV, cfg.block_n, keys_inner=True) if fp8
                   else _desc(v, cfg.block_n, BDV))
     else:
         desc_q, desc_k, desc_v = q, k, v

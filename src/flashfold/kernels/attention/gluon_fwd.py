@@ -74,12 +74,32 @@ not write them), ``BLOCK_N`` and ``O_IN_Q`` (the tile plan: :data:`TILE_PLANS`,
 mask is one interval of keys, ``ROW_BOUNDS`` with ``MASK_FN`` the intervals' bounds,
 read once per item and intersected with the window's (:func:`_consume_item`).
 
+FP8 (E4M3 ``q``, ``k``, ``v`` with float32 factors, :func:`.reference.fp8_attention_reference`'s
+semantics) is the same template on 8-bit descriptors: their dtype is the flag (``FP8``
+in the partitions). ``S = Q K^T`` runs on the tiles as stored and ``q_descale
+k_descale`` (one load each per item, per batch or sequence and KV head) joins the score
+scale, inside the tanh with a softcap; ``P`` (``<= 1``) times 448 is rounded to E4M3
+(``cvt.rn.satfinite``) for ``P V`` while ``l`` sums the unrounded ``P`` in fp32; the
+epilogue multiplies ``acc`` by ``v_descale / 448`` (:func:`_pv_issue`,
+:func:`_consume_item`). An 8-bit wgmma reduces 32 entries per instruction (accumulator
+layouts with ``k = 32``, ``P``'s register operand four entries per register) and takes
+its B operand K-major only, so ``v`` is stored keys-contiguous (a ``(B, Hk, Dv, Nk)``
+tensor viewed as ``(B, Hk, Nk, Dv)``): its descriptor over ``(B, Hk, Dv, Nk)`` loads
+``[BLOCK_DV, BLOCK_N]`` tiles whose shared-memory permute is that operand, nothing
+moved. The output (``out_dtype``) has its own staging buffers (``O_IN_Q`` off). A TMA
+box's start along the innermost dim must be 16-byte aligned, and V's innermost dim is
+then the keys: a packed sequence's key tiles start at its first key rounded down to 16
+(:func:`_first_key`), the keys before it hidden by a left bound that every packed FP8
+call has.
+
 Scope (:func:`supported`; the dispatcher in :mod:`.fwd` sends mods and block masks to
-the Triton template): fp16/bf16, head_dim 17-256 (``Dv = D``, or ``D`` in
-129-256 with ``Dv`` in 65-128), GQA, ``scale > 0``, any window, softcap; ``q``, ``k``,
-``v`` as ``(B, H, N, D)`` with unit last stride and 16-byte aligned strides (4-D TMA
-descriptors: rows past a head's end read as zero and are not written). Returns ``o (B,
-Hq, Nq, Dv)`` contiguous in the input dtype and ``lse (B, Hq, Nq)`` float32.
+the Triton template): fp16/bf16, or E4M3 with ``v`` keys-contiguous and its transpose
+TMA-addressable (``Nk`` a multiple of 16 keys for a dense ``(B, Hk, Dv, Nk)`` store),
+head_dim 17-256 (``Dv = D``, or ``D`` in 129-256 with ``Dv`` in 65-128), GQA, ``scale >
+0``, any window, softcap; ``q``, ``k``, ``v`` as ``(B, H, N, D)`` with unit last stride
+and 16-byte aligned strides (4-D TMA descriptors: rows past a head's end read as zero
+and are not written). Returns ``o (B, Hq, Nq, Dv)`` contiguous in the input dtype
+(FP8: ``out_dtype``) and ``lse (B, Hq, Nq)`` float32.
 Which calls run it: :mod:`.dispatch` (the policy's ``gluon``, ``FLASHFOLD_GLUON=0`` by
 default, turns the path off).
 
@@ -104,8 +124,12 @@ from ..codegen import tile_step_functions
 from ..compat import (GluonDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
                       warp_specialize, warpgroup_mma, warpgroup_mma_wait)
 from ..tma import addressable, box_strides
+from .reference import FP8_MAX
 
 LOG2E = 1.4426950408889634
+#: the factor of an FP8 call's ``P`` (``<= 1``) before its rounding to E4M3 for ``P V``:
+#: the format's largest value (as the Triton template's ``fwd.P_SCALE_FP8``)
+P_SCALE_FP8 = tl.constexpr(FP8_MAX)
 
 #: query rows per program (two consumer warpgroups of 64 rows)
 BLOCK_M = 128
@@ -137,10 +161,13 @@ __all__ = ["supported", "eligible", "on_hopper", "gluon_attention_fwd", "persist
 if gluon is not None:
 
     @gluon.constexpr_function
-    def _wgmma_layout(n):
-        """The register layout of a wgmma accumulator ``[64, n]`` of one warpgroup."""
+    def _wgmma_layout(n, operand=None):
+        """The register layout of a wgmma accumulator ``[64, n]`` of one warpgroup with
+        operands of dtype ``operand`` (None: 16-bit). An instruction reduces 32 bytes of
+        each operand row: 16 entries of 16 bits, 32 of 8 (FP8)."""
+        k = 32 if operand is not None and operand.primitive_bitwidth == 8 else 16
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, n, 16])
+                                         instr_shape=[16, n, k])
 
     @gluon.jit
     def _rounds(shape, bh_total):
@@ -164,18 +191,20 @@ if gluon is not None:
         return i * G + gl.where(i % 2 == 0, p, G - 1 - p)
 
     @gluon.jit
-    def _key_tiles(q0, q_len, kv_len, win_left, win_right, BLOCK_M: gl.constexpr,
+    def _key_tiles(q0, q_len, kv_len, win_left, win_right, k_first, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
         """The key tiles of the query tile at row ``q0`` of a sequence of ``q_len`` rows
         and ``kv_len`` keys: ``(t_lo, n_kv, t_a, t_c)``, the first, their count, and the
         unmasked run ``[t_a, t_c)`` (tiles before ``t_a`` meet the window's left edge,
         tiles from ``t_c`` on its right edge, the causal diagonal or the ragged end), as
-        :func:`.fwd._tile_ranges` computes them and :func:`item_range` on the host."""
+        :func:`.fwd._tile_ranges` computes them and :func:`item_range` on the host.
+        ``k_first``: the position of the sequence's first key (0, or with ``MASK_LEFT``
+        that of :func:`_first_key`), where the left edge is at the earliest."""
         if MASK_LEFT or MASK_RIGHT:
             # visible keys of row r: [r + delta - left, r + delta + right] & [0, Nk); a
             # tile needs no mask when every real row of the item sees all of it (the
             # first row bounds the right edge, the last real row the left one). Positions
-            # are clamped at 0 before dividing (integer division truncates)
+            # are clamped at k_first >= 0 before dividing (integer division truncates)
             delta = kv_len - q_len
             r_last = gl.minimum(q0 + BLOCK_M, q_len) - 1
             hi = kv_len
@@ -186,8 +215,8 @@ if gluon is not None:
             t_lo = 0
             t_a = 0
             if MASK_LEFT:
-                t_lo = gl.maximum(q0 + delta - win_left, 0) // BLOCK_N
-                full_lo = gl.maximum(r_last + delta - win_left, 0)
+                t_lo = gl.maximum(q0 + delta - win_left, k_first) // BLOCK_N
+                full_lo = gl.maximum(r_last + delta - win_left, k_first)
                 t_a = gl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, t_lo)
             t_hi = gl.maximum((hi + BLOCK_N - 1) // BLOCK_N, t_lo)
             t_a = gl.minimum(t_a, t_hi)
@@ -199,6 +228,22 @@ if gluon is not None:
             t_c = kv_len // BLOCK_N
             n_kv = gl.cdiv(kv_len, BLOCK_N)
         return t_lo, n_kv, t_a, t_c
+
+    @gluon.jit
+    def _first_key(ks, kv_len, FP8: gl.constexpr):
+        """A packed sequence's keys ``ks .. ks + kv_len`` (rows of ``k``) as its key tiles
+        walk them: ``(start, length, k_first)``, tiles from row ``start`` over ``length``
+        keys of which the first ``k_first`` are not the sequence's. 16-bit: ``(ks,
+        kv_len, 0)``. ``FP8``: from ``ks`` rounded down to 16 keys (V's tiles start at key
+        ``start + t BLOCK_N`` of its innermost dim, where a TMA box's start must be
+        16-byte aligned), ``k_first = ks % 16`` keys of the sequence before it in front,
+        hidden by the left bound that every packed FP8 call has (clamped at ``k_first``:
+        :func:`_key_tiles`, :func:`_consume_item`). Right bounds stay bottom-right
+        aligned: ``length - q_len`` moves with ``k_first`` as the key positions do."""
+        k_first = 0
+        if FP8:
+            k_first = ks % 16
+        return ks - k_first, kv_len + k_first, k_first
 
     @gluon.jit
     def _tile(t, shape, bh_total, bm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -227,7 +272,7 @@ if gluon is not None:
         b = bh // heads_q
         hq = bh % heads_q
         q0 = m * BLOCK_M
-        t_lo, n_kv, t_a, t_c = _key_tiles(q0, q_len, kv_len, win_left, win_right, BLOCK_M,
+        t_lo, n_kv, t_a, t_c = _key_tiles(q0, q_len, kv_len, win_left, win_right, 0, BLOCK_M,
                                           BLOCK_N, MASK_LEFT, MASK_RIGHT)
         walk = (0, 0, 0)
         if MASK_FN is not None:
@@ -440,8 +485,14 @@ if gluon is not None:
                                             k_ready.index(slot), k_bufs.index(slot))
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0],
-                                            v_ready.index(slot), v_bufs.index(slot))
+            if v_desc.dtype == gl.float8e4nv:
+                # keys-contiguous V: a [BLOCK_DV, BLOCK_N] tile of (B, Hk, Dv, Nk), keys
+                # innermost (n0 a multiple of 16: _first_key)
+                tma.async_copy_global_to_shared(v_desc, [b, hk, 0, n0],
+                                                v_ready.index(slot), v_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0],
+                                                v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
     def _producer(descs, bufs, bars, shape, seqs, out, bm, BLOCK_M: gl.constexpr,
@@ -470,6 +521,7 @@ if gluon is not None:
         rounds = _rounds(shape, out[4])
         q_ready = bars[0]
         q_empty = bars[1]
+        FP8: gl.constexpr = descs[0].dtype == gl.float8e4nv
         it = 0
         if VARLEN:
             info = seqs[5]
@@ -481,16 +533,17 @@ if gluon is not None:
                 # the next slot's lookup loads fly while this item's tiles load
                 pending = _lookup_issue(i + 1, n_m, group, seqs, BLOCK_M)
                 if m >= 0:
-                    t_lo, n_kv, t_a, t_c = _key_tiles(m * BLOCK_M, q_len, kv_len, win_left,
-                                                      win_right, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                                      MASK_RIGHT)
+                    k_start, k_len, k_first = _first_key(ks, kv_len, FP8)
+                    t_lo, n_kv, t_a, t_c = _key_tiles(m * BLOCK_M, q_len, k_len, win_left,
+                                                      win_right, k_first, BLOCK_M, BLOCK_N,
+                                                      MASK_LEFT, MASK_RIGHT)
                     # rows without a visible key: one key tile, masked whole (t_c <= t_lo)
                     n_kv = gl.maximum(n_kv, 1)
                     mbarrier.wait(q_empty, (done & 1) ^ 1)
                     _hand_item(info, hq, s, qs, q_len, ks, kv_len, m)
-                    _load_item(descs, bufs, bars, (0, hq, qs + m * BLOCK_M), hq // group, ks,
-                               t_lo, n_kv, it, bm, (0, 0, 0), BLOCK_M, BLOCK_N, BLOCK_D,
-                               BLOCK_D2, STAGES, None, 1)
+                    _load_item(descs, bufs, bars, (0, hq, qs + m * BLOCK_M), hq // group,
+                               k_start, t_lo, n_kv, it, bm, (0, 0, 0), BLOCK_M, BLOCK_N,
+                               BLOCK_D, BLOCK_D2, STAGES, None, 1)
                     it += n_kv
                     done += 1
             mbarrier.wait(q_empty, (done & 1) ^ 1)
@@ -529,7 +582,7 @@ if gluon is not None:
                 it += n_kv
 
     @gluon.jit
-    def _columns(c0, BLOCK_N: gl.constexpr):
+    def _columns(c0, BLOCK_N: gl.constexpr, PARENT: gl.constexpr):
         """``c0 + [0, BLOCK_N)``, a key tile's column indices in the slice of its scores'
         wgmma layout, formed as ``(c0 + lane part) + register part``. A thread holds the
         ``BLOCK_N / 4`` columns ``8 g + 2 (lane % 4) + e``; written ``c0 + arange``, the
@@ -538,23 +591,24 @@ if gluon is not None:
         them into the key loops of the packed-sequence variants). The sum ``c0 + lane
         part`` is kept opaque (one ``add``), so that the constants are added inside the
         loop. (Exact whichever bits the lanes own: the two parts split ``arange``'s
-        bits.)"""
+        bits.) ``PARENT``: the scores' layout (:func:`_wgmma_layout` of their operands)."""
         LANE_BITS: gl.constexpr = 6        # (the bits of 2 (lane % 4))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _wgmma_layout(BLOCK_N)))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, PARENT))
         base = gl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r",
                                          [cols & LANE_BITS, c0], dtype=gl.int32,
                                          is_pure=True, pack=1)
         return base + (cols & ~LANE_BITS)
 
     @gluon.jit
-    def _rows(r0, t, HALF: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _rows(r0, t, HALF: gl.constexpr, BLOCK_N: gl.constexpr, PARENT: gl.constexpr):
         """``r0 + [0, HALF)``, a warpgroup's row positions in the slice of its scores'
         wgmma layout, as values of key tile ``t``: ``(r0 + lane part)`` behind an opaque
         ``add`` that also reads ``t``, plus the register part (bit 3: a thread's two
         rows are 8 apart). What a mod computes from the rows alone (e.g. the addresses of
         a table's entries) is then formed in the key loop instead of hoisted out of it,
-        where it held registers through the loop or spilled into it."""
-        rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, _wgmma_layout(BLOCK_N)))
+        where it held registers through the loop or spilled into it. ``PARENT``: the
+        scores' layout."""
+        rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, PARENT))
         REGISTER_BIT: gl.constexpr = 8     # (a thread's second row)
         base = gl.inline_asm_elementwise("add.s32 $0, $1, $2;", "=r,r,r,r",
                                          [rows & ~REGISTER_BIT, r0, t], dtype=gl.int32,
@@ -604,9 +658,10 @@ if gluon is not None:
                                           is_pure=True, pack=1)
             s = 1.0 - 2.0 * r
         b, hq, r0, mod_bufs, mod_scale, mask_bufs = mod
-        q_idx = _rows(r0, t, s.shape[0], BLOCK_N)
+        S_LAYOUT: gl.constexpr = s.type.layout
+        q_idx = _rows(r0, t, s.shape[0], BLOCK_N, S_LAYOUT)
         if SCORE_MOD is not None:
-            kv_idx = _columns(t * BLOCK_N, BLOCK_N)
+            kv_idx = _columns(t * BLOCK_N, BLOCK_N, S_LAYOUT)
             s = SCORE_MOD(s * mod_scale, b, hq, q_idx[:, None], kv_idx[None, :], mod_bufs)
         masked = t >= t_c
         if MASK_LEFT:
@@ -614,7 +669,7 @@ if gluon is not None:
         if MASK_FN is not None:
             masked = masked | (kind != 0)
         if masked:
-            c = _columns(t * BLOCK_N, BLOCK_N)
+            c = _columns(t * BLOCK_N, BLOCK_N, S_LAYOUT)
             if MASK_LEFT or ROW_BOUNDS:
                 # key_lo <= c <= key_hi as one unsigned compare: c - key_lo < their count
                 count = gl.maximum(key_hi - key_lo + 1, 0).to(gl.uint32)
@@ -670,6 +725,34 @@ if gluon is not None:
         return s
 
     @gluon.jit
+    def _pv_issue(p, v_tile, acc, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_DV: gl.constexpr, FP8: gl.constexpr):
+        """``acc += P V`` issued (asynchronous): ``(acc token, the A operand)``. 16-bit: P
+        in V's dtype, V's tile ``[BLOCK_N, BLOCK_DV]`` as loaded. ``FP8``: P times 448
+        rounded to E4M3 (``cvt.rn.satfinite``), V's tile ``[BLOCK_DV, BLOCK_N]`` (keys
+        contiguous) permuted to the K-major B operand 8-bit wgmma takes."""
+        if FP8:
+            pa = gl.convert_layout((p * P_SCALE_FP8).to(gl.float8e4nv), p_layout)
+            vb = v_tile.reshape([BLOCK_DV, BLOCK_N]).permute((1, 0))
+        else:
+            pa = gl.convert_layout(p.to(v_tile.dtype), p_layout)
+            vb = v_tile.reshape([BLOCK_N, BLOCK_DV])
+        return warpgroup_mma(pa, vb, acc, is_async=True), pa
+
+    @gluon.jit
+    def _pv_wait(acc, pa, FP8: gl.constexpr):
+        """Wait for the ``P V`` wgmma: ``(acc, pa)``. An 8-bit register operand cannot be a
+        dependency of the wait (Triton 3.6-3.9: "Unexpected bitwidth in WGMMAWaitGroupOp:
+        8"), so ``FP8`` waits on ``acc`` alone; ``pa`` is not written again before the
+        wait (ptxas keeps an asynchronous operand's registers until then, and did not
+        serialize the wgmma: the compile tests check its warning)."""
+        if FP8:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        else:
+            acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+        return acc, pa
+
+    @gluon.jit
     def _fold(q, bufs, bars, it, i, t_lo, n_kv, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
               step_scale, mod, s_zero, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
               BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
@@ -686,9 +769,12 @@ if gluon is not None:
         q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs, q2_bufs, k2_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         dtype: gl.constexpr = q[0].dtype
+        FP8: gl.constexpr = dtype == gl.float8e4nv
         HALF: gl.constexpr = s_zero.shape[0]
-        o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV, dtype)
+        # (an 8-bit A operand in registers: four entries per 32-bit register)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=4 if FP8 else 2)
 
         # key tile 0: S, then its softmax (nothing to overlap with yet)
         slot = it % STAGES
@@ -718,9 +804,7 @@ if gluon is not None:
             s = _scores(q, k_bufs, k2_bufs, slot, it + j, s_zero, WG, BLOCK_N, BLOCK_D,
                         BLOCK_D2)
             mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-            pa = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(pa, v_bufs.index(prev).reshape([BLOCK_N, BLOCK_DV]), acc,
-                                is_async=True)
+            acc, pa = _pv_issue(p, v_bufs.index(prev), acc, p_layout, BLOCK_N, BLOCK_DV, FP8)
             _pass_turn(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
             mbarrier.arrive(k_empty.index(slot), count=1)
@@ -728,7 +812,7 @@ if gluon is not None:
                                            kv_len, qk_scale, step_scale, mod, BLOCK_N,
                                            MASK_LEFT, MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD,
                                            MASK_FN, ROW_BOUNDS)
-            acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+            acc, pa = _pv_wait(acc, pa, FP8)
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
 
@@ -737,12 +821,10 @@ if gluon is not None:
             mbarrier.arrive(q_empty, count=1)
         last = (it + n_kv - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((it + n_kv - 1) // STAGES) & 1)
-        pa = gl.convert_layout(p.to(dtype), p_layout)
         _take_turn(turn, it + n_kv + i, WG, PINGPONG)
-        acc = warpgroup_mma(pa, v_bufs.index(last).reshape([BLOCK_N, BLOCK_DV]), acc,
-                            is_async=True)
+        acc, pa = _pv_issue(p, v_bufs.index(last), acc, p_layout, BLOCK_N, BLOCK_DV, FP8)
         _pass_turn(turn, WG, PINGPONG)
-        acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
+        acc, pa = _pv_wait(acc, pa, FP8)
         mbarrier.arrive(v_empty.index(last), count=1)
         return acc, l, m
 
@@ -763,7 +845,7 @@ if gluon is not None:
 
     @gluon.jit
     def _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, k_i, b, hq, qs,
-                      q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M: gl.constexpr,
+                      q_len, kv_len, k_first, q0, t_lo, n_kv, t_a, t_c, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_D2: gl.constexpr,
                       BLOCK_DV: gl.constexpr,
                       STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
@@ -773,17 +855,22 @@ if gluon is not None:
                       MASK_FN: gl.constexpr, ROW_BOUNDS: gl.constexpr):
         """One warpgroup's rows of one work item (query tile at row ``q0`` of head ``(b,
         hq)``, the ``k_i``-th item this program takes, its key tiles from ring position
-        ``it``): wait for its query tile (``VARLEN``: the caller has), fold, then the
-        epilogue."""
+        ``it``; ``k_first``: the position of the sequence's first key, :func:`_first_key`):
+        wait for its query tile (``VARLEN``: the caller has), fold, then the epilogue.
+        ``FP8`` (E4M3 descriptors): the item's descale factors (``descales``, ``sd``: their
+        pointers and ``(batch or sequence, KV head)`` strides) scale the scores and the
+        output."""
         q_desc, k_desc, v_desc, o_desc, q2_desc, k2_desc = descs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale,
-         O, stride_oh, stride_on, dv, mod_bufs, mod_scale, row0, mask_bufs, _) = out
-        win_left, win_right, heads_q = win
+         O, stride_oh, stride_on, dv, mod_bufs, mod_scale, row0, mask_bufs, _, descales,
+         sd) = out
+        win_left, win_right, heads_q, group = win
         HALF: gl.constexpr = BLOCK_M // 2
-        dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
-        o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV)
+        FP8: gl.constexpr = q_desc.dtype == gl.float8e4nv
+        dtype: gl.constexpr = o_desc.dtype          # (o's: FP8 calls' out_dtype)
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_N, q_desc.dtype)
+        o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV, q_desc.dtype)
         r0 = q0 + WG * HALF
         rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
         # this half's visible keys per row: [key_lo, key_hi] (see _softmax_tile)
@@ -795,6 +882,9 @@ if gluon is not None:
             key_hi = gl.minimum(rows + (kv_len - q_len + win_right), kv_len - 1)
         if MASK_LEFT:
             key_lo = rows + (kv_len - q_len - win_left)
+            if FP8:
+                # (a packed sequence's tiles may start before its first key: _first_key)
+                key_lo = gl.maximum(key_lo, k_first)
         if ROW_BOUNDS:
             # the mask's interval of keys per row (MASK_FN gives its bounds), within these
             first, last = MASK_FN(b, hq, rows + row0, 0, mask_bufs)
@@ -808,6 +898,17 @@ if gluon is not None:
             mbarrier.wait(q_ready, k_i & 1)
         # a score_mod's arguments (query positions: of the call's rows, from row0 on)
         mod = (b, hq, r0 + row0, mod_bufs, mod_scale, mask_bufs)
+        if FP8:
+            # E4M3 inputs stand for x8 * descale, per (batch or sequence, KV head): q's and
+            # k's join the score scale (inside the tanh with a softcap), v's the finalize
+            hk = hq // group
+            QD, KD, VD = descales
+            d_qk = (gl.load(QD + b.to(gl.int64) * sd[0] + hk * sd[1])
+                    * gl.load(KD + b.to(gl.int64) * sd[2] + hk * sd[3]))
+            if SOFTCAP:
+                qk_scale = qk_scale * d_qk
+            else:
+                step_scale = step_scale * d_qk
         acc, l, m = _fold(q, bufs, bars, it, k_i, t_lo, n_kv, t_a, t_c, key_lo, key_hi,
                           kv_len, qk_scale, step_scale, mod, s_zero, BLOCK_N,
                           BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
@@ -817,6 +918,9 @@ if gluon is not None:
         # epilogue: ATTENTION2's finalize, generated (o = acc / l, lse = (m + log2 l) ln 2;
         # a row with no visible key, m = -inf: 0 and -inf; NaN m or l: NaN)
         rows_o = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+        if FP8:
+            # o is linear in v: v's factor over P's
+            acc = acc * (gl.load(VD + b.to(gl.int64) * sd[4] + hk * sd[5]) / P_SCALE_FP8)
         o, lse = FINALIZE(gl.convert_layout(m, gl.SliceLayout(1, o_layout)),
                           gl.convert_layout(l, gl.SliceLayout(1, o_layout)), acc)
         if VARLEN:
@@ -876,13 +980,14 @@ if gluon is not None:
         q_len, kv_len, heads_q, group, n_m, win_left, win_right = shape
         bh_total = out[4]
         HALF: gl.constexpr = BLOCK_M // 2
+        FP8: gl.constexpr = descs[0].dtype == gl.float8e4nv
         q = (q_bufs, q2_bufs)
         if O_IN_Q:
             o_smem = q_bufs.index(WG)
         else:
             o_smem = o_bufs.index(WG)
-        s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, _wgmma_layout(BLOCK_N))
-        win = (win_left, win_right, heads_q)
+        s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, _wgmma_layout(BLOCK_N, descs[0].dtype))
+        win = (win_left, win_right, heads_q, group)
         it = 0
         if VARLEN or DYNAMIC:
             # the items the producer hands (_hand_item), until m = -1: a packed
@@ -897,10 +1002,11 @@ if gluon is not None:
                     hq = x
                     q_start = qs
                     q_len = x_len
-                    kv_len = y_len
+                    _, kv_len, k_first = _first_key(ks, y_len, FP8)
                     q0 = m * BLOCK_M
                     t_lo, n_kv, t_a, t_c = _key_tiles(q0, q_len, kv_len, win_left, win_right,
-                                                      BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                                                      k_first, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                                      MASK_RIGHT)
                     n_kv = gl.maximum(n_kv, 1)        # (as the producer: rows without keys)
                 else:
                     # item x; its tile count y is the producer's, which read the block
@@ -910,8 +1016,10 @@ if gluon is not None:
                         SPLIT)
                     n_kv = y
                     q_start = 0
+                    k_first = 0
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, done, b, hq,
-                              q_start, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
+                              q_start, q_len, kv_len, k_first, q0, t_lo, n_kv, t_a, t_c,
+                              BLOCK_M, BLOCK_N,
                               BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                               O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
                               SCORE_MOD, MASK_FN, ROW_BOUNDS)
@@ -928,7 +1036,7 @@ if gluon is not None:
                     _item_index(i), shape, bh_total, bm, BLOCK_M, BLOCK_N, MASK_LEFT,
                     MASK_RIGHT, MASK_FN, SPLIT)
                 _consume_item(q, descs, bufs, bars, o_smem, s_zero, out, win, it, i, b, hq,
-                              0, q_len, kv_len, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
+                              0, q_len, kv_len, 0, q0, t_lo, n_kv, t_a, t_c, BLOCK_M, BLOCK_N,
                               BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                               O_IN_Q, RETURN_LSE, VARLEN, WG, PINGPONG, STEP, FINALIZE,
                               SCORE_MOD, MASK_FN, ROW_BOUNDS)
@@ -940,7 +1048,8 @@ if gluon is not None:
                      q_len, kv_len, heads_q, group, bh_total, qk_scale, step_scale, win_left,
                      win_right, FLAGS, flag_groups, O, stride_oh, stride_on, dv, CU_Q, CU_K,
                      n_seqs, search_levels, search_top, MOD_BUFS, mod_scale, row0, BM,
-                     MASK_BUFS, COUNTER, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     MASK_BUFS, COUNTER, DESCALES, SD, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr,
                      BLOCK_D: gl.constexpr,
                      BLOCK_D2: gl.constexpr, BLOCK_DV: gl.constexpr, STAGES: gl.constexpr,
                      MASK_LEFT: gl.constexpr,
@@ -957,13 +1066,16 @@ if gluon is not None:
         loads the next item while the consumers finish the last one. ``num_warps=4`` (the
         first consumer warpgroup) plus the second consumer and the producer. ``O_IN_Q``:
         the output is staged in the query buffers (no separate output buffers: head_dim
-        256, whose query, key/value rings and output buffers would exceed shared memory)."""
+        256, whose query, key/value rings and output buffers would exceed shared memory).
+        E4M3 descriptors (FP8): ``DESCALES``, the q, k, v factors, float32 ``(B or S,
+        Hk)``, and ``SD``, their six strides; ``v_desc`` spans ``(B, Hk, Dv, Nk)``, keys
+        innermost (Nones and zeros for 16-bit calls)."""
         dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         if O_IN_Q:
             o_bufs = q_bufs
         else:
-            o_bufs = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape,
+            o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape,
                                                o_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -1017,7 +1129,8 @@ if gluon is not None:
             info = q_ready                 # (unused)
         seqs = (CU_Q, CU_K, n_seqs, search_levels, search_top, info)
         out = (LSE, stride_lb, stride_lh, qk_scale, bh_total, FLAGS, flag_groups, step_scale,
-               O, stride_oh, stride_on, dv, MOD_BUFS, mod_scale, row0, MASK_BUFS, COUNTER)
+               O, stride_oh, stride_on, dv, MOD_BUFS, mod_scale, row0, MASK_BUFS, COUNTER,
+               DESCALES, SD)
         warp_specialize([
             (_consumer, (descs, bufs, bars, shape, seqs, out, BM, BLOCK_M, BLOCK_N, BLOCK_D,
                          BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP, O_IN_Q,
@@ -1066,7 +1179,8 @@ def _fill_empty_rows(O, LSE, n_rows, dv, heads, sob, soh, som, sod, slb, slh,
                  tl.full([BLOCK_R], float("-inf"), tl.float32), mask=rows < n_rows)
 
 
-_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16",
+              torch.float8_e4m3fn: "float8e4nv"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -1097,7 +1211,7 @@ TILE_PLANS = {(32, 32): (128, False), (64, 64): (128, False), (128, 128): (128, 
               (80, 128): (128, False), (96, 128): (128, False), (192, 128): (128, True)}
 
 
-def qk_chunks(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+def qk_chunks(head_dim: int, head_dim_v: int, least: int = 16) -> tuple[int, int]:
     """``(BLOCK_D, BLOCK_D2)``: the q/k tile's column chunks. A register tensor and a TMA
     box are powers of two wide, so a head dim between two powers runs as a power-of-two
     chunk of ``BLOCK_D`` columns and a second of ``BLOCK_D2`` (a power of two, at least
@@ -1109,7 +1223,7 @@ def qk_chunks(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     block_d, block_dv = block_dims(head_dim, head_dim_v)
     lo = block_d // 2
     if head_dim > lo >= 16:
-        hi = max(16, block_dims(head_dim - lo, 1)[0])
+        hi = max(least, block_dims(head_dim - lo, 1)[0])
         while hi < lo:
             if (lo + hi, block_dv) in TILE_PLANS:
                 return lo, hi
@@ -1127,13 +1241,15 @@ def _bounds(causal: bool, left: int | None, right: int | None):
 def supported(q, k, v, *, causal: bool = False, scale: float | None = None,
               left: int | None = None, right: int | None = None,
               softcap: float | None = None) -> bool:
-    """Whether the kernel's scope covers these tensors, whatever their device: fp16/bf16,
-    ``(B, H, N, D)`` for q and k, ``(B, H, N, Dv)`` for v, with tile widths (the next
-    powers of two of ``D``, ``Dv``) of a plan in :data:`TILE_PLANS` (``D = Dv`` in
-    17-256, or ``D`` in 129-256 with ``Dv`` in 65-128), ``Hq % Hk == 0``, non-empty,
-    ``scale > 0``, ``softcap > 0`` or None, window sides ints ``>= 0`` or None,
-    TMA-compatible strides and addresses (unit last stride, the others and the base
-    16-byte aligned)."""
+    """Whether the kernel's scope covers these tensors, whatever their device: fp16/bf16
+    or E4M3 (FP8; the call passes its descales), ``(B, H, N, D)`` for q and k, ``(B, H,
+    N, Dv)`` for v, with tile widths (the next powers of two of ``D``, ``Dv``) of a plan
+    in :data:`TILE_PLANS` (``D = Dv`` in 17-256, or ``D`` in 129-256 with ``Dv`` in
+    65-128), ``Hq % Hk == 0``, non-empty, ``scale > 0``, ``softcap > 0`` or None, window
+    sides ints ``>= 0`` or None, TMA-compatible strides and addresses (unit last stride,
+    the others and the base 16-byte aligned); an E4M3 ``v`` keys-contiguous, its
+    transposed view ``(B, H, Dv, N)`` TMA-compatible (stored ``(B, H, Dv, Nk)``: ``Nk``
+    a multiple of 16)."""
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[-1] != q.shape[-1] \
@@ -1148,6 +1264,8 @@ def supported(q, k, v, *, causal: bool = False, scale: float | None = None,
         return False
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         return False
+    if q.dtype == torch.float8_e4m3fn:
+        v = v.transpose(2, 3)                # (the tensor its descriptor spans: _desc)
     return all(addressable(t) for t in (q, k, v))
 
 
@@ -1252,30 +1370,42 @@ def num_sms(q: torch.Tensor) -> int:
     return launcher.sm_count(q.device) if q.is_cuda else 132
 
 
-def _desc(t: torch.Tensor, rows: int, cols: int | None = None):
+def _desc(t: torch.Tensor, rows: int, cols: int | None = None, keys_inner: bool = False):
     """A 4-D TMA descriptor over ``t (B, H, N, D)`` with ``[1, 1, rows, cols]`` blocks
     (``cols``: all of ``D`` by default; wider, the columns past ``D`` read as zeros and
-    are not written)."""
-    block = (1, 1, rows, cols or t.shape[-1])
-    return GluonDescriptor(t, list(t.shape), box_strides(t), list(block),
+    are not written). ``keys_inner``: ``t`` is stored with ``N`` innermost (an FP8
+    ``v``), and the descriptor spans ``(B, H, D, N)``, blocks of ``rows`` of ``D`` by
+    ``cols`` keys; its base is ``t`` itself with the transposed shape and strides, not a
+    transposed view (a plan replays descriptors over its inputs, not over views of
+    them: :mod:`flashfold.kernels.plans`)."""
+    view = t.transpose(2, 3) if keys_inner else t
+    block = (1, 1, rows, cols or view.shape[-1])
+    return GluonDescriptor(t, list(view.shape), box_strides(view), list(block),
                            _layout(block, t.dtype))
 
 
-def _plan(D: int, Dv: int) -> tuple[int, int, int, int, bool]:
+def _plan(D: int, Dv: int, fp8: bool = False) -> tuple[int, int, int, int, bool]:
     """``(BLOCK_D, BLOCK_D2, BLOCK_DV, BLOCK_N, O_IN_Q)`` of a call (:func:`qk_chunks`,
-    :data:`TILE_PLANS`, keyed by q/k's width over both chunks and v's)."""
-    bd, bd2 = qk_chunks(D, Dv)
+    :data:`TILE_PLANS`, keyed by q/k's width over both chunks and v's). ``fp8``: 8-bit
+    tiles, whose wgmma reduces 32 columns at least (a second q/k chunk is 32 wide or
+    more), and whose query buffers cannot stage a 16-bit output and need not (half the
+    bytes: ``O_IN_Q`` off)."""
+    bd, bd2 = qk_chunks(D, Dv, least=32 if fp8 else 16)
     bdv = block_dims(D, Dv)[1]
-    return (bd, bd2, bdv, *TILE_PLANS[(bd + bd2, bdv)])
+    block_n, o_in_q = TILE_PLANS[(bd + bd2, bdv)]
+    return (bd, bd2, bdv, block_n, o_in_q and not fp8)
 
 
 def _descs(q, k, v, o, plan) -> tuple:
     """The kernel's six TMA descriptors of a plan (:func:`_plan`): ``q``, ``k``, ``v``,
     ``o``, then the queries' and keys' second column chunks (with ``BLOCK_D2 = 0`` the
-    first ones again, unread)."""
+    first ones again, unread). An E4M3 ``v`` (keys-contiguous) is described keys
+    innermost, ``[BLOCK_DV, BLOCK_N]`` tiles (:func:`_desc`)."""
     bd, bd2, bdv, block_n, _ = plan
     qd, kd = _desc(q, BLOCK_M // 2, bd), _desc(k, block_n, bd)
-    return (qd, kd, _desc(v, block_n, bdv), _desc(o, BLOCK_M // 2, bdv),
+    vd = (_desc(v, bdv, block_n, keys_inner=True) if v.dtype == torch.float8_e4m3fn
+          else _desc(v, block_n, bdv))
+    return (qd, kd, vd, _desc(o, BLOCK_M // 2, bdv),
             _desc(q, BLOCK_M // 2, bd2) if bd2 else qd, _desc(k, block_n, bd2) if bd2 else kd)
 
 
@@ -1360,6 +1490,28 @@ def _block_mask_args(block_mask, device, row0: int) -> tuple:
     return bm, block_mask.row_mod.buffer_args(device)
 
 
+def _fp8_args(q, descales, out_dtype) -> tuple:
+    """``(fp8, o's dtype, DESCALES, SD)`` of a call: whether it is FP8 (E4M3 ``q``, which
+    takes ``descales``, the q, k, v factors, float32 ``(B or S, Hk)``; a 16-bit call
+    takes none), its output's dtype (``out_dtype``, by default bf16 for FP8 and the input
+    dtype else), and the kernel's ``DESCALES`` and ``SD``, the factors and their six
+    strides (Nones and zeros without)."""
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8 != (descales is not None):
+        raise ValueError("descales: E4M3 q, k, v take their factors (q, k, v descales), "
+                         "16-bit ones none")
+    if not fp8:
+        return False, out_dtype or q.dtype, (None, None, None), (0,) * 6
+    return (True, out_dtype or torch.bfloat16, tuple(descales),
+            tuple(x for d in descales for x in d.stride()))
+
+
+#: the left bound of a packed FP8 call without one: it hides none of a sequence's keys,
+#: only the keys of the sequence before that its first key tile may start with
+#: (:func:`_first_key`)
+FP8_VARLEN_LEFT = 1 << 30
+
+
 def varlen_slots(total_q: int, n_seqs: int) -> int:
     """Work-item slots per head of a packed call of ``n_seqs`` sequences, ``total_q``
     query rows in all: sequence ``s`` takes slots ``cu_q[s] // BLOCK_M + s + m`` for its
@@ -1382,7 +1534,7 @@ def search_levels(n_seqs: int) -> int:
 
 def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse, out, lse,
                      launch, pingpong, persistent, flags, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, score_mod):
+                     max_seqlen_q, max_seqlen_k, score_mod, descales, out_dtype):
     """:func:`gluon_attention_fwd` of packed sequences (its docstring)."""
     _, Hq, Nq, D = q.shape
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -1397,16 +1549,24 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
     left, right = _bounds(causal, left, right)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    o = torch.empty((1, Hq, Nq, Dv), device=q.device, dtype=q.dtype) if out is None else out
+    fp8, o_dtype, *descale_args = _fp8_args(q, descales, out_dtype)
+    o = torch.empty((1, Hq, Nq, Dv), device=q.device, dtype=o_dtype) if out is None else out
     if return_lse and lse is None:
         lse = torch.empty((1, Hq, Nq), device=q.device, dtype=torch.float32)
     if not return_lse:
         lse = None
-    plan = _plan(D, Dv)
+    plan = _plan(D, Dv, fp8)
     block_n = plan[3]
     if pingpong is None:
         # (the items of the longest sequence stand for all)
         pingpong = pingpong_default(False, max_seqlen_q, max_seqlen_k, left, right, block_n)
+    slots, sms = varlen_slots(Nq, n_seqs) * Hq, num_sms(q)
+    if persistent is None:
+        # the dense rule, the longest sequence's query tiles standing for all
+        persistent = persistent_default((left is None) != (right is None),
+                                        -(-max_seqlen_q // BLOCK_M), sms)
+    if fp8 and left is None:
+        left = FP8_VARLEN_LEFT              # (its tiles start before a sequence's keys)
     levels = max(search_levels(n_seqs), 1)
     scales = _scales(scale, softcap, score_mod, q.device)
     args = (*_descs(q, k, v, o, plan), lse if return_lse else o,
@@ -1415,14 +1575,10 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
             0 if left is None else int(left), 0 if right is None else int(right),
             flags, flag_groups, o, o.stride(1), o.stride(2), Dv,
             cu_seqlens_q, cu_seqlens_k, n_seqs, levels, 32 ** (levels - 1), *scales[2:], 0,
-            *_block_mask_args(None, q.device, 0), o)       # (o: no ticket counter)
+            *_block_mask_args(None, q.device, 0), o,       # (o: no ticket counter)
+            *descale_args)
     kwargs = _constexprs(plan, left, right, softcap, return_lse, pingpong, varlen=True,
                          score_mod=score_mod)
-    slots, sms = varlen_slots(Nq, n_seqs) * Hq, num_sms(q)
-    if persistent is None:
-        # the dense rule, the longest sequence's query tiles standing for all
-        persistent = persistent_default((left is None) != (right is None),
-                                        -(-max_seqlen_q // BLOCK_M), sms)
     launches = ((_attn_fwd_ws, (min(slots, sms) if persistent else slots,), args, kwargs),)
     if not launch:
         return launches
@@ -1440,10 +1596,10 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         cu_seqlens_q: torch.Tensor | None = None,
                         cu_seqlens_k: torch.Tensor | None = None,
                         max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                        score_mod=None, block_mask=None):
+                        score_mod=None, block_mask=None, descales=None, out_dtype=None):
     """``(o, lse)`` for ``q (B, Hq, Nq, D)``, ``k (B, Hk, Nk, D)``, ``v (B, Hk, Nk, Dv)``:
-    ``o (B, Hq, Nq, Dv)`` in the input dtype, ``lse (B, Hq, Nq)`` float32 natural log
-    (``None`` without ``return_lse``). ``left`` / ``right``: the bottom-right aligned
+    ``o (B, Hq, Nq, Dv)`` in the input dtype (FP8: ``out_dtype``), ``lse (B, Hq, Nq)``
+    float32 natural log (``None`` without ``return_lse``). ``left`` / ``right``: the bottom-right aligned
     window (``None``: unbounded; ``causal`` folds in ``right = 0``); ``softcap``: scores
     ``c tanh(s / c)``. ``out`` / ``lse``: contiguous buffers to write (else allocated).
     The caller checks :func:`eligible`. ``launch=False`` returns the launches instead, a
@@ -1489,7 +1645,17 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``persistent``: one program per SM taking items in snake rounds (True) or one program
     per item (False); by default :func:`persistent_default`, and with a block mask
     persistent programs that draw the items from a ticket counter (``DYNAMIC``; a
-    zeroed int32 buffer of the call, from :func:`flashfold.kernels.plans.new`)."""
+    zeroed int32 buffer of the call, from :func:`flashfold.kernels.plans.new`).
+
+    FP8 (``torch.float8_e4m3fn`` q, k, v; no score_mod or block mask): ``descales``, the
+    q, k, v factors ``(q_descale, k_descale, v_descale)``, float32 ``(B, Hk)`` (packed:
+    ``(S, Hk)``), each input standing for ``x8 * descale`` with a query head taking its
+    KV head's factor: ``o = v_descale / (448 l) P8 V8`` with ``P8`` the E4M3 rounding of
+    ``448 P``, ``P`` from the scores ``q_descale k_descale scale q8 k8^T`` (softcapped
+    after that scaling), ``l`` the fp32 sum of the unrounded ``P``
+    (:func:`.reference.fp8_attention_reference`). ``v`` keys-contiguous (``v.stride(2)
+    == 1``, a ``(B, Hk, Dv, Nk)`` tensor transposed), its transposed view TMA-addressable.
+    ``out_dtype``: ``o``'s dtype, bf16 by default (fp16, bf16 or float32)."""
     varlen = cu_seqlens_q is not None
     if varlen and block_mask is not None:
         raise ValueError("block_mask: packed sequences take the Triton kernels' block masks")
@@ -1500,7 +1666,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                 persistent=persistent, flags=flags,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                score_mod=score_mod)
+                                score_mod=score_mod, descales=descales, out_dtype=out_dtype)
     B, Hq, Nq, D = q.shape
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     left, right = _bounds(causal, left, right)
@@ -1510,12 +1676,13 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             and block_mask is None):
         raise ValueError("flags: only windowed, causal, score_mod or block-mask calls write "
                          "flags")
-    o = torch.empty((B, Hq, Nq, Dv), device=q.device, dtype=q.dtype) if out is None else out
+    fp8, o_dtype, *descale_args = _fp8_args(q, descales, out_dtype)
+    o = torch.empty((B, Hq, Nq, Dv), device=q.device, dtype=o_dtype) if out is None else out
     if return_lse and lse is None:
         lse = torch.empty((B, Hq, Nq), device=q.device, dtype=torch.float32)
     if not return_lse:
         lse = None
-    plan = _plan(D, Dv)
+    plan = _plan(D, Dv, fp8)
     block_n, BDV = plan[3], plan[2]
     tiles = item_tiles(Nq, Nk, left, right, block_n)
     # the first query tiles whose rows see no key (only with a right bound and Nq > Nk;
@@ -1556,7 +1723,8 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         persistent = dynamic or persistent_default((left is None) != (right is None),
                                                    len(tiles), sms)
     # the ticket counter of DYNAMIC (zeroed per call: a plan's replays allocate their own)
-    args += (plans.new((1,), torch.int32, q.device, zero=True) if dynamic else os_,)
+    args += (plans.new((1,), torch.int32, q.device, zero=True) if dynamic else os_,
+             *descale_args)
     kwargs = _constexprs(plan, left, right, softcap, return_lse, pingpong, varlen=False,
                          score_mod=score_mod, block_mask=block_mask, dynamic=dynamic)
     items = len(tiles) * B * Hq
