@@ -1,7 +1,8 @@
-"""The FP8 (E4M3) forward of the Triton template (its ``FP8`` flag) against the float64
-attention of the dequantized inputs and against the issue's yardstick, under
+"""The FP8 (E4M3) forward kernels against the float64 attention of the dequantized inputs
+and against the issue's yardstick: the Triton template's ``FP8`` flag under
 ``TRITON_INTERPRET`` on CPU machines (the dispatch forced to the kernel) and at real sizes
-on a GPU.
+on a GPU, and on Hopper the Gluon kernel's E4M3 descriptors (spied: the call went through
+it), which no interpreter runs.
 
 The kernel quantizes ``P`` against the running row max of each key tile, not the row's
 final max, so its bits differ from :func:`fp8_attention_reference`'s; both stay within the
@@ -16,6 +17,7 @@ the first test checks that shim against torch, on the GPU the hardware's ``cvt``
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ import triton.language as tl
 
 import flashfold as ff
 from flashfold.api import attention as api
-from flashfold.kernels.attention import fwd
+from flashfold.kernels.attention import fwd, gluon_fwd
 from flashfold.kernels.attention.reference import FP8, naive_attention
 
 from test_attention_fp8 import CASES, _inputs, _naive_fp8, _truth, assert_within_e4m3_bound
@@ -198,6 +200,27 @@ def test_kernel_reads_v_keys_contiguous_through_tma_and_pointers(kernel):
         fwd.prepare_forward(q8, k8, v8, scale=0.125, descales=(qd, kd, vd))
 
 
+def test_a_row_major_v_is_copied_with_rows_the_gluon_kernel_can_address():
+    """The keys-contiguous copy of a row-major ``v`` pads its rows to 16 keys (Nk = 50:
+    a row stride of 64 bytes), so that TMA can address its transpose and the Gluon
+    kernel's scope takes the call; a ``v`` already keys-contiguous is passed as it is."""
+    from flashfold.kernels.attention import autograd
+    (q8, k8, v8, qd, kd, vd), _ = _inputs(B=1, HQ=2, HK=1, NQ=40, NK=50, D=64)
+    seen = []
+    with mock.patch.object(autograd, "kernel_forward",
+                           side_effect=lambda q, k, v, **kw: seen.append(v)):
+        autograd.fp8_forward_impl(q8, k8, v8, qd, kd, vd, None, None, 0.125, None, None,
+                                  None, True, torch.bfloat16)
+        autograd.fp8_forward_impl(q8, k8, seen[0], qd, kd, vd, None, None, 0.125, None, None,
+                                  None, True, torch.bfloat16)
+    got = seen[0]
+    assert got.stride(2) == 1 and got.stride(3) == 64 and torch.equal(
+        got.view(torch.uint8), v8.view(torch.uint8))
+    assert gluon_fwd.supported(q8, k8, got) and not gluon_fwd.supported(
+        q8, k8, v8.transpose(2, 3).contiguous().transpose(2, 3))
+    assert seen[-1] is got
+
+
 # --- real sizes on a GPU --------------------------------------------------------------------
 
 GPU_CASES = [
@@ -216,11 +239,99 @@ GPU_CASES = [
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("cid, shape, kw", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_fp8_forward_at_real_sizes(cid, shape, kw):
-    """The compiled kernel (TMA, wgmma on sm_90) at real sizes within the E4M3 weights'
-    bound (the references computed on the CPU, in float64)."""
+    """The template's compiled kernel (TMA, wgmma on sm_90) at real sizes within the E4M3
+    weights' bound (the references computed on the CPU, in float64); the Gluon kernel
+    off, which takes most of these calls on sm_90 (``test_gpu_gluon_fp8_forward``)."""
+    from flashfold.kernels.attention import dispatch
     inputs, cu = _inputs(**shape)
     on = [None if t is None else t.cuda() for t in (*inputs, *cu)]
-    o, lse = ff.attention(*on[:3], q_descale=on[3], k_descale=on[4], v_descale=on[5],
-                          cu_seqlens_q=on[6], cu_seqlens_k=on[7], return_lse=True, **kw)
+    with dispatch.using(gluon=False):
+        o, lse = ff.attention(*on[:3], q_descale=on[3], k_descale=on[4], v_descale=on[5],
+                              cu_seqlens_q=on[6], cu_seqlens_k=on[7], return_lse=True, **kw)
     # checked on the CPU, in float64
     assert_within_e4m3_bound(o.cpu(), lse.cpu(), inputs, cu, cid, **kw)
+
+
+# --- the Gluon kernel's E4M3 descriptors (sm_90) --------------------------------------------
+
+def _sm90():
+    return GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+#: calls the Gluon kernel takes: causal GQA, softcap at 256, a two-sided window with
+#: ``Nk`` not a multiple of 16 (the call's keys-contiguous copy of v pads its rows),
+#: DeepSeek's 192 / 128 dense over 3K keys, and packed sequences whose offsets are not
+#: multiples of 16 keys (tiles start at a sequence's first key rounded down), with a
+#: sequence without queries and one without keys
+GLUON_CASES = [
+    ("d128-causal-gqa", dict(B=2, HQ=8, HK=2, NQ=2048, NK=2048, D=128), dict(causal=True)),
+    ("d256-causal-softcap", dict(B=1, HQ=4, HK=2, NQ=1500, NK=1500, D=256),
+     dict(causal=True, softcap=30.0)),
+    ("d64-window", dict(B=2, HQ=4, HK=2, NQ=1024, NK=1000, D=64), dict(window=(300, 50))),
+    ("d192-128-dense", dict(B=1, HQ=4, HK=4, NQ=1000, NK=3000, D=192, DV=128), dict()),
+    ("varlen-causal-empty", dict(B=1, HQ=4, HK=2, NQ=2100, NK=2100, D=128,
+                                 cu=([0, 0, 700, 2049, 2100], [0, 0, 700, 2049, 2100])),
+     dict(causal=True)),
+    ("varlen-window-no-keys", dict(B=1, HQ=4, HK=2, NQ=1040, NK=1701, D=128,
+                                   cu=([0, 0, 40, 340, 1040], [0, 10, 10, 527, 1701])),
+     dict(window=(150, 10))),
+]
+
+
+def _gluon_fp8(inputs, cu, **kw):
+    """``flashfold.attention`` of CUDA copies of ``inputs``, planned anew and spied: ``(o,
+    lse)`` on the CPU, and whether the Gluon kernel ran it with the call's factors."""
+    on = [None if t is None else t.cuda() for t in (*inputs, *cu)]
+    fwd.plan_cache_clear()                 # (a replayed plan would not call the spy)
+    with mock.patch.object(gluon_fwd, "gluon_attention_fwd",
+                           wraps=gluon_fwd.gluon_attention_fwd) as spy:
+        o, lse = ff.attention(*on[:3], q_descale=on[3], k_descale=on[4], v_descale=on[5],
+                              cu_seqlens_q=on[6], cu_seqlens_k=on[7], return_lse=True, **kw)
+    ran = spy.call_count == 1 and spy.call_args.kwargs["descales"][0] is on[3]
+    return o.cpu(), lse.cpu(), ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("cid, shape, kw", GLUON_CASES, ids=[c[0] for c in GLUON_CASES])
+def test_gpu_gluon_fp8_forward(cid, shape, kw):
+    """The Gluon kernel runs the call and stays within the E4M3 weights' bound and the
+    issue's yardstick, as the template does (the references in float64 on the CPU)."""
+    inputs, cu = _inputs(**shape)
+    o, lse, ran = _gluon_fp8(inputs, cu, **kw)
+    assert ran, f"{cid}: not the Gluon kernel"
+    assert o.dtype == torch.bfloat16
+    assert_within_e4m3_bound(o, lse, inputs, cu, cid, **kw)
+    q, k, v = _inputs.unquantized
+    truth = naive_attention(q, k, v, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
+                            dtype=torch.float64, **kw)[0]
+    naive = _naive_fp8(*inputs, *cu, **kw)
+    assert (o.double() - truth).abs().max() <= 2 * (naive - truth).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_gpu_gluon_fp8_nan_rows_and_replayed_factors():
+    """A NaN value of key 10 reaches causal rows 10.. in its channel only, and with a
+    window (4, 0) rows 10..14 only (the kernel's flags and the template's strict guard);
+    a replayed plan takes the next call's factors (twice v's factor: exactly twice the
+    output); ``out_dtype`` float32."""
+    (q8, k8, v8, qd, kd, vd), _ = _inputs(B=1, HQ=2, HK=1, NQ=256, NK=256, D=128)
+    v8 = v8.clone()
+    v8[0, 0, 10, 3] = float("nan")
+    on = [t.cuda() for t in (q8, k8, v8, qd, kd, vd)]
+    o, _, ran = _gluon_fp8((q8, k8, v8, qd, kd, vd), (None, None), causal=True)
+    bad = torch.isnan(o.float())
+    assert ran and not bad[:, :, :10].any()
+    assert bad[:, :, 10:, 3].all() and bad.sum() == 2 * 246
+    o, _, ran = _gluon_fp8((q8, k8, v8, qd, kd, vd), (None, None), window=(4, 0))
+    bad = torch.isnan(o.float())
+    assert ran and bad[:, :, 10:15, 3].all() and bad.sum() == 2 * 5
+    on[2] = v8.nan_to_num(0.0).cuda()
+    fwd.plan_cache_clear()
+    a = ff.attention(*on[:3], q_descale=on[3], k_descale=on[4], v_descale=on[5],
+                     causal=True, out_dtype=torch.float32)
+    b = ff.attention(*on[:3], q_descale=on[3].clone(), k_descale=on[4].clone(),
+                     v_descale=2 * on[5], causal=True, out_dtype=torch.float32)
+    assert fwd.plan_cache_info()["hits"] >= 1
+    assert a.dtype == torch.float32 and torch.equal(b, 2 * a)

@@ -579,12 +579,18 @@ def fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_
     ``lens_*``: per-sequence lengths when already read from ``cu_seqlens_*``; without
     ``return_lse`` the kernel may return None for the LSE. The kernel reads ``v`` with its
     keys contiguous (the 8-bit ``P V`` product takes V K-major): another layout is
-    transposed into a new buffer first (``Nk Dv`` bytes per KV head); a ``v`` made as
-    ``vt.transpose(-1, -2)`` of a contiguous ``(B, Hk, Dv, Nk)`` tensor is read as it is."""
+    transposed into a new buffer first (``Nk Dv`` bytes per KV head, its rows padded to a
+    multiple of 16 keys: the 16-byte row stride TMA needs, so that the Gluon kernel can
+    read it); a ``v`` made as ``vt.transpose(-1, -2)`` of a ``(B, Hk, Dv, Nk)`` tensor is
+    read as it is."""
     if use_kernel:
         from .fwd import keys_contiguous
         if not keys_contiguous(v):
-            v = v.transpose(2, 3).contiguous().transpose(2, 3)
+            B, H, N, D = v.shape
+            vt = torch.empty((B, H, D, -(-N // 16) * 16), dtype=v.dtype, device=v.device)
+            vt = vt[..., :N]
+            vt.copy_(v.transpose(2, 3))
+            v = vt.transpose(2, 3)
         return kernel_forward(q, k, v, scale=scale, softcap=softcap, left=left, right=right,
                               score=None, mask=None, block_mask=None, cu_q=cu_seqlens_q,
                               cu_k=cu_seqlens_k, lens_q=lens_q, lens_k=lens_k,
