@@ -5,7 +5,7 @@ Run (H200, from the repository root)::
 
     PYTHONPATH=src python benchmarks/attention_fp8.py            # checks, then the rows
     PYTHONPATH=src python benchmarks/attention_fp8.py --check-only
-    PYTHONPATH=src python benchmarks/attention_fp8.py --tune     # FP8 tiles, after the checks
+    PYTHONPATH=src python benchmarks/attention_fp8.py --tune     # template FP8 tiles
 
 Rows: 16,384 tokens per batch, the d128 and d256 shapes of the workload grid
 (``benchmarks/workloads.py``: Llama-3 8B's GQA 32:8 causal, a dense d128, Gemma-2's d256
@@ -22,6 +22,11 @@ both FP8 computations and the criterion below would hardly test the kernel;
    *unquantized* inputs is at most twice that of a naive FP8 attention (the inputs
    dequantized to bf16, bf16 matmuls, softmax in fp32) plus 1e-5, the issue's criterion;
    the LSE within 1e-3 of the float64 LSE of the dequantized inputs.
+   Each row also says which kernel runs the FP8 call (the planner's
+   :func:`~flashfold.kernels.attention.dispatch.forward_gluon`; repeated in a line before
+   the timings): ``gluon``, the warp-specialized kernel on E4M3 descriptors (sm_90, the
+   default policy), or ``template``, the Triton template's ``FP8`` flag
+   (``FLASHFOLD_GLUON=0``, other GPUs).
 2. Speed: ``triton.testing.do_bench`` medians of the forward, eager and replayed from a
    CUDA graph (:func:`flashfold.bench.graph_replay`), for flashfold FP8, flashfold bf16
    and SDPA cuDNN bf16. TFLOP/s count the row's visible pairs (``4 H D P``, ``P = N^2``
@@ -29,9 +34,9 @@ both FP8 computations and the criterion below would hardly test the kernel;
    Printed ratios: FP8 over flashfold bf16 (target >= 1.6 on the d128 and d256 rows), over
    cuDNN bf16 and over cuDNN FP8.
 
-``--tune``: after the checks, the FP8 forward of each d128 / d256 row under each of
-:data:`TUNE_CONFIGS` (tile rows, key tiles, warps, stages; TMA), graph replays, TFLOP/s
-against the default configuration's (the bf16 table's,
+``--tune``: after the checks, the Triton template's FP8 forward of each d128 / d256 row
+(a forced configuration runs the template) under each of :data:`TUNE_CONFIGS` (tile
+rows, key tiles, warps, stages; TMA), graph replays, TFLOP/s against the default configuration's (the bf16 table's,
 :data:`flashfold.kernels.attention.fwd.HOPPER_CONFIGS`): an E4M3 tile holds half a bf16 tile's bytes, so wider key tiles or more stages fit in the
 same shared memory.
 
@@ -65,6 +70,7 @@ import triton.language as tl
 
 import flashfold as ff
 from flashfold.bench import graph_replay
+from flashfold.kernels.attention import dispatch, fwd
 from flashfold.kernels.attention.reference import dequantize_fp8, naive_attention
 
 #: (name, B, Hq, Hk, N, D, causal, softcap)
@@ -111,10 +117,17 @@ def _rows_ref(q, k, v, causal, softcap, dtype, scale):
 
 
 def check(row, chk):
+    """The row's checks (``chk(name, what, ok)`` each); returns ``(ok, kernel)``, the
+    kernel that ran the FP8 call: ``gluon`` or ``template``."""
     name, B, Hq, Hk, N, D, causal, softcap = row
     (q, k, v), (q8, k8, v8, qd, kd, vd) = inputs(B, Hq, Hk, N, D)
     o, lse = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=causal,
                           softcap=softcap, return_lse=True)
+    # (the planner's own test; v8 is passed keys-contiguous, as the kernels read it)
+    gluon = dispatch.forward_gluon(q8, k8, v8, scale=1 / math.sqrt(D), softcap=softcap,
+                                   right=0 if causal else None)
+    kernel = "gluon" if gluon else "template"
+    print(f"  {name}: FP8 kernel {kernel}", flush=True)
     scale = 1 / math.sqrt(D)
     ok = chk(name, "no NaN", not (o.isnan().any() or lse.isnan().any()))
     truth, _ = _rows_ref(q, k, v, causal, softcap, torch.float64, scale)
@@ -126,7 +139,7 @@ def check(row, chk):
     ok &= chk(name, f"o: err {err:.3g} <= 2 x naive FP8 {yard:.3g}", err <= 2 * yard + 1e-5)
     lerr = (lse[0, 0, N - CHECK_ROWS:].double() - lse_ref).abs().max().item()
     ok &= chk(name, f"lse: err {lerr:.3g} <= 1e-3", lerr <= 1e-3)
-    return ok
+    return ok, kernel
 
 
 def cudnn_fp8(q8, k8, v8, causal, scale):
@@ -182,8 +195,9 @@ def timed(fn, graph):
     return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
 
 
-def time_row(row, ok, notes):
+def time_row(row, verdict, notes):
     name, B, Hq, Hk, N, D, causal, softcap = row
+    ok, _ = verdict
     (q, k, v), (q8, k8, v8, qd, kd, vd) = inputs(B, Hq, Hk, N, D)
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
     calls = {
@@ -236,7 +250,6 @@ TUNE_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8
 def tune(rows=None):
     """TFLOP/s of the FP8 forward of each d128 / d256 row under each of TUNE_CONFIGS (graph
     replays), the default configuration first."""
-    from flashfold.kernels.attention import fwd
     print("\n## FP8 forward by configuration, TFLOP/s (CUDA graph replays)")
     print("| row | config | TFLOP/s | / default |")
     print("|---|---|---:|---:|")
@@ -320,13 +333,14 @@ def main():
             failed.append((name, what))
         return cond
     print(f"## Checks (last {CHECK_ROWS} rows of batch 0, head 0, at the full shape)")
-    verdict = {row[0]: check(row, chk) for row in ROWS}
+    verdict = {row[0]: check(row, chk) for row in ROWS}      # (ok, FP8 kernel)
     print(f"checks: {'all passed' if not failed else f'{len(failed)} failed'}")
     if args.check_only:
         return 1 if failed else 0
     if args.tune:
         tune()
         return 1 if failed else 0
+    print("\nFP8 kernels: " + ", ".join(f"{name}: {verdict[name][1]}" for name in verdict))
     print("\n## FP8 forward, TFLOP/s (eager | CUDA graph) and ratios of FP8 over each")
     print("| row | fp8 | bf16 | cuDNN bf16 | fp8 graph | bf16 graph | cuDNN graph | "
           "cuDNN fp8 | /bf16 | /cuDNN | /bf16 graph | /cuDNN graph | /cuDNN fp8 | |")
