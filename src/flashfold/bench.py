@@ -640,7 +640,11 @@ def command_of(run: Run, text: str) -> str:
     if run.kind == "decode_fp8":
         return f"{base}decode.py --fp8"
     if run.kind == "attention_fp8":
-        return f"{base}attention_fp8.py"
+        # (the cuDNN FP8 peer's wheel, unpacked to /tmp/site, where its column has numbers)
+        site = "/tmp/site:" if "cuDNN FP8 peer: nvidia-cudnn-frontend " in text and \
+            "not usable" not in text else ""
+        acc = " --accumulation" if "## tl.dot accumulation" in text else ""
+        return f"PYTHONPATH={site}src python benchmarks/attention_fp8.py{acc}"
     if run.kind == "numerics":
         return "flashfold numerics"
     if run.kind == "workloads":
