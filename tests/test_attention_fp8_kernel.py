@@ -203,7 +203,9 @@ def test_kernel_reads_v_keys_contiguous_through_tma_and_pointers(kernel):
 def test_a_row_major_v_is_copied_with_rows_the_gluon_kernel_can_address():
     """The keys-contiguous copy of a row-major ``v`` pads its rows to 16 keys (Nk = 50:
     a row stride of 64 bytes), so that TMA can address its transpose and the Gluon
-    kernel's scope takes the call; a ``v`` already keys-contiguous is passed as it is."""
+    kernel's scope takes the call; a ``v`` already keys-contiguous in such rows is passed
+    as it is, one in rows of 50 bytes is copied as a row-major one is (it would
+    otherwise miss the Gluon kernel)."""
     from flashfold.kernels.attention import autograd
     (q8, k8, v8, qd, kd, vd), _ = _inputs(B=1, HQ=2, HK=1, NQ=40, NK=50, D=64)
     seen = []
@@ -213,12 +215,17 @@ def test_a_row_major_v_is_copied_with_rows_the_gluon_kernel_can_address():
                                   None, True, torch.bfloat16)
         autograd.fp8_forward_impl(q8, k8, seen[0], qd, kd, vd, None, None, 0.125, None, None,
                                   None, True, torch.bfloat16)
+        unpadded = v8.transpose(2, 3).contiguous().transpose(2, 3)
+        autograd.fp8_forward_impl(q8, k8, unpadded, qd, kd, vd, None, None, 0.125, None,
+                                  None, None, True, torch.bfloat16)
     got = seen[0]
     assert got.stride(2) == 1 and got.stride(3) == 64 and torch.equal(
         got.view(torch.uint8), v8.view(torch.uint8))
     assert gluon_fwd.supported(q8, k8, got) and not gluon_fwd.supported(
         q8, k8, v8.transpose(2, 3).contiguous().transpose(2, 3))
-    assert seen[-1] is got
+    assert seen[1] is got
+    assert seen[2] is not unpadded and seen[2].stride(3) == 64 and torch.equal(
+        seen[2].view(torch.uint8), v8.view(torch.uint8))
 
 
 # --- real sizes on a GPU --------------------------------------------------------------------

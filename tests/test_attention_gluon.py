@@ -762,6 +762,12 @@ def test_fp8_scope_and_plan():
         assert supported(*_qkv8(D=d)[0]), d
     assert not supported(*_qkv8(D=72)[0])                      # rows of 72 bytes
     assert supported(*_qkv8(D=192, DV=128)[0])
+    # an output row of 100 bf16 entries is 200 bytes, which TMA cannot step by (o does
+    # not have v's layout, as in a 16-bit call)
+    assert not supported(*_qkv8(D=192, DV=100)[0])
+    from flashfold.kernels.attention import gluon_bwd
+    assert not gluon_bwd.supported(q, k, v, q)                 # FP8 has no backward
+    assert gluon_bwd.supported(*(t.to(torch.bfloat16).contiguous() for t in (q, k, v, q)))
     assert qk_chunks(80, 80, least=32) == (64, 32) and qk_chunks(96, 96, least=32) == (64, 32)
     assert qk_chunks(192, 128, least=32) == (128, 64)
     assert _plan(80, 80, fp8=True) == (64, 32, 128, 128, False)
@@ -798,6 +804,12 @@ def test_fp8_dispatch_takes_the_gluon_kernel():
         fwd.attention_forward(q, k, v, scale=0.1, descales=d, out_dtype=torch.bfloat16,
                               config=fwd.default_config(q, 64, 64))
         assert len(calls) == 2 and launch.call_args_list[0].args[0] is fwd._attn_fwd
+        # without out_dtype: bf16, whichever kernel runs (not q's E4M3)
+        o, _ = fwd.attention_forward(q, k, v, scale=0.1, descales=d)
+        assert o.dtype == torch.bfloat16 and calls[-1][1] == torch.bfloat16
+        o, _ = fwd.attention_forward(q, k, v, scale=0.1, descales=d,
+                                     config=fwd.default_config(q, 64, 64))
+        assert o.dtype == torch.bfloat16
     assert not gluon_fwd.eligible(q, k, v)                      # (CPU tensors)
 
 

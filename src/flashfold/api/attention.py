@@ -169,15 +169,19 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         for ``x8 * descale`` (:mod:`flashfold.api.fp8`; ``quantize_fp8`` makes them).
         Forward only; no score_mod / mask_mod; statistics in fp32, ``P`` quantized to FP8
         with its own scale (:func:`~flashfold.kernels.attention.reference.fp8_attention_reference`,
-        what the CPU runs). On CUDA the Triton template's ``FP8`` flag runs it (E4M3
-        products on the tensor cores; head dims up to 256). Its ``P V`` product reads V
-        with the keys contiguous: a ``v`` stored otherwise is transposed into a new
-        buffer first (``Nk Dv`` bytes per KV head); one made as ``vt.transpose(-1, -2)``
-        of a contiguous ``(B, Hk, Dv, Nk)`` tensor is read as it is. Under ``torch.compile`` one
-        custom op, ``flashfold::attn_fwd_fp8``, traced without graph breaks.
+        what the CPU runs). On an sm_90 GPU the warp-specialized Gluon kernel runs it
+        on E4M3 tensor-core products, elsewhere (and for shapes outside its plans) the
+        Triton template's ``FP8`` flag; head dims up to 256. Its ``P V`` product reads V
+        with the keys contiguous, each row of keys 16-byte aligned: one made as
+        ``vt.transpose(-1, -2)`` of a contiguous ``(B, Hk, Dv, Nk)`` tensor with ``Nk`` a
+        multiple of 16 is read as it is; any other ``v`` is transposed into a new buffer
+        first (``Nk Dv`` bytes per KV head, rows padded to 16 keys). Under
+        ``torch.compile`` one custom op, ``flashfold::attn_fwd_fp8``, traced without graph
+        breaks.
     out_dtype: the output dtype of an FP8 call (bf16 by default; fp16, fp32).
 
-    Returns ``o`` ``(B, Hq, Nq, Dv)`` in the input dtype (contiguous), and ``lse`` when
+    Returns ``o`` ``(B, Hq, Nq, Dv)`` in the input dtype (an FP8 call's: ``out_dtype``;
+    contiguous), and ``lse`` when
     ``return_lse``. Differentiable with respect to ``q``, ``k``, ``v``. On meta tensors:
     meta outputs (and meta gradients) of those shapes, nothing computed; the checks of
     ``cu_seqlens`` values are skipped (shapes are checked as always).

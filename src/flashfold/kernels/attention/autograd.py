@@ -575,17 +575,19 @@ def fp8_forward_impl(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_
                      scale, softcap, left, right, use_kernel, out_dtype, lens_q=None,
                      lens_k=None, return_lse=True):
     """An FP8 forward (:func:`.reference.fp8_attention_reference`'s semantics): ``(o in
-    out_dtype, lse float32)``, by the kernel template's FP8 flag or the CPU reference.
+    out_dtype, lse float32)``, by the kernels (the Gluon kernel's E4M3 descriptors on
+    sm_90, else the Triton template's FP8 flag: :mod:`.dispatch`) or the CPU reference.
     ``lens_*``: per-sequence lengths when already read from ``cu_seqlens_*``; without
-    ``return_lse`` the kernel may return None for the LSE. The kernel reads ``v`` with its
-    keys contiguous (the 8-bit ``P V`` product takes V K-major): another layout is
-    transposed into a new buffer first (``Nk Dv`` bytes per KV head, its rows padded to a
-    multiple of 16 keys: the 16-byte row stride TMA needs, so that the Gluon kernel can
-    read it); a ``v`` made as ``vt.transpose(-1, -2)`` of a ``(B, Hk, Dv, Nk)`` tensor is
-    read as it is."""
+    ``return_lse`` the kernel may return None for the LSE. The kernels read ``v`` with its
+    keys contiguous (the 8-bit ``P V`` product takes V K-major), each row of keys
+    16-byte aligned (TMA's strides): a ``v`` made as ``vt.transpose(-1, -2)`` of a
+    ``(B, Hk, Dv, Nk)`` tensor with ``Nk`` a multiple of 16 is read as it is; any other
+    is transposed into a new buffer first (``Nk Dv`` bytes per KV head, its rows padded
+    to a multiple of 16 keys)."""
     if use_kernel:
+        from ..tma import addressable
         from .fwd import keys_contiguous
-        if not keys_contiguous(v):
+        if not (keys_contiguous(v) and addressable(v.transpose(2, 3))):
             B, H, N, D = v.shape
             vt = torch.empty((B, H, D, -(-N // 16) * 16), dtype=v.dtype, device=v.device)
             vt = vt[..., :N]

@@ -98,12 +98,13 @@ from .. import launcher, plans, tma
 from ..codegen import tile_step_functions
 from . import dispatch, gluon_fwd
 from .mods import BlockMask, TracedMod, plan_tables
+from .reference import FP8_MAX
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 #: the factor of ``P`` (``<= 1``) before its rounding to E4M3 for an FP8 ``P V``: the
-#: format's largest value (:data:`.reference.FP8_MAX`)
-P_SCALE_FP8 = tl.constexpr(448.0)
+#: format's largest value (as the Gluon kernel's ``gluon_fwd.P_SCALE_FP8``)
+P_SCALE_FP8 = tl.constexpr(FP8_MAX)
 
 try:  # Triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -782,8 +783,8 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     table was computed for these lengths and this window), else the kernel also applies
     bounds and window masks inside FULL tiles. ``config`` overrides the heuristic.
     ``descales``: with ``torch.float8_e4m3fn`` q, k, v, their float32 factors ``(q_descale,
-    k_descale, v_descale)``, each ``(B or S, Hk)`` (the template's ``FP8`` flag; no mods);
-    ``out_dtype``: ``o``'s dtype (default q's).
+    k_descale, v_descale)``, each ``(B or S, Hk)`` (no mods); ``out_dtype``: ``o``'s
+    dtype (default q's, bf16 for FP8).
 
     A call replays the launch planned for the same signature (:data:`_CACHE`, see
     :mod:`flashfold.kernels.plans`), as the backward does; a score_mod or block mask enters
@@ -793,6 +794,8 @@ def attention_forward(q, k, v, *, scale: float, softcap: float | None = None,
     host-bound on the H200 (0.85x cuDNN at head_dim 128, 0.51x at 64, against 1.01x and
     0.96x from CUDA graphs; ``docs/notes/host_time.md``, "Attention").
     """
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if descales is not None else q.dtype
     options = dict(scale=scale, softcap=softcap, left=left, right=right,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
                    full_needs_mask=full_needs_mask, config=config, out_dtype=out_dtype)

@@ -1342,9 +1342,9 @@ def supported(q, k, v, do, *, causal: bool = False, left: int | None = None,
     forward's (:func:`.gluon_fwd.supported`: ``D = Dv`` up to 256, or ``D`` in 129-256
     with ``Dv`` in 65-128) narrowed to calls where every row sees a key (a right bound
     ``r``, causal's 0 included: ``Nq <= Nk + r``), with ``dO`` of ``v``'s shape in ``q``'s
-    dtype, TMA-compatible."""
+    dtype, TMA-compatible; 16-bit (FP8 has no backward)."""
     left, right = gluon_fwd._bounds(causal, left, right)
-    return (q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+    return (q.dtype != torch.float8_e4m3fn and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
             and do.shape == (*q.shape[:-1], v.shape[-1])
             and not (right is not None and q.shape[2] > k.shape[2] + right)
             and do.dtype == q.dtype and addressable(do)

@@ -1249,7 +1249,8 @@ def supported(q, k, v, *, causal: bool = False, scale: float | None = None,
     sides ints ``>= 0`` or None, TMA-compatible strides and addresses (unit last stride,
     the others and the base 16-byte aligned); an E4M3 ``v`` keys-contiguous, its
     transposed view ``(B, H, Dv, N)`` TMA-compatible (stored ``(B, H, Dv, Nk)``: ``Nk``
-    a multiple of 16)."""
+    a multiple of 16), and ``Dv`` a multiple of 8 (the 16-bit or fp32 output's rows, which
+    a 16-bit call's ``v`` vouches for)."""
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[-1] != q.shape[-1] \
@@ -1265,6 +1266,8 @@ def supported(q, k, v, *, causal: bool = False, scale: float | None = None,
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         return False
     if q.dtype == torch.float8_e4m3fn:
+        if v.shape[3] % 8:
+            return False
         v = v.transpose(2, 3)                # (the tensor its descriptor spans: _desc)
     return all(addressable(t) for t in (q, k, v))
 
