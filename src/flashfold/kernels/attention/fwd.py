@@ -997,8 +997,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         tuple(tables), *strides,
         score_mod.triton_fn() if has_mod else None, sargs,
         mask_fn, margs,
-        tuple(descales) if fp8 else (None, None, None),
-        tuple(x for d in descales for x in d.stride()) if fp8 else (0,) * 6,
+        *gluon_fwd._fp8_args(q, descales, out_dtype)[2:],     # DESCALES, their strides
         # one non-finite flag per program, for the guard; a varlen program past its
         # sequence returns without writing its flag, so those start at zero
         plans.new((grid[0],), dtype=torch.int32, device=q.device, zero=varlen) if flagged else None,
