@@ -484,7 +484,8 @@ def test_kernel_flags_follow_the_call():
     assert a[14:16] == (0.0, pytest.approx(1 / math.sqrt(128)))
     from flashfold.kernels.codegen import tile_step_functions
     from flashfold.monoids import ATTENTION2
-    fns = tile_step_functions(ATTENTION2, scale="score", gluon=True)
+    # (the step with a reference shift: 0 here, log2 448 for an FP8 call's P)
+    fns = tile_step_functions(ATTENTION2, scale="score", shift=True, gluon=True)
     assert k["STEP"] is fns.tile_step and k["FINALIZE"] is fns.finalize_rows
     a, k = kw(*qkv, causal=True, left=100)
     assert k["MASK_LEFT"] and k["MASK_RIGHT"] and a[16:18] == (100, 0)

@@ -133,6 +133,65 @@ def test_attention_step_equals_the_fold(monoid, scale):
     assert m2[0] == -math.inf and d2[0] == 0.0 and np.all(o2[0] == 0.0)    # nothing visible
 
 
+@pytest.mark.parametrize("monoid, base", [(ATTENTION, math.e), (ATTENTION2, 2.0)],
+                         ids=lambda x: getattr(x, "name", ""))
+@pytest.mark.parametrize("shift", [math.log2(448.0), -3.5])
+def test_shifted_step_is_the_state_re_referenced(monoid, base, shift):
+    """With a reference shift ``s`` the step keeps the running max and returns every
+    linear field and weight times ``b^s``: fed states in those units, its outputs are the
+    fold's times ``b^s``, and finalizing at ``m - s`` gives the plain finalize. The shift
+    costs one subtraction per row, no operation per element."""
+    rng = np.random.default_rng(2)
+    rows, cols, width = 12, 9, 3
+    x = _special_rows(rng, rows, cols)
+    v = rng.normal(size=(cols, width))
+    m = rng.normal(size=rows) * 2
+    m[[0, 5]] = -math.inf
+    m[6] = math.nan
+    d = np.where(m == -math.inf, 0.0, rng.uniform(0.5, 3.0, size=rows))
+    o = np.where((m == -math.inf)[:, None], 0.0, rng.normal(size=(rows, width)))
+    c = base ** shift
+    st = tile_step(monoid, scale="score", shift=True)
+    assert st.uniform == ("scale", "shift")
+    with np.errstate(all="ignore"):
+        m2, d2, alpha, p = compile_graph(st.graph, "numpy")(m, c * d, x.T, np.float64(0.125),
+                                                            np.float64(shift))
+        o2 = alpha[:, None] * (c * o) + p.T @ v
+    rm, rd, ro = _fold_reference(monoid, m, d, o, x * 0.125, v)
+    for got, want, name in ((m2, rm, "m"), (d2, c * rd, "d"), (o2, c * ro, "o")):
+        assert np.array_equal(np.isnan(got), np.isnan(want)), name
+        ok = ~np.isnan(want)
+        np.testing.assert_allclose(got[ok], want[ok], rtol=1e-12, atol=1e-300, err_msg=name)
+    fin = numpy_monoid(monoid).finalize
+    with np.errstate(all="ignore"):
+        got = fin((m2 - shift, d2, o2))
+        want = fin((rm, rd, ro))
+    for g_, w_ in zip(got, want):
+        assert np.array_equal(np.isnan(g_), np.isnan(w_))
+        ok = ~np.isnan(w_)
+        np.testing.assert_allclose(g_[ok], w_[ok], rtol=1e-12)
+    plain = [n.op for n in tile_step(monoid, scale="score").graph.nodes()]
+    shifted = [n.op for n in st.graph.nodes()]
+    assert shifted.count("exp2" if base == 2.0 else "exp") == plain.count(
+        "exp2" if base == 2.0 else "exp") and shifted.count("mul") == plain.count("mul")
+
+
+def test_shift_needs_an_exponential_factor():
+    """``g(m, r) = 1 / (1 + r - m)`` rebases like a twist but a shifted reference does not
+    scale it by a constant."""
+    def g(m, r):
+        return 1.0 / (1.0 + r - m)
+    odd = Monoid("harmonic", fields=("m", "d"), identity=(-ops.inf, 0.0),
+                 lift=lambda x: (x, 1.0),
+                 combine=lambda a, b: (ops.maximum(a.m, b.m),
+                                       a.d * g(a.m, ops.maximum(a.m, b.m))
+                                       + b.d * g(b.m, ops.maximum(a.m, b.m))))
+    rescale_twist(odd)                          # the combine has the twist's shape
+    tile_step(odd)
+    with pytest.raises(ValueError, match="shift needs an exponential factor"):
+        tile_step(odd, shift=True)
+
+
 @pytest.mark.parametrize("monoid", [LOGSUMEXP, LOGSUMEXP2], ids=lambda m: m.name)
 def test_logsumexp_step_equals_the_fold(monoid):
     rng = np.random.default_rng(1)

@@ -178,6 +178,21 @@ def _vanishes_at_minus_inf(factor: Graph) -> bool:
     return bool(np.all(np.asarray(g) == 0.0))
 
 
+def _exponential(factor: Graph) -> bool:
+    """``g(a, b) g(b, c) == g(a, c)`` for finite ``a, b, c`` in every order (NumPy,
+    float64, to rounding): the factor is ``b^{a - c}``, whose pivot a constant shift of
+    the reference scales by a constant."""
+    fn = compile_graph(factor, "numpy")
+    pts = np.array([-3.0, -0.5, 0.0, 1.25, 4.0])
+    a, b, c = (x.ravel() for x in np.meshgrid(pts, pts, pts, indexing="ij"))
+    with np.errstate(all="ignore"):
+        (ab,) = fn(a, b)
+        (bc,) = fn(b, c)
+        (ac,) = fn(a, c)
+    ab, bc, ac = (np.broadcast_to(np.asarray(x, dtype=np.float64), a.shape) for x in (ab, bc, ac))
+    return bool(np.all(np.isfinite(ac)) and np.allclose(ab * bc, ac, rtol=1e-12, atol=0.0))
+
+
 def _is_liveness(n: Node, ref_j: Node) -> bool:
     """``n`` is ``where(y > -inf, 1, 0)`` with ``ref_j`` either ``y`` or ``y`` times a positive
     constant (LOGSUMEXP2 tests the score before its ``log2 e``): the indicator of
@@ -224,17 +239,34 @@ class TileStep:
     contract: tuple[tuple[str, str], ...]
 
 
-def tile_step(monoid: Monoid, *, scale: str | None = None) -> TileStep:
+def tile_step(monoid: Monoid, *, scale: str | None = None, shift: bool = False) -> TileStep:
     """Derive ``monoid``'s tile step (module docstring).
 
     ``scale``: the name of a scalar input that the kernel passes as ``x * scale``, with
     ``scale > 0`` the same for the whole tile (attention's ``1 / sqrt(d)``, a softcap):
     the step then takes ``x`` as that input and ``scale`` as a uniform argument, and the
     rewrites of :mod:`.rewrite` fold the scale into the lift's constants (``scale log2
-    e``) and pull it out of the row max. ``ValueError`` when the monoid is not a rescale
-    twist, has position inputs, or a vector field is not linear in one vector input.
+    e``) and pull it out of the row max.
+
+    ``shift``: the step takes one more uniform argument ``s`` (after ``scale``) and weighs
+    the tile against the reference ``r - s`` instead of ``r``: ``w_j = g(lift(x_j)_m, r -
+    s)``, one subtraction per row. For an exponential factor ``g(m, r) = b^{m - r}`` (the
+    only kind accepted: ``g(a, b) g(b, c) = g(a, c)`` for all finite arguments, checked
+    when the step is derived) every weight and every linear field then carries the
+    constant ``b^s``: the returned state ``(m', f)`` is the monoid's state ``(m' - s,
+    f)``, the same value re-referenced, and ``m'`` stays the running max the next step
+    takes. A kernel uses it to produce weights in the units a product wants (an FP8
+    ``P V`` takes ``448 P = 2^{x - m' + log2 448}``) with no multiply per element, and
+    finalizes at ``m' - s``.
+
+    ``ValueError`` when the monoid is not a rescale twist, has position inputs, a vector
+    field is not linear in one vector input, or ``shift`` meets a factor that is not
+    exponential.
     """
     tw = rescale_twist(monoid)
+    if shift and not _exponential(tw.factor):
+        raise ValueError(f"tile_step: shift needs an exponential factor g(m, r) = b^(m - r) "
+                         f"(g(a, b) g(b, c) = g(a, c)); {monoid.name!r}'s is not")
     fields = {f.name: f for f in monoid.fields}
     if any(i.domain == "position" for i in monoid.inputs):
         raise ValueError(f"monoid {monoid.name!r}: the tile step takes no position inputs")
@@ -256,17 +288,18 @@ def tile_step(monoid: Monoid, *, scale: str | None = None) -> TileStep:
     if len(vectors) > 1 and len({i for _, i in contract}) != len(vectors):
         raise ValueError(f"monoid {monoid.name!r}: a vector input no field contracts")
     state = (tw.ref,) + tuple(f for f in tw.linear if not fields[f].vector)
-    uniform = ("scale",) if scale is not None else ()
+    uniform = (("scale",) if scale is not None else ()) + (("shift",) if shift else ())
     drop_liveness = _vanishes_at_minus_inf(tw.factor)
 
     def step(*nodes):
         st = dict(zip(state, nodes[:len(state)]))
         tile = dict(zip(scalars, nodes[len(state):len(state) + len(scalars)]))
-        lifted = _lift_tile(monoid, tile, scale, nodes[-1])
+        extra = dict(zip(uniform, nodes[len(state) + len(scalars):]))
+        lifted = _lift_tile(monoid, tile, scale, extra.get("scale"))
         ref_j = lifted[tw.ref]
         r = ops.maximum(st[tw.ref], ops.reduce_max(ref_j))
         (alpha,) = inline(tw.factor, st[tw.ref], r)
-        (w,) = inline(tw.factor, ref_j, r)
+        (w,) = inline(tw.factor, ref_j, r - extra["shift"] if shift else r)
 
         def weighted(value):
             if drop_liveness and _is_liveness(value, ref_j):

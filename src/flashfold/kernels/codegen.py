@@ -293,20 +293,22 @@ class TileStepFunctions:
 _STEPS: dict = {}
 
 
-def tile_step_functions(monoid: Monoid, *, scale: str | None = None,
+def tile_step_functions(monoid: Monoid, *, scale: str | None = None, shift: bool = False,
                         gluon: bool = False) -> TileStepFunctions:
     """Generate (or fetch) ``monoid``'s tile step and row finalize as ``@triton.jit``
     functions, or ``@gluon.jit`` ones with ``gluon=True`` (for the Gluon kernels, which
     call only Gluon functions). ``scale``: the scalar input the kernel passes as ``x *
-    scale`` (see :func:`~flashfold.algebra.twist.tile_step`)."""
+    scale``; ``shift``: the step takes a reference shift ``s`` after the scale, its
+    weights and linear fields carry ``b^s``, and the kernel finalizes at ``m - s`` (see
+    :func:`~flashfold.algebra.twist.tile_step`)."""
     from ..algebra.twist import tile_step, tile_weights
 
     key = (monoid.name, monoid.combine_graph.key(), monoid.lift_graph.key(),
-           monoid.finalize_graph.key(), scale, gluon)
+           monoid.finalize_graph.key(), scale, shift, gluon)
     hit = _STEPS.get(key)
     if hit is not None:
         return hit
-    step = tile_step(monoid, scale=scale)
+    step = tile_step(monoid, scale=scale, shift=shift)
     backend = GLUON if gluon else TRITON
     deco = "@gluon.jit" if gluon else "@triton.jit"
 
@@ -327,7 +329,8 @@ def tile_step_functions(monoid: Monoid, *, scale: str | None = None,
         function(weights.graph, "tile_weights", tile=("ref",) + weights.tile,
                  uniform=weights.uniform),
     ])
-    mod = load_source(source, ("gluon_" if gluon else "") + "step_" + _safe(monoid.name),
+    mod = load_source(source, ("gluon_" if gluon else "") + ("shifted_" if shift else "")
+                      + "step_" + _safe(monoid.name),
                       header=_GLUON_HEADER if gluon else _HEADER)
     fns = TileStepFunctions(step, mod.tile_step, mod.finalize_rows, mod.tile_weights, source,
                             mod.__file__)

@@ -72,8 +72,9 @@ Constexpr flags: ``MASK_LEFT``/``MASK_RIGHT`` (window sides; causal is ``right =
 first), ``STRICT`` (masked tiles' ``P V`` leaves hidden keys out: the guard's), ``FLAGGED``
 (the epilogue writes the tile's non-finite flag), ``FP8`` (E4M3 q, k, v with float32
 descale factors per (batch or sequence, KV head): ``q_descale k_descale`` joins the score
-scale, ``P`` enters ``P V`` as E4M3 times :data:`P_SCALE_FP8`, and the finalize multiplies
-``acc`` by ``v_descale / P_SCALE_FP8``; statistics fp32 as always;
+scale, the step's reference shift :data:`SHIFT_FP8` makes ``P`` come out times 448 (E4M3's
+largest value) for ``P V``, and the finalize multiplies ``acc`` by ``v_descale`` and takes
+the state at ``m - SHIFT_FP8``; statistics fp32 as always;
 :func:`.reference.fp8_attention_reference` is its semantics; ``v`` keys-contiguous,
 ``v.stride(2) == 1``, read by TMA through its transpose, so that its tiles are the
 K-major B operand of an 8-bit ``wgmma`` as loaded).
@@ -87,6 +88,7 @@ log (the backward wants base 2: multiply by ``log2 e``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -102,9 +104,10 @@ from .reference import FP8_MAX
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-#: the factor of ``P`` (``<= 1``) before its rounding to E4M3 for an FP8 ``P V``: the
-#: format's largest value (as the Gluon kernel's ``gluon_fwd.P_SCALE_FP8``)
-P_SCALE_FP8 = tl.constexpr(FP8_MAX)
+#: the tile step's reference shift of an FP8 ``P V``: ``P`` (``<= 1``) comes out times
+#: 448, the format's largest value, for its rounding to E4M3 (as the Gluon kernel's
+#: ``gluon_fwd.SHIFT_FP8``)
+SHIFT_FP8 = tl.constexpr(math.log2(FP8_MAX))
 
 try:  # Triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -220,7 +223,7 @@ def _pv_strict(acc, p, v, vis):
     the product takes ``v`` with its non-finite entries zeroed, and the ``(row, channel)``
     that see a non-finite entry of a visible key become NaN (a 0/1 product of ``vis`` and
     the indicator of those entries, in fp16: counts <= BLOCK_N are exact). ``p`` is in the
-    units of the product: times :data:`P_SCALE_FP8` for E4M3 tiles."""
+    units of the product: times 448 for E4M3 tiles (:data:`SHIFT_FP8`)."""
     vf = v.to(tl.float32)
     total = tl.sum(tl.sum(vf, 1), 0)
     if tl.abs(total) < float("inf"):
@@ -242,14 +245,16 @@ def _softmax_update(acc, l_i, m_i, x, c, v, vis, STRICT: tl.constexpr, STEP: tl.
     max(m, rowmax(x c log2 e))``, ``alpha = 2^(m - m')``, ``P = 2^(x c log2 e - m')`` (finite
     pivot for an empty row), ``l' = alpha l + rowsum P``; here ``acc' = alpha acc + P V``
     on the tensor cores. ``STRICT`` (tiles with hidden pairs, ``vis`` their visibility):
-    :func:`_pv_strict`. ``FP8`` (E4M3 ``v``): the product takes ``P`` times
-    :data:`P_SCALE_FP8` rounded to E4M3 (``P <= 1`` would otherwise use only the format's
-    lower range), so ``acc`` carries that factor, which the finalize divides out; ``l``
-    sums the unrounded ``P``."""
-    m_new, l_i, alpha, p = STEP(m_i, l_i, x, c)
-    acc = acc * alpha[:, None]
+    :func:`_pv_strict`. ``FP8`` (E4M3 ``v``): the step weighs the tile against the
+    reference ``m' - SHIFT_FP8`` (``STEP``'s reference shift), so ``P`` comes out times 448
+    for its rounding to E4M3 (``P <= 1`` would otherwise use only the format's lower
+    range) with no multiply per score; ``l`` (the unrounded ``448 P``) and ``acc`` carry
+    that factor, and the finalize takes the state at ``m - SHIFT_FP8``."""
     if FP8:
-        p = p * P_SCALE_FP8
+        m_new, l_i, alpha, p = STEP(m_i, l_i, x, c, SHIFT_FP8)
+    else:
+        m_new, l_i, alpha, p = STEP(m_i, l_i, x, c, 0.0)
+    acc = acc * alpha[:, None]
     if STRICT:
         acc = _pv_strict(acc, p, v, vis)
     else:
@@ -526,9 +531,11 @@ def _fwd_tile(
     # -- finalize: ATTENTION2's (o = acc / l, lse = (m + log2 l) ln 2; a row with no visible
     # key, m = -inf, gives 0 and -inf; a NaN m or l, NaN)
     if FP8:
-        # o is linear in v: v's factor over P's scale, once per tile
+        # o is linear in v: v's factor, once per tile; the state is ATTENTION2's at
+        # m - SHIFT_FP8
         d_v = tl.load(DESCALES[2] + b.to(tl.int64) * SD[4] + hk * SD[5])
-        acc = acc * (d_v / P_SCALE_FP8)
+        acc = acc * d_v
+        m_i = m_i - SHIFT_FP8
     o, lse = FINALIZE(m_i, l_i, acc)
     offs_dv = tl.arange(0, BLOCK_DV)
     o_ptrs = (o_base + start_m.to(tl.int64) * som
@@ -933,7 +940,7 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
         return o, lse, None
     fp8 = descales is not None
     BD, BDV = block_dims(D, DV, least=32 if fp8 else 16)
-    step = tile_step_functions(ATTENTION2, scale="score")
+    step = tile_step_functions(ATTENTION2, scale="score", shift=True)
     cfg = config or default_config(q, D, DV, causal=right is not None)
     if fp8 and cfg.block_n < 32:
         cfg = replace(cfg, block_n=32)         # P V's reduction: 32 at least for 8 bits

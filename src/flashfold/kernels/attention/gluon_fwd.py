@@ -78,10 +78,12 @@ FP8 (E4M3 ``q``, ``k``, ``v`` with float32 factors, :func:`.reference.fp8_attent
 semantics) is the same template on 8-bit descriptors: their dtype is the flag (``FP8``
 in the partitions). ``S = Q K^T`` runs on the tiles as stored and ``q_descale
 k_descale`` (one load each per item, per batch or sequence and KV head) joins the score
-scale, inside the tanh with a softcap; ``P`` (``<= 1``) times 448 is rounded to E4M3
-(``cvt.rn.satfinite``) for ``P V`` while ``l`` sums the unrounded ``P`` in fp32; the
-epilogue multiplies ``acc`` by ``v_descale / 448`` (:func:`_pv_issue`,
-:func:`_consume_item`). An 8-bit wgmma reduces 32 entries per instruction (accumulator
+scale, inside the tanh with a softcap; the step weighs the tile against the reference ``m'
+- log2 448`` (ATTENTION2's step with a reference shift), so its ``P`` comes out times 448,
+``448 P = 2^(x - m' + log2 448)`` with no multiply per score, and is rounded to E4M3
+(``cvt.rn.satfinite``) for ``P V``; ``l`` sums the unrounded ``448 P`` in fp32, and the
+epilogue finalizes at ``m - log2 448`` after multiplying ``acc`` by ``v_descale``
+(:func:`_softmax_tile`, :func:`_pv_issue`, :func:`_consume_item`). An 8-bit wgmma reduces 32 entries per instruction (accumulator
 layouts with ``k = 32``, ``P``'s register operand four entries per register) and takes
 its B operand K-major only, so ``v`` is stored keys-contiguous (a ``(B, Hk, Dv, Nk)``
 tensor viewed as ``(B, Hk, Nk, Dv)``): its descriptor over ``(B, Hk, Dv, Nk)`` loads
@@ -127,9 +129,10 @@ from ..tma import addressable, box_strides
 from .reference import FP8_MAX
 
 LOG2E = 1.4426950408889634
-#: the factor of an FP8 call's ``P`` (``<= 1``) before its rounding to E4M3 for ``P V``:
-#: the format's largest value (as the Triton template's ``fwd.P_SCALE_FP8``)
-P_SCALE_FP8 = tl.constexpr(FP8_MAX)
+#: the tile step's reference shift of an FP8 call: ``P`` (``<= 1``) comes out times 448,
+#: the format's largest value, for its rounding to E4M3 (as the Triton template's
+#: ``fwd.SHIFT_FP8``)
+SHIFT_FP8 = tl.constexpr(math.log2(FP8_MAX))
 
 #: query rows per program (two consumer warpgroups of 64 rows)
 BLOCK_M = 128
@@ -619,14 +622,17 @@ if gluon is not None:
     def _softmax_tile(s, m, l, t, kind, t_a, t_c, key_lo, key_hi, kv_len, qk_scale,
                       step_scale, mod, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, STEP: gl.constexpr,
-                      SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr,
+                      SHIFT: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr,
                       ROW_BOUNDS: gl.constexpr):
         """Key tile ``t``'s scores ``s = q k^T`` folded into the row state ``(m, l)``:
         ``(p, m', l', alpha)`` from ``STEP``, ATTENTION2's tile step generated as a Gluon
-        function (:func:`flashfold.kernels.codegen.tile_step_functions`): in base 2,
-        ``m' = max(m, rowmax(x c log2 e))``, ``p = 2^(x c log2 e - m')``, ``l' = alpha l +
+        function (:func:`flashfold.kernels.codegen.tile_step_functions`) with the
+        reference shift ``SHIFT`` (0, or :data:`SHIFT_FP8`): in base 2, ``m' = max(m,
+        rowmax(x c log2 e))``, ``p = 2^(x c log2 e - m' + SHIFT)``, ``l' = alpha l +
         rowsum(p)``, ``alpha = 2^(m - m')`` with a finite pivot for a row that has seen no
-        key (the caller rescales its ``acc`` by ``alpha`` and adds ``p V``).
+        key (the caller rescales its ``acc`` by ``alpha`` and adds ``p V``; ``l`` and
+        ``acc`` carry ``2^SHIFT``, and the row's state is ATTENTION2's ``(m - SHIFT, l,
+        acc)``).
 
         Scores ``x c`` (``c = step_scale``): without ``SOFTCAP`` ``x = qk``, ``c = scale``
         (the step forms ``qk (scale log2 e)`` in one FMA inside the ``exp2`` and takes the
@@ -682,7 +688,7 @@ if gluon is not None:
                 vis = MASK_FN(b, hq, q_idx[:, None], c[None, :], mask_bufs) != 0
                 ok = ok & ((kind == 0) | ((kind == 1) & vis))
             s = gl.where(ok, s, -float("inf"))
-        m, l, alpha, p = STEP(m, l, s, step_scale)
+        m, l, alpha, p = STEP(m, l, s, step_scale, SHIFT)
         return p, m, l, alpha
 
     @gluon.jit
@@ -732,7 +738,8 @@ if gluon is not None:
         rounded to E4M3 (``cvt.rn.satfinite``), V's tile ``[BLOCK_DV, BLOCK_N]`` (keys
         contiguous) permuted to the K-major B operand 8-bit wgmma takes."""
         if FP8:
-            pa = gl.convert_layout((p * P_SCALE_FP8).to(gl.float8e4nv), p_layout)
+            # (p is 448 P already: the step's reference shift, SHIFT_FP8)
+            pa = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
             vb = v_tile.reshape([BLOCK_DV, BLOCK_N]).permute((1, 0))
         else:
             pa = gl.convert_layout(p.to(v_tile.dtype), p_layout)
@@ -770,6 +777,7 @@ if gluon is not None:
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         dtype: gl.constexpr = q[0].dtype
         FP8: gl.constexpr = dtype == gl.float8e4nv
+        SHIFT: gl.constexpr = SHIFT_FP8 if FP8 else 0.0
         HALF: gl.constexpr = s_zero.shape[0]
         o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV, dtype)
         # (an 8-bit A operand in registers: four entries per 32-bit register)
@@ -791,8 +799,8 @@ if gluon is not None:
         l = gl.zeros([HALF], gl.float32, rows)
         p, m, l, alpha = _softmax_tile(s, m, l, t, kind, t_a, t_c, key_lo, key_hi, kv_len,
                                        qk_scale, step_scale, mod, BLOCK_N, MASK_LEFT,
-                                       MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD, MASK_FN,
-                                       ROW_BOUNDS)
+                                       MASK_RIGHT, SOFTCAP, STEP, SHIFT, SCORE_MOD,
+                                       MASK_FN, ROW_BOUNDS)
         acc = gl.zeros([HALF, BLOCK_DV], gl.float32, o_layout)
 
         for j in range(1, n_kv):
@@ -810,8 +818,8 @@ if gluon is not None:
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, m, l, alpha = _softmax_tile(s, m, l, t, kind, t_a, t_c, key_lo, key_hi,
                                            kv_len, qk_scale, step_scale, mod, BLOCK_N,
-                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, STEP, SCORE_MOD,
-                                           MASK_FN, ROW_BOUNDS)
+                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, STEP, SHIFT,
+                                           SCORE_MOD, MASK_FN, ROW_BOUNDS)
             acc, pa = _pv_wait(acc, pa, FP8)
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -919,8 +927,9 @@ if gluon is not None:
         # a row with no visible key, m = -inf: 0 and -inf; NaN m or l: NaN)
         rows_o = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
         if FP8:
-            # o is linear in v: v's factor over P's
-            acc = acc * (gl.load(VD + b.to(gl.int64) * sd[4] + hk * sd[5]) / P_SCALE_FP8)
+            # o is linear in v: v's factor; the state is ATTENTION2's at m - SHIFT_FP8
+            acc = acc * gl.load(VD + b.to(gl.int64) * sd[4] + hk * sd[5])
+            m = m - SHIFT_FP8
         o, lse = FINALIZE(gl.convert_layout(m, gl.SliceLayout(1, o_layout)),
                           gl.convert_layout(l, gl.SliceLayout(1, o_layout)), acc)
         if VARLEN:
@@ -1430,7 +1439,7 @@ def _scales(scale: float, softcap: float | None, score_mod=None, device=None) ->
 def _constexprs(plan, left, right, softcap, return_lse, pingpong, *, varlen: bool,
                 score_mod=None, block_mask=None, dynamic: bool = False) -> dict:
     """The template's flags and launch options of a call (``plan``: :func:`_plan`)."""
-    step = tile_step_functions(ATTENTION2, scale="score", gluon=True)
+    step = tile_step_functions(ATTENTION2, scale="score", shift=True, gluon=True)
     block_d, block_d2, block_dv, block_n, o_in_q = plan
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_D2=block_d2,
                 BLOCK_DV=block_dv,
