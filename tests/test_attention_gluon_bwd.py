@@ -19,7 +19,8 @@ from unittest import mock
 import pytest
 import torch
 
-from compile_worker import assert_warp_specialized, emit_rows, gluon_rows, ws_facts
+from compile_worker import (assert_warp_specialized, emit_rows, gluon_rows,
+                            spill_budgets_apply, ws_facts)
 from test_attention_gluon import _naive_lowp, _needs_sm90, _qkv, _reference, _score_mod
 
 #: (id, causal, dtype, dK/dV by TMA stores, head_dim, warpgroups take turns, persistent[,
@@ -175,6 +176,7 @@ def _compile_all():
         return dict(**ws_facts(c), tma_reduce="UTMAREDG" in sass, tma_store="UTMASTG" in sass,
                     red=sorted(set(re.findall(r"\bREDG?\.\S*", sass))), tma_store_asked=kwargs["STORE_TMA"],
                     det=kwargs["DETERMINISTIC"], spin="ld.acquire.gpu" in c.ptx,
+                    tiles_outside=kwargs["TILES_OUTSIDE"],
                     varlen=kwargs.get("VARLEN", False),
                     column_bounds=kwargs.get("COLUMN_BOUNDS", False))
 
@@ -196,6 +198,8 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
     assert r["tma_reduce"]
     assert r["red"] == (["REDG.E.ADD.S32.STRONG.GPU"] if r["det"] else []), r["red"]
     assert r["spin"] == r["det"]       # the writers wait for their turn
+    # (GQA) deterministic walks take the query tiles outside the group's heads
+    assert r["tiles_outside"] == r["det"]
     # dK, dV leave by TMA stores exactly in the variants that ask for them
     assert r["tma_store"] == r["tma_store_asked"]
     assert r["varlen"] == vid.startswith("varlen-") and not (r["varlen"] and r["tma_store"])
@@ -216,6 +220,46 @@ def test_late_stats_spill_less_at_head_dim_128(compiled, early, late):
     a, b = compiled.get(early), compiled.get(late)
     assert a is not None and b is not None and a["ok"] and b["ok"]
     assert b["spill"] < a["spill"], (early, a["spill"], late, b["spill"])
+
+
+#: spill stores (bytes) of the deterministic variants at the compile shape (2 x 4 query
+#: heads on 2 KV heads, N = 1000), sm_90, Triton 3.6, with their walks' query tiles
+#: outside the group's heads (``TILES_OUTSIDE``; heads outside they spilled 232, 332, 0,
+#: 268, 188, 0 and 392): at most these
+DETERMINISTIC_SPILLS = {"det-dense": 272, "det-causal": 468, "det-d64-window": 24,
+                        "det-softcap-two-sided": 152, "det-wide-d256-causal": 224,
+                        "det-wide-mla": 0, "mod-alibi-det": 748}
+
+
+@pytest.mark.parametrize("vid", sorted(DETERMINISTIC_SPILLS))
+def test_deterministic_variants_spill_no_more_than_measured(compiled, vid):
+    """The deterministic GQA variants (their walks differ from the default's: query tiles
+    outside the group's heads) spill no more than measured (where the budgets apply:
+    ``compile_worker.SPILL_BUDGET_TRITON``)."""
+    r = compiled.get(vid)
+    assert r is not None and r["ok"], r
+    assert r["det"] and r["tiles_outside"], r
+    if spill_budgets_apply():
+        assert r["spill"] <= DETERMINISTIC_SPILLS[vid], (vid, r["spill"], r["regs"])
+
+
+def test_deterministic_walks_take_the_tiles_outside_only_in_gqa_groups():
+    """``TILES_OUTSIDE`` (every partition walks a key tile's query tiles outside the
+    group's query heads) for deterministic calls with more than one query head per KV head,
+    WIDE ones too; with one, both orders are the same walk and the kernel keeps the
+    default's loops."""
+    from flashfold.kernels.attention import gluon_bwd as G
+
+    def tiles_outside(hq, hk, D=128, **kw):
+        q = torch.empty(1, hq, 1000, D, dtype=torch.bfloat16)
+        k = torch.empty(1, hk, 1000, D, dtype=torch.bfloat16)
+        lam, acc = torch.empty(1, hq, 1000), torch.empty(1, hq, 1000, D)
+        return G.gluon_attention_bwd(q, k, k, q, lam, lam, acc, k, k, causal=True,
+                                     scale=0.1, launch=False, **kw)[3]["TILES_OUTSIDE"]
+    for D in (128, 256):
+        assert tiles_outside(4, 2, D, deterministic=True)
+        assert not tiles_outside(2, 2, D, deterministic=True)
+        assert not tiles_outside(4, 2, D) and not tiles_outside(2, 2, D)
 
 
 def _host_launch(D, nq, nk=None, *, batch=1, heads=2, causal=False, **kw):

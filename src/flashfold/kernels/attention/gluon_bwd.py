@@ -104,13 +104,16 @@ index, each once the one before has completed its add (:func:`_dq_order`). The c
 hand each dQ piece to a writer warp of their own (:func:`_dq_hand`, :func:`_dq_writer`:
 two more 24-register warps), which waits for the turn, issues the TMA reduce-add and
 releases the counter once the add is written; the consumers never wait on global memory.
-Programs start in the order they wait in (tile-major), walks are not staggered, and
-right-bounded walks go down from their last query tile, so every program of a head
-reaches a query tile at the same step and runs one add's latency behind the one before
-(deadlock-free however few programs fit). One program per key tile (not persistent).
+Programs start in the order they wait in (tile-major), so a program only waits for
+programs that started before it (deadlock-free however few fit). Walks are not staggered,
+take the query tiles outside and the group's query heads inside (``TILES_OUTSIDE``), and
+right-bounded walks go down from their last query tile, so no program of a KV head
+reaches a (query head, query tile) pair before the one before it: each runs one add's
+latency behind the one before. One program per key tile (not persistent).
 H200, eager backward against the default mode, bf16: head_dim 128 0.92-0.95 (GQA 32:8
 causal 0.84, 1K x16 causal 0.86), head_dim 64 causal 0.96, dense 0.83 (the default's
-persistent programs), 256 causal 0.81, MLA 0.75
+persistent programs), 256 causal 0.81, MLA 0.75; the GQA rows (32:8, and 16:8 at 256)
+measured with the group's heads walked outside the query tiles
 (``docs/notes/attention_bwd.md``, "Deterministic backward: dQ adds in turn"); the Triton
 deterministic kernels it replaces ran at 0.65-0.78x the default.
 
@@ -267,12 +270,54 @@ if gluon is not None:
         ``%`` by the traced ``m_hi - m_lo`` cost an integer division per step, and in the
         causal kernel (``m_0 = 0``: the identity) its registers spilled 148 -> 64 bytes.
         ``DOWN`` (deterministic calls with a right bound): the tiles from ``m_hi - 1``
-        down to ``m_lo``, so that every program of a head reaches a query tile at the
-        same step (see :func:`_dq_order`)."""
+        down to ``m_lo``, so that no program of a head reaches a query tile before the
+        one before it (see :func:`_dq_order`)."""
         if DOWN:
             return m_lo + m_hi - 1 - i
         x = i + m_0
         return gl.where(x < m_hi, x, x - (m_hi - m_lo))
+
+    @gluon.jit
+    def _walk_outer(group, m_lo, m_hi, TILES_OUTSIDE: gl.constexpr):
+        """The outer loop's range of a key tile's walk over its (query head ``g`` of the
+        group, step ``i`` in ``[m_lo, m_hi)``) pairs: the heads ``[0, group)``, or with
+        ``TILES_OUTSIDE`` (deterministic calls whose groups have more than one query
+        head: see :func:`_dq_order`) the steps. The inner loop takes the other
+        (:func:`_walk_inner`), :func:`_walk_pair` names the pair. Every partition that
+        walks the pairs (producer, consumers, dQ writers) walks them through these three
+        with the kernel's ``TILES_OUTSIDE``, so that they agree on the order."""
+        if TILES_OUTSIDE:
+            lo = m_lo
+            hi = m_hi
+        else:
+            lo = 0
+            hi = group
+        return lo, hi
+
+    @gluon.jit
+    def _walk_inner(group, m_lo, m_hi, TILES_OUTSIDE: gl.constexpr):
+        """The inner loop's range of a key tile's walk (see :func:`_walk_outer`): the
+        steps ``[m_lo, m_hi)`` (with ``MASK_FN``, of the outer loop's head), or with
+        ``TILES_OUTSIDE`` the heads ``[0, group)``."""
+        if TILES_OUTSIDE:
+            lo = 0
+            hi = group
+        else:
+            lo = m_lo
+            hi = m_hi
+        return lo, hi
+
+    @gluon.jit
+    def _walk_pair(o, u, TILES_OUTSIDE: gl.constexpr):
+        """``(g, i)``, query head and step, at outer index ``o`` and inner index ``u`` of
+        a key tile's walk (see :func:`_walk_outer`)."""
+        if TILES_OUTSIDE:
+            g = u
+            i = o
+        else:
+            g = o
+            i = u
+        return g, i
 
     @gluon.jit
     def _column_walk(bm, b, hq, n):
@@ -309,10 +354,12 @@ if gluon is not None:
     def _producer_tile(t, j, descs, bufs, bars, shape, seqs, mods, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                       VARLEN: gl.constexpr, MASK_FN: gl.constexpr = None):
+                       VARLEN: gl.constexpr, MASK_FN: gl.constexpr = None,
+                       TILES_OUTSIDE: gl.constexpr = False):
         """Key tile ``t``'s loads: ``K`` and ``V`` once, then ``Q``, ``dO``, ``lambda`` and
-        ``D`` of every step (query head ``g`` of the group, query tile ``m``) into the
-        ring, whose position ``j`` counts on across tiles; returns it. ``VARLEN``: the
+        ``D`` of every step (query head ``g`` of the group, query tile ``m``, in the
+        order of :func:`_walk_outer`) into the ring, whose position ``j`` counts on
+        across tiles; returns it. ``VARLEN``: the
         tile of a packed sequence (:func:`_varlen_program`), rows and keys from its
         offsets; none for a slot past its sequence."""
         if VARLEN:
@@ -328,14 +375,15 @@ if gluon is not None:
                                                  MASK_RIGHT, DETERMINISTIC)
             j = _producer_steps(b, hk, n, m_lo, m_hi, m_0, 0, 0, 0, j, descs, bufs, bars,
                                 shape, mods, BLOCK_M, BLOCK_N, STAGES, MASK_RIGHT,
-                                DETERMINISTIC, MASK_FN)
+                                DETERMINISTIC, MASK_FN, TILES_OUTSIDE)
         return j
 
     @gluon.jit
     def _producer_steps(b, hk, n, m_lo, m_hi, m_0, qs, ks, ls, j, descs, bufs, bars, shape,
                         mods, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                        DETERMINISTIC: gl.constexpr, MASK_FN: gl.constexpr = None):
+                        DETERMINISTIC: gl.constexpr, MASK_FN: gl.constexpr = None,
+                        TILES_OUTSIDE: gl.constexpr = False):
         """:func:`_producer_tile`'s loads of key tile ``n`` of ``(b, hk)`` (rows from ``qs``,
         keys from ``ks``, row statistics from ``ls``: :func:`_stats_start`); returns the
         ring position. ``MASK_FN``: each query head walks the query tiles its block mask
@@ -352,12 +400,18 @@ if gluon is not None:
         tma.async_copy_global_to_shared(v_desc, [b, hk, ks + n * BLOCK_N, 0], kv_ready,
                                         v_smem)
         j = gl.to_tensor(j)      # (a one-tile program passes the literal 0)
-        for g in range(group):
-            hq = hk * group + g
+        o_lo, o_hi = _walk_outer(group, m_lo, m_hi, TILES_OUTSIDE)
+        for o in range(o_lo, o_hi):
+            if not TILES_OUTSIDE:
+                hq = hk * group + o
             walk = (0, 0, 0)
             if MASK_FN is not None:
                 m_lo, m_hi, m_0, walk = _column_walk(mods[2], b, hq, n)
-            for i in range(m_lo, m_hi):
+            u_lo, u_hi = _walk_inner(group, m_lo, m_hi, TILES_OUTSIDE)
+            for u in range(u_lo, u_hi):
+                g, i = _walk_pair(o, u, TILES_OUTSIDE)
+                if TILES_OUTSIDE:
+                    hq = hk * group + g
                 m = _query_tile(i, m_lo, m_0, m_hi, DETERMINISTIC and MASK_RIGHT)
                 if MASK_FN is not None:
                     m = _walk_tile(mods[2], walk, m)[0]
@@ -381,7 +435,7 @@ if gluon is not None:
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                       MASK_RIGHT: gl.constexpr, PERSISTENT: gl.constexpr,
                       DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr,
-                      MASK_FN: gl.constexpr = None):
+                      MASK_FN: gl.constexpr = None, TILES_OUTSIDE: gl.constexpr = False):
         """TMA loads of the program's key tile, or (``PERSISTENT``) of key tiles ``pid,
         pid + grid, ...``, each tile's ``K``, ``V`` once both consumers have released the
         previous one (``kv_empty``)."""
@@ -399,7 +453,7 @@ if gluon is not None:
         else:
             _producer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, seqs, mods, BLOCK_M,
                            BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC, VARLEN,
-                           MASK_FN)
+                           MASK_FN, TILES_OUTSIDE)
 
     @gluon.jit
     def _dq_product(ds_bufs, ds_ready, k_cols, dq_zero, j, buf):
@@ -437,13 +491,28 @@ if gluon is not None:
         its add (:func:`_dq_release`). The sum's order is then fixed: bitwise
         reproducible.
 
-        Programs start in the order of ``n`` (one key tile per program, heads in
-        ``wave_heads`` groups, tile-major), so a program only waits for programs that
-        started before it (no deadlock however few fit on the GPU), and the walks reach
-        a query tile at the same step in every program of a head (dense and
-        left-bounded walks start at their first tile, right-bounded ones walk down from
-        their last: :func:`_query_tile`), so ``n`` runs an add's latency behind ``n - 1``
-        after the first wave's ramp and then waits no more."""
+        No deadlock however few programs fit on the GPU: programs start in the order of
+        ``n`` (one key tile per program, heads in ``wave_heads`` groups, tile-major), and
+        the counters of ``(b, hq, m)`` order only programs of one ``(b, hk)``, so a
+        program waits only for programs with a lower ``n``, which started before it
+        (resident or finished). By induction over ``n`` each program completes all its
+        adds: a wait of ``n`` needs only adds of lower programs, whatever order their
+        walks and its own take the pairs in. The order decides how long they wait.
+
+        Every partition walks the (query head ``g``, query tile ``m``) pairs with the
+        tiles outside and the heads inside (``TILES_OUTSIDE``: :func:`_walk_outer`; with
+        one query head per KV head both orders are the same walk and the heads' loop
+        stays outside: inside, its one-trip loop cost each step instructions and spills,
+        sm_90 compile, head_dim 128 causal 8 -> 28 bytes), dense and left-bounded
+        walks up from their first tile, ``m_lo = 0``, right-bounded ones down from their
+        last, ``m_hi - 1`` (:func:`_query_tile`): program ``n`` reaches ``(g, m)`` at step
+        ``m group + g`` going up, ``(m_hi - 1 - m) group + g`` going down, and ``m_hi``
+        does not fall as ``n`` grows, so ``n + 1`` reaches a pair at the same step as
+        ``n`` or later: after the first wave's ramp it runs an add's latency behind
+        ``n`` and waits no more. With the heads outside, head ``g``'s steps would start
+        at step ``g (m_hi - m_lo)``, and a causal key tile ``n + 1`` has two query tiles
+        fewer than ``n``: it would reach each head's pairs ``2 g`` steps before ``n``
+        and wait for ``n`` there, at every head of the group."""
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
         n_lo = 0
         if MASK_LEFT:
@@ -487,7 +556,8 @@ if gluon is not None:
     def _dq_writer(descs, bufs, bars, shape, SEM, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    COL_LO: gl.constexpr, COL_HI: gl.constexpr, DQ_COLS: gl.constexpr,
-                   ZERO_FIRST: gl.constexpr, WG: gl.constexpr):
+                   ZERO_FIRST: gl.constexpr, WG: gl.constexpr,
+                   TILES_OUTSIDE: gl.constexpr):
         """``DETERMINISTIC``: the warp that adds warpgroup ``WG``'s dQ pieces (columns
         ``COL_LO .. COL_HI`` of each query tile of the program's walk, ``DQ_COLS`` at a
         time) into ``dQ_acc``: per tile, it waits for its turn (:func:`_dq_order`), adds
@@ -495,7 +565,8 @@ if gluon is not None:
         frees the buffer once read, and releases the counter once the adds have
         completed. The consumers never wait on global memory; a program's lag behind
         the one before is an add's latency. ``ZERO_FIRST``: the first piece is step 0's
-        zeros (see :func:`_consumer_tile`), taken and not added."""
+        zeros (see :func:`_consumer_tile`), taken and not added. ``TILES_OUTSIDE``: the
+        walk's order, the consumers' and the producer's (:func:`_walk_outer`)."""
         dq_desc = descs[4]
         dq_bufs = bufs[5]
         dq_sync = bars[7]
@@ -507,9 +578,15 @@ if gluon is not None:
             mbarrier.wait(dq_sync.index(WG), 0)
             mbarrier.arrive(dq_sync.index(2 + WG), count=1)
             k = 1
-        for g in range(group):
-            hq = hk * group + g
-            for i in range(m_lo, m_hi):
+        o_lo, o_hi = _walk_outer(group, m_lo, m_hi, TILES_OUTSIDE)
+        for o in range(o_lo, o_hi):
+            if not TILES_OUTSIDE:
+                hq = hk * group + o
+            u_lo, u_hi = _walk_inner(group, m_lo, m_hi, TILES_OUTSIDE)
+            for u in range(u_lo, u_hi):
+                g, i = _walk_pair(o, u, TILES_OUTSIDE)
+                if TILES_OUTSIDE:
+                    hq = hk * group + g
                 m = _query_tile(i, m_lo, m_0, m_hi, MASK_RIGHT)
                 ctr, turn = _dq_order(b, hq, n, m, shape, BLOCK_M, BLOCK_N, MASK_LEFT, WG)
                 _dq_wait(SEM + ctr, turn)
@@ -601,7 +678,8 @@ if gluon is not None:
                        MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
                        DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr,
                        SCORE_MOD: gl.constexpr = None, MASK_FN: gl.constexpr = None,
-                       COLUMN_BOUNDS: gl.constexpr = False):
+                       COLUMN_BOUNDS: gl.constexpr = False,
+                       TILES_OUTSIDE: gl.constexpr = False):
         """Keys ``64 WG .. 64 WG + 63`` of key tile ``t`` (the program's ``r``-th; ring
         position ``j`` at its start, returned at its end): accumulate their ``dK``, ``dV``
         over every step and add the previous step's dQ columns ``64 WG ..`` (see the
@@ -629,7 +707,7 @@ if gluon is not None:
                                 BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                                 STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
                                 MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, False, SCORE_MOD,
-                                MASK_FN, None, COLUMN_BOUNDS)
+                                MASK_FN, None, COLUMN_BOUNDS, TILES_OUTSIDE)
         return j
 
     @gluon.jit
@@ -643,7 +721,8 @@ if gluon is not None:
                         WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
                         VARLEN: gl.constexpr, SCORE_MOD: gl.constexpr = None,
                         MASK_FN: gl.constexpr = None, seq=None,
-                        COLUMN_BOUNDS: gl.constexpr = False):
+                        COLUMN_BOUNDS: gl.constexpr = False,
+                        TILES_OUTSIDE: gl.constexpr = False):
         """:func:`_consumer_tile`'s work on its key tile ``n`` of ``(b, hk)`` (rows from
         ``qs`` and keys from ``ks`` of a sequence of ``q_len`` rows and ``kv_len`` keys,
         with ``VARLEN`` the sequence ``seq``, the mods' ``b``; query tiles ``m_lo .. m_hi``
@@ -713,9 +792,13 @@ if gluon is not None:
         j0 = j
         # the (query head, query tile) pairs in the producer's order: a loop over the
         # group's heads around the steps (one loop over the pairs gained nothing:
-        # docs/notes/attention_bwd.md, "Flat GQA walk")
-        for g in range(group):
-            hq = hk * group + g
+        # docs/notes/attention_bwd.md, "Flat GQA walk"), or (TILES_OUTSIDE) the steps
+        # around the heads, so that no program waits for the one before at every head
+        # (see _dq_order)
+        o_lo, o_hi = _walk_outer(group, m_lo, m_hi, TILES_OUTSIDE)
+        for o in range(o_lo, o_hi):
+            if not TILES_OUTSIDE:
+                hq = hk * group + o
             walk = (0, 0, 0)
             if MASK_FN is not None:
                 m_lo, m_hi, m_0, walk = _column_walk(bm, b, hq, n)
@@ -732,7 +815,11 @@ if gluon is not None:
                 if MASK_LEFT:
                     hi = gl.minimum(rows_hi, hi)
                 rows_hi = gl.where(key_ok, hi, -1)
-            for i in range(m_lo, m_hi):
+            u_lo, u_hi = _walk_inner(group, m_lo, m_hi, TILES_OUTSIDE)
+            for u in range(u_lo, u_hi):
+                g, i = _walk_pair(o, u, TILES_OUTSIDE)
+                if TILES_OUTSIDE:
+                    hq = hk * group + g
                 m = _query_tile(i, m_lo, m_0, m_hi, DOWN)
                 kind = 0
                 if MASK_FN is not None:
@@ -878,7 +965,8 @@ if gluon is not None:
                       LATE_STATS: gl.constexpr, MASK_TAIL_KEYS: gl.constexpr,
                       WEIGHTS: gl.constexpr, DETERMINISTIC: gl.constexpr,
                       VARLEN: gl.constexpr, SCORE_MOD: gl.constexpr = None,
-                      MASK_FN: gl.constexpr = None, COLUMN_BOUNDS: gl.constexpr = False):
+                      MASK_FN: gl.constexpr = None, COLUMN_BOUNDS: gl.constexpr = False,
+                      TILES_OUTSIDE: gl.constexpr = False):
         """Keys ``64 WG .. 64 WG + 63`` of the program's key tile, or (``PERSISTENT``) of
         key tiles ``pid, pid + grid, ...``, with the ring and the dS buffers' phases
         counting on across tiles. The first step of a tile adds the product of a zeroed
@@ -905,7 +993,7 @@ if gluon is not None:
                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT, MASK_RIGHT,
                            SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT, LATE_STATS,
                            MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, VARLEN, SCORE_MOD,
-                           MASK_FN, COLUMN_BOUNDS)
+                           MASK_FN, COLUMN_BOUNDS, TILES_OUTSIDE)
         tma.store_wait(0)
 
     @gluon.jit
@@ -916,7 +1004,8 @@ if gluon is not None:
                        STAGES: gl.constexpr, MASK_LEFT: gl.constexpr,
                        MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
                        MASK_TAIL_KEYS: gl.constexpr, WEIGHTS: gl.constexpr,
-                       DETERMINISTIC: gl.constexpr, SCORE_MOD: gl.constexpr = None):
+                       DETERMINISTIC: gl.constexpr, SCORE_MOD: gl.constexpr = None,
+                       TILES_OUTSIDE: gl.constexpr = False):
         """The ``WIDE`` variant's warpgroup ``WG`` (see the module docstring): of each
         step's 64 x 64 ``S^T`` and ``dP^T`` it computes the query columns ``32 WG ..``
         and stores their ``P^T`` and ``dS^T`` into the step's shared buffers; once both
@@ -972,9 +1061,15 @@ if gluon is not None:
             acc2 = gl.zeros([BLOCK_N, 64], gl.float32, acc2_layout)
         mbarrier.wait(kv_ready, 0)
         j = 0
-        for g in range(group):
-            hq = hk * group + g
-            for i in range(m_lo, m_hi):
+        o_lo, o_hi = _walk_outer(group, m_lo, m_hi, TILES_OUTSIDE)
+        for o in range(o_lo, o_hi):
+            if not TILES_OUTSIDE:
+                hq = hk * group + o
+            u_lo, u_hi = _walk_inner(group, m_lo, m_hi, TILES_OUTSIDE)
+            for u in range(u_lo, u_hi):
+                g, i = _walk_pair(o, u, TILES_OUTSIDE)
+                if TILES_OUTSIDE:
+                    hq = hk * group + g
                 m = _query_tile(i, m_lo, m_0, m_hi, DETERMINISTIC and MASK_RIGHT)
                 slot = j % STAGES
                 mbarrier.wait(q_ready.index(slot), (j // STAGES) & 1)
@@ -1117,7 +1212,8 @@ if gluon is not None:
                      BLOCK_DV: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
                      DQ_SPLIT: gl.constexpr = 0, DS_RING: gl.constexpr = 2,
                      VARLEN: gl.constexpr = False, SCORE_MOD: gl.constexpr = None,
-                     MASK_FN: gl.constexpr = None, COLUMN_BOUNDS: gl.constexpr = False):
+                     MASK_FN: gl.constexpr = None, COLUMN_BOUNDS: gl.constexpr = False,
+                     TILES_OUTSIDE: gl.constexpr = False):
         """One program per key tile ``n`` of ``(b, hk)`` (grid ``n_n * B * Hk``):
         ``num_warps=4`` (the first consumer warpgroup), the second consumer and the
         producer warp. ``DK``, ``DV``: TMA descriptors with ``STORE_TMA`` (dK, dV staged
@@ -1128,7 +1224,9 @@ if gluon is not None:
         block mask's per-key-block lists and its mask_mod's tables (``MASK_FN``;
         :func:`_block_mask_args`); ``()`` / unused without them. ``WIDE``: ``DS_RING``
         P^T / dS^T buffers of each kind, dQ pieces as wide as ``dq_desc``'s box
-        (:func:`wide_plan`)."""
+        (:func:`wide_plan`). ``TILES_OUTSIDE`` (``DETERMINISTIC`` calls with more than one
+        query head per KV head): every partition walks a key tile's query tiles outside
+        the group's query heads (:func:`_walk_outer`, :func:`_dq_order`)."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -1206,19 +1304,20 @@ if gluon is not None:
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
                                       DQ_SPLIT, DQ_COLS, DS_RING, STAGES, MASK_LEFT,
                                       MASK_RIGHT, SOFTCAP, 0,
-                                      MASK_TAIL_KEYS, WEIGHTS, True, SCORE_MOD)),
+                                      MASK_TAIL_KEYS, WEIGHTS, True, SCORE_MOD, TILES_OUTSIDE)),
                     (_wide_consumer, (descs, bufs, bars, shape, ptrs, mods, BLOCK_M,
                                       BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_DIM, HEAD_DIM_V,
                                       DQ_SPLIT, DQ_COLS, DS_RING, STAGES, MASK_LEFT,
                                       MASK_RIGHT, SOFTCAP, 1,
-                                      MASK_TAIL_KEYS, WEIGHTS, True, SCORE_MOD)),
+                                      MASK_TAIL_KEYS, WEIGHTS, True, SCORE_MOD, TILES_OUTSIDE)),
                     (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
                                      STAGES, MASK_LEFT, MASK_RIGHT, False, DETERMINISTIC,
-                                     False)),
+                                     False, None, TILES_OUTSIDE)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                  MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
+                                  MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0, TILES_OUTSIDE)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                  MASK_RIGHT, SPLIT, END, DQ_COLS, not WIDE, 1)),
+                                  MASK_RIGHT, SPLIT, END, DQ_COLS, not WIDE, 1,
+                                  TILES_OUTSIDE)),
                 ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
             else:
                 warp_specialize([
@@ -1243,19 +1342,20 @@ if gluon is not None:
                                      BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
                                      MASK_RIGHT, SOFTCAP, STORE_TMA, 0, PINGPONG, PERSISTENT,
                                      LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, True, VARLEN,
-                                     SCORE_MOD, MASK_FN, COLUMN_BOUNDS)),
+                                     SCORE_MOD, MASK_FN, COLUMN_BOUNDS, TILES_OUTSIDE)),
                     (_bwd_consumer, (descs, bufs, bars, shape, ptrs, seqs, mods, BLOCK_M,
                                      BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
                                      MASK_RIGHT, SOFTCAP, STORE_TMA, 1, PINGPONG, PERSISTENT,
                                      LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, True, VARLEN,
-                                     SCORE_MOD, MASK_FN, COLUMN_BOUNDS)),
+                                     SCORE_MOD, MASK_FN, COLUMN_BOUNDS, TILES_OUTSIDE)),
                     (_bwd_producer, (descs, bufs, bars, shape, seqs, mods, BLOCK_M, BLOCK_N,
                                      STAGES, MASK_LEFT, MASK_RIGHT, PERSISTENT,
-                                     DETERMINISTIC, VARLEN, MASK_FN)),
+                                     DETERMINISTIC, VARLEN, MASK_FN, TILES_OUTSIDE)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                  MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0)),
+                                  MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0, TILES_OUTSIDE)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                  MASK_RIGHT, SPLIT, END, DQ_COLS, not WIDE, 1)),
+                                  MASK_RIGHT, SPLIT, END, DQ_COLS, not WIDE, 1,
+                                  TILES_OUTSIDE)),
                 ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
             else:
                 warp_specialize([
@@ -1613,7 +1713,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     ``deterministic``: the dQ adds into each query tile in a fixed order (the programs of
     its key tiles in turn, ``_dq_order``, counted in :func:`dq_counters`), so that
     ``dq_acc`` is bitwise reproducible; one program per key tile (not persistent), walks
-    not staggered.
+    not staggered, the query tiles outside the group's heads.
     ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``(S + 1,)``, tensors of a batch of one):
     packed sequences (``VARLEN``; head dims up to 128, not deterministic, one program
     per key-tile slot, :func:`_varlen_program`; dK, dV from registers; ``lam`` and ``dd``
@@ -1718,6 +1818,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                   LATE_STATS=bool(late_stats), MASK_TAIL_KEYS=bool(mask_tail_keys),
                   WEIGHTS=weights, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                   DETERMINISTIC=counters is not None, VARLEN=varlen,
+                  TILES_OUTSIDE=counters is not None and Hq > Hk,
                   SCORE_MOD=score_grad_fn(score_mod, gluon=True) if score_mod is not None
                   else None,
                   **_mask_fn(block_mask), num_warps=4, maxnreg=MAXNREG)
@@ -1759,6 +1860,7 @@ def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, sca
                   MASK_TAIL_KEYS=Nk % WIDE_BLOCK_N != 0, WEIGHTS=weights,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                   DETERMINISTIC=counters is not None, WIDE=True,
+                  TILES_OUTSIDE=counters is not None and Hq > Hk,
                   BLOCK_DV=BDV, HEAD_DIM_V=DV, DQ_SPLIT=plan.dq_split, DS_RING=plan.ds_ring,
                   SCORE_MOD=score_grad_fn(score_mod, gluon=True) if score_mod is not None
                   else None, num_warps=4, maxnreg=MAXNREG)
