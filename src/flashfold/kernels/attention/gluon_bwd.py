@@ -106,15 +106,14 @@ two more 24-register warps), which waits for the turn, issues the TMA reduce-add
 releases the counter once the add is written; the consumers never wait on global memory.
 Programs start in the order they wait in (tile-major), so a program only waits for
 programs that started before it (deadlock-free however few fit). Walks are not staggered,
-take the query tiles outside and the group's query heads inside (``TILES_OUTSIDE``), and
-right-bounded walks go down from their last query tile, so no program of a KV head
-reaches a (query head, query tile) pair before the one before it: each runs one add's
-latency behind the one before. One program per key tile (not persistent).
-H200, eager backward against the default mode, bf16: head_dim 128 0.92-0.95 (GQA 32:8
-causal 0.84, 1K x16 causal 0.86), head_dim 64 causal 0.96, dense 0.83 (the default's
-persistent programs), 256 causal 0.81, MLA 0.75; the GQA rows (32:8, and 16:8 at 256)
-measured with the group's heads walked outside the query tiles
-(``docs/notes/attention_bwd.md``, "Deterministic backward: dQ adds in turn"); the Triton
+take the query tiles outside and the group's query heads inside in GQA calls without a
+left bound (``TILES_OUTSIDE``, :func:`_tiles_outside`), and right-bounded walks go down
+from their last query tile, so no program of a KV head reaches a (query head, query
+tile) pair before the one before it: each runs one add's latency behind the one before.
+One program per key tile (not persistent). H200, eager backward against the default
+mode, bf16: head_dim 128 0.92-0.95 (GQA 32:8 causal 0.92, 1K x16 causal 0.86), GQA 32:8
+causal window 4096 0.92, head_dim 64 causal 0.96, dense 0.83 (the default's persistent
+programs), GQA 16:8 256 causal 0.99, MLA 0.75 (``docs/notes/attention_bwd.md``, "Deterministic backward: dQ adds in turn"); the Triton
 deterministic kernels it replaces ran at 0.65-0.78x the default.
 
 Mods (:func:`fits_mods`): ``SCORE_MOD`` (every variant, packed sequences too)
@@ -281,8 +280,8 @@ if gluon is not None:
     def _walk_outer(group, m_lo, m_hi, TILES_OUTSIDE: gl.constexpr):
         """The outer loop's range of a key tile's walk over its (query head ``g`` of the
         group, step ``i`` in ``[m_lo, m_hi)``) pairs: the heads ``[0, group)``, or with
-        ``TILES_OUTSIDE`` (deterministic calls whose groups have more than one query
-        head: see :func:`_dq_order`) the steps. The inner loop takes the other
+        ``TILES_OUTSIDE`` (:func:`_tiles_outside`: deterministic calls whose groups have
+        more than one query head, without a left bound; see :func:`_dq_order`) the steps. The inner loop takes the other
         (:func:`_walk_inner`), :func:`_walk_pair` names the pair. Every partition that
         walks the pairs (producer, consumers, dQ writers) walks them through these three
         with the kernel's ``TILES_OUTSIDE``, so that they agree on the order."""
@@ -512,11 +511,13 @@ if gluon is not None:
         adds: a wait of ``n`` needs only adds of lower programs, whatever order their
         walks and its own take the pairs in. The order decides how long they wait.
 
-        Every partition walks the (query head ``g``, query tile ``m``) pairs with the
-        tiles outside and the heads inside (``TILES_OUTSIDE``: :func:`_walk_outer`; with
-        one query head per KV head both orders are the same walk and the heads' loop
-        stays outside: inside, its one-trip loop cost each step instructions and spills,
-        sm_90 compile, head_dim 128 causal 8 -> 28 bytes), dense and left-bounded
+        In GQA calls without a left bound every partition walks the (query head ``g``,
+        query tile ``m``) pairs with the tiles outside and the heads inside
+        (``TILES_OUTSIDE``: :func:`_walk_outer`; with one query head per KV head both
+        orders are the same walk and the heads' loop stays outside: inside, its one-trip
+        loop cost each step instructions and spills, sm_90 compile, head_dim 128 causal 8
+        -> 28 bytes; with a left bound the heads stay outside, as measured:
+        :func:`_tiles_outside`), dense and left-bounded
         walks up from their first tile, ``m_lo = 0``, right-bounded ones down from their
         last, ``m_hi - 1`` (:func:`_query_tile`): program ``n`` reaches ``(g, m)`` at step
         ``m group + g`` going up, ``(m_hi - 1 - m) group + g`` going down, and ``m_hi``
@@ -1699,6 +1700,15 @@ def stats_rows(lam, dd, cu_seqlens):
     return lam_out, dd_out
 
 
+def _tiles_outside(counters, Hq: int, Hk: int, left) -> bool:
+    """``TILES_OUTSIDE`` of a call: deterministic, more than one query head per KV head,
+    and no left bound. Measured (H200, bf16, ``benchmarks/deterministic_bwd.py``,
+    deterministic against the default): Llama-3 GQA 32:8 causal 4K x4 0.84 -> 0.92,
+    Gemma GQA 16:8 causal d256 8K x2 0.77 -> 0.99; with a left bound (Mistral's causal
+    window 4096, 16K) 0.92 -> 0.77, so windows keep the heads outside."""
+    return counters is not None and Hq > Hk and left is None
+
+
 def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, scale: float,
                         left: int | None = None, right: int | None = None,
                         softcap: float | None = None, launch: bool = True, tma_store: bool | None = None,
@@ -1837,7 +1847,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                   LATE_STATS=bool(late_stats), MASK_TAIL_KEYS=bool(mask_tail_keys),
                   WEIGHTS=weights, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                   DETERMINISTIC=counters is not None, VARLEN=varlen,
-                  TILES_OUTSIDE=counters is not None and Hq > Hk,
+                  TILES_OUTSIDE=_tiles_outside(counters, Hq, Hk, left),
                   SCORE_MOD=score_grad_fn(score_mod, gluon=True) if score_mod is not None
                   else None,
                   **_mask_fn(block_mask), num_warps=4, maxnreg=MAXNREG)
@@ -1879,7 +1889,7 @@ def _wide_launch(q, k, v, do, lam, dd, dq_acc, dk, dv, left, right, softcap, sca
                   MASK_TAIL_KEYS=Nk % WIDE_BLOCK_N != 0, WEIGHTS=weights,
                   CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                   DETERMINISTIC=counters is not None, WIDE=True,
-                  TILES_OUTSIDE=counters is not None and Hq > Hk,
+                  TILES_OUTSIDE=_tiles_outside(counters, Hq, Hk, left),
                   BLOCK_DV=BDV, HEAD_DIM_V=DV, DQ_SPLIT=plan.dq_split, DS_RING=plan.ds_ring,
                   SCORE_MOD=score_grad_fn(score_mod, gluon=True) if score_mod is not None
                   else None, num_warps=4, maxnreg=MAXNREG)
