@@ -78,12 +78,15 @@ FP8 (E4M3 ``q``, ``k``, ``v`` with float32 factors, :func:`.reference.fp8_attent
 semantics) is the same template on 8-bit descriptors: their dtype is the flag (``FP8``
 in the partitions). ``S = Q K^T`` runs on the tiles as stored and ``q_descale
 k_descale`` (one load each per item, per batch or sequence and KV head) joins the score
-scale, inside the tanh with a softcap; the step weighs the tile against the reference ``m'
-- log2 448`` (ATTENTION2's step with a reference shift), so its ``P`` comes out times 448,
-``448 P = 2^(x - m' + log2 448)`` with no multiply per score, and is rounded to E4M3
-(``cvt.rn.satfinite``) for ``P V``; ``l`` sums the unrounded ``448 P`` in fp32, and the
-epilogue finalizes at ``m - log2 448`` after multiplying ``acc`` by ``v_descale``
-(:func:`_softmax_tile`, :func:`_pv_issue`, :func:`_consume_item`). An 8-bit wgmma reduces 32 entries per instruction (accumulator
+scale, inside the tanh with a softcap; ``P`` enters ``P V`` times 448, rounded to E4M3
+(``cvt.rn.satfinite``). With 128-key tiles the step weighs the tile against the
+reference ``m' - log2 448`` (ATTENTION2's step with a reference shift), so its ``P``
+comes out as ``448 P = 2^(x - m' + log2 448)`` with no multiply per score, ``l`` sums
+the unrounded ``448 P`` in fp32, and the epilogue finalizes at ``m - log2 448`` after
+multiplying ``acc`` by ``v_descale``; with 64-key tiles (head_dim 256) ``P`` is
+multiplied by 448 and ``acc`` by ``v_descale / 448`` (as measured:
+:data:`FP8_SHIFT_MIN_BLOCK_N`; :func:`_softmax_tile`, :func:`_pv_issue`,
+:func:`_consume_item`). An 8-bit wgmma reduces 32 entries per instruction (accumulator
 layouts with ``k = 32``, ``P``'s register operand four entries per register) and takes
 its B operand K-major only, so ``v`` is stored keys-contiguous (a ``(B, Hk, Dv, Nk)``
 tensor viewed as ``(B, Hk, Nk, Dv)``): its descriptor over ``(B, Hk, Dv, Nk)`` loads
@@ -133,6 +136,13 @@ LOG2E = 1.4426950408889634
 #: the format's largest value, for its rounding to E4M3 (as the Triton template's
 #: ``fwd.SHIFT_FP8``)
 SHIFT_FP8 = tl.constexpr(math.log2(FP8_MAX))
+#: the FP8 calls whose key tiles are at least this wide take the 448 as the step's
+#: reference shift; narrower ones (64-key tiles, head_dim 256) multiply ``P`` by it.
+#: Measured (H200, graphs, ``benchmarks/attention_fp8.py``): the shift 1.04x at dense
+#: d128, 1.08x at d64, 1.00x Llama-3 causal; at d256 0.93x dense, 0.97x Gemma-2
+#: (docs/notes/fp8.md)
+FP8_SHIFT_MIN_BLOCK_N = tl.constexpr(128)
+FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 #: query rows per program (two consumer warpgroups of 64 rows)
 BLOCK_M = 128
@@ -734,11 +744,14 @@ if gluon is not None:
     def _pv_issue(p, v_tile, acc, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_DV: gl.constexpr, FP8: gl.constexpr):
         """``acc += P V`` issued (asynchronous): ``(acc token, the A operand)``. 16-bit: P
-        in V's dtype, V's tile ``[BLOCK_N, BLOCK_DV]`` as loaded. ``FP8``: P times 448
+        in V's dtype, V's tile ``[BLOCK_N, BLOCK_DV]`` as loaded. ``FP8``: P times 448 (from
+        the step's reference shift, or multiplied here: :data:`FP8_SHIFT_MIN_BLOCK_N`)
         rounded to E4M3 (``cvt.rn.satfinite``), V's tile ``[BLOCK_DV, BLOCK_N]`` (keys
         contiguous) permuted to the K-major B operand 8-bit wgmma takes."""
         if FP8:
-            # (p is 448 P already: the step's reference shift, SHIFT_FP8)
+            # 448 P: from the step's reference shift (SHIFT_FP8), or multiplied here
+            if BLOCK_N < FP8_SHIFT_MIN_BLOCK_N:
+                p = p * FP8_MAX_C
             pa = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
             vb = v_tile.reshape([BLOCK_DV, BLOCK_N]).permute((1, 0))
         else:
@@ -777,7 +790,8 @@ if gluon is not None:
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         dtype: gl.constexpr = q[0].dtype
         FP8: gl.constexpr = dtype == gl.float8e4nv
-        SHIFT: gl.constexpr = SHIFT_FP8 if FP8 else 0.0
+        SHIFT: gl.constexpr = (SHIFT_FP8 if FP8 and BLOCK_N >= FP8_SHIFT_MIN_BLOCK_N
+                               else 0.0)
         HALF: gl.constexpr = s_zero.shape[0]
         o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV, dtype)
         # (an 8-bit A operand in registers: four entries per 32-bit register)
@@ -928,8 +942,13 @@ if gluon is not None:
         rows_o = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
         if FP8:
             # o is linear in v: v's factor; the state is ATTENTION2's at m - SHIFT_FP8
-            acc = acc * gl.load(VD + b.to(gl.int64) * sd[4] + hk * sd[5])
-            m = m - SHIFT_FP8
+            # (the step's reference shift), or acc carries the 448 of the multiply
+            vd = gl.load(VD + b.to(gl.int64) * sd[4] + hk * sd[5])
+            if BLOCK_N >= FP8_SHIFT_MIN_BLOCK_N:
+                acc = acc * vd
+                m = m - SHIFT_FP8
+            else:
+                acc = acc * (vd / FP8_MAX_C)
         o, lse = FINALIZE(gl.convert_layout(m, gl.SliceLayout(1, o_layout)),
                           gl.convert_layout(l, gl.SliceLayout(1, o_layout)), acc)
         if VARLEN:
