@@ -289,6 +289,22 @@ def test_quantize_fp8_keeps_non_finite_entries_non_finite():
     assert (d == 1.0).all() and (x8.float() == 0).all()
 
 
+def test_quantize_fp8_gives_no_nan_for_finite_entries_at_float32s_edges():
+    """Finite entries never become NaN: a group below 448 x 2^-149 (amax / 448 would round
+    to 0) takes the smallest float32 as its factor and keeps its values; a float64 entry
+    past float32's range saturates to 448 and counts in its group's factor."""
+    tiny = torch.full((1, 1, 2, 2), 2e-43)
+    x8, d = quantize_fp8(tiny)
+    assert d.item() == 2.0 ** -149 and not torch.isnan(x8.float()).any()
+    back = dequantize_fp8(x8, d, 1)
+    assert ((back - tiny).abs() <= 2.0 ** -4 * tiny).all()
+    huge = torch.tensor([[[[1e39, -1e300, 1.0, math.nan]]]], dtype=torch.float64)
+    x8, d = quantize_fp8(huge)
+    y = x8.float()
+    assert y[0, 0, 0, :3].tolist() == [448.0, -448.0, 0.0] and torch.isnan(y[0, 0, 0, 3])
+    assert d.item() == torch.finfo(torch.float32).max / 448.0
+
+
 def test_quantize_fp8_per_packed_sequence():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 2, 30, 8, generator=g)

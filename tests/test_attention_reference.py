@@ -427,6 +427,9 @@ def _qkv(**over):
     ({}, {"scale": 0.0}, ValueError, "scale must be finite and > 0"),
     ({}, {"scale": float("nan")}, ValueError, "scale"),
     ({}, {"softcap": -1.0}, ValueError, "softcap"),
+    # past float32's largest value a scale or cap would be inf in the kernels (NaN rows)
+    ({}, {"softcap": 1e39}, ValueError, "softcap must be at most 3.40282e"),
+    ({}, {"scale": 1e39}, ValueError, "scale must be at most 3.40282e"),
     ({}, {"causal": 1}, TypeError, "causal must be a bool"),
     ({}, {"score_mod": 3}, TypeError, "score_mod must be a callable"),
     # a mask_mod returns a truth value, a score_mod a score; each takes its positions

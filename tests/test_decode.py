@@ -257,6 +257,7 @@ def _args():
     (lambda a: a.update(scale=0.0), ValueError, "scale"),
     (lambda a: a.update(scale="x"), TypeError, "scale"),
     (lambda a: a.update(softcap=-1.0), ValueError, "softcap"),
+    (lambda a: a.update(softcap=1e39), ValueError, "softcap must be at most"),
     (lambda a: a.update(window=3), TypeError, "window"),
     (lambda a: a.update(window=(-2, 0)), ValueError, "window"),
     (lambda a: a.update(num_splits=0), ValueError, "num_splits"),

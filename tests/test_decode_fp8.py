@@ -205,6 +205,19 @@ def test_append_quantizes_on_write_and_decode_reads_it_back():
     stored = quantize_fp8_cache(x, torch.ones(1, 1, device=DEVICE)).float()[0, 0, :, 0]
     assert stored[0] == 448 and stored[1] == -448 and stored[4] == 1
     assert torch.isnan(stored[2]) and torch.isnan(stored[3])
+    # finite values whose quotient overflows float32 saturate too (a tiny descale, a
+    # float64 value past float32's range), through append_kv itself
+    kc1 = torch.zeros(1, 1, 4, 2, dtype=FP8, device=DEVICE)
+    vc1 = torch.zeros_like(kc1)
+    one = torch.ones(1, 1, device=DEVICE)
+    ff.append_kv(kc1, vc1, torch.tensor([[[[1e30, 1.0]]]], device=DEVICE),
+                 torch.zeros(1, 1, 1, 2, device=DEVICE),
+                 torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                 k_descale=torch.full((1, 1), 1e-10, device=DEVICE), v_descale=one)
+    assert kc1[0, 0, 0].float().tolist() == [448.0, 448.0]
+    big = torch.tensor([1e300, -1e300, math.inf], dtype=torch.float64, device=DEVICE)
+    stored = quantize_fp8_cache(big.view(1, 1, 3, 1), one).float()[0, 0, :, 0]
+    assert stored[:2].tolist() == [448.0, -448.0] and torch.isnan(stored[2])
 
 
 def test_paged_cache_of_fp8_pages():

@@ -521,7 +521,8 @@ def quantize_fp8_cache(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     ``(batch, heads_kv)``: ``x / descale`` rounded to nearest, finite values beyond +-448
     saturated, infinities and NaN stored as NaN (E4M3 has no infinity)."""
     y = x.to(torch.float32) / descale.to(torch.float32)[:, :, None, None]
-    y = torch.where(torch.isinf(y), torch.full_like(y, math.nan), y.clamp(-FP8_MAX, FP8_MAX))
+    # (finiteness of x itself: a finite x whose quotient overflows float32 saturates)
+    y = torch.where(torch.isfinite(x), y.clamp(-FP8_MAX, FP8_MAX), math.nan)
     return y.to(FP8)
 
 

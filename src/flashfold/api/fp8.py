@@ -24,7 +24,10 @@ import numbers
 import torch
 
 from ..kernels.attention.reference import FP8, FP8_MAX
-from .validate import check_cu_seqlens, check_qkv, check_tensor
+from .validate import FLOAT32_MAX, check_cu_seqlens, check_qkv, check_tensor
+
+#: the smallest positive float32 (a subnormal, 2^-149)
+FLOAT32_TINIEST = 2.0 ** -149
 
 #: the FP8 formats torch has; E4M3 (``float8_e4m3fn``) is the one attention takes
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2",
@@ -44,7 +47,9 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
     factor per (batch, KV head), ``descale (B, Hk)`` (``(S, Hk)`` with ``cu_seqlens``),
     ``x8 * descale ~= x``. ``heads_k``: the KV heads (default ``H``; for ``q`` pass ``k``'s
     head count: the query heads of a group share their KV head's factor). The factor maps
-    the group's largest magnitude to 448 (E4M3's largest value); an all-zero group gets 1.
+    the group's largest magnitude to 448 (E4M3's largest value); an all-zero group gets 1,
+    a group below ``448 x 2^-149`` the smallest float32. Finite entries past float32's
+    range saturate to +-448; infinities and NaN become NaN.
     ``cu_seqlens``: int32 offsets of packed sequences in ``x (1, H, total, D)``, checked as
     :func:`flashfold.attention` checks them."""
     check_tensor("x", x)
@@ -59,9 +64,11 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
     if hk <= 0 or H % hk:
         raise ValueError(f"heads_k must divide the {H} heads of x, got {heads_k}")
     # the factors from the finite magnitudes: a NaN or inf entry becomes NaN (below) and
-    # does not move its group's factor
-    a = x.detach().abs().to(torch.float32)
-    a = torch.where(torch.isfinite(a), a, 0.0)
+    # does not move its group's factor; a finite one past float32's range counts as the
+    # largest float32 (it saturates to +-448 below)
+    finite = torch.isfinite(x.detach())
+    a = x.detach().abs().clamp(max=FLOAT32_MAX).to(torch.float32)
+    a = torch.where(finite, a, 0.0)
     if cu_seqlens is None:
         amax = a.reshape(B, hk, -1).amax(-1)
     else:
@@ -74,7 +81,9 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
         amax = torch.stack([a[0, :, cu[i]:cu[i + 1]].reshape(hk, -1).amax(-1)
                             if cu[i + 1] > cu[i] else a.new_zeros(hk)
                             for i in range(len(cu) - 1)])
-    descale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    # (a group whose largest magnitude is below 448 x 2^-149 takes the smallest float32,
+    # 2^-149, not amax / 448 rounded to 0)
+    descale = torch.where(amax > 0, (amax / FP8_MAX).clamp(min=FLOAT32_TINIEST), 1.0)
     f = descale.repeat_interleave(H // hk, dim=1)
     x8 = x.detach().to(torch.float32)
     if cu_seqlens is None:
@@ -83,9 +92,10 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
         x8 = x8.clone()
         for i in range(len(cu) - 1):
             x8[:, :, cu[i]:cu[i + 1]] /= f[i][None, :, None, None]
-    # rounding may carry the largest entry a hair past 448: saturate the finite ones; an
-    # inf becomes NaN (E4M3 has no inf, and torch's cast would saturate it to 448)
-    x8 = torch.where(torch.isfinite(x8), x8.clamp(-FP8_MAX, FP8_MAX), float("nan"))
+    # rounding may carry the largest entry a hair past 448, and an entry past float32's
+    # range is inf here: saturate the finite ones; an inf or NaN entry becomes NaN (E4M3
+    # has no inf, and torch's cast would saturate it to 448)
+    x8 = torch.where(finite, x8.clamp(-FP8_MAX, FP8_MAX), float("nan"))
     return x8.to(FP8), descale
 
 

@@ -81,8 +81,14 @@ def check_cu_seqlens(name: str, cu, total: int | None, device, values: bool = Tr
     return lens
 
 
+#: the largest float32: scales and caps beyond it would be inf in the kernels' float32
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def check_positive(name: str, x):
-    """``None`` or a finite real ``> 0`` -> ``None`` or a float."""
+    """``None`` or a real in ``(0, FLOAT32_MAX]`` -> ``None`` or a float (a score scale or
+    cap, which the kernels hold in float32: a larger one would be ``inf`` there, and
+    ``0 * inf`` NaN)."""
     if x is None:
         return None
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
@@ -90,6 +96,9 @@ def check_positive(name: str, x):
     x = float(x)
     if not math.isfinite(x) or x <= 0:
         raise ValueError(f"{name} must be finite and > 0, got {x}")
+    if x > FLOAT32_MAX:
+        raise ValueError(f"{name} must be at most {FLOAT32_MAX:.6g} (it is computed in "
+                         f"float32), got {x}")
     return x
 
 
