@@ -183,6 +183,21 @@ def test_append_kv_errors_name_k_new_not_q():
         c.append(torch.zeros(2, 0, 1, 16), torch.zeros(2, 0, 1, 16))
 
 
+def test_append_kv_from_a_view_of_the_cache_names_the_argument():
+    """Appending tokens read from the cache itself (a view sharing its memory): a clear
+    ValueError naming k_new / v_new, not torch's error from the overlapping copy; a copy
+    appends."""
+    kc, vc = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    lens = torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^k_new: shares memory with k_cache"):
+        ff.append_kv(kc, vc, kc[:, :, :2], vc[:, :, :2].clone(), lens)
+    with pytest.raises(ValueError, match=r"^v_new: shares memory with v_cache"):
+        ff.append_kv(kc, vc, kc[:, :, :2].clone(), vc[:, :, :2], lens)
+    k_new, v_new = kc[:, :, :2].clone(), vc[:, :, :2].clone()
+    assert ff.append_kv(kc, vc, k_new, v_new, lens).tolist() == [4]
+    assert torch.equal(kc[:, :, 2:4], k_new) and torch.equal(vc[:, :, 2:4], v_new)
+
+
 def test_a_block_table_without_pages_decodes_to_empty_rows():
     """A zero-capacity cache built by hand: lengths must be 0, and every row sees no key
     (o = 0, lse = -inf): no division by the page count."""

@@ -481,6 +481,13 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
             raise TypeError(f"{name}: dtype {x.dtype} differs from the cache's {k_cache.dtype}")
         if x.device != k_cache.device:
             raise ValueError(f"{name}: on {x.device}, the cache on {k_cache.device}")
+        if x.device.type != "meta" and not torch.compiler.is_compiling():
+            # (traced tensors have no storage to compare)
+            for cache, cname in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+                if x.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr():
+                    # (the write would read what it overwrites: torch refuses the copy)
+                    raise ValueError(f"{name}: shares memory with {cname} (a view of the "
+                                     f"cache); pass a copy, e.g. {name}.clone()")
     _descales(k_cache, v_cache, k_descale, v_descale, batch, heads_kv, k_cache.device)
     if check_lengths and is_meta(cache_seqlens):
         raise no_values("cache_seqlens", "check_lengths=True")
@@ -574,7 +581,9 @@ class PagedKVCache:
                  shuffle: bool = False, seed: int = 0, k_descale: torch.Tensor | None = None,
                  v_descale: torch.Tensor | None = None) -> "PagedKVCache":
         """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (``batch``,
-        ``max_len``, ``heads_kv``, ``page_size`` ints >= 1, ``1 <= head_dim <= 256``).
+        ``max_len``, ``heads_kv``, ``page_size`` ints >= 1, ``1 <= head_dim <= 256``); each
+        sequence gets whole pages, so its capacity is ``max_len`` rounded up to a multiple
+        of ``page_size`` (the appends :meth:`append` accepts).
         ``dtype=torch.float8_e4m3fn`` makes an E4M3 cache with the given descales (default:
         ones, float32 ``(batch, heads_kv)``)."""
         for name, x in (("batch", batch), ("max_len", max_len), ("heads_kv", heads_kv),
