@@ -150,7 +150,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         (``left >= Nk``, ``right >= Nq``: it hides no key; ``window=(2**70, 0)`` is
         ``causal=True``).
     scale: score scale (> 0), default ``1 / sqrt(D)``.
-    softcap: ``c > 0``: scores become ``c tanh(s / c)`` (before score_mod and masks).
+    softcap: ``c > 0``: scores become ``c tanh(s / c)`` (before score_mod and masks). The
+        GPU kernels form ``tanh(y) = 1 - 2 / (e^{2y} + 1)`` in float32, whose error is
+        absolute: a score carries up to about ``c 2^-23``, below bf16's rounding of ``P``
+        for the caps models use (30, 50) and comparable to it at ``c ~ 10^4``.
     score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` over :mod:`flashfold.ops`.
     mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over :mod:`flashfold.ops`, or a
         :class:`BlockMask` from :func:`create_block_mask` (precomputed, reusable).
