@@ -1244,8 +1244,8 @@ if gluon is not None:
         block mask's per-key-block lists and its mask_mod's tables (``MASK_FN``;
         :func:`_block_mask_args`); ``()`` / unused without them. ``WIDE``: ``DS_RING``
         P^T / dS^T buffers of each kind, dQ pieces as wide as ``dq_desc``'s box
-        (:func:`wide_plan`). ``TILES_OUTSIDE`` (``DETERMINISTIC`` calls with more than one
-        query head per KV head): every partition walks a key tile's query tiles outside
+        (:func:`wide_plan`). ``TILES_OUTSIDE`` (:func:`_tiles_outside`: ``DETERMINISTIC``
+        calls with more than one query head per KV head and no left bound): every partition walks a key tile's query tiles outside
         the group's query heads (:func:`_walk_outer`, :func:`_dq_order`)."""
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
@@ -1742,7 +1742,8 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     ``deterministic``: the dQ adds into each query tile in a fixed order (the programs of
     its key tiles in turn, ``_dq_order``, counted in :func:`dq_counters`), so that
     ``dq_acc`` is bitwise reproducible; one program per key tile (not persistent), walks
-    not staggered, the query tiles outside the group's heads.
+    not staggered, in GQA calls without a left bound the query tiles outside the group's
+    heads (:func:`_tiles_outside`).
     ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``(S + 1,)``, tensors of a batch of one):
     packed sequences (``VARLEN``; head dims up to 128, not deterministic, one program
     per key-tile slot, :func:`_varlen_program`; dK, dV from registers; ``lam`` and ``dd``
