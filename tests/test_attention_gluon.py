@@ -338,6 +338,17 @@ def test_compiles_warp_specialized_for_sm90(compiled, vid):
                                   if "-out-fp16" in vid else "torch.bfloat16"), r["out_dtype"]
 
 
+def test_fp8_takes_the_448_from_the_step_with_128_key_tiles(compiled):
+    """With 128-key tiles an FP8 call's ``P`` comes out times 448 from the tile step's
+    reference shift (``gluon_fwd.SHIFT_FP8``), not from a multiply per score: its key loop
+    has no more ``FMUL`` than the 16-bit one (sm_90: 66 each at head_dim 128; with the
+    multiply, 130)."""
+    f8, bf = compiled.get("d128-fp8"), compiled.get("d128")
+    assert f8 is not None and bf is not None and f8["ok"] and bf["ok"]
+    assert f8["loop_counts"]["FMUL"] <= bf["loop_counts"]["FMUL"], (f8["loop_counts"],
+                                                                   bf["loop_counts"])
+
+
 # --- scope and dispatch (CPU) -------------------------------------------------------------
 
 def _qkv(B=1, HQ=4, HK=2, NQ=256, NK=256, D=128, dtype=torch.bfloat16):
