@@ -742,15 +742,15 @@ if gluon is not None:
 
     @gluon.jit
     def _pv_issue(p, v_tile, acc, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_DV: gl.constexpr, FP8: gl.constexpr):
+                  BLOCK_DV: gl.constexpr, FP8: gl.constexpr, SHIFT: gl.constexpr):
         """``acc += P V`` issued (asynchronous): ``(acc token, the A operand)``. 16-bit: P
         in V's dtype, V's tile ``[BLOCK_N, BLOCK_DV]`` as loaded. ``FP8``: P times 448 (from
-        the step's reference shift, or multiplied here: :data:`FP8_SHIFT_MIN_BLOCK_N`)
+        the step's reference shift ``SHIFT``, or with ``SHIFT = 0`` multiplied here)
         rounded to E4M3 (``cvt.rn.satfinite``), V's tile ``[BLOCK_DV, BLOCK_N]`` (keys
         contiguous) permuted to the K-major B operand 8-bit wgmma takes."""
         if FP8:
             # 448 P: from the step's reference shift (SHIFT_FP8), or multiplied here
-            if BLOCK_N < FP8_SHIFT_MIN_BLOCK_N:
+            if SHIFT == 0.0:
                 p = p * FP8_MAX_C
             pa = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
             vb = v_tile.reshape([BLOCK_DV, BLOCK_N]).permute((1, 0))
@@ -779,19 +779,19 @@ if gluon is not None:
               MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, O_IN_Q: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, STEP: gl.constexpr,
-              SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr, ROW_BOUNDS: gl.constexpr):
+              SHIFT: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_FN: gl.constexpr,
+              ROW_BOUNDS: gl.constexpr):
         """One warpgroup's rows of one item: key tiles ``t_lo .. t_lo + n_kv`` (``n_kv >=
         1``, ring positions from ``it``) folded into ``(acc, l, m)`` by
         :func:`_softmax_tile`, with ``P V`` of tile ``j - 1`` running while the softmax of
         tile ``j`` is computed. Releases the query tile (``q_empty``) after the last ``S``
         unless the output is staged in it (``O_IN_Q``: the epilogue releases it). ``q``:
-        the query buffers ``(columns 0 .. BLOCK_D, the next BLOCK_D2)`` (:func:`_scores`)."""
+        the query buffers ``(columns 0 .. BLOCK_D, the next BLOCK_D2)`` (:func:`_scores`).
+        ``SHIFT``: the step's reference shift (:func:`_softmax_tile`, :func:`_pv_issue`)."""
         q_bufs, o_bufs, k_bufs, v_bufs, walk_bufs, q2_bufs, k2_bufs = bufs
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
         dtype: gl.constexpr = q[0].dtype
         FP8: gl.constexpr = dtype == gl.float8e4nv
-        SHIFT: gl.constexpr = (SHIFT_FP8 if FP8 and BLOCK_N >= FP8_SHIFT_MIN_BLOCK_N
-                               else 0.0)
         HALF: gl.constexpr = s_zero.shape[0]
         o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV, dtype)
         # (an 8-bit A operand in registers: four entries per 32-bit register)
@@ -826,7 +826,8 @@ if gluon is not None:
             s = _scores(q, k_bufs, k2_bufs, slot, it + j, s_zero, WG, BLOCK_N, BLOCK_D,
                         BLOCK_D2)
             mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-            acc, pa = _pv_issue(p, v_bufs.index(prev), acc, p_layout, BLOCK_N, BLOCK_DV, FP8)
+            acc, pa = _pv_issue(p, v_bufs.index(prev), acc, p_layout, BLOCK_N, BLOCK_DV, FP8,
+                                SHIFT)
             _pass_turn(turn, WG, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s])                   # S_j done, PV running
             mbarrier.arrive(k_empty.index(slot), count=1)
@@ -844,7 +845,8 @@ if gluon is not None:
         last = (it + n_kv - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((it + n_kv - 1) // STAGES) & 1)
         _take_turn(turn, it + n_kv + i, WG, PINGPONG)
-        acc, pa = _pv_issue(p, v_bufs.index(last), acc, p_layout, BLOCK_N, BLOCK_DV, FP8)
+        acc, pa = _pv_issue(p, v_bufs.index(last), acc, p_layout, BLOCK_N, BLOCK_DV, FP8,
+                            SHIFT)
         _pass_turn(turn, WG, PINGPONG)
         acc, pa = _pv_wait(acc, pa, FP8)
         mbarrier.arrive(v_empty.index(last), count=1)
@@ -890,6 +892,9 @@ if gluon is not None:
         win_left, win_right, heads_q, group = win
         HALF: gl.constexpr = BLOCK_M // 2
         FP8: gl.constexpr = q_desc.dtype == gl.float8e4nv
+        # the tile step's reference shift: FP8's 448 with wide enough key tiles, else 0
+        SHIFT: gl.constexpr = (SHIFT_FP8 if FP8 and BLOCK_N >= FP8_SHIFT_MIN_BLOCK_N
+                               else 0.0)
         dtype: gl.constexpr = o_desc.dtype          # (o's: FP8 calls' out_dtype)
         s_layout: gl.constexpr = _wgmma_layout(BLOCK_N, q_desc.dtype)
         o_layout: gl.constexpr = _wgmma_layout(BLOCK_DV, q_desc.dtype)
@@ -935,7 +940,7 @@ if gluon is not None:
                           kv_len, qk_scale, step_scale, mod, s_zero, BLOCK_N,
                           BLOCK_D, BLOCK_D2, BLOCK_DV, STAGES, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                           O_IN_Q,
-                          WG, PINGPONG, STEP, SCORE_MOD, MASK_FN, ROW_BOUNDS)
+                          WG, PINGPONG, STEP, SHIFT, SCORE_MOD, MASK_FN, ROW_BOUNDS)
 
         # epilogue: ATTENTION2's finalize, generated (o = acc / l, lse = (m + log2 l) ln 2;
         # a row with no visible key, m = -inf: 0 and -inf; NaN m or l: NaN)
@@ -944,9 +949,9 @@ if gluon is not None:
             # o is linear in v: v's factor; the state is ATTENTION2's at m - SHIFT_FP8
             # (the step's reference shift), or acc carries the 448 of the multiply
             vd = gl.load(VD + b.to(gl.int64) * sd[4] + hk * sd[5])
-            if BLOCK_N >= FP8_SHIFT_MIN_BLOCK_N:
+            if SHIFT != 0.0:
                 acc = acc * vd
-                m = m - SHIFT_FP8
+                m = m - SHIFT
             else:
                 acc = acc * (vd / FP8_MAX_C)
         o, lse = FINALIZE(gl.convert_layout(m, gl.SliceLayout(1, o_layout)),
