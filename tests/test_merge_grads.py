@@ -157,3 +157,18 @@ def test_float64_parts_get_float64_gradients():
     assert_close(d_l, w_l, "float64", name="d lses")
     a, b = (t[:, :1, :1, :3].detach().clone().requires_grad_() for t in (outs, lses))
     assert torch.autograd.gradcheck(lambda x, y: flashfold.merge_states(x, y)[0], (a, b))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["pair", "stacked"])
+def test_a_merge_of_parts_without_features_still_merges_the_lse(path, stacked):
+    """Parts of head_dim 0 have no ``o`` to merge, but their LSEs still merge: the LSE is
+    ``log sum_s e^{lse_s}`` on every path, never left unwritten."""
+    _, dev = path
+    _, lses = _parts(3)
+    outs = torch.empty(S, B, H, N, 0, device=dev)
+    lses = lses.to(dev)
+    args = (outs, lses) if stacked else (outs[0], lses[0], outs[1], lses[1])
+    o, lse = flashfold.merge_states(*args)
+    want = torch.logsumexp(lses.double() if stacked else lses[:2].double(), 0)
+    assert o.shape == (B, H, N, 0)
+    assert_close(lse, want, "float32", name="lse")
