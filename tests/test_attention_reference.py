@@ -491,3 +491,48 @@ def test_mask_mods_of_bool_tables_and_where_are_truth_values():
     o_or = flashfold.attention(q, k, v, mask_mod=lambda b, h, i, j: (i >= j) | (j == 0))
     assert torch.equal(o_where, o_or)
     assert not torch.equal(o_or, o)
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: mods.softcap_mod(0), ValueError, r"^cap must be finite and > 0, got 0\.0"),
+    (lambda: mods.softcap_mod(-2.0), ValueError, r"^cap must be finite and > 0"),
+    (lambda: mods.softcap_mod(1e39), ValueError, r"^cap must be at most"),
+    (lambda: mods.softcap_mod("30"), TypeError, r"^cap must be a real number, got str"),
+    (lambda: mods.softcap_mod(None), TypeError, r"^cap must be a real number"),
+    (lambda: mods.sliding_window_mask(-2), ValueError, r"^window left must be >= 0"),
+    (lambda: mods.sliding_window_mask(2.5), TypeError, r"^window left must be an int"),
+    (lambda: mods.sliding_window_mask(3, right=True), TypeError, r"^window right must be an int"),
+    (lambda: mods.alibi_slopes(2.5), TypeError, r"^num_heads must be an int, got float"),
+    (lambda: mods.alibi_slopes("4"), TypeError, r"^num_heads must be an int, got str"),
+    (lambda: mods.alibi(2, slopes=torch.ones(2, 2)), ValueError, r"^slopes: expected a 1-D"),
+    (lambda: mods.key_padding_mask(torch.tensor([[3]])), ValueError, r"^lengths: expected a 1-D"),
+    (lambda: mods.prefix_lm_mask(torch.tensor([[3]])), ValueError, r"^prefix_len: expected a 1-D"),
+])
+def test_mod_factories_refuse_what_attention_refuses_naming_the_argument(make, exc, match):
+    """A factory checks its arguments as ``attention`` checks the same ones (``softcap``,
+    ``window``): ``softcap_mod(0)`` gave every score 0 (uniform weights) and
+    ``sliding_window_mask(-2)`` hid every key, both without an error."""
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_mod_factories_take_what_attention_takes():
+    """``sliding_window_mask``'s sides are unbounded at ``None`` or ``-1`` (as
+    ``attention``'s ``window``); ``alibi`` takes its slopes as a sequence; a table given as
+    a list is a table."""
+    q, k, v = make_qkv(Shape(2, 2, 2, 9, 9, 8), torch.float64, seed=3)
+    for left in (None, -1):
+        assert_close(flashfold.attention(q, k, v, mask_mod=mods.sliding_window_mask(left)),
+                     flashfold.attention(q, k, v, mask_mod=mods.causal_mask), "float64",
+                     name=f"left={left}")
+    assert_close(flashfold.attention(q, k, v, mask_mod=mods.sliding_window_mask(2, 1)),
+                 flashfold.attention(q, k, v, window=(2, 1)), "float64", name="window (2, 1)")
+    slopes = [0.5, 0.25]
+    assert_close(flashfold.attention(q, k, v, score_mod=mods.alibi(2, slopes)),
+                 flashfold.attention(q, k, v, score_mod=mods.alibi(2, torch.tensor(slopes))),
+                 "float64", name="alibi slopes as a list")
+    assert_close(flashfold.attention(q, k, v, mask_mod=mods.key_padding_mask([4, 9])),
+                 flashfold.attention(q, k, v, mask_mod=mods.key_padding_mask(torch.tensor([4, 9]))),
+                 "float64", name="lengths as a list")
+    assert_close(flashfold.attention(q, k, v, score_mod=mods.softcap_mod(2.0)),
+                 flashfold.attention(q, k, v, softcap=2.0), "float64", name="softcap")

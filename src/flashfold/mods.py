@@ -18,10 +18,12 @@ q_idx, kv_idx) -> score``): :func:`alibi` (slopes: :func:`alibi_slopes`),
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from . import ops
+from .api.validate import check_positive, check_window
 from .ops import Buffer
 
 
@@ -37,7 +39,10 @@ def causal_mask(b, h, q_idx, kv_idx):
 
 
 def sliding_window_mask(left, right=0):
-    """``q_idx - left <= kv_idx <= q_idx + right`` (top-left aligned; ``None`` = unbounded)."""
+    """``q_idx - left <= kv_idx <= q_idx + right`` (top-left aligned). Each side an int
+    ``>= 0``, or ``None`` / ``-1`` for unbounded, as ``attention``'s ``window``."""
+    left, right = check_window((left, right))
+
     def sliding_window(b, h, q_idx, kv_idx):
         ok = None
         if left is not None:
@@ -49,10 +54,13 @@ def sliding_window_mask(left, right=0):
     return _named(sliding_window, "sliding_window_mask")
 
 
-def _table(x, what):
+def _table(x, what, dims=(1, 2)):
+    """``x`` as a tensor of ``dims`` dims (a table a mod captures), else ``ValueError``
+    naming it."""
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
-    if t.dim() not in (1, 2):
-        raise ValueError(f"{what}: expected a 1-D or 2-D tensor, got shape {tuple(t.shape)}")
+    if t.dim() not in dims:
+        want = " or ".join(f"{d}-D" for d in dims)
+        raise ValueError(f"{what}: expected a {want} tensor, got shape {tuple(t.shape)}")
     return t
 
 
@@ -88,7 +96,7 @@ def prefix_lm_mask(prefix_len):
         def prefix_lm(b, h, q_idx, kv_idx):
             return (kv_idx < n) | (kv_idx <= q_idx)
     else:
-        lens = Buffer(_table(prefix_len, "prefix_len"))
+        lens = Buffer(_table(prefix_len, "prefix_len", dims=(1,)))
 
         def prefix_lm(b, h, q_idx, kv_idx):
             return (kv_idx < lens[b]) | (kv_idx <= q_idx)
@@ -97,7 +105,7 @@ def prefix_lm_mask(prefix_len):
 
 def key_padding_mask(lengths):
     """Key padding: sequence ``b`` has ``lengths[b]`` real keys (``kv_idx < lengths[b]``)."""
-    lens = Buffer(_table(lengths, "lengths"))
+    lens = Buffer(_table(lengths, "lengths", dims=(1,)))
 
     def key_padding(b, h, q_idx, kv_idx):
         return kv_idx < lens[b]
@@ -131,6 +139,9 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     def pow2(n):
         start = 2.0 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]
+    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral):
+        raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
+    num_heads = int(num_heads)
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
     p = 2 ** int(math.floor(math.log2(num_heads)))
@@ -142,8 +153,10 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 def alibi(num_heads: int, slopes=None):
     """ALiBi score_mod: ``score + slope[h] * (kv_idx - q_idx)`` (a linear distance penalty
-    for keys behind the query)."""
-    tab = Buffer(slopes if slopes is not None else alibi_slopes(num_heads))
+    for keys behind the query). ``slopes``: float ``(heads,)`` (a tensor or a sequence),
+    default :func:`alibi_slopes` of ``num_heads``."""
+    tab = Buffer(_table(slopes, "slopes", dims=(1,)) if slopes is not None
+                 else alibi_slopes(num_heads))
 
     def alibi_bias(score, b, h, q_idx, kv_idx):
         return score + tab[h] * ops.to_float(kv_idx - q_idx)
@@ -172,8 +185,11 @@ def relative_bias(table, max_distance: int | None = None):
 
 
 def softcap_mod(cap: float):
-    """``cap * tanh(score / cap)`` as a score_mod (``attention(softcap=...)`` is built in)."""
-    c = float(cap)
+    """``cap * tanh(score / cap)`` as a score_mod (``attention(softcap=...)`` is built in);
+    ``cap`` a real in ``(0, FLOAT32_MAX]``, as ``attention``'s ``softcap``."""
+    c = check_positive("cap", cap)
+    if c is None:
+        raise TypeError("cap must be a real number, got NoneType")
 
     def softcap(score, b, h, q_idx, kv_idx):
         return c * ops.tanh(score / c)
