@@ -532,6 +532,15 @@ def test_keepdim_must_be_a_bool():
             call()
 
 
+def test_segment_reduce_unsafe_must_be_a_bool():
+    """``unsafe`` skips the offsets check, so only ``True`` skips it: a truthy string or
+    number (``unsafe="no"``) used to skip it too, letting offsets past the dim through."""
+    x = data((3, 4), torch.float32)
+    for value in ("no", 0, 1, None):
+        with pytest.raises(TypeError, match="^unsafe must be a bool"):
+            ff.segment_reduce(SUM, x, torch.tensor([0, 2, 3]), unsafe=value)
+
+
 def test_dims_as_numpy_integers_and_a_scalars_dim_are_checked_as_torch_checks_them():
     import numpy as np
     x = data((3, 4), torch.float32)

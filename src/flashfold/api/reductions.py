@@ -445,6 +445,7 @@ def segment_reduce(monoid: Monoid, x: torch.Tensor, offsets: torch.Tensor, dim: 
     indices within the segment.
     """
     _check_monoid(monoid)
+    _check_bool("unsafe", unsafe)
     xs, x, dtype = _inputs(monoid, x)
     if x.dim() == 0:
         raise ValueError("x: segment_reduce needs at least one dim")
