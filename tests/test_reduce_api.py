@@ -541,6 +541,29 @@ def test_segment_reduce_unsafe_must_be_a_bool():
             ff.segment_reduce(SUM, x, torch.tensor([0, 2, 3]), unsafe=value)
 
 
+@pytest.mark.parametrize("name, outputs, fields", [
+    ("my-sum", None, ("out0", "out1")),
+    ("2 sums", ("total", "count"), ("total", "count")),
+    ("sums", ("class", "_n"), ("out0", "out1")),
+    ("x" * 300, ("total", "count"), ("total", "count")),
+], ids=["hyphen", "digit-space", "keyword-underscore-outputs", "long"])
+def test_results_of_any_monoid_name_and_output_names_are_named_tuples(path, name, outputs,
+                                                                       fields):
+    """A monoid's name is free text and an output name that a named tuple cannot take is
+    ``out{i}``: reduce used to raise namedtuple's ValueError for ``"my-sum"`` and for
+    outputs named ``class`` or ``_n``, and the kernels an OSError for a long name (a file
+    name of the generated module)."""
+    m = Monoid(name, fields=("s", "n"), identity=(0.0, 0.0), lift=lambda x: (x, 1.0),
+               combine=lambda a, b: (a.s + b.s, a.n + b.n), finalize=lambda st: (st.s, st.n),
+               outputs=outputs, commutative=True)
+    x = data((3, 5), torch.float32)
+    got = ff.reduce(m, x, 1)
+    assert got._fields == fields and type(got).__name__.endswith("Result")
+    assert_close(got[0], x.double().sum(1), torch.float32, name="sum")
+    assert torch.equal(got[1], torch.full((3,), 5.0))
+    assert ff.scan(m, x, 1)[1].shape == x.shape
+
+
 def test_dims_as_numpy_integers_and_a_scalars_dim_are_checked_as_torch_checks_them():
     import numpy as np
     x = data((3, 4), torch.float32)

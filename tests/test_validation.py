@@ -122,3 +122,37 @@ def test_finalize_of_a_hand_built_state_and_its_parameters():
     state = ff.fold(COVARIANCE, (np.ones(3), np.arange(3.0)))
     with pytest.raises(TypeError, match="correction: expected a number, got str"):
         ff.finalize(COVARIANCE, state, correction="1")
+
+
+def test_names_that_generated_code_cannot_take_are_refused_where_the_monoid_is_made():
+    """A keyword or a leading underscore as a field name, a keyword as an input or a
+    parameter name, an input named ``valid`` beside a block lift, and a parameter named as
+    a field raise at construction, naming them: they used to fail in namedtuple or as a
+    SyntaxError of the generated code (``duplicate argument 's'``) at the first fold."""
+    from flashfold import Field, Input
+    add = dict(identity=(0.0,), lift=lambda x: (x,), combine=lambda a, b: (a.s + b.s,))
+    with pytest.raises(ValueError, match="field name 'class' is not a Python identifier"):
+        Field("class")
+    with pytest.raises(ValueError, match="field name '_s' starts with an underscore"):
+        Field("_s")
+    with pytest.raises(ValueError, match="input name 'lambda' is not a Python identifier"):
+        Input("lambda")
+    with pytest.raises(ValueError, match="params: 'if' is not a Python identifier"):
+        Monoid("bad", fields=("s",), finalize=lambda s, **p: s.s, params={"if": 1.0}, **add)
+    with pytest.raises(ValueError, match=r"params \['s'\] have the names of fields"):
+        Monoid("bad", fields=("s",), finalize=lambda st, s: st.s * s, params={"s": 2.0}, **add)
+    with pytest.raises(ValueError, match="an input named 'valid' clashes"):
+        Monoid("bad", fields=("s",), inputs=("valid",),
+               block_lift=lambda valid, mask: (ops.reduce_sum(ops.where(mask, valid, 0.0)),),
+               **add)
+
+
+@pytest.mark.parametrize("name", ["my sum", "my-sum", "2sum", "sum.v2", "myMonoid"])
+def test_a_monoid_name_is_free_text(name):
+    """A name is used in reprs and generated names, which sanitize it: any non-empty text
+    makes a monoid whose states are named tuples (``"my sum"`` used to fail in namedtuple:
+    'My sumState' is not an identifier)."""
+    m = Monoid(name, fields=("s", "n"), identity=(0.0, 0.0), lift=lambda x: (x, 1.0),
+               combine=lambda a, b: (a.s + b.s, a.n + b.n), commutative=True)
+    assert m.State.__name__.isidentifier() and m.State.__name__.endswith("State")
+    assert ff.fold(m, np.arange(4.0)) == m.State(6.0, 4.0)

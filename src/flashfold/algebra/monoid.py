@@ -30,6 +30,7 @@ Example (the online-softmax state of the specification)::
 
 from __future__ import annotations
 
+import keyword
 import math
 from collections import namedtuple
 from dataclasses import dataclass
@@ -56,8 +57,12 @@ class Field:
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise TypeError(f"field name must be a str, got {type(self.name).__name__}")
-        if not self.name.isidentifier():
-            raise ValueError(f"field name {self.name!r} is not a Python identifier")
+        if not self.name.isidentifier() or keyword.iskeyword(self.name):
+            raise ValueError(f"field name {self.name!r} is not a Python identifier (or is a "
+                             f"keyword)")
+        if self.name.startswith("_"):
+            raise ValueError(f"field name {self.name!r} starts with an underscore (a state's "
+                             f"fields are attributes of a named tuple)")
         if not isinstance(self.vector, bool):
             raise TypeError(f"field {self.name!r}: vector must be True or False, got "
                             f"{type(self.vector).__name__}")
@@ -81,8 +86,9 @@ class Input:
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise TypeError(f"input name must be a str, got {type(self.name).__name__}")
-        if not self.name.isidentifier():
-            raise ValueError(f"input name {self.name!r} is not a Python identifier")
+        if not self.name.isidentifier() or keyword.iskeyword(self.name):
+            raise ValueError(f"input name {self.name!r} is not a Python identifier (or is a "
+                             f"keyword)")
         if not isinstance(self.vector, bool):
             raise TypeError(f"input {self.name!r}: vector must be True or False, got "
                             f"{type(self.vector).__name__}")
@@ -179,6 +185,10 @@ class Monoid:
         if len({i.name for i in inputs}) != len(inputs):
             raise ValueError(f"monoid {self.name!r}: input names must be unique, got "
                              f"{tuple(i.name for i in inputs)}")
+        if (self.block_lift is not None or self.block_scan is not None) and any(
+                i.name == "valid" for i in inputs):
+            raise ValueError(f"monoid {self.name!r}: an input named 'valid' clashes with the "
+                             f"mask that block_lift / block_scan take after the inputs")
         set_("inputs", inputs)
         identity = tuple(self.identity) if isinstance(self.identity, (tuple, list)) else (self.identity,)
         if len(identity) != len(fields):
@@ -190,6 +200,10 @@ class Monoid:
                                 f"a number (not NaN), got {v!r}")
         set_("identity", identity)
         set_("params", _as_params(self.name, self.params))
+        clash = sorted({p for p, _ in self.params} & {f.name for f in fields})
+        if clash:
+            raise ValueError(f"monoid {self.name!r}: params {clash} have the names of fields "
+                             f"(finalize takes the fields and the params by name)")
         for k in ("lift", "combine"):
             if not callable(getattr(self, k)):
                 raise TypeError(f"monoid {self.name!r}: {k} must be callable")
@@ -344,8 +358,8 @@ def _as_params(name: str, params) -> tuple:
     for k, v in pairs:
         if not isinstance(k, str):
             raise TypeError(f"{where}: names must be strings, got {k!r}")
-        if not k.isidentifier():
-            raise ValueError(f"{where}: {k!r} is not a Python identifier")
+        if not k.isidentifier() or keyword.iskeyword(k):
+            raise ValueError(f"{where}: {k!r} is not a Python identifier (or is a keyword)")
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{where}: the default of {k!r} must be a number, got {v!r}")
     names = [k for k, _ in pairs]
@@ -355,4 +369,9 @@ def _as_params(name: str, params) -> tuple:
 
 
 def _camel(name: str) -> str:
-    return "".join(p.capitalize() for p in name.replace("-", "_").split("_") if p) or "Monoid"
+    """``name`` in CamelCase, an identifier whatever characters the name holds (a name is
+    free text: ``"my-sum"`` -> ``MySum``, ``"2 sum"`` -> ``M2Sum``): the prefix of the
+    type names of a monoid's states and results."""
+    words = "".join(c if c.isalnum() else " " for c in name).split()
+    out = "".join(w[:1].upper() + w[1:] for w in words) or "Monoid"
+    return out if out.isidentifier() else "M" + out

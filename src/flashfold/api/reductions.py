@@ -77,12 +77,13 @@ that are adjacent, and a copy otherwise (torch's ``flatten`` rule).
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import numbers
 from collections import namedtuple
 
 import torch
 
-from ..algebra.monoid import Monoid
+from ..algebra.monoid import Monoid, _camel
 from ..kernels.reduce.functions import LOGSUMEXP2_SCAN, softmax_map
 from ..monoids import ARGMAX, ARGMIN, LOGSUMEXP2, SUM, WELFORD
 from . import folds
@@ -290,8 +291,11 @@ def _shaped(outs, shape, base=None) -> tuple:
 
 
 def _result_type(monoid: Monoid):
-    names = tuple(n if n.isidentifier() else f"out{i}" for i, n in enumerate(monoid.output_names))
-    return namedtuple(f"{''.join(p.capitalize() for p in monoid.name.split('_'))}Result", names)
+    """The named tuple of ``monoid``'s outputs: an output whose name cannot be a field of
+    one (not an identifier, a keyword, a leading underscore) is ``out{i}``."""
+    names = tuple(n if n.isidentifier() and not keyword.iskeyword(n) and not n.startswith("_")
+                  else f"out{i}" for i, n in enumerate(monoid.output_names))
+    return namedtuple(f"{_camel(monoid.name)}Result", names)
 
 
 _RESULT_TYPES: dict = {}

@@ -140,7 +140,9 @@ def load_source(source: str, stem: str, header: str = _HEADER):
     for Gluon functions)."""
     text = header + source
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    name = f"flashfold_generated_{stem}_{key}"
+    # the stem (a monoid's name) is cut to a length any file system takes; the hash of the
+    # text, which holds the whole name, keeps the module's name unique
+    name = f"flashfold_generated_{stem[:64]}_{key}"
     with _LOCK:
         mod = _MODULES.get(name)
         if mod is not None:
