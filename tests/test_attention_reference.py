@@ -536,3 +536,11 @@ def test_mod_factories_take_what_attention_takes():
                  "float64", name="lengths as a list")
     assert_close(flashfold.attention(q, k, v, score_mod=mods.softcap_mod(2.0)),
                  flashfold.attention(q, k, v, softcap=2.0), "float64", name="softcap")
+
+
+@pytest.mark.parametrize("block", [(16,), (16, 16, 16), "16", None])
+def test_create_block_mask_names_a_malformed_block_size(block):
+    """``BLOCK_SIZE`` is an int or a pair: a 1-tuple was an unpacking error, a string was
+    read as ``BLOCK_M = '1'``."""
+    with pytest.raises(ValueError, match=r"^BLOCK_SIZE: expected an int or a pair"):
+        create_block_mask(mods.causal_mask, None, None, 8, 8, device="cpu", BLOCK_SIZE=block)

@@ -971,7 +971,13 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     per key; finding that out reads one flag back from the device.
     """
     mod = trace_mask_mod(mask_mod)
-    bm, bn = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    if isinstance(BLOCK_SIZE, int):
+        bm = bn = BLOCK_SIZE
+    elif isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2:
+        bm, bn = BLOCK_SIZE
+    else:
+        raise ValueError(f"BLOCK_SIZE: expected an int or a pair (BLOCK_M, BLOCK_N), got "
+                         f"{BLOCK_SIZE!r}")
     _check_block("BLOCK_M", bm)
     _check_block("BLOCK_N", bn)
     for name, val in (("B", B), ("H", H)):
