@@ -63,6 +63,14 @@ def test_trace_rejects_bad_values():
         main(["trace", "1", "2", "--block", "1", "--values", "1,0"])
 
 
+def test_trace_names_value_vectors_of_different_lengths():
+    """``--values 1,0 0,1,1`` is one line naming the values (it was NumPy's message about
+    an inhomogeneous shape)."""
+    with pytest.raises(SystemExit, match=r"^flashfold trace: values: expected vectors of one "
+                                         r"length, got lengths \[2, 3\]"):
+        main(["trace", "1", "2", "--block", "1", "--values", "1,0", "0,1,1"])
+
+
 def test_console_script_runs_demo():
     r = subprocess.run([sys.executable, "-m", "flashfold.cli", "demo"], capture_output=True,
                        text=True, timeout=120)

@@ -260,6 +260,9 @@ def trace_blocks(scores, block: int, values=None):
         raise ValueError(f"scores: expected a 1-D list of scores, got shape {s.shape}")
     if block < 1:
         raise ValueError(f"block: expected a positive block size, got {block}")
+    if values is not None and len({len(row) for row in values}) > 1:
+        raise ValueError(f"values: expected vectors of one length, got lengths "
+                         f"{[len(row) for row in values]}")
     v = np.eye(len(s)) if values is None else np.asarray(values, dtype=np.float64)
     if v.ndim != 2 or v.shape[0] != len(s):
         raise ValueError(f"values: expected one vector per score ({len(s)}), got shape {v.shape}")
