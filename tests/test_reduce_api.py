@@ -147,6 +147,28 @@ def test_var_of_infinite_input_is_nan_as_torch(path, dtype):
     assert torch.isnan(var) and mean.item() == inf              # torch: (nan, inf)
 
 
+@pytest.mark.parametrize("n", [3, 64, 3000], ids=lambda n: f"n{n}")
+def test_var_mean_of_finite_input_near_the_largest_float_is_not_nan(path, n):
+    """Finite float32 input whose sum (or whose blocks' means' difference) passes the
+    largest float: the mean is the float64 mean rounded, the variance the float64 one
+    (here past float32: inf), as torch; the kernels gave (nan, nan) (an infinite block
+    sum, then ``inf - inf``)."""
+    big = 3e38
+    rows = [[big] * (n - n // 3) + [-big] * (n // 3),          # the sum overflows
+            [big] * (n // 2) + [-big] * (n - n // 2),          # blocks' means 6e38 apart
+            [-big] * (n - 1) + [big]]
+    x = torch.tensor(rows, dtype=torch.float32)
+    for corr in (0, 1):
+        var, mean = ff.var_mean(x, 1, correction=corr)
+        wv, wm = torch.var_mean(x.double(), 1, correction=corr)
+        assert not torch.isnan(mean).any() and not torch.isnan(var).any(), (mean, var)
+        assert_close(mean, wm, torch.float32, scale=big, name="mean")
+        assert torch.equal(var, wv.float()), (var, wv)             # inf in float32
+        st = ff.scan(WELFORD, x, 1, correction=corr)
+        assert not torch.isnan(st.mean).any()
+        assert_close(st.mean[:, -1], wm, torch.float32, scale=big, name="scan mean")
+
+
 def test_argmax_keepdim_over_all_dims_as_torch(path):
     x = data((3, 4, 5), torch.float32)
     for f, t in ((ff.argmax, torch.argmax), (ff.argmin, torch.argmin)):

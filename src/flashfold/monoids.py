@@ -221,12 +221,19 @@ def _welford_combine(a, b):
     n = a.n + b.n
     w = ops.where(n > 0.0, b.n / ops.where(n > 0.0, n, 1.0), 0.0)   # n_b / n, 0 if empty
     delta = b.mean - a.mean
-    return n, a.mean + delta * w, a.m2 + b.m2 + delta * (delta * (a.n * w))
+    # finite means further apart than the largest float (3e38 and -3e38 in float32): delta
+    # is infinite, a.mean + delta w would be too; the weighted mean of the two never
+    # overflows (M2 is then infinite, as the variance is)
+    mean = ops.where(ops.isinf(delta), a.mean * (1.0 - w) + b.mean * w, a.mean + delta * w)
+    return n, mean, a.m2 + b.m2 + delta * (delta * (a.n * w))
 
 
 def _welford_block(x, valid):
     n = ops.reduce_sum(ops.where(valid, 1.0, 0.0))
-    mean = ops.reduce_sum(ops.where(valid, x, 0.0)) / ops.maximum(n, 1.0)
+    # the mean as a sum of x / n: its partial sums stay within the elements' range, where
+    # the sum of the elements overflows for finite ones near the largest float
+    inv = 1.0 / ops.maximum(n, 1.0)
+    mean = ops.reduce_sum(ops.where(valid, x * inv, 0.0))
     dev = ops.where(valid, x - mean, 0.0)
     return n, mean, ops.reduce_sum(dev * dev)
 
