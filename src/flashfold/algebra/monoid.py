@@ -236,10 +236,16 @@ class Monoid:
     def param_defaults(self) -> dict:
         return dict(self.params)
 
+    @property
+    def type_prefix(self) -> str:
+        """The name in CamelCase, an identifier whatever characters the name holds: the
+        prefix of the type names of the monoid's states (:attr:`State`) and results."""
+        return _camel(self.name)
+
     @cached_property
     def State(self):
         """The namedtuple type of this monoid's states (fields in order)."""
-        return namedtuple(f"{_camel(self.name)}State", self.field_names)
+        return namedtuple(f"{self.type_prefix}State", self.field_names)
 
     def __repr__(self) -> str:
         return (f"Monoid({self.name!r}, fields={self.field_names}, "

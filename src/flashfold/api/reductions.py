@@ -83,7 +83,7 @@ from collections import namedtuple
 
 import torch
 
-from ..algebra.monoid import Monoid, _camel
+from ..algebra.monoid import Monoid
 from ..kernels.reduce.functions import LOGSUMEXP2_SCAN, softmax_map
 from ..monoids import ARGMAX, ARGMIN, LOGSUMEXP2, SUM, WELFORD
 from . import folds
@@ -295,7 +295,7 @@ def _result_type(monoid: Monoid):
     one (not an identifier, a keyword, a leading underscore) is ``out{i}``."""
     names = tuple(n if n.isidentifier() and not keyword.iskeyword(n) and not n.startswith("_")
                   else f"out{i}" for i, n in enumerate(monoid.output_names))
-    return namedtuple(f"{_camel(monoid.name)}Result", names)
+    return namedtuple(f"{monoid.type_prefix}Result", names)
 
 
 _RESULT_TYPES: dict = {}
