@@ -267,6 +267,21 @@ def _validation_across_ranks(rank):
                        "causal"))
     out.append(_raises(lambda: ring_attention(q, q, q, layout=["contiguous", "zigzag"][rank]),
                        ValueError, "layout"))
+    # a bad argument on one rank only: that rank raises its own error, the other one a
+    # ValueError naming it (no rank left waiting in the all_gather); then a normal call
+    # still runs on the same group
+    if rank == 0:
+        out.append(_raises(lambda: ring_attention(q.int(), q.int(), q.int()), TypeError,
+                           "q dtype"))
+    else:
+        out.append(_raises(lambda: ring_attention(q, q, q), ValueError, "rank(s) [0]"))
+    if rank == 1:
+        out.append(_raises(lambda: ring_attention(q, q, q, scale=-1.0), ValueError, "scale"))
+    else:
+        out.append(_raises(lambda: ring_attention(q, q, q), ValueError, "rank(s) [1]"))
+    o = ring_attention(q, q, q, causal=True)
+    if o.shape != q.shape or not torch.isfinite(o).all():
+        out.append(f"a call after the refused ones gave {tuple(o.shape)}")
     return [f"rank {rank}: {m}" for m in out if m]
 
 

@@ -230,15 +230,18 @@ def unshard(shards, *, layout: str = "contiguous", dim: int = 2) -> torch.Tensor
 class _Ring:
     """Rank, world and neighbours in ``group``; posts the neighbour exchanges."""
 
-    def __init__(self, group, device):
+    def __init__(self, group, device=None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
         self.next = glob((self.rank + 1) % self.world)
         self.prev = glob((self.rank - 1) % self.world)
-        backend = str(dist.get_backend(group)).lower()
-        self.comm_device = device if "nccl" in backend else torch.device("cpu")
+        self.backend = str(dist.get_backend(group)).lower()
+        self.comm_device = torch.device("cpu")
+        if "nccl" in self.backend:           # NCCL moves CUDA memory only
+            self.comm_device = (device if device is not None and device.type == "cuda"
+                                else torch.device("cuda", torch.cuda.current_device()))
 
     def gather_meta(self, values: list[int]) -> list[list[int]]:
         """All ranks' ``values`` (small ints), in rank order (one all_gather)."""
@@ -580,14 +583,29 @@ class _RingAttention(torch.autograd.Function):
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
-def _gather_lengths(ring, q, k, v, causal, layout):
-    """Every rank's ``N_r`` (one all_gather), after checking that the rest agrees."""
-    B, Hq, n, D = q.shape
-    mine = [n, B, Hq, k.shape[1], D, v.shape[3], _DTYPE_CODES[q.dtype], int(causal),
-            LAYOUTS.index(layout)]
-    metas = ring.gather_meta(mine)
+def _gather_lengths(ring, q, k, v, causal, layout, error=None):
+    """Every rank's ``N_r`` (one all_gather), after checking that the rest agrees.
+
+    ``error``: the exception this rank's own argument checks raised (None: they passed).
+    It still takes part in the all_gather, with a flag in place of its metadata, so that
+    every rank raises (the rank with the bad argument its own error, the others a
+    ``ValueError`` naming that rank) instead of the others waiting in the collective."""
     names = ["N", "batch", "q heads", "k/v heads", "head_dim", "v head_dim", "dtype",
              "causal", "layout"]
+    if error is None:
+        B, Hq, n, D = q.shape
+        mine = [0, n, B, Hq, k.shape[1], D, v.shape[3], _DTYPE_CODES[q.dtype], int(causal),
+                LAYOUTS.index(layout)]
+    else:
+        mine = [1] + [0] * len(names)
+    metas = ring.gather_meta(mine)
+    if error is not None:
+        raise error
+    bad = [r for r, m in enumerate(metas) if m[0]]
+    if bad:
+        raise ValueError(f"q/k/v: rank(s) {bad} of the group rejected their arguments to "
+                         f"ring_attention (see the error raised there); no rank ran")
+    metas = [m[1:] for m in metas]
     for i, name in enumerate(names[1:], start=1):
         vals = [m[i] for m in metas]
         if len(set(vals)) > 1:
@@ -599,6 +617,40 @@ def _gather_lengths(ring, q, k, v, causal, layout):
             arg = {"causal": "causal", "layout": "layout"}.get(name, "q/k/v")
             raise ValueError(f"{arg}: {name} differs across ranks (rank order): {vals}")
     return [m[0] for m in metas]
+
+
+def _check_args(ring, q, k, v, causal, layout, scale, softcap, return_lse, deterministic,
+                lengths):
+    """This rank's own argument checks (no communication); returns ``scale`` (the default
+    filled in), ``softcap`` and ``lengths`` (ints, or None). ``ring`` None (no process
+    group yet): ``lengths`` is returned unchecked."""
+    check_qkv(q, k, v)
+    if _on_kernel(q):
+        check_kernel_head_dims(q, v)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"q and k/v must hold the same positions of the sequence: q has "
+                         f"{q.shape[2]} rows, k/v {k.shape[2]}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    _check_layout(layout)
+    scale = check_positive("scale", scale)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    softcap = check_positive("softcap", softcap)
+    if lengths is not None and ring is not None:
+        if (not isinstance(lengths, (list, tuple)) or len(lengths) != ring.world
+                or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0
+                       for x in lengths)):
+            raise ValueError(f"lengths must be a list of {ring.world} ints >= 0 (one per "
+                             f"rank), got {lengths!r}")
+        if lengths[ring.rank] != q.shape[2]:
+            raise ValueError(f"lengths[{ring.rank}] = {lengths[ring.rank]} but this rank's "
+                             f"q/k/v hold {q.shape[2]} rows")
+        lengths = [int(x) for x in lengths]
+    return scale, softcap, lengths
 
 
 def ring_attention(q, k, v, *, group=None, causal=False, layout="contiguous", scale=None,
@@ -627,47 +679,34 @@ def ring_attention(q, k, v, *, group=None, causal=False, layout="contiguous", sc
         exchanges them (a host synchronization on NCCL) and, with it, the cross-rank
         checks of batch, heads, head dims, dtype, ``causal`` and ``layout``.
 
+    A rank whose own arguments are bad raises its ``TypeError`` / ``ValueError``, and
+    (without ``lengths``) the other ranks raise a ``ValueError`` naming it, from the same
+    ``all_gather``: no rank is left waiting in a collective. With ``lengths`` there is no
+    collective to report it through: every rank must then pass valid arguments.
+
     Returns ``o`` ``(B, Hq, N_r, Dv)`` in the input dtype (and ``lse``): the rows of
     ``attention(Q, K, V, causal=causal)`` over the full sequence that belong to this
     shard, assembled as :math:`o = \sum_t e^{\mathrm{lse}_t - \mathrm{lse}} o_t`,
     :math:`\mathrm{lse} = \log\sum_t e^{\mathrm{lse}_t}` over the ``W`` key blocks.
     Differentiable (``o`` and ``lse``); every rank must run the forward and the backward.
     """
-    check_qkv(q, k, v)
-    if _on_kernel(q):
-        check_kernel_head_dims(q, v)
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"q and k/v must hold the same positions of the sequence: q has "
-                         f"{q.shape[2]} rows, k/v {k.shape[2]}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    _check_layout(layout)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
                         f"{type(group).__name__}")
-    scale = check_positive("scale", scale)
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-    softcap = check_positive("softcap", softcap)
-    if not dist.is_available() or not dist.is_initialized():
+    ready = dist.is_available() and dist.is_initialized()
+    ring = _Ring(group, q.device if isinstance(q, torch.Tensor) else None) if ready else None
+    try:
+        scale, softcap, lengths = _check_args(ring, q, k, v, causal, layout, scale, softcap,
+                                              return_lse, deterministic, lengths)
+    except (TypeError, ValueError) as e:
+        if ring is None or lengths is not None:
+            raise            # no collective to report it through (documented)
+        _gather_lengths(ring, q, k, v, causal, layout, error=e)     # raises on every rank
+        raise
+    if ring is None:
         raise RuntimeError("ring_attention needs torch.distributed initialized "
                            "(torch.distributed.init_process_group)")
-
-    ring = _Ring(group, q.device)
-    if lengths is not None:
-        if (not isinstance(lengths, (list, tuple)) or len(lengths) != ring.world
-                or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0
-                       for x in lengths)):
-            raise ValueError(f"lengths must be a list of {ring.world} ints >= 0 (one per "
-                             f"rank), got {lengths!r}")
-        if lengths[ring.rank] != q.shape[2]:
-            raise ValueError(f"lengths[{ring.rank}] = {lengths[ring.rank]} but this rank's "
-                             f"q/k/v hold {q.shape[2]} rows")
-        lengths = [int(x) for x in lengths]
-    else:
+    if lengths is None:
         lengths = _gather_lengths(ring, q, k, v, causal, layout)
     plan = _plan(layout, lengths, ring.rank, causal)
     o, lse = _RingAttention.apply(q, k, v, ring, plan, causal, scale, softcap, deterministic)
