@@ -529,3 +529,29 @@ def test_gpu_script_dry_run(monkeypatch, capsys):
     assert mod.main(["--cpu"]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "ff / sdpa" in out and "BAD" not in out
+
+
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "bidirectional"])
+def test_sliding_window_kwarg_without_a_mask(is_causal):
+    """``sliding_window`` with no mask bounds both sides of a bidirectional layer, as the
+    FlashAttention path (``window_size=(w - 1, w - 1)``); a causal one looks back only."""
+    from flashfold.kernels.attention.reference import naive_attention
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, h, 9, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    module = torch.nn.Module()
+    module.is_causal = is_causal
+    out, _ = fft.flashfold_attention_forward(module, q, k, v, None, sliding_window=3)
+    want, _ = naive_attention(q, k, v, causal=is_causal, window=(2, None if is_causal else 2))
+    assert_close(out, want.transpose(1, 2), torch.float64, name="sliding_window kwarg")
+
+
+def test_padding_mask_of_another_batch_is_refused():
+    """A 2-D padding mask must be ``(batch, kv_len)``, padded or not (never broadcast or
+    read past its rows)."""
+    q = torch.randn(2, 2, 4, 16, dtype=torch.float64)
+    module = torch.nn.Module()
+    for is_causal in (True, False):
+        module.is_causal = is_causal
+        for mask in (torch.ones(3, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long)):
+            with pytest.raises(ValueError, match="attention_mask"):
+                fft.flashfold_attention_forward(module, q, q, q, mask)

@@ -62,8 +62,10 @@ dtype's minimum)
 GQA / MQA (``Hq`` a multiple of        passed through (no ``repeat_kv``)
 ``Hkv``)
 ``scaling``, ``softcap``               ``scale``, ``softcap``
-``sliding_window`` kwarg, no mask     ``window=(sliding_window - 1, None)`` (with a mask,
-                                       the mask encodes the window, as in eager)
+``sliding_window`` kwarg, no mask     ``window=(sliding_window - 1, None)`` causal,
+                                       ``(sliding_window - 1, sliding_window - 1)``
+                                       bidirectional, as the FlashAttention path (with a
+                                       mask, the mask encodes the window, as in eager)
 ``cu_seq_lens_q/k`` kwargs (packed     ``cu_seqlens_q/k``
 batches, as the FlashAttention path)
 =====================================  ==================================================
@@ -265,12 +267,13 @@ def _mask_function_impl(batch_size: int, q_length: int, kv_length: int, q_offset
         if attention_mask is not None:
             padding = prepare_padding_mask(attention_mask, kv_length, kv_off)
             padding = padding[:, kv_off:kv_off + kv_length].to(torch.bool)
+            if padding.shape != (batch_size, kv_length):
+                raise ValueError(f"attention_mask: padding mask of shape "
+                                 f"{tuple(attention_mask.shape)} does not cover "
+                                 f"(batch={batch_size}, kv_len={kv_length})")
             runs = _padding_runs(padding)
-        if runs is None or (runs[0] and padding.shape[-1] == kv_length):
+        if runs is None or runs[0]:
             return FlashfoldMask(causal, batch_size, q_length, kv_length)
-        if padding.shape != (batch_size, kv_length):
-            raise ValueError(f"attention_mask: padding mask of shape {tuple(padding.shape)} "
-                             f"does not cover (batch={batch_size}, kv_len={kv_length})")
         _, one_run, left, kv_start = runs
         if not causal or one_run:
             return FlashfoldMask(causal, batch_size, q_length, kv_length, padding=padding,
@@ -376,9 +379,12 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
     kw = dict(scale=scaling, softcap=softcap)
     # a model's mask already encodes its sliding window (as eager, which ignores the
     # kwarg); without a mask the kwarg is the only source (as the FlashAttention path)
+    # (FlashAttention's (sliding_window - 1) on both sides; the right side is moot when
+    # causal)
     window = None
     if sliding_window is not None and attention_mask is None:
-        window = (int(sliding_window) - 1, None)
+        w = int(sliding_window) - 1
+        window = (w, None if is_causal else w)
 
     cu_q_kw, cu_k_kw = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     mask = attention_mask
