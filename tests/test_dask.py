@@ -342,6 +342,37 @@ def test_invalid_inputs():
         fd.scan(LOGSUMEXP, x, axis=0, method="tree")
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("method", ["sequential", "blelloch"])
+def test_scan_unknown_chunk_sizes(method, reverse):
+    """Chunk sizes along the scanned axis unknown until computed (a boolean selection,
+    which here empties two chunks): refused up front, naming ``x``; once computed, the
+    scan matches the reference. Unknown sizes along another axis: the Blelloch scan runs,
+    the sequential one (whose chain needs them) is refused up front."""
+    a = np.arange(1.0, 13.0)
+    x = da.from_array(a, chunks=3)
+    picked = x[(x < 4) | (x > 9)]                     # chunks (3, 0, 0, 3) once computed
+    with pytest.raises(ValueError, match="^x: .*compute_chunk_sizes"):
+        fd.scan(SUM, picked, axis=0, method=method, reverse=reverse)
+    kept = a[(a < 4) | (a > 9)]
+    want = np.cumsum(kept[::-1])[::-1] if reverse else np.cumsum(kept)
+    got = fd.scan(SUM, picked.compute_chunk_sizes(), axis=0, method=method,
+                  reverse=reverse).compute(scheduler="synchronous")
+    assert_close(got, want, "float64", name="scan after compute_chunk_sizes")
+    b = data(16, shape=(6, 4))
+    y = da.from_array(b, chunks=(2, 2))
+    rows = y[y[:, 0] > -np.inf]                        # unknown sizes along axis 0 only
+    if method == "sequential":
+        with pytest.raises(ValueError, match="^x: .*compute_chunk_sizes"):
+            fd.scan(LOGSUMEXP, rows, axis=1, method=method, reverse=reverse)
+        rows = rows.compute_chunk_sizes()
+    got = fd.scan(LOGSUMEXP, rows, axis=1, method=method, reverse=reverse).compute(
+        scheduler="synchronous")
+    want = np.logaddexp.accumulate(b[:, ::-1], 1)[:, ::-1] if reverse else \
+        np.logaddexp.accumulate(b, 1)
+    assert_close(got, want, "float64", name="scan along a known axis")
+
+
 def test_dask_is_optional():
     """``import flashfold`` (and ``flashfold.dask``) never imports Dask; calling without it
     names the extra. In a subprocess, so that hiding Dask cannot disturb the cluster."""

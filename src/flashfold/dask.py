@@ -552,6 +552,14 @@ def scan(monoid: Monoid, x, axis: int, *, reverse: bool = False, method: str = "
     src, ndim, axes, packed, width = _prepare(
         da, monoid, x, lambda nd: _check_axis(axis, nd, allow_many=False), params)
     ax = axes[0]
+    # (packed inputs have known chunk sizes already: _prepare checks them). Unknown sizes
+    # along the scanned axis hide empty chunks, which break the carry between chunks;
+    # along the other axes cumreduction's "sequential" chain cannot shape its identity.
+    unknown = [a for a in range(ndim) if (a == ax or method == "sequential") and not packed
+               and any(isinstance(c, float) and math.isnan(c) for c in src.chunks[a])]
+    if unknown:
+        raise ValueError(f"x: a {method} scan along axis {ax} needs known chunk sizes along "
+                         f"axes {unknown}; call x.compute_chunk_sizes() first")
     kernel = _Kernel(monoid, ndim, axes, packed, width, params, reverse=reverse)
     arr = _pack(da, kernel, src, ndim) if packed else src
     states = arr.map_blocks(kernel.lift_block, dtype=kernel.state_dtype,
