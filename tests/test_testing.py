@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,3 +52,31 @@ def test_cpu_tensors_take_the_numpy_path(monkeypatch):
     monkeypatch.setattr(T, "_compare_torch", lambda *a, **k: pytest.fail("torch path taken"))
     assert T.compare(torch.ones(3), torch.ones(3, dtype=torch.float64))["ok"]
     assert not T.compare(torch.ones(3), torch.zeros(3, dtype=torch.float64))["ok"]
+
+
+@pytest.mark.parametrize("device_rule", [False, True], ids=["numpy", "torch"])
+def test_bad_arguments_are_refused_not_passed(device_rule):
+    """A dtype without a tolerance row, a NaN / negative atol or rtol, a NaN scale at a
+    finite element and complex values raise (naming the argument) on both paths, instead of
+    a KeyError or a comparison that passes whatever the error."""
+    a, e = torch.tensor([5.0, 1.0]), torch.tensor([1.0, 1.0], dtype=torch.float64)
+    run = (lambda *args, **kw: T._compare_torch(*args, **kw)) if device_rule else T.compare
+    for dtype in ("int32", torch.int64, "float8_e4m3fn"):
+        with pytest.raises(ValueError, match="^dtype: no tolerance"):
+            run(a, e, dtype, 1.0)
+    for kw in ({"atol": math.nan}, {"rtol": math.nan}, {"atol": -1.0}):
+        with pytest.raises(ValueError, match=f"^{next(iter(kw))} must be"):
+            run(a, e, "float32", 1.0, **kw)
+    with pytest.raises(ValueError, match="^scale must not be NaN"):
+        run(a, e, "float32", torch.tensor([math.nan, 1.0], dtype=torch.float64))
+    with pytest.raises(TypeError, match="^actual is complex"):
+        run(a.to(torch.complex64), e, "float32", 1.0)
+    # a NaN scale where the expected value is itself NaN compares nothing: allowed
+    e2 = torch.tensor([math.nan, 1.0], dtype=torch.float64)
+    a2 = torch.tensor([math.nan, 1.0])
+    assert run(a2, e2, "float32", torch.tensor([math.nan, 1.0], dtype=torch.float64))["ok"]
+
+
+def test_numpy_scalar_types_name_their_row():
+    assert T.compare(np.float32(1.0), np.float64(1.0), np.float32)["atol"] == \
+        T.TOLERANCES["float32"][0]

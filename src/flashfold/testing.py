@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .algebra.tolerances import TOLERANCES, dtype_name
+from .algebra.tolerances import TOLERANCES, check_real, check_scale, dtype_name, tolerance
 from .algebra.tolerances import compare as _compare
 
 __all__ = ["TOLERANCES", "dtype_name", "compare", "assert_close"]
@@ -23,6 +23,8 @@ __all__ = ["TOLERANCES", "dtype_name", "compare", "assert_close"]
 def _to_numpy(x) -> np.ndarray:
     if hasattr(x, "detach"):                     # torch tensor, without importing torch here
         x = x.detach().cpu()
+        if x.is_complex():
+            return x.numpy()                     # refused by the comparison, by name
         if str(x.dtype) in ("torch.bfloat16", "torch.float16"):
             x = x.float()
         return x.double().numpy() if x.dtype.is_floating_point else x.numpy()
@@ -42,19 +44,21 @@ def _compare_torch(actual, expected, dtype, scale, atol=None, rtol=None) -> dict
     report, element for element (``tests/test_testing.py`` holds the two to each other)."""
     import torch
 
+    atol, rtol = tolerance(dtype, atol, rtol)
+    check_real("actual", actual.is_complex())
+    check_real("expected", expected.is_complex())
     a, e = actual.detach().double(), expected.detach().double()
+    sc = scale.detach().double() if hasattr(scale, "detach") else float(scale)
     if a.shape != e.shape:
         return {"ok": False, "why": f"shape {tuple(a.shape)} != expected {tuple(e.shape)}"}
-    t_atol, t_rtol = TOLERANCES[dtype_name(dtype)]
-    atol = t_atol if atol is None else atol
-    rtol = t_rtol if rtol is None else rtol
-    sc = scale.detach().double() if hasattr(scale, "detach") else float(scale)
     nan_a, nan_e, inf_a, inf_e = a.isnan(), e.isnan(), a.isinf(), e.isinf()
     sign_bad = inf_a & inf_e & (a.sign() != e.sign())
     parity = bool(torch.equal(nan_a, nan_e) and torch.equal(inf_a, inf_e) and not sign_bad.any())
     finite = ~(nan_e | inf_e) & ~(nan_a | inf_a)
     diff = torch.where(finite, (a - e).abs(), 0.0)
-    bad = (diff > atol * sc + rtol * e.abs()) | (nan_a != nan_e) | (inf_a != inf_e) | sign_bad
+    bound = atol * sc + rtol * e.abs()
+    check_scale(bool((bound.isnan() & finite).any()))
+    bad = (diff > bound) | (nan_a != nan_e) | (inf_a != inf_e) | sign_bad
     n_fin = int(finite.sum())
     denom = float(torch.where(finite, e, 0.0).square().sum().div(max(n_fin, 1)).sqrt())
     max_abs = float(diff.max()) if diff.numel() else 0.0
@@ -70,7 +74,11 @@ def _compare_torch(actual, expected, dtype, scale, atol=None, rtol=None) -> dict
 def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) -> dict:
     """Compare ``actual`` to a float64 ``expected`` (arrays or tensors of any dtype and
     device; ``scale`` too); returns a report dict with ``ok`` (:func:`flashfold.algebra.tolerances.compare`).
-    Tensors on one accelerator are compared there (:func:`_compare_torch`, the same rule)."""
+    Tensors on one accelerator are compared there (:func:`_compare_torch`, the same rule).
+
+    ``ValueError`` for a ``dtype`` without a row in :data:`TOLERANCES`, a NaN or negative
+    ``atol`` / ``rtol``, or a ``scale`` that is NaN where finite values are compared (each
+    would pass or fail every element whatever its error); ``TypeError`` for complex values."""
     if _on_device(actual, expected, scale):
         return _compare_torch(actual, expected, dtype, scale, atol, rtol)
     return _compare(_to_numpy(actual), _to_numpy(expected), dtype, _to_numpy(scale), atol, rtol)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["TOLERANCES", "dtype_name", "compare"]
+__all__ = ["TOLERANCES", "dtype_name", "tolerance", "compare"]
 
 #: dtype name -> (atol, rtol). Stats are fp32 in every kernel, so fp16/bf16 rows bound the
 #: rounding of the *inputs and outputs*, not of the accumulation.
@@ -28,9 +28,49 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 
 
 def dtype_name(dtype) -> str:
-    """The key of :data:`TOLERANCES` for a dtype: a name, a NumPy or a torch dtype."""
+    """The key of :data:`TOLERANCES` for a dtype: a name, a NumPy dtype or scalar type
+    (``np.float32``), or a torch dtype."""
+    if isinstance(dtype, type) and issubclass(dtype, np.generic):
+        return np.dtype(dtype).name
     name = str(dtype)
     return name.replace("torch.", "")
+
+
+def _check_bound(name, x):
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    if not (np.isfinite(x) and x >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {x}")
+    return float(x)
+
+
+def tolerance(dtype, atol=None, rtol=None) -> tuple[float, float]:
+    """``(atol, rtol)``: the row of :data:`TOLERANCES` for ``dtype``, with ``atol`` /
+    ``rtol`` (finite, ``>= 0``) in place of its entries where given. ``ValueError`` for a
+    dtype without a row (naming the rows) or a NaN / negative bound: either would make every
+    comparison pass or fail whatever the values."""
+    name = dtype_name(dtype)
+    if name not in TOLERANCES:
+        raise ValueError(f"dtype: no tolerance for {dtype!r}; expected one of "
+                         f"{list(TOLERANCES)} (a name, a NumPy or a torch dtype)")
+    t_atol, t_rtol = TOLERANCES[name]
+    return (t_atol if atol is None else _check_bound("atol", atol),
+            t_rtol if rtol is None else _check_bound("rtol", rtol))
+
+
+def check_scale(has_nan) -> None:
+    """``ValueError`` for a ``scale`` that is NaN where a finite element is compared: a NaN
+    bound would pass it whatever its error."""
+    if has_nan:
+        raise ValueError("scale must not be NaN where the compared values are finite (a NaN "
+                         "bound passes any error; zero the non-finite terms when summing "
+                         "their magnitude)")
+
+
+def check_real(name, kind_is_complex) -> None:
+    """``TypeError`` for complex values (comparing their real parts would hide the rest)."""
+    if kind_is_complex:
+        raise TypeError(f"{name} is complex; compare its real and imaginary parts separately")
 
 
 def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) -> dict:
@@ -38,13 +78,14 @@ def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) 
     with the tolerance of ``dtype`` (or ``atol`` / ``rtol``); returns a report dict with
     ``ok``, ``max_abs``, ``rel_rms``, ``first_bad``, ``nan_inf_parity``, ``n_bad`` (or
     ``ok`` and ``why`` when the shapes differ)."""
-    a = np.asarray(actual).astype(np.float64)
-    e = np.asarray(expected).astype(np.float64)
+    atol, rtol = tolerance(dtype, atol, rtol)
+    a, e = np.asarray(actual), np.asarray(expected)
+    check_real("actual", a.dtype.kind == "c")
+    check_real("expected", e.dtype.kind == "c")
+    a, e = a.astype(np.float64), e.astype(np.float64)
+    sc = np.asarray(scale, dtype=np.float64)
     if a.shape != e.shape:
         return {"ok": False, "why": f"shape {a.shape} != expected {e.shape}"}
-    t_atol, t_rtol = TOLERANCES[dtype_name(dtype)]
-    atol = t_atol if atol is None else atol
-    rtol = t_rtol if rtol is None else rtol
     nan_a, nan_e = np.isnan(a), np.isnan(e)
     inf_a, inf_e = np.isinf(a), np.isinf(e)
     parity = bool(np.array_equal(nan_a, nan_e) and np.array_equal(inf_a, inf_e)
@@ -52,7 +93,8 @@ def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) 
     finite = ~(nan_e | inf_e) & ~(nan_a | inf_a)
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.where(finite, np.abs(a - e), 0.0)
-    bound = atol * np.asarray(scale, dtype=np.float64) + rtol * np.abs(e)
+    bound = atol * sc + rtol * np.abs(e)
+    check_scale(bool((np.isnan(bound) & finite).any()))
     bad = (diff > bound) | (nan_a != nan_e) | (inf_a != inf_e) | (inf_a & inf_e & (np.sign(a) != np.sign(e)))
     denom = np.sqrt(np.mean(e[finite] ** 2)) if finite.any() else 0.0
     rel_rms = float(np.sqrt(np.mean(diff[finite] ** 2)) / denom) if denom > 0 else float(diff.max(initial=0.0))
