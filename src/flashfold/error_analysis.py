@@ -460,6 +460,16 @@ def have_matplotlib() -> bool:
 PLOT_HINT = "pip install 'flashfold[plot]'"
 
 
+def _int_arg(name: str, x, lo: int) -> int:
+    """``x`` as an int ``>= lo`` (Python or NumPy int): ``TypeError`` for another type,
+    ``ValueError`` below ``lo``, naming the argument."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int >= {lo}, got {type(x).__name__} {x!r}")
+    if x < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {x!r}")
+    return int(x)
+
+
 def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
              dtypes: Sequence[str] = DTYPES, orders: Sequence[str] = ORDERS, block: int = 128,
              width: int = 2, std: float = 1.0, seed: int = 0, out: str | None = None,
@@ -498,18 +508,22 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
         ns = _default_ns(max_n)
     if not ns or any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1 for n in ns):
         raise ValueError(f"n_values: expected positive ints, got {n_values!r}")
+    for name, names in (("dtypes", dtypes), ("orders", orders)):
+        if isinstance(names, str):
+            raise TypeError(f"{name}: expected a sequence of names, got the str {names!r} "
+                            f"(write ({names!r},))")
     for dt in dtypes:
         if dt not in _BITS:
             raise ValueError(f"dtypes: unknown statistics format {dt!r}; expected some of {DTYPES}")
     for o in orders:
         if o not in ORDERS:
             raise ValueError(f"orders: unknown order {o!r}; expected some of {ORDERS}")
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        raise ValueError(f"block: expected a positive int, got {block!r}")
-    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
-        raise ValueError(f"width: expected a positive int, got {width!r}")
-    if not std > 0:
-        raise ValueError(f"std: expected a positive number, got {std!r}")
+    block = _int_arg("block", block, 1)
+    width = _int_arg("width", width, 1)
+    if isinstance(std, bool) or not isinstance(std, (int, float, np.integer, np.floating)):
+        raise TypeError(f"std: expected a positive number, got {type(std).__name__}")
+    if not (math.isfinite(std) and std > 0):
+        raise ValueError(f"std: expected a positive finite number, got {std!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
     if seed < 0:
@@ -582,7 +596,23 @@ def fp8_error_table(*, n: int = 1024, head_dim: int = 128, heads: int = 4, seed:
     bf16 (inputs rounded to bf16), flashfold in FP8 (:func:`quantize_fp8`, per (batch, KV
     head) factors, ``P`` in E4M3) and a naive FP8 attention (dequantize to bf16, bf16
     matmuls, softmax in fp32), and FP8's max error over the naive one's. CPU, a few
-    seconds."""
+    seconds. ``n``, ``head_dim``, ``heads``: ints >= 1; ``outlier_channels``: 0 to
+    ``head_dim``; ``outlier_scale``: finite, > 0 (``TypeError`` / ``ValueError`` naming the
+    argument otherwise)."""
+    n, head_dim, heads = (_int_arg(a, x, 1) for a, x in
+                          (("n", n), ("head_dim", head_dim), ("heads", heads)))
+    seed = _int_arg("seed", seed, 0)
+    outlier_channels = _int_arg("outlier_channels", outlier_channels, 0)
+    if outlier_channels > head_dim:
+        raise ValueError(f"outlier_channels: expected at most head_dim = {head_dim}, got "
+                         f"{outlier_channels}")
+    if isinstance(outlier_scale, bool) or not isinstance(outlier_scale, (int, float, np.integer,
+                                                                         np.floating)):
+        raise TypeError(f"outlier_scale: expected a positive number, got "
+                        f"{type(outlier_scale).__name__}")
+    if not (math.isfinite(outlier_scale) and outlier_scale > 0):
+        raise ValueError(f"outlier_scale: expected a positive finite number, got "
+                         f"{outlier_scale!r}")
     import torch
 
     from .api.attention import attention
