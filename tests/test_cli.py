@@ -1,5 +1,6 @@
 """The `flashfold` command: check, trace, and the console script itself."""
 
+import math
 import os
 import subprocess
 import sys
@@ -144,6 +145,34 @@ def test_numerics_library_checks_out_and_seed_before_computing(tmp_path):
     with pytest.raises(TypeError, match="^seed"):
         numerics(10, seed="x", progress=said.append)
     assert said == []                                   # nothing was computed
+
+
+def test_numerics_and_fp8_table_arguments_are_named(tmp_path):
+    """Bad arguments raise TypeError / ValueError naming them, before anything is computed;
+    NumPy ints are ints."""
+    import numpy as np
+
+    from flashfold.error_analysis import fp8_error_table, numerics
+    said = []
+    for kw, exc, name in [(dict(std="1"), TypeError, "std"), (dict(std=None), TypeError, "std"),
+                          (dict(std=math.inf), ValueError, "std"),
+                          (dict(block=0), ValueError, "block"),
+                          (dict(width="2"), TypeError, "width"),
+                          (dict(dtypes="float32"), TypeError, "dtypes"),
+                          (dict(orders="tree"), TypeError, "orders")]:
+        with pytest.raises(exc, match=f"^{name}: "):
+            numerics(10, progress=said.append, **kw)
+    assert said == []
+    r = numerics(n_values=[10], block=np.int64(4), width=np.int64(2), progress=False)
+    assert r.ok and r.block == 4 and r.width == 2
+    for kw, exc, name in [(dict(n=0), ValueError, "n"), (dict(n=-1), ValueError, "n"),
+                          (dict(head_dim=0), ValueError, "head_dim"),
+                          (dict(heads=1.5), TypeError, "heads"),
+                          (dict(outlier_channels=9, head_dim=8), ValueError, "outlier_channels"),
+                          (dict(outlier_scale=math.nan), ValueError, "outlier_scale")]:
+        with pytest.raises(exc, match=f"^{name}: "):
+            fp8_error_table(**kw)
+    assert "1 x 1 heads x 16 x 8" in fp8_error_table(n=16, head_dim=8, heads=1)
 
 
 @pytest.fixture
