@@ -59,6 +59,18 @@ def test_trace_prints_the_worked_example(capsys):
     assert "output O / l = [1.677, 0.266]" in out[2]
 
 
+def test_trace_keeps_a_nan_max_nan():
+    """A NaN score makes the running max NaN: the factor on the previous state is NaN from
+    there on (it was printed as 0); all-masked blocks so far keep the factor 0."""
+    from flashfold.cli import trace_blocks
+    rows, out, lse = trace_blocks([1.0, math.nan, 2.0], 1)
+    assert rows[0]["scale"] == 0.0                      # the identity state: nothing to scale
+    assert all(math.isnan(r["scale"]) and math.isnan(r["m"]) for r in rows[1:])
+    assert all(math.isnan(x) for x in out) and math.isnan(lse)
+    rows, _, _ = trace_blocks([-math.inf, -math.inf, 3.0], 1)
+    assert [r["scale"] for r in rows] == [0.0, 0.0, 0.0]
+
+
 def test_trace_rejects_bad_values():
     with pytest.raises(SystemExit, match="values"):
         main(["trace", "1", "2", "--block", "1", "--values", "1,0"])

@@ -272,7 +272,10 @@ def trace_blocks(scores, block: int, values=None):
     for k, start in enumerate(range(0, len(s), block)):
         part = (s[start:start + block], v[start:start + block])
         new = ex.combine(state, ex.block_lift(part, v.shape[1]))
-        scale = float(np.exp(state[0] - new[0])) if np.isfinite(new[0]) else 0.0
+        # the factor on the previous state: 0 while every score so far is -inf (nothing
+        # to rescale), NaN once the running max is NaN (never a number made up from it)
+        scale = (float(np.exp(state[0] - new[0])) if np.isfinite(new[0]) else
+                 math.nan if np.isnan(new[0]) else 0.0)
         rows.append({"block": k + 1, "scores": part[0].tolist(), "m": float(new[0]),
                      "scale": scale, "l": float(new[1]), "o": new[2].tolist()})
         state = new
