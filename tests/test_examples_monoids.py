@@ -202,6 +202,12 @@ def test_ema_validates_alpha():
         with pytest.raises(TypeError, match="alpha"):
             E.ema(bad)
     assert E.ema(0.25) != E.EMA
+    # a NumPy scalar (e.g. an alpha computed from a half-life in NumPy) is a number
+    x = np.random.default_rng(3).normal(size=(9, 2))
+    for a in (np.float32(0.25), np.float64(0.25)):
+        got = ff.finalize(E.ema(a), ff.scan(E.ema(a), x))
+        want = recurrence(np.full_like(x, 0.75), 0.25 * x)
+        assert_close(got, want, "float64", scale=np.abs(x).max(), name=f"ema({a!r})")
 
 
 def test_affine_half_closed_form():

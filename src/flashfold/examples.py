@@ -64,6 +64,8 @@ For the affine maps the state column shows the lift of one element. The math of 
 
 from __future__ import annotations
 
+import numbers
+
 from . import ops
 from .algebra.monoid import Field, Input, Monoid
 from .monoids import INDEX_IDENTITY
@@ -91,7 +93,7 @@ def ema(alpha: float = 0.1) -> Monoid:
     ``h_{-1} = 0`` as a monoid (the linear recurrence with ``a = 1 - alpha``,
     ``b = alpha x``); ``0 < alpha <= 1``. ``alpha`` is a constant of the lift, so each
     value is its own monoid."""
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):     # NumPy scalars too
         raise TypeError(f"alpha: expected a number in (0, 1], got {alpha!r}")
     alpha = float(alpha)
     if not 0.0 < alpha <= 1.0:
