@@ -696,28 +696,56 @@ def run_fp8(chk: Checker, quick=False):
 
 
 def run_fp8_tune():
-    """The split kernel's tiles over E4M3 caches (TMA or pointers, 64 or 128 keys per tile,
-    3 or 5 stages) at two rows, against the bf16 default, graph replays after a read flush."""
+    """The split kernel's tiles over E4M3 caches at the FP8 rows: keys per tile (64, 128),
+    ring depth, warps, and the split count (the planner's, or fixed), against the bf16
+    default, graph replays after a read flush; contiguous caches (TMA by the default
+    rule), and pages of 64 at 8 x 32K."""
     from flashfold.api.decode import quantize_fp8_cache
     scale = 1 / math.sqrt(D)
-    for batch, length in [(8, 32768), (64, 8192)]:
-        c = Cache(batch, length)
+    configs = [(64, 3, 4), (64, 4, 4), (128, 2, 4), (128, 3, 4), (128, 3, 8), (128, 4, 8)]
+    for batch, length in [(8, 8192), (8, 32768), (1, 131072), (64, 8192)]:
+        c = Cache(batch, length, pages=(64,) if (batch, length) == (8, 32768) else ())
         kd = c.k.float().abs().amax(dim=(2, 3)) / 448
         vd = c.v.float().abs().amax(dim=(2, 3)) / 448
         k8, v8 = quantize_fp8_cache(c.k, kd), quantize_fp8_cache(c.v, vd)
+        _, _, _, _, paged = _fp8_cache(c)
         base = timed(lambda: splitkv.splitkv_decode(c.q, c.k, c.v, c.lens, scale=scale), True,
                      clean=True)
-        print(f"== {batch} x {length}: bf16 default {base * 1e3:.1f} us", flush=True)
-        for tma in (False, True):
-            for bn in (64, 128):
-                for stages in (3, 5):
-                    cfg = splitkv.DecodeConfig(block_n=bn, num_warps=4, num_stages=stages)
-                    t = timed(lambda: splitkv.splitkv_decode(
-                        c.q, k8, v8, c.lens, scale=scale, config=cfg, tma=tma, k_descale=kd,
-                        v_descale=vd), True, clean=True)
-                    print(f"   fp8 tma={tma} block_n={bn} stages={stages}: {t * 1e3:.1f} us  "
-                          f"speedup {base / t:.2f}", flush=True)
-        del c, k8, v8
+        dflt = timed(lambda: splitkv.splitkv_decode(c.q, k8, v8, c.lens, scale=scale,
+                                                    k_descale=kd, v_descale=vd), True,
+                     clean=True)
+        nbytes = 2 * batch * HKV * length * D
+        print(f"== {batch} x {length}: bf16 default {base * 1e3:.1f} us; fp8 default "
+              f"{dflt * 1e3:.1f} us speedup {base / dflt:.2f} ({nbytes / dflt / 1e6:.0f} GB/s)",
+              flush=True)
+        layouts = [("contiguous", k8, v8, None)]
+        if paged:
+            kp, vp, table = paged[64]
+            layouts.append(("paged64", kp, vp, table))
+            pb = timed(lambda: splitkv.splitkv_decode(
+                c.q, c.paged[64][0], c.paged[64][1], c.lens, c.paged[64][2], scale=scale),
+                True, clean=True)
+            print(f"   bf16 paged64 default {pb * 1e3:.1f} us", flush=True)
+        for layout, kc, vc, table in layouts:
+            for bn, stages, warps in configs:
+                cfg = splitkv.DecodeConfig(block_n=bn, num_warps=warps, num_stages=stages)
+                for splits in (None, 2, 4, 6, 8, 12, 16, 32, 48):
+                    if splits and batch * HKV * splits > 4 * 132:
+                        continue
+                    try:
+                        t = timed(lambda: splitkv.splitkv_decode(
+                            c.q, kc, vc, c.lens, table, scale=scale, config=cfg,
+                            num_splits=splits, k_descale=kd, v_descale=vd), True, clean=True)
+                    except Exception as e:                              # noqa: BLE001
+                        print(f"   {layout} block_n={bn} stages={stages} warps={warps} "
+                              f"splits={splits}: failed ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:80]})", flush=True)
+                        break
+                    ref = base if table is None else pb
+                    print(f"   {layout} block_n={bn} stages={stages} warps={warps} "
+                          f"splits={splits or 'plan'}: {t * 1e3:.1f} us speedup "
+                          f"{ref / t:.2f} ({nbytes / t / 1e6:.0f} GB/s)", flush=True)
+        del c, k8, v8, paged, layouts
         torch.cuda.empty_cache()
 
 
@@ -734,7 +762,7 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="E4M3 caches: checks, then FP8 against bf16 (the docstring)")
     ap.add_argument("--fp8-tune", action="store_true",
-                    help="E4M3 caches: split-kernel tiles at two rows, against bf16")
+                    help="E4M3 caches: split-kernel tiles and split counts, against bf16")
     args = ap.parse_args()
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(),
           f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs")
