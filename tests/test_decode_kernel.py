@@ -417,6 +417,29 @@ def test_long_sequences_one_program_per_sm():
                                    torch.device("cuda", 0)) == 0
 
 
+def test_e4m3_caches_fill_the_sms_with_more_programs():
+    """An E4M3 cache (1-byte entries) streams half the bytes per tile at the 16-bit tile's
+    cost, so its plan saturates DRAM with more programs: no one-program-per-SM plan, and
+    the occupancy heuristic counts CTAS_PER_SM programs per SM as saturating (16-bit
+    caches keep SATURATING_PER_SM)."""
+    cfg, dev, sms = splitkv.DecodeConfig(), torch.device("cpu"), 132
+    assert splitkv.saturating_per_sm(2) == splitkv.SATURATING_PER_SM
+    assert splitkv.saturating_per_sm(4) == splitkv.SATURATING_PER_SM
+    assert splitkv.saturating_per_sm(1) == min(splitkv.CTAS_PER_SM, 2 * splitkv.SATURATING_PER_SM)
+    for batch, length in ((8, 8192), (8, 32768), (8, 1 << 17), (1, 1 << 17), (64, 8192)):
+        wide = splitkv.plan((batch, 32, 1, 128), 8, length, length, None, dev, cfg)
+        narrow = splitkv.plan((batch, 32, 1, 128), 8, length, length, None, dev, cfg,
+                              kv_itemsize=1)
+        assert narrow.num_stages == 0, (batch, length)
+        assert narrow.n_splits == splitkv.choose_num_splits(
+            batch * 8, length, sms, saturating_per_sm=splitkv.saturating_per_sm(1))
+        # more programs than the 16-bit plan, within the SMs' resident slots per wave
+        assert narrow.n_splits > wide.n_splits, (batch, length, narrow, wide)
+    assert splitkv.plan((8, 32, 1, 128), 8, 32768, 32768, None, dev, cfg,
+                        kv_itemsize=1).n_splits == 6       # 384 programs of 396 slots
+    assert splitkv._one_per_sm(64, splitkv.LONG_KV, sms, 128, 16, cfg, False, dev, 1) == 0
+
+
 def test_plan_invariant_split_ignores_the_batch(monkeypatch):
     cfg = splitkv.DecodeConfig()
     plans = [splitkv.plan((b, 32, 1, 128), 8, cap, cap, None, torch.device("cpu"), cfg,

@@ -213,6 +213,11 @@ MIN_SPLIT = 256
 MAX_SPLITS = 128
 CTAS_PER_SM = 3
 SATURATING_PER_SM = 2.0
+#: ... for a 16-bit cache. A program's loop takes about as long per tile whatever the
+#: entries' width (an E4M3 tile, widened as it is loaded, ran at the bf16 tile's time per
+#: tile on the H200), so a cache of 1-byte entries streams half the bytes per program and
+#: saturates DRAM with twice the programs, up to the CTAS_PER_SM that fit
+#: (:func:`saturating_per_sm`; docs/notes/fp8.md, "Decoding over an E4M3 cache")
 #: long sequences: from a host bound of LONG_KV keys on, a contiguous head_dim-128 cache is
 #: read by one split program per SM with a LONG_STAGES-deep ring instead of ~2 per SM with
 #: 3 stages (:func:`_one_per_sm`). H200, graph replays / after a read flush, against cuDNN
@@ -881,6 +886,15 @@ def choose_num_splits(programs: int, kv_len: int, num_sms: int, ctas_per_sm: int
     return best
 
 
+def saturating_per_sm(kv_itemsize: int) -> float:
+    """Split programs per SM that saturate DRAM for a cache of ``kv_itemsize``-byte
+    entries: :data:`SATURATING_PER_SM` for 16-bit (and fp32) caches, scaled by the bytes a
+    tile holds for narrower ones, at most :data:`CTAS_PER_SM`."""
+    if kv_itemsize >= 2:
+        return SATURATING_PER_SM
+    return min(float(CTAS_PER_SM), SATURATING_PER_SM * 2 / kv_itemsize)
+
+
 @functools.cache
 def _attention_fns():
     """ATTENTION's generated Triton functions (generated once per process)."""
@@ -963,11 +977,14 @@ class SplitPlan:
 def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int | None,
          device: torch.device, config: DecodeConfig, *, num_splits: int | None = None,
          batch_invariant: bool = False, invariant_split: int = INVARIANT_SPLIT,
-         paged: bool = False) -> SplitPlan:
+         paged: bool = False, kv_itemsize: int = 2) -> SplitPlan:
     """Host-side split plan from shapes, the cache capacity and a host bound on the lengths
     (``kv_bound``, a performance hint only); reads nothing on the device. Default mode:
     one program per SM for long sequences (:func:`_one_per_sm`), else the occupancy
-    heuristic :func:`choose_num_splits`; ``paged``: the cache is paged."""
+    heuristic :func:`choose_num_splits` with the DRAM saturation of the cache's entry
+    width (``kv_itemsize`` bytes, :func:`saturating_per_sm`); ``paged``: the cache is
+    paged."""
+    sat = saturating_per_sm(kv_itemsize)
     batch, heads_q, q_len, _ = q_shape
     rows = (heads_q // heads_kv) * q_len
     block_m = min(_pow2(rows), _pow2(config.block_m_max))
@@ -984,7 +1001,8 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
         # run length rounds down and the program count up, so that the runs are even
         # (64 splits over 30 programs would leave runs of 3 on 22 programs, the critical
         # path 41% above an even cut; 32 programs take runs of 2)
-        target = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device))
+        target = choose_num_splits(batch * heads_kv * m_blocks, span, _num_sms(device),
+                                   saturating_per_sm=sat)
         n = min(used, -(-used // max(1, used // target)))
         # one program per sequence: it folds its splits itself (FOLD), no partials, no merge
         return SplitPlan(n, ws, invariant_split, n == 1, block_m, m_blocks)
@@ -992,28 +1010,30 @@ def plan(q_shape, heads_kv: int, capacity: int, kv_bound: int, window_left: int 
     if num_splits is None:
         programs, sms = batch * heads_kv * m_blocks, _num_sms(device)
         num_splits = _one_per_sm(programs, span, sms, q_shape[3], block_m, config, paged,
-                                 device)
+                                 device, kv_itemsize)
         if num_splits:
             stages = LONG_STAGES
         else:
-            num_splits = choose_num_splits(programs, span, sms)
+            num_splits = choose_num_splits(programs, span, sms, saturating_per_sm=sat)
     n = int(num_splits)
     return SplitPlan(n, n, 0, n == 1, block_m, m_blocks, stages)
 
 
 def _one_per_sm(programs: int, span: int, num_sms: int, head_dim: int, block_m: int,
-                config: DecodeConfig, paged: bool, device: torch.device) -> int:
+                config: DecodeConfig, paged: bool, device: torch.device,
+                kv_itemsize: int = 2) -> int:
     """Splits that make one split program per SM for a long sequence (see :data:`LONG_KV`),
     or 0 where that does not apply: another GPU than the one measured (an sm_90 H100/H200;
     the interpreter plans as for one), a paged cache or another configuration than the
-    measured one (contiguous, head_dim 128, the 16-bit default tiles, fewer than 64 query
-    rows per program: 4 warps), a bound under LONG_KV, or rows whose programs cannot fill
-    90% of the SMs one each. (The deeper ring needs 128 KB of shared memory: more than
+    measured one (contiguous, head_dim 128, a 16-bit cache and query with the default
+    tiles, fewer than 64 query rows per program: 4 warps; an E4M3 cache's program reads
+    half the bytes per tile, and one per SM leaves DRAM idle), a bound under LONG_KV, or
+    rows whose programs cannot fill 90% of the SMs one each. (The deeper ring needs 128 KB of shared memory: more than
     GPUs with ~100 KB per block have.)"""
     if device.type == "cuda" and launcher.capability(device) != (9, 0):
         return 0
     if (paged or head_dim != 128 or block_m >= 64 or config != DecodeConfig()
-            or span < LONG_KV):
+            or kv_itemsize != 2 or span < LONG_KV):
         return 0
     n = num_sms // max(1, programs)
     return n if n * programs >= 0.9 * num_sms else 0        # n = 0 fails this too
@@ -1097,7 +1117,8 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     left = None if window is None else window[0]      # the right side is causal: 0
     bound = capacity if max_seqlen is None else max(0, min(int(max_seqlen), capacity))
     p = plan(q.shape, heads_kv, capacity, bound, left, q.device, config, num_splits=num_splits,
-             batch_invariant=batch_invariant, invariant_split=invariant_split, paged=paged)
+             batch_invariant=batch_invariant, invariant_split=invariant_split, paged=paged,
+             kv_itemsize=k_cache.element_size())
     stages = p.num_stages or config.num_stages
     tm = _attention_fns()
     block_d = _pow2(head_dim)
