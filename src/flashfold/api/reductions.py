@@ -51,7 +51,11 @@ function            monoid                        empty dim
 ==================  ===========================  ===========================================
 
 A row that is all ``-inf`` gives ``logsumexp = -inf``, ``softmax = nan`` (``0/0``, as
-torch), ``argmax = 0``. ``var_mean`` matches torch on finite input; an infinite input
+torch), ``argmax = 0``. LOGSUMEXP2's state holds ``x · log2 e``: on the kernels (CUDA
+tensors, or the interpreter) a finite float32 entry of magnitude above
+``FLOAT32_MAX / log2 e`` (about 2.36e38) overflows it, so ``logsumexp`` and
+``logcumsumexp`` of such a row give ``±inf`` and ``softmax`` NaN (torch: finite); the CPU
+path is exact there. ``var_mean`` matches torch on finite input; an infinite input
 (outside WELFORD's domain) gives a NaN variance, as torch, and an infinite or NaN mean.
 
 A meta tensor (``device="meta"``) gives meta outputs of the shapes and dtypes above and
