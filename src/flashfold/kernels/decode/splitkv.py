@@ -207,17 +207,13 @@ MERGE_BLOCK = 16
 MERGE_WARPS = 2
 #: smallest split the default heuristic makes, the most splits it makes, the split programs
 #: resident per SM (~120-150 registers x 128 threads, 70 KB of shared memory: 3 fit on an
-#: H100/H200), and the programs per SM that saturate DRAM (measured on the H200: 256
-#: programs of 4 splits x 8 kv heads x batch 8 streamed 4.54 TB/s at 128K keys)
+#: H100/H200), and the programs per SM that saturate DRAM with a 16-bit cache (measured
+#: on the H200: 256 programs of 4 splits x 8 kv heads x batch 8 streamed 4.54 TB/s at 128K
+#: keys; a cache of 1-byte entries needs more, :func:`saturating_per_sm`)
 MIN_SPLIT = 256
 MAX_SPLITS = 128
 CTAS_PER_SM = 3
 SATURATING_PER_SM = 2.0
-#: ... for a 16-bit cache. A program's loop takes about as long per tile whatever the
-#: entries' width (an E4M3 tile, widened as it is loaded, ran at the bf16 tile's time per
-#: tile on the H200), so a cache of 1-byte entries streams half the bytes per program and
-#: saturates DRAM with twice the programs, up to the CTAS_PER_SM that fit
-#: (:func:`saturating_per_sm`; docs/notes/fp8.md, "Decoding over an E4M3 cache")
 #: long sequences: from a host bound of LONG_KV keys on, a contiguous head_dim-128 cache is
 #: read by one split program per SM with a LONG_STAGES-deep ring instead of ~2 per SM with
 #: 3 stages (:func:`_one_per_sm`). H200, graph replays / after a read flush, against cuDNN
@@ -888,8 +884,12 @@ def choose_num_splits(programs: int, kv_len: int, num_sms: int, ctas_per_sm: int
 
 def saturating_per_sm(kv_itemsize: int) -> float:
     """Split programs per SM that saturate DRAM for a cache of ``kv_itemsize``-byte
-    entries: :data:`SATURATING_PER_SM` for 16-bit (and fp32) caches, scaled by the bytes a
-    tile holds for narrower ones, at most :data:`CTAS_PER_SM`."""
+    entries: :data:`SATURATING_PER_SM` for 16-bit (and fp32) caches; for narrower ones
+    scaled by the bytes a tile holds, at most :data:`CTAS_PER_SM`. A program's loop takes
+    about as long per tile whatever the entries' width (an E4M3 tile, widened as it is
+    loaded, ran at the bf16 tile's time per tile on the H200), so a cache of 1-byte
+    entries streams half the bytes per program (docs/notes/fp8.md, "The split plan of an
+    E4M3 cache")."""
     if kv_itemsize >= 2:
         return SATURATING_PER_SM
     return min(float(CTAS_PER_SM), SATURATING_PER_SM * 2 / kv_itemsize)
@@ -1028,8 +1028,8 @@ def _one_per_sm(programs: int, span: int, num_sms: int, head_dim: int, block_m: 
     measured one (contiguous, head_dim 128, a 16-bit cache and query with the default
     tiles, fewer than 64 query rows per program: 4 warps; an E4M3 cache's program reads
     half the bytes per tile, and one per SM leaves DRAM idle), a bound under LONG_KV, or
-    rows whose programs cannot fill 90% of the SMs one each. (The deeper ring needs 128 KB of shared memory: more than
-    GPUs with ~100 KB per block have.)"""
+    rows whose programs cannot fill 90% of the SMs one each. (The deeper ring needs 128 KB
+    of shared memory: more than GPUs with ~100 KB per block have.)"""
     if device.type == "cuda" and launcher.capability(device) != (9, 0):
         return 0
     if (paged or head_dim != 128 or block_m >= 64 or config != DecodeConfig()
