@@ -37,6 +37,32 @@ def test_unknown_schedule_and_bad_blocks():
         ff.fold(SUM, np.ones(4), blocks=4)
 
 
+def test_blocks_from_an_iterator_are_validated_like_a_list():
+    """An iterator was consumed by the sum check, so the sign check saw nothing and
+    a negative size slipped through: [3, -1, 1] folded x[2] twice (9 instead of 6)."""
+    x = np.arange(1.0, 4.0)
+    with pytest.raises(ValueError, match="blocks.*non-negative"):
+        ff.fold(SUM, x, blocks=iter([3, -1, 1]))
+    with pytest.raises(ValueError, match="blocks.*non-negative"):
+        ff.fold(SUM, x, blocks=iter([2.5, 1.5]))
+    with pytest.raises(ValueError, match="blocks.*non-negative"):
+        ff.fold(SUM, x, blocks=[True, 2])
+    with pytest.raises(TypeError, match="blocks"):
+        ff.fold(SUM, x, blocks="12")
+    assert ff.fold(SUM, x, blocks=iter([1, 0, 2])).s == 6.0
+    assert ff.fold(SUM, x, blocks=np.array([2, 1])).s == 6.0
+
+
+def test_fold_checks_the_monoid_and_seed_before_using_them():
+    with pytest.raises(TypeError, match="monoid"):
+        ff.fold("sum", np.ones(3), "shuffled")
+    with pytest.raises(TypeError, match="seed"):
+        ff.fold(SUM, np.ones(3), "shuffled", seed="x")
+    with pytest.raises(ValueError, match="seed"):
+        ff.fold(SUM, np.ones(3), "shuffled", seed=-1)
+    assert ff.fold(SUM, np.ones(3), "shuffled", seed=None).s == 3.0
+
+
 def test_not_a_monoid():
     with pytest.raises(TypeError, match="monoid"):
         ff.fold("sum", np.ones(3))

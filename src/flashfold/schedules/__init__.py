@@ -144,8 +144,14 @@ def fold(monoid: Monoid, xs, schedule: str = "sequential", *, blocks: Sequence[i
     Returns the final state as ``monoid.State`` (a namedtuple of float64/int64 arrays of
     shape ``batch`` or ``batch + (d,)``).
     """
-    if schedule not in SCHEDULES:
+    if not isinstance(monoid, Monoid):
+        raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
         raise ValueError(f"schedule: unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"seed: expected a non-negative int or None, got {type(seed).__name__}")
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed: expected a non-negative int or None, got {seed!r}")
     if schedule == "shuffled" and not monoid.commutative:
         raise ValueError(f"schedule: 'shuffled' reorders elements, which monoid "
                          f"{monoid.name!r} (not commutative) does not allow")
@@ -164,12 +170,15 @@ def fold(monoid: Monoid, xs, schedule: str = "sequential", *, blocks: Sequence[i
 
 
 def _check_blocks(blocks, n: int) -> list[int]:
+    if isinstance(blocks, (str, bytes)):
+        raise TypeError(f"blocks: expected a sequence of ints, got {type(blocks).__name__}")
     try:
-        sizes = [int(b) for b in blocks]
+        given = list(blocks)             # once: an iterator would be exhausted by a 2nd pass
     except TypeError:
         raise TypeError(f"blocks: expected a sequence of ints, got {type(blocks).__name__}") from None
-    if any(not isinstance(b, numbers.Integral) or b < 0 for b in blocks):
-        raise ValueError(f"blocks: block sizes must be non-negative integers, got {list(blocks)}")
+    if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0 for b in given):
+        raise ValueError(f"blocks: block sizes must be non-negative integers, got {given}")
+    sizes = [int(b) for b in given]
     if sum(sizes) != n:
         raise ValueError(f"blocks: block sizes sum to {sum(sizes)}, but there are {n} elements")
     return sizes
