@@ -253,3 +253,30 @@ def test_a_nan_score_is_never_the_empty_state():
     merged = SOFTMAX_COMBINE(online_softmax_batch([nan]), online_softmax_batch([3.0]))
     assert all(math.isnan(v) for v in merged)
     assert online_softmax_batch([]) == online_softmax_batch([-math.inf]) == (-math.inf, 0.0)
+
+
+def test_nan_on_both_sides_counts_as_agreement_in_check_folds():
+    """A correct fold of NaN elements gives NaN on both sides; the comparison treats
+    matching NaN as agreeing (only NaN against a number, or inf against -inf, is a
+    mismatch), so a true statement is not reported FAILED."""
+    def total(xs):
+        return (math.fsum(xs) if xs else 0.0,)
+    nan_elems = lambda rng, n: [float("nan")] * n                    # noqa: E731
+    report = ff.check_folds(total, lambda s, x: (s[0] + x,), lambda x, s: (x + s[0],),
+                            elements=nan_elems)
+    assert report.ok, str(report)
+    wrong = ff.check_folds(total, lambda s, x: (s[0] + x,), lambda x, s: (0.0,),
+                           elements=nan_elems)
+    assert not wrong.ok
+
+
+def test_check_folds_names_bad_seed_elements_and_states():
+    args = (online_softmax_batch, online_softmax_left, online_softmax_right)
+    with pytest.raises(TypeError, match="seed"):
+        ff.check_folds(*args, seed="x")
+    with pytest.raises(ValueError, match="seed"):
+        check_weak_inverse(online_softmax_batch, online_softmax_weak_inverse, seed=-1)
+    with pytest.raises(ValueError, match=r"elements: asked for \d+ elements, returned 0"):
+        ff.check_folds(*args, elements=lambda rng, n: [])
+    with pytest.raises(TypeError, match="state"):
+        ff.check_folds(lambda xs: "a", lambda s, x: "a", lambda x, s: "b")

@@ -155,12 +155,17 @@ def _same_state(x, y) -> tuple[bool, float]:
         return False, math.inf
     worst = 0.0
     for a, b in zip(x, y):
-        a = np.asarray(a, dtype=np.float64)
-        b = np.asarray(b, dtype=np.float64)
+        try:
+            a = np.asarray(a, dtype=np.float64)
+            b = np.asarray(b, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"state: expected a number, an array or a tuple of them, got "
+                            f"{type(a).__name__} and {type(b).__name__}") from None
         if a.shape != b.shape:
             return False, math.inf
         inf = np.isinf(a) | np.isinf(b) | np.isnan(a) | np.isnan(b)
-        if not np.array_equal(a[inf], b[inf]) or not np.array_equal(np.isnan(a), np.isnan(b)):
+        # infinities exactly, NaN where the other side has NaN (NaN != NaN otherwise)
+        if not np.array_equal(a[inf], b[inf], equal_nan=True):
             return False, math.inf
         fin = ~inf
         err = np.abs(a[fin] - b[fin]) / (1.0 + np.abs(b[fin]))
@@ -170,13 +175,30 @@ def _same_state(x, y) -> tuple[bool, float]:
     return True, worst
 
 
-def _check_args(trials, max_len, elements):
+def _check_args(trials, max_len, elements, seed=0):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed: expected an int >= 0, got {seed!r}")
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
         raise ValueError(f"trials: expected a positive int, got {trials!r}")
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
         raise ValueError(f"max_len: expected a positive int, got {max_len!r}")
     if elements is not None and not callable(elements):
         raise TypeError(f"elements: expected a function (rng, n) -> list, got {type(elements).__name__}")
+
+
+def _drawer(elements):
+    """``elements`` (or the default), checked to return ``n`` elements when asked for ``n``."""
+    if elements is None:
+        return _default_elements
+
+    def draw(rng, n):
+        out = list(elements(rng, n))
+        if len(out) != n:
+            raise ValueError(f"elements: asked for {n} elements, returned {len(out)}")
+        return out
+    return draw
 
 
 def check_folds(h: Callable, left_step: Callable, right_step: Callable, *,
@@ -199,8 +221,8 @@ def check_folds(h: Callable, left_step: Callable, right_step: Callable, *,
     for arg, fn in (("h", h), ("left_step", left_step), ("right_step", right_step)):
         if not callable(fn):
             raise TypeError(f"{arg}: expected a function, got {type(fn).__name__}")
-    _check_args(trials, max_len, elements)
-    draw = elements or _default_elements
+    _check_args(trials, max_len, elements, seed)
+    draw = _drawer(elements)
     rng = np.random.default_rng(seed)
     ok_l = ok_r = True
     worst, cex = 0.0, None
@@ -234,8 +256,8 @@ def check_weak_inverse(h: Callable, weak_inverse: Callable, *, elements: Callabl
     for arg, fn in (("h", h), ("weak_inverse", weak_inverse)):
         if not callable(fn):
             raise TypeError(f"{arg}: expected a function, got {type(fn).__name__}")
-    _check_args(trials, max_len, elements)
-    draw = elements or _default_elements
+    _check_args(trials, max_len, elements, seed)
+    draw = _drawer(elements)
     rng = np.random.default_rng(seed)
     ok, worst, cex = True, 0.0, None
     with np.errstate(all="ignore"):
