@@ -188,3 +188,14 @@ def test_monoid_params_accept_a_mapping_or_pairs():
     a = _welford_like(params={"correction": 0})
     b = _welford_like(params=[("correction", 0.0)])
     assert a.param_defaults == b.param_defaults == {"correction": 0}
+
+
+def test_a_combine_with_a_block_reduction_is_refused_by_name():
+    """``reduce_max`` in a combine reduces along the block axis (the fold's tree and
+    sequential schedules then disagree); check_laws used to fail with a
+    NotImplementedError from its error-bound lowering."""
+    m = ff.Monoid("with_rmax", fields=(ff.Field("v", vector=True),), identity=(0.0,),
+                  inputs=(ff.Input("x", vector=True, domain="finite"),), lift=lambda x: (x,),
+                  combine=lambda a, b: (a.v + ff.ops.reduce_max(b.v),))
+    with pytest.raises(ValueError, match=r"monoid: 'with_rmax' combine uses rmax"):
+        ff.check_laws(m)

@@ -295,6 +295,12 @@ def check_laws(monoid: Monoid, trials: int = 500, seed: int = 0, width: int = 3)
     """
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
+    block_ops = sorted({n.op for n in monoid.combine_graph.nodes()
+                        if n.op in ("rsum", "rmax", "rmin", "csum", "load")})
+    if block_ops:
+        raise ValueError(f"monoid: {monoid.name!r} combine uses {', '.join(block_ops)}, which act "
+                         f"along the block axis, not on one state: a combine must be "
+                         f"elementwise in its two states for its laws to mean anything")
     trials = _check_count(trials, "trials", 1)
     seed = _check_count(seed, "seed", 0)
     width = _check_count(width, "width", 1)
