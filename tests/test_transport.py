@@ -172,3 +172,11 @@ def test_transport_validates_its_arguments():
         ff.check_transport(LOGSUMEXP, MAX_PLUS, exp_rescale, trials=0)
     with pytest.raises(ValueError, match="twisted: has 3 fields"):
         ff.check_transport(ATTENTION, MAX_PLUS, exp_rescale)
+
+
+def test_check_transport_names_a_bad_seed():
+    """A seed that is not an int used to fail inside NumPy's SeedSequence."""
+    with pytest.raises(TypeError, match="seed: expected an int"):
+        ff.check_transport(LOGSUMEXP2, LOGSUMEXP, base2_rescale, seed="x")
+    with pytest.raises(ValueError, match="seed: expected an int >= 0"):
+        ff.check_transport(LOGSUMEXP2, LOGSUMEXP, base2_rescale, seed=-1)

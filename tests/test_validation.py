@@ -182,3 +182,13 @@ def test_a_monoid_name_is_free_text(name):
                combine=lambda a, b: (a.s + b.s, a.n + b.n), commutative=True)
     assert m.State.__name__.isidentifier() and m.State.__name__.endswith("State")
     assert ff.fold(m, np.arange(4.0)) == m.State(6.0, 4.0)
+
+
+def test_scan_flags_must_be_bools():
+    """inclusive="no" was truthy and silently gave the inclusive scan."""
+    from flashfold.schedules import scan
+    with pytest.raises(TypeError, match="inclusive"):
+        scan(SUM, np.ones(3), inclusive="no")
+    with pytest.raises(TypeError, match="reverse"):
+        scan(SUM, np.ones(3), reverse=None)
+    assert scan(SUM, np.ones(3), inclusive=np.bool_(False)).s.tolist() == [0.0, 1.0, 2.0]

@@ -477,6 +477,10 @@ def check_transport(twisted: Monoid, base: Monoid, psi: Callable, psi_inv: Calla
                         f"{type(psi_inv).__name__}")
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
         raise ValueError(f"trials: expected a positive int, got {trials!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed: expected an int >= 0, got {seed!r}")
     if not isinstance(width, int) or isinstance(width, bool) or width < 1:
         raise ValueError(f"width: expected a positive int (the vector fields' width), got "
                          f"{width!r}")

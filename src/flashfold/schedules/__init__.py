@@ -212,6 +212,9 @@ def scan(monoid: Monoid, xs, *, inclusive: bool = True, reverse: bool = False):
     Computed in ``ceil(log2 n)`` Hillis-Steele steps. Returns ``monoid.State`` of arrays
     with a leading axis of length ``n``.
     """
+    for arg, v in (("inclusive", inclusive), ("reverse", reverse)):
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{arg}: expected a bool, got {type(v).__name__}")
     inputs, n, width = prepare_inputs(monoid, xs)
     ex = numpy_monoid(monoid)
     s = ex.lift(inputs, width)
