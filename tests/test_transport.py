@@ -180,3 +180,16 @@ def test_check_transport_names_a_bad_seed():
         ff.check_transport(LOGSUMEXP2, LOGSUMEXP, base2_rescale, seed="x")
     with pytest.raises(ValueError, match="seed: expected an int >= 0"):
         ff.check_transport(LOGSUMEXP2, LOGSUMEXP, base2_rescale, seed=-1)
+
+
+def test_without_psi_inv_the_report_does_not_claim_an_isomorphism():
+    """psi = max(m, 0) (keeping -inf) is a homomorphism MAX -> MAX but merges every
+    negative state into 0; without psi_inv the report used to print "'max' is 'max'
+    transported through psi: PROVED"."""
+    from flashfold.monoids import MAX
+    psi = lambda s: (ops.where(s.m > -ops.inf, ops.maximum(s.m, 0.0), s.m),)  # noqa: E731
+    report = ff.check_transport(MAX, MAX, psi)
+    assert report.ok and report.inverse is None
+    assert "transported through psi" not in str(report)
+    assert "bijection not checked" in str(report) and "bijection not checked" in repr(report)
+    assert not ff.check_transport(MAX, MAX, psi, lambda t: (t.m,)).ok

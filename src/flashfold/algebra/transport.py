@@ -364,7 +364,8 @@ class TransportReport:
     ``homomorphism``: ψ(x · y) = ψ(x) ⊕ ψ(y) (a :class:`~flashfold.algebra.proofs.LawProof`
     with its cases); ``identity``: ψ(e) = e' or, adjoined, e' a two-sided identity on the
     image; ``inverse``: ψ^{-1}(ψ(x)) = x and ψ(ψ^{-1}(t)) = t (None without ``psi_inv``);
-    ``numeric_*``: the same homomorphism on random reachable float64 states.
+    ``numeric_*``: the same homomorphism on random reachable float64 states. Without
+    ``inverse``, ``ok`` says that ``psi`` is a homomorphism, not that it is a bijection.
     """
     twisted: str
     base: str
@@ -391,13 +392,19 @@ class TransportReport:
 
     def __repr__(self) -> str:
         return (f"TransportReport({self.twisted!r} from {self.base!r}: symbolic "
-                f"{'ok' if self.symbolic_ok else 'FAILED'}, numeric "
+                f"{'ok' if self.symbolic_ok else 'FAILED'}"
+                f"{'' if self.inverse is not None else ' (bijection not checked)'}, numeric "
                 f"{'ok' if self.numeric_ok else 'FAILED'} (max rel. error "
                 f"{self.numeric_max_rel_error:.2g} over {self.trials} pairs))")
 
     def text(self, steps: bool = True) -> str:
-        lines = [f"{self.twisted!r} is {self.base!r} transported through psi: "
-                 f"{'PROVED' if self.ok else 'FAILED'}"]
+        if self.inverse is None:     # a homomorphism; psi may still merge states
+            lines = [f"psi is a monoid homomorphism from {self.base!r} to {self.twisted!r} "
+                     f"(bijection not checked: pass psi_inv): "
+                     f"{'PROVED' if self.ok else 'FAILED'}"]
+        else:
+            lines = [f"{self.twisted!r} is {self.base!r} transported through psi: "
+                     f"{'PROVED' if self.ok else 'FAILED'}"]
         lines.append(self.homomorphism.text("  ", steps))
         lines.append(self.identity.text("  ", steps))
         if self.inverse is not None:
@@ -441,7 +448,9 @@ def _sample_base_states(base: Monoid, rng, trials: int, width: int, scale: float
 
 def check_transport(twisted: Monoid, base: Monoid, psi: Callable, psi_inv: Callable | None = None,
                     *, trials: int = 300, seed: int = 0, width: int = 3, scale: float = 3.0):
-    """Verify that ``psi`` is an isomorphism from ``base`` onto ``twisted``.
+    """Verify that ``psi`` is an isomorphism from ``base`` onto ``twisted`` (with
+    ``psi_inv``), or only a homomorphism (without it: ``psi`` may then merge states, and
+    the report says the bijection was not checked).
 
     Checks, for symbolic reachable base states ``x, y`` (SymPy, with case splits on
     ``max``/``where``; a vector field is one symbol):
@@ -457,7 +466,7 @@ def check_transport(twisted: Monoid, base: Monoid, psi: Callable, psi_inv: Calla
     (folds of 1-4 lifted inputs ~ N(0, scale²); moderate so that the base's ``e^x``
     stays finite), compared with ``flashfold.algebra.tolerances.TOLERANCES["float64"]``.
 
-    Since ``psi`` is a bijection, ``twisted.combine(a, b) = psi(base.combine(psi_inv(a),
+    When ``psi`` is a bijection, ``twisted.combine(a, b) = psi(base.combine(psi_inv(a),
     psi_inv(b)))``: a hand-written stable combine proven here *is* the transported one,
     and inherits associativity and the identity from ``base``.
 
