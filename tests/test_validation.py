@@ -192,3 +192,13 @@ def test_scan_flags_must_be_bools():
     with pytest.raises(TypeError, match="reverse"):
         scan(SUM, np.ones(3), reverse=None)
     assert scan(SUM, np.ones(3), inclusive=np.bool_(False)).s.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_finalize_names_a_non_numeric_state_field():
+    """A string in a hand-built state failed in NumPy ("could not convert string to
+    float: 'a'") without saying which field."""
+    from flashfold.monoids import WELFORD
+    with pytest.raises(TypeError, match="state: field 'n' must be a number"):
+        ff.finalize(WELFORD, ("a", 1.0, 2.0))
+    with pytest.raises(TypeError, match="state: field 'm2'"):
+        ff.finalize(WELFORD, (1.0, 1.0, object()))

@@ -251,10 +251,23 @@ def finalize(monoid: Monoid, state, **params):
     for k, v in params.items():                  # (unknown names: the finalize says so)
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{k}: expected a number, got {type(v).__name__}")
-    state = tuple(np.asarray(v, dtype=np.int64 if f.dtype == "int" else np.float64)
-                  for f, v in zip(monoid.fields, state))
+    try:
+        state = tuple(np.asarray(v, dtype=np.int64 if f.dtype == "int" else np.float64)
+                      for f, v in zip(monoid.fields, state))
+    except (TypeError, ValueError):
+        bad = next(f.name for f, v in zip(monoid.fields, state)
+                   if not _numeric(v, np.int64 if f.dtype == "int" else np.float64))
+        raise TypeError(f"state: field {bad!r} must be a number or a numeric array") from None
     outs = numpy_monoid(monoid).finalize(state, **params)
     return outs[0] if len(outs) == 1 else outs
+
+
+def _numeric(v, dtype) -> bool:
+    try:
+        np.asarray(v, dtype=dtype)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def reduce_array(monoid: Monoid, xs, schedule: str = "tree", **params):
