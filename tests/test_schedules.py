@@ -185,3 +185,12 @@ def test_argmax_ties_resolve_to_lowest_index_in_every_schedule():
             assert (v, i) == (-np.inf, 2)
     v, i = ff.finalize(ARGMAX, ff.fold(ARGMAX, np.full(4, -np.inf), "tree"))
     assert i == 0
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fold_returns_arrays_for_every_length(schedule):
+    """fold documents arrays of shape ``batch``; one element used to come back as a
+    NumPy scalar (``np.float64``) from the sequential and tree schedules."""
+    for n in (0, 1, 2, 5):
+        state = ff.fold(LOGSUMEXP, np.arange(float(n)), schedule)
+        assert all(isinstance(x, np.ndarray) and x.shape == () for x in state), (n, state)

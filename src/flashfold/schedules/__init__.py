@@ -166,7 +166,7 @@ def fold(monoid: Monoid, xs, schedule: str = "sequential", *, blocks: Sequence[i
     result = combine_states(ex, states, schedule, seed)
     if result is None:
         result = ex.identity(batch, width)
-    return monoid.State(*result)
+    return monoid.State(*(np.asarray(x) for x in result))   # arrays, also for n = 1
 
 
 def _check_blocks(blocks, n: int) -> list[int]:
