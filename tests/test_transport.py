@@ -193,3 +193,14 @@ def test_without_psi_inv_the_report_does_not_claim_an_isomorphism():
     assert "transported through psi" not in str(report)
     assert "bijection not checked" in str(report) and "bijection not checked" in repr(report)
     assert not ff.check_transport(MAX, MAX, psi, lambda t: (t.m,)).ok
+
+
+def test_transport_checks_the_given_identity_before_using_it():
+    """identity="ab" failed in float() ("could not convert string to float: 'a'")."""
+    with pytest.raises(TypeError, match="identity: expected a tuple of 2 numbers, got str"):
+        ff.transport(LOGSUMEXP, base2_rescale, base2_rescale_inverse, name="x", identity="ab")
+    with pytest.raises(TypeError, match="identity: expected numbers"):
+        ff.transport(LOGSUMEXP, base2_rescale, base2_rescale_inverse, name="x",
+                     identity=(None, 0.0))
+    with pytest.raises(ValueError, match="identity: expected 2 values, got 1"):
+        ff.transport(LOGSUMEXP, base2_rescale, base2_rescale_inverse, name="x", identity=(0.0,))

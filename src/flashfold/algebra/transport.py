@@ -56,6 +56,7 @@ This module imports no SymPy; :func:`check_transport` imports it when called.
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from collections import namedtuple
 from dataclasses import dataclass
@@ -270,6 +271,16 @@ def transport(base: Monoid, psi: Callable, psi_inv: Callable, *, name: str,
         raise ValueError(f"psi_inv: returns {len(inv_graph.outputs)} values for the base's "
                          f"{len(base.fields)} fields {base.field_names}")
 
+    if identity is not None:
+        if isinstance(identity, (str, bytes)) or not isinstance(identity, (tuple, list)):
+            raise TypeError(f"identity: expected a tuple of {k} numbers, got "
+                            f"{type(identity).__name__}")
+        if len(identity) != k:
+            raise ValueError(f"identity: expected {k} values, got {len(identity)}")
+        for v in identity:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"identity: expected numbers, got {v!r} "
+                                f"({type(v).__name__})")
     at_e = _evaluate_at(psi_graph, base.identity, base.fields)
     adjoined = any(math.isnan(v) for v in at_e)
     if adjoined:
