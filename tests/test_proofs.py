@@ -201,3 +201,11 @@ def test_import_flashfold_stays_light():
             "assert 'matplotlib' not in sys.modules, 'matplotlib'; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_a_small_max_paths_is_named_in_the_error():
+    """prove(MAX, max_paths=1) blamed a non-terminating case split, not the limit the
+    caller chose."""
+    from flashfold.monoids import MAX
+    with pytest.raises(ProofError, match=r"more than max_paths=1 cases: pass a larger max_paths"):
+        prove(MAX, max_paths=1)

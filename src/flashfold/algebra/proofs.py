@@ -469,8 +469,8 @@ def explore(fn: Callable[["_Path"], object], base_rows=(), max_paths: int = MAX_
         forced = stack.pop()
         count += 1
         if count > max_paths:
-            raise ProofError(f"more than {max_paths} cases; the case split does not terminate "
-                             f"in reasonable time")
+            raise ProofError(f"more than max_paths={max_paths} cases: pass a larger max_paths, "
+                             f"or the case split may not terminate in reasonable time")
         p = _Path(forced, list(base_rows))
         _ACTIVE.append(p)
         try:
