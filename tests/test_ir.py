@@ -55,3 +55,13 @@ def test_unknown_backend():
 def test_nan_constants_are_rejected():
     with pytest.raises(ValueError, match="NaN"):
         trace(lambda x: (x + float("nan"),), [Var("x")], "bad")
+
+
+def test_compile_graph_and_numpy_monoid_name_a_wrong_argument():
+    """Both are exported by flashfold.algebra; a string used to fail with
+    AttributeError ('str' object has no attribute 'inputs' / 'lift_graph')."""
+    from flashfold.algebra import compile_graph, numpy_monoid
+    with pytest.raises(TypeError, match=r"graph: expected a traced flashfold Graph .*got str"):
+        compile_graph("combine", "numpy")
+    with pytest.raises(TypeError, match="monoid: expected a flashfold Monoid, got str"):
+        numpy_monoid("sum")

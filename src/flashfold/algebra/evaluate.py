@@ -22,6 +22,8 @@ _CACHE: "weakref.WeakKeyDictionary[Monoid, NumpyMonoid]" = weakref.WeakKeyDictio
 
 def numpy_monoid(monoid: Monoid) -> "NumpyMonoid":
     """The (cached) NumPy executor of ``monoid``."""
+    if not isinstance(monoid, Monoid):
+        raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
     try:
         return _CACHE[monoid]
     except KeyError:

@@ -158,6 +158,9 @@ def compile_graph(graph: Graph, backend: Backend | str, arg_names: list[str] | N
     Captured buffers are bound (as the backend's ``convert_buffer`` of their data), so the
     returned function takes only the graph's inputs.
     """
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph: expected a traced flashfold Graph (e.g. monoid.combine_graph), "
+                        f"got {type(graph).__name__}")
     if isinstance(backend, str):
         backend = get_backend(backend)
     src = function_source(graph, backend, "_lowered", arg_names)
