@@ -590,6 +590,10 @@ def check_outputs(monoid, got, want, x, scale, label):
             assert torch.equal(o.double(), r.to(x.dtype).double()), lab
         else:
             assert o.dtype == x.dtype, lab
+            # an exact value beyond the output dtype's range (a float16 variance of entries
+            # a few hundred apart) is that dtype's +-inf: the output must be inf there
+            rounded = r.to(x.dtype)
+            r = torch.where(rounded.isinf() & r.isfinite(), rounded.double(), r)
             assert_close(o, r, x.dtype, scale=scale, name=lab)
 
 
