@@ -470,6 +470,16 @@ def _int_arg(name: str, x, lo: int) -> int:
     return int(x)
 
 
+def _positive_arg(name: str, x) -> float:
+    """``x`` as a positive finite float (Python or NumPy real): ``TypeError`` for another
+    type, ``ValueError`` otherwise, naming the argument."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a positive number, got {type(x).__name__}")
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name}: expected a positive finite number, got {x!r}")
+    return float(x)
+
+
 def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
              dtypes: Sequence[str] = DTYPES, orders: Sequence[str] = ORDERS, block: int = 128,
              width: int = 2, std: float = 1.0, seed: int = 0, out: str | None = None,
@@ -520,10 +530,7 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
             raise ValueError(f"orders: unknown order {o!r}; expected some of {ORDERS}")
     block = _int_arg("block", block, 1)
     width = _int_arg("width", width, 1)
-    if isinstance(std, bool) or not isinstance(std, (int, float, np.integer, np.floating)):
-        raise TypeError(f"std: expected a positive number, got {type(std).__name__}")
-    if not (math.isfinite(std) and std > 0):
-        raise ValueError(f"std: expected a positive finite number, got {std!r}")
+    std = _positive_arg("std", std)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
     if seed < 0:
@@ -606,13 +613,7 @@ def fp8_error_table(*, n: int = 1024, head_dim: int = 128, heads: int = 4, seed:
     if outlier_channels > head_dim:
         raise ValueError(f"outlier_channels: expected at most head_dim = {head_dim}, got "
                          f"{outlier_channels}")
-    if isinstance(outlier_scale, bool) or not isinstance(outlier_scale, (int, float, np.integer,
-                                                                         np.floating)):
-        raise TypeError(f"outlier_scale: expected a positive number, got "
-                        f"{type(outlier_scale).__name__}")
-    if not (math.isfinite(outlier_scale) and outlier_scale > 0):
-        raise ValueError(f"outlier_scale: expected a positive finite number, got "
-                         f"{outlier_scale!r}")
+    outlier_scale = _positive_arg("outlier_scale", outlier_scale)
     import torch
 
     from .api.attention import attention
