@@ -326,6 +326,14 @@ def test_random_rotation_is_orthogonal_and_keeps_the_scores():
     assert not torch.equal(random_rotation(64, seed=3), random_rotation(64, seed=4))
 
 
+@pytest.mark.parametrize("head_dim, error", [(0, ValueError), (-3, ValueError),
+                                             (2.5, TypeError), (True, TypeError),
+                                             ("64", TypeError)], ids=repr)
+def test_random_rotation_names_a_bad_head_dim(head_dim, error):
+    with pytest.raises(error, match="head_dim"):
+        random_rotation(head_dim)
+
+
 def test_rotation_spreads_outlier_channels_and_lowers_the_fp8_error():
     """Incoherent processing (FlashAttention-3): with a few channels 20x larger, rotating
     q and k before quantizing lowers the output's error against float64."""
@@ -361,6 +369,7 @@ def _good():
     (dict(causal="yes"), TypeError, "causal"),
     (dict(deterministic=5), TypeError, "deterministic"),
     (dict(scale=-1.0), ValueError, "scale"),
+    (dict(q=torch.zeros((), dtype=FP8)), ValueError, "q must have 4 dims"),
 ], ids=lambda x: str(x)[:40])
 def test_bad_fp8_input_names_the_argument(change, error, words):
     kw = _good()

@@ -323,7 +323,9 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
                              f"{tuple(q.shape)}")
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             _check_cu_seqlens(name, cu, None, q.device, values=False)      # (no value read yet)
-    n_seqs = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    # (a q without 4 dims has no batch to read: check_fp8_call names it before n_seqs is used)
+    n_seqs = (cu_seqlens_q.shape[0] - 1 if varlen
+              else q.shape[0] if q.dim() == 4 else None)
     out_dtype = check_fp8_call(q, k, v, q_descale, k_descale, v_descale, out_dtype,
                                score_mod=score_mod, mask_mod=mask_mod, n_seqs=n_seqs)
     _check_bool("causal", causal)
