@@ -101,7 +101,13 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
 
 def random_rotation(head_dim: int, *, seed: int = 0, dtype=torch.float32, device=None):
     """A random orthogonal ``(head_dim, head_dim)`` matrix (the QR factor of a Gaussian
-    matrix, signs fixed so that the draw is uniform; computed in float64)."""
+    matrix, signs fixed so that the draw is uniform; computed in float64). ``head_dim``:
+    an int ``>= 1``."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral):
+        raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__}")
+    head_dim = int(head_dim)
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64)
     qm, r = torch.linalg.qr(a)
