@@ -16,7 +16,7 @@ import flashfold
 from flashfold import mods
 from flashfold.kernels.attention import autograd as fa_autograd
 from flashfold.kernels.attention import reference as fa_reference
-from flashfold.kernels.attention.mods import create_block_mask
+from flashfold.kernels.attention.mods import create_block_mask, trace_mask_mod, trace_score_mod
 from flashfold.testing import assert_close
 
 from test_attention_cases import FEATURES, Shape, make_qkv, oracle, varlen_inputs
@@ -110,6 +110,25 @@ def test_expanded_and_strided_output_gradients():
     got = torch.autograd.grad(flashfold.attention(q, k, v).sum(), (q, k, v))
     want = _grads_ref(q, k, v, torch.ones(1, 2, 9, 32, dtype=torch.float64))
     for n, a, b in zip("qkv", got, want):
+        assert_close(a, b, "float64", scale=_grad_scale(b), name=f"d{n}")
+
+
+def test_traced_mods_are_taken_with_and_without_gradients():
+    """A TracedMod (a mod traced once, ``trace_score_mod`` / ``trace_mask_mod``) is taken as
+    score_mod and as mask_mod whether or not the inputs require grad: the same output as
+    the plain functions, and gradients through it."""
+    shape = Shape(1, 2, 1, 9, 11, 32)
+    q, k, v = make_qkv(shape, torch.float64, seed=14)
+    score, mask = mods.alibi(2), mods.prefix_lm_mask(3)
+    traced = dict(score_mod=trace_score_mod(score), mask_mod=trace_mask_mod(mask))
+    want = flashfold.attention(q, k, v, score_mod=score, mask_mod=mask)
+    assert_close(flashfold.attention(q, k, v, **traced), want, "float64", name="o, no grad")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = flashfold.attention(*leaves, **traced)
+    assert_close(o, want, "float64", name="o, grad")
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    got = torch.autograd.grad(o, leaves, do)
+    for n, a, b in zip("qkv", got, _grads_ref(q, k, v, do, score_mod=score, mask_mod=mask)):
         assert_close(a, b, "float64", scale=_grad_scale(b), name=f"d{n}")
 
 

@@ -260,7 +260,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     if compiling or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         # differentiable / compilable: the custom op (mods go through the registry)
         from ..kernels.attention.autograd import attention_op, mods_entry, register_mods
-        if mask_mod is not None and not isinstance(mask_mod, BlockMask) and not callable(mask_mod):
+        if (mask_mod is not None and not isinstance(mask_mod, (BlockMask, TracedMod))
+                and not callable(mask_mod)):
             raise TypeError(f"mask_mod must be a callable or a BlockMask, got {type(mask_mod).__name__}")
         if score_mod is not None and not callable(score_mod) and not isinstance(score_mod, TracedMod):
             raise TypeError(f"score_mod must be a callable, got {type(score_mod).__name__}")
