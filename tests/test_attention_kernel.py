@@ -258,3 +258,19 @@ def test_merge_kernel_all_empty_is_zero_not_nan(kernel):
     lse = torch.full((4, 1, 2, 3), -math.inf)
     mo, ml = flashfold.merge_states(o, lse)
     assert (mo == 0).all() and (ml == -math.inf).all() and mo.dtype == torch.float16
+
+
+def test_merge_of_float64_parts_is_float64_accurate(kernel):
+    """The merge kernel's state is fp32: float64 parts keep float64 accuracy (stacked and
+    pair forms), within float64's tolerance of the merge written out in float64."""
+    g = torch.Generator().manual_seed(14)
+    outs = torch.randn(3, 2, 3, 9, 40, generator=g, dtype=torch.float64)
+    lses = 10 * torch.randn(3, 2, 3, 9, generator=g, dtype=torch.float64)
+    for got, parts in ((flashfold.merge_states(outs, lses), slice(None)),
+                       (flashfold.merge_states(outs[0], lses[0], outs[1], lses[1]), slice(0, 2))):
+        o, lse = got
+        w = torch.softmax(lses[parts], 0)
+        assert o.dtype == torch.float64 and lse.dtype == torch.float32
+        assert_close(o, (w[..., None] * outs[parts]).sum(0), "float64", name="o")
+        assert_close(lse, torch.logsumexp(lses[parts], 0), "float32", scale=lse_scale(lses),
+                     name="lse")

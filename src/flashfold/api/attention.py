@@ -429,7 +429,8 @@ def merge_states(*args):
     :mod:`flashfold.kernels.attention.merge`). Empty parts (``lse = -inf``, any ``o``)
     contribute nothing; if every part is empty, ``o = 0`` and ``lse = -inf``. Any split
     of the keys merged in any order equals the unsplit attention up to rounding.
-    ``o`` keeps the parts' dtype, ``lse`` is float32. Shapes: ``o_* (..., N, D)`` with 1
+    ``o`` keeps the parts' dtype, ``lse`` is float32; float64 parts are merged in float64
+    on every device (the merge kernel's state is fp32: they run the reference). Shapes: ``o_* (..., N, D)`` with 1
     to 3 leading dims (``(B, H, N, D)`` typically), ``lse_*`` its shape without ``D``.
     Differentiable with respect to every part, by one rule on every device
     (:func:`~flashfold.kernels.attention.autograd.merge_grads`: an empty part, and every
@@ -456,7 +457,9 @@ def merge_states(*args):
         raise TypeError("merge_states takes (o_a, lse_a, o_b, lse_b) or (outs, lses), got "
                         f"{len(args)} arguments")
     from ..kernels.attention import autograd
-    kernel = _use_kernel(args[0])
+    # the merge kernel's state is fp32: float64 parts are merged by the reference (torch
+    # ops, any device) in float64
+    kernel = _use_kernel(args[0]) and args[0].dtype != torch.float64
     if torch.compiler.is_compiling():
         return autograd.merge_op(list(args), kernel)
     if torch.is_grad_enabled() and any(t.requires_grad for t in args):
