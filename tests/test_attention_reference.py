@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -536,6 +537,9 @@ def test_mod_factories_take_what_attention_takes():
                  "float64", name="lengths as a list")
     assert_close(flashfold.attention(q, k, v, score_mod=mods.softcap_mod(2.0)),
                  flashfold.attention(q, k, v, softcap=2.0), "float64", name="softcap")
+    assert_close(flashfold.attention(q, k, v, mask_mod=mods.prefix_lm_mask(np.int64(3))),
+                 flashfold.attention(q, k, v, mask_mod=mods.prefix_lm_mask(3)), "float64",
+                 name="prefix_len as a NumPy int")
 
 
 @pytest.mark.parametrize("block", [(16,), (16, 16, 16), "16", None])

@@ -88,10 +88,10 @@ def document_mask(doc_ids, kv_doc_ids=None):
 
 def prefix_lm_mask(prefix_len):
     """Prefix-LM: the first ``prefix_len`` keys are visible to every query, the rest
-    causally: ``kv_idx < prefix_len or kv_idx <= q_idx``. ``prefix_len`` is an int or an
-    int tensor ``(batch,)``."""
-    if isinstance(prefix_len, int) and not isinstance(prefix_len, bool):
-        n = prefix_len
+    causally: ``kv_idx < prefix_len or kv_idx <= q_idx``. ``prefix_len`` is an int (a
+    NumPy one too) or an int tensor ``(batch,)``."""
+    if isinstance(prefix_len, numbers.Integral) and not isinstance(prefix_len, bool):
+        n = int(prefix_len)
 
         def prefix_lm(b, h, q_idx, kv_idx):
             return (kv_idx < n) | (kv_idx <= q_idx)
