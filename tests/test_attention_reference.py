@@ -321,6 +321,18 @@ def test_block_mask_broadcasts_and_rejects_missing_batch():
         create_block_mask(mods.causal_mask, None, None, 8, 8, device="cpu", BLOCK_SIZE=24)
 
 
+def test_block_mask_sizes_may_be_numpy_ints():
+    """Sizes and tiles that are NumPy ints (``arr.shape`` of an array, a config) are ints."""
+    want = create_block_mask(mods.prefix_lm_mask(torch.tensor([1, 2])), 2, 3, 40, 50,
+                             device="cpu", BLOCK_SIZE=(16, 32))
+    got = create_block_mask(mods.prefix_lm_mask(torch.tensor([1, 2])), np.int64(2), np.int32(3),
+                            np.int64(40), np.int64(50), device="cpu",
+                            BLOCK_SIZE=(np.int64(16), np.int64(32)))
+    assert got.shape == want.shape == (2, 3, 40, 50)
+    assert all(type(n) is int for n in got.shape)
+    assert torch.equal(got.state, want.state) and torch.equal(got.to_dense(), want.to_dense())
+
+
 def test_block_mask_used_on_cpu_path_and_checked():
     shape = Shape(2, 2, 2, 40, 40, 32)
     q, k, v = make_qkv(shape, torch.float64)

@@ -68,6 +68,7 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 import threading
 import weakref
 from collections import OrderedDict
@@ -950,9 +951,15 @@ def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, 
                      row_mod=forms.get("kv_idx"), column_mod=forms.get("q_idx"))
 
 
-def _check_block(name, v):
-    if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
+def _is_int(v) -> bool:
+    """An integer that is not a bool (a NumPy integer too)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_block(name, v) -> int:
+    if not _is_int(v) or v < 16 or v & (v - 1):
         raise ValueError(f"BLOCK_SIZE: {name} must be a power of two >= 16, got {v!r}")
+    return int(v)
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128) -> BlockMask:
@@ -978,14 +985,15 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     else:
         raise ValueError(f"BLOCK_SIZE: expected an int or a pair (BLOCK_M, BLOCK_N), got "
                          f"{BLOCK_SIZE!r}")
-    _check_block("BLOCK_M", bm)
-    _check_block("BLOCK_N", bn)
+    bm, bn = _check_block("BLOCK_M", bm), _check_block("BLOCK_N", bn)
     for name, val in (("B", B), ("H", H)):
-        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
+        if val is not None and (not _is_int(val) or val < 1):
             raise ValueError(f"{name} must be a positive int or None, got {val!r}")
     for name, val in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+        if not _is_int(val) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    B, H = (None if B is None else int(B)), (None if H is None else int(H))
+    Q_LEN, KV_LEN = int(Q_LEN), int(KV_LEN)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return compute_block_mask(mod, batch=B, heads=H, q_len=Q_LEN, kv_len=KV_LEN, block_m=bm,
