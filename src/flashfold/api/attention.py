@@ -262,7 +262,8 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         from ..kernels.attention.autograd import attention_op, mods_entry, register_mods
         if (mask_mod is not None and not isinstance(mask_mod, (BlockMask, TracedMod))
                 and not callable(mask_mod)):
-            raise TypeError(f"mask_mod must be a callable or a BlockMask, got {type(mask_mod).__name__}")
+            raise TypeError("mask_mod must be a callable or a BlockMask, got "
+                            f"{type(mask_mod).__name__}")
         if score_mod is not None and not callable(score_mod) and not isinstance(score_mod, TracedMod):
             raise TypeError(f"score_mod must be a callable, got {type(score_mod).__name__}")
         # Dynamo guards on the ids so that a new mod object recompiles; an absent mod passes
@@ -430,8 +431,8 @@ def merge_states(*args):
     contribute nothing; if every part is empty, ``o = 0`` and ``lse = -inf``. Any split
     of the keys merged in any order equals the unsplit attention up to rounding.
     ``o`` keeps the parts' dtype, ``lse`` is float32; float64 parts are merged in float64
-    on every device (the merge kernel's state is fp32: they run the reference). Shapes: ``o_* (..., N, D)`` with 1
-    to 3 leading dims (``(B, H, N, D)`` typically), ``lse_*`` its shape without ``D``.
+    on every device (the merge kernel's state is fp32: they run the reference). Shapes:
+    ``o_* (..., N, D)`` with 1 to 3 leading dims (``(B, H, N, D)`` typically), ``lse_*`` its shape without ``D``.
     Differentiable with respect to every part, by one rule on every device
     (:func:`~flashfold.kernels.attention.autograd.merge_grads`: an empty part, and every
     part of a row whose parts are all empty, gets zero gradients).
