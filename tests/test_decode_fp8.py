@@ -286,6 +286,16 @@ def test_other_formats_and_mixed_caches_are_refused_by_name():
     with pytest.raises(TypeError, match="k_new: dtype must be one of"):
         ff.append_kv(_cache(), _cache(), _cache()[:, :, :1], _cache()[:, :, :1], lens,
                      k_descale=ones, v_descale=ones)
+    # the message states k_new's own dtype, not the cache's
+    with pytest.raises(TypeError, match="k_new: dtype must be one of .*got torch.int32$"):
+        ff.append_kv(_cache(), _cache(), torch.zeros(2, 2, 1, 32, dtype=torch.int32,
+                                                     device=DEVICE),
+                     torch.zeros(2, 2, 1, 32, device=DEVICE), lens, k_descale=ones,
+                     v_descale=ones)
+    with pytest.raises(TypeError, match="v_new: dtype must be one of .*got torch.int64$"):
+        ff.append_kv(_cache(), _cache(), torch.zeros(2, 2, 1, 32, device=DEVICE),
+                     torch.zeros(2, 2, 1, 32, dtype=torch.int64, device=DEVICE), lens,
+                     k_descale=ones, v_descale=ones)
 
 
 # real sizes need the GPU (the interpreter would take hours); CI has none, the device

@@ -465,18 +465,18 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
         raise TypeError(f"k_cache: unsupported dtype {k_cache.dtype}"
                         + ("; the 8-bit cache format is torch.float8_e4m3fn"
                            if k_cache.dtype in _OTHER_FP8 else ""))
+    for x, name in ((k_new, "k_new"), (v_new, "v_new")):
+        if fp8 and x.dtype not in _CPU_DTYPES:
+            raise TypeError(f"{name}: dtype must be one of {[str(d) for d in _CPU_DTYPES]} "
+                            f"(quantized on write into the float8_e4m3fn cache), got {x.dtype}")
     # validate the cache against a stand-in query of the same batch, heads and head_dim
     probe = torch.empty((batch, heads_kv, 1, head_dim),
-                        dtype=k_new.dtype if fp8 and k_new.dtype in _CPU_DTYPES else k_cache.dtype,
-                        device=k_cache.device)
+                        dtype=k_new.dtype if fp8 else k_cache.dtype, device=k_cache.device)
     got_heads, page_size, capacity = _layout(probe, k_cache, v_cache, cache_seqlens, block_table,
                                              dtypes=_CPU_DTYPES, names={"q": "k_new"})
     if got_heads != heads_kv:
         raise ValueError(f"k_new: heads_kv {heads_kv} differs from the cache's {got_heads}")
     for x, name in ((k_new, "k_new"), (v_new, "v_new")):
-        if fp8 and x.dtype not in _CPU_DTYPES:
-            raise TypeError(f"{name}: dtype must be one of {[str(d) for d in _CPU_DTYPES]} "
-                            f"(quantized on write into the float8_e4m3fn cache), got {x.dtype}")
         if not fp8 and x.dtype != k_cache.dtype:
             raise TypeError(f"{name}: dtype {x.dtype} differs from the cache's {k_cache.dtype}")
         if x.device != k_cache.device:
