@@ -220,6 +220,25 @@ def test_append_quantizes_on_write_and_decode_reads_it_back():
     assert stored[:2].tolist() == [448.0, -448.0] and torch.isnan(stored[2])
 
 
+def test_tokens_of_a_zero_or_nan_factor_are_stored_as_nan():
+    """A zero or NaN descale represents no value: every token quantized with it is stored
+    as NaN whatever its value (``x / 0`` is no quotient to saturate to +-448), through
+    ``quantize_fp8_cache`` and ``append_kv``; the other heads' tokens as usual."""
+    x = torch.tensor([0.5, -3.0, 0.0, -0.0, 1e-30], device=DEVICE)
+    x = x.view(1, 1, 5, 1).expand(1, 3, 5, 2)
+    descale = torch.tensor([[0.0, math.nan, 0.25]], device=DEVICE)
+    stored = quantize_fp8_cache(x, descale).float()
+    assert torch.isnan(stored[0, :2]).all()
+    assert stored[0, 2, :, 0].tolist() == [2.0, -12.0, 0.0, 0.0, 0.0]
+    kc = torch.zeros(1, 3, 8, 2, dtype=FP8, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    ones = torch.ones(1, 3, device=DEVICE)
+    ff.append_kv(kc, vc, x.contiguous(), x.contiguous(),
+                 torch.zeros(1, dtype=torch.int32, device=DEVICE), k_descale=descale,
+                 v_descale=ones)
+    assert torch.isnan(kc[0, :2, :5].float()).all() and not torch.isnan(vc.float()).any()
+
+
 def test_paged_cache_of_fp8_pages():
     g = torch.Generator().manual_seed(6)
     cache = ff.PagedKVCache.allocate(2, 40, 2, 32, page_size=8, dtype=FP8, device=DEVICE,

@@ -526,10 +526,13 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
 def quantize_fp8_cache(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """``x`` ``(batch, heads_kv, n, head_dim)`` as E4M3 cache entries for the descales
     ``(batch, heads_kv)``: ``x / descale`` rounded to nearest, finite values beyond +-448
-    saturated, infinities and NaN stored as NaN (E4M3 has no infinity)."""
-    y = x.to(torch.float32) / descale.to(torch.float32)[:, :, None, None]
-    # (finiteness of x itself: a finite x whose quotient overflows float32 saturates)
-    y = torch.where(torch.isfinite(x), y.clamp(-FP8_MAX, FP8_MAX), math.nan)
+    saturated, infinities and NaN stored as NaN (E4M3 has no infinity), and so is every
+    entry of a zero or NaN factor."""
+    d = descale.to(torch.float32)[:, :, None, None]
+    y = x.to(torch.float32) / d
+    # (finiteness of x itself: a finite x whose quotient overflows float32 saturates; a
+    # zero or NaN factor stands for no value: x / 0 is not a quotient to saturate)
+    y = torch.where(torch.isfinite(x) & (d.abs() > 0), y.clamp(-FP8_MAX, FP8_MAX), math.nan)
     return y.to(FP8)
 
 
