@@ -220,6 +220,21 @@ def test_unchecked_append_out_of_range_raises_rather_than_wraps(paged):
                         check_lengths=False).tolist() == [16]
 
 
+def test_unchecked_append_through_a_negative_page_raises_rather_than_wraps():
+    """``check_lengths=False`` on a paged cache: a negative block-table entry (an unassigned
+    page) trips the index check, as a page past the pool does, instead of wrapping to the
+    pool's last pages and overwriting another sequence's tokens."""
+    cache = ff.PagedKVCache.allocate(2, 16, 1, 8, page_size=8, dtype=torch.float32)
+    kc, vc, table = cache.k_pages, cache.v_pages, cache.block_table.clone()
+    table[0, 0] = -1                        # the pool's last page, 3, is sequence 1's
+    new = torch.ones(2, 1, 1, 8)
+    lens = torch.tensor([0, 8], dtype=torch.int32)
+    for check in (False, True):
+        with pytest.raises((IndexError, ValueError)):
+            ff.append_kv(kc, vc, new, new, lens, table, check_lengths=check)
+        assert not kc.any() and not vc.any()
+
+
 def test_paged_kv_cache_helper():
     cache = ff.PagedKVCache.allocate(3, 20, 2, 16, page_size=8, dtype=torch.float32)
     assert repr(cache) == ("PagedKVCache(batch=3, capacity=24, page_size=8, num_pages=9, "

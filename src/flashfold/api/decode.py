@@ -445,8 +445,9 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
     Returns the new lengths ``cache_seqlens + n_new`` as a new tensor (``cache_seqlens`` is
     not modified). The capacity and page checks run on the host when ``cache_seqlens`` is
     on the CPU or ``check_lengths=True`` (a synchronisation on CUDA); otherwise an
-    out-of-range position, negative or past the capacity, trips torch's device-side index
-    check.
+    out-of-range position, negative or past the capacity, or a page number of
+    ``block_table`` outside the pool, negative or past its end, trips torch's device-side
+    index check.
     """
     for x, name in ((k_new, "k_new"), (v_new, "v_new")):
         _tensor(x, name)
@@ -518,6 +519,10 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
         v_cache.transpose(1, 2)[rows, pos] = vn
     else:
         pages = block_table.to(torch.int64)[rows, pos // page_size]
+        if not check_lengths:
+            # a negative page would wrap around to the pool's last pages (another
+            # sequence's): one past the pool trips the index check instead
+            pages = pages.masked_fill(pages < 0, k_cache.shape[0])
         k_cache[pages, pos % page_size] = kn
         v_cache[pages, pos % page_size] = vn
     return cache_seqlens + n_new
