@@ -326,12 +326,16 @@ def test_top_level_names():
     assert ff.PagedKVCache is mod.PagedKVCache
 
 
+@pytest.mark.parametrize("lens_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("path", ["reference", "kernels"])
-def test_unchecked_lengths_are_clamped_to_the_capacity_on_every_path(monkeypatch, path, paged):
+def test_unchecked_lengths_are_clamped_to_the_capacity_on_every_path(monkeypatch, path, paged,
+                                                                     lens_dtype):
     """With ``check_lengths=False`` a length past the capacity reads the whole cache and a
     negative one reads nothing (o = 0, lse = -inf): the kernels' clamp, which the CPU path
-    follows (it raised from deep inside torch), so both paths agree."""
+    follows (it raised from deep inside torch), so both paths agree. int64 lengths are
+    clamped as they are, beyond int32's range too (``2**32 + 5`` is past the capacity, not
+    5; ``-2**32 + 3`` negative, not 3)."""
     from flashfold.api import decode as api
     if path == "kernels":
         monkeypatch.setattr(api, "_use_kernels", lambda q: True)
@@ -345,7 +349,8 @@ def test_unchecked_lengths_are_clamped_to_the_capacity_on_every_path(monkeypatch
         table = torch.arange(B * cap // page, dtype=torch.int32).reshape(B, cap // page)
         k = k.permute(0, 2, 1, 3).reshape(-1, page, H, D)
         v = v.permute(0, 2, 1, 3).reshape(-1, page, H, D)
-    wild = torch.tensor([cap + 9, -4, 5], dtype=torch.int32)
+    wild = torch.tensor([cap + 9, -4, 5] if lens_dtype == torch.int32
+                        else [2**32 + 5, -2**32 + 3, 5], dtype=lens_dtype)
     o, lse = ff.decode(q, k, v, wild, block_table=table, return_lse=True, check_lengths=False)
     want_o, want_lse = ff.decode(q, k, v, wild.clamp(0, cap), block_table=table, return_lse=True)
     assert_close(o, want_o, "float32", name="o")

@@ -649,7 +649,9 @@ def _splitkv_kernel(
     bh = pid // M_BLOCKS
     b = (bh // heads_kv).to(tl.int64)
     h = (bh % heads_kv).to(tl.int64)
-    seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b).to(tl.int32), 0), capacity)
+    # clamped in the lengths' own dtype, then narrowed: an int64 length past int32's
+    # range must clamp, not wrap
+    seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b), 0), capacity).to(tl.int32)
     if HAS_START:  # the sequence's first key (left padding), clamped to [0, seqlen]
         kstart = tl.minimum(tl.maximum(tl.load(START + b).to(tl.int32), 0), seqlen)
     else:
@@ -765,7 +767,7 @@ def _merge_kernel(
     qi = row % Q_LEN
     hq = (row // Q_LEN) % heads_q
     b = row // (Q_LEN * heads_q)
-    seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b).to(tl.int32), 0), capacity)
+    seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b), 0), capacity).to(tl.int32)
     if HAS_START:
         kstart = tl.minimum(tl.maximum(tl.load(START + b).to(tl.int32), 0), seqlen)
     else:
