@@ -227,6 +227,41 @@ def test_edge_rows(monoid):
     check(monoid, L.launch_reduce(monoid, empty, 1), empty, 1, name="empty dim")
 
 
+def test_pow_mod_and_floordiv_lower_as_the_reference():
+    """The generated code computes ``pow``, ``mod`` and ``floordiv`` as the IR (NumPy)
+    does: ``x ** 2`` of a negative ``x`` is positive, an odd power keeps the sign,
+    ``0 ** 0 == 1``; ``%`` takes the divisor's sign and ``//`` floors, for floats (which
+    Triton's ``//`` refuses) and for the ints of positions; on every pair of zeros,
+    halves, integers, infinities and NaN (-0.0 is 0.0 to the kernels' pow: its odd
+    powers lose the sign). A row of one element makes each output one lift."""
+    from flashfold import Input, Monoid, ops
+    fields = ("pow", "mod", "floordiv", "square", "cube_inv", "two_pow", "mod_neg",
+              "floordiv_neg", "seven_floordiv", "pos_mod", "pos_floordiv")
+    ints = ops.to_float
+    lifted = Monoid(
+        "pow_mod_floordiv", fields=fields, identity=(0.0,) * len(fields),
+        inputs=("a", "b", Input("i", domain="position")),
+        lift=lambda a, b, i: (ops.pow(a, b), a % b, a // b, a ** 2, a ** -3, 2.0 ** b,
+                              a % -3.0, a // -2.0, 7.0 // b,
+                              ints((i - 7) % 3 + (i - 7) % -4),
+                              ints((i - 7) // 3 + (i - 7) // -4)),
+        combine=lambda p, q: tuple(u + v for u, v in zip(p, q)), commutative=True)
+    inf, nan = float("inf"), float("nan")
+    vals = torch.tensor([-inf, -7.0, -3.0, -2.5, -2.0, -1.0, -0.5, 0.0, 0.1, 0.5, 1.0, 2.0,
+                         2.5, 3.0, 7.0, inf, nan])
+    a = vals.repeat_interleave(len(vals))[:, None]
+    b = vals.repeat(len(vals))[:, None]
+    outs = L.launch_reduce(lifted, (a, b), 1)
+    ref = R.reduce_reference(lifted, (a, b), 1)
+    for name, o, r in zip(fields[:-2], outs, ref):
+        assert_close(o, r, torch.float32, name=name)
+        assert torch.equal(o.isnan(), r.isnan()), name
+    pos = torch.zeros(1, 12)                       # positions 0..11 along dim 1
+    for name, o, r in zip(fields[-2:], L.launch_reduce(lifted, (pos, pos), 1)[-2:],
+                          R.reduce_reference(lifted, (pos, pos), 1)[-2:]):
+        assert o.item() == r.item(), name
+
+
 def test_unordered_lanes_would_break_a_non_commutative_monoid(force, monkeypatch):
     """Negative control: run MATMUL2 through the commutative lane path (elements of a
     lane are k·LANES + l, so the product is reordered) and see the check fail."""

@@ -476,7 +476,7 @@ def _step(op, a, attr, sizes):
             return (lo, hi)
         if l0 is not None and l0 >= 0:
             return (l0, h0) if h0 is not None and h0 < d else (0, d - 1)
-        return (-(d - 1), d - 1)         # C's remainder (Triton) takes the dividend's sign
+        return (0, d - 1)                # floored: the divisor's sign, on every lowering
     if op == "maximum":
         (l0, h0), (l1, h1) = a
         lo = l1 if l0 is None else (l0 if l1 is None else max(l0, l1))
