@@ -262,6 +262,33 @@ def test_pow_mod_and_floordiv_lower_as_the_reference():
         assert o.item() == r.item(), name
 
 
+def test_log1p_and_expm1_keep_small_arguments():
+    """``log1p`` and ``expm1`` are accurate to a few ulps relative to their value, small
+    ones included (``log(1 + x)`` and ``exp(x) - 1`` are 0 below 2^-24 and keep only the
+    leading digits above), in a lift and in a scan's per-element finalize (the fast-log
+    lowering); their special values are the reference's."""
+    from flashfold import Monoid, ops
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([0.0, 1e-30, -1e-30, 1e-10, -1e-10, 1e-7, -1e-7, 3e-5, -3e-5, 1e-3,
+                      -0.5, 0.9, -0.999999, 1.0, -1.0, -2.0, 10.0, 88.0, 89.0, -104.0, 1e10,
+                      -1e10, 3e38, inf, -inf, nan])[:, None]
+    lifted = Monoid("log1p_expm1", fields=("a", "b"), identity=(0.0, 0.0),
+                    lift=lambda v: (ops.log1p(v), ops.expm1(v)),
+                    combine=lambda p, q: (p.a + q.a, p.b + q.b), commutative=True)
+    finalized = Monoid("finalize_log1p_expm1", fields=("s",), identity=(0.0,),
+                       lift=lambda v: (v,), combine=lambda p, q: (p.s + q.s,),
+                       finalize=lambda s: (ops.log1p(s.s), ops.expm1(s.s)), commutative=True)
+    with np.errstate(all="ignore"):
+        # (rounded to float32: expm1(89) is beyond its range, so inf)
+        ref = [torch.from_numpy(f(x.double().numpy()[:, 0])).float().double()
+               for f in (np.log1p, np.expm1)]
+    outs = [*L.launch_reduce(lifted, x, 1), *(o[:, 0] for o in L.launch_scan(finalized, x, 1))]
+    for name, o, r in zip(("lift log1p", "lift expm1", "finalize log1p", "finalize expm1"),
+                          outs, ref * 2):
+        assert torch.equal(o.isnan(), r.isnan()), name
+        assert torch.allclose(o.double(), r, rtol=1e-6, atol=0.0, equal_nan=True), (name, o, r)
+
+
 def test_unordered_lanes_would_break_a_non_commutative_monoid(force, monkeypatch):
     """Negative control: run MATMUL2 through the commutative lane path (elements of a
     lane are k·LANES + l, so the product is reordered) and see the check fail."""

@@ -54,11 +54,26 @@ def _tl_const(v) -> str:
     return repr(float(v))
 
 
+def log1p_template(log: str) -> str:
+    """``log1p`` through a natural ``log`` (a template over ``{{0}}``, e.g. ``"tl.log({})"``)
+    without losing a small ``x`` to ``1 + x == 1`` (Goldberg's ``log(u) x / (u - 1)``,
+    ``u = 1 + x``, where ``u - 1`` is exact): ``x`` itself where ``u == 1``, ``+inf`` at
+    ``+inf``."""
+    u = "(1.0 + {0})"
+    return (f"tl.where({u} == 1.0, {{0}}, tl.where({u} == float(\"inf\"), {u}, "
+            f"{log.format(u)} * ({{0}} / ({u} - 1.0))))")
+
+
 TRITON = register_backend(Backend(
     "triton",
     {
         "neg": "(-{0})", "exp": "tl.exp({0})", "exp2": "tl.exp2({0})", "log": "tl.log({0})",
-        "log2": "tl.log2({0})", "log1p": "tl.log(1.0 + {0})", "expm1": "(tl.exp({0}) - 1.0)",
+        "log2": "tl.log2({0})", "log1p": log1p_template("tl.log({})"),
+        # expm1 as Kahan's (u - 1) x / log(u), u = e^x: exp(x) - 1 alone is 0 for |x| below
+        # 2^-24 and keeps only the leading digits of a small one
+        "expm1": ("tl.where(tl.exp({0}) == 1.0, {0}, tl.where((tl.exp({0}) - 1.0) == -1.0, -1.0, "
+                  "tl.where(tl.exp({0}) == float(\"inf\"), tl.exp({0}), "
+                  "(tl.exp({0}) - 1.0) * ({0} / tl.log(tl.exp({0}))))))"),
         "sqrt": "tl.sqrt({0})", "abs": "tl.abs({0})",
         "tanh": "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)", "sigmoid": "tl.sigmoid({0})",
         "floor": "tl.floor({0})", "not": "({0} == 0)", "isnan": "({0} != {0})",

@@ -61,7 +61,8 @@ from ...algebra.ir import Graph, Var, trace
 from ...algebra.lower import Backend
 from ...algebra.monoid import Monoid
 from .. import launcher
-from ..codegen import TRITON, TritonMonoid, _safe, jit_source, load_source, triton_monoid
+from ..codegen import (TRITON, TritonMonoid, _safe, jit_source, load_source, log1p_template,
+                       triton_monoid)
 
 __all__ = ["ReduceFunctions", "reduce_functions", "RowMap", "row_map", "output_kinds",
            "n_inputs"]
@@ -82,7 +83,7 @@ def _const(v, is_float: bool) -> str:
 #: relative error below 2^-22. Used for the per-element finalize of scans and maps.
 FAST = Backend("triton_fast", {**TRITON.templates, "log2": "_fast_log2({0})",
                                "log": "(_fast_log2({0}) * 0.6931471805599453)",
-                               "log1p": "(_fast_log2(1.0 + {0}) * 0.6931471805599453)"},
+                               "log1p": log1p_template("(_fast_log2({}) * 0.6931471805599453)")},
                TRITON.const, reduce_axis=0, buffer_numel=True)
 
 
