@@ -298,6 +298,31 @@ def test_fullgraph_compile_monoid_calls(case, device, backend):
     _assert_same(torch.compile(fn, fullgraph=True, backend=backend)(x), fn(x), case)
 
 
+def test_cpu_outputs_are_contiguous_as_the_fake_ones():
+    """The reference (CPU tensors) returns contiguous outputs, as the kernels and the
+    op's fake implementation do: the default backend checks a custom op's outputs
+    against the fake's strides, and a reference output laid out as its moved axes (a
+    segment_reduce over dim 1, a scan or reduce of a permuted tensor) failed the
+    compiled call."""
+    import torch._dynamo
+    from flashfold.examples import LINEAR_RECURRENCE
+    from flashfold.monoids import SUM, WELFORD
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
+    calls = {
+        "segment-dim-1": lambda x: ff.segment_reduce(WELFORD, x, torch.tensor([0, 4, 8]), 1),
+        "scan-transposed": lambda x: ff.scan(SUM, x.T, 1),
+        "cumsum-transposed": lambda x: ff.cumsum(x.T, 0),
+        "recurrence-transposed": lambda x: ff.scan(LINEAR_RECURRENCE, (x.T, x.T), 1),
+        "reduce-permuted": lambda x: ff.reduce(SUM, x.reshape(2, 3, 4).permute(2, 0, 1), 1),
+    }
+    for name, fn in calls.items():
+        outs = fn(x)
+        assert all(o.is_contiguous() for o in (outs if isinstance(outs, tuple) else (outs,))), name
+    torch._dynamo.reset()
+    fn = calls["segment-dim-1"]
+    _assert_same(torch.compile(fn, fullgraph=True)(x), fn(x), "segment-dim-1")
+
+
 def test_fullgraph_compile_differentiable_reductions():
     """The torch-like functions' backward traces with ``fullgraph=True`` too: a loss of
     all five compiled gives the eager loss's gradient bit for bit."""

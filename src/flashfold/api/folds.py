@@ -37,14 +37,16 @@ def data_inputs(monoid) -> list:
 
 def cast(outs, device, dtype):
     """The reference's outputs on ``device``: float64 ones in ``dtype``, bool ones as
-    they are, the others int64."""
+    they are, the others int64; contiguous, as the kernels' outputs and the custom op's
+    fake ones are (the reference lays an output out as its moved axes, and
+    ``torch.compile`` checks an op's outputs against the fake's strides)."""
     res = []
     for o in outs:
         if o.dtype == torch.float64:
             o = o.to(dtype)
         elif o.dtype != torch.bool:
             o = o.to(torch.int64)
-        res.append(o.to(device))
+        res.append(o.to(device).contiguous())
     return tuple(res)
 
 
