@@ -289,6 +289,25 @@ def test_log1p_and_expm1_keep_small_arguments():
         assert torch.allclose(o.double(), r, rtol=1e-6, atol=0.0, equal_nan=True), (name, o, r)
 
 
+def test_math_of_int_values_as_the_reference():
+    """``exp``, ``exp2``, ``log``, ``log1p``, ``expm1``, ``sqrt``, ``floor``, ``sigmoid`` and
+    ``pow`` take an int value (a position, ``i + 1``) as the reference does, as a float:
+    Triton's math functions take floats only, and the kernel failed to compile."""
+    from flashfold import Input, Monoid, ops
+    fns = (ops.exp, ops.exp2, ops.log, ops.log1p, ops.expm1, ops.sqrt, ops.floor, ops.sigmoid,
+           ops.tanh, lambda v: v ** 2, lambda v: ops.pow(2.0, v))
+    by_position = Monoid(
+        "int_math", fields=tuple(f"f{k}" for k in range(len(fns))),
+        identity=(0.0,) * len(fns), inputs=("x", Input("i", domain="position")),
+        lift=lambda x, i: tuple(ops.to_float(f(i - 2)) for f in fns),
+        combine=lambda p, q: tuple(u + v for u, v in zip(p, q)), commutative=True)
+    x = torch.zeros(2, 9)
+    outs = L.launch_reduce(by_position, x, 1)
+    for k, (o, r) in enumerate(zip(outs, R.reduce_reference(by_position, x, 1))):
+        assert torch.equal(o.isnan(), r.isnan()), k
+        assert torch.allclose(o.double(), r, rtol=1e-6, equal_nan=True), (k, o, r)
+
+
 def test_unordered_lanes_would_break_a_non_commutative_monoid(force, monkeypatch):
     """Negative control: run MATMUL2 through the commutative lane path (elements of a
     lane are k·LANES + l, so the product is reordered) and see the check fail."""

@@ -81,8 +81,8 @@ def _const(v, is_float: bool) -> str:
 #: libdevice's accurate polynomials (~25 instructions), which would dominate a scan that
 #: finalizes every element (logcumsumexp); ``lg2.approx`` is one SFU instruction with a
 #: relative error below 2^-22. Used for the per-element finalize of scans and maps.
-FAST = Backend("triton_fast", {**TRITON.templates, "log2": "_fast_log2({0})",
-                               "log": "(_fast_log2({0}) * 0.6931471805599453)",
+FAST = Backend("triton_fast", {**TRITON.templates, "log2": "_fast_log2(_float({0}))",
+                               "log": "(_fast_log2(_float({0})) * 0.6931471805599453)",
                                "log1p": log1p_template("(_fast_log2({}) * 0.6931471805599453)")},
                TRITON.const, reduce_axis=0, buffer_numel=True)
 
