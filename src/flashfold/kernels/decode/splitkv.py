@@ -446,26 +446,6 @@ def _kv_rows(BT, b, n0, kstart, end, stride_btb, stride_btp,
 
 
 @triton.jit
-def _widen_e4m3(x, dtype: tl.constexpr, BY_PTX: tl.constexpr):
-    """E4M3 entries as ``dtype`` (exact). ``BY_PTX`` (compiled for a GPU, ``dtype`` fp16):
-    four entries per two ``cvt.rn.f16x2.e4m3x2``, in inline PTX marked impure. Why the
-    PTX: Triton moves a pure conversion (its own, or pure inline PTX) past the tile's
-    shared-memory load into the product's operand layout, so the 8-bit tile is then read
-    from shared memory a byte at a time (``LDS.U8``, no ``ldmatrix``). An impure
-    conversion stays where it is written: the tile is read 16 bytes per thread, widened
-    in registers, stored as fp16 and read by ``ldmatrix`` as a 16-bit cache's tile is
-    (docs/notes/fp8.md, "Widening a tile once")."""
-    if BY_PTX:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False,
-            pack=4)
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
 def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K_DESC, V_DESC,
              k_base, v_base, BT, OP, LSEP, DP, ws_row, row_ok, base, split_size,
              stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_btb,
@@ -491,10 +471,8 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
     the run state ``(rm, rd, ro)`` (natural-log units) with :func:`_fold`, the merge
     kernel's step: the same bits without writing or merging partials.
 
-    ``KV_FP8``: 0 for a 16-bit cache; else the cache holds E4M3 keys and values and a
-    tile is widened to ``q``'s operand dtype as it is loaded (fp16, or fp32 for fp32
-    queries: exact), by :func:`_widen_e4m3`'s PTX when 2, by Triton's conversion when 1
-    (the interpreter, fp32 queries), the keys'
+    ``KV_FP8``: the cache holds E4M3 keys and values; a tile is widened to ``q``'s
+    operand dtype as it is loaded (fp16, or fp32 for fp32 queries: exact), the keys'
     descale is folded into the score scale by the caller, and ``o`` stays in units of the
     stored values: a split's raw state is written times ``v_scale`` (their descale)."""
     CLIP_START: tl.constexpr = MASKED and HAS_START
@@ -523,8 +501,8 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
             k = K_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
             v = V_DESC.load([b.to(tl.int32), h.to(tl.int32), n0, 0]).reshape([BLOCK_N, BLOCK_D])
         if KV_FP8:
-            k = _widen_e4m3(k, q.dtype, KV_FP8 == 2)
-            v = _widen_e4m3(v, q.dtype, KV_FP8 == 2)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if MASKED:  # rows outside [kstart, end) hold whatever the cache holds (0 * NaN = NaN)
             v = tl.where(n_ok[:, None], v, 0.0)
     else:
@@ -543,8 +521,8 @@ def _kv_step(q, m_i, l_i, acc, rm, rd, ro, n0, pos, b, h, kstart, end, seqlen, K
         v = tl.load(v_base + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_ok,
                     other=0.0, eviction_policy="evict_first")           # [BN, BD]
         if KV_FP8:
-            k = _widen_e4m3(k, q.dtype, KV_FP8 == 2)
-            v = _widen_e4m3(v, q.dtype, KV_FP8 == 2)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)           # [BM, BN]
     if SOFTCAP:
         s = _tanh(s * cap_in)                      # scores cap tanh(scale qk / cap)
@@ -942,15 +920,6 @@ def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and launcher.capability(device)[0] >= 9
 
 
-def _fp8_widening(fp8: bool, q: torch.Tensor) -> int:
-    """The kernels' ``KV_FP8``: 0 for a 16-bit cache; for an E4M3 cache 2 (the PTX
-    widening to fp16, :func:`_widen_e4m3`) when compiled (not interpreted) with 16-bit
-    queries, else 1 (Triton's conversion: the interpreter, fp32 queries)."""
-    if not fp8:
-        return 0
-    return 2 if not launcher.interpreting() and q.dtype != torch.float32 else 1
-
-
 def _pdl_default(device: torch.device) -> bool:
     """Programmatic dependent launch of the merge: CUDA, Hopper or newer, not disabled by
     ``FLASHFOLD_DECODE_PDL=0``."""
@@ -1205,7 +1174,7 @@ def prepare(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   FIXED_SPLIT=batch_invariant,
                   SOFTCAP=bool(softcap), WINDOW=left is not None,
                   HAS_START=cache_start is not None, WRITE_FINAL=p.write_final,
-                  KV_FP8=_fp8_widening(fp8, q), NUM_STAGES=stages,
+                  KV_FP8=fp8, NUM_STAGES=stages,
                   USE_PDL=pdl and not p.write_final,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   **_exact_ops(batch_invariant),
