@@ -355,18 +355,18 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             on the host (a bool, or None for the default). Default: when ``cache_seqlens``
             is on the CPU; on CUDA the check needs a device synchronisation (and cannot run
             inside a CUDA graph), so it is off unless requested. Unchecked lengths are
-            clamped to ``[0, capacity]``, by the kernels and the CPU path alike; unchecked
-            pages are not checked: a page in use outside ``[0, num_pages)`` is read out of
+            clamped to ``[0, capacity]``, by the kernels and the CPU path alike; pages are
+            not clamped: unchecked, a page in use outside ``[0, num_pages)`` is read out of
             range by the kernels (the CPU path indexes the pool as torch does, a negative
             page from its end).
         k_descale, v_descale: with an E4M3 cache (``torch.float8_e4m3fn``; :func:`append_kv`
             writes one), float32 ``(batch, heads_kv)``: key ``j`` of sequence ``b``, head
             ``h`` is ``k_descale[b, h] * k_cache[..]`` (values likewise; positive finite
             factors, whose values are not checked: a read would synchronise). The kernel
-            widens each tile to ``q``'s dtype as it loads it
-            (values times their descale, the keys' descale folded into the score scale),
-            so the statistics and the output are computed as for a 16-bit cache, reading
-            half the bytes. Not allowed with other caches.
+            widens each tile to ``q``'s dtype as it loads it (values times their descale,
+            the keys' descale folded into the score scale), so the statistics and the
+            output are computed as for a 16-bit cache, reading half the bytes. Not
+            allowed with other caches.
 
     Returns:
         ``o`` of shape ``(batch, heads_q, q_len, head_dim)`` in ``q.dtype`` (contiguous),
