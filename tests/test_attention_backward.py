@@ -167,6 +167,19 @@ def test_double_backward_is_refused():
         torch.autograd.grad(dq.sum(), (q,))
 
 
+def test_double_backward_through_a_gradient_penalty_is_refused():
+    # eager: dq of create_graph=True used to be a constant of q (a penalty on it was
+    # silently dropped from the gradient) where the custom op raises
+    shape = Shape(1, 1, 1, 4, 4, 32)
+    q, k, v = (t.requires_grad_() for t in make_qkv(shape, torch.float64, seed=13))
+    dq, = torch.autograd.grad(flashfold.attention(q, k, v).sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="flashfold.attention: double backward"):
+        torch.autograd.grad((dq ** 2).sum() + q.sum(), (q,))
+    grads = torch.autograd.grad(flashfold.attention(q, k, v).sum(), (q, k, v), create_graph=True)
+    want = torch.autograd.grad(flashfold.attention(q, k, v).sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(grads, want))
+
+
 def test_backward_reference_matches_the_oracle_directly():
     """The blocked backward alone (no autograd machinery), with dlse and GQA, tiny tiles."""
     shape = Shape(2, 4, 2, 19, 23, 32)

@@ -117,6 +117,16 @@ def test_without_gradients_nothing_is_recorded():
     assert o.grad_fn is None and not o.requires_grad
 
 
+def test_double_backward_is_refused_not_a_constant():
+    # the parts' gradients under create_graph=True used to be constants of the parts: a
+    # penalty on them was silently dropped from the gradient
+    outs, lses = (t.requires_grad_() for t in _parts(8))
+    d_outs, = torch.autograd.grad(flashfold.merge_states(outs, lses)[0].sum(), (outs,),
+                                  create_graph=True)
+    with pytest.raises(RuntimeError, match="flashfold.merge_states: double backward"):
+        torch.autograd.grad((d_outs ** 2).sum(), (lses,))
+
+
 def test_a_nan_reaches_only_the_gradients_that_depend_on_it(path):
     """A NaN in ``d o`` of one row reaches that row's gradients of the parts that weigh
     in it, not those of an empty part (zero weight) nor other rows; a NaN ``o_s`` of an

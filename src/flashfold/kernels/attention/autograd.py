@@ -39,6 +39,7 @@ with respect to captured tables (they are constants).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -345,6 +346,46 @@ def backward_impl(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, key, sc
 
 # --- eager: a plain autograd.Function (the dispatcher costs ~0.2 ms per step) ------------------
 
+class _Refuse(torch.autograd.Function):
+    """``apply(name, n, *grads, *inputs)``: the ``n`` gradients unchanged, joined to the
+    saved ``inputs`` by a node whose backward raises, naming ``name``."""
+
+    @staticmethod
+    def forward(ctx, name, n, *tensors):
+        ctx.name = name
+        return tuple(g.view_as(g) for g in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.name}: double backward (differentiating its gradients, "
+                           "create_graph=True) is not supported")
+
+
+def _first_order(name):
+    """``once_differentiable`` that also refuses a second derivative through the saved
+    inputs: under ``create_graph=True`` the gradients depend on the saved tensors that
+    require grad through a node that raises, naming ``name``. (torch's decorator marks
+    them only when an incoming gradient requires grad, and not as functions of the
+    inputs: the penalty ``(dq ** 2).sum()`` came out a constant of ``q``, silently, where
+    the custom ops raise.)"""
+    def wrap(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            with torch.no_grad():
+                out = backward(ctx, *grads)
+            inputs = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+            if not torch.is_grad_enabled() or not inputs:
+                return out
+            at = [i for i, g in enumerate(out) if g is not None]
+            refused = _Refuse.apply(name, len(at), *[out[i] for i in at], *inputs)
+            out = list(out)
+            for i, g in zip(at, refused):
+                out[i] = g
+            return tuple(out)
+        return wrapper
+    return wrap
+
+
 class _Attention(torch.autograd.Function):
     """Eager wrapper over :func:`forward_impl` / :func:`backward_impl` (same numerics as the
     custom ops, without the ``torch.library`` dispatch; once differentiable)."""
@@ -360,7 +401,7 @@ class _Attention(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order("flashfold.attention")
     def backward(ctx, do, dlse):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         _restore(ctx)
@@ -534,7 +575,7 @@ class MergeStates(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order("flashfold.merge_states")
     def backward(ctx, do, dlse):
         *parts, o = ctx.saved_tensors
         return None, *_merge_backward(parts, o, do, dlse)
