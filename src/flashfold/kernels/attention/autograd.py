@@ -373,8 +373,10 @@ def _first_order(name):
         def wrapper(ctx, *grads):
             with torch.no_grad():
                 out = backward(ctx, *grads)
+            if not torch.is_grad_enabled():        # (no create_graph: the common case)
+                return out
             inputs = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
-            if not torch.is_grad_enabled() or not inputs:
+            if not inputs:
                 return out
             at = [i for i, g in enumerate(out) if g is not None]
             refused = _Refuse.apply(name, len(at), *[out[i] for i in at], *inputs)
