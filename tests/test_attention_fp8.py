@@ -305,6 +305,20 @@ def test_quantize_fp8_gives_no_nan_for_finite_entries_at_float32s_edges():
     assert d.item() == torch.finfo(torch.float32).max / 448.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_quantize_fp8_takes_16_bit_tensors(dtype):
+    """A 16-bit tensor, what a model's projections produce, quantizes as its float32
+    values do (the clamp to float32's largest value is done in float32, which a 16-bit
+    tensor cannot hold)."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 4, 33, 16, generator=g) * 100).to(dtype)
+    x[0, 1, 2, 3] = float("inf")
+    x8, d = quantize_fp8(x, 2)
+    want8, want = quantize_fp8(x.float(), 2)
+    assert torch.equal(d, want)
+    assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+
+
 def test_quantize_fp8_per_packed_sequence():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 2, 30, 8, generator=g)

@@ -65,9 +65,10 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
         raise ValueError(f"heads_k must divide the {H} heads of x, got {heads_k}")
     # the factors from the finite magnitudes: a NaN or inf entry becomes NaN (below) and
     # does not move its group's factor; a finite one past float32's range counts as the
-    # largest float32 (it saturates to +-448 below)
+    # largest float32 (it saturates to +-448 below); clamped in float32, whose largest
+    # value a 16-bit tensor cannot hold
     finite = torch.isfinite(x.detach())
-    a = x.detach().abs().clamp(max=FLOAT32_MAX).to(torch.float32)
+    a = x.detach().to(torch.float32).abs().clamp(max=FLOAT32_MAX)
     a = torch.where(finite, a, 0.0)
     if cu_seqlens is None:
         amax = a.reshape(B, hk, -1).amax(-1)
