@@ -319,6 +319,15 @@ def test_quantize_fp8_takes_16_bit_tensors(dtype):
     assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
 
 
+@pytest.mark.parametrize("shape", [(0, 4, 8, 16), (1, 4, 0, 16)], ids=["no-batch", "no-rows"])
+def test_quantize_fp8_of_empty_tensors(shape):
+    """The shapes attention takes without rows or keys: an empty group is all-zero,
+    factor 1 (as an empty packed sequence's)."""
+    x8, d = quantize_fp8(torch.zeros(shape), 2)
+    assert x8.shape == shape and x8.dtype == FP8
+    assert d.shape == (shape[0], 2) and (d == 1.0).all()
+
+
 def test_quantize_fp8_per_packed_sequence():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 2, 30, 8, generator=g)

@@ -71,7 +71,7 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
     a = x.detach().to(torch.float32).abs().clamp(max=FLOAT32_MAX)
     a = torch.where(finite, a, 0.0)
     if cu_seqlens is None:
-        amax = a.reshape(B, hk, -1).amax(-1)
+        amax = _group_amax(a, hk)
     else:
         if B != 1:
             raise ValueError(f"with cu_seqlens, x must have batch 1 (packed), got {B}")
@@ -79,8 +79,7 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        amax = torch.stack([a[0, :, cu[i]:cu[i + 1]].reshape(hk, -1).amax(-1)
-                            if cu[i + 1] > cu[i] else a.new_zeros(hk)
+        amax = torch.stack([_group_amax(a[:, :, cu[i]:cu[i + 1]], hk)[0]
                             for i in range(len(cu) - 1)])
     # (a group whose largest magnitude is below 448 x 2^-149 takes the smallest float32,
     # 2^-149, not amax / 448 rounded to 0)
@@ -98,6 +97,14 @@ def quantize_fp8(x: torch.Tensor, heads_k: int | None = None, *,
     # has no inf, and torch's cast would saturate it to 448)
     x8 = torch.where(finite, x8.clamp(-FP8_MAX, FP8_MAX), float("nan"))
     return x8.to(FP8), descale
+
+
+def _group_amax(a, hk):
+    """The largest entry of each (batch, KV head) group of ``a (B, H, N, D)``, ``(B,
+    hk)``; 0 for an empty group (no rows, or head dim 0: all-zero, factor 1)."""
+    B, H, N, D = a.shape
+    group = a.reshape(B, hk, (H // hk) * N * D)
+    return group.amax(-1) if group.shape[-1] else a.new_zeros(B, hk)
 
 
 def random_rotation(head_dim: int, *, seed: int = 0, dtype=torch.float32, device=None):
