@@ -261,6 +261,20 @@ def test_meta_tensors_give_shapes():
 
 # --- quantization helpers -----------------------------------------------------------------
 
+def test_meta_lse_is_float32_whatever_the_default_dtype():
+    """The meta LSE has the dtype of the computed one, float32, not torch's default."""
+    (q8, k8, v8, qd, kd, vd), _ = _inputs(NQ=8, NK=8, D=16)
+    m = [t.to("meta") for t in (q8, k8, v8, qd, kd, vd)]
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, lse = ff.attention(*m[:3], q_descale=m[3], k_descale=m[4], v_descale=m[5],
+                              return_lse=True)
+    finally:
+        torch.set_default_dtype(old)
+    assert lse.dtype == torch.float32
+
+
 def test_quantize_fp8_scales_each_group_to_the_format():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 4, 33, 16, generator=g) * torch.tensor([1.0, 10.0, 100.0, 0.01])[

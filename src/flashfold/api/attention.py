@@ -352,7 +352,8 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
                              f"has {len(lens_k)}")
     if meta:
         o = torch.empty(q.shape[:3] + (v.shape[3],), dtype=out_dtype, device="meta")
-        return (o, torch.empty(q.shape[:3], device="meta")) if return_lse else o
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device="meta")
+        return (o, lse) if return_lse else o
     kernel = _use_kernel(q)
     if kernel:
         _check_kernel_head_dims(q, v)
