@@ -371,6 +371,17 @@ def test_random_rotation_names_a_bad_head_dim(head_dim, error):
         random_rotation(head_dim)
 
 
+@pytest.mark.parametrize("kw, error, name", [
+    (dict(seed=1.5), TypeError, "seed"), (dict(seed="0"), TypeError, "seed"),
+    (dict(seed=True), TypeError, "seed"), (dict(seed=2 ** 70), ValueError, "seed"),
+    (dict(dtype=torch.int64), TypeError, "dtype"), (dict(dtype=FP8), TypeError, "dtype"),
+    (dict(dtype="float32"), TypeError, "dtype")], ids=repr)
+def test_random_rotation_names_a_bad_seed_or_dtype(kw, error, name):
+    """An integer or FP8 dtype would round the orthogonal matrix to one that is not."""
+    with pytest.raises(error, match=name):
+        random_rotation(8, **kw)
+
+
 def test_rotation_spreads_outlier_channels_and_lowers_the_fp8_error():
     """Incoherent processing (FlashAttention-3): with a few channels 20x larger, rotating
     q and k before quantizing lowers the output's error against float64."""

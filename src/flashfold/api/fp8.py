@@ -110,13 +110,21 @@ def _group_amax(a, hk):
 def random_rotation(head_dim: int, *, seed: int = 0, dtype=torch.float32, device=None):
     """A random orthogonal ``(head_dim, head_dim)`` matrix (the QR factor of a Gaussian
     matrix, signs fixed so that the draw is uniform; computed in float64). ``head_dim``:
-    an int ``>= 1``."""
+    an int ``>= 1``; ``seed``: an int torch's generator takes (``-2^63 .. 2^64 - 1``);
+    ``dtype``: a floating point format wider than FP8 (an orthogonal matrix rounded to
+    integers or to 3 mantissa bits is not one)."""
     if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral):
         raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__}")
     head_dim = int(head_dim)
     if head_dim < 1:
         raise ValueError(f"head_dim must be >= 1, got {head_dim}")
-    g = torch.Generator().manual_seed(seed)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not -2 ** 63 <= int(seed) < 2 ** 64:
+        raise ValueError(f"seed must be in -2^63 .. 2^64 - 1, got {seed}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FP8_DTYPES:
+        raise TypeError(f"dtype must be a floating point dtype wider than FP8, got {dtype}")
+    g = torch.Generator().manual_seed(int(seed))
     a = torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64)
     qm, r = torch.linalg.qr(a)
     qm = qm * torch.sign(torch.diagonal(r))[None, :]
