@@ -509,3 +509,11 @@ def test_the_reference_is_what_the_api_runs():
     a = ff.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
     b = fp8_attention_reference(q8, k8, v8, qd, kd, vd, causal=True)[0]
     assert torch.equal(a, b)
+
+
+def test_the_reference_docstring_states_its_formula():
+    """The formula of the semantics reads as written (a control character in its place
+    would render ``o_i = rac{...}``)."""
+    doc = fp8_attention_reference.__doc__
+    assert r"o_i = \frac{\mathrm{v\_descale}}{448\, l_i}" in doc
+    assert not any(ord(ch) < 32 and ch not in "\n" for ch in doc)

@@ -334,7 +334,7 @@ def fp8_attention_reference(q8, k8, v8, q_descale, k_descale, v_descale, *, caus
     .. math::
 
         P^{(8)}_{ij} = \mathrm{fp8}(e^{s_{ij} - m_i} \cdot 448), \qquad
-        o_i = rac{\mathrm{v\_descale}}{448\, l_i} \sum_j P^{(8)}_{ij} v^{(8)}_j
+        o_i = \frac{\mathrm{v\_descale}}{448\, l_i} \sum_j P^{(8)}_{ij} v^{(8)}_j
 
     (P quantized with its own scale, 448 = E4M3's largest value, so ``P <= 1`` uses the
     format's whole range; the product of two FP8 operands accumulated in fp32, as the
