@@ -561,12 +561,11 @@ def build_impl(name: str, w: Workload, st: Static, x: Inputs, ctx) -> Impl:
         raise Unsupported(st.reason[name])
     kw = st.kw[name]
     if name == "flashfold":
-        # packed sequences: flashfold.attention reads cu_seqlens on the host (the launch
-        # grid), which a capture cannot do; a failed capture leaves the context unusable
+        # (packed sequences too: a capture reads no offsets, its launches sized by the
+        # packed lengths)
         return Impl(name, lambda: flashfold.attention(x.q, x.k, x.v, **kw),
                     lambda: flashfold.attention(x.q, x.k, x.v, return_lse=True, **kw),
-                    (x.q, x.k, x.v), x.do,
-                    not_capturable="cu_seqlens are read on the host" if w.varlen else None)
+                    (x.q, x.k, x.v), x.do)
     if name in ("cudnn", "flash"):
         return _sdpa_impl(name, w, kw, x)
     if name == "flex":

@@ -122,6 +122,13 @@ def _bounds(left, right, causal):
     return left, right
 
 
+def _capturing(device) -> bool:
+    """Whether a CUDA graph is being captured for tensors on ``device``
+    (:func:`flashfold.kernels.launcher.capturing`; imported here on use: it loads Triton)."""
+    from ..kernels.launcher import capturing
+    return capturing(device)
+
+
 def _use_kernel(q) -> bool:
     """Dispatch: the Triton kernel on CUDA tensors, the blocked reference elsewhere (tests
     monkeypatch this to run the kernel under ``TRITON_INTERPRET`` on CPU tensors)."""
@@ -163,7 +170,13 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
         (both or neither); sequence ``s`` is rows ``cu[s]:cu[s+1]``; masks and the causal
         alignment apply per sequence. Their values are read on the host (a sync) and
         checked once per tensor and version: calls passing the same tensor again (the
-        layers of a model) read nothing until an in-place write changes it.
+        layers of a model) read nothing until an in-place write changes it. While a
+        CUDA graph is captured they are neither read nor checked: the launches are sized
+        by the packed lengths (``Nq``, ``Nk``) and the kernels read the offsets on the
+        device, so a replay may find other offsets (as many sequences, over the same
+        rows; valid ones: nothing checks them then). A callable ``mask_mod`` cannot be
+        captured over packed sequences (its table is built from the lengths): pass a
+        :class:`BlockMask`.
     return_lse: also return ``lse (B, Hq, Nq)`` float32, natural log (differentiable too).
     deterministic: bitwise reproducible gradients (dQ summed in a fixed order); the
         default may accumulate dQ with atomic adds (see the module docstring).
@@ -222,9 +235,10 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     softcap = _check_positive("softcap", softcap)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
-    # meta tensors: shapes propagate, nothing is computed, checks that read values are skipped
+    # meta tensors: shapes propagate, nothing is computed, checks that read values are
+    # skipped; so are they under torch.compile and while a CUDA graph is captured (a sync)
     meta = q.device.type == "meta"
-    values = not compiling and not meta
+    values = not compiling and not meta and not _capturing(q.device)
     varlen = cu_seqlens_q is not None
     lens_q = lens_k = None
     if varlen:
@@ -340,7 +354,8 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
     softcap = _check_positive("softcap", softcap)
     meta = q.device.type == "meta"
     compiling = torch.compiler.is_compiling()
-    values = not meta and not compiling          # (under compile: no value read, no sync)
+    # (under compile and CUDA-graph capture: no value read, no sync)
+    values = not meta and not compiling and not _capturing(q.device)
     lens_q = lens_k = None
     if varlen:
         lens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, values)

@@ -328,6 +328,14 @@ def interpreting() -> bool:
     return env("TRITON_INTERPRET") not in (None, "", "0")
 
 
+def capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream, for tensors on
+    ``device`` (always False off CUDA): host reads of device values (a sync) fail then,
+    and what the host decides from values is replayed with whatever values the graph's
+    inputs hold later."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def enabled() -> bool:
     """Whether launches may bypass ``kernel[grid]`` (``FLASHFOLD_FAST_LAUNCH=0`` turns it off)."""
     return (_driver is not None and not interpreting()

@@ -200,13 +200,35 @@ def _lengths(cu):
     return [b - a for a, b in zip(vals, vals[1:])]
 
 
+def packed_lengths(cu_q, cu_k, nq: int, nk: int, lens_q=None, lens_k=None, mask=None):
+    """``(lens_q, lens_k, n_seq, max_q, max_k)`` of a packed call (offsets ``cu_q``,
+    ``cu_k`` of ``nq`` query and ``nk`` key rows): the lengths given, noted or read (a
+    host sync), and the longest. While a CUDA graph is captured nothing is read: the
+    lengths are None and the longest are bounded by the packed lengths ``nq``, ``nk``, so
+    that the launches recorded hold for any offsets a replay finds (the same number of
+    sequences over the same rows; the kernels read the offsets on the device). A
+    callable ``mask`` (its block table is built per sequence on the host) cannot be
+    captured over packed sequences: ``ValueError``."""
+    n_seq = cu_q.shape[0] - 1
+    if lens_q is None and launcher.capturing(cu_q.device):
+        if mask is not None:
+            raise ValueError("mask_mod: a callable mask_mod over packed sequences (cu_seqlens) "
+                             "builds its block table from the sequence lengths, which are "
+                             "not read while a CUDA graph is captured; pass a BlockMask "
+                             "(create_block_mask) or call outside the capture")
+        return None, None, n_seq, nq, nk
+    if lens_q is None:
+        lens_q, lens_k = _lengths(cu_q), _lengths(cu_k)
+    return lens_q, lens_k, n_seq, max(lens_q, default=0), max(lens_k, default=0)
+
+
 def kernel_forward(q, k, v, *, scale, softcap, left, right, score: TracedMod | None,
                    mask: TracedMod | None, block_mask: BlockMask | None, cu_q=None, cu_k=None,
                    lens_q=None, lens_k=None, return_lse=True, descales=None, out_dtype=None):
     """The Triton forward with the block mask prepared: a user's BlockMask is used as is
     (with bounds / windows applied inside its FULL tiles when it cannot know them), a
     callable mask_mod gets an exact table for these lengths and window (cached).
-    ``lens_*``: per-sequence lengths when already known (else read from ``cu_*``).
+    ``lens_*``: per-sequence lengths when already known (else :func:`packed_lengths`).
     ``descales``, ``out_dtype``: an FP8 call's (:func:`.fwd.attention_forward`)."""
     from . import fwd
 
@@ -218,11 +240,10 @@ def kernel_forward(q, k, v, *, scale, softcap, left, right, score: TracedMod | N
         lse = torch.full((B, HQ, NQ), -math.inf, dtype=torch.float32, device=q.device)
         return o, (lse if return_lse else None)
     varlen = cu_q is not None
-    if varlen and lens_q is None:
-        lens_q, lens_k = _lengths(cu_q), _lengths(cu_k)
-    n_seq = len(lens_q) if varlen else B
-    seq_q = max(lens_q) if varlen else NQ
-    seq_k = max(lens_k) if varlen else k.shape[2]
+    n_seq, seq_q, seq_k = B, NQ, k.shape[2]
+    if varlen:
+        lens_q, lens_k, n_seq, seq_q, seq_k = packed_lengths(
+            cu_q, cu_k, NQ, k.shape[2], lens_q, lens_k, mask if block_mask is None else None)
     full_needs_mask = True
     if block_mask is not None:
         # user tables know only their own bounds: apply ours inside FULL tiles when needed
@@ -254,11 +275,10 @@ def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
     varlen = cu_q is not None
     B, HQ, NQ, D = q.shape
     lens_q = lens_k = None
+    n_seq, seq_q, seq_k = B, NQ, k.shape[2]
     if varlen:
-        lens_q, lens_k = _lengths(cu_q), _lengths(cu_k)
-    n_seq = len(lens_q) if varlen else B
-    seq_q = max(lens_q, default=0) if varlen else NQ
-    seq_k = max(lens_k, default=0) if varlen else k.shape[2]
+        lens_q, lens_k, n_seq, seq_q, seq_k = packed_lengths(
+            cu_q, cu_k, NQ, k.shape[2], mask=mask if block_mask is None else None)
     full_needs_mask = True
     if block_mask is not None:
         full_needs_mask = varlen or left is not None or right is not None
