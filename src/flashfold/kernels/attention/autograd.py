@@ -200,15 +200,15 @@ def _lengths(cu):
     return [b - a for a, b in zip(vals, vals[1:])]
 
 
-def packed_lengths(cu_q, cu_k, nq: int, nk: int, lens_q=None, lens_k=None, mask=None):
+def packed_lengths(cu_q, cu_k, lens_q=None, lens_k=None, mask=None):
     """``(lens_q, lens_k, n_seq, max_q, max_k)`` of a packed call (offsets ``cu_q``,
-    ``cu_k`` of ``nq`` query and ``nk`` key rows): the lengths given, noted or read (a
-    host sync), and the longest. While a CUDA graph is captured nothing is read: the
-    lengths are None and the longest are bounded by the packed lengths ``nq``, ``nk``, so
-    that the launches recorded hold for any offsets a replay finds (the same number of
-    sequences over the same rows; the kernels read the offsets on the device). A
-    callable ``mask`` (its block table is built per sequence on the host) cannot be
-    captured over packed sequences: ``ValueError``."""
+    ``cu_k``): the lengths given, noted or read (a host sync), and the longest. While a
+    CUDA graph is captured nothing is read: lengths and longest are None (unknown), and
+    the launches, sized from the shapes alone (the packed rows bound every sequence;
+    the kernels read the offsets on the device), hold for any offsets a replay finds
+    (the same number of sequences over the same rows). A callable ``mask`` (its block
+    table is built per sequence on the host) cannot be captured over packed sequences:
+    ``ValueError``."""
     n_seq = cu_q.shape[0] - 1
     if lens_q is None and launcher.capturing(cu_q.device):
         if mask is not None:
@@ -216,7 +216,7 @@ def packed_lengths(cu_q, cu_k, nq: int, nk: int, lens_q=None, lens_k=None, mask=
                              "builds its block table from the sequence lengths, which are "
                              "not read while a CUDA graph is captured; pass a BlockMask "
                              "(create_block_mask) or call outside the capture")
-        return None, None, n_seq, nq, nk
+        return None, None, n_seq, None, None
     if lens_q is None:
         lens_q, lens_k = _lengths(cu_q), _lengths(cu_k)
     return lens_q, lens_k, n_seq, max(lens_q, default=0), max(lens_k, default=0)
@@ -243,7 +243,7 @@ def kernel_forward(q, k, v, *, scale, softcap, left, right, score: TracedMod | N
     n_seq, seq_q, seq_k = B, NQ, k.shape[2]
     if varlen:
         lens_q, lens_k, n_seq, seq_q, seq_k = packed_lengths(
-            cu_q, cu_k, NQ, k.shape[2], lens_q, lens_k, mask if block_mask is None else None)
+            cu_q, cu_k, lens_q, lens_k, mask if block_mask is None else None)
     full_needs_mask = True
     if block_mask is not None:
         # user tables know only their own bounds: apply ours inside FULL tiles when needed
@@ -278,7 +278,7 @@ def kernel_backward(do, q, k, v, o, lse, dlse, *, scale, softcap, left, right,
     n_seq, seq_q, seq_k = B, NQ, k.shape[2]
     if varlen:
         lens_q, lens_k, n_seq, seq_q, seq_k = packed_lengths(
-            cu_q, cu_k, NQ, k.shape[2], mask=mask if block_mask is None else None)
+            cu_q, cu_k, mask=mask if block_mask is None else None)
     full_needs_mask = True
     if block_mask is not None:
         full_needs_mask = varlen or left is not None or right is not None

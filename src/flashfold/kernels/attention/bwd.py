@@ -519,12 +519,31 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
                  mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["NUM_N", "HK", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
+@triton.jit
+def _varlen_slot(CU, slot, N_SEQ, BLOCK: tl.constexpr):
+    """``(sequence, tile)`` of work slot ``slot`` over packed sequences (offsets ``CU``,
+    ``N_SEQ`` of them): sequence ``s`` owns the slots ``CU[s] // BLOCK + s + t`` of its
+    tiles ``t < ceil(len_s / BLOCK)`` (:func:`.gluon_fwd.varlen_slots`: they never meet,
+    ``total // BLOCK + N_SEQ`` hold all), so the slot's sequence is the last ``s`` with
+    ``CU[s] // BLOCK + s <= slot`` (bisection); a tile past its sequence's end is an
+    empty slot, which the caller skips."""
+    lo = 0
+    hi = N_SEQ - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(CU + mid) // BLOCK + mid <= slot:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, slot - (tl.load(CU + lo) // BLOCK + lo)
+
+
+@triton.jit(do_not_specialize=["NUM_N", "HK", "GROUP", "SEQ_Q", "SEQ_K", "N_SEQ", "win_left",
                                "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_n"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, DK, DV, DQ_ACC, LAM, DD,
     desc_q, desc_k, desc_v, desc_do, desc_dq, SQ, SK, SV, SDO, SDK, SDV, SDQ, SL,
-    NUM_N, HK, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
+    NUM_N, HK, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, N_SEQ,
     qk_scale, softcap, scale, win_left, win_right,
     TABLES, bn_b, bn_h, bi_b, bi_h, bi_n,
     grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SBUF,
@@ -539,7 +558,8 @@ def _attn_bwd_dkdv(
     CHECK: tl.constexpr = False, STRICT: tl.constexpr = False,
 ):
     # program -> (key tile, batch, kv head); key tiles of one head are adjacent (they read
-    # the same Q / dO, which stay in L2); causal: the first key tiles are the heaviest
+    # the same Q / dO, which stay in L2); causal: the first key tiles are the heaviest.
+    # Packed sequences: (slot, kv head), NUM_N slots per head (_varlen_slot)
     if STRICT:      # the strict recompute: only when the first pass raised the flag
         if tl.load(FLAG) == 0:
             return
@@ -557,6 +577,10 @@ def _attn_bwd_dkdv(
     start_n = (pid % NUM_N) * BLOCK_N
     b = bh // HK
     hk = bh % HK
+    if IS_VARLEN:
+        hk = bh
+        b, n_tile = _varlen_slot(CU_K, pid % NUM_N, N_SEQ, BLOCK_N)
+        start_n = n_tile * BLOCK_N
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     dk_base = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh
@@ -703,12 +727,12 @@ def _attn_bwd_dkdv(
                  mask=mask & ~(tl.abs(dv) < float("inf")))
 
 
-@triton.jit(do_not_specialize=["NUM_M", "HQ", "GROUP", "SEQ_Q", "SEQ_K", "win_left",
+@triton.jit(do_not_specialize=["NUM_M", "HQ", "GROUP", "SEQ_Q", "SEQ_K", "N_SEQ", "win_left",
                                "win_right", "bn_b", "bn_h", "bi_b", "bi_h", "bi_m"])
 def _attn_bwd_dq(
     Q, K, V, DO, DQ, LAM, DD,
     desc_q, desc_k, desc_v, desc_do, SQ, SK, SV, SDO, SDQ, SL,
-    NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
+    NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K, N_SEQ,
     qk_scale, softcap, scale, win_left, win_right,
     TABLES, bn_b, bn_h, bi_b, bi_h, bi_m,
     grad_fn: tl.constexpr, WEIGHTS: tl.constexpr, SBUF,
@@ -721,7 +745,8 @@ def _attn_bwd_dq(
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, REVERSE_M: tl.constexpr,
     INTERPRET: tl.constexpr, CHECK: tl.constexpr = False, STRICT: tl.constexpr = False,
 ):
-    # program -> (query tile, batch, head), as the forward (causal: heaviest tiles first)
+    # program -> (query tile, batch, head), as the forward (causal: heaviest tiles first);
+    # packed sequences: (slot, head), NUM_M slots per head (_varlen_slot)
     if STRICT:      # the strict recompute: only when the first pass raised the flag
         if tl.load(FLAG) == 0:
             return
@@ -739,6 +764,9 @@ def _attn_bwd_dq(
         mt = NUM_M - 1 - mt
     b = bh // HQ
     h = bh % HQ
+    if IS_VARLEN:
+        h = bh
+        b, mt = _varlen_slot(CU_Q, mt, N_SEQ, BLOCK_M)
     hk = h // GROUP
     start_m = mt * BLOCK_M
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
@@ -1088,8 +1116,9 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
     dev = q.device
     varlen = cu_seqlens_q is not None
     n_seq = cu_seqlens_q.shape[0] - 1 if varlen else B
-    seq_q = max_seqlen_q if varlen else NQ
-    seq_k = max_seqlen_k if varlen else NK
+    # (packed rows of unknown lengths, None: the packed lengths bound every sequence's)
+    seq_q = max_seqlen_q if varlen and max_seqlen_q is not None else NQ
+    seq_k = max_seqlen_k if varlen and max_seqlen_k is not None else NK
     interp = _interpreting() if interpret is None else interpret
     dk = _alloc((B, HK, NK, D), dtype=q.dtype, device=dev)
     dv = _alloc((B, HK, NK, DV), dtype=q.dtype, device=dev)
@@ -1211,16 +1240,17 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
             descs = [_desc(q, bm, BD), _desc(k, bn, BD), _desc(v, bn, BDV), _desc(do, bm, BDV), dq_desc]
         else:
             descs = [q, k, v, do, acc]
-        num_n = -(-seq_k // bn)
+        # packed sequences: slots per head (_varlen_slot), no grid padded to the longest
+        num_n = NK // bn + n_seq if varlen else -(-seq_k // bn)
         # the strict recompute holds its count products in nearly all of its registers:
         # the column form's per-key entries, live across its walk, spill there (sm_90,
         # Triton 3.6: 88 / 392 bytes where the row form's loads per step spill 16 / 256,
         # tests/test_attention_backward_compile.py), so it reads the row form
         by_walk = by_rows if strict else by_cols
-        launches.append((_attn_bwd_dkdv, (num_n * n_seq * HK,), [
+        launches.append((_attn_bwd_dkdv, (num_n * (1 if varlen else n_seq) * HK,), [
             q, k, v, do, dk, dv, acc, lam, dd, *descs, *strides_in,
             rows_of(dk), rows_of(dv), rows_of(acc), lam_strides,
-            num_n, HK, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
+            num_n, HK, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k, n_seq,
             qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
             tuple(cols), *col_strides,
             grad_fn, weights, sargs, *by_walk, flag,
@@ -1238,10 +1268,10 @@ def prepare_backward(do, q, k, v, o, lse, *, scale, dlse=None, softcap=None, lef
                 descs = [_desc(q, qm, BD), _desc(k, qn, BD), _desc(v, qn, BDV), _desc(do, qm, BDV)]
             else:
                 descs = [q, k, v, do]
-            num_m = -(-seq_q // qm)
-            launches.append((_attn_bwd_dq, (num_m * n_seq * HQ,), [
+            num_m = NQ // qm + n_seq if varlen else -(-seq_q // qm)
+            launches.append((_attn_bwd_dq, (num_m * (1 if varlen else n_seq) * HQ,), [
                 q, k, v, do, dq, lam, dd, *descs, *strides_in, rows_of(dq), lam_strides,
-                num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k,
+                num_m, HQ, HQ // HK, seq_q, seq_k, cu_seqlens_q, cu_seqlens_k, n_seq,
                 qk_scale, float(softcap) if has_softcap else 1.0, float(scale), *win,
                 tuple(rows), *row_strides,
                 grad_fn, weights, sargs, *by_rows, flag,

@@ -880,7 +880,9 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v
         # flags tell the guard which rows to recompute strictly (scratch, not an output:
         # plans.new, not the swappable output allocator; zeroed: the kernel sets the
         # flags of rows that hold a non-finite o and writes no others)
-        n_seq, rows = (cu_seqlens_q.shape[0] - 1, max_seqlen_q) if varlen else (B, NQ)
+        # (packed rows of unknown lengths: the packed length bounds every sequence's)
+        n_seq, rows = ((cu_seqlens_q.shape[0] - 1, NQ if max_seqlen_q is None else max_seqlen_q)
+                       if varlen else (B, NQ))
         flags = plans.new((n_seq * HQ * -(-rows // FLAG_ROWS),), dtype=torch.int32,
                           device=q.device, zero=True)
         launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
@@ -929,8 +931,9 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
     HK, NK, DV = k.shape[1], k.shape[2], v.shape[3]
     varlen = cu_seqlens_q is not None
     n_seq = cu_seqlens_q.shape[0] - 1 if varlen else B
-    seq_q = max_seqlen_q if varlen else NQ
-    seq_k = max_seqlen_k if varlen else NK
+    # (packed rows of unknown lengths, None: the packed lengths bound every sequence's)
+    seq_q = max_seqlen_q if varlen and max_seqlen_q is not None else NQ
+    seq_k = max_seqlen_k if varlen and max_seqlen_k is not None else NK
     if out is not None:
         o, lse = out
     else:
@@ -1045,7 +1048,8 @@ def prepare_guard(q, k, v, o, lse, flags, *, flag_rows=FLAG_ROWS, config=None, i
     HQ = q.shape[1]
     varlen = options.get("cu_seqlens_q") is not None
     n_seq = options["cu_seqlens_q"].shape[0] - 1 if varlen else q.shape[0]
-    tiles = -(-(options["max_seqlen_q"] if varlen else q.shape[2]) // flag_rows)
+    rows = options["max_seqlen_q"] if varlen else None
+    tiles = -(-(q.shape[2] if rows is None else rows) // flag_rows)
     n_flags = n_seq * HQ * tiles
     assert flags.numel() == n_flags and flags.dtype == torch.int32
     cfg = config or default_config(q, q.shape[3], v.shape[3],

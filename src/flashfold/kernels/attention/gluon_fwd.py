@@ -1574,11 +1574,16 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
     """:func:`gluon_attention_fwd` of packed sequences (its docstring)."""
     _, Hq, Nq, D = q.shape
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if q.shape[0] != 1 or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+    if q.shape[0] != 1 or cu_seqlens_k is None or (max_seqlen_q is None) != (max_seqlen_k is None):
         raise ValueError("varlen: q, k, v of batch 1 with cu_seqlens_q, cu_seqlens_k, "
-                         "max_seqlen_q and max_seqlen_k")
+                         "and max_seqlen_q, max_seqlen_k both given or both None")
     n_seqs = cu_seqlens_q.shape[0] - 1
-    flag_groups = -(-max_seqlen_q // (BLOCK_M // 2))
+    known = max_seqlen_q is not None
+    # lengths unknown (a CUDA-graph capture): the flags cover the packed length, which
+    # bounds every sequence's, and the mean lengths stand for the longest in the rules
+    flag_groups = -(-(max_seqlen_q if known else Nq) // (BLOCK_M // 2))
+    if not known:
+        max_seqlen_q, max_seqlen_k = -(-Nq // max(n_seqs, 1)), -(-Nk // max(n_seqs, 1))
     if flags is None or flags.numel() != n_seqs * Hq * flag_groups:
         raise ValueError(f"flags: varlen calls write one flag per 64 rows of each sequence "
                          f"and head, ({n_seqs * Hq * flag_groups},) zeroed int32")
@@ -1661,13 +1666,16 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Varlen (``cu_seqlens_q`` / ``cu_seqlens_k``: int32 ``(S + 1,)`` offsets of ``S``
     sequences packed along ``N`` of a batch of one, with the longest lengths
-    ``max_seqlen_q`` / ``max_seqlen_k``): each sequence attends within itself (windows
+    ``max_seqlen_q`` / ``max_seqlen_k``, or both None where they are not known (a
+    CUDA-graph capture)): each sequence attends within itself (windows
     bottom-right aligned per sequence); the work items are its query tiles
     (:func:`varlen_slots`; no host sync, no padding), persistent or one program per slot
     by the dense rule with the longest sequence's tiles (:func:`persistent_default`;
-    ``persistent`` overrides it). Query tiles of one
+    ``persistent`` overrides it; the mean lengths where the longest are not known). Query
+    tiles of one
     sequence read the next one's rows and keys (masked, not written): ``flags``
-    (required, zeroed, ``(S * Hq * ceil(max_seqlen_q / 64),)``) mark the 64-row groups
+    (required, zeroed, ``(S * Hq * ceil(max_seqlen_q / 64),)``, ``Nq`` for an unknown
+    ``max_seqlen_q``) mark the 64-row groups
     where such a key's non-finite value reached ``o``, for the strict guard; no rows
     are skipped on the host (rows that see no key take one masked key tile).
 
