@@ -680,9 +680,12 @@ def test_gluon_writes_out_sigmoid_and_tanh_as_triton_computes_them(op, want):
     from flashfold.kernels.codegen import GLUON, TRITON
     x = torch.cat([torch.linspace(-60, 60, 20001), torch.tensor(
         [0.0, -0.0, 1e-30, 88.0, -88.0, 1e4, -1e4, math.inf, -math.inf, math.nan])])
-    gl = SimpleNamespace(exp=torch.exp)
+    def exp(a):           # gl.exp, which does not compile for int tensors
+        assert a.is_floating_point(), "gl.exp of an int tensor"
+        return torch.exp(a)
+    gl = SimpleNamespace(exp=exp)
     tl = SimpleNamespace(sigmoid=lambda a: 1.0 / (1.0 + torch.exp(-a)))
-    got = eval(GLUON.templates[op].format("x"), {"gl": gl, "x": x})
+    got = eval(GLUON.templates[op].format("x"), {"gl": gl, "x": x, "_float": lambda a: a})
     triton_form = eval(TRITON.templates[op].format("x"),     # (_float: floats as they are)
                        {"tl": tl, "_float": lambda a: a, "x": x})
     assert got.dtype == torch.float32
@@ -693,6 +696,12 @@ def test_gluon_writes_out_sigmoid_and_tanh_as_triton_computes_them(op, want):
     assert (got[fin].double() - ref[fin]).abs().max() <= 4 * torch.finfo(torch.float32).eps
     assert got[x == math.inf].item() == 1.0
     assert got[x == -math.inf].item() == (0.0 if op == "sigmoid" else -1.0)
+    # an int argument (a distance q_idx - kv_idx), converted as the header's _float does
+    i = torch.arange(-40, 41, dtype=torch.int32)
+    got_i = eval(GLUON.templates[op].format("i"), {"gl": gl, "i": i,
+                                                   "_float": lambda a: a.to(torch.float32)})
+    assert torch.equal(got_i, eval(GLUON.templates[op].format("x"),
+                                   {"gl": gl, "x": i.float(), "_float": lambda a: a}))
 
 
 def test_callable_mask_mods_get_tables_of_the_kernel_that_runs():

@@ -311,7 +311,8 @@ GLUON = register_backend(Backend(
     {**{op: tmpl.replace("tl.", "gl.").replace("gl.PropagateNan", "tl.PropagateNan")
         for op, tmpl in TRITON.templates.items()
         if op not in ("tanh", "sigmoid", "csum")},
-     "sigmoid": "(1.0 / (1.0 + gl.exp(-{0})))",
+     # (_float: an int argument, which gl.exp refuses, as Triton's sigmoid takes it)
+     "sigmoid": "(1.0 / (1.0 + gl.exp(-_float({0}))))",
      "tanh": "(2.0 / (1.0 + gl.exp(-2.0 * {0})) - 1.0)"},
     _tl_const, reduce_axis=0, buffer_numel=True))
 
