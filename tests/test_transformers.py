@@ -448,6 +448,26 @@ def test_bert_user_4d_mask(kind):
     assert_close(got, want, torch.float32, name=f"bert, 4-D {kind} mask")
 
 
+@pytest.mark.parametrize("kind", ["bool", "float 0/min"])
+def test_bert_user_4d_mask_broadcast_over_queries(kind):
+    """A ``(B, 1, 1, L)`` mask (SDPA broadcasts it over the query rows) is key padding:
+    the same outputs as eager with the mask spelled out per row, a batch row with no
+    hidden key included."""
+    g = torch.Generator().manual_seed(4)
+    keep = torch.rand(4, 1, 1, SEQ, generator=g) < 0.6
+    keep[..., 0] = True                                   # every row sees a key
+    keep[1] = True                                        # a row without padding
+    ids, _, _ = batch("none", seed=2)
+    ref = model("bert", "eager", torch.float64)
+    additive = torch.zeros(4, 1, SEQ, SEQ, dtype=torch.float64).masked_fill(
+        ~keep.expand(4, 1, SEQ, SEQ), torch.finfo(torch.float64).min)
+    want = run(ref, ids, additive)
+    m = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(
+        ~keep, torch.finfo(torch.float32).min)
+    got = run(model("bert", FF, torch.float32), ids, m)
+    assert_close(got, want, torch.float32, name=f"bert, (B, 1, 1, L) {kind} mask")
+
+
 def test_additive_float_bias_is_refused():
     ids, _, _ = batch("none")
     bias = torch.randn(4, 1, SEQ, SEQ)

@@ -59,6 +59,8 @@ padding with holes in a decoder)
 a 4-D boolean mask passed by the user  the same table ``mask_mod``
 a 4-D float mask of 0 / -inf (or the   converted to boolean first
 dtype's minimum)
+a 4-D mask ``(B|1, 1, 1, L)`` (one     key padding, bidirectional (above)
+row broadcast over the queries)
 GQA / MQA (``Hq`` a multiple of        passed through (no ``repeat_kv``)
 ``Hkv``)
 ``scaling``, ``softcap``               ``scale``, ``softcap``
@@ -328,8 +330,9 @@ _TABLES = _TableMods()
 
 
 def _table_from_4d(mask: torch.Tensor, B: int, S: int, L: int) -> torch.Tensor:
-    """A user's 4-D mask ``(B|1, 1, S, L)`` -> boolean ``(B|1, S, L)``; a float mask must
-    hold only 0 (visible) and -inf / the dtype's minimum (hidden)."""
+    """A user's 4-D mask ``(B|1, 1, S, L)`` -> boolean ``(B|1, S, L)`` (``S = 1`` for a
+    mask broadcast over the query rows); a float mask must hold only 0 (visible) and
+    -inf / the dtype's minimum (hidden)."""
     if mask.shape[1] != 1:
         _unsupported(f"a 4-D attention mask with per-head entries (shape {tuple(mask.shape)})")
     if tuple(mask.shape[2:]) != (S, L) or mask.shape[0] not in (1, B):
@@ -399,7 +402,13 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
                   window=window, **kw)
         return o.transpose(1, 2).contiguous(), None
     if isinstance(mask, torch.Tensor):
-        if mask.dim() == 4:
+        if mask.dim() == 4 and mask.shape[2] == 1:
+            # (B|1, 1, 1, L): the same keys hidden from every query row, a key-padding
+            # mask (SDPA broadcasts it): packed as the 2-D padding mask is
+            keys = _table_from_4d(mask, B, 1, L)[:, 0].expand(B, L).contiguous()
+            mask = (FlashfoldMask(False, B, S, L) if _padding_runs(keys)[0]
+                    else FlashfoldMask(False, B, S, L, padding=keys))
+        elif mask.dim() == 4:
             mask = FlashfoldMask(False, B, S, L, table=_table_from_4d(mask, B, S, L))
         elif mask.dim() == 2:
             mask = _mask_function_impl(B, S, L, L - S, 0, _causal_fn(is_causal), mask,
