@@ -249,6 +249,18 @@ def test_merge_states_on_meta_tensors_gives_meta_outputs():
     assert o.device.type == "meta" and o.shape == (4, 16, 64) and lse.shape == (4, 16)
 
 
+def test_merge_states_refuses_fp8_parts():
+    """An FP8 tensor holds no scale: a merged o rounded to E4M3 (NaN past 448) would be a
+    silent loss; the parts' names are given."""
+    o = torch.randn(2, 4, 16, 64)
+    lse = torch.randn(2, 4, 16)
+    o8 = o.to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="o_b must be float16"):
+        ff.merge_states(o, lse, o8, lse)
+    with pytest.raises(TypeError, match="lses must be float16"):
+        ff.merge_states(torch.stack([o, o]), torch.stack([lse, lse]).to(torch.float8_e4m3fn))
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_decode_on_meta_tensors_gives_meta_outputs(paged):
     q = _meta(2, 4, 3, 64)

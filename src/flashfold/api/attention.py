@@ -422,6 +422,12 @@ def _check_parts(name_o, name_l, o, lse, lead_from):
     _check_tensor(name_l, lse)
     if not o.is_floating_point() or not lse.is_floating_point():
         raise TypeError(f"{name_o} and {name_l} must be floating point, got {o.dtype}, {lse.dtype}")
+    for name, t in ((name_o, o), (name_l, lse)):
+        if is_fp8(t):
+            # (an FP8 tensor holds no scale: the merged o would be rounded to 8 bits, and
+            # past 448 be NaN)
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
+                            f"{t.dtype} (merge the parts in the dtype attention returned)")
     if not (lead_from + 2 <= o.dim() <= lead_from + 4):
         raise ValueError(f"{name_o} must have shape ({'S, ' if lead_from else ''}..., seq, "
                          f"head_dim) with 1 to 3 leading dims before head_dim, got "
