@@ -79,15 +79,16 @@ machine stays warm 30 s between calls). The peers' archives come from
 (``.peers/`` is ignored by git); together they are over the 64 MiB one call may carry,
 hence two steps:
 
-1. carry ``.peers/cutlass_cu13.tar.xz.part0``, ``.peers/fa4_quack_small.tar.xz`` and
-   ``.peers/cutlass_core.tar.xz``::
+1. carry ``.peers/`` (``cutlass_cu13.tar.xz.part0``, ``fa4_quack_small.tar.xz`` and
+   ``cutlass_core.tar.xz``; part1 moved to ``.peers1/``)::
 
        mkdir -p /tmp/site /tmp/peers && cp .peers/cutlass_cu13.tar.xz.part0 /tmp/peers/ && tar -xJf .peers/fa4_quack_small.tar.xz -C /tmp/site && tar -xJf .peers/cutlass_core.tar.xz -C /tmp/site && ls /tmp/site
 
-2. carry ``.peers/cutlass_cu13.tar.xz.part1`` (should the machine have gone cold between
-   the calls, the unpacking fails, says so, and the run goes on without FA4)::
+2. carry ``.peers1/`` (an ignored folder holding ``cutlass_cu13.tar.xz.part1``; should the
+   machine have gone cold between the calls, the unpacking fails, says so, and the run
+   goes on without FA4)::
 
-       { cat /tmp/peers/cutlass_cu13.tar.xz.part0 .peers/cutlass_cu13.tar.xz.part1 | tar -xJf - -C /tmp/site || echo "cutlass runtime not unpacked: no FA4"; }; export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:src PYTHONUNBUFFERED=1; set -o pipefail; timeout -s INT 570 python3 benchmarks/workloads.py 2>&1 | tee $OUT/workloads.log
+       { cat /tmp/peers/cutlass_cu13.tar.xz.part0 .peers1/cutlass_cu13.tar.xz.part1 | tar -xJf - -C /tmp/site || echo "cutlass runtime not unpacked: no FA4"; }; export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:src PYTHONUNBUFFERED=1; set -o pipefail; timeout -s INT 570 python3 benchmarks/workloads.py 2>&1 | tee $OUT/workloads.log
 
    (``--quick`` for the 4-row grid; save the log as ``benchmarks/logs/DATE_h200_workloads.log``
    and run ``flashfold bench --results``.)
