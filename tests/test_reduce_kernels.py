@@ -308,6 +308,28 @@ def test_math_of_int_values_as_the_reference():
         assert torch.allclose(o.double(), r, rtol=1e-6, equal_nan=True), (k, o, r)
 
 
+def test_logical_ops_of_numbers_as_the_reference():
+    """``and`` / ``or`` / ``where`` read a number as true when nonzero (the reference's
+    ``logical_and``): JOINS counts the merges of non-empty states through
+    ``logical_and(a.n, b.n)`` of int counts, where Triton's bitwise ``&`` gave ``2 & 1 = 0``
+    (a silently wrong count); FIRST picks by ``where(a.n, ...)``, an int condition."""
+    from flashfold import Field, Monoid, ops
+    joins = Monoid(
+        "joins", fields=(Field("n", dtype="int"), Field("j", dtype="int")), identity=(0, 0),
+        lift=lambda x: (1, 0),
+        combine=lambda a, b: (a.n + b.n, a.j + b.j + ops.to_int(ops.logical_and(a.n, b.n))),
+        commutative=True)
+    first = Monoid(
+        "first", fields=(Field("n", dtype="int"), "v"), identity=(0, 0.0),
+        lift=lambda x: (1, x), combine=lambda a, b: (a.n + b.n, ops.where(a.n, a.v, b.v)))
+    x = torch.arange(1.0, 22.0).reshape(3, 7)
+    for m in (joins, first):
+        for o, r in zip(L.launch_reduce(m, x, 1), R.reduce_reference(m, x, 1)):
+            assert torch.equal(o.double(), r.double()), (m.name, o, r)
+        for o, r in zip(L.launch_scan(m, x, 1), R.scan_reference(m, x, 1)):
+            assert torch.equal(o.double(), r.double()), (m.name, o, r)
+
+
 def test_unordered_lanes_would_break_a_non_commutative_monoid(force, monkeypatch):
     """Negative control: run MATMUL2 through the commutative lane path (elements of a
     lane are k·LANES + l, so the product is reordered) and see the check fail."""

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from .ir import BINARY, OPS, REDUCTIONS, SCANS, UNARY, Graph, Node
+from .ir import BINARY, OPS, REDUCTIONS, SCANS, UNARY, Graph, Node, is_bool
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,12 @@ class Backend:
     ``templates[op]`` is a ``str.format`` template over the operands' names; reductions
     may also use ``{axis}``, and ``load`` uses ``{buf}`` (the buffer's parameter name). ``const(value)`` prints a constant. ``namespace`` holds the
     names the templates use (``np``, ``tl``, helper functions).
+
+    ``truth`` (optional) is a template turning a number into the IR's truth value,
+    ``x != 0``, for a backend whose ``and`` / ``or`` / ``where`` take booleans only
+    (Triton's ``&`` and ``|`` are bitwise: ``2 & 1 == 0`` where the IR's ``and`` is true):
+    :func:`emit` applies it to each operand of ``and`` / ``or`` and to the condition of
+    ``where`` that is not a truth value by :func:`~flashfold.algebra.ir.is_bool`.
     """
     name: str
     templates: Mapping[str, str]
@@ -35,6 +41,7 @@ class Backend:
     buffer_numel: bool = False                       # pass each buffer's size as an argument
     expand: str = "{0}[:, None]"                     # a row value broadcast against a tile
     convert_buffer: Callable = staticmethod(lambda data: data)
+    truth: str | None = None                         # a number as a truth value: x != 0
 
     def check_complete(self, ops=OPS):
         missing = [op for op in ops if op not in ("var", "const") and op not in self.templates]
@@ -98,6 +105,9 @@ def emit(graph: Graph, backend: Backend, arg_names: list[str] | None = None,
             raise NotImplementedError(f"backend {backend.name!r} cannot lower op {n.op!r}")
         buf = f"buf{[i for i, b in enumerate(buffers) if b is n.attr][0]}" if n.op == "load" else ""
         operands = [names[id(a)] for a in n.args]
+        if backend.truth is not None and n.op in _LOGICAL:
+            operands = [_truth(backend, a, x) if i in _LOGICAL[n.op] else x
+                        for i, (x, a) in enumerate(zip(operands, n.args))]
         if tile is not None:
             if n.op in REDUCTIONS:
                 if klass[id(n.args[0])] != TILE:
@@ -116,6 +126,20 @@ def emit(graph: Graph, backend: Backend, arg_names: list[str] | None = None,
         lines.append(f"{indent}{name} = {expr}")
         names[id(n)] = name
     return lines, [names[id(o)] for o in graph.outputs]
+
+
+#: the operands (by position) that the IR reads as truth values: nonzero is true
+_LOGICAL = {"and": (0, 1), "or": (0, 1), "where": (0,)}
+
+
+def _truth(backend: Backend, node: Node, name: str) -> str:
+    """``name`` (the lowering of ``node``) as a truth value of ``backend``: as is where
+    ``node`` is one, a constant's truth printed, else ``backend.truth`` of it."""
+    if is_bool(node):
+        return name
+    if node.op == "const":
+        return backend.const(bool(node.attr))
+    return backend.truth.format(name)
 
 
 def function_source(graph: Graph, backend: Backend, fn_name: str,

@@ -84,7 +84,7 @@ def _const(v, is_float: bool) -> str:
 FAST = Backend("triton_fast", {**TRITON.templates, "log2": "_fast_log2(_float({0}))",
                                "log": "(_fast_log2(_float({0})) * 0.6931471805599453)",
                                "log1p": log1p_template("(_fast_log2({}) * 0.6931471805599453)")},
-               TRITON.const, reduce_axis=0, buffer_numel=True)
+               TRITON.const, reduce_axis=0, buffer_numel=True, truth=TRITON.truth)
 
 
 def _fast_log2_source() -> str:
