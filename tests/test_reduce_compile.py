@@ -137,3 +137,36 @@ def test_ordered_reduce_folds_vectors_in_registers(compiled):
     per_new = new["sass"] / (2 * 4 * 512 // (32 * new["num_warps"]))
     per_old = old["sass"] / (2 * 512 * 2 // (32 * old["num_warps"]))
     assert per_new <= 32 and per_new < 0.5 * per_old, (per_new, per_old)
+
+
+_STATE_TYPES = """
+import torch
+from flashfold import Field, Monoid, ops
+from flashfold.kernels.aot import compile_launch
+from flashfold.kernels.reduce import launch as L
+monoids = (
+    Monoid("any_positive", fields=("s",), identity=(0.0,), lift=lambda x: (x > 0,),
+           combine=lambda a, b: (ops.logical_or(a.s, b.s),), commutative=True),
+    Monoid("floor_sum", fields=(Field("s", dtype="int"),), identity=(0,),
+           lift=lambda x: (ops.floor(x),), combine=lambda a, b: (a.s + b.s,),
+           commutative=True))
+x = torch.empty(64, 4096)
+for m in monoids:
+    for plan in (L.plan_reduce(m, x, 1, sms=132)[0], L.plan_scan(m, x, 1, sms=132)[0]):
+        for launch in plan:
+            compile_launch(launch.kernel, launch.args, launch.kwargs)
+"""
+
+
+def test_state_fields_take_their_type_from_the_field():
+    """A lift or combine may give a field a value of another type, which the reference
+    stores as the field's (a truth value in a float field, ``floor`` of a float in an int
+    field): the kernels convert it too, where ``tl.reduce`` / ``tl.associative_scan``
+    refused to compile a combine whose results differ in type from its operands (the
+    interpreter ran it)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _STATE_TYPES], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]

@@ -128,13 +128,17 @@ def cache_dir() -> Path:
 
 def jit_source(graph: Graph, fn_name: str, arg_names: list[str] | None = None,
                extra_params: tuple[str, ...] = (), float_outputs: tuple[bool, ...] | None = None,
-               backend: Backend = TRITON) -> str:
+               backend: Backend = TRITON, state: bool = False) -> str:
     """Triton source of one ``@triton.jit`` function computing ``graph`` (``@gluon.jit``
     with ``backend=GLUON``, defined below; load it with :data:`_GLUON_HEADER`).
 
     ``float_outputs[i]`` says whether output ``i`` is a float (else int32) when it is a
-    constant that must be broadcast to the first argument's shape. ``backend`` is a Triton
-    table (:data:`TRITON`, or a variant such as one with fast approximate math).
+    constant that must be broadcast to the first argument's shape. ``state``: the outputs
+    are a state's fields, each converted to its field's type (``float_outputs``), as the
+    reference stores a state: a truth value in a float field is 1.0 / 0.0, a float in an
+    int field is truncated (``tl.reduce`` and ``tl.associative_scan`` refuse a combine
+    whose results differ in type from its operands). ``backend`` is a Triton table
+    (:data:`TRITON`, or a variant such as one with fast approximate math).
     """
     args = list(arg_names or [v.name for v in graph.inputs])
     lines, outs = emit(graph, backend, args)
@@ -142,10 +146,12 @@ def jit_source(graph: Graph, fn_name: str, arg_names: list[str] | None = None,
     gluon = backend.name == "gluon"
     fixed = []
     for i, (node, expr) in enumerate(zip(graph.outputs, outs)):
+        dt = "tl.float32" if (float_outputs is None or float_outputs[i]) else "tl.int32"
         if node.op == "const":
-            dt = "tl.float32" if (float_outputs is None or float_outputs[i]) else "tl.int32"
             expr = (f"gl.full({ref}.shape, {expr}, {dt}, {ref}.type.layout)" if gluon
                     else f"tl.full({ref}.shape, {expr}, {dt})")
+        elif state:
+            expr = f"({expr}).to({dt})"
         fixed.append(expr)
     buf_params = []
     for i, _ in enumerate(graph.buffers):
@@ -275,18 +281,19 @@ def triton_monoid(monoid: Monoid) -> TritonMonoid:
     a = ["a_" + f.name for f in fields]
     b = ["b_" + f.name for f in fields]
     parts = [
-        jit_source(monoid.lift_graph, "lift", [i.name for i in monoid.inputs], float_outputs=is_float),
-        jit_source(monoid.combine_graph, "combine", a + b, float_outputs=is_float),
+        jit_source(monoid.lift_graph, "lift", [i.name for i in monoid.inputs],
+                   float_outputs=is_float, state=True),
+        jit_source(monoid.combine_graph, "combine", a + b, float_outputs=is_float, state=True),
         jit_source(monoid.finalize_graph, "finalize",
                    [f.name for f in fields] + [p for p, _ in monoid.params]),
     ]
     block_args = [i.name for i in monoid.inputs] + ["valid"]
     if monoid.block_lift_graph is not None:
         parts.append(jit_source(monoid.block_lift_graph, "block_lift", block_args,
-                                float_outputs=is_float))
+                                float_outputs=is_float, state=True))
     if monoid.block_scan_graph is not None:
         parts.append(jit_source(monoid.block_scan_graph, "block_scan", block_args,
-                                float_outputs=is_float))
+                                float_outputs=is_float, state=True))
         parts.append(jit_source(monoid.scan_exact_graph, "scan_exact",
                                 [f.name for f in fields], float_outputs=(False,)))
     parts.append(_combinators(fields))
