@@ -174,6 +174,18 @@ def test_transport_validates_its_arguments():
         ff.check_transport(ATTENTION, MAX_PLUS, exp_rescale)
 
 
+def test_a_map_may_return_one_value_for_a_one_field_carrier():
+    """psi / psi_inv returning a single value (not a 1-tuple) passed the checks of
+    transport, which read them as 1-tuples, and then failed inside the derived combine
+    ("SumState() argument after * must be an iterable, not Node")."""
+    from flashfold.monoids import SUM
+    double = ff.transport(SUM, lambda s: s.s * 2.0, lambda t: t.s / 2.0, name="double_sum")
+    x = np.array([1.0, 2.0, 4.0])
+    for schedule in ("sequential", "tree"):
+        assert float(ff.fold(double, x, schedule).s) == 14.0
+    assert ff.check_laws(double)
+
+
 def test_check_transport_names_a_bad_seed():
     """A seed that is not an int used to fail inside NumPy's SeedSequence."""
     with pytest.raises(TypeError, match="seed: expected an int"):

@@ -170,14 +170,21 @@ POWER_SUMS = Monoid(
 _PROVENANCE: "weakref.WeakKeyDictionary[Monoid, tuple]" = weakref.WeakKeyDictionary()
 
 
+def _tupled(fn: Callable) -> Callable:
+    """``fn(state)`` with its result as a tuple: a single value (the one field of a
+    one-field carrier, ``lambda s: s.m * 2``) as a 1-tuple. Every use of ``psi`` and
+    ``psi_inv`` reads them through it, so they agree on what a map returns."""
+    def tupled(state):
+        out = fn(state)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return tupled
+
+
 def _map_graph(fn: Callable, fields: Sequence[Field], name: str, n_out: int | None = None):
     """Trace ``fn(state) -> tuple`` over a state with ``fields`` into a Graph."""
     S = namedtuple("S", [f.name for f in fields])
-
-    def call(f, nodes):
-        out = f(S(*nodes))
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    return trace(fn, [Var(f.name, f.vector) for f in fields], name, call, n_outputs=n_out)
+    return trace(_tupled(fn), [Var(f.name, f.vector) for f in fields], name,
+                 lambda f, nodes: f(S(*nodes)), n_outputs=n_out)
 
 
 def _evaluate_at(graph, values, fields):
@@ -300,6 +307,8 @@ def transport(base: Monoid, psi: Callable, psi_inv: Callable, *, name: str,
         raise ValueError(f"identity: expected {k} values, got {len(identity)}")
 
     BaseS = base.State
+    provenance = (psi, psi_inv)
+    psi, psi_inv = _tupled(psi), _tupled(psi_inv)
 
     def to_base(t):
         return BaseS(*psi_inv(t))
@@ -347,7 +356,7 @@ def transport(base: Monoid, psi: Callable, psi_inv: Callable, *, name: str,
         scan_exact=derived_scan_exact if base.scan_exact is not None else None,
         commutative=base.commutative if commutative is None else commutative,
         doc=doc or f"{base.name} transported through {getattr(psi, '__name__', 'psi')}")
-    _PROVENANCE[twisted] = (base, psi, psi_inv, adjoined)
+    _PROVENANCE[twisted] = (base, *provenance, adjoined)
     return twisted
 
 
