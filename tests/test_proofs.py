@@ -117,6 +117,19 @@ def test_counterexamples_are_searched_inside_the_failing_case():
     assert max(vals[0] + vals[1], vals[1] + vals[2]) > 10
 
 
+def test_a_case_split_on_a_nonlinear_condition_gives_a_counterexample():
+    """A bonus where ``a·b > 1`` breaks associativity; the failing case is selected by
+    that nonlinear comparison, and testing a candidate against it failed with
+    ``int() argument must be ... not 'BooleanTrue'`` instead of giving the witness."""
+    bonus = ff.Monoid("product_bonus", fields=("s",), identity=(0.0,),
+                      inputs=(ff.Input("x", domain="finite"),), lift=lambda x: (x,),
+                      combine=lambda a, b: (a.s + b.s + ops.where(a.s * b.s > 1.0, 1.0, 0.0),),
+                      commutative=True)
+    proof = prove(bonus)
+    assert proof.failure.name == "associativity"
+    assert proof.counterexample is not None and proof.counterexample.confirmed, proof.text()
+
+
 def test_wrong_identity_fails():
     bad = ff.Monoid("sum_with_identity_one", fields=("s",), identity=(1.0,),
                     inputs=(ff.Input("x", domain="finite"),),

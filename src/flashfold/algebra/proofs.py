@@ -1196,7 +1196,7 @@ def _satisfies(path: _Path, values: dict) -> bool:
             val = sp.sympify(diff).subs(values)
             if not val.is_comparable:
                 return False
-            if _holds(op, int(val > 0) - int(val < 0)) != want:
+            if _holds(op, int(bool(val > 0)) - int(bool(val < 0))) != want:
                 return False
         elif key[0] in ("isinf", "isnan"):
             val = sp.sympify(key[1]).subs(values)
