@@ -175,6 +175,18 @@ def test_ops_without_symbolic_meaning_are_reported():
         prove(with_load)
 
 
+def test_a_field_holding_a_truth_value_is_reported():
+    """ANY (lift ``x > 0``, combine ``a.s | b.s``) keeps comparisons in its field; prove
+    fed them to SymPy and failed with ``SympifyError: cannot sympify ... _Rel``, which
+    ``flashfold check --prove`` does not catch. It is a ProofError naming the result."""
+    any_positive = ff.Monoid("any_positive", fields=("s",), identity=(0.0,),
+                             lift=lambda x: (x > 0,),
+                             combine=lambda a, b: (ops.logical_or(a.s, b.s),), commutative=True)
+    assert ff.check_laws(any_positive)
+    with pytest.raises(ProofError, match="any_positive.lift: result 0 is a truth value"):
+        prove(any_positive)
+
+
 def test_a_law_whose_sides_are_nan_is_not_proved():
     """SymPy's ``nan == nan`` is True: a combine that makes NaN of valid states (inf + -inf;
     0 x inf) must not pass as "identical" on both sides. check_laws rejects the same

@@ -640,13 +640,26 @@ def sympy_backend() -> Backend:
 def sympy_function(graph) -> Callable:
     """``graph`` lowered to SymPy: a Python function of SymPy expressions returning a tuple.
 
-    Branching ops consult the decision oracle, so call it inside :func:`explore`.
+    Branching ops consult the decision oracle, so call it inside :func:`explore`. The
+    results must be numbers: a truth value (a comparison, ``a.s | b.s``) as a state's
+    field raises :class:`ProofError`, since the symbols of a proof range over the reals
+    (a field of 0 / 1 is refuted at states such as 2 that no reduction reaches).
     """
     try:
-        return compile_graph(graph, sympy_backend())
+        fn = compile_graph(graph, sympy_backend())
     except NotImplementedError as e:
         raise ProofError(f"{graph.name}: {e} (SymPy proofs cover elementwise combines, not "
                          f"block reductions or buffer loads)") from None
+
+    def numbers(*args):
+        outs = fn(*args)
+        for i, o in enumerate(outs):
+            if isinstance(o, (bool, _Rel, _Logic, _Atom)):
+                raise ProofError(f"{graph.name}: result {i} is a truth value (a comparison "
+                                 f"or a logical op); symbolic proofs cover fields of numbers "
+                                 f"(check_laws checks this monoid numerically)")
+        return outs
+    return numbers
 
 
 # =====================================================================================
