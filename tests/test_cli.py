@@ -71,6 +71,13 @@ def test_trace_keeps_a_nan_max_nan():
     assert [r["scale"] for r in rows] == [0.0, 0.0, 0.0]
 
 
+def test_trace_takes_masked_and_exponent_scores(capsys):
+    """``-inf`` (a masked score) and ``-1e5`` are values, not unknown options."""
+    assert main(["trace", "-inf", "2", "-1e5", "-INF", "--block", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "softmax = [0.0000, 1.0000, 0.0000, 0.0000]" in out[-1]
+
+
 def test_trace_rejects_bad_values():
     with pytest.raises(SystemExit, match="values"):
         main(["trace", "1", "2", "--block", "1", "--values", "1,0"])

@@ -25,6 +25,7 @@ import importlib
 import math
 import os
 import platform
+import re
 import sys
 from typing import Callable
 
@@ -36,7 +37,15 @@ import numpy as np
 # so the functions behind the commands never see an invalid value.
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with its errors on one line: ``flashfold CMD: error: ...``."""
+    """argparse's parser with its errors on one line: ``flashfold CMD: error: ...``, and
+    negative numbers in every form ``float`` reads (``-inf``, a masked score; ``-1e5``)
+    taken as values, where argparse knows ``-1`` and ``-.5`` only and reads the others as
+    unknown options (none of flashfold's options looks like a number)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(
+            r"^-(\d+\.?\d*(e[+-]?\d+)?|\.\d+(e[+-]?\d+)?|inf(inity)?|nan)$", re.IGNORECASE)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
