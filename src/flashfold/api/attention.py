@@ -235,11 +235,12 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     softcap = _check_positive("softcap", softcap)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
-    # meta tensors: shapes propagate, nothing is computed, checks that read values are
-    # skipped; so are they under torch.compile and while a CUDA graph is captured (a sync)
+    # meta tensors: shapes propagate, nothing is computed, checks that read values (the
+    # offsets') are skipped; so are they under torch.compile and while a CUDA graph is
+    # captured (a sync)
     meta = q.device.type == "meta"
-    values = not compiling and not meta and not _capturing(q.device)
     varlen = cu_seqlens_q is not None
+    values = not compiling and not meta and not (varlen and _capturing(q.device))
     lens_q = lens_k = None
     if varlen:
         if q.shape[0] != 1:
@@ -355,7 +356,7 @@ def _fp8_attention(q, k, v, *, causal, window, scale, softcap, score_mod, mask_m
     meta = q.device.type == "meta"
     compiling = torch.compiler.is_compiling()
     # (under compile and CUDA-graph capture: no value read, no sync)
-    values = not meta and not compiling and not _capturing(q.device)
+    values = not meta and not compiling and not (varlen and _capturing(q.device))
     lens_q = lens_k = None
     if varlen:
         lens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device, values)
