@@ -104,7 +104,7 @@ def test_softmax_of_length_one_rows_owns_its_memory(path):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_var_mean(path, dtype):
     x = data((4, 27), dtype, scale=3.0) + 5
-    for corr in (0, 1, 2):
+    for corr in (0, 1, 2, None):            # (None: torch's default, 1)
         var, mean = ff.var_mean(x, 1, correction=corr)
         wv, wm = torch.var_mean(x.double(), 1, correction=corr)
         assert_close(mean, wm, dtype, scale=x.double().abs().amax(1).numpy(), name="mean")

@@ -579,7 +579,10 @@ def var_mean(x: torch.Tensor, dim=None, *, correction=1, keepdim: bool = False):
     state ``(n, mean, M2)``: ``var = M2 / max(n - correction, 0)`` (when ``n <=
     correction``: inf, or NaN where ``M2 = 0``, as torch). An infinite or NaN element makes ``var`` NaN and
     ``mean`` infinite or NaN, as torch. An empty dim gives ``(nan, nan)``. Differentiable:
-    ``dx = g_mean / n + g_var 2 (x - mean) / (n - correction)``, torch's rule."""
+    ``dx = g_mean / n + g_var 2 (x - mean) / (n - correction)``, torch's rule.
+    ``correction=None`` is 1, as torch takes it."""
+    if correction is None:
+        correction = 1
     if isinstance(correction, bool) or not isinstance(correction, numbers.Real):
         raise TypeError(f"correction: expected a number, got {type(correction).__name__}")
     _check_bool("keepdim", keepdim)
