@@ -265,6 +265,15 @@ def test_segment_reduce(path):
     assert got.shape == (3, 3)
 
 
+def test_one_input_monoid_takes_its_input_in_a_tuple_too(path):
+    """The tuple form of several inputs holds for one: ``(x,)`` is ``x``."""
+    x = data((3, 40), torch.float32)
+    assert torch.equal(ff.reduce(SUM, (x,), 1), ff.reduce(SUM, x, 1))
+    assert torch.equal(ff.scan(SUM, [x], 1), ff.scan(SUM, x, 1))
+    with pytest.raises(ValueError, match="^x: 'sum' takes 1 input"):
+        ff.reduce(SUM, (x, x), 1)
+
+
 def test_validation():
     x = torch.randn(3, 4)
     with pytest.raises(TypeError, match="^x: expected a torch.Tensor"):
