@@ -422,6 +422,28 @@ def test_training_gradients_match_eager(style):
                      name=f"{style} d loss / d {name}")
 
 
+def test_training_two_table_masks_before_one_backward():
+    """Two micro-batches whose decoder masks have holes (boolean tables of one shape) run
+    forward before a single backward: each layer's backward reads the table of its own
+    forward, not the one a later call brought (the loss's gradient against eager)."""
+    ids, _, _ = batch("none", seed=12)
+    masks = [torch.ones(4, SEQ, dtype=torch.long) for _ in range(2)]
+    masks[0][1, 3:6] = masks[0][3, 2] = 0
+    masks[1][2, 1::3] = masks[1][0, 4:9] = 0
+    ff, ref = build("llama", FF).train(), build("llama", "eager", torch.float64).train()
+    w = torch.randn(4, SEQ, VOCAB, generator=torch.Generator().manual_seed(5),
+                    dtype=torch.float64)
+    for m in (ff, ref):
+        losses = [(m(input_ids=ids, attention_mask=mask).logits.double() * w).sum()
+                  for mask in masks]
+        sum(losses).backward()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        g = getattr(ff.model.layers[0].self_attn, name).weight.grad
+        want = getattr(ref.model.layers[0].self_attn, name).weight.grad
+        assert_close(g, want, torch.float32, scale=float(want.abs().max()),
+                     name=f"d loss / d {name}, two micro-batches")
+
+
 # --- user 4-D masks -------------------------------------------------------------------------
 
 def _dense_mask(seed=3):

@@ -288,42 +288,45 @@ def _mask_function_impl(batch_size: int, q_length: int, kv_length: int, q_offset
 # --- a boolean table as a mask_mod -------------------------------------------------------------
 
 class _TableMods:
-    """One traced ``mask_mod`` per table shape and device, reading a persistent table.
+    """One traced ``mask_mod`` per boolean table, reading a private copy of it.
 
-    ``visible(b, h, q, kv) = table[b * S + q, kv]`` (``b * 0`` when the table is shared by
-    the batch). The table's contents are copied in only when a different mask arrives, so
-    the Triton function (generated once per traced mod) and, within a forward pass, the
-    block mask (cached on the table's version) are reused by every layer.
+    ``visible(b, h, q, kv) = store[b * S + q, kv]`` (``b * 0`` when the table is shared by
+    the batch), ``store`` an int8 ``(Bt * S, L)`` copy of the table made with the mod and
+    never written again: a differentiable call keeps its mod for the backward, which must
+    read the table of its own forward whatever tables later calls (other layers' masks,
+    the next micro-batch) bring. Entries are keyed on the table's device, storage, shape,
+    strides and version (:func:`~flashfold.kernels.attention.mods.version`; an entry holds
+    its table, so the storage is not reused while it is cached): every layer of a forward
+    pass (one table, or views of one user mask) shares one mod and, with it, the Triton
+    function (generated once per traced mod) and the block mask.
     """
 
-    #: table shapes kept (a prefill's and a decode step's, per device, and a few more)
+    #: tables kept (a forward pass's one or two, a few more)
     SIZE = 8
 
     def __init__(self):
         self._mods: OrderedDict = OrderedDict()
 
     def get(self, table: torch.Tensor):
+        from ..kernels.attention.mods import version
         from ..ops import Buffer
         Bt, S, L = table.shape
-        key = (str(table.device), Bt, S, L)
+        key = (str(table.device), table.data_ptr(), tuple(table.shape), table.stride(),
+               version(table))
         entry = self._mods.get(key)
         if entry is not None:
             self._mods.move_to_end(key)
-        else:
-            store = torch.zeros(Bt * S, L, dtype=torch.int8, device=table.device)
-            buf = Buffer(store)
-            rows = S if Bt > 1 else 0
+            return entry[0]
+        store = table.reshape(Bt * S, L).to(torch.int8, copy=True)
+        buf = Buffer(store)
+        rows = S if Bt > 1 else 0
 
-            def hf_mask_table(b, h, q_idx, kv_idx):
-                return buf[b * rows + q_idx, kv_idx] != 0
-            entry = self._mods[key] = [hf_mask_table, store, None]
-            while len(self._mods) > self.SIZE:
-                self._mods.popitem(last=False)
-        fn, store, owner = entry
-        if owner is not table:
-            store.copy_(table.reshape(Bt * S, L))
-            entry[2] = table
-        return fn
+        def hf_mask_table(b, h, q_idx, kv_idx):
+            return buf[b * rows + q_idx, kv_idx] != 0
+        self._mods[key] = (hf_mask_table, store, table)
+        while len(self._mods) > self.SIZE:
+            self._mods.popitem(last=False)
+        return hf_mask_table
 
 
 _TABLES = _TableMods()
