@@ -362,6 +362,30 @@ def test_left_padded_step_equals_the_varlen_path(monkeypatch):
     assert torch.equal(out, want) and not out[1, -1].any()
 
 
+@pytest.mark.parametrize("padding", ["left", "none"])
+def test_step_with_a_value_head_dim_of_its_own(padding):
+    """A KV-cache step whose values have their own head dim (``Dv != D``, as the attention
+    function's contract allows: MLA-style models) is answered, not refused by
+    flashfold.decode (whose cache holds K and V of one shape): against the naive masked
+    attention on the rows with a real key."""
+    from flashfold.kernels.attention.reference import naive_attention
+    g = torch.Generator().manual_seed(6)
+    B, S, L = 3, 2, 9
+    q, k, v = (torch.randn(B, h, n, d, generator=g, dtype=torch.float64)
+               for h, n, d in ((4, S, 32), (2, L, 32), (2, L, 16)))
+    pad = torch.ones(B, L, dtype=torch.long)
+    if padding == "left":
+        pad[1, :3] = pad[2, :8] = 0
+    module = torch.nn.Module()
+    out, _ = fft.flashfold_attention_forward(module, q, k, v, pad)
+    assert out.shape == (B, S, 4, 16)
+    causal = torch.arange(L)[None, :] <= torch.arange(S)[:, None] + L - S
+    visible = pad.bool()[:, None, :] & causal
+    ref, _ = naive_attention(q, k, v, mask_mod=lambda b, h, i, j: visible[b, i, j])
+    real = visible.any(-1)
+    assert_close(out[real], ref.transpose(1, 2)[real], torch.float64, name=f"Dv != D, {padding}")
+
+
 def test_decoder_padding_with_holes_uses_the_table():
     """A causal mask whose padding has holes is not one run per row: HF's boolean table.
     Every row sees key 0, so eager's float64 padded batch is defined on all rows."""

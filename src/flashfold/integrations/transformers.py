@@ -41,11 +41,13 @@ decoder (causal) mask, no padding      ``causal=True``: bottom-right aligned, wh
                                        the causal mask of a KV-cache step (query ``i`` is
                                        position ``L - S + i``); a step of 1 to 16 new
                                        tokens against a longer cache runs
-                                       :func:`flashfold.decode` (split-KV)
+                                       :func:`flashfold.decode` (split-KV) when K and V
+                                       share a head dim (``Dv = D``, as its cache needs)
 KV-cache step (1 to 16 new tokens,     :func:`flashfold.decode` over the unpacked cache
 ``S < L``), left padding (each row's   with ``cache_start`` = the row's first real key
 real keys one run ending at ``L``)     (no packing, no host synchronisation per layer);
-                                       query rows before it give 0
+                                       query rows before it give 0 (``Dv != D``: the
+                                       varlen packing below)
 bidirectional (encoder) mask           no mask
 key padding, bidirectional             the real keys packed (``cu_seqlens_k``), every query
                                        row kept (the same values as eager on all rows)
@@ -433,7 +435,9 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
         o = _call(api_attention.attention, where, query, key, value, mask_mod=mod, **kw)
         return o.transpose(1, 2).contiguous(), None
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    step = mask.causal and S < L and S <= _MAX_DECODE_Q and not grad
+    # flashfold.decode's contract: 1..16 new tokens, no gradient, K and V of one head dim
+    step = (mask.causal and S < L and S <= _MAX_DECODE_Q and not grad
+            and value.shape[-1] == key.shape[-1])
     if step and (not mask.varlen or mask.kv_start is not None):
         # a KV-cache step, unpadded or left-padded: split-KV decoding over the whole cache,
         # each row from its first real key (query rows before it see no key: 0)
