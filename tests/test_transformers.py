@@ -514,6 +514,16 @@ def test_bert_user_4d_mask_broadcast_over_queries(kind):
     assert_close(got, want, torch.float32, name=f"bert, (B, 1, 1, L) {kind} mask")
 
 
+def test_integer_4d_mask_other_than_0_1_is_refused():
+    """An int mask of 0 / -10^9 (an additive bias in ints) would read 0 as hidden."""
+    ids, _, _ = batch("none")
+    keep = _dense_mask()
+    with pytest.raises(NotImplementedError, match="integer 4-D attention_mask"):
+        run(model("bert", FF, torch.float32), ids, (keep.long() - 1) * 10**9)
+    got = run(model("bert", FF, torch.float32), ids, keep.long())      # 1 / 0: as bool
+    assert torch.equal(got, run(model("bert", FF, torch.float32), ids, keep))
+
+
 def test_additive_float_bias_is_refused():
     ids, _, _ = batch("none")
     bias = torch.randn(4, 1, SEQ, SEQ)

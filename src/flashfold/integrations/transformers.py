@@ -337,7 +337,7 @@ _TABLES = _TableMods()
 def _table_from_4d(mask: torch.Tensor, B: int, S: int, L: int) -> torch.Tensor:
     """A user's 4-D mask ``(B|1, 1, S, L)`` -> boolean ``(B|1, S, L)`` (``S = 1`` for a
     mask broadcast over the query rows); a float mask must hold only 0 (visible) and
-    -inf / the dtype's minimum (hidden)."""
+    -inf / the dtype's minimum (hidden), an integer one only 1 (visible) and 0."""
     if mask.shape[1] != 1:
         _unsupported(f"a 4-D attention mask with per-head entries (shape {tuple(mask.shape)})")
     if tuple(mask.shape[2:]) != (S, L) or mask.shape[0] not in (1, B):
@@ -347,6 +347,11 @@ def _table_from_4d(mask: torch.Tensor, B: int, S: int, L: int) -> torch.Tensor:
     if m.dtype == torch.bool:
         return m
     if not m.is_floating_point():
+        # 1 / 0 as bool; other ints read either way (0 visible as a bias, or hidden as a
+        # flag): refused rather than guessed
+        if not bool(((m == 0) | (m == 1)).all()):
+            _unsupported("an integer 4-D attention_mask with values other than 0 and 1 (an "
+                         "additive bias?); pass a bool mask or a float mask of 0 / -inf")
         return m != 0
     hidden = m <= torch.finfo(m.dtype).min / 2
     if not bool(((m == 0) | hidden).all()):
