@@ -146,11 +146,12 @@ def _is_vector(monoid) -> bool:
 def _inputs(monoid, x):
     """``x`` checked for ``monoid``: the tensor of a one-input monoid (or a tuple of that
     one tensor, as for several), or for a monoid of ``n > 1`` data inputs a tuple of
-    ``n`` tensors (in the monoid's input order) on one device. A vector input carries a trailing feature axis of one width ``W`` for all;
-    the other dims of every input broadcast to one shape ``S`` (views: nothing is
-    copied). Returns ``(xs, first, dtype)``: ``xs`` the tensor or the tuple of views,
-    ``first`` a tensor (or view) of shape ``S`` (dims, device), ``dtype`` the float
-    outputs' dtype (the inputs' promoted dtype)."""
+    ``n`` tensors (in the monoid's input order) on one device. A vector input carries a
+    trailing feature axis of one width ``W`` for all; the other dims of every input
+    broadcast to one shape ``S`` (views: nothing is copied). Returns ``(xs, first,
+    dtype)``: ``xs`` the tensor or the tuple of views, ``first`` a tensor (or view) of
+    shape ``S`` (dims, device), ``dtype`` the float outputs' dtype (the inputs' promoted
+    dtype)."""
     data = _data_inputs(monoid)
     names = [i.name for i in data]
     if len(data) == 1 and not data[0].vector:
