@@ -156,10 +156,11 @@ def _inputs(monoid, x):
     names = [i.name for i in data]
     if len(data) == 1 and not data[0].vector:
         if isinstance(x, (tuple, list)):
-            if len(x) != 1:
+            if len(x) == 1:
+                x = x[0]
+            elif x and all(isinstance(t, torch.Tensor) for t in x):
                 raise ValueError(f"x: {monoid.name!r} takes 1 input {names}, got a tuple of "
                                  f"{len(x)}")
-            x = x[0]
         _check_x(x)
         return x, x, x.dtype
     if len(data) == 1 and isinstance(x, torch.Tensor):
