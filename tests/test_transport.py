@@ -186,6 +186,16 @@ def test_a_map_may_return_one_value_for_a_one_field_carrier():
     assert ff.check_laws(double)
 
 
+def test_an_infinite_identity_in_an_int_field_names_psi():
+    """An int field cannot hold psi's image of the identity when it is infinite (it was
+    an OverflowError from int(inf))."""
+    from flashfold.algebra.monoid import Field, Monoid
+    imax = Monoid("imax", (Field("m", dtype="int"),), (0,), lambda x: (ops.to_int(x),),
+                  lambda a, b: (ops.maximum(a.m, b.m),))
+    with pytest.raises(ValueError, match="psi maps the base identity .* int field 'm'"):
+        ff.transport(imax, lambda s: (s.m - ops.inf,), lambda t: (t.m,), name="shifted")
+
+
 def test_check_transport_names_a_bad_seed():
     """A seed that is not an int used to fail inside NumPy's SeedSequence."""
     with pytest.raises(TypeError, match="seed: expected an int"):

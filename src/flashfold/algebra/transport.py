@@ -298,6 +298,11 @@ def transport(base: Monoid, psi: Callable, psi_inv: Callable, *, name: str,
                 f"{tuple(base.identity)} if that is the twisted identity")
         identity = tuple(identity)
     else:
+        for v, f in zip(at_e, tw_fields):
+            if f.dtype == "int" and math.isinf(v):
+                raise ValueError(f"psi maps the base identity {base.identity} to {v} in the "
+                                 f"int field {f.name!r}, which holds finite values only "
+                                 f"(declare it a float field)")
         derived = tuple(int(v) if f.dtype == "int" else v for v, f in zip(at_e, tw_fields))
         if identity is not None and not all(_same_number(x, y) for x, y in zip(identity, derived)):
             raise ValueError(f"identity: psi maps the base identity {base.identity} to {derived}, "
