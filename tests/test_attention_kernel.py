@@ -201,6 +201,28 @@ def test_kernel_block_mask_larger_than_tiles(kernel):
     assert_close(o, oracle(q, k, v, mask_mod=mask)[0], torch.float16, scale=out_scale(v), name="o")
 
 
+@pytest.mark.parametrize("mask", [mods.sliding_window_mask(None, None), mods.and_masks(),
+                                  lambda b, h, i, j: True], ids=["window-unbounded", "and-none",
+                                                                 "true"])
+def test_kernel_constant_mask_mod(kernel, mask):
+    """A mask_mod that is the constant True (an unbounded ``sliding_window_mask``, an empty
+    ``and_masks``) shows every key, forward and backward, as on the CPU path; its Triton
+    lowering was a float32 0 / 1, which the kernels' ``mask != 0`` could not combine."""
+    q, k, v = make_qkv(Shape(1, 2, 1, 20, 20, 32), torch.float32, seed=12)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = flashfold.attention(*leaves, mask_mod=mask, return_lse=True)
+    ro, rl = oracle(q, k, v)
+    assert_close(o, ro, torch.float32, scale=out_scale(v), name="o")
+    assert_close(lse, rl, "float32", scale=lse_scale(rl), name="lse")
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(13))
+    o.backward(do)
+    ref = [t.clone().double().requires_grad_() for t in (q, k, v)]
+    oracle(*ref)[0].backward(do.double())
+    for name, a, r in zip("qkv", leaves, ref):
+        assert_close(a.grad, r.grad, torch.float32, scale=max(1.0, r.grad.abs().max().item()),
+                     name=f"d{name}")
+
+
 def test_kernel_rows_with_no_visible_key(kernel):
     shape = Shape(1, 2, 1, 40, 7, 32)
     q, k, v = make_qkv(shape, torch.float16, seed=10)

@@ -602,19 +602,22 @@ def buffer_slots(n: int) -> str:
 
 def _triton_wrapper(mod: TracedMod, gluon: bool = False):
     fname = "score_fn" if mod.kind == "score" else "mask_fn"
-    return _jit_wrapper(mod.graph, fname, len(mod.buffers), 1, f"{mod.kind}_mod", gluon)
+    return _jit_wrapper(mod.graph, fname, len(mod.buffers), 1, f"{mod.kind}_mod", gluon,
+                        float_outputs=(mod.kind == "score",))
 
 
 def _jit_wrapper(graph: Graph, fname: str, n_buffers: int, results: int, stem: str,
-                 gluon: bool = False):
+                 gluon: bool = False, float_outputs: tuple | None = None):
     """``fname(*inputs, BUFS)``, the first ``results`` outputs of ``graph`` lowered to one
     ``@triton.jit`` (or ``@gluon.jit``) function that reads its ``n_buffers`` captured
     tables from the kernel's ``BUFS`` tuple (:func:`buffer_slots`); loaded from the cache
-    of generated sources under ``stem``."""
+    of generated sources under ``stem``. ``float_outputs``: as :func:`.codegen.jit_source`
+    (the type of a constant output: a mask's truth value is an int, not a float)."""
     from ..codegen import _GLUON_HEADER, _HEADER, GLUON, TRITON, jit_source, load_source
 
     names = [v.name for v in graph.inputs]
-    body = jit_source(graph, "body", names, backend=GLUON if gluon else TRITON)
+    body = jit_source(graph, "body", names, float_outputs=float_outputs,
+                      backend=GLUON if gluon else TRITON)
     deco = "@gluon.jit" if gluon else "@triton.jit"
     wrapper = (f"{deco}\ndef {fname}({', '.join(names)}, BUFS):\n"
                f"    r = body({', '.join(names)}{buffer_slots(n_buffers)})\n"
