@@ -331,6 +331,9 @@ def test_block_mask_sizes_may_be_numpy_ints():
     assert got.shape == want.shape == (2, 3, 40, 50)
     assert all(type(n) is int for n in got.shape)
     assert torch.equal(got.state, want.state) and torch.equal(got.to_dense(), want.to_dense())
+    one = create_block_mask(mods.causal_mask, None, None, 40, 50, device="cpu",
+                            BLOCK_SIZE=np.int64(32))          # one NumPy int: both tiles
+    assert one.BLOCK_SIZE == (32, 32) and all(type(n) is int for n in one.BLOCK_SIZE)
 
 
 def test_block_mask_used_on_cpu_path_and_checked():

@@ -982,7 +982,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     per key; finding that out reads one flag back from the device.
     """
     mod = trace_mask_mod(mask_mod)
-    if isinstance(BLOCK_SIZE, int):
+    if _is_int(BLOCK_SIZE):
         bm = bn = BLOCK_SIZE
     elif isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2:
         bm, bn = BLOCK_SIZE
