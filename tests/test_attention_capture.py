@@ -14,6 +14,8 @@ after new offsets are copied into the graph's offsets tensor, against float64.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -34,10 +36,7 @@ PACKINGS = [([5, 0, 17, 1, 20], [9, 4, 17, 30, 3]),
 
 
 def _offsets(lens):
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
 
 
 def _ref_grads(q, k, v, do, **kw):
@@ -51,6 +50,8 @@ def captured(monkeypatch):
     """flashfold.attention on the interpreted kernels as if a CUDA graph were being
     captured: any host read of the offsets' values fails."""
     if torch.cuda.is_available():
+        # (as every interpreter test file: on a GPU machine the kernels run themselves, and
+        # the real capture is the gpu-marked test below)
         pytest.skip("interpreter tests run on CPU machines")
 
     def no_read(cu):
@@ -123,6 +124,7 @@ def test_captured_packed_attention_replays_new_offsets(causal, dtype):
     naive low-precision error against float64) for every packing (a host read of the
     offsets would fail the capture itself)."""
     if not torch.cuda.is_available():
+        # (marked gpu: CI deselects it; a capture needs a CUDA stream)
         pytest.skip("needs a CUDA device")
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)

@@ -904,8 +904,8 @@ def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, 
     cols = max(1, min(nN, budget // max(1, Hm * block_m * block_n)))
     rows = max(1, min(nM, budget // max(1, Hm * block_m * cols * block_n)))
     h = torch.arange(Hm, device=device).view(Hm, 1, 1)
-    from ..launcher import capturing
-    capturing = capturing(device)
+    from .. import launcher
+    capturing = launcher.capturing(device)
     # for a walk along the keys ("kv_idx") each row's (first, last, count) of visible keys,
     # along the queries each column's: where the mask reads a table per step of the walk
     spans = {along: tuple(torch.full((Bm, Hm, n), v, dtype=torch.int32, device=device)
