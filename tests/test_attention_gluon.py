@@ -245,7 +245,7 @@ def _compile_all():
             longest = int((cu[1:] - cu[:-1]).max())
             options.update(cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=longest,
                            max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()),
-                           flags=torch.zeros((len(cu) - 1) * 4 * -(-longest // 64),
+                           flags=torch.zeros(4 * (1000 // 64 + len(cu) - 1),
                                              dtype=torch.int32))
             batch = 1
         q = torch.empty(batch, 4, 1000, d, dtype=getattr(torch, dtype))
@@ -611,7 +611,8 @@ def test_dispatch_sends_calls_the_template_lowers():
     mask on dense calls, its blocks whole tiles; ``eligible`` mocked true: the call is
     recorded, not run), with its window, softcap and packed sequences; a call with a
     window (causal too), a mod or packed sequences writes the non-finite flags (zeroed,
-    one per 64 rows of each sequence's longest length) and is followed by the
+    one per 64 rows of each batch and head; packed, one per 64-row slot of each head:
+    ``Nq // 64 + sequences``, whatever the lengths) and is followed by the
     strict Triton guard, one without is launched alone."""
     import flashfold as ff
     from flashfold import mods, ops
@@ -644,11 +645,11 @@ def test_dispatch_sends_calls_the_template_lowers():
                   ({"right": 4}, (None, 4, None, True, None, 4)),
                   ({"softcap": 20.0}, (None, None, 20.0, False, None, None)),
                   ({"softcap": 20.0, "left": 8, "right": 8}, (8, 8, 20.0, True, None, 4)),
-                  # 2 sequences x 4 heads x ceil(34 / 64)
-                  (packed, (None, None, None, True, 34, 8)),
-                  (dict(packed, right=0), (None, 0, None, True, 34, 8)),
+                  # 4 heads x (64 // 64 + 2 sequences)
+                  (packed, (None, None, None, True, 34, 12)),
+                  (dict(packed, right=0), (None, 0, None, True, 34, 12)),
                   ({"score_mod": half}, (None, None, None, True, None, 4)),
-                  (dict(packed, score_mod=half), (None, None, None, True, 34, 8)),
+                  (dict(packed, score_mod=half), (None, None, None, True, 34, 12)),
                   ({"block_mask": prefix, "score_mod": half}, (None, None, None, True, None, 4))]
         expect = [(o, c + (dict(o).get("score_mod"), dict(o).get("block_mask")))
                   for o, c in expect]

@@ -381,6 +381,43 @@ def test_guard_recomputes_exactly_the_flagged_rows():
     assert (o[untouched] == 7.0).all() and (lse[untouched] == 7.0).all()
 
 
+
+@needs_interpreter
+def test_guard_reads_packed_flags_by_slot():
+    """Packed sequences: the Gluon forward's flags are by slot, ``Nq // 64 + S`` per head,
+    sequence ``s``'s 64-row group ``g`` at ``cu[s] // 64 + s + g`` (sized by the packed
+    rows, so a CUDA-graph capture, which knows no lengths, needs no more). The guard maps
+    a set flag back to its sequence and rows, recomputes exactly those, and skips a set
+    empty slot. Lengths 100, 40, 150: head slots 0-1, 2, (3 empty), 4-6."""
+    cu = torch.tensor([0, 100, 140, 290], dtype=torch.int32)
+    q, k, v = _qkv(B=1, H=2, NQ=290, NK=290, dtype=torch.float16)
+    v[0, 0, 140 + 100] = NAN               # sequence 2's key 100: hidden from its rows < 100
+    o = torch.full((1, 2, 290, 32), 7.0, dtype=torch.float16)
+    lse = torch.full((1, 2, 290), 7.0)
+    per_head = 290 // 64 + 3
+    assert fwd.flag_count(290, 2, 3, varlen=True) == 2 * per_head
+    flags = torch.zeros(2 * per_head, dtype=torch.int32)
+    flags[5] = 1                           # head 0, sequence 2, rows 64 .. 127
+    flags[per_head + 2] = 1                # head 1, sequence 1, rows 0 .. 39
+    flags[per_head + 3] = 1                # head 1, an empty slot: nothing to recompute
+    launch = fwd.prepare_guard(q, k, v, o, lse, flags, slots=True, scale=1 / math.sqrt(32),
+                               right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=None,
+                               max_seqlen_k=None, config=FwdConfig(16, 16, use_tma=False))
+    fwd.launcher.launch(*launch)
+    recomputed = {(0, 140 + 64, 140 + 128): 2, (1, 100, 140): 1}
+    for (h, lo, hi), s in recomputed.items():
+        a, b = int(cu[s]), int(cu[s + 1])
+        ro, rl = naive_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True)
+        rows = slice(lo - a, hi - a)
+        _check(o[:, h, lo:hi], lse[:, h, lo:hi], ro[:, h, rows], rl[:, h, rows],
+               torch.float16, f"head {h} rows {lo}..{hi}", v)
+    assert torch.isfinite(o[0, 0, 140 + 64:140 + 100]).all()
+    assert torch.isnan(o[0, 0, 140 + 100:140 + 128]).all()
+    untouched = torch.ones(1, 2, 290, dtype=torch.bool)
+    untouched[0, 0, 204:268] = untouched[0, 1, 100:140] = False
+    assert (o[untouched] == 7.0).all() and (lse[untouched] == 7.0).all()
+
+
 # --- merge_states ---------------------------------------------------------------------------------
 
 def _merge_parts(dtype=torch.float32):

@@ -130,7 +130,7 @@ from .. import launcher, plans
 from ..codegen import tile_step_functions
 from . import dispatch, gluon_bwd, gluon_fwd
 from .fwd import (TensorDescriptor, _desc, _interpreting, _load_tile, _tanh, _tile_ranges,
-                  _visible_2d, block_dims, tma_ok)
+                  _varlen_slot, _visible_2d, block_dims, tma_ok)
 from .mods import BlockMask, TracedMod, column_lists, plan_tables, score_grad_fn
 
 
@@ -517,25 +517,6 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DD, LAM, DQ_ACC,
                 + rows[:, None] * sqam + offs_d[None, :] * sqad)
         tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
                  mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _varlen_slot(CU, slot, N_SEQ, BLOCK: tl.constexpr):
-    """``(sequence, tile)`` of work slot ``slot`` over packed sequences (offsets ``CU``,
-    ``N_SEQ`` of them): sequence ``s`` owns the slots ``CU[s] // BLOCK + s + t`` of its
-    tiles ``t < ceil(len_s / BLOCK)`` (:func:`.gluon_fwd.varlen_slots`: they never meet,
-    ``total // BLOCK + N_SEQ`` hold all), so the slot's sequence is the last ``s`` with
-    ``CU[s] // BLOCK + s <= slot`` (bisection); a tile past its sequence's end is an
-    empty slot, which the caller skips."""
-    lo = 0
-    hi = N_SEQ - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if tl.load(CU + mid) // BLOCK + mid <= slot:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo, slot - (tl.load(CU + lo) // BLOCK + lo)
 
 
 @triton.jit(do_not_specialize=["NUM_N", "HK", "GROUP", "SEQ_Q", "SEQ_K", "N_SEQ", "win_left",

@@ -611,15 +611,34 @@ def _attn_fwd(
               USE_TMA, RETURN_LSE, REVERSE_M, INTERPRET, STRICT, FLAGGED, STEP, FINALIZE, FP8)
 
 
+@triton.jit
+def _varlen_slot(CU, slot, N_SEQ, BLOCK: tl.constexpr):
+    """``(sequence, tile)`` of work slot ``slot`` over packed sequences (offsets ``CU``,
+    ``N_SEQ`` of them): sequence ``s`` owns the slots ``CU[s] // BLOCK + s + t`` of its
+    tiles ``t < ceil(len_s / BLOCK)`` (:func:`.gluon_fwd.varlen_slots`: they never meet,
+    ``total // BLOCK + N_SEQ`` hold all), so the slot's sequence is the last ``s`` with
+    ``CU[s] // BLOCK + s <= slot`` (bisection); a tile past its sequence's end is an
+    empty slot, which the caller skips."""
+    lo = 0
+    hi = N_SEQ - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(CU + mid) // BLOCK + mid <= slot:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, slot - (tl.load(CU + lo) // BLOCK + lo)
+
+
 #: query rows per flag of the guarded Gluon forward (one consumer warpgroup's half tile)
 FLAG_ROWS = 64
 
 
-@triton.jit(do_not_specialize=["N_FLAGS", "FLAG_TILES", "NUM_M", "HQ", "GROUP", "SEQ_Q",
-                               "SEQ_K", "win_left", "win_right", "bn_b", "bn_h", "bi_b",
-                               "bi_h", "bi_m"])
+@triton.jit(do_not_specialize=["N_FLAGS", "FLAG_TILES", "N_SEQ", "NUM_M", "HQ", "GROUP",
+                               "SEQ_Q", "SEQ_K", "win_left", "win_right", "bn_b", "bn_h",
+                               "bi_b", "bi_h", "bi_m"])
 def _attn_fwd_guard(
-    GFLAGS, N_FLAGS, FLAG_TILES,
+    GFLAGS, N_FLAGS, FLAG_TILES, N_SEQ,
     Q, K, V, O, LSE, desc_q, desc_k, desc_v, SQ, SK, SV, SO, SL,
     NUM_M, HQ, GROUP, SEQ_Q, SEQ_K, CU_Q, CU_K,
     qk_scale, softcap, win_left, win_right,
@@ -634,13 +653,17 @@ def _attn_fwd_guard(
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, RETURN_LSE: tl.constexpr,
     REVERSE_M: tl.constexpr, INTERPRET: tl.constexpr,
     STRICT: tl.constexpr, FLAGGED: tl.constexpr, STEP: tl.constexpr, FINALIZE: tl.constexpr,
-    FP8: tl.constexpr, CHUNK: tl.constexpr, FLAG_ROWS: tl.constexpr,
+    FP8: tl.constexpr, CHUNK: tl.constexpr, FLAG_ROWS: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """The strict recomputation behind a forward that may have let a hidden key's value
     through (``0 x NaN`` in a masked tile's ``P V``): ``GFLAGS`` holds one int32 per
-    ``(batch x head, FLAG_ROWS-row tile)`` (``FLAG_TILES`` per head), nonzero where that
-    tile's output has a non-finite entry (written by the forward's epilogue: the Gluon
-    kernel's, 64 rows, or the Triton template's, ``BLOCK_M`` rows). Program ``p`` reads
+    ``(batch x head, FLAG_ROWS-row tile)`` (``FLAG_TILES`` per batch x head), nonzero where
+    that tile's output has a non-finite entry (written by the forward's epilogue: the
+    Gluon kernel's, 64 rows, or the Triton template's, ``BLOCK_M`` rows). ``SLOTS``
+    (packed sequences, the Gluon kernel's layout): one per ``(head, slot)``, ``FLAG_TILES``
+    slots per head, sequence ``s``'s tile ``t`` at slot ``CU_Q[s] // FLAG_ROWS + s + t``
+    (:func:`_varlen_slot`, ``N_SEQ`` sequences): sized by the packed rows, not by the
+    longest sequence, which a CUDA-graph capture does not know. Program ``p`` reads
     flags ``p CHUNK .. (p + 1) CHUNK`` (one vector load) and returns when they are all
     clear (every program, unless the inputs hold a NaN or inf); else it recomputes each
     flagged tile with :func:`_fwd_tile` (``STRICT``) and overwrites its ``o`` and ``lse``.
@@ -652,14 +675,19 @@ def _attn_fwd_guard(
     for i in range(CHUNK):
         f = f0 + i
         if tl.load(GFLAGS + f, mask=f < N_FLAGS, other=0) != 0:
-            bh = f // FLAG_TILES
-            b = bh // HQ
-            h = bh % HQ
+            if SLOTS:
+                h = f // FLAG_TILES
+                b, t = _varlen_slot(CU_Q, f % FLAG_TILES, N_SEQ, FLAG_ROWS)
+            else:
+                bh = f // FLAG_TILES
+                b = bh // HQ
+                h = bh % HQ
+                t = f % FLAG_TILES
             q_len = SEQ_Q
             if IS_VARLEN:
                 q_len = tl.load(CU_Q + b + 1) - tl.load(CU_Q + b)
             for sub in tl.static_range(FLAG_ROWS // BLOCK_M):
-                start_m = (f % FLAG_TILES) * FLAG_ROWS + sub * BLOCK_M
+                start_m = t * FLAG_ROWS + sub * BLOCK_M
                 if start_m < q_len:
                     _fwd_tile(b, h, start_m, 0, Q, K, V, O, LSE, desc_q, desc_k,
                               desc_v, SQ, SK, SV, SO, SL, NUM_M, HQ, GROUP, SEQ_Q,
@@ -880,16 +908,14 @@ def _plan(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale=None, k_descale=None, v
         # flags tell the guard which rows to recompute strictly (scratch, not an output:
         # plans.new, not the swappable output allocator; zeroed: the kernel sets the
         # flags of rows that hold a non-finite o and writes no others)
-        # (packed rows of unknown lengths: the packed length bounds every sequence's)
-        n_seq, rows = ((cu_seqlens_q.shape[0] - 1, NQ if max_seqlen_q is None else max_seqlen_q)
-                       if varlen else (B, NQ))
-        flags = plans.new((n_seq * HQ * -(-rows // FLAG_ROWS),), dtype=torch.int32,
+        n_seq = cu_seqlens_q.shape[0] - 1 if varlen else B
+        flags = plans.new((flag_count(NQ, HQ, n_seq, varlen),), dtype=torch.int32,
                           device=q.device, zero=True)
         launches = gluon_fwd.gluon_attention_fwd(q, k, v, return_lse=return_lse, out=o,
                                                  lse=lse, launch=False, flags=flags, **bounds)
         if strict:
-            launches += (prepare_guard(q, k, v, o, lse, flags, full_needs_mask=full_needs_mask,
-                                       **bounds),)
+            launches += (prepare_guard(q, k, v, o, lse, flags, slots=varlen,
+                                       full_needs_mask=full_needs_mask, **bounds),)
         return o, lse, launches, tuple([None] for _ in launches)
     options = dict(scale=scale, softcap=softcap, left=left, right=right, score_mod=score_mod,
                    block_mask=block_mask, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -1031,14 +1057,16 @@ def prepare_forward(q, k, v, *, scale, softcap=None, left=None, right=None, scor
 GUARD_CHUNK = 16
 
 
-def prepare_guard(q, k, v, o, lse, flags, *, flag_rows=FLAG_ROWS, config=None, interpret=None,
-                  **options):
+def prepare_guard(q, k, v, o, lse, flags, *, flag_rows=FLAG_ROWS, slots=False, config=None,
+                  interpret=None, **options):
     """The strict guard of a forward that may let hidden values through (``0 x NaN`` in a
     masked tile's ``P V``): ``(_attn_fwd_guard, grid, args, kwargs)``, overwriting ``o``
     and ``lse`` (None without the LSE) in the ``flag_rows``-row tiles whose ``flags``
     entry (int32, ``(sequences x Hq x ceil(seq_q / flag_rows),)``, head-major) is nonzero,
-    with the Triton template's strict result. ``options``: the call's, as
-    :func:`prepare_forward` takes them (``scale``, window, mods, varlen...).
+    with the Triton template's strict result. ``slots`` (packed sequences): the flags are
+    ``(Hq x (Nq // flag_rows + sequences),)`` by slot instead (:func:`flag_count`, the Gluon
+    kernel's layout). ``options``: the call's, as :func:`prepare_forward` takes them
+    (``scale``, window, mods, varlen...).
 
     The flags come from the Gluon kernel's epilogue (64 rows) or the Triton template's
     (``prepare_forward(flagged=True)``, ``flag_rows`` its ``BLOCK_M``). Each program reads
@@ -1048,9 +1076,14 @@ def prepare_guard(q, k, v, o, lse, flags, *, flag_rows=FLAG_ROWS, config=None, i
     HQ = q.shape[1]
     varlen = options.get("cu_seqlens_q") is not None
     n_seq = options["cu_seqlens_q"].shape[0] - 1 if varlen else q.shape[0]
-    rows = options["max_seqlen_q"] if varlen else None
-    tiles = -(-(q.shape[2] if rows is None else rows) // flag_rows)
-    n_flags = n_seq * HQ * tiles
+    if slots:
+        assert varlen
+        tiles = q.shape[2] // flag_rows + n_seq
+        n_flags = HQ * tiles
+    else:
+        rows = options["max_seqlen_q"] if varlen else None
+        tiles = -(-(q.shape[2] if rows is None else rows) // flag_rows)
+        n_flags = n_seq * HQ * tiles
     assert flags.numel() == n_flags and flags.dtype == torch.int32
     cfg = config or default_config(q, q.shape[3], v.shape[3],
                                    causal=options.get("right") is not None)
@@ -1062,8 +1095,18 @@ def prepare_guard(q, k, v, o, lse, flags, *, flag_rows=FLAG_ROWS, config=None, i
     assert flag_rows % kwargs["BLOCK_M"] == 0
     sms = gluon_fwd.num_sms(q)
     chunk = 1 << max(0, min(GUARD_CHUNK, max(1, n_flags // (2 * sms))).bit_length() - 1)
-    kwargs = dict(kwargs, STRICT=True, CHUNK=chunk, FLAG_ROWS=flag_rows)
-    return _attn_fwd_guard, (-(-n_flags // chunk),), [flags, n_flags, tiles, *args], kwargs
+    kwargs = dict(kwargs, STRICT=True, CHUNK=chunk, FLAG_ROWS=flag_rows, SLOTS=slots)
+    return _attn_fwd_guard, (-(-n_flags // chunk),), [flags, n_flags, tiles, n_seq, *args], kwargs
+
+
+def flag_count(q_rows: int, heads: int, sequences: int, varlen: bool) -> int:
+    """Entries of the non-finite flags of the Gluon forward (:func:`prepare_guard`): one
+    per 64-row group (:data:`FLAG_ROWS`) of each ``(batch, head)``; packed sequences by
+    slot, ``heads x (q_rows // 64 + sequences)`` over ``q_rows`` packed rows, whatever
+    the lengths (a CUDA-graph capture does not know them)."""
+    if varlen:
+        return heads * (q_rows // FLAG_ROWS + sequences)
+    return sequences * heads * -(-q_rows // FLAG_ROWS)
 
 
 __all__ = ["attention_forward", "prepare_forward", "prepare_guard", "FwdConfig", "default_config",

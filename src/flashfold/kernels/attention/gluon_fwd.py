@@ -986,7 +986,13 @@ if gluon is not None:
             # its rows too: the guard recomputes them, exactly.
             if flag_groups != 0:
                 bad = (~(gl.abs(gl.sum(o, 1)) < float("inf"))) & (rows_o < q_len)
-                flag = FLAGS + (b * heads_q + hq) * flag_groups + r0 // HALF
+                if VARLEN:
+                    # by slot: sequence b's groups at qs // HALF + b + g, flag_groups =
+                    # Nq // HALF + sequences per head (.fwd.flag_count: no flag for rows
+                    # past a sequence, whose lengths a capture does not know)
+                    flag = FLAGS + hq * flag_groups + qs // HALF + b + r0 // HALF
+                else:
+                    flag = FLAGS + (b * heads_q + hq) * flag_groups + r0 // HALF
                 gl.store(flag + gl.zeros_like(rows_o), gl.full_like(rows_o, 1), mask=bad)
 
     @gluon.jit
@@ -1578,15 +1584,16 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
         raise ValueError("varlen: q, k, v of batch 1 with cu_seqlens_q, cu_seqlens_k, "
                          "and max_seqlen_q, max_seqlen_k both given or both None")
     n_seqs = cu_seqlens_q.shape[0] - 1
-    known = max_seqlen_q is not None
-    # lengths unknown (a CUDA-graph capture): the flags cover the packed length, which
-    # bounds every sequence's, and the mean lengths stand for the longest in the rules
-    flag_groups = -(-(max_seqlen_q if known else Nq) // (BLOCK_M // 2))
-    if not known:
+    # the flags by slot (the epilogue's): Nq // 64 + sequences per head, which hold every
+    # sequence's 64-row groups whatever the lengths
+    flag_groups = Nq // (BLOCK_M // 2) + n_seqs
+    if max_seqlen_q is None:
+        # lengths unknown (a CUDA-graph capture): the mean lengths stand for the longest
+        # in the rules
         max_seqlen_q, max_seqlen_k = -(-Nq // max(n_seqs, 1)), -(-Nk // max(n_seqs, 1))
-    if flags is None or flags.numel() != n_seqs * Hq * flag_groups:
-        raise ValueError(f"flags: varlen calls write one flag per 64 rows of each sequence "
-                         f"and head, ({n_seqs * Hq * flag_groups},) zeroed int32")
+    if flags is None or flags.numel() != Hq * flag_groups:
+        raise ValueError(f"flags: varlen calls write one flag per 64-row slot of each head "
+                         f"(Nq // 64 + sequences), ({Hq * flag_groups},) zeroed int32")
     left, right = _bounds(causal, left, right)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
@@ -1674,9 +1681,10 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``persistent`` overrides it; the mean lengths where the longest are not known). Query
     tiles of one
     sequence read the next one's rows and keys (masked, not written): ``flags``
-    (required, zeroed, ``(S * Hq * ceil(max_seqlen_q / 64),)``, ``Nq`` for an unknown
-    ``max_seqlen_q``) mark the 64-row groups
-    where such a key's non-finite value reached ``o``, for the strict guard; no rows
+    (required, zeroed, ``(Hq * (Nq // 64 + S),)``: by slot, sequence ``s``'s group ``g``
+    at ``cu_seqlens_q[s] // 64 + s + g`` of its head's, whatever the lengths) mark the
+    64-row groups where such a key's non-finite value reached ``o``, for the strict
+    guard (:func:`.fwd.prepare_guard` with ``slots``); no rows
     are skipped on the host (rows that see no key take one masked key tile).
 
     ``score_mod`` (a :class:`~.mods.TracedMod` of kind ``"score"`` with
