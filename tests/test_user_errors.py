@@ -52,6 +52,21 @@ def test_a_short_table_is_a_value_error_naming_the_mod_and_sizes(kw, match, grad
         ff.attention(q, k, v, **kw)
 
 
+def test_alibi_on_more_query_heads_than_slopes_names_the_score_mod():
+    """``alibi(n)`` on ``Hq > n`` heads would read slope ``h >= n`` past its table (the
+    lowerings clamp the index: every extra head would get the last slope, silently): the
+    call refuses it before computing, naming the score_mod and the head count, on every
+    path (CPU, differentiable, meta shapes)."""
+    match = r"^score_mod 'alibi' reads its table 0 of shape \(2,\) at index 3 .*H=4"
+    for grad in (False, True):
+        q, k, v = _qkv(requires_grad=grad)
+        with pytest.raises(ValueError, match=match):
+            ff.attention(q, k, v, score_mod=mods.alibi(2, slopes=[0.5, 0.25]))
+    q = torch.empty(2, 4, 16, 32, device="meta")
+    with pytest.raises(ValueError, match=match):
+        ff.attention(q, q, q, score_mod=mods.alibi(2))
+
+
 def test_a_short_table_raises_in_create_block_mask():
     short = mods.document_mask(torch.zeros(10, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"document_mask.*index 15.*Nq=16, Nk=16"):

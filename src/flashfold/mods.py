@@ -23,7 +23,7 @@ import numbers
 import torch
 
 from . import ops
-from .api.validate import check_positive, check_window
+from .api.validate import check_int, check_positive, check_window
 from .ops import Buffer
 
 
@@ -139,11 +139,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     def pow2(n):
         start = 2.0 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]
-    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral):
-        raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
-    num_heads = int(num_heads)
-    if num_heads < 1:
-        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    num_heads = check_int("num_heads", num_heads, minimum=1)
     p = 2 ** int(math.floor(math.log2(num_heads)))
     slopes = pow2(p)
     if p < num_heads:
@@ -153,10 +149,24 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 def alibi(num_heads: int, slopes=None):
     """ALiBi score_mod: ``score + slope[h] * (kv_idx - q_idx)`` (a linear distance penalty
-    for keys behind the query). ``slopes``: float ``(heads,)`` (a tensor or a sequence),
-    default :func:`alibi_slopes` of ``num_heads``."""
-    tab = Buffer(_table(slopes, "slopes", dims=(1,)) if slopes is not None
-                 else alibi_slopes(num_heads))
+    for keys behind the query). ``num_heads``: an int >= 1; ``slopes``: float
+    ``(num_heads,)`` (a tensor or a sequence), default :func:`alibi_slopes` of
+    ``num_heads``.
+
+    ``slopes`` must hold exactly ``num_heads`` entries (``ValueError`` naming both): ALiBi's
+    slopes depend on the head count, so a table made for another count is a mistake, not a
+    prefix to read. A call with more query heads than slopes is refused by ``attention``
+    (the mod's table check names the mod and ``H``); fewer heads read the first ones.
+    """
+    num_heads = check_int("num_heads", num_heads, minimum=1)
+    if slopes is None:
+        tab = Buffer(alibi_slopes(num_heads))
+    else:
+        t = _table(slopes, "slopes", dims=(1,))
+        if t.shape[0] != num_heads:
+            raise ValueError(f"slopes: alibi(num_heads={num_heads}) needs one slope per "
+                             f"head, got {t.shape[0]}")
+        tab = Buffer(t)
 
     def alibi_bias(score, b, h, q_idx, kv_idx):
         return score + tab[h] * ops.to_float(kv_idx - q_idx)

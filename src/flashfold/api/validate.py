@@ -38,6 +38,19 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def check_int(name: str, x, minimum: int | None = None) -> int:
+    """``x`` as an int: ``TypeError`` unless it is an integer (a NumPy one too) and not a
+    bool (``True`` is an int to Python, but a flag passed for a size or a distance is a
+    mistake, read as 1), nor a float (``2.5`` would be truncated, ``2.0`` read as an int
+    by chance); ``ValueError`` below ``minimum``."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    x = int(x)
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
 def check_bool(name: str, x, none: bool = False) -> None:
     """``TypeError`` unless ``x`` is a bool (or, with ``none``, None)."""
     if not (isinstance(x, bool) or (none and x is None)):
@@ -198,8 +211,8 @@ def no_values(name: str, what: str) -> ValueError:
                       f"the shapes do not depend on values)")
 
 
-__all__ = ["WindowTypeError", "check_tensor", "check_bool", "check_cu_seqlens", "check_positive",
-           "check_window",
+__all__ = ["WindowTypeError", "check_tensor", "check_int", "check_bool", "check_cu_seqlens",
+           "check_positive", "check_window",
            "unbounded_beyond", "MAX_HEAD_DIM", "CUDA_DTYPES", "CPU_DTYPES", "check_qkv",
            "check_kernel_head_dims", "is_meta",
            "no_values"]
