@@ -530,6 +530,20 @@ def test_mask_mods_of_bool_tables_and_where_are_truth_values():
     (lambda: mods.alibi(2.0, slopes=[0.5, 0.25]), TypeError, r"^num_heads must be an int"),
     (lambda: mods.alibi(True), TypeError, r"^num_heads must be an int, got bool"),
     (lambda: mods.key_padding_mask(torch.tensor([[3]])), ValueError, r"^lengths: expected a 1-D"),
+    # a bool or a float where an int is expected: True was read as 1, 1.5 truncated to 1
+    (lambda: mods.relative_bias(torch.zeros(3), max_distance=True), TypeError,
+     r"^max_distance must be an int, got bool"),
+    (lambda: mods.relative_bias(torch.zeros(3), max_distance=1.0), TypeError,
+     r"^max_distance must be an int, got float"),
+    (lambda: mods.relative_bias(torch.zeros(3), max_distance=1.5), TypeError,
+     r"^max_distance must be an int, got float"),
+    (lambda: mods.relative_bias(torch.zeros(3), max_distance=-1), ValueError,
+     r"^max_distance must be >= 0, got -1"),
+    (lambda: mods.prefix_lm_mask(True), TypeError, r"^prefix_len must be an int"),
+    (lambda: mods.prefix_lm_mask(3.0), TypeError, r"^prefix_len must be an int"),
+    (lambda: mods.prefix_lm_mask(-2), ValueError, r"^prefix_len must be >= 0, got -2"),
+    (lambda: mods.sliding_window_mask(True), TypeError, r"^window left must be an int"),
+    (lambda: mods.sliding_window_mask(2.0), TypeError, r"^window left must be an int"),
     (lambda: mods.prefix_lm_mask(torch.tensor([[3]])), ValueError, r"^prefix_len: expected a 1-D"),
 ])
 def test_mod_factories_refuse_what_attention_refuses_naming_the_argument(make, exc, match):

@@ -88,10 +88,10 @@ def document_mask(doc_ids, kv_doc_ids=None):
 
 def prefix_lm_mask(prefix_len):
     """Prefix-LM: the first ``prefix_len`` keys are visible to every query, the rest
-    causally: ``kv_idx < prefix_len or kv_idx <= q_idx``. ``prefix_len`` is an int (a
-    NumPy one too) or an int tensor ``(batch,)``."""
-    if isinstance(prefix_len, numbers.Integral) and not isinstance(prefix_len, bool):
-        n = int(prefix_len)
+    causally: ``kv_idx < prefix_len or kv_idx <= q_idx``. ``prefix_len`` is an int >= 0
+    (a NumPy one too; not a bool or a float) or an int tensor ``(batch,)``."""
+    if prefix_len is None or isinstance(prefix_len, numbers.Number):
+        n = check_int("prefix_len", prefix_len, minimum=0)
 
         def prefix_lm(b, h, q_idx, kv_idx):
             return (kv_idx < n) | (kv_idx <= q_idx)
@@ -177,13 +177,15 @@ def relative_bias(table, max_distance: int | None = None):
     """Learned relative-position bias: ``score + table[h, clamp(kv_idx - q_idx) + D]``.
 
     ``table``: float ``(heads, 2 D + 1)`` (or ``(2 D + 1,)`` shared by heads), indexed by
-    the clamped relative position ``kv_idx - q_idx`` in ``[-D, D]``.
+    the clamped relative position ``kv_idx - q_idx`` in ``[-D, D]``. ``max_distance``:
+    ``D``, an int >= 0 (default: read from the table's last dim, which must match it).
     """
     t = _table(table, "table")
     width = t.shape[-1]
     if width % 2 != 1:
         raise ValueError(f"relative_bias: table's last dim must be 2 D + 1, got {width}")
-    d = (width - 1) // 2 if max_distance is None else int(max_distance)
+    d = (width - 1) // 2 if max_distance is None else check_int("max_distance", max_distance,
+                                                                 minimum=0)
     if 2 * d + 1 != width:
         raise ValueError(f"relative_bias: max_distance {d} needs a last dim of {2 * d + 1}, got {width}")
     tab = Buffer(t)
