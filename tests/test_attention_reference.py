@@ -579,6 +579,41 @@ def test_mod_factories_take_what_attention_takes():
                  name="prefix_len as a NumPy int")
 
 
+def test_prefix_lm_mask_takes_a_0d_int_tensor():
+    """A 0-d int tensor is a prefix length shared by the batch, as a Python int is: a
+    one-entry table the mod reads at index 0 (so a write to it in place is seen by the next
+    call, with no host read of its value); the float64 oracle is the mask written out."""
+    from flashfold.kernels.attention.reference import naive_attention
+    q, k, v = make_qkv(Shape(2, 2, 2, 9, 9, 8), torch.float64, seed=4)
+    prefix = torch.tensor(3)
+    mod = mods.prefix_lm_mask(prefix)
+    for n in (3, 6):
+        prefix.fill_(n)
+        want, _ = naive_attention(q, k, v, mask_mod=lambda b, h, i, j, n=n: (j < n) | (j <= i))
+        assert_close(flashfold.attention(q, k, v, mask_mod=mod), want, "float64",
+                     name=f"0-d prefix {n}")
+        assert_close(flashfold.attention(q, k, v, mask_mod=mods.prefix_lm_mask(np.array(n))),
+                     want, "float64", name=f"0-d NumPy prefix {n}")
+    # per batch: a (batch,) table, as documented
+    want, _ = naive_attention(q, k, v, mask_mod=lambda b, h, i, j: (j < 2 + 3 * b) | (j <= i))
+    assert_close(flashfold.attention(q, k, v, mask_mod=mods.prefix_lm_mask(torch.tensor([2, 5]))),
+                 want, "float64", name="per-batch prefix")
+    meta = torch.empty(2, 2, 9, 8, device="meta")
+    o = flashfold.attention(meta, meta, meta,
+                            mask_mod=mods.prefix_lm_mask(torch.tensor(3, device="meta")))
+    assert o.device.type == "meta" and o.shape == (2, 2, 9, 8)
+
+
+@pytest.mark.parametrize("prefix", [torch.tensor(3.0), torch.tensor([3.0, 4.0]),
+                                    torch.tensor(True), torch.tensor([True, False])],
+                         ids=["0-d float", "1-D float", "0-d bool", "1-D bool"])
+def test_prefix_lm_mask_refuses_a_tensor_that_is_not_of_ints(prefix):
+    """A float or bool tensor is not a length (``True`` would read as 1, ``2.5`` as a
+    bound between keys): a TypeError that says what to pass."""
+    with pytest.raises(TypeError, match=r"^prefix_len: expected an integer tensor"):
+        mods.prefix_lm_mask(prefix)
+
+
 @pytest.mark.parametrize("block", [(16,), (16, 16, 16), "16", None])
 def test_create_block_mask_names_a_malformed_block_size(block):
     """``BLOCK_SIZE`` is an int or a pair: a 1-tuple was an unpacking error, a string was

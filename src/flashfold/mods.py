@@ -89,14 +89,30 @@ def document_mask(doc_ids, kv_doc_ids=None):
 def prefix_lm_mask(prefix_len):
     """Prefix-LM: the first ``prefix_len`` keys are visible to every query, the rest
     causally: ``kv_idx < prefix_len or kv_idx <= q_idx``. ``prefix_len`` is an int >= 0
-    (a NumPy one too; not a bool or a float) or an int tensor ``(batch,)``."""
+    (a NumPy one too; not a bool or a float), a 0-d int tensor (one length for the batch)
+    or an int tensor ``(batch,)``.
+
+    A tensor is captured as a table, like any table a mod reads: the mod reads its value
+    when it runs (a write to it in place is seen by the next call; no host read, so a
+    CUDA or meta tensor works as is), where an int is a constant of the traced mask.
+    """
     if prefix_len is None or isinstance(prefix_len, numbers.Number):
         n = check_int("prefix_len", prefix_len, minimum=0)
 
         def prefix_lm(b, h, q_idx, kv_idx):
             return (kv_idx < n) | (kv_idx <= q_idx)
+        return _named(prefix_lm, "prefix_lm_mask")
+    t = prefix_len if isinstance(prefix_len, torch.Tensor) else torch.as_tensor(prefix_len)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"prefix_len: expected an integer tensor (a 0-d one, or one length "
+                        f"per batch row), or an int, got a tensor of {t.dtype}")
+    if t.dim() == 0:
+        one = Buffer(t.reshape(1))                 # a view: shares the tensor's version
+
+        def prefix_lm(b, h, q_idx, kv_idx):
+            return (kv_idx < one[0]) | (kv_idx <= q_idx)
     else:
-        lens = Buffer(_table(prefix_len, "prefix_len", dims=(1,)))
+        lens = Buffer(_table(t, "prefix_len", dims=(1,)))
 
         def prefix_lm(b, h, q_idx, kv_idx):
             return (kv_idx < lens[b]) | (kv_idx <= q_idx)
