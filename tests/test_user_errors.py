@@ -244,6 +244,43 @@ def test_attention_on_meta_tensors_gives_meta_outputs(kw):
         ff.attention(q, k, v, score_mod=mods.alibi(2))
 
 
+def _meta_tables():
+    return dict(score_mod=mods.alibi(4, slopes=torch.empty(4, device="meta")),
+                mask_mod=mods.document_mask(torch.empty(16, dtype=torch.int64, device="meta")))
+
+
+def test_meta_tables_with_meta_inputs_give_meta_outputs():
+    """A mod whose table is a meta tensor (a model built on the meta device) propagates
+    shapes with meta q, k, v, as a mod with a real table does; its block mask can be made
+    on the meta device too (the per-row intervals, which need values, are skipped)."""
+    q, k, v = _meta(2, 4, 16, 32), _meta(2, 2, 16, 32), _meta(2, 2, 16, 64)
+    tables = _meta_tables()
+    o = ff.attention(q, k, v, **tables)
+    assert (o.device.type, o.shape, o.dtype) == ("meta", (2, 4, 16, 64), torch.bfloat16)
+    for mask in (tables["mask_mod"], mods.document_mask(torch.zeros(16, dtype=torch.int64))):
+        bm = ff.create_block_mask(mask, None, None, 16, 16, device="meta", BLOCK_SIZE=16)
+        assert bm.state.device.type == "meta" and bm.state.shape == (1, 1, 1, 1)
+        o = ff.attention(q, k, v, mask_mod=bm)
+        assert o.device.type == "meta" and o.shape == (2, 4, 16, 64)
+
+
+@pytest.mark.parametrize("which", ["score_mod", "mask_mod"])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "differentiable"])
+def test_a_meta_table_with_real_inputs_is_a_value_error_naming_the_mod(which, grad):
+    """A meta table has no values to compute with: a call on real q, k, v (or a block
+    mask made on a real device) names the mod and the table, where the copy to the
+    call's device raised NotImplementedError from deep inside."""
+    mod = _meta_tables()[which]
+    name = "score_mod 'alibi'" if which == "score_mod" else "mask_mod 'document_mask'"
+    match = rf"^{name} captures its table 0 on the meta device"
+    q, k, v = _qkv(requires_grad=grad)
+    with pytest.raises(ValueError, match=match):
+        ff.attention(q, k, v, **{which: mod})
+    if which == "mask_mod":
+        with pytest.raises(ValueError, match=match):
+            ff.create_block_mask(mod, None, None, 16, 16, device="cpu", BLOCK_SIZE=16)
+
+
 def test_attention_on_meta_tensors_propagates_gradients_and_packed_shapes():
     q, k, v = (_meta(1, 4, 16, 32, requires_grad=True) for _ in range(3))
     cu = torch.empty(3, dtype=torch.int32, device="meta")        # values unknown: shapes are not

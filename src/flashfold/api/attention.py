@@ -200,7 +200,9 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     contiguous), and ``lse`` when
     ``return_lse``. Differentiable with respect to ``q``, ``k``, ``v``. On meta tensors:
     meta outputs (and meta gradients) of those shapes, nothing computed; the checks of
-    ``cu_seqlens`` values are skipped (shapes are checked as always).
+    ``cu_seqlens`` values are skipped (shapes are checked as always). A mod's captured
+    tables may be meta tensors then; with real ``q`` they are a ``ValueError`` naming the
+    mod (:meth:`~flashfold.kernels.attention.mods.TracedMod.check_device`).
 
     Raises ``TypeError`` / ``ValueError`` naming the argument, before anything runs; also
     when a table captured by ``score_mod`` / ``mask_mod`` is shorter than the indices the

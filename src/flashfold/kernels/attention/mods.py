@@ -172,6 +172,23 @@ class TracedMod:
                 self._in_range.clear()
             self._in_range.add(sizes)
 
+    def check_device(self, device) -> None:
+        """Raise ``ValueError`` naming the mod and the table if a captured table is a meta
+        tensor and ``device`` is not the meta device: a meta table has no values to copy
+        or compute with (meta tables with meta q, k, v give meta outputs, which need none).
+        Called before a table is moved to the call's device (:meth:`torch_fn`,
+        :meth:`buffer_args`)."""
+        device = torch.device(device)
+        if device.type == "meta":
+            return
+        for i, b in enumerate(self.buffers):
+            if isinstance(b.data, torch.Tensor) and b.data.device.type == "meta":
+                raise ValueError(
+                    f"{self.kind}_mod {self.name!r} captures its table {i} on the meta device "
+                    f"(shape {self._shapes[i]}), which has no values to compute with on "
+                    f"{device}: pass the table on a real device (a meta table gives meta "
+                    f"outputs with meta q, k, v only)")
+
     # torch ------------------------------------------------------------------------
     def torch_fn(self, device):
         """The torch lowering, with captured tables moved to ``device`` (cached per device).
@@ -185,6 +202,7 @@ class TracedMod:
         fn = self._torch.get(key)
         if fn is not None:
             return fn
+        self.check_device(device)
         src = function_source(self.graph, TORCH, "_mod")
         ns = dict(TORCH.namespace)
         exec(compile(src, f"<flashfold:torch:{self.graph.name}>", "exec"), ns)
@@ -258,6 +276,7 @@ class TracedMod:
         key = (str(device), self.buffer_versions())
         out = self._args.get(key)
         if out is None:
+            self.check_device(device)
             flat = [_flat_tensor(b.data, device) for b in self.buffers]
             out = tuple(x for t in flat for x in (t, t.numel()))
             self._args = {key: out}                # keep only the latest tables' version
@@ -908,10 +927,12 @@ def compute_block_mask(mod: TracedMod, *, batch: int | None, heads: int | None, 
     capturing = launcher.capturing(device)
     # for a walk along the keys ("kv_idx") each row's (first, last, count) of visible keys,
     # along the queries each column's: where the mask reads a table per step of the walk
+    # (not on the meta device: whether the rows are intervals is a value, which meta
+    # tensors lack; the block mask there is for shapes only)
     spans = {along: tuple(torch.full((Bm, Hm, n), v, dtype=torch.int32, device=device)
                           for v in (_NONE, -1, 0))
              for along, n in (("kv_idx", q_len), ("q_idx", kv_len))
-             if mod.reads_at(along) and not capturing}
+             if mod.reads_at(along) and not capturing and device.type != "meta"}
     for bi in range(Bm):
         b = torch.tensor(bi, device=device)
         lq, lk = int(lq_all[bi]), int(lk_all[bi])
