@@ -621,6 +621,49 @@ def test_sliding_window_kwarg_without_a_mask(is_causal):
     assert_close(out, want.transpose(1, 2), torch.float64, name="sliding_window kwarg")
 
 
+def _windowed_reference(q, k, v, real, sliding_window, is_causal):
+    """float64 attention of ``q (B, Hq, S, D)`` over ``k``, ``v`` ``(B, Hkv, L, D)`` where
+    query ``i`` (position ``p = L - S + i``) sees key ``j`` iff ``real[b, j]`` and ``p - (w
+    - 1) <= j`` and ``j <= p`` (causal) or ``j <= p + (w - 1)`` (bidirectional): ``(out
+    (B, S, Hq, D), visible rows (B, S))``."""
+    B, Hq, S, D = q.shape
+    L = k.shape[2]
+    g = Hq // k.shape[1]
+    kk, vv = (t.double().repeat_interleave(g, dim=1) for t in (k, v))
+    p = torch.arange(L - S, L).view(S, 1)
+    j = torch.arange(L).view(1, L)
+    w = sliding_window - 1
+    vis = (j >= p - w) & ((j <= p) if is_causal else (j <= p + w))
+    vis = vis[None] & real.bool()[:, None, :]                       # (B, S, L)
+    s = torch.einsum("bhid,bhjd->bhij", q.double(), kk) / D ** 0.5
+    s = s.masked_fill(~vis[:, None], -torch.inf)
+    o = torch.einsum("bhij,bhjd->bhid", torch.softmax(s, -1).nan_to_num(0.0), vv)
+    return o.transpose(1, 2), vis.any(-1)
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right", "mixed", "holes"])
+@pytest.mark.parametrize("q_len", [9, 2], ids=["prefill", "step"])
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "bidirectional"])
+def test_sliding_window_kwarg_with_a_2d_padding_mask(is_causal, q_len, padding):
+    """A 2-D padding mask encodes no window (eager's 4-D masks do; the FlashAttention path
+    takes this one and applies ``sliding_window`` to it): the window applies together
+    with the padding, as without a mask (Mistral-style models handed the 2-D mask)."""
+    g = torch.Generator().manual_seed(6)
+    L = 9
+    q = torch.randn(3, 4, q_len, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, L, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    real = torch.ones(3, L, dtype=torch.long)
+    pads = {"none": [], "left": [(1, 0, 3), (2, 0, 6)], "right": [(1, 6, L), (2, 8, L)],
+            "mixed": [(0, 0, 2), (1, 7, L)], "holes": [(1, 3, 5), (2, 0, 1)]}[padding]
+    for b, lo, hi in pads:
+        real[b, lo:hi] = 0
+    module = torch.nn.Module()
+    module.is_causal = is_causal
+    out, _ = fft.flashfold_attention_forward(module, q, k, v, real, sliding_window=3)
+    want, rows = _windowed_reference(q, k, v, real, 3, is_causal)
+    assert_close(out[rows], want[rows], torch.float64, name=f"window with a {padding} mask")
+
+
 def test_padding_mask_of_another_batch_is_refused():
     """A 2-D padding mask must be ``(batch, kv_len)``, padded or not (never broadcast or
     read past its rows)."""

@@ -67,9 +67,11 @@ GQA / MQA (``Hq`` a multiple of        passed through (no ``repeat_kv``)
 ``Hkv``)
 ``scaling``, ``softcap``               ``scale``, ``softcap``
 ``sliding_window`` kwarg, no mask     ``window=(sliding_window - 1, None)`` causal,
-                                       ``(sliding_window - 1, sliding_window - 1)``
-                                       bidirectional, as the FlashAttention path (with a
-                                       mask, the mask encodes the window, as in eager)
+or a 2-D padding mask                  ``(sliding_window - 1, sliding_window - 1)``
+                                       bidirectional, as the FlashAttention path; with
+                                       padding, in the table ``mask_mod`` (the model's
+                                       and a user's 4-D masks encode the window, as in
+                                       eager, and the kwarg is not applied again)
 ``cu_seq_lens_q/k`` kwargs (packed     ``cu_seqlens_q/k``
 batches, as the FlashAttention path)
 =====================================  ==================================================
@@ -390,12 +392,14 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
     kw = dict(scale=scaling, softcap=softcap)
-    # a model's mask already encodes its sliding window (as eager, which ignores the
-    # kwarg); without a mask the kwarg is the only source (as the FlashAttention path)
-    # (FlashAttention's (sliding_window - 1) on both sides; the right side is moot when
-    # causal)
+    # a model's mask (a FlashfoldMask from the mask function) and a user's 4-D mask already
+    # encode its sliding window (as eager, which ignores the kwarg); without a mask, or
+    # with a 2-D padding mask, which encodes none, the kwarg is the only source and applies
+    # (as the FlashAttention path: (sliding_window - 1) on both sides; the right side is
+    # moot when causal)
     window = None
-    if sliding_window is not None and attention_mask is None:
+    if sliding_window is not None and (attention_mask is None or (
+            isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2)):
         w = int(sliding_window) - 1
         window = (w, None if is_causal else w)
 
@@ -421,8 +425,15 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
         elif mask.dim() == 4:
             mask = FlashfoldMask(False, B, S, L, table=_table_from_4d(mask, B, S, L))
         elif mask.dim() == 2:
-            mask = _mask_function_impl(B, S, L, L - S, 0, _causal_fn(is_causal), mask,
+            padding = mask
+            mask = _mask_function_impl(B, S, L, L - S, 0, _causal_fn(is_causal), padding,
                                        query.device)
+            if window is not None and (mask.varlen or mask.table is not None):
+                # padded: the window in the table HF's mask function builds (positions
+                # are absolute there; packed rows would close up a hole under the window)
+                mask = _mask_function_impl(B, S, L, L - S, 0,
+                                           _windowed_fn(is_causal, *window), padding,
+                                           query.device)
         else:
             raise ValueError(f"attention_mask: expected a 2-D padding mask or a 4-D mask, got "
                              f"shape {tuple(mask.shape)}")
@@ -447,11 +458,13 @@ def _attention_impl(module, query, key, value, attention_mask, scaling=None, dro
         # a KV-cache step, unpadded or left-padded: split-KV decoding over the whole cache,
         # each row from its first real key (query rows before it see no key: 0)
         lens = torch.full((B,), L, dtype=torch.int32, device=query.device)
+        # (a window here comes from an unpadded 2-D mask: kv_start is None)
         o = _call(api_decode.decode, where, query, key, value, lens, cache_start=mask.kv_start,
-                  check_lengths=False, max_seqlen=L, **kw)
+                  check_lengths=False, max_seqlen=L, window=window, **kw)
         return o.transpose(1, 2).contiguous(), None
     if not mask.varlen:
-        o = _call(api_attention.attention, where, query, key, value, causal=mask.causal, **kw)
+        o = _call(api_attention.attention, where, query, key, value, causal=mask.causal,
+                  window=window, **kw)
         return o.transpose(1, 2).contiguous(), None
     return _varlen(api_attention.attention, where, query, key, value, mask.plan, mask.causal,
                    kw), None
@@ -464,6 +477,18 @@ _MAX_DECODE_Q = 16
 def _causal_fn(is_causal: bool):
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
     return causal_mask_function if is_causal else bidirectional_mask_function
+
+
+def _windowed_fn(is_causal: bool, left: int, right: int | None):
+    """The model's mask function (causal or bidirectional) and the window ``q_idx - left
+    <= kv_idx <= q_idx + right`` (``right`` None: unbounded), in HF's mask-function form
+    over absolute positions (``q_idx`` from the query offset)."""
+    base = _causal_fn(is_causal)
+
+    def sliding_window_mask(batch_idx, head_idx, q_idx, kv_idx):
+        ok = base(batch_idx, head_idx, q_idx, kv_idx) & (kv_idx >= q_idx - left)
+        return ok if right is None else ok & (kv_idx <= q_idx + right)
+    return sliding_window_mask
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
