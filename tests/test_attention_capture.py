@@ -116,6 +116,21 @@ def test_capturing_is_false_off_cuda():
 
 # --- GPU: a real capture, replayed with other offsets ------------------------------------
 
+def _capture(step):
+    """``(graph, outputs)``: ``step`` run twice on a side stream (compiles, plans, the
+    allocator's pools), then captured once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -146,15 +161,7 @@ def test_captured_packed_attention_replays_new_offsets(causal, dtype):
         o = flashfold.attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
         return (o,) + torch.autograd.grad(o, (q, k, v), do)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = _capture(step)
     for lens in packings:
         cu.copy_(_offsets(lens).to(dev))
         graph.replay()
@@ -218,15 +225,7 @@ def test_captured_packed_nan_reaches_only_its_rows(causal):
     def step():
         return flashfold.attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o = step()
+    graph, o = _capture(step)
     for lens in packings:
         cu.copy_(_offsets(lens).to(dev))
         graph.replay()
