@@ -80,3 +80,18 @@ def test_bad_arguments_are_refused_not_passed(device_rule):
 def test_numpy_scalar_types_name_their_row():
     assert T.compare(np.float32(1.0), np.float64(1.0), np.float32)["atol"] == \
         T.TOLERANCES["float32"][0]
+
+
+@pytest.mark.parametrize("device_rule", [False, True], ids=["numpy", "torch"])
+def test_a_negative_scale_is_refused(device_rule):
+    """``scale`` is a magnitude: a negative one makes the bound negative, which fails an
+    exact match; it raises, naming the argument, on both paths."""
+    a, e = torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0], dtype=torch.float64)
+    run = (lambda *args, **kw: T._compare_torch(*args, **kw)) if device_rule else T.compare
+    for sc in (-1.0, torch.tensor([1.0, -2.0], dtype=torch.float64)):
+        with pytest.raises(ValueError, match="^scale must be >= 0"):
+            run(a, e, "float32", sc)
+    # a negative scale where the expected value is not finite compares nothing: allowed
+    e2 = torch.tensor([math.inf, 1.0], dtype=torch.float64)
+    a2 = torch.tensor([math.inf, 1.0])
+    assert run(a2, e2, "float32", torch.tensor([-1.0, 1.0], dtype=torch.float64))["ok"]

@@ -57,7 +57,7 @@ def _compare_torch(actual, expected, dtype, scale, atol=None, rtol=None) -> dict
     finite = ~(nan_e | inf_e) & ~(nan_a | inf_a)
     diff = torch.where(finite, (a - e).abs(), 0.0)
     bound = atol * sc + rtol * e.abs()
-    check_scale(bool((bound.isnan() & finite).any()))
+    check_scale(bool((bound.isnan() & finite).any()), bool((finite & (sc < 0)).any()))
     bad = (diff > bound) | (nan_a != nan_e) | (inf_a != inf_e) | sign_bad
     n_fin = int(finite.sum())
     denom = float(torch.where(finite, e, 0.0).square().sum().div(max(n_fin, 1)).sqrt())
@@ -77,8 +77,9 @@ def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) 
     Tensors on one accelerator are compared there (:func:`_compare_torch`, the same rule).
 
     ``ValueError`` for a ``dtype`` without a row in :data:`TOLERANCES`, a NaN or negative
-    ``atol`` / ``rtol``, or a ``scale`` that is NaN where finite values are compared (each
-    would pass or fail every element whatever its error); ``TypeError`` for complex values."""
+    ``atol`` / ``rtol``, or a ``scale`` that is NaN or negative where finite values are
+    compared (each would pass or fail every element whatever its error); ``TypeError`` for
+    complex values."""
     if _on_device(actual, expected, scale):
         return _compare_torch(actual, expected, dtype, scale, atol, rtol)
     return _compare(_to_numpy(actual), _to_numpy(expected), dtype, _to_numpy(scale), atol, rtol)

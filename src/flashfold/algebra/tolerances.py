@@ -58,13 +58,18 @@ def tolerance(dtype, atol=None, rtol=None) -> tuple[float, float]:
             t_rtol if rtol is None else _check_bound("rtol", rtol))
 
 
-def check_scale(has_nan) -> None:
-    """``ValueError`` for a ``scale`` that is NaN where a finite element is compared: a NaN
-    bound would pass it whatever its error."""
+def check_scale(has_nan, has_negative=False) -> None:
+    """``ValueError`` for a ``scale`` that is NaN or negative where a finite element is
+    compared: a NaN bound would pass it whatever its error, and a negative ``scale`` (a
+    magnitude, ``sum |x|``) lowers the bound below 0, failing even an exact match."""
     if has_nan:
         raise ValueError("scale must not be NaN where the compared values are finite (a NaN "
                          "bound passes any error; zero the non-finite terms when summing "
                          "their magnitude)")
+    if has_negative:
+        raise ValueError("scale must be >= 0 where the compared values are finite (it is the "
+                         "magnitude of the summed terms, e.g. sum |x|; a negative scale fails "
+                         "even an exact match)")
 
 
 def check_real(name, kind_is_complex) -> None:
@@ -94,7 +99,7 @@ def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) 
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.where(finite, np.abs(a - e), 0.0)
     bound = atol * sc + rtol * np.abs(e)
-    check_scale(bool((np.isnan(bound) & finite).any()))
+    check_scale(bool((np.isnan(bound) & finite).any()), bool((finite & (sc < 0)).any()))
     bad = (diff > bound) | (nan_a != nan_e) | (inf_a != inf_e) | (inf_a & inf_e & (np.sign(a) != np.sign(e)))
     denom = np.sqrt(np.mean(e[finite] ** 2)) if finite.any() else 0.0
     rel_rms = float(np.sqrt(np.mean(diff[finite] ** 2)) / denom) if denom > 0 else float(diff.max(initial=0.0))
