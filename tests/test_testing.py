@@ -95,3 +95,16 @@ def test_a_negative_scale_is_refused(device_rule):
     e2 = torch.tensor([math.inf, 1.0], dtype=torch.float64)
     a2 = torch.tensor([math.inf, 1.0])
     assert run(a2, e2, "float32", torch.tensor([-1.0, 1.0], dtype=torch.float64))["ok"]
+
+
+@pytest.mark.parametrize("device_rule", [False, True], ids=["numpy", "torch"])
+def test_a_scale_that_does_not_broadcast_to_the_values_is_refused(device_rule):
+    """``scale`` broadcasts to the compared shape; one of another shape (too few entries,
+    or more dimensions than the values) raises, naming it, instead of a broadcasting error
+    or an IndexError while the failure is reported."""
+    a, e = torch.tensor([1.0, 1.0, 2.0]), torch.ones(3, dtype=torch.float64)
+    run = (lambda *args, **kw: T._compare_torch(*args, **kw)) if device_rule else T.compare
+    for shape in ((2,), (2, 3)):
+        with pytest.raises(ValueError, match="^scale must broadcast to the compared shape"):
+            run(a, e, "float32", torch.ones(shape, dtype=torch.float64))
+    assert not run(a, e, "float32", torch.ones(1, 3, dtype=torch.float64)[0])["ok"]

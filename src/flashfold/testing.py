@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .algebra.tolerances import TOLERANCES, check_real, check_scale, dtype_name, tolerance
+from .algebra.tolerances import (TOLERANCES, check_real, check_scale, check_scale_shape,
+                                 dtype_name, tolerance)
 from .algebra.tolerances import compare as _compare
 
 __all__ = ["TOLERANCES", "dtype_name", "compare", "assert_close"]
@@ -51,6 +52,7 @@ def _compare_torch(actual, expected, dtype, scale, atol=None, rtol=None) -> dict
     sc = scale.detach().double() if hasattr(scale, "detach") else float(scale)
     if a.shape != e.shape:
         return {"ok": False, "why": f"shape {tuple(a.shape)} != expected {tuple(e.shape)}"}
+    check_scale_shape(sc.shape if hasattr(sc, "shape") else (), a.shape)
     nan_a, nan_e, inf_a, inf_e = a.isnan(), e.isnan(), a.isinf(), e.isinf()
     sign_bad = inf_a & inf_e & (a.sign() != e.sign())
     parity = bool(torch.equal(nan_a, nan_e) and torch.equal(inf_a, inf_e) and not sign_bad.any())

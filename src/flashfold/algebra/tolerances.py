@@ -72,6 +72,18 @@ def check_scale(has_nan, has_negative=False) -> None:
                          "even an exact match)")
 
 
+def check_scale_shape(scale_shape, shape) -> None:
+    """``ValueError`` for a ``scale`` whose shape does not broadcast to the compared
+    ``shape`` (the bound ``atol * scale + rtol * |expected|`` has the values' shape)."""
+    try:
+        ok = np.broadcast_shapes(tuple(scale_shape), tuple(shape)) == tuple(shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"scale must broadcast to the compared shape {tuple(shape)}, got "
+                         f"shape {tuple(scale_shape)}")
+
+
 def check_real(name, kind_is_complex) -> None:
     """``TypeError`` for complex values (comparing their real parts would hide the rest)."""
     if kind_is_complex:
@@ -91,6 +103,7 @@ def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) 
     sc = np.asarray(scale, dtype=np.float64)
     if a.shape != e.shape:
         return {"ok": False, "why": f"shape {a.shape} != expected {e.shape}"}
+    check_scale_shape(sc.shape, a.shape)
     nan_a, nan_e = np.isnan(a), np.isnan(e)
     inf_a, inf_e = np.isinf(a), np.isinf(e)
     parity = bool(np.array_equal(nan_a, nan_e) and np.array_equal(inf_a, inf_e)
