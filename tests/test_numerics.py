@@ -35,6 +35,18 @@ def test_rounding_is_round_to_nearest_even():
     assert round_to_bits(ties, 8).tolist() == [1.0, 1.015625, -1.0, 256.0, 260.0]
 
 
+def test_rounding_takes_bits_from_1_to_53_and_names_others():
+    x = np.array([1 / 3, -2.5e-300, 7.0])
+    assert np.array_equal(round_to_bits(x, 53), x)               # float64 itself: exact
+    assert round_to_bits(np.array([1.75]), 1).tolist() == [2.0]
+    for bits in (0, -3, 54, 60):
+        with pytest.raises(ValueError, match="^bits: expected an int in 1..53"):
+            round_to_bits(x, bits)
+    for bits in (8.0, True, None):
+        with pytest.raises(TypeError, match="^bits: expected an int in 1..53"):
+            round_to_bits(x, bits)
+
+
 @pytest.mark.parametrize("kind", ["positive", "signed", "ties"])
 def test_sequential_bf16_sum_is_bit_exact(kind):
     rng = np.random.default_rng({"positive": 1, "signed": 2, "ties": 3}[kind])

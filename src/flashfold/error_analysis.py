@@ -76,10 +76,17 @@ def round_to_bits(x, bits: int) -> np.ndarray:
     """``x`` (float64) rounded to ``bits`` significand bits, RNE; exact, vectorized.
 
     ``bits = 24`` is float32's rounding, ``bits = 8`` bfloat16's (exponent range of
-    float64: no overflow or subnormals at the magnitudes used here).
+    float64: no overflow or subnormals at the magnitudes used here); ``bits`` is an int in
+    ``1..53`` (53: float64 itself, unchanged).
     """
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+        raise TypeError(f"bits: expected an int in 1..53, got {type(bits).__name__} {bits!r}")
+    if not 1 <= bits <= 53:
+        raise ValueError(f"bits: expected an int in 1..53, got {bits!r}")
     x = np.asarray(x, dtype=np.float64)
-    drop = 53 - bits
+    drop = 53 - int(bits)
+    if drop == 0:
+        return x.copy()
     b = x.view(np.int64)
     b = (b + ((1 << (drop - 1)) - 1) + ((b >> drop) & 1)) & ~((1 << drop) - 1)
     return b.view(np.float64)
