@@ -35,6 +35,18 @@ def test_rounding_is_round_to_nearest_even():
     assert round_to_bits(ties, 8).tolist() == [1.0, 1.015625, -1.0, 256.0, 260.0]
 
 
+def test_rounding_keeps_every_nan_a_nan():
+    """Rounding adds to the bit pattern: a NaN whose payload carries out of its bits must
+    stay NaN (not 0, -0 or inf), as float32 and bfloat16 conversions keep it."""
+    bits = np.array([0x7FFFFFFFFFFFFFFF, -1, 0x7FF0000000000001, 0x7FFFF00000000000,
+                     0x7FF8000000000000], dtype=np.int64)
+    nans = bits.view(np.float64)
+    assert np.isnan(nans).all()
+    for b in (1, 8, 24, 52):
+        assert np.isnan(round_to_bits(nans, b)).all(), b
+    assert np.isnan(round_to_bits(nans[0], 8))
+
+
 def test_rounding_takes_bits_from_1_to_53_and_names_others():
     x = np.array([1 / 3, -2.5e-300, 7.0])
     assert np.array_equal(round_to_bits(x, 53), x)               # float64 itself: exact

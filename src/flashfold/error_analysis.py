@@ -89,7 +89,9 @@ def round_to_bits(x, bits: int) -> np.ndarray:
         return x.copy()
     b = x.view(np.int64)
     b = (b + ((1 << (drop - 1)) - 1) + ((b >> drop) & 1)) & ~((1 << drop) - 1)
-    return b.view(np.float64)
+    # a NaN's payload can carry into the exponent (inf) or wrap the sign (a number): keep it
+    out = np.where(np.isnan(x), x, b.view(np.float64))
+    return out if out.ndim else out[()]
 
 
 class _Format:
