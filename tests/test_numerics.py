@@ -226,3 +226,19 @@ def test_the_lazy_top_level_name_is_the_function(tmp_path):
             "orders=('tree',)); print(type(r).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "NumericsReport", out.stderr
+
+
+def test_dtypes_and_orders_are_nonempty_sequences_of_names():
+    """No format or no order would give a report without rows (``ok`` vacuously); a
+    generator is read once, not exhausted by the checks; others are named."""
+    for kw in ({"dtypes": ()}, {"orders": []}):
+        with pytest.raises(ValueError, match=f"^{next(iter(kw))}: expected at least one"):
+            ff.numerics(n_values=[10], **kw)
+    for kw in ({"dtypes": None}, {"orders": 3}):
+        with pytest.raises(TypeError, match=f"^{next(iter(kw))}: expected a sequence"):
+            ff.numerics(n_values=[10], **kw)
+    with pytest.raises(ValueError, match="^dtypes: unknown statistics format"):
+        ff.numerics(n_values=[10], dtypes=[["float32"]])
+    r = ff.numerics(n_values=[10], dtypes=(d for d in ["float32"]),
+                    orders=(o for o in ["tree", "blocked"]))
+    assert [(x.dtype, x.order) for x in r.rows] == [("float32", "tree"), ("float32", "blocked")]

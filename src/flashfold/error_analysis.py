@@ -489,6 +489,22 @@ def _positive_arg(name: str, x) -> float:
     return float(x)
 
 
+def _names_arg(name: str, names) -> list:
+    """``names`` (any iterable, read once) as a non-empty list: ``TypeError`` for a str or
+    a non-iterable, ``ValueError`` when empty (no rows would be measured)."""
+    if isinstance(names, str):
+        raise TypeError(f"{name}: expected a sequence of names, got the str {names!r} "
+                        f"(write ({names!r},))")
+    try:
+        names = list(names)
+    except TypeError:
+        raise TypeError(f"{name}: expected a sequence of names, got "
+                        f"{type(names).__name__}") from None
+    if not names:
+        raise ValueError(f"{name}: expected at least one name, got none")
+    return names
+
+
 def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
              dtypes: Sequence[str] = DTYPES, orders: Sequence[str] = ORDERS, block: int = 128,
              width: int = 2, std: float = 1.0, seed: int = 0, out: str | None = None,
@@ -501,8 +517,9 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
     max_n: largest row length (default 10^7); the sizes are 10, 100, ..., with 3x steps
         from 1000 on, up to ``max_n`` (ignored when ``n_values`` is given).
     n_values: explicit row lengths.
-    dtypes: statistics formats, among ``"float32"``, ``"bfloat16"``.
-    orders: among ``"sequential"``, ``"tree"``, ``"blocked"`` (see the module docstring).
+    dtypes: statistics formats, one or more of ``"float32"``, ``"bfloat16"``.
+    orders: one or more of ``"sequential"``, ``"tree"``, ``"blocked"`` (see the module
+        docstring).
     block: tile size of the blocked order (keys per tile).
     width: width of the value vectors (the attention accumulator ``o``).
     std: standard deviation of the scores.
@@ -527,15 +544,12 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
         ns = _default_ns(max_n)
     if not ns or any(not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1 for n in ns):
         raise ValueError(f"n_values: expected positive ints, got {n_values!r}")
-    for name, names in (("dtypes", dtypes), ("orders", orders)):
-        if isinstance(names, str):
-            raise TypeError(f"{name}: expected a sequence of names, got the str {names!r} "
-                            f"(write ({names!r},))")
+    dtypes, orders = _names_arg("dtypes", dtypes), _names_arg("orders", orders)
     for dt in dtypes:
-        if dt not in _BITS:
+        if not isinstance(dt, str) or dt not in _BITS:
             raise ValueError(f"dtypes: unknown statistics format {dt!r}; expected some of {DTYPES}")
     for o in orders:
-        if o not in ORDERS:
+        if not isinstance(o, str) or o not in ORDERS:
             raise ValueError(f"orders: unknown order {o!r}; expected some of {ORDERS}")
     block = _int_arg("block", block, 1)
     width = _int_arg("width", width, 1)
