@@ -242,3 +242,10 @@ def test_dtypes_and_orders_are_nonempty_sequences_of_names():
     r = ff.numerics(n_values=[10], dtypes=(d for d in ["float32"]),
                     orders=(o for o in ["tree", "blocked"]))
     assert [(x.dtype, x.order) for x in r.rows] == [("float32", "tree"), ("float32", "blocked")]
+
+
+def test_max_n_takes_numpy_ints_and_n_values_must_be_a_sequence():
+    r = ff.numerics(np.int64(10), dtypes=("float32",), orders=("tree",))
+    assert [x.n for x in r.rows] == [10]
+    with pytest.raises(TypeError, match="^n_values: expected a sequence of positive ints"):
+        ff.numerics(n_values=10)

@@ -535,9 +535,17 @@ def numerics(max_n: int = 10**7, *, n_values: Sequence[int] | None = None,
     Returns a :class:`NumericsReport`; ``report.ok`` when no measured error exceeds the
     specification's bound ``γ_{N-1}`` nor the rigorous ``γ_K`` of its order.
     """
-    ns = list(n_values) if n_values is not None else None
+    ns = None
+    if n_values is not None:
+        try:
+            ns = list(n_values)
+        except TypeError:
+            raise TypeError(f"n_values: expected a sequence of positive ints, got "
+                            f"{type(n_values).__name__} {n_values!r}") from None
     if ns is None:
         if isinstance(max_n, float) and max_n.is_integer():
+            max_n = int(max_n)
+        if isinstance(max_n, np.integer):
             max_n = int(max_n)
         if not isinstance(max_n, int) or isinstance(max_n, bool) or max_n < 10:
             raise ValueError(f"max_n: expected an int >= 10, got {max_n!r}")
