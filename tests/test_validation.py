@@ -202,3 +202,15 @@ def test_finalize_names_a_non_numeric_state_field():
         ff.finalize(WELFORD, ("a", 1.0, 2.0))
     with pytest.raises(TypeError, match="state: field 'm2'"):
         ff.finalize(WELFORD, (1.0, 1.0, object()))
+
+
+def test_finalize_refuses_an_int_field_that_is_not_a_whole_number():
+    """An int field (a position) given as floats was cast by NumPy: 2.7 became 2, NaN
+    became -2^63, and 1e30 raised an OverflowError; each is a ValueError naming the field.
+    Whole numbers as floats are taken."""
+    from flashfold.monoids import ARGMAX
+    for bad in (2.7, np.array([1.0, np.nan]), 1e30, np.inf, np.array([3.0, 1e30])):
+        with pytest.raises(ValueError, match="state: field 'i' holds whole numbers"):
+            ff.finalize(ARGMAX, (np.ones(np.shape(bad)), bad))
+    v, i = ff.finalize(ARGMAX, (np.array([1.0, 2.0]), np.array([3.0, 0.0])))
+    assert i.dtype == np.int64 and i.tolist() == [3, 0]

@@ -251,6 +251,12 @@ def finalize(monoid: Monoid, state, **params):
     for k, v in params.items():                  # (unknown names: the finalize says so)
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"{k}: expected a number, got {type(v).__name__}")
+    for f, v in zip(monoid.fields, state):       # NumPy would truncate 2.7 and wrap NaN
+        if f.dtype == "int" and _numeric(v, np.float64) and np.asarray(v).dtype.kind == "f":
+            x = np.asarray(v)
+            if not (np.all(np.trunc(x) == x) and np.all(np.abs(x) < 2.0 ** 63)):
+                raise ValueError(f"state: field {f.name!r} holds whole numbers (positions), "
+                                 f"got {x!r}")
     try:
         state = tuple(np.asarray(v, dtype=np.int64 if f.dtype == "int" else np.float64)
                       for f, v in zip(monoid.fields, state))
