@@ -214,3 +214,14 @@ def test_finalize_refuses_an_int_field_that_is_not_a_whole_number():
             ff.finalize(ARGMAX, (np.ones(np.shape(bad)), bad))
     v, i = ff.finalize(ARGMAX, (np.array([1.0, 2.0]), np.array([3.0, 0.0])))
     assert i.dtype == np.int64 and i.tolist() == [3, 0]
+
+
+def test_an_input_that_is_not_an_array_is_named():
+    """Ragged lists failed in NumPy ("setting an array element with a sequence") and a
+    bfloat16 tensor in torch ("Got unsupported ScalarType BFloat16"), naming neither the
+    argument nor the input."""
+    import torch
+    with pytest.raises(ValueError, match="^xs: input 'x' is not an array"):
+        ff.fold(SUM, [[1.0], [2.0, 3.0]])
+    with pytest.raises(TypeError, match="^xs: input 'value' is not an array"):
+        ff.fold(ATTENTION, (np.ones(2), torch.ones(2, 3, dtype=torch.bfloat16)))

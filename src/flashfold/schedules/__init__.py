@@ -59,7 +59,11 @@ def prepare_inputs(monoid: Monoid, xs, name: str = "xs") -> tuple[list[np.ndarra
                          f"{tuple(i.name for i in data_inputs)}; pass them as a tuple of arrays")
     arrays = []
     for inp, x in zip(data_inputs, xs):
-        arr = np.asarray(x)
+        try:
+            arr = np.asarray(x)
+        except (TypeError, ValueError) as e:     # ragged lists; torch dtypes NumPy lacks
+            kind = TypeError if isinstance(e, TypeError) else ValueError
+            raise kind(f"{name}: input {inp.name!r} is not an array of numbers ({e})") from None
         if arr.dtype.kind not in "f":
             raise TypeError(f"{name}: input {inp.name!r} must be a floating-point array, "
                             f"got dtype {arr.dtype}")
