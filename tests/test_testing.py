@@ -108,3 +108,19 @@ def test_a_scale_that_does_not_broadcast_to_the_values_is_refused(device_rule):
         with pytest.raises(ValueError, match="^scale must broadcast to the compared shape"):
             run(a, e, "float32", torch.ones(shape, dtype=torch.float64))
     assert not run(a, e, "float32", torch.ones(1, 3, dtype=torch.float64)[0])["ok"]
+
+
+@pytest.mark.parametrize("device_rule", [False, True], ids=["numpy", "torch"])
+def test_the_report_of_large_values_has_a_finite_rms_error(device_rule):
+    """The relative RMS error is scale-free: squaring values above 1e154 overflowed, and
+    the report said NaN (inf / inf) with an overflow warning."""
+    import warnings
+    a = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    e = torch.tensor([1.1, 2.0, 3.0], dtype=torch.float64)
+    run = (lambda *args, **kw: T._compare_torch(*args, **kw)) if device_rule else T.compare
+    small = run(a, e, "float64", 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        big = run(a * 1e200, e * 1e200, "float64", 1.0)
+    assert not big["ok"] and big["rel_rms"] == pytest.approx(small["rel_rms"], rel=1e-12)
+    assert big["max_abs"] == pytest.approx(small["max_abs"] * 1e200, rel=1e-12)

@@ -39,6 +39,16 @@ def _on_device(*xs) -> bool:
         and devs != {"cpu"}
 
 
+def _rms_torch(x, n: int) -> float:
+    """:func:`flashfold.algebra.tolerances.rms` of a tensor holding ``n`` finite values
+    (zeros elsewhere): scaled by ``max|x|``, so squares of values above 1e154 cannot
+    overflow."""
+    big = float(x.abs().max()) if x.numel() else 0.0
+    if big == 0.0 or big == float("inf"):
+        return big
+    return big * float(x.div(big).square().sum().div(max(n, 1)).sqrt())
+
+
 def _compare_torch(actual, expected, dtype, scale, atol=None, rtol=None) -> dict:
     """:func:`flashfold.algebra.tolerances.compare`'s rule on torch tensors, where they are
     (a GPU check of 2^31 elements stays on the GPU instead of crossing to NumPy); the same
@@ -62,10 +72,9 @@ def _compare_torch(actual, expected, dtype, scale, atol=None, rtol=None) -> dict
     check_scale(bool((bound.isnan() & finite).any()), bool((finite & (sc < 0)).any()))
     bad = (diff > bound) | (nan_a != nan_e) | (inf_a != inf_e) | sign_bad
     n_fin = int(finite.sum())
-    denom = float(torch.where(finite, e, 0.0).square().sum().div(max(n_fin, 1)).sqrt())
+    denom = _rms_torch(torch.where(finite, e, 0.0), n_fin)
     max_abs = float(diff.max()) if diff.numel() else 0.0
-    rel_rms = (float(diff.square().sum().div(max(n_fin, 1)).sqrt()) / denom if denom > 0
-               else max_abs)
+    rel_rms = _rms_torch(diff, n_fin) / denom if denom > 0 else max_abs
     n_bad = int(bad.sum())
     first = tuple(int(i) for i in bad.nonzero()[0]) if n_bad else None
     return {"ok": bool(not n_bad and parity), "max_abs": max_abs, "rel_rms": rel_rms,

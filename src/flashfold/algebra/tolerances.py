@@ -90,6 +90,16 @@ def check_real(name, kind_is_complex) -> None:
         raise TypeError(f"{name} is complex; compare its real and imaginary parts separately")
 
 
+def rms(x) -> float:
+    """Root mean square of the finite array ``x`` (0 when empty), computed as
+    ``max|x| sqrt(mean((x / max|x|)^2))``: the squares of values above 1e154 would overflow
+    (an RMS of inf, a relative RMS of inf / inf = NaN); ``inf`` where ``x`` holds one."""
+    big = float(np.max(np.abs(x), initial=0.0))
+    if big == 0.0 or not np.isfinite(big):
+        return big
+    return big * float(np.sqrt(np.mean((x / big) ** 2)))
+
+
 def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) -> dict:
     """Compare array-likes ``actual`` and ``expected`` (the float64 reference) elementwise
     with the tolerance of ``dtype`` (or ``atol`` / ``rtol``); returns a report dict with
@@ -114,8 +124,8 @@ def compare(actual, expected, dtype="float64", scale=1.0, atol=None, rtol=None) 
     bound = atol * sc + rtol * np.abs(e)
     check_scale(bool((np.isnan(bound) & finite).any()), bool((finite & (sc < 0)).any()))
     bad = (diff > bound) | (nan_a != nan_e) | (inf_a != inf_e) | (inf_a & inf_e & (np.sign(a) != np.sign(e)))
-    denom = np.sqrt(np.mean(e[finite] ** 2)) if finite.any() else 0.0
-    rel_rms = float(np.sqrt(np.mean(diff[finite] ** 2)) / denom) if denom > 0 else float(diff.max(initial=0.0))
+    denom = rms(e[finite])
+    rel_rms = rms(diff[finite]) / denom if denom > 0 else float(diff.max(initial=0.0))
     first = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.any() else None
     return {"ok": bool(not bad.any() and parity), "max_abs": float(diff.max(initial=0.0)),
             "rel_rms": rel_rms, "first_bad": first, "nan_inf_parity": parity,
