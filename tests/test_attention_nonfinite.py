@@ -488,6 +488,31 @@ def test_monoid_finalize_decides_empty_from_m():
     assert (out == 0).all() and lse == -INF
 
 
+@pytest.mark.parametrize("name", ["ATTENTION", "ATTENTION2"])
+def test_monoid_lone_plus_inf_score_is_nan(name):
+    """A ``+inf`` score is NaN also where it meets no other state: a row of one key, the
+    first prefix of a scan. (Its lift ``(+inf, 1, v)`` is the one state with ``m = +inf``;
+    every combine makes it NaN, so a row ``[+inf, -inf]`` was NaN while ``[+inf]`` gave
+    ``(v, +inf)``.)"""
+    import numpy as np
+    from flashfold import monoids
+    monoid = getattr(monoids, name)
+    v = np.arange(1.0, 5.0)[None]
+    for blocks in (None, [1]):
+        out, lse = flashfold.finalize(monoid, flashfold.fold(monoid, (np.array([INF]), v),
+                                                             blocks=blocks))
+        assert np.isnan(out).all() and np.isnan(lse), (blocks, out, lse)
+    s = torch.tensor([[INF], [INF], [1.0]])
+    res = flashfold.reduce(monoid, (s, torch.ones(3, 1, 4)), -1)
+    assert torch.isnan(res.out[:2]).all() and torch.isnan(res.lse[:2]).all()
+    assert (res.out[2] == 1).all() and res.lse[2] == 1.0
+    res = flashfold.scan(monoid, (torch.tensor([INF, 0.0]), torch.ones(2, 4)), -1)
+    assert torch.isnan(res.out).all() and torch.isnan(res.lse).all()
+    res = flashfold.scan(monoid, (torch.tensor([-INF, INF]), torch.ones(2, 4)), -1)
+    assert (res.out[0] == 0).all() and res.lse[0] == -INF
+    assert torch.isnan(res.out[1]).all() and torch.isnan(res.lse[1])
+
+
 # --- GPU: the Gluon and Triton forwards at real sizes -------------------------------------------
 
 def _gpu_inputs(B, H, N, D, dtype, seed=0):

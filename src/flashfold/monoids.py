@@ -168,10 +168,14 @@ def _attn_combine(a, b, exp=ops.exp):
 
 
 def _attn_finalize(s, log=ops.log, to_natural=1.0):
-    """``(o / d, lse)`` with ``lse = (m + log d) * to_natural``: ``(0, -inf)`` when empty."""
+    """``(o / d, lse)`` with ``lse = (m + log d) * to_natural``: ``(0, -inf)`` when empty,
+    ``(NaN, NaN)`` when ``m = +inf``. That state is only ever a lone ``+inf`` score's lift
+    ``(+inf, 1, v)`` (a row of one key, a scan's first prefix): every combine and the
+    block lift make it NaN, so ``d`` is read as NaN (``m - m``) there too."""
     empty = s.m == -ops.inf
-    return (ops.where(empty, 0.0, s.o / ops.where(empty, 1.0, s.d)),
-            (s.m + log(s.d)) * to_natural)
+    d = ops.where(s.m == ops.inf, s.m - s.m, s.d)
+    return (ops.where(empty, 0.0, s.o / ops.where(empty, 1.0, d)),
+            (s.m + log(d)) * to_natural)
 
 
 def _attn_block(s, v, valid, exp=ops.exp):
