@@ -225,3 +225,23 @@ def test_an_input_that_is_not_an_array_is_named():
         ff.fold(SUM, [[1.0], [2.0, 3.0]])
     with pytest.raises(TypeError, match="^xs: input 'value' is not an array"):
         ff.fold(ATTENTION, (np.ones(2), torch.ones(2, 3, dtype=torch.bfloat16)))
+
+
+def test_finalize_broadcasts_the_fields_of_a_hand_built_state():
+    """The batch shape was read off the first field alone: ``(0.0, [1, 2])`` for LOGSUMEXP
+    failed in NumPy ("cannot broadcast a non-scalar to a scalar array"), and ATTENTION's
+    vector field ``o`` given as a number raised an IndexError. Fields broadcast as a fold's
+    state does; shapes that do not, or a vector field without its feature axis, are
+    ValueErrors naming the state."""
+    from flashfold.monoids import LOGSUMEXP, WELFORD
+    got = ff.finalize(LOGSUMEXP, (0.0, np.array([1.0, 2.0])))
+    assert got.tolist() == pytest.approx([0.0, np.log(2.0)])
+    mean, var = ff.finalize(WELFORD, (np.array(2.0), np.array([1.0, 2.0]), np.array([0.0, 1.0])),
+                            correction=1)
+    assert mean.tolist() == [1.0, 2.0] and var.tolist() == [0.0, 1.0]
+    out, lse = ff.finalize(ATTENTION, (0.0, np.array([1.0, 2.0]), np.ones(3)))
+    assert out.shape == (2, 3) and out[1].tolist() == [0.5] * 3 and lse.shape == (2,)
+    with pytest.raises(ValueError, match=r"^state: the fields' shapes .* do not broadcast"):
+        ff.finalize(LOGSUMEXP, (np.zeros(2), np.ones(3)))
+    with pytest.raises(ValueError, match="^state: field 'o' is a vector field"):
+        ff.finalize(ATTENTION, (0.0, 1.0, 2.0))

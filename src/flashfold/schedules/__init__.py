@@ -268,8 +268,33 @@ def finalize(monoid: Monoid, state, **params):
         bad = next(f.name for f, v in zip(monoid.fields, state)
                    if not _numeric(v, np.int64 if f.dtype == "int" else np.float64))
         raise TypeError(f"state: field {bad!r} must be a number or a numeric array") from None
+    state = _broadcast_state(monoid, state)
     outs = numpy_monoid(monoid).finalize(state, **params)
     return outs[0] if len(outs) == 1 else outs
+
+
+def _broadcast_state(monoid: Monoid, state: tuple) -> tuple:
+    """The fields of a state broadcast to one batch shape ``B``: a scalar field to ``B``, a
+    vector field to ``B + (d,)`` (its trailing feature axis ``d`` kept), as a fold's state
+    is laid out. ``ValueError`` naming the state when a vector field has no feature axis,
+    the vector fields' widths differ, or the batch shapes do not broadcast."""
+    fields = monoid.fields
+    for f, x in zip(fields, state):
+        if f.vector and x.ndim == 0:
+            raise ValueError(f"state: field {f.name!r} is a vector field: it needs a trailing "
+                             f"feature axis, got a number")
+    widths = {x.shape[-1] for f, x in zip(fields, state) if f.vector}
+    if len(widths) > 1:
+        raise ValueError(f"state: the vector fields' feature axes differ: {sorted(widths)}")
+    try:
+        batch = np.broadcast_shapes(*(x.shape[:x.ndim - f.vector]
+                                      for f, x in zip(fields, state)))
+    except ValueError:
+        raise ValueError(f"state: the fields' shapes {[x.shape for x in state]} do not "
+                         f"broadcast to one batch shape (outside the feature axis of vector "
+                         f"fields)") from None
+    return tuple(np.broadcast_to(x, batch + x.shape[x.ndim - f.vector:])
+                 for f, x in zip(fields, state))
 
 
 def _numeric(v, dtype) -> bool:
