@@ -252,6 +252,21 @@ def test_weights_against_the_final_state_are_the_softmax(monoid, assume):
     np.testing.assert_allclose(p[ok].sum(1), 1.0, rtol=1e-12)
 
 
+def test_step_arguments_are_checked():
+    """A flag given as a string was truthy: ``reference_above_minus_inf="no"`` dropped the
+    pivot's select (wrong weights for a ``-inf`` reference) and ``shift="no"`` added a
+    shift argument; a monoid that is not one failed deep inside with an AttributeError."""
+    with pytest.raises(TypeError, match="^reference_above_minus_inf: expected a bool"):
+        tile_weights(ATTENTION2, reference_above_minus_inf="no")
+    with pytest.raises(TypeError, match="^shift: expected a bool"):
+        tile_step(ATTENTION2, shift="no")
+    with pytest.raises(TypeError, match="^scale: expected an input name"):
+        tile_step(ATTENTION2, scale=0.5)
+    for fn in (rescale_twist, tile_step, tile_weights):
+        with pytest.raises(TypeError, match="^monoid: expected a flashfold Monoid, got str"):
+            fn("attention")
+
+
 # --- the generic rewrites ------------------------------------------------------------------
 
 def _graph(fn, names):

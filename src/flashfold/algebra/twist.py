@@ -71,6 +71,13 @@ class RescaleTwist:
     factor: Graph
 
 
+def _check_flag(name: str, value) -> None:
+    """``TypeError`` naming ``name`` unless ``value`` is a bool: a string such as ``"no"``
+    is truthy, and a flag here changes the derived graph."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
 def _is_var(n: Node, name: str) -> bool:
     return n.op == "var" and n.attr == name
 
@@ -109,6 +116,8 @@ def _factor_graph(expr: Node, m_leaf: Node, r_node: Node, name: str) -> Graph | 
 def rescale_twist(monoid: Monoid) -> RescaleTwist:
     """The rescale twist of ``monoid``'s combine (module docstring); ``ValueError`` saying
     which part of the pattern is missing when the combine is not one."""
+    if not isinstance(monoid, Monoid):
+        raise TypeError(f"monoid: expected a flashfold Monoid, got {type(monoid).__name__}")
     g = monoid.combine_graph
     names = monoid.field_names
     a = {f: g._vars["a_" + f] for f in names}
@@ -261,8 +270,13 @@ def tile_step(monoid: Monoid, *, scale: str | None = None, shift: bool = False) 
 
     ``ValueError`` when the monoid is not a rescale twist, has position inputs, a vector
     field is not linear in one vector input, or ``shift`` meets a factor that is not
-    exponential.
+    exponential; ``TypeError`` for a ``monoid`` that is not one, a ``scale`` that is not an
+    input name, a ``shift`` that is not a bool.
     """
+    _check_flag("shift", shift)
+    if scale is not None and not isinstance(scale, str):
+        raise TypeError(f"scale: expected an input name (a str) or None, got "
+                        f"{type(scale).__name__}")
     tw = rescale_twist(monoid)
     if shift and not _exponential(tw.factor):
         raise ValueError(f"tile_step: shift needs an exponential factor g(m, r) = b^(m - r) "
@@ -345,8 +359,9 @@ def tile_weights(monoid: Monoid, *, scale: str | None = None,
     scale log2 e - lambda}``. ``scale`` as in :func:`tile_step`;
     ``reference_above_minus_inf``: the caller never passes ``ref = -inf`` (the backward's
     ``lambda`` is ``+inf`` for a row without keys), which removes the pivot's select per
-    element (:func:`.rewrite.assume_above_minus_inf`). ``ValueError`` as
+    element (:func:`.rewrite.assume_above_minus_inf`). ``ValueError`` and ``TypeError`` as
     :func:`tile_step`."""
+    _check_flag("reference_above_minus_inf", reference_above_minus_inf)
     step = tile_step(monoid, scale=scale)         # (the same checks)
     tw = rescale_twist(monoid)
     scalars = step.tile
