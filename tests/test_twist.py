@@ -300,6 +300,21 @@ def test_hoist_uniform_multiplies_uniform_factors_first():
     assert "mul(c, 1.5)" in text and "mul(x, t0)" in text, text
 
 
+def test_rewrites_refuse_a_string_of_names():
+    """A single name given as a string was read as its characters, which name no input:
+    ``assume_above_minus_inf(g, "ref")`` silently left the graph unchanged."""
+    g = _graph(lambda r, x: ops.where(r == -ops.inf, 0.0, r) + x, ["ref", "x"])
+    with pytest.raises(TypeError, match="^names: expected a sequence of input names, got str"):
+        assume_above_minus_inf(g, "ref")
+    with pytest.raises(TypeError, match="^uniform: expected a sequence of input names, got str"):
+        hoist_uniform(g, uniform="x")
+    with pytest.raises(TypeError, match="^positive: expected a sequence of input names"):
+        hoist_uniform(g, positive=[1.0])
+    with pytest.raises(TypeError, match="^graph: expected a traced flashfold Graph"):
+        hoist_uniform(None)
+    assert "where" not in [n.op for n in assume_above_minus_inf(g, ("ref",)).nodes()]
+
+
 def test_assume_above_minus_inf_drops_the_pivot_only_for_named_inputs():
     g = _graph(lambda m, r: ops.exp2(m - ops.where(r == -math.inf, 0.0, r)), ["m", "r"])
     h = assume_above_minus_inf(g, ["r"])

@@ -89,6 +89,29 @@ class _Facts:
         return hit
 
 
+def _names(value, name: str) -> set:
+    """``value`` (a sequence of input names) as a set; ``TypeError`` naming ``name`` for a
+    string (its characters would be read as names, and match none) or an item that is
+    not a string."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}: expected a sequence of input names, got "
+                        f"{type(value).__name__} {value!r} (pass ({value!r},) for one)")
+    try:
+        items = list(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected a sequence of input names, got "
+                        f"{type(value).__name__}") from None
+    bad = [v for v in items if not isinstance(v, str)]
+    if bad:
+        raise TypeError(f"{name}: expected a sequence of input names, got {bad[0]!r} in it")
+    return set(items)
+
+
+def _check_graph(graph) -> None:
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph: expected a traced flashfold Graph, got {type(graph).__name__}")
+
+
 def _rewrite(graph: Graph, rule) -> Graph:
     """``graph`` rebuilt bottom-up, each node by ``rule(n, go)`` (``go`` rewrites a child;
     ``None``: rebuild the node from its rewritten children). Same inputs and outputs."""
@@ -124,9 +147,12 @@ def hoist_uniform(graph: Graph, uniform: Iterable[str] = (), positive: Iterable[
 
     ``uniform``: input names whose value is the same for every element of a tile;
     ``positive``: the uniform inputs known to be ``> 0`` (finite). Nothing else changes:
-    the result has the same inputs and outputs, in order.
+    the result has the same inputs and outputs, in order. ``TypeError`` for a ``graph``
+    that is not one, or names that are not a sequence of strings.
     """
-    uniform = set(uniform) | set(positive)
+    _check_graph(graph)
+    positive = _names(positive, "positive")
+    uniform = _names(uniform, "uniform") | positive
     facts = _Facts(uniform, positive)
 
     def rule(n: Node, go):
@@ -152,8 +178,10 @@ def hoist_uniform(graph: Graph, uniform: Iterable[str] = (), positive: Iterable[
 
 def assume_above_minus_inf(graph: Graph, names: Iterable[str]) -> Graph:
     """``graph`` with the inputs ``names`` known never to be ``-inf`` (module docstring):
-    exact for every value they may take, NaN included. Same inputs and outputs."""
-    names = set(names)
+    exact for every value they may take, NaN included. Same inputs and outputs.
+    ``TypeError`` as :func:`hoist_uniform`."""
+    _check_graph(graph)
+    names = _names(names, "names")
 
     def rule(n: Node, go):
         if n.op == "eq" and any(a.op == "var" and a.attr in names for a in n.args) \
