@@ -140,6 +140,21 @@ def test_errors_and_supported_table():
     assert {"tanh", "where", "maximum", "load", "pow", "rsum"} <= set(SUPPORTED)
 
 
+def test_argument_types_are_checked():
+    """``output=True`` was taken as output 1, ``output="0"`` and ``output=1.0`` failed in a
+    comparison or an index, and a graph that is not one with an AttributeError."""
+    g = trace(lambda s: (s * 2.0, s * s), [Var("s")], "f", n_outputs=2)
+    for bad in (True, "0", 1.0):
+        with pytest.raises(TypeError, match="^output: expected an int"):
+            derivative(g, "s", output=bad)
+    with pytest.raises(TypeError, match="^with_value: expected a bool"):
+        derivative(g, "s", with_value="no")
+    with pytest.raises(TypeError, match="^graph: expected a traced flashfold Graph"):
+        derivative("f", "s")
+    d = derivative(g, "s", output=np.int64(1), with_value=np.bool_(False))
+    assert compile_graph(d, "numpy")(np.float64(3.0))[0] == 6.0
+
+
 def _expr():
     """A builder of random smooth expressions over (s, x) for hypothesis (safe domains)."""
     unary = [lambda a: ops.tanh(a), lambda a: ops.sigmoid(a), lambda a: ops.exp(ops.tanh(a)),

@@ -47,6 +47,9 @@ are those of the expression almost everywhere; at a kink (``abs`` at 0, a tie of
 from __future__ import annotations
 
 import math
+import numbers
+
+import numpy as np
 
 from .ir import (BINARY, BOOLEAN, REDUCTIONS, SCANS, UNARY, Graph, Node, _context, apply, const,
                  reduce_node, trace)
@@ -208,9 +211,19 @@ def derivative(graph: Graph, wrt: str, *, output: int = 0, with_value: bool = Tr
     and outputs ``(value, d value / d wrt)`` when ``with_value`` (the value shares its
     subexpressions with the derivative: one lowering computes both), else
     ``(d value / d wrt,)``. A derivative that is identically zero or constant is a
-    constant output. Raises ``ValueError`` for an unknown input name and
-    ``NotImplementedError`` for an op without a rule (see the module table).
+    constant output. Raises ``ValueError`` for an unknown input name or output index,
+    ``TypeError`` for a ``graph`` that is not one, an ``output`` that is not an int or a
+    ``with_value`` that is not a bool, and ``NotImplementedError`` for an op without a
+    rule (see the module table).
     """
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph: expected a traced flashfold Graph, got {type(graph).__name__}")
+    if isinstance(output, bool) or not isinstance(output, numbers.Integral):
+        raise TypeError(f"output: expected an int (an output index), got "
+                        f"{type(output).__name__}")
+    if not isinstance(with_value, (bool, np.bool_)):
+        raise TypeError(f"with_value: expected a bool, got {type(with_value).__name__}")
+    output = int(output)
     names = [v.name for v in graph.inputs]
     if wrt not in names:
         raise ValueError(f"derivative: {graph.name} has no input {wrt!r}; inputs are {names}")
