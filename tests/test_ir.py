@@ -65,3 +65,12 @@ def test_compile_graph_and_numpy_monoid_name_a_wrong_argument():
         compile_graph("combine", "numpy")
     with pytest.raises(TypeError, match="monoid: expected a flashfold Monoid, got str"):
         numpy_monoid("sum")
+
+
+def test_compile_graph_names_a_backend_that_is_neither_a_name_nor_a_backend():
+    """A backend given as a number (or None) failed with AttributeError ('int' object has
+    no attribute 'reduce_axis') inside the emitter."""
+    from flashfold.algebra import compile_graph
+    for bad in (3, None):
+        with pytest.raises(TypeError, match="^backend: expected a Backend or a registered"):
+            compile_graph(LOGSUMEXP.combine_graph, bad)

@@ -187,6 +187,9 @@ def compile_graph(graph: Graph, backend: Backend | str, arg_names: list[str] | N
                         f"got {type(graph).__name__}")
     if isinstance(backend, str):
         backend = get_backend(backend)
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend: expected a Backend or a registered backend's name "
+                        f"{sorted(_BACKENDS)}, got {type(backend).__name__}")
     src = function_source(graph, backend, "_lowered", arg_names)
     ns = dict(backend.namespace)
     exec(compile(src, f"<flashfold:{backend.name}:{graph.name}>", "exec"), ns)
