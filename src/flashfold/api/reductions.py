@@ -568,7 +568,8 @@ def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torc
     One read of ``x`` for the row state ``(m, d)`` of LOGSUMEXP2 and one read + write for
     ``y = 2^(x·log2 e - m) / d``; a row that fits a tile (up to 16K fp32 / 32K 16-bit
     elements) is read once and kept in registers. ``dtype`` sets the output dtype (the
-    computation is float32 regardless). An all ``-inf`` row gives NaN, as torch. A row
+    computation is float32 on CUDA, float64 on the CPU, regardless). An all ``-inf`` row
+    gives NaN, as torch. A row
     holding ``+inf`` gives 0 at its other entries (the limit of ``exp(x - max)``) and NaN
     at its ``+inf`` ones (``inf / inf``), where torch gives the whole row NaN; a NaN makes
     its row NaN, as torch.
@@ -653,8 +654,8 @@ def argmin(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
 
 
 def cumsum(x: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Inclusive prefix sums along ``dim`` (as ``torch.cumsum``), float32 accumulation;
-    ``dtype`` casts the result."""
+    """Inclusive prefix sums along ``dim`` (as ``torch.cumsum``), float32 accumulation on
+    CUDA (float64 on the CPU); ``dtype`` casts the result."""
     if dtype is not None and dtype not in _FLOAT:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
     if _wants_grad(x):
