@@ -120,7 +120,8 @@ def prefix_lm_mask(prefix_len):
 
 
 def key_padding_mask(lengths):
-    """Key padding: sequence ``b`` has ``lengths[b]`` real keys (``kv_idx < lengths[b]``)."""
+    """Key padding: sequence ``b`` has ``lengths[b]`` real keys (``kv_idx < lengths[b]``).
+    ``lengths``: int tensor ``(batch,)``."""
     lens = Buffer(_table(lengths, "lengths", dims=(1,)))
 
     def key_padding(b, h, q_idx, kv_idx):

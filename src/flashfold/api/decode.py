@@ -435,6 +435,10 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
               v_descale: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``n_new`` new tokens per sequence into the cache, in place, after the cached ones.
 
+    ``k_cache``, ``v_cache``: contiguous ``(batch, heads_kv, max_len, head_dim)``
+    (``block_table=None``) or paged ``(num_pages, page_size, heads_kv, head_dim)`` with
+    ``block_table`` ``(batch, max_pages)`` int32, as :func:`decode` takes them;
+    ``cache_seqlens``: ``(batch,)`` int32 or int64, the tokens already cached.
     ``k_new``, ``v_new``: ``(batch, heads_kv, n_new, head_dim)`` (the SDPA layout of ``q``),
     same dtype and device as the cache; into an E4M3 cache (``torch.float8_e4m3fn``), any
     16/32/64-bit float dtype, quantized on write with the sequence's descales

@@ -555,6 +555,9 @@ def _softmax_key() -> str:
 def logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
     """``log(sum(exp(x)))`` along ``dim`` (as ``torch.logsumexp``), via the base-2 online
     softmax state ``(m, d)`` (LOGSUMEXP2): ``(m + log2 d) · ln 2``. Empty dim: ``-inf``.
+    ``x``: float32 / float16 / bfloat16 of any shape; ``dim`` an int, a tuple of ints or
+    ``None`` (all); returns ``x``'s shape without ``dim`` (size 1 with ``keepdim``), in
+    ``x.dtype``.
     Differentiable: ``dx = g e^(x - y)``, 0 in a row whose result is ``-inf`` (no mass,
     as attention's fully masked rows; torch gives NaN there)."""
     if _wants_grad(x):
@@ -564,6 +567,9 @@ def logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
 
 def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``exp(x - max) / sum(exp(x - max))`` along ``dim`` (as ``torch.softmax``).
+
+    ``x``: float32 / float16 / bfloat16 of any shape; returns ``x``'s shape, in ``dtype``
+    (float32 / float16 / bfloat16; default ``x.dtype``).
 
     One read of ``x`` for the row state ``(m, d)`` of LOGSUMEXP2 and one read + write for
     ``y = 2^(x·log2 e - m) / d``; a row that fits a tile (up to 16K fp32 / 32K 16-bit
@@ -588,7 +594,9 @@ def var_mean(x: torch.Tensor, dim=None, *, correction=1, keepdim: bool = False):
     correction``: inf, or NaN where ``M2 = 0``, as torch). An infinite or NaN element makes ``var`` NaN and
     ``mean`` infinite or NaN, as torch. An empty dim gives ``(nan, nan)``. Differentiable:
     ``dx = g_mean / n + g_var 2 (x - mean) / (n - correction)``, torch's rule.
-    ``correction=None`` is 1, as torch takes it."""
+    ``correction=None`` is 1, as torch takes it. ``x``: float32 / float16 / bfloat16 of any
+    shape; ``dim`` an int, a tuple of ints or ``None`` (all); ``var`` and ``mean`` have
+    ``x``'s shape without ``dim`` (size 1 with ``keepdim``), in ``x.dtype``."""
     if correction is None:
         correction = 1
     if isinstance(correction, bool) or not isinstance(correction, numbers.Real):
@@ -644,18 +652,22 @@ def argmax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """Index of the largest value along ``dim`` (``None``: of the flattened tensor), int64;
     ties give the lowest index and NaN counts as the largest, as ``torch.argmax``.
     ``keepdim`` with ``dim=None`` keeps every dim with size 1. An empty ``dim`` raises
-    IndexError; an empty tensor reduced over a non-empty dim gives an empty result."""
+    IndexError; an empty tensor reduced over a non-empty dim gives an empty result.
+    ``x``: float32 / float16 / bfloat16 of any shape; returns ``x``'s shape without ``dim``
+    (size 1 with ``keepdim``; ``()`` for ``dim=None``)."""
     return _arg(ARGMAX_INDEX, x, dim, keepdim, "argmax")
 
 
 def argmin(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
-    """Index of the smallest value along ``dim``, int64; as ``torch.argmin``."""
+    """Index of the smallest value along ``dim``, int64; as ``torch.argmin`` (shapes and
+    rules as :func:`argmax`)."""
     return _arg(ARGMIN_INDEX, x, dim, keepdim, "argmin")
 
 
 def cumsum(x: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Inclusive prefix sums along ``dim`` (as ``torch.cumsum``), float32 accumulation on
-    CUDA (float64 on the CPU); ``dtype`` casts the result."""
+    CUDA (float64 on the CPU); ``dtype`` casts the result. ``x``: float32 / float16 /
+    bfloat16 of any shape; returns ``x``'s shape."""
     if dtype is not None and dtype not in _FLOAT:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
     if _wants_grad(x):
@@ -667,7 +679,8 @@ def logcumsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``log(cumsum(exp(x)))`` along ``dim`` (as ``torch.logcumsumexp``), by a scan of the
     base-2 online-softmax state (LOGSUMEXP2_SCAN: LOGSUMEXP2 with a one-exp2 combine).
     Differentiable: ``dx_j = sum_{i >= j} g_i e^(x_j - y_i)``, summed in log space; 0 at a
-    ``-inf`` element (no mass; torch gives NaN in a ``-inf`` prefix)."""
+    ``-inf`` element (no mass; torch gives NaN in a ``-inf`` prefix). ``x``: float32 /
+    float16 / bfloat16 of any shape; returns ``x``'s shape, in ``x.dtype``."""
     if _wants_grad(x):
         return _LogCumSumExp.apply(x, dim)
     return _scan(LOGSUMEXP2_SCAN, x, dim, False, None, {})

@@ -994,7 +994,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     broadcast). ``BLOCK_SIZE`` is an int or ``(BLOCK_M, BLOCK_N)`` (powers of two >= 16;
     the kernel's tiles must divide them, which holds for the default 128). Pass the result
     as ``attention(..., mask_mod=block_mask)``; positions are those of the un-aligned
-    score matrix (``q_idx < Q_LEN``, ``kv_idx < KV_LEN``).
+    score matrix (``q_idx < Q_LEN``, ``kv_idx < KV_LEN``). ``device``: where the tables
+    are made (default: CUDA when available, else the CPU), ``q``'s device. The
+    :class:`BlockMask`'s ``shape`` is ``(B, H, Q_LEN, KV_LEN)``; its tables are shaped
+    ``(Bm, Hm, ceil(Q_LEN / BLOCK_M), ceil(KV_LEN / BLOCK_N))`` (:class:`BlockMask`).
 
     The result is the mask as its tables hold at creation: make a new one after writing
     to them. A mask that reads a table per key (``doc[q_idx] == doc[kv_idx]``) is
