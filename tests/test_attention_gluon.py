@@ -598,6 +598,13 @@ def test_pingpong_rule():
     # the tiles of the call's plan: 64-key tiles at head_dim 256
     assert pingpong_default(False, 1024, 3072) and not pingpong_default(False, 1024, 3072,
                                                                         block_n=64)
+    # FP8 calls ping-pong whatever their length from q/k tiles 128 wide, and keep the
+    # rule below
+    assert pingpong_default(False, 4096, 4096, fp8_width=128)
+    assert pingpong_default(True, 16384, 16384, block_n=64, fp8_width=256)
+    assert pingpong_default(False, 4096, 4096, fp8_width=96 + 32)
+    assert not pingpong_default(False, 4096, 4096, fp8_width=64)
+    assert pingpong_default(False, 1024, 1024, fp8_width=64)
 
 
 def test_not_on_cpu_tensors():

@@ -106,10 +106,12 @@ def _same(f):
     (fwd, gluon_fwd, "eligible", lambda *a, **kw: False),
     (fwd, dispatch, "forward_gluon", lambda *a, **kw: False),
     (fwd, gluon_fwd, "PINGPONG_MAX_TILES", 0),
+    (fwd, gluon_fwd, "FP8_PINGPONG_MIN_D", 0),
     (fwd, gluon_fwd, "on_hopper", lambda q: False),
 ], ids=["bwd-allocator", "bwd-dispatch-table", "bwd-gluon-dispatch", "bwd-store-rule",
         "bwd-on-hopper", "fwd-allocator", "fwd-config", "fwd-gluon-dispatch",
-        "fwd-dispatch-table", "fwd-pingpong-rule", "fwd-on-hopper"])
+        "fwd-dispatch-table", "fwd-pingpong-rule", "fwd-fp8-pingpong-rule",
+        "fwd-on-hopper"])
 def test_a_patched_planner_global_bypasses_the_cache(monkeypatch, family, module, name, value):
     assert family._CACHE.caching()
     monkeypatch.setattr(module, name, value)

@@ -156,6 +156,9 @@ CAUSAL_HEADS_PER_ROUND = 4
 #: calls whose work items average at most this many key tiles ping-pong the two consumer
 #: warpgroups (see :func:`pingpong_default`)
 PINGPONG_MAX_TILES = 24
+#: FP8 calls whose q/k tiles are at least this wide ping-pong whatever their items' length
+#: (see :func:`pingpong_default`)
+FP8_PINGPONG_MIN_D = 128
 #: registers of the second consumer warpgroup (a worker partition; the first, the
 #: default partition, gets what the cap leaves: (168 * 12 - 240 * 4 - 24 * 4) / 4 = 240)
 CONSUMER_REGS = 240
@@ -1359,7 +1362,8 @@ def item_tiles(nq: int, nk: int, left: int | None = None, right: int | None = No
 
 
 def pingpong_default(causal: bool, nq: int, nk: int, left: int | None = None,
-                     right: int | None = None, block_n: int = BLOCK_N) -> bool:
+                     right: int | None = None, block_n: int = BLOCK_N, *,
+                     fp8_width: int = 0) -> bool:
     """Whether the two consumer warpgroups ping-pong: each issues its wgmma only after the
     other has issued its own for the previous event (two mbarriers), so that one
     warpgroup's softmax runs while the other's products hold the tensor cores.
@@ -1372,9 +1376,23 @@ def pingpong_default(causal: bool, nq: int, nk: int, left: int | None = None,
     window's about ``(left + right + 128) / 128``) ping-pong. Measured (H200, against no
     ping-pong): 1K dense (8 tiles per item) +2%, 4K causal (16.5 on average) +1-5.5%, 4K
     dense (32) -3.5% at head_dim 128, 16K (64-128) 0 to -1.3%;
-    ``docs/notes/attention_fwd.md``, "Warpgroup ping-pong"."""
+    ``docs/notes/attention_fwd.md``, "Warpgroup ping-pong".
+
+    ``fp8_width``: an FP8 call's q/k tile width (both column chunks; 0: a 16-bit call).
+    An E4M3 product takes half a 16-bit one's tensor time and the softmax the same, so
+    the softmax is the longer part of a step: from ``FP8_PINGPONG_MIN_D`` columns FP8
+    calls ping-pong whatever their length (H100, CUDA graphs, against no ping-pong: dense
+    d128 4K +7.6%, Gemma-2's d256 causal softcap 8K +4.1%, dense d256 4K +0.6%; dense d64
+    4K -5.1%, so narrower ones keep the rule; ``docs/notes/fp8.md``)."""
     left, right = _bounds(causal, left, right)
     tiles = [n for n in item_tiles(nq, nk, left, right, block_n) if n]   # the work items
+    return _pingpong(tiles, fp8_width)
+
+
+def _pingpong(tiles: list, fp8_width: int) -> bool:
+    """:func:`pingpong_default` of the work items' key tile counts ``tiles``."""
+    if fp8_width >= FP8_PINGPONG_MIN_D:
+        return True
     return sum(tiles) <= PINGPONG_MAX_TILES * len(tiles)
 
 
@@ -1607,7 +1625,8 @@ def _varlen_launches(q, k, v, *, causal, left, right, softcap, scale, return_lse
     block_n = plan[3]
     if pingpong is None:
         # (the items of the longest sequence stand for all)
-        pingpong = pingpong_default(False, max_seqlen_q, max_seqlen_k, left, right, block_n)
+        pingpong = pingpong_default(False, max_seqlen_q, max_seqlen_k, left, right, block_n,
+                                    fp8_width=(plan[0] + plan[1]) * fp8)
     slots, sms = varlen_slots(Nq, n_seqs) * Hq, num_sms(q)
     if persistent is None:
         # the dense rule, the longest sequence's query tiles standing for all
@@ -1752,7 +1771,7 @@ def gluon_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         ls = lse[:, :, skip:] if return_lse else None
         fs = flags[skip // (BLOCK_M // 2):] if flags is not None else None
     if pingpong is None:
-        pingpong = sum(tiles) <= PINGPONG_MAX_TILES * len(tiles)
+        pingpong = _pingpong(tiles, (plan[0] + plan[1]) * fp8)
     scales = _scales(scale, softcap, score_mod, q.device)
     args = (*_descs(qs, k, v, os_, plan), ls if return_lse else os_,
             lse.stride(0) if return_lse else 0, lse.stride(1) if return_lse else 0,
