@@ -100,7 +100,10 @@ def _comm_device(dev):
 
 
 def allmax(x: float, dev) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64, device=_comm_device(dev))
+    """The largest ``x`` over the ranks, a NaN counted as inf (the MAX of gloo and NCCL
+    keeps a finite value met before a NaN: a NaN error of one rank would vanish)."""
+    t = torch.tensor([math.inf if math.isnan(x) else float(x)], dtype=torch.float64,
+                     device=_comm_device(dev))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 

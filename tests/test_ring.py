@@ -302,6 +302,37 @@ def test_ring_attention_four_ranks():
     _run(4)
 
 
+def _nan_on_one_rank_worker(rank, world, init_file, verdicts):
+    """benchmarks/ring.py's check on two ranks, the ring's output of rank 1 holding a NaN:
+    every rank's verdict (``verdicts[rank]``, 1 for a pass)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    bench = _bench_module()
+    real = bench.ring_attention
+
+    def poisoned(*a, **kw):
+        o, lse = real(*a, **kw)
+        if rank == 1:
+            o = o + torch.where(torch.arange(o.shape[-1]) == 0, math.nan, 0.0).to(o.dtype)
+        return o, lse
+    bench.ring_attention = poisoned
+    verdicts[rank] = int(bench.correctness(torch.device("cpu"), torch.float32, 21, 2, 1, 16, 2))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)                     # (gloo's C++ teardown: see _worker)
+
+
+def test_benchmark_check_fails_on_a_nan_of_another_rank():
+    """A NaN on rank 1 fails the check on every rank: gloo's (and NCCL's) MAX reduction
+    keeps rank 0's finite error when the NaN comes second, so the error is reduced with
+    NaN as inf."""
+    verdicts = mp.get_context("spawn").Array("i", [-1, -1])
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_nan_on_one_rank_worker, args=(2, os.path.join(d, "init"), verdicts), nprocs=2)
+    assert list(verdicts) == [0, 0]
+
+
 # --- single process: layouts, plans, the backward's algebra ----------------------------------------
 
 def test_chunk_and_shard_lengths():
