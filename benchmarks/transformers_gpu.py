@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import sys
 import time
 import warnings
@@ -131,7 +132,10 @@ def alone(ref, ids, mask):
 
 
 def max_err(out, rows):
-    return max(float((out[b, real].double() - r).abs().max()) for b, (real, r) in enumerate(rows))
+    """max |out[b, real] - r| over the ``(real, r)`` of each sequence ``b``; NaN when any
+    sequence's error is (Python's ``max`` would keep the first of a number and a NaN)."""
+    errs = [float((out[b, real].double() - r).abs().max()) for b, (real, r) in enumerate(rows)]
+    return math.nan if any(map(math.isnan, errs)) else max(errs)
 
 
 def verdict(name, e_ff, e_sdpa, e_eager):
@@ -181,7 +185,7 @@ def correctness():
                     outs[name] = m(input_ids=step_ids, attention_mask=am, position_ids=pos,
                                    use_cache=True, **cache_kw(m, caches[name])).logits[:, -1]
             want = [run(ref, seq[b, am[b].bool()][None])[0, -1] for b in range(seq.shape[0])]
-            err = lambda o: max(float((o[b].double() - w).abs().max()) for b, w in enumerate(want))  # noqa: E731
+            err = lambda o: max_err(o, [(slice(None), w) for w in want])  # noqa: E731
             verdict(f"llama decode {padding} step {step}", err(outs["ff"]), err(outs["sdpa"]),
                     err(outs["eager"]))
             nxt = torch.stack(want).argmax(-1, keepdim=True)       # follow the reference

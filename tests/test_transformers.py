@@ -22,6 +22,7 @@ cases, and that ``import flashfold`` registers nothing.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -605,6 +606,23 @@ def test_gpu_script_dry_run(monkeypatch, capsys):
     assert mod.main(["--cpu"]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "ff / sdpa" in out and "BAD" not in out
+
+
+def test_gpu_script_error_keeps_a_nan_of_any_row(monkeypatch, capsys):
+    """The script's errors over a batch are NaN when any sequence's output holds a NaN
+    (Python's ``max`` keeps the first of a NaN and a number), so the verdict fails: the
+    prefill rows and the decode steps (which have no separate finiteness check)."""
+    from bench_script import load_benchmark
+    mod = load_benchmark("transformers_gpu", "transformers_gpu_nan")
+    want = torch.zeros(3, 5, 4, dtype=torch.float64)
+    out = want.clone().float()
+    out[1, 2, 0] = float("nan")
+    rows = [(torch.ones(5, dtype=torch.bool), want[b]) for b in range(3)]
+    e = mod.max_err(out, rows)
+    assert math.isnan(e)
+    assert math.isnan(mod.max_err(out[:, 2], [(slice(None), want[b, 2]) for b in range(3)]))
+    mod.verdict("a NaN in sequence 1", e, 1e-3, 1e-3)
+    assert mod.FAILED == ["a NaN in sequence 1"]
 
 
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "bidirectional"])
