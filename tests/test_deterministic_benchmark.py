@@ -27,3 +27,14 @@ def test_rows_name_their_shapes_and_a_cpu_run_refuses(bench, monkeypatch, capsys
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main([]) == 2
     assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_difference_keeps_a_nan_of_any_gradient(bench):
+    """A NaN in the default mode's dK (not the first gradient) fails the row: the max
+    over the gradients is NaN, not dQ's finite difference."""
+    want = [torch.ones(2, 3) for _ in range(3)]
+    got = [w.clone() for w in want]
+    got[0][0, 0] = 1.001
+    assert bench.max_rel_diff(got, want) == pytest.approx(1e-3, rel=1e-3)
+    want[1][1, 2] = float("nan")
+    assert not bench.max_rel_diff(got, want) < 2e-2
