@@ -131,3 +131,14 @@ def test_tune_bwd_rejects_a_nan_gradient(bench, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.count("WRONG dk") == 2, out                 # atomic dQ, full and causal
     assert all(not cfg.atomic_dq for _, _, cfg, _ in best), best
+
+
+def test_gradient_difference_keeps_a_nan_of_any_gradient(bench):
+    """``--bwd-kernels``' agreement with cuDNN: a NaN in dK (not the first gradient) makes
+    the difference NaN, which fails its bound, instead of leaving dQ's finite one."""
+    want = [torch.ones(2, 3) for _ in range(3)]
+    got = [w.clone() for w in want]
+    got[0][0, 0] = 1.01
+    assert bench._max_rel_diff(got, want) == pytest.approx(1e-2, rel=1e-3)
+    got[1][1, 2] = math.nan
+    assert not bench._max_rel_diff(got, want) <= 5e-2
