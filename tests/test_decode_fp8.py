@@ -317,6 +317,27 @@ def test_other_formats_and_mixed_caches_are_refused_by_name():
                      k_descale=ones, v_descale=ones)
 
 
+def test_an_fp8_cache_on_another_device_is_refused_by_name():
+    """The caches' device is checked as for a 16-bit cache: an E4M3 cache elsewhere than
+    ``q`` (``meta`` stands for any other device) is a ``ValueError`` naming it, not a read
+    of foreign memory by the kernels or a write that goes nowhere."""
+    q = torch.zeros(2, 4, 1, 32, dtype=torch.bfloat16, device=DEVICE)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    ones = torch.ones(2, 2, device=DEVICE)
+    new = torch.zeros(2, 2, 1, 32, device=DEVICE)
+    away = torch.zeros(2, 2, 16, 32, dtype=FP8, device="meta")
+    for k8, v8, name in ((_cache(), away, "v_cache"), (away, _cache(), "k_cache"),
+                         (away, away.clone(), "k_cache")):
+        with pytest.raises(ValueError, match=f"{name}: on meta, q on {DEVICE}"):
+            ff.decode(q, k8, v8, lens, k_descale=ones, v_descale=ones)
+        with pytest.raises(ValueError, match=f"{name}: on meta, k_new on {DEVICE}"):
+            ff.append_kv(k8, v8, new, new.clone(), lens, k_descale=ones, v_descale=ones)
+    pages = torch.zeros(4, 8, 2, 32, dtype=FP8, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE).view(2, 2)
+    with pytest.raises(ValueError, match="v_pages: on meta"):
+        ff.PagedKVCache(pages, pages.to("meta"), table, lens, ones, ones)
+
+
 # real sizes need the GPU (the interpreter would take hours); CI has none, the device
 # machine runs it with ``-m gpu``, as the other gpu-marked tests
 @pytest.mark.gpu

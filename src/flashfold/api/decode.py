@@ -107,9 +107,7 @@ def _layout(q, k_cache, v_cache, cache_seqlens, block_table, dtypes=None, names=
         if x.dtype in _OTHER_FP8:
             raise TypeError(f"{name}: {x.dtype} caches are not supported; the 8-bit cache "
                             f"format is torch.float8_e4m3fn")
-        if x.dtype == FP8 and k_cache.dtype == v_cache.dtype:
-            continue
-        if x.dtype != q.dtype:
+        if x.dtype != q.dtype and not (x.dtype == FP8 and k_cache.dtype == v_cache.dtype):
             raise TypeError(f"{name}: dtype {x.dtype} differs from {qn}'s {q.dtype}"
                             + (" (an 8-bit cache needs both k_cache and v_cache in "
                                "float8_e4m3fn)" if FP8 in (k_cache.dtype, v_cache.dtype)
@@ -478,9 +476,10 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
         if fp8 and x.dtype not in _CPU_DTYPES:
             raise TypeError(f"{name}: dtype must be one of {[str(d) for d in _CPU_DTYPES]} "
                             f"(quantized on write into the float8_e4m3fn cache), got {x.dtype}")
-    # validate the cache against a stand-in query of the same batch, heads and head_dim
+    # validate the cache against a stand-in query of the same batch, heads, head_dim and
+    # device
     probe = torch.empty((batch, heads_kv, 1, head_dim),
-                        dtype=k_new.dtype if fp8 else k_cache.dtype, device=k_cache.device)
+                        dtype=k_new.dtype if fp8 else k_cache.dtype, device=k_new.device)
     got_heads, page_size, capacity = _layout(probe, k_cache, v_cache, cache_seqlens, block_table,
                                              dtypes=_CPU_DTYPES, names={"q": "k_new"})
     if got_heads != heads_kv:
