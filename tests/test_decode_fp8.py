@@ -338,6 +338,20 @@ def test_an_fp8_cache_on_another_device_is_refused_by_name():
         ff.PagedKVCache(pages, pages.to("meta"), table, lens, ones, ones)
 
 
+def test_a_paged_cache_of_mixed_pages_is_refused_naming_both():
+    """An E4M3 ``k_pages`` beside 16-bit ``v_pages`` (or the reverse): the message names
+    the two page tensors and their dtypes, not ``k_pages`` against itself."""
+    pages = torch.zeros(4, 8, 2, 32, dtype=FP8, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE).view(2, 2)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    ones = torch.ones(2, 2, device=DEVICE)
+    half = pages.to(torch.bfloat16)
+    for k8, v8 in ((pages, half), (half, pages)):
+        with pytest.raises(TypeError, match=f"v_pages: dtype {v8.dtype} differs from "
+                                            f"k_pages's {k8.dtype} .*both k_pages and v_pages"):
+            ff.PagedKVCache(k8, v8, table, lens, ones, ones)
+
+
 # real sizes need the GPU (the interpreter would take hours); CI has none, the device
 # machine runs it with ``-m gpu``, as the other gpu-marked tests
 @pytest.mark.gpu

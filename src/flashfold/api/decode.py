@@ -109,9 +109,9 @@ def _layout(q, k_cache, v_cache, cache_seqlens, block_table, dtypes=None, names=
                             f"format is torch.float8_e4m3fn")
         if x.dtype != q.dtype and not (x.dtype == FP8 and k_cache.dtype == v_cache.dtype):
             raise TypeError(f"{name}: dtype {x.dtype} differs from {qn}'s {q.dtype}"
-                            + (" (an 8-bit cache needs both k_cache and v_cache in "
-                               "float8_e4m3fn)" if FP8 in (k_cache.dtype, v_cache.dtype)
-                               else ""))
+                            + (f" (an 8-bit cache needs both {n['k_cache']} and "
+                               f"{n['v_cache']} in float8_e4m3fn)"
+                               if FP8 in (k_cache.dtype, v_cache.dtype) else ""))
         if x.device != dev:
             raise ValueError(f"{name}: on {x.device}, {qn} on {dev}")
     if q.ndim != 4:
@@ -577,6 +577,12 @@ class PagedKVCache:
         if block_table.shape[0] < 1:
             raise ValueError(f"block_table: batch must be >= 1, got shape "
                              f"{tuple(block_table.shape)}")
+        if (k_pages.dtype == FP8) != (v_pages.dtype == FP8):
+            # (before the stand-in query, whose dtype follows k_pages': the message would
+            # compare k_pages with itself)
+            raise TypeError(f"v_pages: dtype {v_pages.dtype} differs from k_pages's "
+                            f"{k_pages.dtype} (an 8-bit cache needs both k_pages and v_pages "
+                            f"in float8_e4m3fn)")
         # the cache against a stand-in query of its batch, heads and head dim
         probe = torch.empty((block_table.shape[0], k_pages.shape[2], 1, k_pages.shape[3]),
                             dtype=torch.bfloat16 if k_pages.dtype == FP8 else k_pages.dtype,
