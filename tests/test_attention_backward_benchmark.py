@@ -142,3 +142,57 @@ def test_gradient_difference_keeps_a_nan_of_any_gradient(bench):
     assert bench._max_rel_diff(got, want) == pytest.approx(1e-2, rel=1e-3)
     got[1][1, 2] = math.nan
     assert not bench._max_rel_diff(got, want) <= 5e-2
+
+
+def _fake_gluon_bwd(monkeypatch, bench, nan_in=None):
+    """``--gluon-bwd-variants``' GPU-only parts replaced: the Gluon kernel eligible, a
+    forward, a ``prepare_backward`` whose first launch (the preprocess) zeroes the dQ
+    accumulator, and variant kernels that add 1 to it and write dK, dV; the variant whose
+    options include ``nan_in`` writes a NaN into the accumulator instead."""
+    from flashfold.kernels import launcher
+    from flashfold.kernels.attention import gluon_bwd
+
+    def prepare(do, q, k, v, o, lse, **kw):
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        acc = torch.full(q.shape, 7.0)
+        pre = ("pre", None, [None] * 4 + [torch.zeros(1), torch.zeros(1), acc], {})
+        return None, dk, dv, [pre]
+
+    def variant(q, k, v, do, lam, dd, acc, dk, dv, launch=True, **kw):
+        return ("variant", None, [acc, dk, dv], kw)
+
+    def launch(kernel, grid, args, kw):
+        if kernel == "pre":
+            args[6].zero_()
+            return
+        acc, dk, dv = args
+        acc.add_(1.0)
+        if nan_in is not None and kw.get(nan_in[0]) == nan_in[1]:
+            acc[0, 0, 0, 0] = math.nan
+        dk.fill_(1.0)
+        dv.fill_(2.0)
+    monkeypatch.setattr(gluon_bwd, "eligible", lambda *a, **kw: True)
+    monkeypatch.setattr(gluon_bwd, "gluon_attention_bwd", variant)
+    monkeypatch.setattr(launcher, "launch", launch)
+    monkeypatch.setattr(fwd, "attention_forward",
+                        lambda q, k, v, **kw: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    monkeypatch.setattr(bwd, "prepare_backward", prepare)
+    monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
+
+
+def test_gluon_bwd_variants_rerun_the_preprocess_and_agree(bench, monkeypatch, capsys):
+    """Each variant runs after the preprocess (which zeroes the dQ accumulator its atomic
+    adds land in): without it, the second variant's accumulator holds twice the first's."""
+    _fake_gluon_bwd(monkeypatch, bench)
+    assert bench.gluon_bwd_variants(tokens=1, H=4, D=16, reps=1) == 0
+    out = capsys.readouterr().out
+    assert "WRONG" not in out and "variants agree" in out, out
+
+
+def test_gluon_bwd_variants_reject_a_nan_accumulator(bench, monkeypatch, capsys):
+    """A NaN in a variant's dQ accumulator fails the check (NaN > bound is False)."""
+    _fake_gluon_bwd(monkeypatch, bench, nan_in=("late_stats", True))
+    assert bench.gluon_bwd_variants(tokens=1, H=4, D=16, reps=1) == 1
+    out = capsys.readouterr().out
+    assert "late stats: dK/dV equal True, dQ acc rel nan WRONG" in out, out
+    assert "variants DIFFER" in out
