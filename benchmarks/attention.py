@@ -1000,11 +1000,12 @@ def gluon_variants(tokens=16384, H=16):
     (``gluon_fwd.persistent_default`` picks one: ``*``), of the chosen grid with the
     other ping-pong setting (``gluon_fwd.pingpong_default``), and of SDPA cuDNN, after
     checking that every variant gives the same bits (they change the order of issue, not
-    the math)."""
+    the math). Returns 0 where they all do, 1 where any row's differ (2: no sm_90 GPU)."""
     from flashfold.kernels.attention import gluon_fwd
     if not gluon_fwd.eligible(*(torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16),) * 3):
         print("the Gluon forward needs an sm_90 GPU")
-        return
+        return 2
+    ok = True
     cudnn = _sdpa("CUDNN_ATTENTION")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print("== Gluon variants (TFLOP/s; the grid chosen: *; ping-pong: the default, flipped)")
@@ -1027,6 +1028,7 @@ def gluon_variants(tokens=16384, H=16):
                 outs = [f() for f in runs]
                 same = all(torch.equal(outs[0][0], r[0]) and torch.equal(outs[0][1], r[1])
                            for r in outs[1:])
+                ok &= same
                 fl = 4 * B * H * D * N * N * (0.5 if causal else 1.0)
                 tf = [fl / _bench(f) / 1e9 for f in runs + [lambda: cudnn(q, k, v, causal)]]
                 cells = [f"{t:.0f}" + ("*" if i == (0 if pick else 1) else "")
@@ -1035,6 +1037,8 @@ def gluon_variants(tokens=16384, H=16):
                       + " | ".join(cells)
                       + f" | {max(tf[:3]) / tf[3]:.2f} |" + ("" if same else " BITS DIFFER |"),
                       flush=True)
+    print(f"variants {'agree' if ok else 'DIFFER'} (output and LSE bitwise)")
+    return 0 if ok else 1
 
 
 def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
@@ -1045,13 +1049,15 @@ def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
     and of the deterministic Triton kernels agree (max |diff| relative to max |grad|).
     Last column: the Gluon kernel alone, without the preprocess and dQ conversion around
     it (same FLOP count), which separates the kernel's time from theirs, then the same with
-    dK, dV written the other way (:func:`.gluon_bwd.store_tma`)."""
+    dK, dV written the other way (:func:`.gluon_bwd.store_tma`). Returns 0 where every
+    row agrees, 1 where any is WRONG (2: no sm_90 GPU)."""
     from flashfold.kernels import launcher
     from flashfold.kernels.attention import gluon_bwd
     probe = torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16)
     if not gluon_bwd.eligible(probe, probe, probe, probe):
         print("the Gluon backward needs an sm_90 GPU")
-        return
+        return 2
+    ok = True
     cudnn = _sdpa_train("CUDNN_ATTENTION")
     print("== Gluon backward vs Triton backward vs cuDNN (TFLOP/s, bf16)")
     print("| D | N | mask | Gluon | Triton default | Triton det | cuDNN | Gluon/cuDNN | Gluon/Triton "
@@ -1073,8 +1079,9 @@ def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
                 lambda: bwd.attention_backward(do, q, k, v, o, lse, scale=scale, right=right,
                                                config=cfg, deterministic=True)]
         got, ref = runs[0](), runs[2]()
-        diff = max((a.float() - b.float()).abs().max().item()
-                   / max(1e-6, b.float().abs().max().item()) for a, b in zip(got, ref))
+        diff = _max_rel_diff(got, ref)          # (NaN where any gradient's is)
+        wrong = not diff <= 2e-2
+        ok &= not wrong
         fl = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
         tf = [fl / _bench(f) / 1e9 for f in runs]
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -1096,8 +1103,11 @@ def gluon_bwd_compare(tokens=16384, H=16, dims=(128, 64)):
         print(f"| {D} | {N} | {'causal' if causal else 'full'} | "
               + " | ".join(f"{t:.0f}" for t in tf)
               + f" | {tf[0] / tf[3]:.2f} | {tf[0] / max(tf[1], tf[2]):.2f} | {diff:.1e}"
-              + (" WRONG" if diff > 2e-2 else "") + f" | {alone:.0f} | "
+              + (" WRONG" if wrong else "") + f" | {alone:.0f} | "
               + f"{'register' if tma else 'TMA'} stores {alone_other:.0f} |", flush=True)
+    print(f"gradients {'agree' if ok else 'DIFFER'} (Gluon against the deterministic Triton "
+          "kernels, 2e-2 of the max)")
+    return 0 if ok else 1
 
 
 def gluon_bwd_variants(tokens=16384, H=16, D=128, reps=5):
@@ -1267,11 +1277,9 @@ def main(argv=None):
         tune_bwd(N=args.tune_n, B=max(1, 16384 // args.tune_n))
         return 0
     if args.gluon_variants:
-        gluon_variants()
-        return 0
+        return gluon_variants()
     if args.gluon_bwd:
-        gluon_bwd_compare()
-        return 0
+        return gluon_bwd_compare()
     if args.gluon_bwd_variants:
         return gluon_bwd_variants(D=args.head_dim)
     if args.bwd_kernels:

@@ -146,9 +146,9 @@ def test_gradient_difference_keeps_a_nan_of_any_gradient(bench):
 
 def _fake_gluon_bwd(monkeypatch, bench, nan_in=None):
     """``--gluon-bwd-variants``' GPU-only parts replaced: the Gluon kernel eligible, a
-    forward, a ``prepare_backward`` whose first launch (the preprocess) zeroes the dQ
-    accumulator, and variant kernels that add 1 to it and write dK, dV; the variant whose
-    options include ``nan_in`` writes a NaN into the accumulator instead."""
+    forward, a ``prepare_backward`` whose launches are the preprocess (it zeroes the dQ
+    accumulator) and the default kernel, and kernels that add 1 to the accumulator and
+    write dK, dV; the variant whose options include ``nan_in`` writes a NaN into it."""
     from flashfold.kernels import launcher
     from flashfold.kernels.attention import gluon_bwd
 
@@ -156,7 +156,7 @@ def _fake_gluon_bwd(monkeypatch, bench, nan_in=None):
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         acc = torch.full(q.shape, 7.0)
         pre = ("pre", None, [None] * 4 + [torch.zeros(1), torch.zeros(1), acc], {})
-        return None, dk, dv, [pre]
+        return None, dk, dv, [pre, ("variant", None, [acc, dk, dv], {})]
 
     def variant(q, k, v, do, lam, dd, acc, dk, dv, launch=True, **kw):
         return ("variant", None, [acc, dk, dv], kw)
@@ -196,3 +196,35 @@ def test_gluon_bwd_variants_reject_a_nan_accumulator(bench, monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "late stats: dK/dV equal True, dQ acc rel nan WRONG" in out, out
     assert "variants DIFFER" in out
+
+
+def _fake_gluon_compare(monkeypatch, bench, nan_dk=False):
+    """``--gluon-bwd``'s GPU-only parts replaced (see :func:`_fake_gluon_bwd`), the
+    backward returning the same gradients in every mode (with ``nan_dk``: a NaN in dK of
+    the default mode's), cuDNN a stand-in."""
+    from flashfold.kernels.attention import gluon_bwd
+    _fake_gluon_bwd(monkeypatch, bench)
+
+    def backward(do, q, k, v, o, lse, deterministic=False, **kw):
+        dq, dk, dv = do.clone(), k.clone(), v.clone()
+        if nan_dk and not deterministic:
+            dk[0, 0, -1, -1] = math.nan
+        return dq, dk, dv
+    monkeypatch.setattr(bwd, "attention_backward", backward)
+    monkeypatch.setattr(gluon_bwd, "store_tma", lambda causal, n: True)
+    monkeypatch.setattr(bench, "_sdpa_train", lambda name: lambda q, k, v, causal: q * k * v)
+
+
+def test_gluon_bwd_compare_agrees(bench, monkeypatch, capsys):
+    _fake_gluon_compare(monkeypatch, bench)
+    assert bench.gluon_bwd_compare(tokens=1, H=1, dims=(16,)) == 0
+    out = capsys.readouterr().out
+    assert "WRONG" not in out and "gradients agree" in out, out
+
+
+def test_gluon_bwd_compare_rejects_a_nan_dk(bench, monkeypatch, capsys):
+    """A NaN in dK (not the first gradient) makes the row WRONG and the run fail."""
+    _fake_gluon_compare(monkeypatch, bench, nan_dk=True)
+    assert bench.gluon_bwd_compare(tokens=1, H=1, dims=(16,)) == 1
+    out = capsys.readouterr().out
+    assert out.count(" WRONG |") == 6 and "gradients DIFFER" in out, out

@@ -85,3 +85,48 @@ def test_speed_rows_and_table(bench, monkeypatch, capsys):
     assert "| 32 | 64 | document |" in out
     for peer in ("flash", "cudnn", "efficient"):            # measured, or its error printed
         assert peer in rows[0][3] or f"peer {peer} failed" in out, (peer, out)
+
+
+def _fake_gluon_fwd(monkeypatch, bench, differ=None):
+    """``--gluon-variants``' GPU-only parts replaced: the Gluon forward eligible, its
+    variants returning the same output (the one run with ``differ`` among its options
+    one changed bit), cuDNN a stand-in, 132 SMs."""
+    import types
+
+    from flashfold.kernels.attention import gluon_fwd
+
+    def variant(q, k, v, causal=False, return_lse=True, **kw):
+        o, lse = q.clone(), torch.zeros(q.shape[:3])
+        if differ is not None and kw.get(differ[0]) == differ[1]:
+            o[0, 0, 0, 0] = math.nan
+        return o, lse
+    monkeypatch.setattr(gluon_fwd, "eligible", lambda *a, **kw: True)
+    monkeypatch.setattr(gluon_fwd, "gluon_attention_fwd", variant)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(bench, "_sdpa", lambda name: lambda q, k, v, causal: q)
+    monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
+
+
+def test_gluon_variants_agree(bench, monkeypatch, capsys):
+    _fake_gluon_fwd(monkeypatch, bench)
+    assert bench.gluon_variants(tokens=1, H=1) == 0
+    out = capsys.readouterr().out
+    assert "BITS DIFFER" not in out and "variants agree" in out, out
+
+
+def test_gluon_variants_fail_where_bits_differ(bench, monkeypatch, capsys):
+    """A variant whose output differs (here a NaN) fails the run, not only its row."""
+    _fake_gluon_fwd(monkeypatch, bench, differ=("persistent", False))
+    assert bench.gluon_variants(tokens=1, H=1) == 1
+    out = capsys.readouterr().out
+    assert out.count("BITS DIFFER") == 12 and "variants DIFFER" in out, out
+
+
+@pytest.mark.parametrize("flag, mode", [("--gluon-variants", "gluon_variants"),
+                                        ("--gluon-bwd", "gluon_bwd_compare")])
+def test_gluon_modes_failures_set_the_exit_status(bench, monkeypatch, flag, mode):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "no GPU (test)")
+    monkeypatch.setattr(bench, mode, lambda: 1)
+    assert bench.main([flag]) == 1
