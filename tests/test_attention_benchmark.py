@@ -130,3 +130,36 @@ def test_gluon_modes_failures_set_the_exit_status(bench, monkeypatch, flag, mode
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "no GPU (test)")
     monkeypatch.setattr(bench, mode, lambda: 1)
     assert bench.main([flag]) == 1
+
+
+def test_tune_checks_every_config(bench, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
+    assert bench.tune(N=32, B=1, H=2, candidates={32: [(16, 16, 4, 1), (32, 16, 4, 1)]},
+                      dtype=torch.float16)
+    out = capsys.readouterr().out
+    assert "WRONG" not in out and "failed" not in out, out
+    assert out.count("TFLOP/s (compile+run") == 8          # 2 configs x {TMA, pointers} x 2 masks
+
+
+@pytest.mark.parametrize("bad", ["causal", "nan"])
+def test_tune_rejects_a_wrong_config(bench, monkeypatch, capsys, bad):
+    """A causal call that ignores the mask (checked against a causal reference, not the
+    dense one), and a NaN output (a NaN difference fails the bound), are WRONG, not
+    timed, and fail the run."""
+    real = fwd.attention_forward
+
+    def broken(q, k, v, *, right=None, config=None, **kw):
+        if config.block_n != 32:
+            return real(q, k, v, right=right, config=config, **kw)
+        if bad == "causal":
+            return real(q, k, v, right=None, config=config, **kw)
+        o, lse = real(q, k, v, right=right, config=config, **kw)
+        return o.fill_(math.nan), lse
+    monkeypatch.setattr(fwd, "attention_forward", broken)
+    monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
+    cands = {32: [(16, 16, 4, 1), (16, 32, 4, 1)]}
+    assert not bench.tune(N=32, B=1, H=2, candidates=cands, dtype=torch.float16)
+    out = capsys.readouterr().out
+    wrong = 2 if bad == "causal" else 4                    # {TMA, pointers} x masks it breaks
+    assert out.count("WRONG RESULT") == wrong, out
+    assert out.count("TFLOP/s (compile+run") == 8 - wrong, out
