@@ -22,6 +22,11 @@ Then, for information, the Gluon path with a NaN in every head's first value row
 row sees it: every flag is set and the guard recomputes the whole output), the rare case
 the guard exists for. Prints the ratio strict / plain per row; the policy is part of the
 plan cache's key, so both settings replay cached plans.
+
+Before each setting of a row is timed, its output is checked: the last 256 query rows of
+batch 0 (every head) against float64 attention of the same inputs, with the tolerance
+table's row for the dtype (:func:`flashfold.testing.compare`, NaN/inf parity included).
+Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -34,6 +39,13 @@ import torch
 import flashfold
 from flashfold.bench import graph_replay
 from flashfold.kernels.attention import gluon_fwd
+from flashfold.kernels.attention.reference import naive_attention
+from flashfold.testing import compare
+
+#: query rows checked per setting (the last ones of batch 0: they see the most keys)
+CHECK_ROWS = 256
+#: the settings whose check failed
+FAILED: list[str] = []
 
 
 def _bench(fn):
@@ -52,6 +64,25 @@ def _inputs(N, D, tokens, H, dtype, poison=False):
     return q, k, v
 
 
+def check(what, q, k, v, causal) -> bool:
+    """``flashfold.attention`` under the policy in force, its last CHECK_ROWS query rows of
+    batch 0 against float64 attention of the same inputs (tolerance table row of q's
+    dtype); prints one line, records a failure in FAILED."""
+    n = q.shape[2]
+    rows = min(CHECK_ROWS, n)
+    o = flashfold.attention(q, k, v, causal=causal)
+    want, _ = naive_attention(q[:1, :, n - rows:], k[:1], v[:1], causal=causal,
+                              dtype=torch.float64)
+    r = compare(o[:1, :, n - rows:], want, q.dtype)
+    why = r.get("why") or (f"max abs err {r['max_abs']:.3g}, {r['n_bad']} bad, NaN/inf "
+                           f"parity {r['nan_inf_parity']}")
+    print(f"  {'ok  ' if r['ok'] else 'FAIL'} {what}: last {rows} rows of batch 0 vs "
+          f"float64: {why}", flush=True)
+    if not r["ok"]:
+        FAILED.append(what)
+    return r["ok"]
+
+
 def _time(q, k, v, causal, mode):
     call = lambda: flashfold.attention(q, k, v, causal=causal)  # noqa: E731
     if mode == "graph":
@@ -64,6 +95,10 @@ def row(N, D, causal, path, reps, tokens=16384, H=16, dtype=torch.bfloat16):
     q, k, v = _inputs(N, D, tokens, H, dtype)
     if path == "gluon" and not gluon_fwd.eligible(q, k, v, causal=causal, scale=D ** -0.5):
         return None
+    for strict in (False, True):
+        with flashfold.attention_policy(gluon=path == "gluon", strict_hidden=strict):
+            check(f"{path} {'causal' if causal else 'dense'} N={N} strict={strict}", q, k, v,
+                  causal)
     times = {}
     for mode in ("graph", "eager"):
         got = {True: [], False: []}
@@ -81,6 +116,7 @@ def poisoned_row(N, D, tokens=16384, H=16, dtype=torch.bfloat16):
     q, k, v = _inputs(N, D, tokens, H, dtype, poison=True)
     if not gluon_fwd.eligible(q, k, v, causal=True, scale=D ** -0.5):
         return None
+    check(f"gluon causal N={N} NaN value row", q, k, v, True)
     return _time(q, k, v, True, "graph")
 
 
@@ -116,7 +152,8 @@ def main(argv=None):
         ms = poisoned_row(N, D)
         print(f"   N={N:>6}: {'(not eligible here)' if ms is None else f'{ms:.4f} ms (graph)'}",
               flush=True)
-    return 0
+    print(f"correctness failures: {FAILED or 'none'}")
+    return 1 if FAILED else 0
 
 
 if __name__ == "__main__":
