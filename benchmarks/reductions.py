@@ -22,7 +22,8 @@ Run on the GPU machine from the repository root::
    the short rows (2^20 x 7, 4096 x 12345, 16-bit 16K reductions, dim 0) are near.
 3. (not with ``--quick``) Variants of the tile heuristics on 16K x 16K fp32 and on the
    misaligned 4096 x 12345 rows, to tune them (eager and graph times), and of the example
-   monoids' rows below.
+   monoids' rows below; each variant's output checked first (float64 torch on 256 rows, the
+   whole row of the 1 x 2^26 scans), a wrong one reported and not timed.
 
 Monoids of the example library (:mod:`flashfold.examples`), checked and timed like the
 rest: the linear recurrence ``h_t = a_t h_{t-1} + b_t`` (two inputs) scanned over
@@ -74,6 +75,8 @@ FAILED: list[str] = []
 BIG, LONG, MANY, WIDE = 16384, 2**26, 2**20, 12345
 #: the linear recurrence's rows (batch x channels of a Mamba-like layer) and steps
 REC_ROWS, REC_STEPS = 8 * 1536, (16384, 65536)
+#: rows of a variant's output checked before it is timed
+CHECK_ROWS = 256
 
 
 def sz(n):
@@ -103,6 +106,7 @@ def close(name, got, want, dtype, scale=1.0):
     print(f"  {'ok  ' if ok else 'FAIL'} {name:58s} max abs err {err:.3g}")
     if not ok:
         FAILED.append(name)
+    return ok
 
 
 def equal(name, got, want):
@@ -110,6 +114,7 @@ def equal(name, got, want):
     print(f"  {'ok  ' if ok else 'FAIL'} {name:58s} exact")
     if not ok:
         FAILED.append(name)
+    return ok
 
 
 def cumabs(x, dim):
@@ -614,53 +619,93 @@ def patched(**fns):
             setattr(L, k, v)
 
 
+def _once(f):
+    """``f()`` computed at the first call and kept (a reference shared by a case's
+    variants, built only where the case runs)."""
+    box = []
+
+    def get():
+        if not box:
+            box.append(f())
+        return box[0]
+    return get
+
+
 def variants(copy_gbs, only=None):
     """Alternative tiles on 16K x 16K fp32 and 4096 x 12345 (to tune the heuristics;
-    default first); GB/s and % copy from the eager time, then the CUDA-graph time."""
+    default first); GB/s and % copy from the eager time, then the CUDA-graph time. Each
+    variant's output is checked first (``close`` / ``equal``: float64 torch on CHECK_ROWS
+    rows, the whole row of the 1 x 2^26 scans) and a wrong one is not timed."""
     print("\n== heuristic variants, 16384x16384 float32 and 4096x12345 (GB/s, % copy; graph ms) ==")
     x = torch.randn(BIG, BIG, device=DEV)
     xh = x.to(torch.bfloat16)
     nb = x.numel() * 4
     C = L.Config
+    R = CHECK_ROWS
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def rows_close(ref, dt=f32, scale=None):
+        """A check of the first R rows of an output against ``ref(rows)`` in float64."""
+        def check(out, name, src):
+            xs = src[:R]
+            return close(name, out[:R], ref(xs.double(), 1), dt,
+                         1.0 if scale is None else scale(xs, 1))
+        return check
+
+    lse, smax = rows_close(torch.logsumexp), rows_close(torch.softmax)
+    csum = rows_close(torch.cumsum, scale=cumabs)
+    lcse = rows_close(torch.logcumsumexp, scale=rowmax)
+    lcse_h = rows_close(torch.logcumsumexp, bf16, rowmax)
     cases = [
         ("logsumexp", nb, lambda: ff.logsumexp(x, 1), "reduce_config", [
             ("K=8 L=1024 w8 (default)", None), ("K=4 L=1024 w8", C(4, 1024, 1, 8)),
-            ("K=16 L=512 w4", C(16, 512, 1, 4))]),
+            ("K=16 L=512 w4", C(16, 512, 1, 4))], lambda o, n: lse(o, n, x)),
         ("softmax", 2 * nb, lambda: ff.softmax(x, 1), "normalize_config", [
             ("fused w16 maxnreg64 (default)", None),
             ("fused w16 no register cap", (C(8, 2048, 1, 16), True)),
             ("fused w8 K=16", (C(16, 1024, 1, 8), True)),
-            ("two loops K=8 w8", (C(8, 1024, 1, 8), False))]),
+            ("two loops K=8 w8", (C(8, 1024, 1, 8), False))], lambda o, n: smax(o, n, x)),
         ("cumsum", 2 * nb, lambda: ff.cumsum(x, 1), "scan_config", [
             ("block scan 4096 w8 (default)", None), ("block scan 2048 w8", C(2048, 1, 1, 8)),
-            ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4))]),
+            ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4))], lambda o, n: csum(o, n, x)),
         ("logcumsumexp", 2 * nb, lambda: ff.logcumsumexp(x, 1), "scan_config", [
             ("block scan 1024 w1 (default)", None), ("block scan 2048 w4", C(2048, 1, 1, 4)),
             ("block scan 1024 w2", C(1024, 1, 1, 2)), ("block scan 512 w1", C(512, 1, 1, 1)),
-            ("chunked 1024 w2 prefetch (before)", C(1024, 1, 1, 2, vec=4, prefetch=True))]),
+            ("chunked 1024 w2 prefetch (before)", C(1024, 1, 1, 2, vec=4, prefetch=True))],
+         lambda o, n: lcse(o, n, x)),
         ("logcumsumexp bf16", nb, lambda: ff.logcumsumexp(xh, 1), "scan_config", [
             ("block scan 1024 w1 (default)", None), ("block scan 2048 w2", C(2048, 1, 1, 2)),
             ("block scan 2048 w4", C(2048, 1, 1, 4)),
-            ("chunked 2048 w4 (before)", C(2048, 1, 1, 4, vec=4))]),
+            ("chunked 2048 w4 (before)", C(2048, 1, 1, 4, vec=4))],
+         lambda o, n: lcse_h(o, n, xh)),
     ]
     xl = torch.randn(1, LONG, device=DEV)
+    cumsum_l = _once(lambda: (torch.cumsum(xl.double(), 1), cumabs(xl, 1)))
+    lcse_l = _once(lambda: (torch.logcumsumexp(xl.double(), 1), rowmax(xl, 1)))
     cases += [
         ("cumsum 1xLONG", 2 * xl.numel() * 4, lambda: ff.cumsum(xl, 1), "LOOKBACK", [
-            ("look-back (default)", None), ("reduce-then-scan", False)]),
+            ("look-back (default)", None), ("reduce-then-scan", False)],
+         lambda o, n: close(n, o, cumsum_l()[0], f32, cumsum_l()[1])),
         ("logcumsumexp 1xLONG", 2 * xl.numel() * 4, lambda: ff.logcumsumexp(xl, 1), "LOOKBACK", [
-            ("look-back (default)", None), ("reduce-then-scan", False)]),
+            ("look-back (default)", None), ("reduce-then-scan", False)],
+         lambda o, n: close(n, o, lcse_l()[0], f32, lcse_l()[1])),
         ("cumsum 1xLONG", 2 * xl.numel() * 4, lambda: ff.cumsum(xl, 1), "LOOKBACK_TILES", [
-            ("look-back 2 tiles/chunk", 2), ("look-back 8 tiles/chunk", 8)]),
+            ("look-back 2 tiles/chunk", 2), ("look-back 8 tiles/chunk", 8)],
+         lambda o, n: close(n, o, cumsum_l()[0], f32, cumsum_l()[1])),
     ]
+
+    def sum0(o, n):                                     # the first R columns
+        xs = x[:, :R]
+        return close(n, o[:R], xs.double().sum(0), f32, cumabs(xs, 0).amax(0))
     cases += [                                          # columns: the reduced dim strided
         ("sum dim 0", nb, lambda: ff.reduce(M.SUM, x, 0), "reduce_config", [
             ("512 cols K=16 w4 (default)", None), ("512 cols K=8 w4 (before)", C(8, 1, 512, 4)),
             ("1024 cols K=4 w8", C(4, 1, 1024, 8)), ("1024 cols K=8 w8", C(8, 1, 1024, 8)),
-            ("2048 cols K=2 w16", C(2, 1, 2048, 16))]),
+            ("2048 cols K=2 w16", C(2, 1, 2048, 16))], sum0),
         # the split of the reduced dim (default 33 chunks of 504 rows, then a second pass)
         ("sum dim 0", nb, lambda: ff.reduce(M.SUM, x, 0), "split_plan", [
             ("8 chunks of 2048", (8, 2048)), ("17 chunks of 968 (before)", (17, 968)),
-            ("64 chunks of 256", (64, 256))]),
+            ("64 chunks of 256", (64, 256))], sum0),
     ]
     x7 = torch.randn(MANY, 7, device=DEV)               # rows of 7: one row per thread
     n7 = x7.numel() * 4
@@ -668,34 +713,51 @@ def variants(copy_gbs, only=None):
         ("argmax 2^20x7", n7, lambda: ff.argmax(x7, 1), "reduce_config", [
             ("128 rows w4 (default)", None), ("256 rows w4 (before)", C(8, 1, 256, 4, small=True)),
             ("512 rows w4", C(8, 1, 512, 4, small=True)), ("1024 rows w8", C(8, 1, 1024, 8, small=True)),
-            ("tile path 8 x 128 rows", C(8, 1, 128, 4))]),
+            ("tile path 8 x 128 rows", C(8, 1, 128, 4))],
+         lambda o, n: equal(n, o[:R], torch.argmax(x7[:R], 1))),
     ]
     xw = torch.randn(BIG // 4, WIDE, device=DEV)        # rows start off 16-byte boundaries
     nw = xw.numel() * 4
+
+    def var_mean_w(out, name):
+        xs = xw[:R]
+        wv, wm = torch.var_mean(xs.double(), 1)
+        var, mean = out
+        ok = close(f"{name} .mean", mean[:R], wm, f32, rowmax(xs, 1, False))
+        return close(f"{name} .var", var[:R], wv, f32, rowmax(xs, 1, False) ** 2) and ok
     cases += [
         ("logsumexp 12345", nw, lambda: ff.logsumexp(xw, 1), "ALIGN_ROWS", [
-            ("realigned tiles (default)", None), ("scalar loads", False)]),
+            ("realigned tiles (default)", None), ("scalar loads", False)],
+         lambda o, n: lse(o, n, xw)),
         ("var_mean 12345", nw, lambda: ff.var_mean(xw, 1), "ALIGN_ROWS", [
-            ("realigned tiles (default)", None), ("scalar loads", False)]),
+            ("realigned tiles (default)", None), ("scalar loads", False)], var_mean_w),
         ("cumsum 12345", 2 * nw, lambda: ff.cumsum(xw, 1), "scan_config", [
-            ("block scan 4096 w8 (default)", None), ("chunked 4096 w8", C(4096, 1, 1, 8, vec=4))]),
+            ("block scan 4096 w8 (default)", None), ("chunked 4096 w8", C(4096, 1, 1, 8, vec=4))],
+         lambda o, n: csum(o, n, xw)),
     ]
     cases += several_input_variants()
-    for op, b, fn, hook, options in cases:
+    for op, b, fn, hook, options, check in cases:
         if only is not None and only not in op:
             continue
         for label, cfg in options:
+            def checked():
+                """``fn``'s output checked, then its times (None where it is wrong)."""
+                if not check(fn(), f"variant {op}: {label}"):
+                    return None
+                return bench(fn), bench_graph(fn)
             try:
                 if cfg is None:
-                    ms, gms = bench(fn), bench_graph(fn)
+                    times = checked()
                 else:
                     value = cfg if hook.isupper() else (lambda *a, cfg=cfg: cfg)
                     with patched(**{hook: value}):
-                        fn()
-                        ms, gms = bench(fn), bench_graph(fn)
+                        times = checked()
             except Exception as e:                  # report and go on with the others
                 print(f"  {op:14s} {label:32s} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
+            if times is None:                       # wrong: FAILED has it, not timed
+                continue
+            ms, gms = times
             gbs = b / ms / 1e6
             print(f"  {op:14s} {label:32s} {ms:7.3f} ms {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}%"
                   f"  graph {gms:7.3f} ms", flush=True)
@@ -710,23 +772,41 @@ def several_input_variants():
     w = torch.rand(BIG, BIG, device=DEV) + 0.1
     x = torch.randn(BIG, BIG, device=DEV)
     nb = x.numel() * 4
+    R = CHECK_ROWS
+    f32 = torch.float32
+    rows = torch.arange(0, REC_ROWS, max(1, REC_ROWS // R), device=DEV)
+    rec = _once(lambda: (recurrence_f64(a[rows], b[rows]),
+                         1.0 + recurrence_f64(a[rows], b[rows].abs())))
+    affine = _once(lambda: (numpy_sequential(EX.AFFINE_HALF, x[:R])[0],
+                            numpy_sequential(EX.AFFINE_HALF, x[:R].abs())[0]))
+
+    def weighted_mean(out, name):
+        wd, xd = w[:R].double(), x[:R].double()
+        sw = wd.sum(1)
+        return close(name, out[:R], (wd * xd).sum(1) / sw, f32, 1.0 + (wd * xd).abs().sum(1) / sw)
+
+    def affine_b(out, name):
+        st, mag = affine()
+        return close(name, out.b[:R], torch.from_numpy(st[1]), f32,
+                     1.0 + torch.from_numpy(mag[1]).to(DEV))
     return [
         ("recurrence scan", 3 * a.numel() * 4,
          lambda: ff.scan(EX.LINEAR_RECURRENCE, (a, b), dim=-1), "scan_config", [
              ("block scan 4096 w8 (default)", None), ("block scan 2048 w4", C(2048, 1, 1, 4)),
              ("block scan 2048 w8", C(2048, 1, 1, 8)), ("chunked 2048 w4", C(2048, 1, 1, 4, vec=4)),
-             ("chunked 1024 w2 prefetch", C(1024, 1, 1, 2, vec=4, prefetch=True))]),
+             ("chunked 1024 w2 prefetch", C(1024, 1, 1, 2, vec=4, prefetch=True))],
+         lambda o, n: close(n, o[rows], rec()[0], f32, rec()[1])),
         ("weighted mean", 2 * nb, lambda: ff.reduce(EX.WEIGHTED_MEAN, (w, x), dim=1),
          "reduce_config", [
              ("K=8 L=1024 w8 (default)", None), ("K=4 L=1024 w8", C(4, 1024, 1, 8)),
-             ("K=16 L=512 w4", C(16, 512, 1, 4))]),
+             ("K=16 L=512 w4", C(16, 512, 1, 4))], weighted_mean),
         ("affine_half reduce", nb, lambda: ff.reduce(EX.AFFINE_HALF, x, 1), "VFOLD", [
             ("vector lanes K=4 L=512 w4 (default)", None),
-            ("one-element lanes 512 x 2 rows", False)]),
+            ("one-element lanes 512 x 2 rows", False)], affine_b),
         ("affine_half reduce", nb, lambda: ff.reduce(EX.AFFINE_HALF, x, 1), "reduce_config", [
             ("vector lanes K=4 L=512 w2", C(4, 512, 1, 2, vfold=True)),
             ("vector lanes K=8 L=512 w4", C(8, 512, 1, 4, vfold=True)),
-            ("vector lanes K=4 L=1024 w8", C(4, 1024, 1, 8, vfold=True))]),
+            ("vector lanes K=4 L=1024 w8", C(4, 1024, 1, 8, vfold=True))], affine_b),
     ]
 
 
@@ -774,7 +854,8 @@ def main():
     print(f"device-to-device copy of 1 GiB: {copy_ms:.3f} ms = {copy_gbs:.0f} GB/s (read + write)")
     if args.variants:
         variants(copy_gbs, args.variants)
-        return 0
+        print(f"correctness failures: {FAILED or 'none'}")
+        return 1 if FAILED else 0
     if not args.no_check:
         correctness(args.quick)
         print(f"  [{time.time() - t0:.0f} s]")
