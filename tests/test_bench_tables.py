@@ -471,3 +471,19 @@ def test_kernel_times_lists_what_a_call_runs_per_call():
     assert names["aten::mm"] == 2 and names["aten::sum"] == 1, rows
     assert [t for t, _, _ in rows] == sorted((t for t, _, _ in rows), reverse=True)
     assert all(t > 0 for t, _, _ in rows)
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    """``--out`` naming a file (or a folder under one) and a ``--prefix`` that names a
+    folder are refused on the command line, before any log is read or benchmark run."""
+    log = str(ROOT / "benchmarks" / "logs" / "2026-11-30_h200_attention_fwd.log")
+    f = tmp_path / "a_file"
+    f.write_text("")
+    for argv, msg in ((["--out", str(f)], "--out"), (["--out", str(f / "sub")], "--out"),
+                      (["--out", str(tmp_path / "o"), "--prefix", "a/b_"], "--prefix")):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--from-log", log, *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and msg in err, err
+        assert "Traceback" not in err
+    assert not (tmp_path / "o").exists()

@@ -1595,6 +1595,7 @@ def command(args) -> int:
                          else f"not a file: {path}")
     if args.results is not None:
         return _results_command(args)
+    out = args.out or "flashfold-bench"
     runs: list[Run] = []
     for path in args.from_log or []:
         try:
@@ -1630,7 +1631,7 @@ def command(args) -> int:
         names = SCRIPTS if "all" in args.run else args.run
         for name in names:
             try:
-                log = run_script(name, bench_dir, args.out, quick=args.quick)
+                log = run_script(name, bench_dir, out, quick=args.quick)
             except (RuntimeError, OSError) as e:
                 return _fail(f"--run: {e}", 1)
             print(f"wrote {log}")
@@ -1638,7 +1639,11 @@ def command(args) -> int:
     if not any(r.kind in PLOTS for r in runs):
         return _fail("nothing to plot; pass --from-log FILE, --from-table FILE or --run NAME "
                      "(see flashfold bench --help)")
-    for path, desc in render(runs, args.out, args.prefix).items():
+    try:
+        drawn = render(runs, out, args.prefix)
+    except OSError as e:
+        return _fail(f"cannot write the plots to {out}: {e.strerror or e}", 1)
+    for path, desc in drawn.items():
         n = sum(a["lines"] + a["bars"] for a in desc["axes"])
         print(f"wrote {path} ({len(desc['axes'])} panels, {n} lines/bars)")
     return 0

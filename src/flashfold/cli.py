@@ -99,6 +99,14 @@ def writable_dir(text: str) -> str:
     return text
 
 
+def file_prefix(text: str) -> str:
+    """An argparse type: the start of a file name (no folder in it)."""
+    if os.sep in text or (os.altsep and os.altsep in text):
+        raise argparse.ArgumentTypeError(f"expected the start of a file name, got {text!r} "
+                                         f"(name the folder with --out)")
+    return text
+
+
 # --- demo ------------------------------------------------------------------------------
 
 def order_experiment(n: int = 1000, d: int = 64, std: float = 30.0, seed: int = 0):
@@ -388,8 +396,11 @@ def _configure_bench(p):
                         "reductions, all)")
     p.add_argument("--quick", action="store_true", help="with --run: the scripts' --quick grids")
     p.add_argument("--bench-dir", help="the benchmarks/ folder (default: found above the cwd)")
-    p.add_argument("--out", default="flashfold-bench", help="output folder (default ./flashfold-bench)")
-    p.add_argument("--prefix", default="", help="prefix of the PNG file names")
+    # (no default here: argparse would check it even where nothing is drawn, --results)
+    p.add_argument("--out", type=writable_dir,
+                   help="output folder (default ./flashfold-bench)")
+    p.add_argument("--prefix", default="", type=file_prefix,
+                   help="prefix of the PNG file names")
     p.add_argument("--results", nargs="?", const="", metavar="FILE",
                    help="write the results page (one table per family, from the latest log of "
                         "each) to FILE (default benchmarks/RESULTS.md), from --from-log files or "
