@@ -487,3 +487,22 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, capsys):
         assert e.value.code == 2 and err.count("\n") == 1 and msg in err, err
         assert "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_logs_with_no_results_leave_the_page_alone(logs, tmp_path, capsys):
+    """``--results`` over logs that hold no benchmark (a tuning log, a note) fails without
+    replacing the page it would have written with an empty one."""
+    page = logs.parent / "RESULTS.md"
+    page.write_text("the page as it was\n")
+    (logs.parent / "attention.py").write_text("")
+    note = str(logs / "2026-11-30_h200_notes.log")
+    assert main(["bench", "--results", "--bench-dir", str(logs.parent), "--from-log", note]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no benchmark results recognized in 1 log(s)" in err, err
+    assert page.read_text() == "the page as it was\n"
+    with pytest.raises(ValueError, match="^paths: no benchmark results recognized"):
+        bench.write_results([note], str(page))
+    assert page.read_text() == "the page as it was\n"
+    assert not (tmp_path / "new.md").exists()
+    assert main(["bench", "--results", str(tmp_path / "new.md"), "--from-log", note]) == 2
+    assert not (tmp_path / "new.md").exists()

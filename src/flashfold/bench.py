@@ -1485,8 +1485,11 @@ def results_markdown(runs: list[Run], logs_dir: str = "logs") -> str:
 
 def write_results(paths: list[str], out: str) -> dict[str, Run]:
     """Parse the logs ``paths`` and write :func:`results_markdown` of them to ``out``;
-    returns the run behind each family's table."""
+    returns the run behind each family's table. Raises ``ValueError`` (``out`` left as it
+    was) when no log holds a benchmark's results."""
     runs = [r for p in paths for r in parse_file(p)]
+    if not runs:
+        raise ValueError(f"paths: no benchmark results recognized in {len(paths)} log(s)")
     rel = os.path.relpath(os.path.dirname(os.path.abspath(paths[0])) if paths else "logs",
                           os.path.dirname(os.path.abspath(out)))
     text = results_markdown(runs, rel.replace(os.sep, "/"))
@@ -1666,10 +1669,10 @@ def _results_command(args) -> int:
         return _fail(f"--results: {out} is a folder; name the markdown file to write")
     try:
         chosen = write_results(logs, out)
+    except ValueError:
+        return _fail(f"--results: no benchmark results recognized in {len(logs)} log(s)")
     except OSError as e:
         return _fail(f"--results: cannot write {out}: {e.strerror or e}")
-    if not chosen:
-        return _fail(f"--results: no benchmark results recognized in {len(logs)} log(s)")
     for kind, run in chosen.items():
         print(f"{FAMILIES[kind]}: {os.path.basename(run.source)}")
     print(f"wrote {out}")
