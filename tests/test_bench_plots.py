@@ -208,6 +208,26 @@ def test_run_script_tees_the_log_and_plots(tmp_path, monkeypatch):
         bench.run_script("decode", fake, str(tmp_path / "out"), stream=io.StringIO())
 
 
+def test_a_run_whose_script_fails_its_checks_exits_1(tmp_path, monkeypatch, capsys):
+    """A benchmark that printed its timings and then exited non-zero (a failed correctness
+    check) has its rows drawn, and ``--run`` says so on stderr and exits 1, not 0."""
+    fake = tmp_path / "repo" / "benchmarks"
+    fake.mkdir(parents=True)
+    (fake / "attention.py").write_text(
+        "import sys\n\nif __name__ == '__main__':\n"
+        "    sys.stdout.write(open(%r).read())\n    sys.exit(1)\n" % str(_log("attention")))
+    with pytest.raises(RuntimeError, match="status 1") as e:
+        bench.run_script("attention", fake, str(tmp_path / "out"), stream=io.StringIO())
+    assert Path(e.value.log).read_text() == _log("attention").read_text()
+    monkeypatch.setattr(bench, "_gpu_available", lambda: True)     # the stand-in needs none
+    assert main(["bench", "--run", "attention", "--bench-dir", str(fake),
+                 "--out", str(tmp_path / "out2")]) == 1
+    _is_png(tmp_path / "out2" / "attention_fwd.png")
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("flashfold bench: --run: benchmarks/attention.py exited with "
+                              "status 1"), err[-3:]
+
+
 def test_progress_bar_text():
     s = io.StringIO()
     bar = bench.ProgressBar("job", 4, stream=s)

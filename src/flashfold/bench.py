@@ -1533,10 +1533,20 @@ def _expected_rows(name: str, bench_dir: Path, quick: bool) -> int | None:
     return None
 
 
+class BenchmarkFailed(RuntimeError):
+    """A benchmark script exited non-zero (a failed check) after printing results: ``log``
+    holds them."""
+
+    def __init__(self, message: str, log: str):
+        super().__init__(message)
+        self.log = log
+
+
 def run_script(name: str, bench_dir: Path, out: str, quick: bool = False, extra=(),
                python: str | None = None, stream=None) -> str:
     """Run ``benchmarks/NAME.py``, tee its output to ``OUT/<date>_<name>.log`` with a
-    progress bar on stderr; returns the log's path. Raises ``RuntimeError`` on failure."""
+    progress bar on stderr; returns the log's path. Raises ``RuntimeError`` when the script
+    exits non-zero: :class:`BenchmarkFailed`, with the log, where it printed results."""
     os.makedirs(out, exist_ok=True)
     log = os.path.join(out, f"{_dt.date.today().isoformat()}_{name}.log")
     cmd = [python or sys.executable, str(bench_dir / f"{name}.py")] + (["--quick"] if quick else []) \
@@ -1560,8 +1570,11 @@ def run_script(name: str, bench_dir: Path, out: str, quick: bool = False, extra=
                 bar.update(done, label=line.strip()[:60])
         rc = proc.wait()
     bar.close("done" if rc == 0 else f"exit status {rc}")
-    if rc != 0 and not parse_file(log):
-        raise RuntimeError(f"benchmarks/{name}.py exited with status {rc}; see {log}")
+    if rc != 0:
+        msg = f"benchmarks/{name}.py exited with status {rc}; see {log}"
+        if parse_file(log):
+            raise BenchmarkFailed(msg, log)
+        raise RuntimeError(msg)
     return log
 
 
@@ -1600,6 +1613,7 @@ def command(args) -> int:
         return _results_command(args)
     out = args.out or "flashfold-bench"
     runs: list[Run] = []
+    failed: list[str] = []
     for path in args.from_log or []:
         try:
             found = parse(_read(path), path)
@@ -1635,6 +1649,9 @@ def command(args) -> int:
         for name in names:
             try:
                 log = run_script(name, bench_dir, out, quick=args.quick)
+            except BenchmarkFailed as e:         # its results are drawn, the status is 1
+                failed.append(str(e))
+                log = e.log
             except (RuntimeError, OSError) as e:
                 return _fail(f"--run: {e}", 1)
             print(f"wrote {log}")
@@ -1649,6 +1666,8 @@ def command(args) -> int:
     for path, desc in drawn.items():
         n = sum(a["lines"] + a["bars"] for a in desc["axes"])
         print(f"wrote {path} ({len(desc['axes'])} panels, {n} lines/bars)")
+    if failed:
+        return _fail("--run: " + "; ".join(failed), 1)
     return 0
 
 
@@ -1725,6 +1744,6 @@ def kernel_times(fn, reps: int = 5, warmup: int = 1, cuda: bool = True) -> list:
 __all__ = ["ProgressBar", "progress_bar", "Run", "parse", "parse_file", "parse_attention",
            "parse_attention_backward", "parse_decode", "parse_reductions", "render",
            "plot_attention", "plot_attention_backward", "plot_decode", "plot_reductions",
-           "run_script", "find_benchmarks", "graph_replay", "kernel_times", "parse_ring",
-           "parse_transformers", "parse_workloads",
+           "run_script", "BenchmarkFailed", "find_benchmarks", "graph_replay", "kernel_times",
+           "parse_ring", "parse_transformers", "parse_workloads",
            "command_of", "latest", "results_markdown", "write_results", "FAMILIES", "command"]
