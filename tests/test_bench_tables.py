@@ -300,6 +300,19 @@ def test_the_deterministic_backward_has_a_table():
     assert "Below the target of 0.90x the default: MLA qk192 v128 causal 4K x4 0.75." in sec
 
 
+def test_a_deterministic_row_that_failed_its_check_is_marked():
+    """A row whose deterministic backward differed from the default (or gave different
+    bits twice) is marked in the table, as the FP8 and workload tables mark theirs."""
+    failed = DETERMINISTIC.replace("max diff 2.0e-03 | ok", "max diff 3.0e-01 | FAILED").replace(
+        "checks PASSED", "checks FAILED")
+    run, = bench.parse(failed, "2026-12-02_h200_deterministic_bwd.log")
+    assert [r["check"] for r in run.rows] == ["FAILED", "ok"]
+    sec = _section(bench.results_markdown([run]), "Deterministic backward")
+    assert "| d128 dense 4K x4 (check failed) | 2.704 | 508 | 2.858 | 481 | 0.95 | no, yes |" \
+        in sec
+    assert "| MLA qk192 v128 causal 4K x4 | 2.779 |" in sec
+
+
 DECODE_FP8 = """2.11.0+cu130 3.6.0 NVIDIA H200 132 SMs
 == FP8 (E4M3) caches: correctness (criterion: err vs float64 of the unquantized cache <= 2 x a naive FP8 decode's)
   [ok] fp8 full 8K, batch 8       contiguous default   err 3.05e-01 <= 2 x naive FP8 2.82e-01

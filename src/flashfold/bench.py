@@ -1296,7 +1296,8 @@ def _det_table(run: Run) -> list[str]:
     rows, low = [], []
     for r in run.rows:
         eq = ", ".join("yes" if e else "no" for e in r["equal"])
-        rows.append([r["case"], _f(r["ms"]["flashfold"], 3), _f(r["values"]["flashfold"]),
+        case = r["case"] + ("" if r["check"] == "ok" else " (check failed)")
+        rows.append([case, _f(r["ms"]["flashfold"], 3), _f(r["values"]["flashfold"]),
                      _f(r["ms"]["det"], 3), _f(r["values"]["det"]), f"{r['ratio']:.2f}", eq])
         low.append((r["case"], r["ratio"]))
     below = [f"{c} {x:.2f}" for c, x in low if x < 0.9]
