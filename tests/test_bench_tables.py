@@ -440,6 +440,23 @@ def test_the_command_writes_the_page(logs, tmp_path, capsys):
     assert "## Ring attention across GPUs" in text and "No log for: Attention forward" in text
 
 
+def test_a_log_that_cannot_be_read_is_named(logs, capsys):
+    """A log that cannot be read (a dangling link, a folder named *.log) is named as what
+    failed, not the page being written."""
+    bench_dir = logs.parent
+    (bench_dir / "attention.py").write_text("")
+    for bad in (logs / "2026-12-07_gone.log", logs / "2026-12-08_folder.log"):
+        if bad.name.endswith("gone.log"):
+            bad.symlink_to(logs / "no_such_target")
+        else:
+            bad.mkdir()
+        assert main(["bench", "--results", "--bench-dir", str(bench_dir)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--results: cannot read {bad}" in err, err
+        assert "cannot write" not in err and not (bench_dir / "RESULTS.md").exists()
+        bad.rmdir() if bad.is_dir() else bad.unlink()
+
+
 def test_the_checked_in_page_is_what_the_logs_give():
     """benchmarks/RESULTS.md is regenerated from benchmarks/logs/ (no hand edits)."""
     logs = sorted((ROOT / "benchmarks" / "logs").glob("*.log"))

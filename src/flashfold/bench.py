@@ -1692,6 +1692,8 @@ def _results_command(args) -> int:
     except ValueError:
         return _fail(f"--results: no benchmark results recognized in {len(logs)} log(s)")
     except OSError as e:
+        if e.filename is not None and os.path.abspath(e.filename) != os.path.abspath(out):
+            return _fail(f"--results: cannot read {e.filename}: {e.strerror or e}")
         return _fail(f"--results: cannot write {out}: {e.strerror or e}")
     for kind, run in chosen.items():
         print(f"{FAMILIES[kind]}: {os.path.basename(run.source)}")
