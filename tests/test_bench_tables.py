@@ -457,6 +457,16 @@ def test_a_log_that_cannot_be_read_is_named(logs, capsys):
         bad.rmdir() if bad.is_dir() else bad.unlink()
 
 
+def test_a_log_of_a_family_without_a_plot_says_so(logs, tmp_path, capsys):
+    """A ring (or workloads, transformers...) log given to --from-log feeds the results page
+    only: the command says that, not that no log was passed."""
+    ring = str(logs / "2026-11-29_h200x2_ring.log")
+    assert main(["bench", "--from-log", ring, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pass --from-log" not in err, err
+    assert "ring" in err and "--results" in err, err
+
+
 def test_the_checked_in_page_is_what_the_logs_give():
     """benchmarks/RESULTS.md is regenerated from benchmarks/logs/ (no hand edits)."""
     logs = sorted((ROOT / "benchmarks" / "logs").glob("*.log"))

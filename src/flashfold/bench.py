@@ -1657,6 +1657,10 @@ def command(args) -> int:
                 return _fail(f"--run: {e}", 1)
             print(f"wrote {log}")
             runs += parse_file(log)
+    if runs and not any(r.kind in PLOTS for r in runs):
+        kinds = ", ".join(sorted({r.kind for r in runs}))
+        return _fail(f"nothing to plot: the {kinds} results have no plot (they are tables of "
+                     f"the results page: flashfold bench --results --from-log FILE ...)")
     if not any(r.kind in PLOTS for r in runs):
         return _fail("nothing to plot; pass --from-log FILE, --from-table FILE or --run NAME "
                      "(see flashfold bench --help)")
