@@ -942,9 +942,11 @@ BWD_CANDIDATES = {
 
 
 def tune_bwd(N=4096, B=4, H=16, candidates=None, dtype=torch.bfloat16):
-    """Time candidate backward configurations, atomic and deterministic dQ (bf16)."""
+    """Time candidate backward configurations, atomic and deterministic dQ (bf16), each
+    after checking its gradients against the first candidate's deterministic ones; returns
+    ``(best rows, ok)``, ``ok`` False where any configuration was WRONG."""
     print(f"== tune-bwd: backward TFLOP/s per config (bf16, H={H}, N={N}, B={B}); default marked *")
-    best_rows = []
+    best_rows, ok = [], True
     for D, cands in (candidates or BWD_CANDIDATES).items():
         g = torch.Generator(device=DEV).manual_seed(0)
         q, k, v, do = (torch.randn(B, H, N, D, device=DEV, generator=g).to(dtype) for _ in range(4))
@@ -971,6 +973,7 @@ def tune_bwd(N=4096, B=4, H=16, candidates=None, dtype=torch.bfloat16):
                                <= 2e-2 * max(1.0, b.float().abs().max().item())]
                         if bad:
                             print(f"    d{D} {cfg}: WRONG d{'/d'.join(bad)}")
+                            ok = False
                             continue
                         tf = flops / _bench(run) / 1e9
                         default = bwd.default_config(q, D, D, causal=causal)
@@ -986,7 +989,7 @@ def tune_bwd(N=4096, B=4, H=16, candidates=None, dtype=torch.bfloat16):
             if best:
                 print(f"  -> d{D} {'causal' if causal else 'full'} best: {best[1]} {best[0]:.0f} TFLOP/s")
                 best_rows.append((D, causal, best[1], best[0]))
-    return best_rows
+    return best_rows, ok
 
 
 def main_bwd(quick: bool) -> int:
@@ -1281,8 +1284,7 @@ def main(argv=None):
     if args.tune:
         return 0 if tune(N=args.tune_n) else 1
     if args.tune_bwd:
-        tune_bwd(N=args.tune_n, B=max(1, 16384 // args.tune_n))
-        return 0
+        return 0 if tune_bwd(N=args.tune_n, B=max(1, 16384 // args.tune_n))[1] else 1
     if args.gluon_variants:
         return gluon_variants()
     if args.gluon_bwd:

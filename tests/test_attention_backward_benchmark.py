@@ -106,17 +106,17 @@ def test_speed_rows_and_table(bench, monkeypatch, capsys):
 
 def test_tune_bwd_runs_and_checks(bench, monkeypatch, capsys):
     monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
-    best = bench.tune_bwd(N=32, B=1, H=2, candidates={32: [(16, 16, 4, 1, 16, 16, 4, 1),
-                                                            (16, 32, 4, 1, 32, 16, 4, 1)]},
-                          dtype=torch.float16)
+    best, ok = bench.tune_bwd(N=32, B=1, H=2, candidates={32: [(16, 16, 4, 1, 16, 16, 4, 1),
+                                                                (16, 32, 4, 1, 32, 16, 4, 1)]},
+                              dtype=torch.float16)
     out = capsys.readouterr().out
-    assert len(best) == 2 and "WRONG" not in out and "failed" not in out, out
+    assert ok and len(best) == 2 and "WRONG" not in out and "failed" not in out, out
     assert out.count("TFLOP/s (compile+run") == 8          # 2 configs x {atomic, det} x {full, causal}
 
 
 def test_tune_bwd_rejects_a_nan_gradient(bench, monkeypatch, capsys):
     """A configuration whose dK is NaN is WRONG, not timed (a NaN difference compares
-    False against the bound)."""
+    False against the bound), and the run reports the failure (``--tune-bwd`` exits 1)."""
     real = bwd.attention_backward
 
     def nan_dk_when_atomic(*a, **kw):
@@ -126,10 +126,10 @@ def test_tune_bwd_rejects_a_nan_gradient(bench, monkeypatch, capsys):
         return dq, dk, dv
     monkeypatch.setattr(bwd, "attention_backward", nan_dk_when_atomic)
     monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
-    best = bench.tune_bwd(N=32, B=1, H=2, candidates={32: [(16, 16, 4, 1, 16, 16, 4, 1)]},
-                          dtype=torch.float16)
+    best, ok = bench.tune_bwd(N=32, B=1, H=2, candidates={32: [(16, 16, 4, 1, 16, 16, 4, 1)]},
+                              dtype=torch.float16)
     out = capsys.readouterr().out
-    assert out.count("WRONG dk") == 2, out                 # atomic dQ, full and causal
+    assert not ok and out.count("WRONG dk") == 2, out      # atomic dQ, full and causal
     assert all(not cfg.atomic_dq for _, _, cfg, _ in best), best
 
 
