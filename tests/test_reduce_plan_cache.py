@@ -18,6 +18,7 @@ import torch
 
 import flashfold as ff
 import flashfold.monoids as M
+from flashfold.algebra.monoid import Monoid
 from flashfold.api import reductions as api
 from flashfold.api.reductions import ARGMAX_INDEX, SOFTMAX_MAP
 from flashfold.kernels.reduce import launch as L
@@ -331,3 +332,19 @@ def test_finalize_parameters_other_than_numbers_are_not_cached():
         mean, var = L.launch_reduce(M.WELFORD, x, 0, {"correction": correction})
         assert_close(var, x.double().var(0, correction=int(c)), torch.float32, name="var")
     assert counts() == (0, 0)
+
+
+def test_a_monoid_redefined_under_its_name_runs_its_own_identity():
+    """A monoid defined again under the same name with the same lift and combine but
+    another identity (a mistake corrected in a notebook) runs its own generated helpers,
+    whose identity pads the masked lanes, not those of the first definition."""
+    def total(identity):
+        return Monoid(name="redefined_total", fields=("s",), identity=(identity,),
+                      lift=lambda x: (x,), combine=lambda a, b: (a.s + b.s,),
+                      commutative=True)
+
+    x = randn(3, 37)                     # 37 columns: tiles with masked lanes
+    (wrong,) = L.launch_reduce(total(1.0), x, 1)
+    assert not torch.allclose(wrong.double(), x.double().sum(1))
+    (out,) = L.launch_reduce(total(0.0), x, 1)
+    assert_close(out, x.double().sum(1), torch.float32, name="sum")

@@ -271,8 +271,10 @@ def _combinators(fields) -> str:
 def triton_monoid(monoid: Monoid) -> TritonMonoid:
     """Generate (or fetch from the cache) the Triton functions of ``monoid``."""
     optional = (monoid.block_lift_graph, monoid.block_scan_graph, monoid.scan_exact_graph)
-    key = (monoid.name, monoid.combine_graph.key(), monoid.lift_graph.key(),
-           monoid.finalize_graph.key(), *(g.key() if g is not None else None for g in optional))
+    # (the fields' dtypes too: they type the constants of the generated functions)
+    key = (monoid.name, tuple(f.dtype for f in monoid.fields), monoid.combine_graph.key(),
+           monoid.lift_graph.key(), monoid.finalize_graph.key(),
+           *(g.key() if g is not None else None for g in optional))
     hit = _BY_MONOID.get(key)
     if hit is not None:
         return hit

@@ -211,6 +211,10 @@ class ReduceFunctions:
     n_inputs: int = 1
 
 
+#: (generated source, commutative) -> ReduceFunctions: monoid objects that generate the
+#: same functions share them (the source holds the identity and the field dtypes that
+#: the helpers bake in, so a monoid defined again under its name with another identity
+#: gets its own; ``commutative`` picks the kernels' ORDERED paths)
 _CACHE: dict = {}
 #: id(monoid) -> (monoid, value): a per-object fast path (hashing a Monoid hashes its graphs)
 _BY_ID: dict = {}
@@ -235,11 +239,11 @@ def reduce_functions(monoid: Monoid) -> ReduceFunctions:
 
 def _reduce_functions(monoid: Monoid) -> ReduceFunctions:
     base = triton_monoid(monoid)
-    key = (base.path, monoid.block_lift is not None)
+    source = base.source + "\n\n" + _helpers(monoid)
+    key = (source, monoid.commutative)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    source = base.source + "\n\n" + _helpers(monoid)
     mod = load_source(source, "reduce_" + _safe(monoid.name))
     fns = ReduceFunctions(
         monoid, base, mod.lift_xp, mod.combine, mod.combine_rev, mod.finalize, mod.finalize_fast,
