@@ -226,3 +226,23 @@ def test_transport_checks_the_given_identity_before_using_it():
                      identity=(None, 0.0))
     with pytest.raises(ValueError, match="identity: expected 2 values, got 1"):
         ff.transport(LOGSUMEXP, base2_rescale, base2_rescale_inverse, name="x", identity=(0.0,))
+
+
+def test_a_psi_defined_at_the_identity_still_needs_a_twisted_identity():
+    """psi(e) = e' held and the homomorphism held on reachable (finite) states, so a
+    twisted combine that adds 1 whenever its right operand is the identity -inf was
+    reported "'max_plus_one' is 'max' transported through psi: PROVED"."""
+    from flashfold.monoids import MAX
+    bad = ff.Monoid("max_plus_one", fields=("m",), identity=(-ops.inf,),
+                    inputs=(ff.Input("x", domain="finite"),), lift=lambda x: (x,),
+                    combine=lambda a, b: (ops.where(ops.isinf(b.m), a.m + 1.0,
+                                                    ops.maximum(a.m, b.m)),),
+                    commutative=True)
+    assert not ff.check_laws(bad).identity
+    base = ff.Monoid("max_finite", fields=("m",), identity=(-ops.inf,),
+                     inputs=(ff.Input("x", domain="finite"),), lift=lambda x: (x,),
+                     combine=MAX.combine, commutative=True)
+    report = ff.check_transport(bad, base, lambda s: (s.m,), lambda t: (t.m,))
+    assert not report.adjoined and report.homomorphism.proved
+    assert not report.identity.proved and not report.ok, report.text()
+    assert "FAILED" in str(report)
