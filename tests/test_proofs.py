@@ -234,3 +234,19 @@ def test_a_small_max_paths_is_named_in_the_error():
     from flashfold.monoids import MAX
     with pytest.raises(ProofError, match=r"more than max_paths=1 cases: pass a larger max_paths"):
         prove(MAX, max_paths=1)
+
+
+def test_a_lift_that_gives_nan_is_not_assumed_finite():
+    """lift(-inf) = -inf - -inf + -inf is NaN, on which this comparison-based max is neither
+    commutative nor has -inf as identity (NumPy: e ⊕ NaN = NaN, NaN ⊕ e = -inf); the
+    NaN was taken for "finiteness not shown, assumed finite" and the proof said PROVED."""
+    nan_lift = ff.Monoid("nan_lift", fields=("s",), identity=(-ops.inf,),
+                         lift=lambda x: (x - x + x,),
+                         combine=lambda a, b: (ops.where(a.s > b.s, a.s, b.s),),
+                         commutative=True)
+    assert not ff.check_laws(nan_lift).ok
+    proof = prove(nan_lift)
+    assert not proof.ok, proof.text()
+    assert not proof.law("identity").proved and not proof.law("commutativity").proved
+    cex = proof.law("identity").counterexample
+    assert cex is not None and cex.confirmed

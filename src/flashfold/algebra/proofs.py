@@ -802,7 +802,7 @@ def reachable_domains(monoid: Monoid) -> tuple[tuple[FieldDomain, ...], list[str
     def absorb(path, outs):
         outs = [sp.sympify(o) for o in outs]
         for i, o in enumerate(outs):
-            if o.is_infinite:
+            if o.is_infinite or o is sp.nan:    # NaN (0 * -oo): a value, not "unknown"
                 infs[i].add(o)
                 facts[i] = {f for f in facts[i] if isinstance(f, str)}
             elif o.is_finite:
