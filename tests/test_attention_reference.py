@@ -388,6 +388,28 @@ def test_alibi_slopes():
     assert len(s) == 12 and torch.allclose(s[8:], torch.tensor([2.0 ** -(0.5 + i) for i in range(4)]))
 
 
+
+def test_score_mod_constants_are_float64_on_float64_inputs():
+    """A Python number through a function (``exp(0.1)``, a parameter's ``log``) is computed
+    in float64 on the float64 path, not in torch's default float32."""
+    from flashfold.algebra.lower import compile_graph
+    from flashfold.kernels.attention.mods import trace_score_mod
+    from flashfold.kernels.torch_lower import TORCH
+    s = torch.linspace(-3, 3, 7, dtype=torch.float64)
+    f = trace_score_mod(lambda score, b, h, q, kv: score * ops.exp(0.1)).torch_fn("cpu")
+    out = f(s, torch.tensor(0), torch.tensor(0), torch.tensor(0), torch.tensor(0))
+    assert_close(out, s.numpy() * math.exp(0.1), "float64", name="score * exp(0.1)")
+    m = flashfold.Monoid("scaled", fields=("s",), identity=(0.0,), lift=lambda x: (x,),
+                         combine=lambda a, b: (a.s + b.s,),
+                         finalize=lambda st, k: (st.s + ops.log(k), ops.sqrt(k)),
+                         params={"k": 2.0})
+    fin = compile_graph(m.finalize_graph, TORCH)
+    for k in (0.1, 3, np.float64(0.7)):
+        y, r = fin(s, k)
+        assert y.dtype == r.dtype == torch.float64
+        assert_close(y, s.numpy() + math.log(k), "float64", name=f"s + log({k})")
+        assert_close(r, math.sqrt(k), "float64", name=f"sqrt({k})")
+
 def test_relative_bias_clamps_distance():
     table = torch.arange(5, dtype=torch.float64).view(1, 5)    # D = 2
     from flashfold.kernels.attention.mods import trace_score_mod

@@ -2,7 +2,10 @@
 
 Used by the CPU paths of the tensor entry points (score_mod / mask_mod on CPU tensors) and
 wherever autograd must differentiate through a traced function. Python scalars are
-promoted to tensors of the other operand's dtype/device where torch needs tensors.
+promoted to tensors of the other operand's dtype/device where torch needs tensors; one
+without a tensor operand (a constant, a finalize parameter) to a float64 0-d tensor, as
+the NumPy lowering computes it (a 0-d tensor keeps a float32 / float16 operand's dtype;
+torch's default dtype, float32, would round it for the float64 paths).
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ def _t(x, like):
         return x
     ref = like if isinstance(like, torch.Tensor) else None
     if ref is None:
-        return torch.as_tensor(x)
-    return torch.as_tensor(x, dtype=ref.dtype if isinstance(x, float) and ref.is_floating_point() else None,
-                           device=ref.device)
+        return _num(x)
+    if isinstance(x, float):
+        return torch.as_tensor(x, dtype=ref.dtype if ref.is_floating_point() else torch.float64,
+                               device=ref.device)
+    return torch.as_tensor(x, device=ref.device)
 
 
 def _max(a, b):
@@ -32,14 +37,21 @@ def _min(a, b):
     return torch.minimum(_t(a, b), _t(b, a))
 
 
-def _float(x):
+def _num(x):
+    """A Python (or NumPy) number as a 0-d tensor: a float one in float64."""
     x = torch.as_tensor(x)
+    return x.double() if x.is_floating_point() else x
+
+
+def _float(x):
+    if not isinstance(x, torch.Tensor):
+        return torch.as_tensor(x, dtype=torch.float64)
     return x if x.is_floating_point() else x.to(torch.get_default_dtype())
 
 
 def _unary(fn):
     def f(x):
-        return fn(x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.get_default_dtype()))
+        return fn(x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.float64))
     return f
 
 
