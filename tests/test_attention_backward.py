@@ -180,6 +180,31 @@ def test_double_backward_through_a_gradient_penalty_is_refused():
     assert all(torch.equal(a, b) for a, b in zip(grads, want))
 
 
+@pytest.mark.parametrize("custom_op", [False, True], ids=["autograd-function", "custom-op"])
+def test_a_table_written_in_place_before_the_backward_is_refused(custom_op):
+    """The backward recomputes P from the mods' tables: one written in place after the
+    forward would give the gradients of other scores (silently); it raises instead, as
+    torch does for a saved tensor modified in place."""
+    shape = Shape(1, 2, 1, 5, 6, 32)
+    q, k, v = (t.requires_grad_() for t in make_qkv(shape, torch.float64, seed=16))
+    table = torch.randn(2, 11, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
+    smod = mods.relative_bias(table)
+    key = fa_autograd.register_mods(smod, None)
+
+    def fwd():
+        return fa_autograd.attention_op(q, k, v, key=key, scale=0.3, use_kernel=False,
+                                        custom_op=custom_op)[0]
+    want = torch.autograd.grad(fwd().sum(), (q, k, v))
+    o, orig = fwd(), table.clone()
+    table.mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        torch.autograd.grad(o.sum(), (q, k, v))
+    table.copy_(orig)
+    got = torch.autograd.grad(fwd().sum(), (q, k, v))        # a new forward reads it again
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_backward_reference_matches_the_oracle_directly():
     """The blocked backward alone (no autograd machinery), with dlse and GQA, tiny tiles."""
     shape = Shape(2, 4, 2, 19, 23, 32)

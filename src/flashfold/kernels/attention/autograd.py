@@ -34,7 +34,9 @@ tables in place to change them). A registry entry lives as long as the mod objec
 made from, and an autograd graph keeps the entries it needs until its backward.
 
 Not supported: double backward (the backward op is not itself differentiable), gradients
-with respect to captured tables (they are constants).
+with respect to captured tables (they are constants), and writing to a captured table in
+place between a forward and its backward (the backward reads the tables again: in eager
+mode it raises, as torch does for a saved tensor written in place).
 """
 
 from __future__ import annotations
@@ -419,6 +421,7 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
         ctx.args = (key, scale, softcap, left, right, use_kernel, deterministic)
         ctx.entry = _ENTRIES.get(key) if key else None      # the mods live until backward
+        ctx.versions = _table_versions(ctx.entry)
         ctx.set_materialize_grads(False)
         return o, lse
 
@@ -427,8 +430,33 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         _restore(ctx)
+        _check_tables(ctx)
         dq, dk, dv = backward_impl(do, dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _table_versions(entry):
+    """The write counters of the tables ``entry`` captures (None for an inference tensor,
+    which has none), noted at the forward for :func:`_check_tables`."""
+    if entry is None:
+        return ()
+    return tuple(None if t.is_inference() else t._version for t in entry.tables)
+
+
+def _check_tables(ctx):
+    """RuntimeError when a table of the mods was written in place since the forward: the
+    backward recomputes ``P`` from the tables as they are now, and would give the
+    gradients of other scores (torch raises likewise for a saved tensor)."""
+    entry, versions = ctx.entry, getattr(ctx, "versions", None)
+    if entry is None or not versions:
+        return
+    for t, seen in zip(entry.tables, versions):
+        if seen is not None and t._version != seen:
+            raise RuntimeError(
+                "flashfold.attention: a table captured by score_mod / mask_mod was modified "
+                f"in place after the forward (version {seen}, now {t._version}); the "
+                "backward would use the new values. Run the backward before writing to it, "
+                "or write to a copy")
 
 
 def _restore(ctx):
@@ -489,11 +517,14 @@ def _setup_context(ctx, inputs, output):
     ctx.tables = tables
     ctx.args = (key, scale, softcap, left, right, use_kernel, deterministic)
     ctx.entry = _ENTRIES.get(key) if key else None     # keeps the mods alive until backward
+    # (traced under torch.compile: no write counters to compare then)
+    ctx.versions = None if torch.compiler.is_compiling() else _table_versions(ctx.entry)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     _restore(ctx)
+    _check_tables(ctx)
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv = attn_bwd(do, dlse, q, k, v, o, lse, cu_q, cu_k, ctx.tables, *ctx.args)
