@@ -205,6 +205,30 @@ def test_a_table_written_in_place_before_the_backward_is_refused(custom_op):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jacrev"])
+def test_torch_func_transforms_raise_a_clear_error(transform):
+    """vmap and the reverse-mode torch.func transforms are not supported: a clear error
+    naming flashfold.attention and the transform (vmap used to fail inside the reference
+    with torch's advice about in-place arithmetic; grad with one about autograd.Function
+    internals). jvp (forward mode through the CPU forward's torch ops) still works."""
+    shape = Shape(1, 2, 1, 4, 5, 32)
+    q, k, v = make_qkv(shape, torch.float64, seed=18)
+    if transform == "vmap":
+        call = lambda: torch.func.vmap(lambda q: flashfold.attention(q, k, v))(  # noqa: E731
+            torch.stack([q, q]))
+    else:
+        fn = getattr(torch.func, transform)
+        call = lambda: fn(lambda k: flashfold.attention(q, k, v).sum())(k)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"flashfold.attention.*torch\.func.*" + transform):
+        call()
+    tangent = torch.randn(k.shape, generator=torch.Generator().manual_seed(19),
+                          dtype=torch.float64)
+    got = torch.func.jvp(lambda k: flashfold.attention(q, k, v, causal=True), (k,),
+                         (tangent,))[1]
+    want = torch.func.jvp(lambda k: oracle(q, k, v, causal=True)[0], (k,), (tangent,))[1]
+    assert_close(got, want, "float64", scale=max(1.0, float(want.abs().max())), name="jvp")
+
+
 def test_backward_reference_matches_the_oracle_directly():
     """The blocked backward alone (no autograd machinery), with dlse and GQA, tiny tiles."""
     shape = Shape(2, 4, 2, 19, 23, 32)

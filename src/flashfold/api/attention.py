@@ -83,7 +83,8 @@ dispatcher; see :mod:`flashfold.kernels.attention.autograd`.
 without graph breaks (mods: create them once outside the compiled step; a new mod
 function object recompiles). Gradients of a score_mod flow through its traced expression
 (:func:`flashfold.algebra.autodiff.derivative`); captured tables get no gradient; double
-backward is not supported. ``deterministic=True`` gives bitwise reproducible gradients
+backward and the ``torch.func`` transforms vmap, grad, vjp and jacrev are not supported (a
+RuntimeError says so). ``deterministic=True`` gives bitwise reproducible gradients
 (dQ summed in a fixed order; on sm_90 without a mask_mod or varlen at 0.75-0.96x the
 default's speed, H200). By default, on sm_90, dQ is accumulated with fp32 reduce-adds
 whose order varies between runs (last-bit differences only): in the Gluon backward's
@@ -133,6 +134,27 @@ def _use_kernel(q) -> bool:
     """Dispatch: the Triton kernel on CUDA tensors, the blocked reference elsewhere (tests
     monkeypatch this to run the kernel under ``TRITON_INTERPRET`` on CPU tensors)."""
     return q.device.type == "cuda"
+
+
+def _check_not_transformed(q, k, v):
+    """``NotImplementedError`` (a RuntimeError) when ``q``, ``k`` or ``v`` is a tensor of
+    ``torch.func.vmap`` (the forward reads values on the host and writes its result in
+    place) or one of ``torch.func.grad`` / ``vjp`` / ``jacrev`` that requires grad (the
+    gradient is an ``autograd.Function`` without functorch rules): either would fail deep
+    inside with torch's advice about in-place arithmetic or autograd.Function internals.
+    (``torch.func.jvp`` differentiates the CPU forward's torch ops and works.)"""
+    if torch.compiler.is_compiling():
+        return
+    ft = torch._C._functorch
+    grad = torch.is_grad_enabled()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and (
+                ft.is_batchedtensor(t)
+                or (grad and t.requires_grad and ft.is_gradtrackingtensor(t))):
+            raise NotImplementedError(
+                f"flashfold.attention does not support torch.func.vmap / grad / vjp / "
+                f"jacrev: {name} is a tensor of one. Use torch.autograd.grad / .backward() "
+                f"for gradients, and the batch axis (or a loop) instead of vmap")
 
 
 # --- attention ------------------------------------------------------------------------------
@@ -208,6 +230,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, softcap=None, s
     when a table captured by ``score_mod`` / ``mask_mod`` is shorter than the indices the
     mod forms for these sizes (:meth:`~flashfold.kernels.attention.mods.TracedMod.check_tables`).
     """
+    _check_not_transformed(q, k, v)
     if any(is_fp8(t) for t in (q, k, v)):
         return _fp8_attention(q, k, v, causal=causal, window=window, scale=scale,
                               softcap=softcap, score_mod=score_mod, mask_mod=mask_mod,
