@@ -473,3 +473,21 @@ def test_a_mod_that_indexes_a_captured_tensor_is_told_to_use_a_buffer():
         want = ff.attention(q[b:b + 1].double(), q[b:b + 1, :, :n].double(),
                             q[b:b + 1, :, :n].double())
         assert_close(o[b:b + 1], want, "float32", name=f"o[{b}]")
+
+
+def test_append_kv_into_one_tensor_as_both_caches_is_refused():
+    """``append_kv(cache, cache, ...)`` (the same tensor, or views starting at the same
+    element, as k_cache and v_cache) wrote the values over the keys just written: a
+    ValueError naming v_cache. Two halves of one buffer (``kv[0]``, ``kv[1]``, as serving
+    stacks lay a cache out) share its storage without overlapping and append."""
+    lens = torch.tensor([2], dtype=torch.int32)
+    k_new, v_new = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16)
+    cache = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"^v_cache: the same memory as k_cache"):
+        ff.append_kv(cache, cache, k_new, v_new, lens)
+    with pytest.raises(ValueError, match=r"^v_cache: the same memory as k_cache"):
+        ff.append_kv(cache, cache.view(1, 2, 8, 16), k_new, v_new, lens)
+    assert torch.equal(cache, torch.zeros_like(cache))      # nothing written
+    kv = torch.zeros(2, 1, 2, 8, 16)
+    assert ff.append_kv(kv[0], kv[1], k_new, v_new, lens).tolist() == [4]
+    assert torch.equal(kv[0, :, :, 2:4], k_new) and torch.equal(kv[1, :, :, 2:4], v_new)

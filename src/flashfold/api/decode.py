@@ -496,6 +496,11 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
                     # (the write would read what it overwrites: torch refuses the copy)
                     raise ValueError(f"{name}: shares memory with {cname} (a view of the "
                                      f"cache); pass a copy, e.g. {name}.clone()")
+    if (k_cache.device.type != "meta" and not torch.compiler.is_compiling()
+            and k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr()):
+        # (the values would be written over the keys just written)
+        raise ValueError("v_cache: the same memory as k_cache; the keys and values need "
+                         "caches of their own")
     _descales(k_cache, v_cache, k_descale, v_descale, batch, heads_kv, k_cache.device)
     if check_lengths and is_meta(cache_seqlens):
         raise no_values("cache_seqlens", "check_lengths=True")
