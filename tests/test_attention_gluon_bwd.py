@@ -82,6 +82,12 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
              dict(deterministic=True)),
             ("det-wide-mla", False, "bfloat16", None, 192, None, None, None,
              dict(deterministic=True), 128),
+            # head_dim-64 dense: persistent programs, the writers walking the program's
+            # key tiles too; and one program per key tile (the default)
+            ("det-d64-dense", False, "bfloat16", None, 64, None, True, None,
+             dict(deterministic=True)),
+            ("det-d64-dense-one-tile", False, "bfloat16", None, 64, None, None, None,
+             dict(deterministic=True)),
             # packed sequences (of 100, 600 and 300 rows): one program per key-tile slot,
             # dK and dV from registers (no tile options: None)
             ("varlen-causal", True, "bfloat16", None, 128, None, None, None,
@@ -233,7 +239,8 @@ LEFT_BOUNDED = ("det-d64-window", "det-softcap-two-sided")
 #: 224, 0 and 748): at most these
 DETERMINISTIC_SPILLS = {"det-dense": 224, "det-causal": 300, "det-d64-window": 0,
                         "det-softcap-two-sided": 268, "det-wide-d256-causal": 196,
-                        "det-wide-mla": 0, "mod-alibi-det": 276}
+                        "det-wide-mla": 0, "mod-alibi-det": 276, "det-d64-dense": 0,
+                        "det-d64-dense-one-tile": 0}
 
 
 @pytest.mark.parametrize("vid", sorted(DETERMINISTIC_SPILLS))
@@ -327,6 +334,32 @@ def test_persistent_grid_and_its_scope():
                     dict(causal=False, persistent=True, tma_store=True)):
             with pytest.raises(ValueError, match="persistent"):
                 launch(**bad)
+
+
+def test_deterministic_persistent_programs_launch_cooperatively():
+    """Deterministic head_dim-64 dense calls can run persistent programs too (their
+    writers walk the program's key tiles; by default they keep one program per key tile,
+    :func:`persistent_default`); a program then waits for lower key tiles of any other
+    program, so they start as one cooperative launch (which fails rather than waits
+    forever when they cannot all be resident), and more programs than SMs are refused.
+    Calls that are not deterministic launch as before."""
+    from flashfold.kernels.attention import gluon_bwd as G
+    launch = functools.partial(_host_launch, 64, 1000, batch=2, heads=4)  # 8 tiles x 2 x 4
+    assert not G.persistent_default(False, 64, True)
+    with mock.patch.object(G.gluon_fwd, "num_sms", lambda t: 20):
+        grid, kw = launch(deterministic=True, persistent=True)
+        assert grid == (20,) and kw["PERSISTENT"] and kw["DETERMINISTIC"]
+        assert kw["launch_cooperative_grid"] and not kw["STORE_TMA"]
+        assert launch(deterministic=True, persistent=12)[0] == (12,)
+        grid, kw = launch(deterministic=True)
+        assert grid == (64,) and "launch_cooperative_grid" not in kw
+        assert "launch_cooperative_grid" not in launch()[1]
+        with pytest.raises(ValueError, match="persistent: a deterministic"):
+            launch(deterministic=True, persistent=21)
+        assert launch(persistent=21)[0] == (21,)
+        # causal calls stay one program per key tile, deterministic or not
+        grid, kw = _host_launch(64, 1000, batch=2, heads=4, causal=True, deterministic=True)
+        assert grid == (64,) and not kw["PERSISTENT"]
 
 
 def test_warpgroups_take_turns_in_head_dim_128_causal_calls():
@@ -692,6 +725,26 @@ def test_gpu_deterministic_bitwise_and_flash_criterion(case, causal, D, DV, wind
     _check_gluon_gradients(case, causal, D, DV, window, softcap, torch.bfloat16,
                            hash((case, D, DV, 1)) % 1000, gluon_bwd, "gluon_attention_bwd",
                            deterministic=True)
+
+
+#: head_dim-64 dense deterministic calls on persistent programs: programs of one tile,
+#: of several (more key tiles than SMs), GQA, tails
+DETERMINISTIC_PERSISTENT_CASES = [(3, 8, 2, 700, 1500), (8, 8, 4, 1000, 2000),
+                                  (4, 16, 16, 1024, 1024), (32, 12, 12, 512, 512)]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_PERSISTENT_CASES,
+                         ids=lambda x: "x".join(map(str, x)))
+@pytest.mark.gpu
+def test_gpu_deterministic_persistent_bitwise_and_flash_criterion(case):
+    """The persistent deterministic variant (a cooperative launch; not yet the default:
+    :func:`persistent_default`) is bitwise reproducible and within the criterion."""
+    from flashfold.kernels.attention import gluon_bwd
+    with mock.patch.object(gluon_bwd, "persistent_default",
+                           lambda bounded, d, deterministic=False: not bounded and d == 64):
+        _check_gluon_gradients(case, False, 64, 64, None, None, torch.bfloat16,
+                               hash(case) % 1000, gluon_bwd, "gluon_attention_bwd",
+                               deterministic=True)
 
 
 #: score_mods and block masks in the kernel: (B, Hq, Hk, Nq, Nk) x head dims, and the

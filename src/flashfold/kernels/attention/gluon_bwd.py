@@ -110,7 +110,9 @@ take the query tiles outside and the group's query heads inside in GQA calls wit
 left bound (``TILES_OUTSIDE``, :func:`_tiles_outside`), and right-bounded walks go down
 from their last query tile, so no program of a KV head reaches a (query head, query
 tile) pair before the one before it: each runs one add's latency behind the one before.
-One program per key tile (not persistent). H200, eager backward against the default
+One program per key tile by default; persistent programs (``persistent=True``: the
+writers walk the program's key tiles too) are launched cooperatively, since a program may
+wait for a later program's tile (:func:`_dq_order`). H200, eager backward against the default
 mode, bf16: head_dim 128 0.92-0.95 (GQA 32:8 causal 0.92, 1K x16 causal 0.86), GQA 32:8
 causal window 4096 0.92, head_dim 64 causal 0.96, dense 0.83 (the default's persistent
 programs), GQA 16:8 256 causal 0.99, MLA 0.75 (``docs/notes/attention_bwd.md``, "Deterministic backward: dQ adds in turn"); the Triton
@@ -460,7 +462,7 @@ if gluon is not None:
                 mbarrier.wait(kv_empty, (r & 1) ^ 1)
                 j = _producer_tile(t, j, descs, bufs, bars, shape, seqs, mods, BLOCK_M,
                                    BLOCK_N, STAGES, MASK_LEFT, MASK_RIGHT, DETERMINISTIC,
-                                   False, MASK_FN)
+                                   False, MASK_FN, TILES_OUTSIDE)
                 r += 1
         else:
             _producer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, seqs, mods, BLOCK_M,
@@ -510,6 +512,11 @@ if gluon is not None:
         (resident or finished). By induction over ``n`` each program completes all its
         adds: a wait of ``n`` needs only adds of lower programs, whatever order their
         walks and its own take the pairs in. The order decides how long they wait.
+        Persistent programs (``PERSISTENT``: key tiles ``pid, pid + grid, ...`` in the
+        same order) wait for lower tiles too, but a lower tile may be a later program's
+        (``pid + 1``'s first tile comes before ``pid``'s second): the induction then
+        needs every program resident, which the host asks of the launch (a cooperative
+        one, at most one program per SM: :func:`gluon_attention_bwd`).
 
         In GQA calls without a left bound every partition walks the (query head ``g``,
         query tile ``m``) pairs with the tiles outside and the heads inside
@@ -571,27 +578,50 @@ if gluon is not None:
                    BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    COL_LO: gl.constexpr, COL_HI: gl.constexpr, DQ_COLS: gl.constexpr,
                    ZERO_FIRST: gl.constexpr, WG: gl.constexpr,
-                   TILES_OUTSIDE: gl.constexpr):
+                   TILES_OUTSIDE: gl.constexpr, PERSISTENT: gl.constexpr = False):
         """``DETERMINISTIC``: the warp that adds warpgroup ``WG``'s dQ pieces (columns
         ``COL_LO .. COL_HI`` of each query tile of the program's walk, ``DQ_COLS`` at a
-        time) into ``dQ_acc``: per tile, it waits for its turn (:func:`_dq_order`), adds
-        each piece by a TMA reduce-add as the warpgroup hands it over (:func:`_dq_hand`),
-        frees the buffer once read, and releases the counter once the adds have
-        completed. The consumers never wait on global memory; a program's lag behind
-        the one before is an add's latency. ``ZERO_FIRST``: the first piece is step 0's
+        time) into ``dQ_acc``, for the program's key tile or (``PERSISTENT``) key tiles
+        ``pid, pid + grid, ...`` (:func:`_dq_writer_tile`), the hand-overs counting on
+        across tiles. The consumers never wait on global memory; a program's lag behind
+        the one before is an add's latency."""
+        if PERSISTENT:
+            n_n = shape[4]
+            n_bh = shape[6]
+            k = 0
+            for t in range(gl.program_id(0), n_n * n_bh, gl.num_programs(0)):
+                k = _dq_writer_tile(t, k, descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N,
+                                    MASK_LEFT, MASK_RIGHT, COL_LO, COL_HI, DQ_COLS,
+                                    ZERO_FIRST, WG, TILES_OUTSIDE)
+        else:
+            _dq_writer_tile(gl.program_id(0), 0, descs, bufs, bars, shape, SEM, BLOCK_M,
+                            BLOCK_N, MASK_LEFT, MASK_RIGHT, COL_LO, COL_HI, DQ_COLS,
+                            ZERO_FIRST, WG, TILES_OUTSIDE)
+
+    @gluon.jit
+    def _dq_writer_tile(t, k, descs, bufs, bars, shape, SEM, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+                        MASK_RIGHT: gl.constexpr, COL_LO: gl.constexpr, COL_HI: gl.constexpr,
+                        DQ_COLS: gl.constexpr, ZERO_FIRST: gl.constexpr, WG: gl.constexpr,
+                        TILES_OUTSIDE: gl.constexpr):
+        """:func:`_dq_writer`'s adds for key tile ``t`` (hand-over ``k`` at its start,
+        returned at its end): per query tile of the walk, it waits for its turn
+        (:func:`_dq_order`), adds each piece by a TMA reduce-add as the warpgroup hands it
+        over (:func:`_dq_hand`), frees the buffer once read, and releases the counter once
+        the adds have completed. ``ZERO_FIRST``: the tile's first piece is its step 0's
         zeros (see :func:`_consumer_tile`), taken and not added. ``TILES_OUTSIDE``: the
         walk's order, the consumers' and the producer's (:func:`_walk_outer`)."""
         dq_desc = descs[4]
         dq_bufs = bufs[5]
         dq_sync = bars[7]
         q_len, kv_len, heads_k, group, n_n, wave_heads, n_bh, left, right = shape
-        b, hk, n, m_lo, m_hi, m_0 = _program(gl.program_id(0), shape, BLOCK_M, BLOCK_N,
-                                             MASK_LEFT, MASK_RIGHT, True)
-        k = 0
+        b, hk, n, m_lo, m_hi, m_0 = _program(t, shape, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                             MASK_RIGHT, True)
+        k = gl.to_tensor(k)      # (a one-tile program passes the literal 0)
         if ZERO_FIRST:
-            mbarrier.wait(dq_sync.index(WG), 0)
+            mbarrier.wait(dq_sync.index(WG), k & 1)
             mbarrier.arrive(dq_sync.index(2 + WG), count=1)
-            k = 1
+            k += 1
         o_lo, o_hi = _walk_outer(group, m_lo, m_hi, TILES_OUTSIDE)
         for o in range(o_lo, o_hi):
             if not TILES_OUTSIDE:
@@ -613,6 +643,7 @@ if gluon is not None:
                     mbarrier.arrive(dq_sync.index(2 + WG), count=1)
                     k += 1
                 _dq_release(SEM + ctr)
+        return k
 
     @gluon.jit
     def _probs(st, lam, row0, qcols, first_row, last_row, key_ok, qk_scale, step_scale,
@@ -909,8 +940,9 @@ if gluon is not None:
                 else:
                     dq, dv = warpgroup_mma_wait(1, deps=[dq, dv])
                 mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
-                if DETERMINISTIC:   # (step 0 hands over zeros: the writer drops them)
-                    _dq_hand(dq_bufs, dq_sync, dq, j, BLOCK_M, DQ_COLS, WG)
+                if DETERMINISTIC:   # (a tile's step 0 hands over zeros: the writer drops
+                    # them; hand-over j + r: each earlier tile handed one more than its steps)
+                    _dq_hand(dq_bufs, dq_sync, dq, j + r, BLOCK_M, DQ_COLS, WG)
                 else:
                     _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, qs + m_prev * BLOCK_M,
                             WG * DQ_COLS, BLOCK_M, DQ_COLS, WG)
@@ -968,7 +1000,7 @@ if gluon is not None:
             dq = warpgroup_mma_wait(0, deps=[dq])
             mbarrier.arrive(ds_empty.index((j + 1) % 2), count=1)
         if DETERMINISTIC:
-            _dq_hand(dq_bufs, dq_sync, dq, j, BLOCK_M, DQ_COLS, WG)
+            _dq_hand(dq_bufs, dq_sync, dq, j + r, BLOCK_M, DQ_COLS, WG)
         else:
             _dq_add(dq_desc, dq_bufs, dq, b, hq_prev, qs + m_prev * BLOCK_M, WG * DQ_COLS,
                     BLOCK_M, DQ_COLS, WG)
@@ -1003,8 +1035,8 @@ if gluon is not None:
                 j = _consumer_tile(t, j, r, descs, bufs, bars, shape, ptrs, seqs, mods,
                                    BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, STAGES, MASK_LEFT,
                                    MASK_RIGHT, SOFTCAP, STORE_TMA, WG, PINGPONG, PERSISTENT,
-                                   LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, False, False,
-                                   SCORE_MOD, MASK_FN, COLUMN_BOUNDS)
+                                   LATE_STATS, MASK_TAIL_KEYS, WEIGHTS, DETERMINISTIC, False,
+                                   SCORE_MOD, MASK_FN, COLUMN_BOUNDS, TILES_OUTSIDE)
                 r += 1
         else:
             _consumer_tile(gl.program_id(0), 0, 0, descs, bufs, bars, shape, ptrs, seqs, mods,
@@ -1372,10 +1404,11 @@ if gluon is not None:
                                      STAGES, MASK_LEFT, MASK_RIGHT, PERSISTENT,
                                      DETERMINISTIC, VARLEN, MASK_FN, TILES_OUTSIDE)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
-                                  MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0, TILES_OUTSIDE)),
+                                  MASK_RIGHT, 0, SPLIT, DQ_COLS, not WIDE, 0, TILES_OUTSIDE,
+                                  PERSISTENT)),
                     (_dq_writer, (descs, bufs, bars, shape, SEM, BLOCK_M, BLOCK_N, MASK_LEFT,
                                   MASK_RIGHT, SPLIT, END, DQ_COLS, not WIDE, 1,
-                                  TILES_OUTSIDE)),
+                                  TILES_OUTSIDE, PERSISTENT)),
                 ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
             else:
                 warp_specialize([
@@ -1595,7 +1628,7 @@ def pingpong_default(causal: bool, head_dim: int) -> bool:
     return causal and head_dim == 128
 
 
-def persistent_default(bounded: bool, head_dim: int) -> bool:
+def persistent_default(bounded: bool, head_dim: int, deterministic: bool = False) -> bool:
     """Whether the programs are persistent: one per SM (at most one per key tile), taking
     key tiles ``pid, pid + grid, ...`` (dense calls only: causal tiles differ in work and
     keep :func:`wave_heads`' order). A tile's ``K``, ``V`` then load while the previous
@@ -1604,8 +1637,10 @@ def persistent_default(bounded: bool, head_dim: int) -> bool:
     Measured (H200, kernel alone against one program per key tile): head_dim 64 dense
     1.05-1.15; head_dim 128 dense 0.76-0.84, where the tile loop around the step loop makes
     ptxas spill 400 bytes (112 without); ``docs/notes/attention_bwd.md``, "Persistent
-    programs at head_dim 64"."""
-    return not bounded and head_dim == 64
+    programs at head_dim 64". ``deterministic`` calls keep one program per key tile until
+    their persistent variant (compiled, launched cooperatively) is measured on a GPU
+    (the note's "Persistent programs in the deterministic mode")."""
+    return not bounded and head_dim == 64 and not deterministic
 
 
 def late_stats_default(head_dim: int) -> bool:
@@ -1741,9 +1776,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     instructions).
     ``deterministic``: the dQ adds into each query tile in a fixed order (the programs of
     its key tiles in turn, ``_dq_order``, counted in :func:`dq_counters`), so that
-    ``dq_acc`` is bitwise reproducible; one program per key tile (not persistent), walks
-    not staggered, in GQA calls without a left bound the query tiles outside the group's
-    heads (:func:`_tiles_outside`).
+    ``dq_acc`` is bitwise reproducible; walks not staggered, in GQA calls without a left
+    bound the query tiles outside the group's heads (:func:`_tiles_outside`); persistent
+    programs (as the default mode's rule chooses, or asked) are launched cooperatively
+    and at most one per SM, since a program may wait for another's tile.
     ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``(S + 1,)``, tensors of a batch of one):
     packed sequences (``VARLEN``; head dims up to 128, not deterministic, one program
     per key-tile slot, :func:`_varlen_program`; dK, dV from registers; ``lam`` and ``dd``
@@ -1781,8 +1817,6 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     if score_mod is not None:
         mod_bufs, mod_scale, step_scale = score_mod.buffer_args(q.device), step_scale, 1.0
     bm, mask_bufs = _block_mask_args(block_mask, q.device)
-    if deterministic and persistent:
-        raise ValueError("persistent: deterministic calls run one program per key tile")
     counters = dq_counters(q) if deterministic else None
     if varlen and (wide(D, DV) or deterministic or persistent or tma_store):
         raise ValueError("cu_seqlens: packed sequences run the head_dim <= 128 tiles, one "
@@ -1816,7 +1850,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         if not mask_tail_keys:
             raise ValueError("mask_tail_keys: packed sequences mask the keys past each end")
     if persistent is None:
-        persistent = not deterministic and persistent_default(bounded, BD)
+        persistent = persistent_default(bounded, BD, deterministic)
     if tma_store is None:   # persistent programs reuse the ring at once: register stores
         tma_store = not persistent and store_tma(bounded, (Hq // Hk) * -(-Nq // BLOCK_M))
     if heads_per_wave is None:
@@ -1854,8 +1888,16 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
                   **_mask_fn(block_mask), num_warps=4, maxnreg=MAXNREG)
     programs = n_n * B * Hk
     if persistent:
-        n_sms = gluon_fwd.num_sms(q) if persistent is True else int(persistent)
-        programs = min(programs, n_sms)
+        n_sms = gluon_fwd.num_sms(q)
+        if persistent is not True and counters is not None and int(persistent) > n_sms:
+            raise ValueError(f"persistent: a deterministic call's persistent programs must "
+                             f"all be resident, at most one per SM ({n_sms}; got "
+                             f"{int(persistent)})")
+        programs = min(programs, n_sms if persistent is True else int(persistent))
+        if counters is not None:
+            # programs wait for lower key tiles, which may be any program's: a cooperative
+            # launch starts them all at once, or fails instead of waiting forever
+            kwargs["launch_cooperative_grid"] = True
     grid = (programs,)
     if not launch:
         return _attn_bwd_ws, grid, args, kwargs
