@@ -1777,9 +1777,10 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     ``deterministic``: the dQ adds into each query tile in a fixed order (the programs of
     its key tiles in turn, ``_dq_order``, counted in :func:`dq_counters`), so that
     ``dq_acc`` is bitwise reproducible; walks not staggered, in GQA calls without a left
-    bound the query tiles outside the group's heads (:func:`_tiles_outside`); persistent
-    programs (as the default mode's rule chooses, or asked) are launched cooperatively
-    and at most one per SM, since a program may wait for another's tile.
+    bound the query tiles outside the group's heads (:func:`_tiles_outside`); one program
+    per key tile unless ``persistent`` asks otherwise (:func:`persistent_default`), and
+    persistent programs then launch cooperatively, at most one per SM, since a program
+    may wait for another's tile.
     ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``(S + 1,)``, tensors of a batch of one):
     packed sequences (``VARLEN``; head dims up to 128, not deterministic, one program
     per key-tile slot, :func:`_varlen_program`; dK, dV from registers; ``lam`` and ``dd``
