@@ -35,6 +35,7 @@ ROWS = [
     ("d128 GQA 32:8 window 4096 16K (Mistral)", 1, 32, 8, 16384, 128, 128, True, (4096, 0)),
     ("d64 dense 4K x4", 4, 16, 16, 4096, 64, 64, False, None),
     ("d64 causal 4K x4", 4, 16, 16, 4096, 64, 64, True, None),
+    ("d64 dense 512 x32 (BERT)", 32, 12, 12, 512, 64, 64, False, None),
     ("d256 GQA 16:8 causal 8K x2 (Gemma)", 2, 16, 8, 8192, 256, 256, True, None),
     ("MLA qk192 v128 causal 4K x4", 4, 16, 16, 4096, 192, 128, True, None),
 ]

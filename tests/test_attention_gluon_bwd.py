@@ -82,11 +82,11 @@ VARIANTS = [("dense", False, "bfloat16", True, 128, None, None),
              dict(deterministic=True)),
             ("det-wide-mla", False, "bfloat16", None, 192, None, None, None,
              dict(deterministic=True), 128),
-            # head_dim-64 dense: persistent programs, the writers walking the program's
-            # key tiles too; and one program per key tile (the default)
-            ("det-d64-dense", False, "bfloat16", None, 64, None, True, None,
+            # head_dim-64 dense: persistent programs (the default), the writers walking
+            # the program's key tiles too; and one program per key tile
+            ("det-d64-dense", False, "bfloat16", None, 64, None, None, None,
              dict(deterministic=True)),
-            ("det-d64-dense-one-tile", False, "bfloat16", None, 64, None, None, None,
+            ("det-d64-dense-one-tile", False, "bfloat16", None, 64, None, False, None,
              dict(deterministic=True)),
             # packed sequences (of 100, 600 and 300 rows): one program per key-tile slot,
             # dK and dV from registers (no tile options: None)
@@ -337,21 +337,20 @@ def test_persistent_grid_and_its_scope():
 
 
 def test_deterministic_persistent_programs_launch_cooperatively():
-    """Deterministic head_dim-64 dense calls can run persistent programs too (their
-    writers walk the program's key tiles; by default they keep one program per key tile,
-    :func:`persistent_default`); a program then waits for lower key tiles of any other
-    program, so they start as one cooperative launch (which fails rather than waits
-    forever when they cannot all be resident), and more programs than SMs are refused.
-    Calls that are not deterministic launch as before."""
+    """Deterministic head_dim-64 dense calls run persistent programs too, as the default
+    mode's (:func:`persistent_default`; their writers walk the program's key tiles); a
+    program then waits for lower key tiles of any other program, so they start as one
+    cooperative launch (which fails rather than waits forever when they cannot all be
+    resident), and more programs than SMs are refused. Calls that are not deterministic
+    launch as before."""
     from flashfold.kernels.attention import gluon_bwd as G
     launch = functools.partial(_host_launch, 64, 1000, batch=2, heads=4)  # 8 tiles x 2 x 4
-    assert not G.persistent_default(False, 64, True)
     with mock.patch.object(G.gluon_fwd, "num_sms", lambda t: 20):
-        grid, kw = launch(deterministic=True, persistent=True)
+        grid, kw = launch(deterministic=True)
         assert grid == (20,) and kw["PERSISTENT"] and kw["DETERMINISTIC"]
         assert kw["launch_cooperative_grid"] and not kw["STORE_TMA"]
         assert launch(deterministic=True, persistent=12)[0] == (12,)
-        grid, kw = launch(deterministic=True)
+        grid, kw = launch(deterministic=True, persistent=False)
         assert grid == (64,) and "launch_cooperative_grid" not in kw
         assert "launch_cooperative_grid" not in launch()[1]
         with pytest.raises(ValueError, match="persistent: a deterministic"):
@@ -737,14 +736,12 @@ DETERMINISTIC_PERSISTENT_CASES = [(3, 8, 2, 700, 1500), (8, 8, 4, 1000, 2000),
                          ids=lambda x: "x".join(map(str, x)))
 @pytest.mark.gpu
 def test_gpu_deterministic_persistent_bitwise_and_flash_criterion(case):
-    """The persistent deterministic variant (a cooperative launch; not yet the default:
-    :func:`persistent_default`) is bitwise reproducible and within the criterion."""
+    """The persistent deterministic variant (a cooperative launch, the default of these
+    calls: :func:`persistent_default`) is bitwise reproducible and within the criterion."""
     from flashfold.kernels.attention import gluon_bwd
-    with mock.patch.object(gluon_bwd, "persistent_default",
-                           lambda bounded, d, deterministic=False: not bounded and d == 64):
-        _check_gluon_gradients(case, False, 64, 64, None, None, torch.bfloat16,
-                               hash(case) % 1000, gluon_bwd, "gluon_attention_bwd",
-                               deterministic=True)
+    _check_gluon_gradients(case, False, 64, 64, None, None, torch.bfloat16,
+                           hash(case) % 1000, gluon_bwd, "gluon_attention_bwd",
+                           deterministic=True)
 
 
 #: score_mods and block masks in the kernel: (B, Hq, Hk, Nq, Nk) x head dims, and the

@@ -110,9 +110,9 @@ take the query tiles outside and the group's query heads inside in GQA calls wit
 left bound (``TILES_OUTSIDE``, :func:`_tiles_outside`), and right-bounded walks go down
 from their last query tile, so no program of a KV head reaches a (query head, query
 tile) pair before the one before it: each runs one add's latency behind the one before.
-One program per key tile by default; persistent programs (``persistent=True``: the
-writers walk the program's key tiles too) are launched cooperatively, since a program may
-wait for a later program's tile (:func:`_dq_order`). H200, eager backward against the default
+Persistent programs where the default mode runs them (the writers walk the program's
+key tiles too), launched cooperatively, since a program may wait for a later program's
+tile (:func:`_dq_order`); else one program per key tile. H200, eager backward against the default
 mode, bf16: head_dim 128 0.92-0.95 (GQA 32:8 causal 0.92, 1K x16 causal 0.86), GQA 32:8
 causal window 4096 0.92, head_dim 64 causal 0.96, dense 0.83 (the default's persistent
 programs), GQA 16:8 256 causal 0.99, MLA 0.75 (``docs/notes/attention_bwd.md``, "Deterministic backward: dQ adds in turn"); the Triton
@@ -1628,7 +1628,7 @@ def pingpong_default(causal: bool, head_dim: int) -> bool:
     return causal and head_dim == 128
 
 
-def persistent_default(bounded: bool, head_dim: int, deterministic: bool = False) -> bool:
+def persistent_default(bounded: bool, head_dim: int) -> bool:
     """Whether the programs are persistent: one per SM (at most one per key tile), taking
     key tiles ``pid, pid + grid, ...`` (dense calls only: causal tiles differ in work and
     keep :func:`wave_heads`' order). A tile's ``K``, ``V`` then load while the previous
@@ -1637,10 +1637,11 @@ def persistent_default(bounded: bool, head_dim: int, deterministic: bool = False
     Measured (H200, kernel alone against one program per key tile): head_dim 64 dense
     1.05-1.15; head_dim 128 dense 0.76-0.84, where the tile loop around the step loop makes
     ptxas spill 400 bytes (112 without); ``docs/notes/attention_bwd.md``, "Persistent
-    programs at head_dim 64". ``deterministic`` calls keep one program per key tile until
-    their persistent variant (compiled, launched cooperatively) is measured on a GPU
-    (the note's "Persistent programs in the deterministic mode")."""
-    return not bounded and head_dim == 64 and not deterministic
+    programs at head_dim 64". ``deterministic`` calls too (launched cooperatively), measured
+    (H100, eager backward against one program per key tile): d64 dense 4K x4 1.03, 16K
+    1.00, GQA 32:8 4K x4 1.00, BERT's 32 x 12 x 512 1.79 (the note's "Persistent programs
+    in the deterministic mode")."""
+    return not bounded and head_dim == 64
 
 
 def late_stats_default(head_dim: int) -> bool:
@@ -1778,9 +1779,9 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
     its key tiles in turn, ``_dq_order``, counted in :func:`dq_counters`), so that
     ``dq_acc`` is bitwise reproducible; walks not staggered, in GQA calls without a left
     bound the query tiles outside the group's heads (:func:`_tiles_outside`); one program
-    per key tile unless ``persistent`` asks otherwise (:func:`persistent_default`), and
-    persistent programs then launch cooperatively, at most one per SM, since a program
-    may wait for another's tile.
+    per key tile or persistent ones as the default mode's (:func:`persistent_default`),
+    persistent programs launched cooperatively, at most one per SM, since a program may
+    wait for another's tile.
     ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``(S + 1,)``, tensors of a batch of one):
     packed sequences (``VARLEN``; head dims up to 128, not deterministic, one program
     per key-tile slot, :func:`_varlen_program`; dK, dV from registers; ``lam`` and ``dd``
@@ -1851,7 +1852,7 @@ def gluon_attention_bwd(q, k, v, do, lam, dd, dq_acc, dk, dv, *, causal: bool, s
         if not mask_tail_keys:
             raise ValueError("mask_tail_keys: packed sequences mask the keys past each end")
     if persistent is None:
-        persistent = persistent_default(bounded, BD, deterministic)
+        persistent = persistent_default(bounded, BD)
     if tma_store is None:   # persistent programs reuse the ring at once: register stores
         tma_store = not persistent and store_tma(bounded, (Hq // Hk) * -(-Nq // BLOCK_M))
     if heads_per_wave is None:
