@@ -491,3 +491,26 @@ def test_append_kv_into_one_tensor_as_both_caches_is_refused():
     kv = torch.zeros(2, 1, 2, 8, 16)
     assert ff.append_kv(kv[0], kv[1], k_new, v_new, lens).tolist() == [4]
     assert torch.equal(kv[0, :, :, 2:4], k_new) and torch.equal(kv[1, :, :, 2:4], v_new)
+
+
+def test_mod_tables_given_as_numpy_or_lists_are_copied_when_the_mod_is_made():
+    """A mod's table given as a NumPy array (or a sequence) was wrapped without a copy:
+    a later in-place write to the array reached the CPU path at once, while the GPU's
+    cached device copy (kept per torch version counter, which a NumPy write does not
+    move) kept the old values. Such tables are now copied when the mod is made, so every
+    path sees the values the mod was made with; a torch tensor stays a reference."""
+    import numpy as np
+    from flashfold import mods
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    ids = np.array([0, 0, 0, 1, 1, 1, 2, 2])
+    want = ff.attention(q, k, v, mask_mod=mods.document_mask(torch.tensor(ids)))
+    mod = mods.document_mask(ids)
+    slopes = [0.5, 0.25]
+    slope_array = np.array(slopes)
+    alibi = mods.alibi(2, slopes=slope_array)
+    ids[:] = 0                                   # written after the mods were made
+    slope_array[:] = 8.0
+    assert torch.equal(ff.attention(q, k, v, mask_mod=mod), want)
+    want_alibi = ff.attention(q, k, v, score_mod=mods.alibi(2, slopes=torch.tensor(slopes)))
+    assert torch.equal(ff.attention(q, k, v, score_mod=alibi), want_alibi)

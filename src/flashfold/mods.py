@@ -56,8 +56,10 @@ def sliding_window_mask(left, right=0):
 
 def _table(x, what, dims=(1, 2)):
     """``x`` as a tensor of ``dims`` dims (a table a mod captures), else ``ValueError``
-    naming it."""
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    naming it. A torch tensor is captured by reference; anything else (a NumPy array, a
+    sequence) is copied: a NumPy write would not move the tensor's version counter, by
+    which the device copies of tables are kept."""
+    t = x if isinstance(x, torch.Tensor) else torch.tensor(x)
     if t.dim() not in dims:
         want = " or ".join(f"{d}-D" for d in dims)
         raise ValueError(f"{what}: expected a {want} tensor, got shape {tuple(t.shape)}")
