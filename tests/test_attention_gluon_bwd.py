@@ -739,6 +739,7 @@ def test_gpu_deterministic_persistent_bitwise_and_flash_criterion(case):
     """The persistent deterministic variant (a cooperative launch, the default of these
     calls: :func:`persistent_default`) is bitwise reproducible and within the criterion."""
     from flashfold.kernels.attention import gluon_bwd
+    assert gluon_bwd.persistent_default(False, 64)      # (else this tests one-tile programs)
     _check_gluon_gradients(case, False, 64, 64, None, None, torch.bfloat16,
                            hash(case) % 1000, gluon_bwd, "gluon_attention_bwd",
                            deterministic=True)
