@@ -359,6 +359,33 @@ def test_block_mask_cache_follows_buffer_versions():
     assert b is not a and int(b.state.flatten()[0]) == FULL
 
 
+def test_numpy_tables_are_read_again_after_a_write_in_place():
+    """A mod's ``ops.Buffer`` over a NumPy array (kept by reference, as documented): an
+    in-place write moves no torch version counter, so the block mask and the device copies
+    cached by version were reused with the old values (a stale mask on the CPU path too).
+    Their versions now follow the array's contents."""
+    from flashfold.kernels.attention.mods import cached_block_mask
+    docs = np.array([0] * 8 + [1] * 8)
+    ids = ops.Buffer(docs)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+    mod = trace_mask_mod(same_doc)
+    kw = dict(batch=1, heads=1, q_len=16, kv_len=16, block_m=16, block_n=16, device="cpu")
+    a = cached_block_mask(mod, **kw)
+    assert cached_block_mask(mod, **kw) is a
+    here = mod.buffer_args("cpu")
+    assert mod.buffer_args("cpu") is here
+    docs[:] = 0                                            # in-place change: recomputed
+    b = cached_block_mask(mod, **kw)
+    assert b is not a and int(b.state.flatten()[0]) == FULL
+    again = mod.buffer_args("cpu")
+    assert again is not here and torch.equal(again[0], torch.zeros(16, dtype=again[0].dtype))
+    q, k, v = make_qkv(Shape(1, 1, 1, 16, 16, 8), torch.float64)
+    assert_close(flashfold.attention(q, k, v, mask_mod=same_doc), oracle(q, k, v)[0],
+                 "float64", name="o, one document after the write")
+
+
 def test_inference_tensors_are_read_at_every_call():
     """Tensors made under ``torch.inference_mode`` have no version counter: offsets and a
     mask's tables made there work (they used to raise "Inference tensors do not track

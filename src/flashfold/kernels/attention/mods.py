@@ -307,10 +307,16 @@ def version(data):
     """A tensor's write counter, as a cache-key component: ``t._version``, which every
     in-place write bumps. An inference tensor (made under ``torch.inference_mode``) has
     none and may be written in place unseen, so each call gets a new value and the
-    caches keyed on it miss; NumPy arrays and lists give 0."""
-    if isinstance(data, torch.Tensor) and data.is_inference():
-        return ("inference", next(_UNTRACKED))
-    return getattr(data, "_version", 0)
+    caches keyed on it miss. A NumPy array has none either: its contents stand for it (a
+    hash of its bytes, computed at each call: tables are small)."""
+    if isinstance(data, torch.Tensor):
+        if data.is_inference():
+            return ("inference", next(_UNTRACKED))
+        return data._version
+    tobytes = getattr(data, "tobytes", None)
+    if tobytes is not None:
+        return ("contents", hash(tobytes()))
+    return ("untracked", next(_UNTRACKED))
 
 
 def _data_ptr(data) -> int:
