@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flashfold
-from flashfold import mods
+from flashfold import mods, ops
 from flashfold.kernels.attention import autograd as fa_autograd
 from flashfold.kernels.attention import reference as fa_reference
 from flashfold.kernels.attention.mods import create_block_mask, trace_mask_mod, trace_score_mod
@@ -200,6 +200,35 @@ def test_a_table_written_in_place_before_the_backward_is_refused(custom_op):
     with pytest.raises(RuntimeError, match="modified in place"):
         torch.autograd.grad(o.sum(), (q, k, v))
     table.copy_(orig)
+    got = torch.autograd.grad(fwd().sum(), (q, k, v))        # a new forward reads it again
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("custom_op", [False, True], ids=["autograd-function", "custom-op"])
+def test_a_numpy_table_written_in_place_before_the_backward_is_refused(custom_op):
+    """The same for a NumPy table (an ``ops.Buffer`` kept by reference): NumPy writes move
+    no version counter, so its contents stand for it; the backward used to read the new
+    values without a word."""
+    import numpy as np
+    shape = Shape(1, 2, 1, 5, 6, 32)
+    q, k, v = (t.requires_grad_() for t in make_qkv(shape, torch.float64, seed=16))
+    slopes = np.array([0.5, -0.25])
+    table = ops.Buffer(slopes)
+
+    def smod(score, b, h, q_idx, kv_idx):
+        return score + table[h] * ops.to_float(kv_idx - q_idx)
+    key = fa_autograd.register_mods(smod, None)
+
+    def fwd():
+        return fa_autograd.attention_op(q, k, v, key=key, scale=0.3, use_kernel=False,
+                                        custom_op=custom_op)[0]
+    want = torch.autograd.grad(fwd().sum(), (q, k, v))
+    o = fwd()
+    slopes *= 3.0
+    with pytest.raises(RuntimeError, match="NumPy table .* modified in place"):
+        torch.autograd.grad(o.sum(), (q, k, v))
+    slopes /= 3.0
     got = torch.autograd.grad(fwd().sum(), (q, k, v))        # a new forward reads it again
     for a, b in zip(got, want):
         assert torch.equal(a, b)

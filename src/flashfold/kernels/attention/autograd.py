@@ -52,7 +52,7 @@ import torch
 
 from .. import launcher
 from .mods import (BlockMask, TracedMod, block_mask_by_handle, cached_block_mask, trace_mask_mod,
-                   trace_score_mod)
+                   trace_score_mod, version)
 from .reference import attention_reference, backward_reference, fp8_attention_reference
 
 
@@ -61,19 +61,22 @@ from .reference import attention_reference, backward_reference, fp8_attention_re
 class ModsEntry:
     """What one ``key`` stands for: ``score`` (TracedMod or None), ``mask`` (the traced
     mask_mod or None), ``block_mask`` (a user's precomputed BlockMask or None) and
-    ``tables`` (the tensors they capture, op inputs)."""
+    ``tables`` (the tensors they capture, op inputs) and ``host_tables`` (the NumPy arrays
+    they capture, whose contents stand for their versions: :func:`.mods.version`)."""
 
-    __slots__ = ("key", "score", "mask", "block_mask", "tables", "__weakref__")
+    __slots__ = ("key", "score", "mask", "block_mask", "tables", "host_tables", "__weakref__")
 
     def __init__(self, key, score, mask, block_mask):
         self.key = key
         self.score = score
         self.mask = mask
         self.block_mask = block_mask
-        tables = []
+        tables, host = [], []
         for mod in (score, mask):
             if mod is not None:
                 tables += [b.data for b in mod.buffers if isinstance(b.data, torch.Tensor)]
+                host += [b.data for b in mod.buffers if not isinstance(b.data, torch.Tensor)]
+        self.host_tables = host
         if block_mask is not None:
             tables += [block_mask.state, block_mask.partial_num, block_mask.partial_idx,
                        block_mask.full_num, block_mask.full_idx]
@@ -437,10 +440,12 @@ class _Attention(torch.autograd.Function):
 
 def _table_versions(entry):
     """The write counters of the tables ``entry`` captures (None for an inference tensor,
-    which has none), noted at the forward for :func:`_check_tables`."""
+    which has none; a NumPy table's contents: :func:`.mods.version`), noted at the forward
+    for :func:`_check_tables`."""
     if entry is None:
         return ()
-    return tuple(None if t.is_inference() else t._version for t in entry.tables)
+    return (tuple(None if t.is_inference() else t._version for t in entry.tables)
+            + tuple(version(d) for d in entry.host_tables))
 
 
 def _check_tables(ctx):
@@ -450,6 +455,7 @@ def _check_tables(ctx):
     entry, versions = ctx.entry, getattr(ctx, "versions", None)
     if entry is None or not versions:
         return
+    n = len(entry.tables)
     for t, seen in zip(entry.tables, versions):
         if seen is not None and t._version != seen:
             raise RuntimeError(
@@ -457,6 +463,12 @@ def _check_tables(ctx):
                 f"in place after the forward (version {seen}, now {t._version}); the "
                 "backward would use the new values. Run the backward before writing to it, "
                 "or write to a copy")
+    for d, seen in zip(entry.host_tables, versions[n:]):
+        if version(d) != seen:
+            raise RuntimeError(
+                "flashfold.attention: a NumPy table captured by score_mod / mask_mod was "
+                "modified in place after the forward; the backward would use the new "
+                "values. Run the backward before writing to it, or write to a copy")
 
 
 def _restore(ctx):
